@@ -1,0 +1,380 @@
+"""The controller's engine loop (asyncio): admission, scheduling, step plans out, sampled tokens in.
+
+One step: every DP rank's scheduler picks its work, the work becomes one `StepPlan` (a diff: new requests,
+continuing requests, dropped rids), the plan is broadcast to all workers, the engine waits for one
+`StepResult` from every rank, then applies the sampled tokens (stops, detokenization, streaming).
+Steps run back to back while there is work; when idle the engine pings the workers once a second so they
+know the controller is alive.
+
+Failure: a `WorkerError`, a worker process that exits, or a step that takes longer than `step_timeout_s`
+makes the engine fail every in-flight request with an error and stop (`fatal_error` is set; the server then
+exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from kimi import protocol
+from kimi.config import CacheConfig, SchedulerConfig
+from kimi.controller.block_pool import BlockPool
+from kimi.controller.output import OutputProcessor
+from kimi.controller.request import Request, RequestStatus, StopParams
+from kimi.controller.router import DPRouter
+from kimi.controller.scheduler import Scheduler, SchedulerOutput
+from kimi.controller.transport import ControllerTransport
+from kimi.protocol import RequestOutput, SamplingParams
+from kimi.tokenizer import KimiTokenizer
+
+log = logging.getLogger("kimi.engine")
+
+
+class AdmissionError(ValueError):
+    """A request that can never run (too long for max_model_len or for the whole KV cache).
+
+    `param` names the offending request field for the HTTP 400.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped after a worker failure; new requests are refused."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class Engine:
+    """Owns all requests; drives the workers through `transport`.
+
+    Construct, `await start(world_size)` (handshake), then run `run()` as a task. Front-ends call
+    `generate(...)` (an async iterator of RequestOutput deltas) and `abort(request_id)`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: KimiTokenizer,
+        eos_token_ids: frozenset[int],
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        transport: ControllerTransport,
+        vocab_size: int,
+        step_timeout_s: float = 600.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.transport = transport
+        self.vocab_size = vocab_size
+        self.step_timeout_s = step_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.schedulers: list[Scheduler] = []
+        self.router: DPRouter | None = None
+        self.requests: dict[str, Request] = {}
+        self.by_rid: dict[int, Request] = {}
+        self._rids = itertools.count(1)
+        self._step = 0
+        self._pending_drops: list[int] = []
+        self._wake = asyncio.Event()
+        self.ready = False
+        self.world_size = 0
+        self.max_model_len = scheduler_config.max_model_len
+        self.fatal_error: str | None = None
+        self.stopped = asyncio.Event()
+        self.stats = EngineStats()
+        self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
+        self.liveness_checks: list[Callable[[], str | None]] = []
+
+    # ---- start-up ---------------------------------------------------------------------------------------
+    async def start(self, world_size: int, timeout_s: float = 600.0) -> None:
+        """Ping until every rank reports Ready; then size one BlockPool per DP rank from the minimum.
+
+        Raises RuntimeError if a rank fails, a liveness check fails, or timeout_s passes.
+        """
+        ready: dict[int, protocol.Ready] = {}
+        deadline = time.monotonic() + timeout_s
+        seq = 0
+        while len(ready) < world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not ready after {timeout_s:.0f} s ({len(ready)}/{world_size} ranks)")
+            for check in self.liveness_checks:
+                err = check()
+                if err:
+                    raise RuntimeError(err)
+            await self.transport.send(protocol.Ping(seq))
+            seq += 1
+            try:
+                msg = await asyncio.wait_for(self.transport.recv(), 0.25)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, protocol.Ready):
+                ready[msg.rank] = msg
+                log.info("rank %d ready: %d KV blocks of %d tokens on %s", msg.rank, msg.num_blocks, msg.block_size, msg.device)
+            elif isinstance(msg, protocol.WorkerError):
+                raise RuntimeError(f"worker rank {msg.rank} failed during start-up: {msg.message}")
+        num_blocks = min(r.num_blocks for r in ready.values())
+        block_size = next(iter(ready.values())).block_size
+        if block_size != self.cache_config.block_size:
+            raise RuntimeError(f"workers use block_size {block_size}, controller {self.cache_config.block_size}")
+        self.world_size = world_size
+        self.schedulers = [
+            Scheduler(self.scheduler_config, BlockPool(num_blocks, block_size), dp_rank=r) for r in range(world_size)
+        ]
+        self.router = DPRouter(self.schedulers)
+        self.kv_capacity_tokens = (num_blocks - 1) * block_size
+        self.ready = True
+
+    # ---- front-end API ------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        stop: StopParams,
+        skip_special_tokens: bool = True,
+    ) -> Request:
+        """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure."""
+        if self.fatal_error is not None:
+            raise EngineDead(self.fatal_error)
+        if not self.ready:
+            raise EngineDead("the engine is still loading")
+        if request_id in self.requests:
+            raise AdmissionError(f"request id {request_id!r} is already in use", "request_id")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise AdmissionError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        if stop.max_tokens < 1:
+            raise AdmissionError(f"max_tokens must be at least 1, got {stop.max_tokens}", "max_tokens")
+        if n + stop.max_tokens > self.max_model_len:
+            raise AdmissionError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
+                f"tokens and asks for {stop.max_tokens} more",
+                "max_tokens" if n < self.max_model_len else "prompt",
+            )
+        if n + stop.max_tokens > self.kv_capacity_tokens:
+            raise AdmissionError(
+                f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the KV cache capacity of "
+                f"{self.kv_capacity_tokens} tokens",
+                "max_tokens",
+            )
+        rid = next(self._rids)
+        req = Request(
+            rid=rid,
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=n,
+            sampling=sampling,
+            stop=stop,
+            skip_special_tokens=skip_special_tokens,
+            outputs=asyncio.Queue(),
+        )
+        self.output.start(req)
+        self.requests[request_id] = req
+        self.by_rid[rid] = req
+        dp = self.router.choose()
+        self.schedulers[dp].add(req)
+        self.stats.prompt_tokens += n
+        self._wake.set()
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (blocks freed, workers told in the next plan). False if it is not running."""
+        req = self.requests.get(request_id)
+        if req is None or req.status == RequestStatus.FINISHED:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        stop: StopParams,
+        skip_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit (AdmissionError raised here, before anything is yielded) and stream the request's deltas.
+
+        The last delta has finished=True. If the consumer stops early (client gone), the request is aborted.
+        """
+        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens)
+        return self._stream(req)
+
+    async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await req.outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if req.status != RequestStatus.FINISHED:
+                self.abort(req.request_id)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str | None, error: str | None = None, emit: bool = True) -> None:
+        sched = self.schedulers[req.dp_rank]
+        if sched.remove(req):
+            self._pending_drops.append(req.rid)
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+        self.by_rid.pop(req.rid, None)
+        if emit:
+            req.outputs.put_nowait(OutputProcessor.final(req, reason, error))
+
+    def _has_work(self) -> bool:
+        return bool(self._pending_drops) or any(s.has_work() for s in self.schedulers)
+
+    def _build_plan(self) -> tuple[protocol.StepPlan, list[SchedulerOutput]]:
+        outs = [s.schedule() for s in self.schedulers]
+        new: list[protocol.NewRequest] = []
+        cont: list[protocol.ContinueRequest] = []
+        drops = self._pending_drops
+        self._pending_drops = []
+        for so in outs:
+            drops.extend(r.rid for r in so.preempted)
+            for sr in so.scheduled:
+                req = sr.request
+                if sr.is_new:
+                    new.append(
+                        protocol.NewRequest(
+                            rid=req.rid,
+                            dp_rank=req.dp_rank,
+                            token_ids=list(req.token_ids),
+                            num_computed_tokens=req.num_computed_tokens,
+                            num_new_tokens=sr.num_new_tokens,
+                            block_ids=list(req.block_table),
+                            sampling=req.sampling,
+                        )
+                    )
+                    req.sent_to_workers = True
+                else:
+                    cont.append(protocol.ContinueRequest(req.rid, sr.num_new_tokens, list(sr.new_blocks)))
+        self._step += 1
+        return protocol.StepPlan(step=self._step, new=new, cont=cont, finished=drops), outs
+
+    async def _collect(self, step: int) -> dict[int, protocol.TokenOutput]:
+        tokens: dict[int, protocol.TokenOutput] = {}
+        answered: set[int] = set()
+        deadline = time.monotonic() + self.step_timeout_s
+        while len(answered) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - answered)
+                raise RuntimeError(f"step {step}: no result from rank(s) {missing} within {self.step_timeout_s:.0f} s")
+            try:
+                msg = await asyncio.wait_for(self.transport.recv(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                self._check_liveness()
+                continue
+            if isinstance(msg, protocol.WorkerError):
+                raise RuntimeError(f"worker rank {msg.rank} failed: {msg.message}")
+            if isinstance(msg, protocol.StepResult):
+                if msg.step != step:
+                    raise RuntimeError(f"rank {msg.rank} answered step {msg.step} while step {step} ran")
+                answered.add(msg.rank)
+                for t in msg.outputs:
+                    tokens[t.rid] = t
+        return tokens
+
+    def _check_liveness(self) -> None:
+        for check in self.liveness_checks:
+            err = check()
+            if err:
+                raise RuntimeError(err)
+
+    def _apply(self, outs: list[SchedulerOutput], tokens: dict[int, protocol.TokenOutput]) -> None:
+        now = time.monotonic()
+        for so in outs:
+            for sr in so.scheduled:
+                req = sr.request
+                if req.status == RequestStatus.FINISHED or req.rid not in self.by_rid:
+                    continue  # aborted while the step ran
+                if not req.sent_to_workers:
+                    continue  # preempted later in this same plan (not possible today, kept safe)
+                req.num_computed_tokens += sr.num_new_tokens
+                if req.num_computed_tokens < len(req.token_ids):
+                    continue  # a prompt chunk; no token sampled yet
+                tok = tokens.get(req.rid)
+                if tok is None:
+                    raise RuntimeError(f"step {self._step}: no token for request rid {req.rid}")
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                delta = self.output.append(req, tok)
+                self.stats.generation_tokens += 1
+                req.outputs.put_nowait(delta)
+                if delta.finished:
+                    self._finish(req, delta.finish_reason, emit=False)
+
+    async def run(self) -> None:
+        """Step until `stop()`; on a worker failure fail every request, set fatal_error and return."""
+        try:
+            while not self.stopped.is_set():
+                if not self._has_work():
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                    except asyncio.TimeoutError:
+                        self._check_liveness()
+                        await self.transport.send(protocol.Ping(-1))
+                    continue
+                plan, outs = self._build_plan()
+                if not plan.new and not plan.cont and not plan.finished:
+                    self._step -= 1
+                    await asyncio.sleep(0.005)
+                    continue
+                await self.transport.send(plan)
+                tokens = await self._collect(plan.step)
+                self.stats.steps += 1
+                self._apply(outs, tokens)
+                await asyncio.sleep(0)  # let front-ends read outputs / add requests between steps
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a worker failure or a protocol violation: nothing may hang
+            log.error("engine stopped: %s", e)
+            self.fail_all(str(e))
+
+    def fail_all(self, message: str) -> None:
+        """Fail every in-flight request with `message` and refuse new ones."""
+        self.fatal_error = message
+        for req in list(self.requests.values()):
+            self._finish(req, None, error=message)
+        self.stopped.set()
+
+    async def shutdown(self) -> None:
+        """Tell workers to exit and stop the loop."""
+        self.stopped.set()
+        try:
+            await self.transport.send(protocol.Shutdown("controller shutting down"))
+        except Exception:
+            pass
+
+    # ---- introspection -----------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return sum(len(s.running) for s in self.schedulers)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(s.waiting) for s in self.schedulers)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(s.block_pool.num_used_blocks for s in self.schedulers)

@@ -1,0 +1,66 @@
+"""The controller's view of one request: tokens, KV blocks, sampling and stop settings, and its output stream."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kimi.protocol import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class StopParams:
+    """When generation ends. max_tokens counts generated tokens; eos ids are ignored with ignore_eos."""
+
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Request:
+    """One generation request inside the controller.
+
+    `token_ids` is the prompt followed by the generated tokens. `num_computed_tokens` counts tokens whose KV
+    the workers hold; `block_table` lists the KV blocks (append-only while the request runs). `outputs` is
+    the queue of `RequestOutput`-shaped dicts that front-ends (HTTP, ZeroMQ) read.
+    """
+
+    rid: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    stop: StopParams
+    skip_special_tokens: bool = True
+    dp_rank: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    sent_to_workers: bool = False
+    num_sent_blocks: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    outputs: asyncio.Queue | None = None
+    detokenizer: object | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

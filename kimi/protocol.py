@@ -1,0 +1,206 @@
+"""Every wire type: client <-> controller (ZeroMQ submit API) and controller <-> worker (step plans).
+
+All messages are msgspec Structs encoded with msgpack, `array_like=True` (positional: **field order is the
+wire format — append fields, never reorder**) and tagged with a small integer so one socket can carry a
+union of types. No pickle anywhere.
+
+Controller -> workers (PUB/SUB, broadcast): `Ping`, `StepPlan`, `Shutdown`.
+Workers -> controller (PUSH/PULL): `Ready`, `StepResult`, `WorkerError`.
+Client <-> controller (DEALER/ROUTER): `SubmitRequest`, `AbortRequest` / `RequestOutput`.
+
+A step plan is a diff against what the workers already hold (DESIGN.md, "Step plan and result"):
+new requests carry their token ids once; continuing requests carry only how many tokens to compute and the
+block ids appended since the last step; finished / aborted / preempted rids are dropped. A worker computes
+tokens `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of a request and samples the next token
+exactly when that reaches the end of the request's known tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, array_like=True, frozen=True, tag=1):
+    """What the worker needs to sample one request's tokens.
+
+    temperature: 0 = greedy (argmax). top_p in (0, 1]. top_k: 0 = off. seed: None = unseeded.
+    num_logprobs: -1 = none; 0 = the sampled token's logprob; k > 0 = also the top-k alternatives.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    num_logprobs: int = -1
+
+
+# ---- controller -> worker ------------------------------------------------------------------------------
+class NewRequest(msgspec.Struct, array_like=True, frozen=True, tag=10):
+    """A request new to the workers (or re-sent after preemption).
+
+    token_ids: every token known so far (prompt, plus earlier outputs when resumed).
+    num_computed_tokens: tokens whose KV is already in `block_ids` (prefix cache hits).
+    num_new_tokens: tokens to compute this step, starting at num_computed_tokens.
+    block_ids: the request's block table so far.
+    """
+
+    rid: int
+    dp_rank: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    sampling: SamplingParams
+
+
+class ContinueRequest(msgspec.Struct, array_like=True, frozen=True, tag=11):
+    """A request the workers already hold: compute `num_new_tokens` more; `new_block_ids` appended to its table."""
+
+    rid: int
+    num_new_tokens: int
+    new_block_ids: list[int]
+
+
+class StepPlan(msgspec.Struct, array_like=True, frozen=True, tag=12):
+    """One engine step. `step` increases by one per plan; a worker that sees a gap fails loudly.
+
+    `finished` rids are dropped by their owners before the step runs.
+    """
+
+    step: int
+    new: list[NewRequest]
+    cont: list[ContinueRequest]
+    finished: list[int]
+
+
+class Ping(msgspec.Struct, array_like=True, frozen=True, tag=13):
+    """Heartbeat / start-up probe; workers answer the first one with `Ready` and exit when pings stop."""
+
+    seq: int
+
+
+class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag=14):
+    """Workers exit cleanly."""
+
+    reason: str = ""
+
+
+# ---- worker -> controller ------------------------------------------------------------------------------
+class Ready(msgspec.Struct, array_like=True, frozen=True, tag=20):
+    """A rank has loaded its weights and KV cache. num_blocks includes the null block 0."""
+
+    rank: int
+    world_size: int
+    num_blocks: int
+    block_size: int
+    device: str
+
+
+class TokenOutput(msgspec.Struct, array_like=True, frozen=True, tag=21):
+    """One sampled token of one request. logprob is None unless asked; top_ids/top_logprobs likewise."""
+
+    rid: int
+    token_id: int
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class StepResult(msgspec.Struct, array_like=True, frozen=True, tag=22):
+    """Every rank answers every step (possibly with no outputs) so the controller knows the step is done."""
+
+    step: int
+    rank: int
+    outputs: list[TokenOutput]
+
+
+class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag=23):
+    """A rank failed; the controller fails all in-flight requests and exits non-zero."""
+
+    rank: int
+    message: str
+
+
+ToWorker = Union[StepPlan, Ping, Shutdown]
+FromWorker = Union[Ready, StepResult, WorkerError]
+
+
+# ---- client <-> controller -----------------------------------------------------------------------------
+class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_only=True):
+    """Submit one generation. Exactly one of `prompt` (text) and `prompt_token_ids` must be given.
+
+    max_tokens >= 1; temperature >= 0 (0 = greedy); top_p in (0, 1]; top_k >= 0 (0 = off);
+    stop_token_ids: extra token ids that end generation; ignore_eos: keep going past EOS ids.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+
+class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag=31):
+    """Stop a submitted request; its KV blocks are freed within one step."""
+
+    request_id: str
+
+
+class RequestOutput(msgspec.Struct, array_like=True, frozen=True, tag=32, kw_only=True):
+    """A delta of one request's output. The last one has `finished=True` and a finish_reason or an error.
+
+    finish_reason: "stop" (EOS or stop token), "length" (max_tokens or max_model_len), "abort".
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[float] | None = None
+
+
+ToController = Union[SubmitRequest, AbortRequest]
+
+_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+_controller_decoder = msgspec.msgpack.Decoder(FromWorker)
+_submit_decoder = msgspec.msgpack.Decoder(ToController)
+_output_decoder = msgspec.msgpack.Decoder(RequestOutput)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of any wire Struct."""
+    return _encoder.encode(msg)
+
+
+def decode_to_worker(data: bytes) -> StepPlan | Ping | Shutdown:
+    """Decode a controller -> worker message; raises msgspec.DecodeError on malformed input."""
+    return _worker_decoder.decode(data)
+
+
+def decode_from_worker(data: bytes) -> Ready | StepResult | WorkerError:
+    """Decode a worker -> controller message; raises msgspec.DecodeError on malformed input."""
+    return _controller_decoder.decode(data)
+
+
+def decode_to_controller(data: bytes) -> SubmitRequest | AbortRequest:
+    """Decode a client -> controller message; raises msgspec.ValidationError / DecodeError on bad input."""
+    return _submit_decoder.decode(data)
+
+
+def decode_output(data: bytes) -> RequestOutput:
+    """Decode a controller -> client output message."""
+    return _output_decoder.decode(data)

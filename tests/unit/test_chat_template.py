@@ -1,0 +1,157 @@
+"""kimi/chat_template.jinja rendered by KimiTokenizer.apply_chat_template: exact prompts (KIMI.md section 5)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from kimi import tokenizer as tk_mod
+from kimi.tokenizer import KimiTokenizer, default_tokenizer_source, write_tokenizer_files
+
+SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+GEN = "<|im_assistant|>assistant<|im_middle|>"
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Météo d'une ville",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> KimiTokenizer:
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(d)  # built-in vocabulary; the template is kimi/chat_template.jinja either way
+    return KimiTokenizer.from_dir(d)
+
+
+def test_plain_user_turn_gets_default_system(tok):
+    out = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert out == SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>" + GEN
+
+
+def test_system_and_user(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>ann<|im_middle|>Hi<|im_end|>")
+
+
+def test_tools_declared_first_as_compact_json(tok):
+    out = tok.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL])
+    tools_json = ('[{"type":"function","function":{"name":"get_weather","description":"Météo d\'une ville",'
+                  '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]')
+    assert out == ("<|im_system|>tool_declare<|im_middle|>" + tools_json + "<|im_end|>" + SYS
+                   + "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>" + GEN)
+
+
+def test_tool_calls_and_results_in_history(tok):
+    msgs = [
+        {"role": "user", "content": "Search and look up."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "search:0", "type": "function",
+             "function": {"name": "search", "arguments": '{"q": "kimi"}'}},
+            {"id": "call_abc123", "type": "function",
+             "function": {"name": "db.lookup-v2", "arguments": {"key": "é", "n": [1, 2]}}},
+        ]},
+        {"role": "tool", "tool_call_id": "search:0", "content": "result one"},
+        {"role": "tool", "tool_call_id": "call_abc123", "content": [{"type": "text", "text": "row"}]},
+    ]
+    out = tok.apply_chat_template(msgs)
+    assert out == (
+        SYS
+        + "<|im_user|>user<|im_middle|>Search and look up.<|im_end|>"
+        + "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|>"
+        + '<|tool_call_begin|>search:0<|tool_call_argument_begin|>{"q": "kimi"}<|tool_call_end|>'
+        + '<|tool_call_begin|>call_abc123<|tool_call_argument_begin|>{"key":"é","n":[1,2]}<|tool_call_end|>'
+        + "<|tool_calls_section_end|><|im_end|>"
+        + "<|im_system|>tool<|im_middle|>## Return of search:0\nresult one<|im_end|>"
+        + "<|im_system|>tool<|im_middle|>## Return of call_abc123\nrow<|im_end|>"
+        + GEN)
+
+
+def test_assistant_content_before_tool_calls_and_none_content(tok):
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "functions.f:0", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                {"id": "functions.f:1", "function": {"name": "f", "arguments": {}}}]}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
+        SYS + "<|im_user|>user<|im_middle|>x<|im_end|>"
+        + "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+          "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        + "<|im_assistant|>assistant<|im_middle|>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>"
+          "functions.f:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+
+
+def test_empty_assistant_content_in_history(tok):
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "b"}]
+    assert tok.apply_chat_template(msgs) == (
+        SYS + "<|im_user|>user<|im_middle|>a<|im_end|><|im_assistant|>assistant<|im_middle|><|im_end|>"
+        + "<|im_user|>user<|im_middle|>b<|im_end|>" + GEN)
+
+
+def test_list_of_text_parts(tok):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "first "}, {"type": "text", "text": "second"}]}]
+    assert tok.apply_chat_template(msgs) == SYS + "<|im_user|>user<|im_middle|>first second<|im_end|>" + GEN
+
+
+def test_thinking_off(tok):
+    msgs = [{"role": "user", "content": "Hi"}]
+    base = SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>" + GEN
+    assert tok.apply_chat_template(msgs, thinking=False) == base + "<think></think>"
+    assert tok.apply_chat_template(msgs, thinking=True) == base
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False, thinking=False) == base[: -len(GEN)]
+
+
+def test_rendered_prompt_encodes_to_control_tokens(tok):
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}], thinking=False), allow_special=True)
+    b = list  # built-in vocabulary: ordinary text is one token per byte
+    assert ids == ([163594] + b(b"system") + [163601]
+                   + b(b"You are Kimi, an AI assistant created by Moonshot AI.") + [163586]
+                   + [163587] + b(b"user") + [163601] + b(b"Hi") + [163586]
+                   + [163588] + b(b"assistant") + [163601, 163606, 163607])
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "developer", "content": "x"}], "unsupported message role: developer"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}], "content part type: image_url"),
+    ([{"role": "tool", "content": "x"}], "tool_call_id"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
+     "tool call needs an id"),
+])
+def test_bad_messages_raise_value_error(tok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_custom_template_tojson_and_errors(tok):
+    t = copy.copy(tok)
+    t.chat_template = "{{ messages | tojson(separators=(',', ':'), ensure_ascii=True) }}|{{ flag | tojson }}"
+    assert t.apply_chat_template([{"role": "user", "content": "é<"}], flag=None) == (
+        '[{"role":"user","content":"\\u00e9<"}]|null')
+    t.chat_template = "{% for m in messages %}{{ m.content }"
+    with pytest.raises(ValueError, match="does not compile"):
+        t.apply_chat_template([])
+    t.chat_template = "{{ raise_exception('nope') }}"
+    with pytest.raises(ValueError, match="nope"):
+        t.apply_chat_template([])
+    t.chat_template = "{{ ''.__class__.__mro__ }}"  # the sandbox refuses unsafe attribute access
+    with pytest.raises(ValueError, match="SecurityError|unsafe"):
+        t.apply_chat_template([])
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]).startswith(SYS)  # original untouched
+
+
+def test_real_vocabulary_prompt_ids():
+    src = default_tokenizer_source()
+    if src is None:
+        pytest.skip("real Kimi vocabulary not available (set KIMI_TOKENIZER_DIR or provide ../shared/kimi-tokenizer)")
+    real = KimiTokenizer.from_dir(src)
+    real.chat_template = Path(tk_mod.__file__).with_name("chat_template.jinja").read_text()
+    prompt = real.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
+                                      add_generation_prompt=False)
+    assert real.encode(prompt, allow_special=True)[-5:] == [163587, 2482, 163601, 18699, 163586]

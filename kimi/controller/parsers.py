@@ -1,0 +1,506 @@
+"""Streaming reasoning and tool-call parsers for Kimi-K2 chat output (token-id level, pure Python).
+
+The controller feeds every generated token of a chat request to one `OutputParser` as a pair
+`(token_id, text_delta)`, where `text_delta` is what the incremental detokenizer produced for that token.
+The parser splits the output into OpenAI `reasoning_content`, `content` and `tool_calls` deltas.
+
+Format (../shared/KIMI.md sections 4 and 5):
+
+    [<think>] reasoning text </think> content text
+    <|tool_calls_section_begin|>
+      <|tool_call_begin|> functions.NAME:IDX <|tool_call_argument_begin|> {json args} <|tool_call_end|>
+      ... more calls ...
+    <|tool_calls_section_end|> [more content]
+
+Every marker is a single token (ids below), so markers are recognised by id, never by text: a marker can
+not be split across deltas. The detokenized text of ordinary tokens does arrive in arbitrary pieces (a
+name or a JSON argument string may come one character at a time); the parser buffers only what it must
+(a call's header until `<|tool_call_argument_begin|>`).
+
+Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test_parsers.py):
+
+- Reasoning. When `ParserConfig.thinking` or `prompt_ends_in_think` is set the output *starts* in
+  reasoning, whether or not the model emits `<think>` itself (K2-Thinking emits it; K2.5/K2.6 templates
+  put it in the prompt). A `<think>` token is consumed silently wherever it appears. `</think>` ends the
+  reasoning; later `</think>` tokens are dropped. With thinking off (prompt ends in `<think></think>`, or a
+  non-thinking model) everything is content and stray `<think>` / `</think>` tokens are dropped. Think
+  markers never appear in any field. An output cut before `</think>` is all reasoning, no content.
+- Tool markers inside reasoning (tools active). Kimi-K2-Thinking / K2.5 sometimes open a tool section
+  without closing `</think>` first. As in vLLM's current `kimi_k2` parser, `<|tool_calls_section_begin|>`
+  (or a bare `<|tool_call_begin|>`) ends the reasoning and starts a real tool section; after that section
+  the output is content.
+- Tools not active (no `tools` in the request, or `tool_choice: "none"`). No call is ever parsed. Tool
+  markers are treated like vLLM without a tool parser treats them (they are not "special" tokens, so they
+  survive `skip_special_tokens`): their marker strings are rendered verbatim into whichever field is
+  current (content or reasoning). Nothing is silently lost and nothing pretends to be a call.
+- Tool call id / name. The id is the stripped header text between `<|tool_call_begin|>` and
+  `<|tool_call_argument_begin|>` (`functions.get_weather:0`). The name is that text without an optional
+  `functions.` prefix and without a trailing `:DIGITS` suffix (`functions.my.tool-v2:3` -> `my.tool-v2`,
+  `search:0` -> `search`, `call_ab12` -> `call_ab12`). A header whose name is empty makes the call
+  malformed: it is dropped (no deltas) and its argument text is discarded.
+- Arguments are passed through exactly as generated (OpenAI `arguments` is a string); invalid JSON is not
+  an error. A call that reaches `<|tool_call_end|>` without `<|tool_call_argument_begin|>` gets "{}".
+- Streaming shape (`stream_tool_arguments=True`, the default, like vLLM/SGLang/OpenAI): when
+  `<|tool_call_argument_begin|>` arrives the first delta for the call is emitted (index, id, name,
+  arguments ""); each later text piece of the arguments is emitted as an `arguments` fragment. The
+  concatenation of a call's fragments equals the non-streaming `arguments`. `index` counts the calls of this
+  response from 0 (it is not the `:IDX` of the id).
+  With `stream_tool_arguments=False` a call is emitted only once complete, as one delta carrying id, name
+  and the full arguments; a client then never sees a call that is not complete.
+- Cut by max_tokens (`finish()` while a call is open). Only complete calls (those that reached
+  `<|tool_call_end|>`, or were closed implicitly, see below) are tool calls; the incomplete call's text is
+  dropped, never turned into content (raw markup in `content` breaks clients). In the default live mode
+  the client may already have received the head and some argument fragments of the cut call; the parser
+  then reports `partial_tool_call_emitted` and `finish_reason()` returns "length" so the client knows the
+  last call is truncated. Otherwise `finish_reason()` returns "tool_calls" when any complete call exists.
+- Malformed sequences are repaired leniently: `<|tool_call_begin|>` or `<|tool_calls_section_end|>` while
+  a call's arguments are open closes that call as complete; a call whose header is open when a section
+  ends is dropped; markers that make no sense in the current state (`<|tool_call_end|>` in content, a
+  second section begin inside a section, ...) are dropped. Text inside a section but outside a call
+  (whitespace between calls) is dropped. Text after `<|tool_calls_section_end|>` is content.
+- Marker text. The `text_delta` that comes with a marker token is not trusted: the marker string is known
+  from its id. If that text contains the marker string, the text before it is treated as ordinary text
+  that precedes the marker and the text after it as ordinary text that follows (an incremental
+  detokenizer may release held bytes with the next token); any other non-empty text is treated as text
+  that precedes the marker.
+
+Public API: `ParserConfig`, `OutputParser`, `ParserDelta`, `ToolCallDelta`, `ToolCall`,
+`parse_tool_call_id`, `parse_output`, and the marker id constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+# ---- marker token ids (KIMI.md section 4) -------------------------------------------------------------
+TOOL_CALLS_SECTION_BEGIN_ID = 163595
+TOOL_CALLS_SECTION_END_ID = 163596
+TOOL_CALL_BEGIN_ID = 163597
+TOOL_CALL_ARGUMENT_BEGIN_ID = 163598
+TOOL_CALL_END_ID = 163599
+THINK_START_ID = 163606
+THINK_END_ID = 163607
+
+MARKER_TEXT: dict[int, str] = {
+    TOOL_CALLS_SECTION_BEGIN_ID: "<|tool_calls_section_begin|>",
+    TOOL_CALLS_SECTION_END_ID: "<|tool_calls_section_end|>",
+    TOOL_CALL_BEGIN_ID: "<|tool_call_begin|>",
+    TOOL_CALL_ARGUMENT_BEGIN_ID: "<|tool_call_argument_begin|>",
+    TOOL_CALL_END_ID: "<|tool_call_end|>",
+    THINK_START_ID: "<think>",
+    THINK_END_ID: "</think>",
+}
+TOOL_MARKER_IDS = frozenset(
+    (TOOL_CALLS_SECTION_BEGIN_ID, TOOL_CALLS_SECTION_END_ID, TOOL_CALL_BEGIN_ID, TOOL_CALL_ARGUMENT_BEGIN_ID,
+     TOOL_CALL_END_ID)
+)
+THINK_MARKER_IDS = frozenset((THINK_START_ID, THINK_END_ID))
+
+_FUNCTIONS_PREFIX = "functions."
+
+# parser states
+_REASONING = "reasoning"
+_CONTENT = "content"
+_SECTION = "section"  # inside a tool section, between calls
+_HEADER = "header"  # after <|tool_call_begin|>, collecting `functions.NAME:IDX`
+_ARGS = "args"  # after <|tool_call_argument_begin|>, collecting the JSON text
+_FINISHED = "finished"
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParserConfig:
+    """Which parsers are active for one chat request.
+
+    tools: parse tool calls (the request has `tools` and `tool_choice` is not "none"). When False, tool
+        markers are rendered verbatim into the current text field (see the module docstring).
+    thinking: the model reasons first (a thinking model with thinking on). The output starts in
+        reasoning; a leading `<think>` from the model is consumed.
+    prompt_ends_in_think: the prompt's last token is `<think>` (K2.5/K2.6 templates). The output then
+        starts in reasoning even if `thinking` is False (the prompt itself opened the block).
+    stream_tool_arguments: True streams argument fragments as they arrive (first delta: index, id, name,
+        arguments ""); False emits each call once, complete, in one delta.
+    """
+
+    tools: bool = False
+    thinking: bool = False
+    prompt_ends_in_think: bool = False
+    stream_tool_arguments: bool = True
+
+    @property
+    def starts_in_reasoning(self) -> bool:
+        """True when the first output token belongs to `reasoning_content`."""
+        return self.thinking or self.prompt_ends_in_think
+
+    @classmethod
+    def for_prompt(
+        cls,
+        prompt_token_ids: Sequence[int],
+        *,
+        tools: bool,
+        thinking_model: bool,
+        stream_tool_arguments: bool = True,
+    ) -> "ParserConfig":
+        """Derive the reasoning settings from the rendered prompt's last tokens.
+
+        prompt ends in `<think></think>` -> thinking off (template switched it off); ends in `<think>` ->
+        reasoning, prompt_ends_in_think; otherwise `thinking = thinking_model` (K2-Thinking emits `<think>`
+        itself; K2-Instruct does not reason).
+        """
+        tail = list(prompt_token_ids[-2:])
+        if tail == [THINK_START_ID, THINK_END_ID]:
+            return cls(tools=tools, thinking=False, stream_tool_arguments=stream_tool_arguments)
+        if tail and tail[-1] == THINK_START_ID:
+            return cls(tools=tools, thinking=True, prompt_ends_in_think=True,
+                       stream_tool_arguments=stream_tool_arguments)
+        return cls(tools=tools, thinking=thinking_model, stream_tool_arguments=stream_tool_arguments)
+
+
+# ---- output types -------------------------------------------------------------------------------------
+@dataclass
+class ToolCallDelta:
+    """One streamed piece of one tool call (OpenAI `choices[0].delta.tool_calls[i]`).
+
+    The first delta of a call has `id` and `name` set (and `arguments` "" in live mode, the full JSON text
+    when `stream_tool_arguments=False`); later deltas have `id` and `name` None and an `arguments` fragment.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    @property
+    def is_head(self) -> bool:
+        """True for a call's first delta (carries id and name)."""
+        return self.id is not None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI streaming dict: head `{index, id, type, function: {name, arguments}}`, else
+        `{index, function: {arguments}}`."""
+        if self.is_head:
+            return {"index": self.index, "id": self.id, "type": "function",
+                    "function": {"name": self.name, "arguments": self.arguments}}
+        return {"index": self.index, "function": {"arguments": self.arguments}}
+
+
+@dataclass
+class ParserDelta:
+    """What one `feed` (or `finish`) produced. Empty strings / an empty list mean "nothing"."""
+
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        """True when there is nothing to send to the client."""
+        return not self.content and not self.reasoning_content and not self.tool_calls
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI `delta` dict with only the non-empty fields (`content`, `reasoning_content`,
+        `tool_calls`)."""
+        out: dict[str, Any] = {}
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
+        if self.content:
+            out["content"] = self.content
+        if self.tool_calls:
+            out["tool_calls"] = [t.to_openai() for t in self.tool_calls]
+        return out
+
+    def _add_fragment(self, index: int, text: str) -> None:
+        if not text:
+            return
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last.index == index and not last.is_head:
+            last.arguments += text
+        else:
+            self.tool_calls.append(ToolCallDelta(index=index, arguments=text))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A complete tool call (OpenAI `message.tool_calls[i]`). `arguments` is the model's text as-is."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        """`{id, type: "function", function: {name, arguments}}`."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tool_call_id(header: str) -> tuple[str, str] | None:
+    """Split a call header into `(id, name)`; None when the name is empty.
+
+    id = the stripped header; name = id without an optional `functions.` prefix and without a trailing
+    `:DIGITS` suffix. Names may contain dots, dashes and colons (`functions.my.tool-v2:3` -> `my.tool-v2`;
+    `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: KIMI.md section 5.
+    """
+    call_id = header.strip()
+    body = call_id[len(_FUNCTIONS_PREFIX):] if call_id.startswith(_FUNCTIONS_PREFIX) else call_id
+    base, sep, idx = body.rpartition(":")
+    name = base if sep and idx.isascii() and idx.isdigit() else body
+    name = name.strip()
+    if not name:
+        return None
+    return call_id, name
+
+
+def _split_marker_text(text: str, marker: str) -> tuple[str, str]:
+    """Text that came with a marker token -> (ordinary text before it, ordinary text after it)."""
+    if not text or text == marker:
+        return "", ""
+    i = text.find(marker)
+    if i < 0:
+        return text, ""
+    return text[:i], text[i + len(marker):]
+
+
+# ---- the parser ---------------------------------------------------------------------------------------
+class OutputParser:
+    """Streaming reasoning + kimi_k2 tool-call parser for one request's generated tokens.
+
+    Usage: `delta = parser.feed(token_id, text_delta)` for every generated token (in order), then
+    `delta = parser.finish(text_tail)` once (text_tail: what the detokenizer's flush() returned). Each call
+    returns a `ParserDelta` (possibly empty). After `finish()`: `tool_calls` (complete calls),
+    `has_tool_calls`, `incomplete_tool_call`, `partial_tool_call_emitted`, `finish_reason(base)`.
+
+    Raises RuntimeError on `feed`/`finish` after `finish()`. Never raises on model output, however
+    malformed. See the module docstring for every behaviour choice; format source: KIMI.md section 5.
+    """
+
+    def __init__(self, config: ParserConfig) -> None:
+        self.config = config
+        self._state = _REASONING if config.starts_in_reasoning else _CONTENT
+        self._header = ""
+        self._args: list[str] = []
+        self._call: tuple[int, str, str] | None = None  # (index, id, name) of the open call, live mode
+        self._call_valid = False
+        self._next_index = 0
+        self._head_sent = False  # live mode: the open call's head delta has been emitted
+        self._tool_calls: list[ToolCall] = []
+        self.incomplete_tool_call = False
+        self.partial_tool_call_emitted = False
+
+    # ---- public -------------------------------------------------------------------------------------
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """Complete tool calls so far, in order."""
+        return list(self._tool_calls)
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True when at least one complete tool call was produced."""
+        return bool(self._tool_calls)
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while output goes to `reasoning_content`."""
+        return self._state == _REASONING
+
+    def feed(self, token_id: int, text_delta: str = "") -> ParserDelta:
+        """Consume one generated token and its detokenized text; return what to stream now.
+
+        Marker tokens (ids in `MARKER_TEXT`) are recognised by id; their text is handled as described in
+        the module docstring. Every other token's text goes to the current field.
+        """
+        if self._state == _FINISHED:
+            raise RuntimeError("OutputParser.feed called after finish()")
+        out = ParserDelta()
+        marker = MARKER_TEXT.get(token_id)
+        if marker is None:
+            self._text(text_delta, out)
+            return out
+        before, after = _split_marker_text(text_delta, marker)
+        self._text(before, out)
+        self._marker(token_id, out)
+        self._text(after, out)
+        return out
+
+    def finish(self, text_tail: str = "") -> ParserDelta:
+        """End of the stream (stop token, stop string, max_tokens or abort).
+
+        `text_tail` is ordinary text still held by the detokenizer. An open call is dropped (see the
+        module docstring); `incomplete_tool_call` / `partial_tool_call_emitted` record it.
+        """
+        if self._state == _FINISHED:
+            raise RuntimeError("OutputParser.finish called twice")
+        out = ParserDelta()
+        self._text(text_tail, out)
+        if self._state in (_HEADER, _ARGS):
+            self.incomplete_tool_call = True
+            if self._state == _ARGS and self._head_sent:
+                self.partial_tool_call_emitted = True
+        self._state = _FINISHED
+        return out
+
+    def finish_reason(self, base: str) -> str:
+        """The OpenAI finish_reason given the engine's own ("stop" or "length", or anything else).
+
+        "length" if a truncated call was partly streamed to the client; else "tool_calls" if any complete
+        call exists; else `base`.
+        """
+        if self.partial_tool_call_emitted:
+            return "length"
+        if self._tool_calls:
+            return "tool_calls"
+        return base
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _text(self, text: str, out: ParserDelta) -> None:
+        if not text:
+            return
+        st = self._state
+        if st == _CONTENT:
+            out.content += text
+        elif st == _REASONING:
+            out.reasoning_content += text
+        elif st == _HEADER:
+            self._header += text
+        elif st == _ARGS:
+            if not self._call_valid:
+                return
+            self._args.append(text)
+            if self._head_sent:
+                out._add_fragment(self._call[0], text)  # type: ignore[index]
+        # _SECTION: text between calls is dropped
+
+    def _marker(self, tid: int, out: ParserDelta) -> None:
+        st = self._state
+        if tid == THINK_START_ID:
+            return  # consumed wherever it appears
+        if tid == THINK_END_ID:
+            if st == _REASONING:
+                self._state = _CONTENT
+            return
+        # tool markers
+        if not self.config.tools:
+            self._text(MARKER_TEXT[tid], out)
+            return
+        if tid == TOOL_CALLS_SECTION_BEGIN_ID:
+            if st in (_REASONING, _CONTENT):
+                self._state = _SECTION
+            elif st == _HEADER:
+                self._drop_call()
+                self._state = _SECTION
+            elif st == _ARGS:
+                self._close_call(out)
+                self._state = _SECTION
+        elif tid == TOOL_CALL_BEGIN_ID:
+            if st == _ARGS:
+                self._close_call(out)
+            elif st == _HEADER:
+                self._drop_call()
+            self._header = ""
+            self._state = _HEADER
+        elif tid == TOOL_CALL_ARGUMENT_BEGIN_ID:
+            if st == _HEADER:
+                self._open_args(out)
+        elif tid == TOOL_CALL_END_ID:
+            if st == _HEADER:
+                self._open_args(out)
+                if self._call_valid:
+                    self._args.append("{}")
+                    if self._head_sent:
+                        out._add_fragment(self._call[0], "{}")  # type: ignore[index]
+                self._close_call(out)
+                self._state = _SECTION
+            elif st == _ARGS:
+                self._close_call(out)
+                self._state = _SECTION
+        elif tid == TOOL_CALLS_SECTION_END_ID:
+            if st == _HEADER:
+                self._drop_call()
+                self._state = _CONTENT
+            elif st == _ARGS:
+                self._close_call(out)
+                self._state = _CONTENT
+            elif st == _SECTION:
+                self._state = _CONTENT
+
+    def _open_args(self, out: ParserDelta) -> None:
+        parsed = parse_tool_call_id(self._header)
+        self._header = ""
+        self._args = []
+        self._state = _ARGS
+        self._head_sent = False
+        if parsed is None:
+            self._call_valid = False
+            self._call = None
+            return
+        self._call_valid = True
+        call_id, name = parsed
+        if self.config.stream_tool_arguments:
+            self._call = (self._next_index, call_id, name)
+            self._next_index += 1
+            out.tool_calls.append(ToolCallDelta(index=self._call[0], id=call_id, name=name, arguments=""))
+            self._head_sent = True
+        else:
+            self._call = (-1, call_id, name)  # index assigned on completion
+
+    def _close_call(self, out: ParserDelta) -> None:
+        if self._call_valid and self._call is not None:
+            index, call_id, name = self._call
+            args = "".join(self._args)
+            if not self.config.stream_tool_arguments:
+                index = self._next_index
+                self._next_index += 1
+                out.tool_calls.append(ToolCallDelta(index=index, id=call_id, name=name, arguments=args))
+            self._tool_calls.append(ToolCall(id=call_id, name=name, arguments=args))
+        self._drop_call()
+
+    def _drop_call(self) -> None:
+        self._header = ""
+        self._args = []
+        self._call = None
+        self._call_valid = False
+        self._head_sent = False
+
+
+# ---- non-streaming helper -----------------------------------------------------------------------------
+class _Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+def parse_output(
+    token_ids: Sequence[int],
+    text_deltas: Sequence[str] | _Detokenizer,
+    config: ParserConfig,
+    text_tail: str = "",
+) -> tuple[str | None, str | None, list[ToolCall]]:
+    """Run `OutputParser` over a whole output; return `(content, reasoning_content, tool_calls)`.
+
+    text_deltas: either one text delta per token id (same length as token_ids) or an incremental
+    detokenizer (`push(token_id) -> str`, `flush() -> str`, the kimi.tokenizer contract), in which case
+    its flush() output is the text tail. content / reasoning_content are None when empty. tool_calls holds
+    the complete calls only. Raises ValueError if the text deltas and token ids differ in length.
+    """
+    parser = OutputParser(config)
+    content: list[str] = []
+    reasoning: list[str] = []
+
+    def take(d: ParserDelta) -> None:
+        content.append(d.content)
+        reasoning.append(d.reasoning_content)
+
+    if hasattr(text_deltas, "push"):
+        detok = text_deltas
+        for tid in token_ids:
+            take(parser.feed(tid, detok.push(tid)))  # type: ignore[union-attr]
+        text_tail = detok.flush() + text_tail  # type: ignore[union-attr]
+    else:
+        deltas = list(text_deltas)  # type: ignore[arg-type]
+        if len(deltas) != len(token_ids):
+            raise ValueError(f"parse_output: {len(token_ids)} token ids but {len(deltas)} text deltas")
+        for tid, text in zip(token_ids, deltas):
+            take(parser.feed(tid, text))
+    take(parser.finish(text_tail))
+    c = "".join(content)
+    r = "".join(reasoning)
+    return (c or None), (r or None), parser.tool_calls
+

@@ -1,0 +1,45 @@
+# kimi: two commands do all the set-up on a fresh machine.
+#   make serve   venv + install + (no MODEL given) a tiny random K2.6-layout checkpoint, then serve on 127.0.0.1:8000
+#   make test    venv + install + the CPU test suite
+PY         ?= python3
+VENV       ?= .venv
+BIN        := $(VENV)/bin
+TINY       := models/tiny-k2.6
+MODEL      ?= $(TINY)
+HOST       ?= 127.0.0.1
+PORT       ?= 8000
+ARGS       ?=
+# A CPU build of torch on machines without a GPU; on a GPU host install your CUDA torch first (it is kept).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-gpu tiny wheelhouse clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+$(TINY)/config.json: $(BIN)/.installed tools/make_tiny_checkpoint.py
+	$(BIN)/python tools/make_tiny_checkpoint.py $(TINY)
+
+tiny: $(TINY)/config.json
+
+serve: install $(if $(filter $(TINY),$(MODEL)),$(TINY)/config.json)
+	$(BIN)/kimi serve --model $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q -m "not gpu" tests $(PYTEST_ARGS)
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+wheelhouse:
+	bash ../shared/wheelhouse.sh .whl
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from kimi.cli import main
+
+sys.exit(main())

@@ -1,0 +1,159 @@
+"""kimi's ZeroMQ programmatic API (client side): submit text or token ids, iterate over outputs, abort.
+
+    from kimi.client import KimiClient
+    with KimiClient("tcp://127.0.0.1:8001") as c:
+        for out in c.generate("The capital of France is", max_tokens=16, temperature=0):
+            print(out.text, end="", flush=True)
+
+`AsyncKimiClient` is the asyncio twin (`async for out in client.generate(...)`). Every output is a
+`kimi.protocol.RequestOutput` delta (token_ids, text); the last has `finished=True` and a `finish_reason`
+("stop", "length", "abort") or an `error`. Several requests may be in flight on one client.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from kimi import protocol
+from kimi.protocol import RequestOutput
+
+
+class KimiError(RuntimeError):
+    """The server answered a request with an error (bad parameters, engine failure)."""
+
+
+def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]) -> bytes:
+    if isinstance(prompt, str):
+        msg = protocol.SubmitRequest(request_id=request_id, prompt=prompt, **params)
+    else:
+        msg = protocol.SubmitRequest(request_id=request_id, prompt_token_ids=list(prompt), **params)
+    return protocol.encode(msg)
+
+
+class KimiClient:
+    """Blocking client. `timeout_s` bounds the wait for each output (TimeoutError)."""
+
+    def __init__(self, addr: str, timeout_s: float = 600.0) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(addr)
+        self._timeout_ms = int(timeout_s * 1000)
+        self._pending: dict[str, collections.deque[RequestOutput]] = {}
+
+    def submit(self, prompt: str | list[int], **params: Any) -> str:
+        """Send a request (text or token ids; params as in protocol.SubmitRequest); returns its request id."""
+        rid = params.pop("request_id", None) or uuid.uuid4().hex
+        self._pending[rid] = collections.deque()
+        self._sock.send(_submit_msg(rid, prompt, params))
+        return rid
+
+    def _recv_one(self) -> None:
+        if not self._sock.poll(self._timeout_ms):
+            raise TimeoutError("no output from the kimi server")
+        out = protocol.decode_output(self._sock.recv())
+        q = self._pending.get(out.request_id)
+        if q is not None:
+            q.append(out)
+
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
+        """Outputs of a submitted request until it finishes. Raises KimiError if it ends with an error."""
+        q = self._pending[request_id]
+        try:
+            while True:
+                while not q:
+                    self._recv_one()
+                out = q.popleft()
+                if out.error is not None:
+                    raise KimiError(out.error)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._pending.pop(request_id, None)
+
+    def generate(self, prompt: str | list[int], **params: Any) -> Iterator[RequestOutput]:
+        """submit + stream."""
+        return self.stream(self.submit(prompt, **params))
+
+    def abort(self, request_id: str) -> None:
+        self._sock.send(protocol.encode(protocol.AbortRequest(request_id)))
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> "KimiClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncKimiClient:
+    """asyncio client; one background reader routes outputs to their request's queue."""
+
+    def __init__(self, addr: str) -> None:
+        import asyncio
+
+        self._asyncio = asyncio
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(addr)
+        self._queues: dict[str, Any] = {}
+        self._reader: Any = None
+
+    async def _read(self) -> None:
+        while True:
+            out = protocol.decode_output(await self._sock.recv())
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    async def submit(self, prompt: str | list[int], **params: Any) -> str:
+        if self._reader is None:
+            self._reader = self._asyncio.create_task(self._read())
+        rid = params.pop("request_id", None) or uuid.uuid4().hex
+        self._queues[rid] = self._asyncio.Queue()
+        await self._sock.send(_submit_msg(rid, prompt, params))
+        return rid
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        q = self._queues[request_id]
+        try:
+            while True:
+                out = await q.get()
+                if out.error is not None:
+                    raise KimiError(out.error)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+
+    async def generate(self, prompt: str | list[int], **params: Any) -> AsyncIterator[RequestOutput]:
+        rid = await self.submit(prompt, **params)
+        async for out in self.stream(rid):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self._sock.send(protocol.encode(protocol.AbortRequest(request_id)))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncKimiClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

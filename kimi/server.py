@@ -1,0 +1,214 @@
+"""`kimi serve`: the controller process.
+
+Starts the ZeroMQ transport, spawns the workers under torchrun (unless `--attach`), opens HTTP at once
+(`/health` says "loading" until every rank is ready), waits for the workers' handshake, then runs the
+engine loop, the HTTP server and the ZeroMQ submit API in one asyncio event loop.
+
+Exit status: 0 after SIGINT / SIGTERM; 1 when a worker dies or fails (every in-flight request is failed
+with the error first) or start-up fails. Worker processes are never left behind: they are sent `Shutdown`,
+then terminated as a process group; workers also exit by themselves when the controller goes silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import uvicorn
+
+from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
+from kimi.controller.engine import Engine
+from kimi.controller.http import OpenAIServer
+from kimi.controller.submit import SubmitServer
+from kimi.controller.transport import ControllerTransport, free_tcp_port
+from kimi.tokenizer import KimiTokenizer
+
+log = logging.getLogger("kimi.server")
+
+
+@dataclass
+class ServeArgs:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    zmq_submit_addr: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    nproc: int = 1
+    block_size: int = 64
+    num_blocks: int | None = None
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    token_budget: int = 2048
+    num_hidden_layers: int | None = None
+    attach: bool = False
+    plan_addr: str | None = None
+    result_addr: str | None = None
+    worker_timeout: float = 600.0
+    log_level: str = "info"
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: folder name)")
+    p.add_argument("--zmq-submit-addr", default=None, help="ZeroMQ submit API address (default tcp://HOST:PORT+1)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default fp32 cpu, bf16 cuda")
+    p.add_argument("--nproc", type=int, default=1, help="worker ranks on this node (DP attention x EP MoE)")
+    p.add_argument("--block-size", type=int, default=64, help="KV-cache block size in tokens")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per rank (default: from memory)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV-cache memory per rank")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: config's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per DP rank")
+    p.add_argument("--token-budget", type=int, default=2048, help="tokens per step per rank (chunked prefill)")
+    p.add_argument("--num-hidden-layers", type=int, default=None, help="use only the first N layers (benchmarks)")
+    p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
+    p.add_argument("--plan-addr", default=None, help="ZeroMQ address workers read plans from (default: free port)")
+    p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
+    p.add_argument("--worker-timeout", type=float, default=600.0, help="seconds a step may take before failing")
+    p.add_argument("--log-level", default="info")
+
+
+def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
+    """The torchrun command line that starts this server's workers."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.nproc),
+        "--master-port", str(free_tcp_port()), "-m", "kimi.worker.main",
+        "--model", a.model, "--plan-addr", plan_addr, "--result-addr", result_addr,
+        "--device", a.device, "--block-size", str(a.block_size),
+        "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+    ]
+    for flag, v in (("--dtype", a.dtype), ("--num-blocks", a.num_blocks), ("--kv-cache-memory-gib", a.kv_cache_memory_gib),
+                    ("--num-hidden-layers", a.num_hidden_layers)):
+        if v is not None:
+            cmd += [flag, str(v)]
+    return cmd
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture (it re-raises the signal on exit, which would kill the
+    controller before it stops its workers); `serve` installs handlers that set `should_exit`."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class WorkerProcess:
+    """The torchrun child and its process group."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+
+    def check(self) -> str | None:
+        rc = self.proc.poll()
+        return None if rc is None else f"worker process exited with code {rc}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(3)
+                # torchrun's children share its group; make sure none outlives it
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+
+
+async def serve(a: ServeArgs) -> int:
+    """Run the server until a signal (returns 0) or a worker failure (returns 1)."""
+    cfg = ModelConfig.from_dir(a.model)
+    if a.num_hidden_layers is not None:
+        cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
+    tokenizer = KimiTokenizer.from_dir(a.model)
+    eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
+    max_model_len = a.max_model_len or cfg.max_position_embeddings
+    name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
+    plan_addr = a.plan_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
+    result_addr = a.result_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
+    transport = ControllerTransport(plan_addr, result_addr)
+    engine = Engine(
+        tokenizer,
+        eos,
+        SchedulerConfig(max_num_seqs=a.max_num_seqs, token_budget=a.token_budget, max_model_len=max_model_len),
+        CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gib=a.kv_cache_memory_gib),
+        transport,
+        vocab_size=cfg.vocab_size,
+        step_timeout_s=a.worker_timeout,
+    )
+    workers = None
+    if not a.attach:
+        workers = WorkerProcess(worker_command(a, plan_addr, result_addr))
+        engine.liveness_checks.append(workers.check)
+    else:
+        log.info("waiting for %d external worker rank(s): --plan-addr %s --result-addr %s", a.nproc, plan_addr, result_addr)
+
+    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size)
+    http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
+    submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
+    submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)
+    http_task = asyncio.create_task(http.serve())
+    submit_task = asyncio.create_task(submit.serve())
+    engine_task = None
+    rc = 0
+    try:
+        start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.worker_timeout))
+        await asyncio.wait({start, http_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # HTTP stopped (a signal) while loading
+            start.cancel()
+            return 0
+        try:
+            start.result()
+        except Exception as e:
+            log.error("start-up failed: %s", e)
+            engine.fail_all(str(e))
+            return 1
+        log.info("ready: model %r on http://%s:%d, ZeroMQ submit API on %s", name, a.host, a.port, submit_addr)
+        engine_task = asyncio.create_task(engine.run())
+        done, _ = await asyncio.wait({engine_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+        if engine.fatal_error is not None:
+            rc = 1
+            await asyncio.sleep(0.2)  # let streaming responses deliver their error chunks
+    finally:
+        http.should_exit = True
+        await engine.shutdown()
+        if engine_task is not None and not engine_task.done():
+            engine_task.cancel()
+        submit_task.cancel()
+        submit.close()
+        try:
+            await asyncio.wait_for(http_task, 5)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            pass
+        if workers is not None:
+            await asyncio.to_thread(workers.stop)
+        transport.close()
+    return rc
+
+
+def run(a: ServeArgs) -> int:
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(a))

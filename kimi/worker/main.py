@@ -1,0 +1,108 @@
+"""torchrun entry point of a GPU/CPU worker: `torchrun --nproc-per-node N -m kimi.worker.main ...`.
+
+Each rank connects to the controller (SUB for plans, PUSH for results), loads its shard of the weights,
+sizes its KV cache, answers the controller's ping with `Ready`, then runs one step per plan. It exits
+when the controller says `Shutdown`, when the controller goes silent for `--controller-timeout` seconds,
+or (non-zero, after sending `WorkerError`) on any failure, including a gap in step numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+import torch
+
+from kimi import protocol
+from kimi.config import CacheConfig, ModelConfig
+from kimi.controller.transport import WorkerTransport
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kimi.worker.main")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--plan-addr", required=True, help="controller PUB address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--result-addr", required=True, help="controller PULL address")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
+    p.add_argument("--controller-timeout", type=float, default=30.0, help="exit after this long without a message")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    log = logging.getLogger("kimi.worker")
+    transport = WorkerTransport(args.plan_addr, args.result_addr)
+    try:
+        from kimi.worker.runner import ModelRunner
+
+        device = "cpu"
+        if args.device == "cuda":
+            torch.cuda.set_device(local_rank)
+            device = f"cuda:{local_rank}"
+        dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+        cfg = ModelConfig.from_dir(args.model)
+        if args.num_hidden_layers is not None:
+            cfg = cfg.with_overrides(num_hidden_layers=args.num_hidden_layers)
+        cache = CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        runner = ModelRunner(
+            args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
+            progress=not args.no_progress and rank == 0,
+        )
+    except Exception as e:
+        traceback.print_exc()
+        transport.send(protocol.WorkerError(rank, f"start-up failed: {type(e).__name__}: {e}"))
+        transport.close()
+        return 1
+
+    ready = False
+    last_step = 0
+    try:
+        while True:
+            msg = transport.recv(args.controller_timeout)
+            if msg is None:
+                log.error("no message from the controller for %.0f s; exiting", args.controller_timeout)
+                return 1
+            if isinstance(msg, protocol.Ping):
+                if not ready:
+                    transport.send(protocol.Ready(rank, world_size, runner.num_blocks, args.block_size, device))
+                    ready = True
+                continue
+            if isinstance(msg, protocol.Shutdown):
+                log.info("shutdown: %s", msg.reason)
+                return 0
+            if msg.step != last_step + 1:
+                raise RuntimeError(f"step plan gap: expected step {last_step + 1}, got {msg.step}")
+            last_step = msg.step
+            outputs = runner.execute(msg)
+            transport.send(protocol.StepResult(msg.step, rank, outputs))
+    except Exception as e:
+        traceback.print_exc()
+        transport.send(protocol.WorkerError(rank, f"{type(e).__name__}: {e}"))
+        return 1
+    finally:
+        transport.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

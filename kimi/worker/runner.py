@@ -1,0 +1,169 @@
+"""ModelRunner: one rank's weights, KV cache and per-request state; turns a StepPlan into sampled tokens.
+
+The runner holds no request policy: it computes exactly the tokens the plan names and samples the next
+token of every request whose computed tokens reach the end of its known tokens (protocol.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kimi import protocol
+from kimi.checkpoint import load_checkpoint
+from kimi.config import CacheConfig, ModelConfig
+from kimi.ops.attention import build_attention_metadata
+from kimi.ops.sampling import sample
+from kimi.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from kimi.worker.model import KimiForCausalLM
+
+log = logging.getLogger("kimi.worker")
+
+
+@dataclass
+class WorkerRequest:
+    """A request as one worker sees it: its tokens, how many have KV in the cache, and its block table."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling: protocol.SamplingParams
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    """Loads this rank's shard and runs steps.
+
+    rank / world_size: this worker's DP rank and EP rank (the same under DP attention + EP MoE).
+    Raises CheckpointError / ConfigError while loading, RuntimeError on plan inconsistencies.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        cfg: ModelConfig,
+        cache_config: CacheConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        progress: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        t0 = time.monotonic()
+        weights = load_checkpoint(
+            model_dir, cfg, ep_rank=rank, ep_size=world_size, dequantize=True, dtype=dtype, device="cpu", progress=progress
+        )
+        self.model = KimiForCausalLM(cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device)
+        self.model.load_weights(weights)
+        del weights
+        self.model.eval()
+        log.info("rank %d: weights loaded in %.1f s", rank, time.monotonic() - t0)
+        self.num_blocks = self._num_blocks(cache_config)
+        self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, dtype, self.device)
+        self.requests: dict[int, WorkerRequest] = {}
+
+    def _num_blocks(self, cc: CacheConfig) -> int:
+        per_block = kv_cache_bytes_per_block(self.cfg, cc.block_size, self.dtype)
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        if cc.kv_cache_memory_gib is not None:
+            budget = cc.kv_cache_memory_gib * (1 << 30)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = max(0.0, free - (1 - cc.gpu_memory_utilization) * total)
+        else:
+            budget = 0.5 * (1 << 30)
+        n = int(budget // per_block)
+        if n < 2:
+            raise RuntimeError(f"no room for the KV cache: {budget / 2**20:.1f} MiB for blocks of {per_block} bytes")
+        return n
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def _new_generator(self, sp: protocol.SamplingParams) -> torch.Generator | None:
+        if sp.seed is None:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed(sp.seed)
+        return g
+
+    @torch.inference_mode()
+    def execute(self, plan: protocol.StepPlan) -> list[protocol.TokenOutput]:
+        """Apply the plan's diff, run one forward over this rank's scheduled tokens, sample, return tokens."""
+        for rid in plan.finished:
+            self.requests.pop(rid, None)
+        batch: list[tuple[int, WorkerRequest, int]] = []
+        for nr in plan.new:
+            if nr.dp_rank != self.rank:
+                continue
+            wr = WorkerRequest(
+                list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling, self._new_generator(nr.sampling)
+            )
+            self.requests[nr.rid] = wr
+            batch.append((nr.rid, wr, nr.num_new_tokens))
+        for c in plan.cont:
+            wr = self.requests.get(c.rid)
+            if wr is None:
+                continue  # another DP rank's request
+            wr.block_table.extend(c.new_block_ids)
+            batch.append((c.rid, wr, c.num_new_tokens))
+        if not batch:
+            return []
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_idx: list[int] = []
+        row = 0
+        for i, (rid, wr, n) in enumerate(batch):
+            start = wr.num_computed_tokens
+            end = start + n
+            if n <= 0 or end > len(wr.token_ids):
+                raise RuntimeError(f"plan asks rid {rid} for tokens [{start}, {end}) of {len(wr.token_ids)}")
+            if len(wr.block_table) * self.block_size < end:
+                raise RuntimeError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
+            input_ids.extend(wr.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(wr.block_table)
+            row += n
+            if end == len(wr.token_ids):
+                sample_rows.append(row - 1)
+                sample_idx.append(i)
+
+        dev = self.device
+        attn = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
+        hidden = self.model(  # [T, hidden]
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            attn,
+            self.kv_caches,
+        )
+        for _, wr, n in batch:
+            wr.num_computed_tokens += n
+        if not sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
+        params = [batch[i][1].sampling for i in sample_idx]
+        gens = [batch[i][1].generator for i in sample_idx]
+        res = sample(logits, params, gens)
+        outputs = []
+        for j, i in enumerate(sample_idx):
+            rid, wr, _ = batch[i]
+            tok = res.token_ids[j]
+            wr.token_ids.append(tok)
+            outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j]))
+        return outputs

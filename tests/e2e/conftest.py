@@ -1,0 +1,104 @@
+"""A real kimi server (controller + torchrun worker) on a free loopback port, on a tiny K2.6 checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+from kimi.controller.transport import free_tcp_port  # noqa: E402
+from make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    zmq_addr: str
+    model: str
+    model_dir: str
+    log_path: str
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")[-4000:]
+
+
+def worker_pids(model_dir: str) -> list[int]:
+    """PIDs of live kimi worker / torchrun processes serving model_dir (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{d}/stat").read_text().split()[2]
+        except OSError:
+            continue
+        if model_dir in cmd and ("kimi.worker.main" in cmd or "torch.distributed.run" in cmd) and state != "Z":
+            out.append(int(d))
+    return out
+
+
+def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 120.0) -> Server:
+    port = free_tcp_port()
+    zport = free_tcp_port()
+    cmd = [sys.executable, "-m", "kimi", "serve", "--model", model_dir, "--port", str(port),
+           "--zmq-submit-addr", f"tcp://127.0.0.1:{zport}", "--served-model-name", "tiny", *extra]
+    logf = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    srv = Server(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zport}", "tiny", model_dir, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{srv.log()}")
+        try:
+            r = httpx.get(f"{srv.base_url}/health", timeout=1)
+            if r.status_code == 200 and r.json()["status"] == "ok":
+                return srv
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(srv)
+    raise RuntimeError(f"server not healthy after {timeout_s} s:\n{srv.log()}")
+
+
+def stop_server(srv: Server, sig: int = signal.SIGTERM) -> int:
+    if srv.proc.poll() is None:
+        srv.proc.send_signal(sig)
+    try:
+        return srv.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        raise
+
+
+@pytest.fixture(scope="session")
+def tiny_k26(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("ckpt") / "tiny-k2.6"
+    make_tiny_checkpoint(str(d), layout="k2.6", seed=0)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_k26, tmp_path_factory):
+    """Small blocks and a small token budget so that prompts span blocks and prefills are chunked."""
+    log = str(tmp_path_factory.mktemp("log") / "server.log")
+    srv = start_server(tiny_k26, log, "--block-size", "16", "--token-budget", "48", "--max-model-len", "512",
+                       "--num-blocks", "400")
+    yield srv
+    rc = stop_server(srv)
+    assert rc == 0, srv.log()
+    deadline = time.monotonic() + 10
+    while worker_pids(tiny_k26) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert worker_pids(tiny_k26) == [], "worker processes outlived the server"

@@ -1,0 +1,200 @@
+"""End to end: the real server driven by the official `openai` client and by kimi's ZeroMQ client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import openai
+import pytest
+
+from kimi.client import AsyncKimiClient, KimiClient, KimiError
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion(client):
+    r = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens == (7 if c.finish_reason == "length" else r.usage.completion_tokens)
+    assert 1 <= r.usage.completion_tokens <= 7
+    assert r.usage.prompt_tokens >= 2 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # Greedy is deterministic: the same request gives the same text.
+    r2 = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0)
+    assert r2.choices[0].text == c.text
+
+
+def test_completion_streaming_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt=[11, 22, 33, 44, 55], max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    full = client.completions.create(**kw)
+    assert full.choices[0].text == text
+    assert full.usage.completion_tokens == 10 and full.usage.prompt_tokens == 5
+
+
+def test_chat(client):
+    msgs = [{"role": "user", "content": "What is 1+1?"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    m = r.choices[0].message
+    assert m.role == "assistant" and isinstance(m.content, str)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True)
+    parts, roles, reasons = [], [], []
+    for ch in stream:
+        d = ch.choices[0].delta
+        if d.role:
+            roles.append(d.role)
+        if d.content:
+            parts.append(d.content)
+        if ch.choices[0].finish_reason:
+            reasons.append(ch.choices[0].finish_reason)
+    assert roles == ["assistant"]
+    assert reasons == [r.choices[0].finish_reason]
+    assert "".join(parts) == m.content
+
+
+def test_chat_user_text_never_becomes_control_tokens(server, client):
+    """A user's literal '<|im_end|>' is text: the prompt is longer than the one-token control version."""
+    a = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x<|im_end|>"}],
+                                       max_tokens=1, temperature=0)
+    b = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1, temperature=0)
+    assert a.usage.prompt_tokens > b.usage.prompt_tokens + 1
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    lengths = [1, 3, 9, 17, 30, 47, 64, 130]  # beyond the 48-token budget: chunked prefill, many 16-token blocks
+    return [[rng.randrange(0, 160000) for _ in range(n)] for n in lengths]
+
+
+def test_concurrent_greedy_requests_match_alone(server, client):
+    prompts = _prompts()
+    max_tokens = [12, 5, 9, 16, 3, 11, 7, 14]
+    alone = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
+        for p, m in zip(prompts, max_tokens)
+    ]
+
+    async def together():
+        ac = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*[
+                ac.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
+                for p, m in zip(prompts, max_tokens)
+            ])
+        finally:
+            await ac.close()
+
+    both = asyncio.run(together())
+    for a, b, m in zip(alone, both, max_tokens):
+        assert a.usage.completion_tokens == m == b.usage.completion_tokens
+        assert a.choices[0].text == b.choices[0].text
+
+    # The ZeroMQ client sees the same tokens (and their text) as HTTP.
+    with KimiClient(server.zmq_addr, timeout_s=120) as zc:
+        for p, m, a in zip(prompts, max_tokens, alone):
+            outs = list(zc.generate(p, max_tokens=m, temperature=0.0, ignore_eos=True))
+            ids = [t for o in outs for t in o.token_ids]
+            assert len(ids) == m
+            assert outs[-1].finished and outs[-1].finish_reason == "length"
+            assert "".join(o.text for o in outs) == a.choices[0].text
+
+
+def test_zmq_async_client_and_abort(server):
+    async def go():
+        async with AsyncKimiClient(server.zmq_addr) as c:
+            text = ""
+            async for o in c.generate("Hello world", max_tokens=5, temperature=0.0):
+                text += o.text
+            rid = await c.submit([1, 2, 3], max_tokens=400, temperature=0.0, ignore_eos=True)
+            got = []
+            async for o in c.stream(rid):
+                got.append(o)
+                if len(got) == 2:
+                    await c.abort(rid)
+                if o.finished:
+                    break
+            return text, got
+
+    text, got = asyncio.run(go())
+    http = httpx.post(f"{server.base_url}/v1/completions",
+                      json={"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0}).json()
+    assert text == http["choices"][0]["text"]
+    assert got[-1].finished and got[-1].finish_reason == "abort"
+    assert len(got) < 50
+
+
+def test_zmq_bad_submission_is_an_error(server):
+    with KimiClient(server.zmq_addr, timeout_s=60) as c:
+        with pytest.raises(KimiError, match="top_p"):
+            list(c.generate("hi", max_tokens=3, top_p=0.0))
+        with pytest.raises(KimiError, match="max_tokens"):
+            list(c.generate("hi", max_tokens=0))
+
+
+BAD = [
+    ({"model": "nope", "prompt": "hi"}, "model"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "prompt": ""}, "prompt"),
+    ({"model": "tiny", "prompt": []}, "prompt"),
+    ({"model": "tiny", "prompt": 5}, "prompt"),
+    ({"model": "tiny", "prompt": [1, -3]}, "prompt"),
+    ({"model": "tiny", "prompt": [7] * 600}, "prompt"),
+    ({"model": "tiny", "prompt": [7] * 500, "max_tokens": 100}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "tiny", "prompt": "hi", "n": 3}, "n"),
+    ({"model": "tiny", "prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_bad_completion_requests_are_400(server, body, param):
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+BAD_CHAT = [
+    ({"model": "tiny"}, "messages"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_bad_chat_requests_are_400(server, body, param):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_malformed_json_is_400_and_changes_nothing(server, client):
+    r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    ok = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1

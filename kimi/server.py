@@ -56,6 +56,9 @@ class ServeArgs:
     result_addr: str | None = None
     worker_timeout: float = 600.0
     log_level: str = "info"
+    no_prefix_cache: bool = False
+    max_waiting: int = 1024
+    fake_workers: bool = False
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +83,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
     p.add_argument("--worker-timeout", type=float, default=600.0, help="seconds a step may take before failing")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
+    p.add_argument("--fake-workers", action="store_true",
+                   help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)")
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
@@ -95,6 +103,8 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
                     ("--num-hidden-layers", a.num_hidden_layers)):
         if v is not None:
             cmd += [flag, str(v)]
+    if a.fake_workers:
+        cmd.append("--fake")
     return cmd
 
 
@@ -155,6 +165,8 @@ async def serve(a: ServeArgs) -> int:
         transport,
         vocab_size=cfg.vocab_size,
         step_timeout_s=a.worker_timeout,
+        enable_prefix_caching=not a.no_prefix_cache,
+        max_waiting=a.max_waiting,
     )
     workers = None
     if not a.attach:

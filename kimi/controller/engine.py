@@ -45,6 +45,12 @@ class AdmissionError(ValueError):
         self.param = param
 
 
+class QueueFull(AdmissionError):
+    """The waiting queue holds `max_waiting` requests already; retry later (HTTP 503 + Retry-After)."""
+
+    retry_after_s = 1
+
+
 class EngineDead(RuntimeError):
     """The engine stopped after a worker failure; new requests are refused."""
 
@@ -73,6 +79,8 @@ class Engine:
         vocab_size: int,
         step_timeout_s: float = 600.0,
         heartbeat_s: float = 1.0,
+        enable_prefix_caching: bool = True,
+        max_waiting: int = 1024,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -98,6 +106,8 @@ class Engine:
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
         self.liveness_checks: list[Callable[[], str | None]] = []
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_waiting = max_waiting
 
     # ---- start-up ---------------------------------------------------------------------------------------
     async def start(self, world_size: int, timeout_s: float = 600.0) -> None:
@@ -132,7 +142,7 @@ class Engine:
             raise RuntimeError(f"workers use block_size {block_size}, controller {self.cache_config.block_size}")
         self.world_size = world_size
         self.schedulers = [
-            Scheduler(self.scheduler_config, BlockPool(num_blocks, block_size), dp_rank=r) for r in range(world_size)
+            Scheduler(self.scheduler_config, BlockPool(num_blocks, block_size, self.enable_prefix_caching), dp_rank=r) for r in range(world_size)
         ]
         self.router = DPRouter(self.schedulers)
         self.kv_capacity_tokens = (num_blocks - 1) * block_size
@@ -147,7 +157,10 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
     ) -> Request:
-        """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure."""
+        """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure.
+
+        Raises QueueFull (an AdmissionError) when `max_waiting` requests are already waiting.
+        """
         if self.fatal_error is not None:
             raise EngineDead(self.fatal_error)
         if not self.ready:
@@ -174,6 +187,8 @@ class Engine:
                 f"{self.kv_capacity_tokens} tokens",
                 "max_tokens",
             )
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"the server's waiting queue is full ({self.max_waiting} requests); retry later")
         rid = next(self._rids)
         req = Request(
             rid=rid,
@@ -310,6 +325,7 @@ class Engine:
                 if not req.sent_to_workers:
                     continue  # preempted later in this same plan (not possible today, kept safe)
                 req.num_computed_tokens += sr.num_new_tokens
+                self.schedulers[req.dp_rank].commit(req)  # full blocks just computed join the prefix cache
                 if req.num_computed_tokens < len(req.token_ids):
                     continue  # a prompt chunk; no token sampled yet
                 tok = tokens.get(req.rid)
@@ -378,3 +394,15 @@ class Engine:
     @property
     def num_used_blocks(self) -> int:
         return sum(s.block_pool.num_used_blocks for s in self.schedulers)
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prefix-cache counters summed over DP ranks (BlockPool.stats): requests, hit_requests, queries
+        (prompt tokens looked up), hits (tokens found cached), evictions; plus preemptions (for /metrics)."""
+        out = {"requests": 0, "hit_requests": 0, "queries": 0, "hits": 0, "evictions": 0, "preemptions": 0}
+        for sch in self.schedulers:
+            st = sch.block_pool.stats
+            for k in ("requests", "hit_requests", "queries", "hits", "evictions"):
+                out[k] += getattr(st, k)
+            out["preemptions"] += sch.num_preemptions
+        return out

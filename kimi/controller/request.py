@@ -52,6 +52,14 @@ class Request:
     finish_reason: str | None = None
     outputs: asyncio.Queue | None = None
     detokenizer: object | None = None
+    # prefix cache (scheduler / block_pool): chained hashes of the full blocks of token_ids, how many of
+    # block_table's blocks are registered in the cache, and the prompt tokens the first schedule found
+    # cached (usage.prompt_tokens_details.cached_tokens); preemptions so far.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
+    was_scheduled: bool = False
+    num_preemptions: int = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,12 +1,20 @@
 """Continuous batching for one DP rank: decodes first, then chunked prefills, under a per-step token budget.
 
 Each step (`schedule`):
-1. Running requests, oldest first, get their next tokens (1 for a decode, the next prompt chunk for a
-   partially prefilled one), as long as the token budget lasts. A request whose new tokens need a KV block
-   when none is free preempts the newest running request (its blocks are freed; it goes back to the front
-   of the waiting queue and is recomputed later from its prompt and outputs so far).
+1. Running requests get their next tokens as long as the token budget lasts: first every decode (one
+   token each, oldest first), then partially prefilled / resumed requests (the next prompt chunk, at most
+   the budget left). So a long prompt arriving mid-decode never stalls the running decodes: each step
+   still carries one token for every running decode, and the long prompt gets what is left (one chunk).
+   A request whose new tokens need a KV block when none is free preempts the newest running request not
+   yet scheduled this step (its blocks are freed but stay in the prefix cache; it goes back to the front of
+   the waiting queue and is recomputed later from its prompt and outputs so far, which then mostly hits
+   the cache).
 2. Waiting requests, first come first served, start while budget, `max_num_seqs` and free blocks allow; a
-   long prompt is chunked so that it never takes more than the remaining budget.
+   new request first takes the longest cached prefix of its tokens (BlockPool.lookup; whole blocks, never
+   its last token, so at least one token is computed and the last position yields logits), then a chunk
+   of the rest that fits the remaining budget.
+After each step the engine calls `commit(req)`, which registers the request's newly completed full blocks
+in the prefix cache (only then is their KV known to be written).
 The controller never schedules work for a request it cannot hold: admission (`engine`) rejects requests
 whose prompt + max_tokens exceed what the whole cache holds.
 """
@@ -17,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kimi.config import SchedulerConfig
-from kimi.controller.block_pool import BlockPool
+from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.request import Request, RequestStatus
 
 
@@ -25,7 +33,8 @@ from kimi.controller.request import Request, RequestStatus
 class ScheduledRequest:
     """One request's share of a step: compute `num_new_tokens` tokens; `new_blocks` were appended for them.
 
-    is_new: the workers do not hold this request yet (first schedule, or after preemption).
+    is_new: the workers do not hold this request yet (first schedule, or after preemption); its
+    `num_computed_tokens` then counts the prefix-cache hit the workers must not recompute.
     """
 
     request: Request
@@ -36,6 +45,8 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """A step's work for one DP rank: the scheduled requests and those preempted while planning it."""
+
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
 
@@ -45,7 +56,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting queue, running list and BlockPool of one DP rank."""
+    """Waiting queue, running list and BlockPool of one DP rank.
+
+    Not thread-safe; the engine's event loop owns it. Invariants: a running request's block table holds
+    exactly blocks_needed(num_computed_tokens) blocks between steps; its first `num_cached_blocks` blocks
+    are registered in the prefix cache; waiting requests hold no blocks.
+    """
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, dp_rank: int = 0) -> None:
         self.config = config
@@ -53,9 +69,11 @@ class Scheduler:
         self.dp_rank = dp_rank
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     # ---- queue management ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        """Append a new request to the waiting queue (FCFS)."""
         req.dp_rank = self.dp_rank
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
@@ -63,9 +81,9 @@ class Scheduler:
     def remove(self, req: Request) -> bool:
         """Take a request out (finished or aborted) and free its blocks. Returns True if the workers hold it."""
         held = req.sent_to_workers
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status == RequestStatus.WAITING:
             try:
                 self.waiting.remove(req)
             except ValueError:
@@ -78,11 +96,43 @@ class Scheduler:
         if req.block_table:
             self.block_pool.free(req.block_table)
         req.block_table = []
+        req.num_cached_blocks = 0
         req.num_sent_blocks = 0
         req.sent_to_workers = False
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def _update_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes to cover every full block of req.token_ids (token_ids only grows)."""
+        bs = self.block_pool.block_size
+        have = len(req.block_hashes)
+        if have < len(req.token_ids) // bs:
+            parent = req.block_hashes[-1] if have else b""
+            req.block_hashes.extend(block_hashes(req.token_ids, bs, have, parent))
+
+    def commit(self, req: Request) -> None:
+        """Register req's full blocks whose KV is now computed (call after a step's tokens are applied)."""
+        pool = self.block_pool
+        if not pool.enable_caching:
+            return
+        n_full = min(req.num_computed_tokens // pool.block_size, len(req.block_table))
+        if n_full <= req.num_cached_blocks:
+            return
+        self._update_hashes(req)
+        for i in range(req.num_cached_blocks, n_full):
+            pool.cache(req.block_table[i], req.block_hashes[i])
+        req.num_cached_blocks = n_full
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks of req's longest cached prefix, at most (len(token_ids) - 1) // block_size of them."""
+        pool = self.block_pool
+        if not pool.enable_caching or getattr(req.sampling, "prompt_logprobs", -1) >= 0:
+            return []  # prompt logprobs need every prompt position computed
+        self._update_hashes(req)
+        max_hit = (len(req.token_ids) - 1) // pool.block_size
+        return pool.lookup(req.block_hashes[:max_hit])
 
     # ---- one step -------------------------------------------------------------------------------------
     def _grow(self, req: Request, num_new: int) -> list[int] | None:
@@ -101,10 +151,35 @@ class Scheduler:
         held = victim.sent_to_workers
         self._release(victim)
         victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         if held:
             out.preempted.append(victim)
+
+    def _admit(self, req: Request, budget: int) -> tuple[int, list[int]] | None:
+        """Give a waiting request its cached prefix and blocks for its first chunk; None if blocks lack.
+
+        Returns (num_new_tokens, newly allocated blocks). Nothing changes when it returns None.
+        """
+        pool = self.block_pool
+        hits = self._cached_prefix(req)
+        num_computed = len(hits) * pool.block_size
+        num_new = min(len(req.token_ids) - num_computed, budget)
+        need = pool.blocks_needed(num_computed + num_new) - len(hits)
+        if need + pool.num_free_among(hits) > pool.num_free_blocks:
+            return None
+        pool.touch(hits)
+        blocks = pool.allocate(need)
+        pool.record_query(len(req.token_ids), num_computed)
+        req.block_table = hits + blocks
+        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = num_computed
+        if not req.was_scheduled:
+            req.num_cached_tokens = num_computed
+            req.was_scheduled = True
+        return num_new, blocks
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work; mutates block tables (the caller turns the result into a StepPlan)."""
@@ -112,39 +187,44 @@ class Scheduler:
         budget = self.config.token_budget
         scheduled_ids: set[int] = set()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens_to_compute, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            blocks = self._grow(req, num_new)
-            while blocks is None:
-                victim = self.running[-1]
-                if victim.rid in scheduled_ids or victim is req:
+        if self.running:
+            decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+            if len(decodes) < len(self.running):
+                order = decodes + [r for r in self.running if r.num_tokens_to_compute != 1]
+            else:
+                order = decodes
+            for req in order:
+                if budget <= 0:
                     break
-                self._preempt(victim, out)
+                if req.status != RequestStatus.RUNNING:
+                    continue  # preempted earlier in this step
+                num_new = min(req.num_tokens_to_compute, budget)
+                if num_new <= 0:
+                    continue
                 blocks = self._grow(req, num_new)
-            if blocks is None:
-                # Even after preempting everything newer, this request does not fit: preempt it too.
-                self._preempt(req, out)
-                continue
-            is_new = not req.sent_to_workers
-            out.scheduled.append(ScheduledRequest(req, num_new, blocks, is_new))
-            scheduled_ids.add(req.rid)
-            budget -= num_new
-            i += 1
+                while blocks is None:
+                    victim = self.running[-1]
+                    if victim.rid in scheduled_ids or victim is req:
+                        break
+                    self._preempt(victim, out)
+                    blocks = self._grow(req, num_new)
+                if blocks is None:
+                    # Even after preempting everything newer, this request does not fit: preempt it too.
+                    self._preempt(req, out)
+                    continue
+                out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers))
+                scheduled_ids.add(req.rid)
+                budget -= num_new
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = min(req.num_tokens_to_compute, budget)
-            blocks = self._grow(req, num_new)
-            if blocks is None:
+            got = self._admit(req, budget)
+            if got is None:
                 break
+            num_new, _ = got
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, blocks, True))
+            out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True))
             budget -= num_new
         return out

@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
     p.add_argument("--controller-timeout", type=float, default=30.0, help="exit after this long without a message")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)")
     return p.parse_args(argv)
 
 
@@ -65,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_gib=args.kv_cache_memory_gib,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
-        runner = ModelRunner(
-            args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
-            progress=not args.no_progress and rank == 0,
-        )
+        if args.fake:
+            from kimi.worker.fake import FakeRunner
+
+            runner = FakeRunner(cfg, cache, rank=rank, world_size=world_size)
+        else:
+            runner = ModelRunner(
+                args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
+                progress=not args.no_progress and rank == 0,
+            )
     except Exception as e:
         traceback.print_exc()
         transport.send(protocol.WorkerError(rank, f"start-up failed: {type(e).__name__}: {e}"))

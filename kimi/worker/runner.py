@@ -159,6 +159,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
         params = [batch[i][1].sampling for i in sample_idx]
         gens = [batch[i][1].generator for i in sample_idx]
+        for i, g in zip(sample_idx, gens):
+            if g is not None:
+                # A seeded draw depends only on (seed, position), so a request recomputed after preemption
+                # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
+                wr = batch[i][1]
+                g.manual_seed((wr.sampling.seed * 1_000_003 + len(wr.token_ids)) % (1 << 63))
         res = sample(logits, params, gens)
         outputs = []
         for j, i in enumerate(sample_idx):

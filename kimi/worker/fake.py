@@ -1,0 +1,171 @@
+"""FakeRunner: a worker that loads no model and returns deterministic pseudo-random tokens.
+
+`kimi serve --fake-workers` starts the normal torchrun workers with `--fake`; each rank then uses this
+runner instead of `ModelRunner`. Everything else is real: the ZeroMQ step plans and results, the step
+numbering, DP rank ownership, the controller, HTTP. It exists to measure the controller + HTTP cost per
+step without a model (tools/bench_controller.py) and to check the controller's KV bookkeeping at scale.
+
+Tokens. Greedy (temperature 0) and seeded requests get a token that is a pure function of the request's
+context: a 64-bit mix (splitmix64 finaliser) of (previous token, position, seed), reduced modulo
+`FAKE_VOCAB` (100000, ordinary BPE ids well below Kimi's special tokens, so EOS never comes out). So a
+request yields the same tokens alone, batched, or after preemption and recompute. Unseeded sampling
+(temperature > 0, no seed) draws from Python's `random`.
+
+KV bookkeeping check. The runner keeps a token-id "cache" with one int64 per KV slot. Every computed token
+is written at its slot (block_table[p // block_size] * block_size + p % block_size). A new request's
+first `num_computed_tokens` positions (its prefix-cache hit) must already hold exactly its tokens, and a
+continuing request's last computed position must still hold its token; otherwise the controller handed out
+a block with the wrong content (or let someone overwrite a shared one) and the step fails loudly
+(RuntimeError -> WorkerError -> every request fails). Cost: one array store per token.
+
+Timing. `step_times` records (t_start, t_end, num_requests, num_tokens) per executed step (time.perf_counter
+seconds); with `$KIMI_FAKE_STATS` set, they are written there as JSON at exit (rank 0 only), so a benchmark
+can compute the controller's share of each step (the gap between one step's end and the next's start).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import time
+from array import array
+from dataclasses import dataclass
+
+from kimi import protocol
+from kimi.config import CacheConfig, ModelConfig
+from kimi.worker.kv_cache import kv_cache_bytes_per_block
+
+FAKE_VOCAB = 100_000
+_MASK = (1 << 64) - 1
+
+
+def fake_token(prev_token: int, position: int, seed: int = 0) -> int:
+    """The fake model's next token after `prev_token` at `position` (0-based index of the new token).
+
+    Pure function; returns an int in [0, FAKE_VOCAB). splitmix64 finaliser (Steele et al. 2014).
+    """
+    x = (prev_token * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9 + seed * 0x94D049BB133111EB) & _MASK
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK
+    x ^= x >> 31
+    return x % FAKE_VOCAB
+
+
+@dataclass
+class FakeRequest:
+    """A request as the fake worker holds it."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling: protocol.SamplingParams
+
+
+class FakeRunner:
+    """Drop-in for ModelRunner (same `execute(plan)`, `num_blocks`) with no model.
+
+    num_blocks: cache_config.num_blocks, else what `kv_cache_memory_gib` (default 0.5 GiB) of real blocks of
+    this config would be. Raises RuntimeError on any plan the real runner would reject and on KV-content
+    mismatches (module docstring).
+    """
+
+    def __init__(self, cfg: ModelConfig, cache_config: CacheConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.block_size = cache_config.block_size
+        if cache_config.num_blocks is not None:
+            self.num_blocks = cache_config.num_blocks
+        else:
+            gib = cache_config.kv_cache_memory_gib if cache_config.kv_cache_memory_gib is not None else 0.5
+            self.num_blocks = max(2, int(gib * (1 << 30) // kv_cache_bytes_per_block(cfg, self.block_size, _bf16())))
+        self.kv = array("q", [-1]) * (self.num_blocks * self.block_size)
+        self.requests: dict[int, FakeRequest] = {}
+        self.step_times: list[tuple[float, float, int, int]] = []
+        path = os.environ.get("KIMI_FAKE_STATS")
+        self._record = bool(path) and rank == 0
+        if self._record:
+            atexit.register(self._dump, path)
+
+    def _dump(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"rank": self.rank, "steps": self.step_times}, f)
+
+    def _slot(self, table: list[int], p: int) -> int:
+        return table[p // self.block_size] * self.block_size + p % self.block_size
+
+    def _check_table(self, rid: int, table: list[int], end: int) -> None:
+        if len(table) * self.block_size < end:
+            raise RuntimeError(f"rid {rid}: {len(table)} blocks cannot hold {end} tokens")
+        for b in table:
+            if not 0 < b < self.num_blocks:
+                raise RuntimeError(f"rid {rid}: block id {b} outside [1, {self.num_blocks})")
+
+    def execute(self, plan: protocol.StepPlan) -> list[protocol.TokenOutput]:
+        """Apply the plan's diff, 'compute' this rank's tokens (write them to the slot array), sample."""
+        t0 = time.perf_counter()
+        for rid in plan.finished:
+            self.requests.pop(rid, None)
+        batch: list[tuple[int, FakeRequest, int]] = []
+        kv = self.kv
+        for nr in plan.new:
+            if nr.dp_rank != self.rank:
+                continue
+            fr = FakeRequest(list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling)
+            self._check_table(nr.rid, fr.block_table, nr.num_computed_tokens + nr.num_new_tokens)
+            for p in range(nr.num_computed_tokens):
+                if kv[self._slot(fr.block_table, p)] != fr.token_ids[p]:
+                    raise RuntimeError(
+                        f"rid {nr.rid}: cached prefix mismatch at position {p} (block "
+                        f"{fr.block_table[p // self.block_size]}): slot holds {kv[self._slot(fr.block_table, p)]}, "
+                        f"token is {fr.token_ids[p]}"
+                    )
+            self.requests[nr.rid] = fr
+            batch.append((nr.rid, fr, nr.num_new_tokens))
+        for c in plan.cont:
+            fr = self.requests.get(c.rid)
+            if fr is None:
+                continue  # another DP rank's request
+            fr.block_table.extend(c.new_block_ids)
+            p = fr.num_computed_tokens - 1
+            if p >= 0 and kv[self._slot(fr.block_table, p)] != fr.token_ids[p]:
+                raise RuntimeError(f"rid {c.rid}: KV slot of position {p} was overwritten by another request")
+            batch.append((c.rid, fr, c.num_new_tokens))
+        outputs: list[protocol.TokenOutput] = []
+        num_tokens = 0
+        for rid, fr, n in batch:
+            start = fr.num_computed_tokens
+            end = start + n
+            if n <= 0 or end > len(fr.token_ids):
+                raise RuntimeError(f"plan asks rid {rid} for tokens [{start}, {end}) of {len(fr.token_ids)}")
+            if len(fr.block_table) * self.block_size < end:
+                raise RuntimeError(f"rid {rid}: {len(fr.block_table)} blocks cannot hold {end} tokens")
+            table, toks, bs = fr.block_table, fr.token_ids, self.block_size
+            for p in range(start, end):
+                kv[table[p // bs] * bs + p % bs] = toks[p]
+            fr.num_computed_tokens = end
+            num_tokens += n
+            if end == len(toks):
+                sp = fr.sampling
+                if sp.temperature == 0.0 or sp.seed is not None:
+                    tok = fake_token(toks[-1], end, 0 if sp.temperature == 0.0 else sp.seed)
+                else:
+                    tok = random.randrange(FAKE_VOCAB)
+                toks.append(tok)
+                lp = None if sp.num_logprobs < 0 else -1.0
+                top_ids = [tok] * sp.num_logprobs if sp.num_logprobs > 0 else None
+                top_lps = [-1.0] * sp.num_logprobs if sp.num_logprobs > 0 else None
+                outputs.append(protocol.TokenOutput(rid, tok, lp, top_ids, top_lps))
+        if self._record:
+            self.step_times.append((t0, time.perf_counter(), len(batch), num_tokens))
+        return outputs
+
+
+def _bf16():
+    import torch
+
+    return torch.bfloat16

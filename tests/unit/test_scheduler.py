@@ -1,0 +1,175 @@
+"""Scheduler: prefix-cache admission, decodes before chunked prefills, preemption under KV pressure.
+
+The engine's part of a step is simulated by `step()`: it applies each scheduled chunk, appends a token
+when a request reaches the end of its known tokens (token = a function of the context, like a greedy model),
+commits full blocks to the prefix cache and finishes requests at max_tokens; it also checks that no
+computed position lands in a block that is registered in the cache (cached blocks are read-only).
+"""
+
+from __future__ import annotations
+
+from kimi.config import SchedulerConfig
+from kimi.controller.block_pool import BlockPool
+from kimi.controller.request import Request, RequestStatus, StopParams
+from kimi.controller.scheduler import Scheduler
+from kimi.protocol import SamplingParams
+
+BS = 4
+
+
+def make(rid: int, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(rid, f"r{rid}", list(prompt), len(prompt), SamplingParams(temperature=0.0), StopParams(max_tokens))
+
+
+def sched(num_blocks: int, budget: int = 64, max_num_seqs: int = 64, caching: bool = True) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, token_budget=budget, max_model_len=4096)
+    return Scheduler(cfg, BlockPool(num_blocks, BS, enable_caching=caching))
+
+
+def step(s: Scheduler, kv: dict[int, int] | None = None):
+    """One simulated step; returns the SchedulerOutput. kv maps slot -> token written (content check)."""
+    out = s.schedule()
+    pool = s.block_pool
+    for sr in out.scheduled:
+        req = sr.request
+        start = req.num_computed_tokens
+        for p in range(start, start + sr.num_new_tokens):
+            blk = req.block_table[p // BS]
+            assert not pool.is_cached(blk), f"rid {req.rid} writes position {p} into cached block {blk}"
+            if kv is not None:
+                kv[blk * BS + p % BS] = req.token_ids[p]
+        if sr.is_new and kv is not None:  # a prefix hit must hold exactly this request's tokens
+            for p in range(start):
+                assert kv[req.block_table[p // BS] * BS + p % BS] == req.token_ids[p]
+    for sr in out.scheduled:
+        req = sr.request
+        if req.status != RequestStatus.RUNNING:
+            continue
+        req.num_computed_tokens += sr.num_new_tokens
+        req.sent_to_workers = True
+        s.commit(req)
+        if req.num_computed_tokens == len(req.token_ids):
+            req.token_ids.append((sum(req.token_ids) * 31 + len(req.token_ids)) % 1000)
+            if req.num_output_tokens >= req.stop.max_tokens:
+                s.remove(req)
+    return out
+
+
+def run_all(s: Scheduler, kv=None, limit: int = 1000) -> list:
+    outs = []
+    while s.has_work():
+        outs.append(step(s, kv))
+        assert len(outs) < limit
+    return outs
+
+
+def test_second_request_reuses_a_three_block_prefix():
+    s = sched(32)
+    prefix = list(range(100, 100 + 3 * BS))
+    a = make(1, prefix + [1, 2], max_tokens=3)
+    s.add(a)
+    kv: dict[int, int] = {}
+    run_all(s, kv)
+    b = make(2, prefix + [7], max_tokens=3)
+    s.add(b)
+    out = step(s, kv)
+    (sr,) = out.scheduled
+    assert sr.is_new and sr.num_new_tokens == 1  # only the suffix is computed
+    assert b.num_cached_tokens == 3 * BS and b.num_cached_blocks == 3
+    st = s.block_pool.stats
+    assert st.hits == 3 * BS and st.queries == len(a.token_ids[: a.num_prompt_tokens]) + len(b.token_ids) - 1
+    run_all(s, kv)
+    # Nothing leaks: every block is free again (cached ones stay findable).
+    assert s.block_pool.num_free_blocks == s.block_pool.num_usable_blocks
+
+
+def test_shared_prefix_is_ref_counted_between_running_requests():
+    s = sched(32)
+    prefix = list(range(3 * BS))
+    a = make(1, prefix + [1], max_tokens=50)
+    s.add(a)
+    step(s)
+    step(s)  # a's full prompt blocks are committed after its first step
+    b = make(2, prefix + [2], max_tokens=50)
+    s.add(b)
+    step(s)
+    assert b.block_table[:3] == a.block_table[:3]
+    assert all(s.block_pool.ref_count(x) == 2 for x in a.block_table[:3])
+    assert b.block_table[3] != a.block_table[3]  # the partial block is each request's own
+    s.remove(a)
+    assert all(s.block_pool.ref_count(x) == 1 for x in b.block_table[:3])
+
+
+def test_block_aligned_fully_cached_prompt_still_computes_its_last_block():
+    s = sched(32)
+    prompt = list(range(2 * BS))
+    s.add(make(1, prompt, max_tokens=1))
+    run_all(s)
+    b = make(2, prompt, max_tokens=1)
+    s.add(b)
+    (sr,) = step(s).scheduled
+    assert b.num_cached_tokens == BS and sr.num_new_tokens == BS  # 1 block hit; the last block recomputed
+
+
+def test_caching_off_computes_everything():
+    s = sched(32, caching=False)
+    prompt = list(range(3 * BS + 1))
+    s.add(make(1, prompt, max_tokens=1))
+    run_all(s)
+    b = make(2, prompt, max_tokens=1)
+    s.add(b)
+    (sr,) = step(s).scheduled
+    assert b.num_cached_tokens == 0 and sr.num_new_tokens == len(prompt)
+
+
+def test_long_prompt_never_stalls_running_decodes():
+    s = sched(200, budget=8)
+    decs = [make(i, [i, i + 1], max_tokens=30) for i in range(1, 4)]
+    for r in decs:
+        s.add(r)
+    step(s)
+    long = make(9, list(range(1000, 1040)), max_tokens=2)
+    s.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        out = step(s)
+        ids = {sr.request.rid: sr.num_new_tokens for sr in out.scheduled}
+        assert all(ids.get(r.rid) == 1 for r in decs), ids  # every decode every step
+        chunks.append(ids.get(9, 0))
+    assert chunks == [5] * 8  # 40 prompt tokens in chunks of what the decodes leave (8 - 3)
+
+
+def test_kv_pressure_preempts_newest_and_everyone_finishes_with_the_same_tokens():
+    prompts = [[(7 * i + j) % 50 for j in range(6 + i)] for i in range(6)]
+
+    def alone(p):
+        s = sched(64)
+        r = make(1, p, max_tokens=10)
+        s.add(r)
+        run_all(s)
+        return r.output_token_ids
+
+    want = [alone(p) for p in prompts]
+    s = sched(13, budget=16)  # 12 usable blocks of 4 tokens; each request needs up to 5
+    reqs = [make(i + 1, p, max_tokens=10) for i, p in enumerate(prompts)]
+    for r in reqs:
+        s.add(r)
+    kv: dict[int, int] = {}
+    outs = run_all(s, kv)
+    assert [r.output_token_ids for r in reqs] == want
+    assert s.num_preemptions > 0 and sum(len(o.preempted) for o in outs) > 0
+    # Preempted requests that were resumed found (part of) their earlier KV in the cache.
+    assert any(r.num_preemptions and s.block_pool.stats.hits for r in reqs)
+    assert s.block_pool.num_free_blocks == s.block_pool.num_usable_blocks
+    # The newest is preempted first: the oldest request is never preempted.
+    assert reqs[0].num_preemptions == 0
+
+
+def test_request_fitting_alone_waits_instead_of_failing():
+    s = sched(5, budget=64)  # 4 usable blocks = 16 tokens
+    a = make(1, list(range(10)), max_tokens=5)
+    b = make(2, list(range(20, 30)), max_tokens=5)
+    s.add(a)
+    s.add(b)
+    run_all(s)
+    assert a.num_output_tokens == 5 and b.num_output_tokens == 5

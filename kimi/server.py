@@ -56,6 +56,9 @@ class ServeArgs:
     result_addr: str | None = None
     worker_timeout: float = 600.0
     log_level: str = "info"
+    moe_backend: str = "humming"
+    load_format: str = "auto"
+    enforce_eager: bool = False
     no_prefix_cache: bool = False
     max_waiting: int = 1024
     fake_workers: bool = False
@@ -83,6 +86,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
     p.add_argument("--worker-timeout", type=float, default=600.0, help="seconds a step may take before failing")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
+                   help="cuda: routed-expert kernels, INT4 kept packed (humming, triton) or dequantised (ref)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="cuda: dummy = random weights of the checkpoint's shapes, generated on the GPU")
+    p.add_argument("--enforce-eager", action="store_true", help="cuda: no decode CUDA graphs")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
@@ -105,6 +113,9 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
             cmd += [flag, str(v)]
     if a.fake_workers:
         cmd.append("--fake")
+    if a.device == "cuda":
+        cmd += ["--moe-backend", a.moe_backend, "--load-format", a.load_format,
+                "--cuda-graph-max-bs", str(0 if a.enforce_eager else a.max_num_seqs)]
     return cmd
 
 

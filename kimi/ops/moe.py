@@ -194,6 +194,9 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             DenseMLP(D, inter * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
         )
+        # GPU path (kimi/worker/gpu_model.py): a kimi.ops.moe_backend module that replaces w13 / w2 (packed INT4
+        # kernels); None = the reference over w13 / w2.
+        self.experts_impl: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] (post-attention-layernormed) -> [T, D] = routed experts + shared experts.
@@ -210,9 +213,12 @@ class MoELayer(nn.Module):
             x, self.gate, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor, self.norm_topk_prob
         )  # [T, k] f32, [T, k] int64
         recv = a2a.dispatch(x, topk_weights, topk_ids)
-        y = fused_experts_ref(
-            recv.hidden, self.w13, self.w2, recv.topk_weights, recv.topk_ids, self.expert_offset
-        )  # [T_recv, D]
+        if self.experts_impl is not None:
+            y = self.experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)  # [T_recv, D]
+        else:
+            y = fused_experts_ref(
+                recv.hidden, self.w13, self.w2, recv.topk_weights, recv.topk_ids, self.expert_offset
+            )  # [T_recv, D]
         out = a2a.combine(y, recv)  # [T, D]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

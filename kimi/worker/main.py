@@ -38,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--controller-timeout", type=float, default=30.0, help="exit after this long without a message")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)")
+    p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
+                   help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="cuda: largest decode CUDA graph bucket (0 = eager)")
     return p.parse_args(argv)
 
 
@@ -57,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(local_rank)
             device = f"cuda:{local_rank}"
         dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-        cfg = ModelConfig.from_dir(args.model)
+        if args.model.startswith("preset:"):
+            from kimi.presets import load_preset
+
+            cfg = ModelConfig.from_dict(load_preset(args.model[len("preset:"):]))
+        else:
+            cfg = ModelConfig.from_dir(args.model)
         if args.num_hidden_layers is not None:
             cfg = cfg.with_overrides(num_hidden_layers=args.num_hidden_layers)
         cache = CacheConfig(
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             runner = ModelRunner(
                 args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
                 progress=not args.no_progress and rank == 0,
+                gpu_options=dict(moe_backend=args.moe_backend, load_format=args.load_format,
+                                 cuda_graph_max_bs=args.cuda_graph_max_bs),
             )
     except Exception as e:
         traceback.print_exc()

@@ -52,6 +52,7 @@ class ModelRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         progress: bool = True,
+        gpu_options: dict | None = None,
     ) -> None:
         self.cfg = cfg
         self.rank = rank
@@ -60,16 +61,30 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
-        weights = load_checkpoint(
-            model_dir, cfg, ep_rank=rank, ep_size=world_size, dequantize=True, dtype=dtype, device="cpu", progress=progress
-        )
-        self.model = KimiForCausalLM(cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device)
-        self.model.load_weights(weights)
-        del weights
-        self.model.eval()
+        # gpu_options (cuda only, kimi/worker/gpu_model.py): moe_backend, load_format, cuda_graph_max_bs (0 = eager)
+        gpu_opts = dict(gpu_options or {})
+        graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
+        if self.device.type == "cuda":
+            from kimi.worker.gpu_model import load_gpu_model
+
+            self.model = load_gpu_model(
+                model_dir, cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device,
+                progress=progress, **gpu_opts,
+            )
+        else:
+            weights = load_checkpoint(
+                model_dir, cfg, ep_rank=rank, ep_size=world_size, dequantize=True, dtype=dtype, device="cpu", progress=progress
+            )
+            self.model = KimiForCausalLM(cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device)
+            self.model.load_weights(weights)
+            del weights
+            self.model.eval()
         log.info("rank %d: weights loaded in %.1f s", rank, time.monotonic() - t0)
         self.num_blocks = self._num_blocks(cache_config)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, dtype, self.device)
+        if self.device.type == "cuda" and graph_max_bs > 0 and world_size == 1:
+            max_blocks = -(-cfg.max_position_embeddings // self.block_size)
+            self.model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
         self.requests: dict[int, WorkerRequest] = {}
 
     def _num_blocks(self, cc: CacheConfig) -> int:

@@ -54,6 +54,8 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
     zport = free_tcp_port()
     cmd = [sys.executable, "-m", "kimi", "serve", "--model", model_dir, "--port", str(port),
            "--zmq-submit-addr", f"tcp://127.0.0.1:{zport}", "--served-model-name", "tiny", *extra]
+    if os.environ.get("KIMI_TEST_DEVICE") == "cuda":  # run the e2e suite on the GPU path (kimi/worker/gpu_model.py)
+        cmd += ["--device", "cuda"]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     srv = Server(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zport}", "tiny", model_dir, log_path)

@@ -1,0 +1,170 @@
+"""Routed-expert backends for the GPU path: the same function as `kimi.ops.moe.fused_experts_ref`, over the
+experts this rank owns, with the INT4 weights kept PACKED on the device.
+
+- `HummingInt4Experts` (default on CUDA): humming-kernels' indexed W4A16 MoE GEMM (humming 0.1.20, API read from
+  its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors `weight_packed` / `weight_scale` /
+  `weight_shape`, `transform()`ed once into humming's layout, then called with moe_align's sorted pair ids).
+  Steps: align (kimi.ops.moe_int4_triton.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
+  pair -> silu(gate) * up in torch -> down GEMM -> our Triton combine (routing weights applied once).
+  Measured 2-3x faster than ours at decode (docs/benchmarks.md).
+- `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
+- `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
+  expert counts on the host). Used for `--moe-backend ref` and for FP8 (K2-Instruct) experts, which are
+  dequantised to bf16 on load as a first step.
+
+Every backend: `forward(x [T, D] bf16, topk_weights [T, k] f32, topk_ids [T, k] int64 global ids) -> [T, D]`;
+pairs whose expert is not in [expert_offset, expert_offset + E_local) contribute nothing; rows with no local
+pair are 0. `graph_safe` says whether a CUDA graph may capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimi.ops.moe import fused_experts_ref
+
+BACKENDS = ("humming", "triton", "ref")
+
+__all__ = ["BACKENDS", "HummingInt4Experts", "TritonInt4Experts", "RefExperts", "make_experts"]
+
+
+class RefExperts(nn.Module):
+    """Dequantised experts: w13 [E, 2I, D], w2 [E, D, I] (model dtype) -> `fused_experts_ref`."""
+
+    graph_safe = False
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, expert_offset: int):
+        super().__init__()
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.expert_offset = expert_offset
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts_ref(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset)
+
+
+class TritonInt4Experts(nn.Module):
+    """Packed INT4 experts run by `kimi.ops.moe_int4_triton.fused_experts_int4`.
+
+    w13_packed int32 [E, 2I, D/8] (gate rows then up rows), w13_scale [E, 2I, D/32], w2_packed [E, D, I/8],
+    w2_scale [E, D, I/32]; num_experts_total: the model's routed experts (tile heuristic).
+    """
+
+    graph_safe = True
+
+    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
+        super().__init__()
+        self.register_buffer("w13_packed", w13_packed)
+        self.register_buffer("w13_scale", w13_scale)
+        self.register_buffer("w2_packed", w2_packed)
+        self.register_buffer("w2_scale", w2_scale)
+        self.expert_offset = expert_offset
+        self.num_experts_total = num_experts_total
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from kimi.ops.moe_int4_triton import fused_experts_int4
+
+        return fused_experts_int4(
+            x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, topk_weights, topk_ids,
+            self.expert_offset, num_experts_total=self.num_experts_total,
+        )
+
+
+class HummingInt4Experts(nn.Module):
+    """Packed INT4 experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load).
+
+    Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
+    copies; the caller should drop its references). Raises ImportError when humming is not installed.
+    """
+
+    graph_safe = True
+
+    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
+        super().__init__()
+        from humming.layer import HummingLayer
+
+        E, two_i, d8 = w13_packed.shape
+        D, inter = d8 * 8, two_i // 2
+        dev = w13_packed.device
+        wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
+                    strategy="group", group_size=32, symmetric=True)
+        dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
+        with torch.cuda.device(dev):
+            self.l1 = HummingLayer(shape_n=two_i, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
+            self.l2 = HummingLayer(shape_n=D, shape_k=inter, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
+            self.l1.to(dev)
+            self.l2.to(dev)
+            shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
+            shp2 = torch.tensor([[D, inter]] * E, dtype=torch.int64)
+            self.l1.load_from_tensors({"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13})
+            self.l2.load_from_tensors({"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2})
+            self.l1.transform()
+            self.l2.transform()
+        self.E, self.D, self.inter = E, D, inter
+        self.expert_offset = expert_offset
+        self.num_experts_total = num_experts_total
+        self._tuning: dict[tuple[int, int], tuple[dict, dict]] = {}
+
+    def _configs(self, T: int, k: int) -> tuple[dict, dict]:
+        key = (T, k)
+        if key not in self._tuning:
+            from humming.tune import get_heuristics_config
+
+            m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
+            c1 = get_heuristics_config(self.l1.humming_config, shape_m=m_local, gemm_type="indexed")
+            c2 = get_heuristics_config(self.l2.humming_config, shape_m=m_local, gemm_type="indexed")
+            self._tuning[key] = (c1, c2)
+        return self._tuning[key]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from kimi.ops.moe_int4_triton import combine_into, moe_align
+
+        T, k = topk_ids.shape
+        out = torch.empty_like(x)  # [T, D]; combine writes every element
+        if T == 0:
+            return out
+        c1, c2 = self._configs(T, k)
+        bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
+        a1 = moe_align(topk_ids, self.E, self.expert_offset, bm1)
+        a2 = a1 if bm2 == bm1 else moe_align(topk_ids, self.E, self.expert_offset, bm2)
+        cc = {"gemm_type": "indexed"}
+        y1 = self.l1(x.contiguous(), sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=k,
+                     compute_config=cc, tuning_config=c1)  # [T*k, 2I] rows = pair ids (local pairs written)
+        act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
+        y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
+                     compute_config=cc, tuning_config=c2)  # [T*k, D]
+        combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
+        return out
+
+
+def make_experts(
+    backend: str,
+    parts: dict[str, torch.Tensor],
+    expert_offset: int,
+    num_experts_total: int,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """Build one MoE layer's local experts.
+
+    parts: either packed INT4 (`w13_packed`, `w13_scale`, `w2_packed`, `w2_scale`, stacked over local experts, on
+    the device) or dequantised (`w13` [E, 2I, D], `w2` [E, D, I]). Packed parts with backend "ref" are
+    dequantised here (bf16); dequantised parts always give RefExperts (no INT4 kernel applies).
+    Raises ValueError for an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if "w13" in parts:
+        return RefExperts(parts["w13"].to(dtype), parts["w2"].to(dtype), expert_offset)
+    if backend == "ref":
+        from kimi.ops.quant import dequant_int4
+
+        def deq(p, s):
+            return torch.stack([dequant_int4(p[e], s[e], 32, dtype) for e in range(p.shape[0])])
+
+        return RefExperts(deq(parts["w13_packed"], parts["w13_scale"]), deq(parts["w2_packed"], parts["w2_scale"]),
+                          expert_offset)
+    cls = HummingInt4Experts if backend == "humming" else TritonInt4Experts
+    return cls(parts["w13_packed"], parts["w13_scale"], parts["w2_packed"], parts["w2_scale"], expert_offset,
+               num_experts_total)

@@ -1,0 +1,164 @@
+"""CUDA graphs for decode steps (DESIGN.md "Forward on the GPU").
+
+One graph per decode batch bucket (`bucket_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to the
+largest, which is max_batch), captured largest first into one shared memory pool. A graph covers the whole
+model forward (embedding -> final norm) of `bucket` decode rows over static input buffers; the logits and
+sampling run eagerly after it on the rows in use.
+
+Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) get token 0 at position 0, slot 0
+of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. Their MoE
+routing is real (they cost the bucket's extra rows), their outputs are dropped.
+
+Attention planning (FlashInfer `plan`, host work) runs before each replay, outside the graph, into the bucket's
+own `use_cuda_graph=True` wrapper whose index buffers the graph captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi.ops.attention import AttentionMetadata
+
+__all__ = ["bucket_sizes", "CudaGraphRunner"]
+
+_BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Decode batch buckets up to max_batch (always included): 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ...
+
+    Raises ValueError when max_batch < 1.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    out = [b for b in _BASE if b < max_batch]
+    b = 96
+    while b < max_batch:
+        out.append(b)
+        b += 32
+    out.append(max_batch)
+    return out
+
+
+class CudaGraphRunner:
+    """Captures and replays decode graphs of a GPUKimiForCausalLM (kimi/worker/gpu_model.py).
+
+    model: the GPU model; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
+    block_size: tokens per block; max_batch: largest bucket; max_blocks_per_seq: widest block table a
+    replayed batch may have (FlashInfer's fixed kv_indices buffer holds bucket * this many pages);
+    buckets: capture only these sizes (default bucket_sizes(max_batch)).
+    """
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_batch: int, max_blocks_per_seq: int,
+                 buckets: list[int] | None = None):
+        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.buckets = sorted(buckets) if buckets else bucket_sizes(max_batch)  # explicit buckets: benchmarks
+        self.max_batch = self.buckets[-1]
+        dev = model.embed_tokens.device
+        self.device = dev
+        cfg = model.cfg
+        self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # [max_batch]
+        self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # [max_batch]
+        self.slot_mapping = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # [max_batch]
+        self.fi = {
+            bs: FlashInferMLADecode(
+                cfg.num_attention_heads, cfg.softmax_scale, dev, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                use_cuda_graph=True, max_batch=bs, max_pages=bs * max_blocks_per_seq, dtype=model.dtype,
+            )
+            for bs in self.buckets
+        }
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def bucket_for(self, batch: int) -> int:
+        """Smallest bucket >= batch; raises ValueError when batch exceeds the largest."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"batch {batch} exceeds the largest CUDA graph bucket {self.max_batch}")
+
+    def can_run(self, attn: AttentionMetadata) -> bool:
+        """A pure decode batch (every query_len 1) of at most max_batch sequences with narrow enough tables."""
+        B = attn.num_seqs
+        return (
+            0 < B <= self.max_batch
+            and all(q == 1 for q in attn.query_lens_cpu)
+            and attn.block_tables.shape[1] <= self.max_blocks_per_seq
+            and attn.block_size == self.block_size
+        )
+
+    def _plan(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor):
+        """Plan bucket bs with rows past len(seq_lens_cpu) padded (seq_len 1 over the null block 0)."""
+        B = len(seq_lens_cpu)
+        width = max(1, block_tables.shape[1] if B else 1)
+        bt = torch.zeros((bs, width), dtype=torch.int64, device=self.device)  # [bs, width], 0 = null block
+        if B:
+            bt[:B, : block_tables.shape[1]] = block_tables
+        fi = self.fi[bs]
+        fi.plan(list(seq_lens_cpu) + [1] * (bs - B), bt, self.block_size)
+        return fi
+
+    def _meta(self, bs: int, fi) -> AttentionMetadata:
+        from kimi.worker.gpu_model import GPUAttnPlan
+
+        attn = AttentionMetadata(
+            query_start_loc=torch.arange(bs + 1, dtype=torch.int64, device=self.device),
+            seq_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((bs, 1), dtype=torch.int64, device=self.device),
+            slot_mapping=self.slot_mapping[:bs],
+            block_size=self.block_size,
+            query_lens_cpu=[1] * bs,
+            seq_lens_cpu=[1] * bs,
+        )
+        attn.gpu = GPUAttnPlan(fi, self.slot_mapping[:bs], True)  # type: ignore[attr-defined]
+        return attn
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool (warm-up runs first: JIT, autotune)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.zero_()
+        for bs in sorted(self.buckets, reverse=True):
+            fi = self._plan(bs, [], torch.zeros((0, 1), dtype=torch.int64, device=self.device))
+            attn = self._meta(bs, fi)
+            args = (self.input_ids[:bs], self.positions[:bs], attn, self.kv_caches)
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self.model(*args)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self.model(*args)  # [bs, D]
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[bs] = g
+            self.outputs[bs] = out
+        torch.cuda.synchronize(self.device)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Replay the bucket of this decode batch: input_ids / positions [B] -> hidden [B, D] (a view of the
+        graph's output buffer, valid until the next replay)."""
+        B = attn.num_seqs
+        bs = self.bucket_for(B)
+        self.input_ids[:B].copy_(input_ids)
+        self.positions[:B].copy_(positions)
+        self.slot_mapping[:B].copy_(attn.slot_mapping)
+        if bs > B:
+            self.input_ids[B:bs].zero_()
+            self.positions[B:bs].zero_()
+            self.slot_mapping[B:bs].zero_()
+        self._plan(bs, attn.seq_lens_cpu, attn.block_tables)
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.outputs[bs][:B]

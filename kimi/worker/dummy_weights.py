@@ -1,0 +1,62 @@
+"""`--load-format dummy`: random weights of the real shapes, generated directly on the GPU (no checkpoint).
+
+Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k2.6.json) on one GPU:
+- norms: 1 + N(0, 0.02); e_score_correction_bias: N(0, 0.01) float32; other floating weights
+  N(0, 1/in_features) in the model dtype (so activations stay O(1) over 61 layers);
+- INT4 routed experts (humming / triton backends): random int32 words (uniform bytes, i.e. uniform nibbles)
+  and bf16 scales 1 / (4.6 * sqrt(in_features)) * U(0.5, 1.5), stacked per layer over the local experts,
+  exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead.
+Deterministic for a given seed on a given device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi.config import ModelConfig
+from kimi.ops.moe import MoELayer
+from kimi.ops.moe_backend import make_experts
+
+
+def random_packed_experts(E: int, N: int, K: int, gen: torch.Generator, device, scale_dtype=torch.bfloat16):
+    """(weight_packed int32 [E, N, K/8] with uniform random nibbles, weight_scale [E, N, K/32] scale_dtype)."""
+    packed = torch.empty((E, N, K // 8), dtype=torch.int32, device=device)
+    packed.view(torch.uint8).random_(0, 256, generator=gen)
+    scale = (torch.rand((E, N, K // 32), generator=gen, device=device) + 0.5) / (4.6 * K**0.5)
+    return packed, scale.to(scale_dtype)
+
+
+@torch.no_grad()
+def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype, seed: int = 0) -> None:
+    """Fill every parameter of a build_gpu_model() model and set each MoE layer's experts_impl."""
+    dev = model.embed_tokens.device
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            continue
+        if name.endswith("e_score_correction_bias"):
+            p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.01)
+        elif p.dim() == 1:
+            p.copy_(1 + 0.02 * torch.randn(p.shape, generator=gen, device=dev))
+        elif name.endswith("embed_tokens"):
+            p.copy_(torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32).to(p.dtype))
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    inter, D = cfg.moe_intermediate_size, cfg.hidden_size
+    for layer in model.layers:
+        mlp = layer.mlp
+        if not isinstance(mlp, MoELayer):
+            continue
+        E = mlp.num_local_experts
+        if moe_backend == "ref":
+            parts = {
+                "w13": torch.randn((E, 2 * inter, D), generator=gen, device=dev, dtype=dtype) * D**-0.5,
+                "w2": torch.randn((E, D, inter), generator=gen, device=dev, dtype=dtype) * inter**-0.5,
+            }
+        else:
+            p13, s13 = random_packed_experts(E, 2 * inter, D, gen, dev)
+            p2, s2 = random_packed_experts(E, D, inter, gen, dev)
+            parts = {"w13_packed": p13, "w13_scale": s13, "w2_packed": p2, "w2_scale": s2}
+        mlp.experts_impl = make_experts(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype)
+        del parts

@@ -1,0 +1,325 @@
+"""The GPU path of KimiForCausalLM: the reference model (kimi/worker/model.py) with GPU kernels put in.
+
+- Weights on the GPU in the model dtype (bf16), built on the `meta` device first so the stacked bf16 expert
+  parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4
+  compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
+  through a kimi.ops.moe_backend module (`humming` default, `triton`, `ref`) set as `MoELayer.experts_impl`.
+  FP8 (K2-Instruct) tensors are dequantised to the model dtype on load (experts too, which then run `ref`).
+- Attention (`GPUMLAAttention`): the same projections as the reference; rows of decode sequences (query_len 1)
+  use the absorbed form with FlashInfer's paged MLA kernel over the one [num_blocks, bs, 576] cache buffer
+  (kimi.ops.attention_flashinfer); prefill / chunked-prefill sequences still use the reference naive form
+  (`mla_prefill_ref`, float32) on the GPU: FlashInfer prefill is not wired yet.
+- `GPUKimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
+  (kimi/worker/cuda_graph.py); anything else runs eagerly, with one FlashInfer plan per step for all layers
+  (planned on the host, outside any graph).
+- `--load-format dummy`: random weights of the real shapes generated on the GPU (kimi/worker/dummy_weights.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimi.config import ModelConfig
+from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
+from kimi.ops.moe import MoELayer
+from kimi.ops.moe_backend import make_experts
+from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
+from kimi.ops.rope import RotaryEmbedding
+from kimi.worker.model import KimiForCausalLM
+
+log = logging.getLogger("kimi.worker")
+
+__all__ = ["GPUAttnPlan", "GPUMLAAttention", "GPUKimiForCausalLM", "build_gpu_model", "load_gpu_model"]
+
+
+@dataclass
+class GPUAttnPlan:
+    """What GPUMLAAttention needs beyond AttentionMetadata for one step (shared by all layers).
+
+    fi: a planned FlashInferMLADecode (None when no decode rows); slot_mapping: [T] int64 cache slots of every row
+    (padded rows -> slots of the null block 0); all_decode: every row is a decode row of its own sequence, in
+    order; decode_rows: [Bd] int64 rows of decode sequences (mixed batches); prefill: (first row, last row + 1,
+    sequence index) of each query_len > 1 sequence.
+    """
+
+    fi: object | None
+    slot_mapping: torch.Tensor
+    all_decode: bool
+    decode_rows: torch.Tensor | None = None
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)
+    decode_seqs: torch.Tensor | None = None  # [Bd] sequence indices of decode rows (torch fallback, fi None)
+
+
+class GPUMLAAttention(MLAAttention):
+    """MLAAttention with FlashInfer decode (instances of MLAAttention get this class in build_gpu_model).
+
+    Uses `attn.gpu` (a GPUAttnPlan) when present, else the reference forward. Call `prepare()` once after
+    the weights are loaded (W_UK [H, N, L] and W_UV^T [H, L, V] as contiguous bf16 copies of kv_b_proj).
+    """
+
+    def prepare(self) -> None:
+        H, N, V, L = self.num_heads, self.nope, self.v_dim, self.kv_lora
+        w = self.kv_b_proj.detach().view(H, N + V, L)  # [H, N + V, L]
+        self.w_uk = w[:, :N, :].contiguous()  # [H, N, L]
+        self.w_uv_t = w[:, N:, :].transpose(1, 2).contiguous()  # [H, L, V]
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi, attn=None, plan=None):
+        """q_nope [B, H, N], q_pe [B, H, R] -> o [B, H, V] (absorbed MLA through FlashInfer; without fi, through
+        the float32 reference `mla_decode_ref`, for latent sizes FlashInfer has no kernel for, e.g. tiny models)."""
+        if fi is None:
+            sel = plan.decode_seqs
+            q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk.float()).transpose(0, 1)  # [B, H, L]
+            o_lat = mla_decode_ref(q_lat, q_pe, kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale)
+            return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.float()).transpose(0, 1)  # [B, H, V]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()  # [B, H, L]
+        o_lat = fi.run(q_lat, q_pe.contiguous(), kv_cache)  # [B, H, L]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, H, V]
+
+    def forward(self, hidden, positions, attn: AttentionMetadata, kv_cache, rope):
+        plan: GPUAttnPlan | None = getattr(attn, "gpu", None)
+        if plan is None:
+            return super().forward(hidden, positions, attn, kv_cache, rope)
+        T = hidden.shape[0]
+        H, N, R, V, L = self.num_heads, self.nope, self.rope, self.v_dim, self.kv_lora
+        if self.cfg.q_lora_rank is not None:
+            q_lat_in = rms_norm(F.linear(hidden, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
+            q = F.linear(q_lat_in, self.q_b_proj)  # [T, H * (N + R)]
+        else:
+            q = F.linear(hidden, self.q_proj)  # [T, H * (N + R)]
+        q = q.view(T, H, N + R)
+        q_nope, q_pe = q[..., :N], q[..., N:]  # [T, H, N], [T, H, R]
+        kv_a = F.linear(hidden, self.kv_a_proj_with_mqa)  # [T, L + R]
+        ckv = rms_norm(kv_a[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)  # [T, L]
+        q_pe, k_pe = rope(positions, q_pe, kv_a[:, L:])  # [T, H, R], [T, R]
+        flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
+        flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
+        if plan.all_decode:
+            o = self._decode(q_nope, q_pe, kv_cache, plan.fi, attn, plan)  # [T, H, V]
+        else:
+            o = torch.zeros(T, H, V, dtype=torch.float32, device=hidden.device)  # [T, H, V]
+            if plan.decode_rows is not None:
+                r = plan.decode_rows
+                o[r] = self._decode(q_nope[r], q_pe[r], kv_cache, plan.fi, attn, plan).float()
+            for s, e, b in plan.prefill:
+                latent = gather_kv_cache(kv_cache, attn.block_tables[b], attn.seq_lens_cpu[b])  # [S, L + R]
+                o[s:e] = mla_prefill_ref(q_nope[s:e], q_pe[s:e], latent, self.kv_b_proj, H, N, V, self.scale)
+        return F.linear(o.to(hidden.dtype).reshape(T, H * V), self.o_proj)  # [T, D]
+
+
+class GPUKimiForCausalLM(KimiForCausalLM):
+    """KimiForCausalLM whose forward plans FlashInfer per step and replays CUDA graphs for decode batches.
+
+    Built by `build_gpu_model` (never directly). `graphs`: a kimi.worker.cuda_graph.CudaGraphRunner or None.
+    """
+
+    fi_eager = None
+    graphs = None
+
+    @property
+    def flashinfer_ok(self) -> bool:
+        """FlashInfer's MLA kernels exist for a 512 latent + 64 rope (Kimi / DeepSeek-V3); tiny test models use
+        the torch decode fallback and run without CUDA graphs."""
+        return self.cfg.kv_lora_rank == 512 and self.cfg.qk_rope_head_dim == 64
+
+    def plan_eager(self, attn: AttentionMetadata) -> GPUAttnPlan:
+        """Attach a GPUAttnPlan for an unpadded batch (host work; FlashInfer plan over the decode rows)."""
+        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+
+        qlens = attn.query_lens_cpu
+        decode = [b for b, q in enumerate(qlens) if q == 1]
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        fi = None
+        if decode and self.flashinfer_ok:
+            if self.fi_eager is None:
+                self.fi_eager = FlashInferMLADecode(
+                    self.cfg.num_attention_heads, self.cfg.softmax_scale, attn.slot_mapping.device,
+                    self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, dtype=self.dtype,
+                )
+            fi = self.fi_eager
+            sel = torch.tensor(decode, dtype=torch.int64, device=attn.block_tables.device)
+            fi.plan([attn.seq_lens_cpu[b] for b in decode], attn.block_tables[sel], attn.block_size)
+        all_decode = len(decode) == len(qlens)
+        plan = GPUAttnPlan(fi, attn.slot_mapping, all_decode)
+        if decode and fi is None:
+            plan.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=attn.slot_mapping.device)
+        if not all_decode:
+            if decode:
+                plan.decode_rows = torch.tensor([qsl[b] for b in decode], dtype=torch.int64, device=attn.slot_mapping.device)
+            plan.prefill = [(qsl[b], qsl[b + 1], b) for b, q in enumerate(qlens) if q != 1]
+        attn.gpu = plan  # type: ignore[attr-defined]
+        return plan
+
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches):
+        if getattr(attn, "gpu", None) is None:
+            if self.graphs is not None and self.graphs.can_run(attn):
+                return self.graphs.run(input_ids, positions, attn)
+            self.plan_eager(attn)
+        return super().forward(input_ids, positions, attn, kv_caches)
+
+    def capture_cuda_graphs(self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int) -> None:
+        """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py)."""
+        from kimi.worker.cuda_graph import CudaGraphRunner
+
+        if not self.flashinfer_ok:
+            log.warning("CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
+                        self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
+            return
+        bad = [type(layer.mlp.experts_impl).__name__ for layer in self.layers
+               if isinstance(layer.mlp, MoELayer) and not getattr(layer.mlp.experts_impl, "graph_safe", False)]
+        if bad:
+            log.warning("CUDA graphs off: MoE backend %s cannot be captured", bad[0])
+            return
+        t0 = time.monotonic()
+        runner = CudaGraphRunner(self, kv_caches, block_size, max_batch, max_blocks_per_seq)
+        runner.capture()
+        self.graphs = runner
+        log.info("captured %d decode CUDA graphs (buckets %s) in %.1f s", len(runner.buckets), runner.buckets,
+                 time.monotonic() - t0)
+
+
+def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_total: int, dtype) -> nn.Module:
+    """make_experts, falling back to the dequantised reference (with a warning naming the error) when the INT4
+    kernel rejects the shapes (e.g. tiny test models: Triton tiles need D % 128 == 0 and I % 128 == 0)."""
+    if backend != "ref" and "w13_packed" in parts:
+        D, inter = parts["w2_packed"].shape[1], parts["w2_packed"].shape[2] * 8
+        if backend == "triton" and (D % 128 or inter % 128):
+            log.warning("MoE backend triton: D %d / I %d not multiples of 128; using ref", D, inter)
+            backend = "ref"
+        try:
+            return make_experts(backend, parts, expert_offset, num_experts_total, dtype)
+        except Exception as e:  # noqa: BLE001 - any kernel set-up failure: say so, run the reference
+            log.warning("MoE backend %s failed to set up (%s: %s); using ref", backend, type(e).__name__, e)
+            backend = "ref"
+    return make_experts(backend, parts, expert_offset, num_experts_total, dtype)
+
+
+def _is_expert_param(module: nn.Module, name: str) -> bool:
+    return isinstance(module, MoELayer) and name in ("w13", "w2")
+
+
+def build_gpu_model(
+    cfg: ModelConfig,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    a2a=None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda",
+    max_positions: int | None = None,
+) -> GPUKimiForCausalLM:
+    """An unloaded GPUKimiForCausalLM: every parameter allocated (uninitialised) on `device` except the stacked
+    bf16 expert parameters, which stay on `meta`; MLA layers are GPUMLAAttention."""
+    model = GPUKimiForCausalLM(cfg, ep_rank=ep_rank, ep_size=ep_size, dtype=dtype, device="meta", a2a=a2a,
+                               max_positions=max_positions)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or _is_expert_param(module, name):
+                continue
+            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+        if isinstance(module, MLAAttention):
+            module.__class__ = GPUMLAAttention
+    model.rope = RotaryEmbedding(cfg, max_positions, device)
+    return model
+
+
+def _finish(model: GPUKimiForCausalLM) -> GPUKimiForCausalLM:
+    for layer in model.layers:
+        layer.self_attn.prepare()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def load_gpu_model(
+    model_dir: str,
+    cfg: ModelConfig,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    a2a=None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda",
+    moe_backend: str = "humming",
+    load_format: str = "auto",
+    progress: bool = True,
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> GPUKimiForCausalLM:
+    """Build the GPU model and fill it from the checkpoint in model_dir (load_format "auto") or with random
+    weights of the real shapes (load_format "dummy"; model_dir unused).
+
+    Raises ValueError naming missing / misshapen tensors, CheckpointError from the loader.
+    """
+    from kimi.checkpoint import load_checkpoint
+    from kimi.ops.quant import dequant_fp8_block
+
+    model = build_gpu_model(cfg, ep_rank=ep_rank, ep_size=ep_size, a2a=a2a, dtype=dtype, device=device,
+                            max_positions=max_positions)
+    if load_format == "dummy":
+        from kimi.worker.dummy_weights import fill_dummy
+
+        fill_dummy(model, cfg, moe_backend=moe_backend, dtype=dtype, seed=seed)
+        return _finish(model)
+    if load_format != "auto":
+        raise ValueError(f"unknown load format {load_format!r} (auto, dummy)")
+    ws = load_checkpoint(model_dir, cfg, ep_rank=ep_rank, ep_size=ep_size, dequantize=False, dtype=dtype,
+                         device="cpu", progress=progress)
+    block = cfg.quant.block if cfg.quant is not None else (128, 128)
+
+    def dense(name: str) -> torch.Tensor:
+        """A floating tensor by canonical `.weight` name, FP8 dequantised; raises KeyError if absent."""
+        t = ws[name]
+        if t.dtype == torch.float8_e4m3fn:
+            return dequant_fp8_block(t.to(device), ws[name + "_scale_inv"].to(device), block, torch.float32)
+        return t
+
+    targets = model._weight_targets()
+    missing = []
+    for name, dst in targets.items():
+        if ".mlp.experts." in name:
+            continue
+        if name not in ws:
+            missing.append(name)
+            continue
+        src = dense(name)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"load_gpu_model: {name}: got {tuple(src.shape)}, want {tuple(dst.shape)}")
+        dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+    if missing:
+        raise ValueError(f"load_gpu_model: {len(missing)} missing: {', '.join(missing[:8])}")
+    for i, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, MoELayer):
+            continue
+        names = [f"model.layers.{i}.mlp.experts.{mlp.expert_offset + j}." for j in range(mlp.num_local_experts)]
+        if names[0] + "gate_proj.weight_packed" in ws:
+            def stack(proj_parts, part):
+                return torch.stack([torch.cat([ws[n + p + "." + part] for p in proj_parts], 0) for n in names]).to(device)
+
+            parts = {
+                "w13_packed": stack(("gate_proj", "up_proj"), "weight_packed"),
+                "w13_scale": stack(("gate_proj", "up_proj"), "weight_scale"),
+                "w2_packed": stack(("down_proj",), "weight_packed"),
+                "w2_scale": stack(("down_proj",), "weight_scale"),
+            }
+        else:
+            parts = {
+                "w13": torch.stack([torch.cat([dense(n + "gate_proj.weight"), dense(n + "up_proj.weight")], 0).to(device, dtype)
+                                    for n in names]),
+                "w2": torch.stack([dense(n + "down_proj.weight").to(device, dtype) for n in names]),
+            }
+        for n in names:
+            for k in [k for k in ws if k.startswith(n)]:
+                del ws[k]
+        mlp.experts_impl = make_experts_or_ref(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype)
+        del parts
+    del ws
+    return _finish(model)

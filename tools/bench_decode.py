@@ -1,0 +1,272 @@
+"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
+
+The rank: the real K2.6 text config (kimi/presets/kimi-k2.6.json), all 61 layers at full width, random weights
+generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales), EP rank 0 of 8
+(its 48 local experts per MoE layer, packed, run by the chosen MoE backend), B local sequences at CTX tokens
+of context (FlashInfer MLA decode over the paged [num_blocks, 64, 576] cache, blocks randomly permuted).
+
+EP emulation (`EmulatedEP`, the all-to-all seam of kimi.ops.moe): the MoE of every layer sees the 8 * B tokens
+of all ranks (this rank's B rows plus 7 * B fixed random rows standing for the other ranks' tokens), each
+routed to top-8 of all 384 experts by fixed random routing drawn per layer (distinct experts per token);
+only pairs landing on the 48 local experts are computed, as that rank would; combine keeps this rank's rows.
+The router still runs on the local rows (its cost counts); its choice is replaced by the drawn routing so the
+bytes touched are known exactly. No communication is timed (single GPU).
+
+Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches
+from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_graph.py).
+Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
+non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
+KV read (B * CTX * 61 * 1152 bytes).
+Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class.
+
+Usage: python tools/bench_decode.py --seqs 8,32 --layers 61 --out bench/decode_DATE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import torch
+
+from kimi.ops.moe import DispatchResult
+
+
+class EmulatedEP:
+    """All-to-all stand-in: dispatch -> all ranks' tokens with fixed routing; combine -> this rank's rows."""
+
+    def __init__(self, num_moe_layers: int, batch: int, ep_size: int, hidden: int, n_experts: int, top_k: int,
+                 scale: float, device, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        T = batch * ep_size
+        self.batch, self.n_layers, self.i = batch, num_moe_layers, 0
+        self.foreign = torch.randn((T - batch, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-B, D]
+        scores = torch.rand((num_moe_layers, T, n_experts), generator=g, device=device)
+        self.ids = scores.topk(top_k, dim=-1).indices.to(torch.int64)  # [layers, T, k] distinct per token
+        w = torch.rand((num_moe_layers, T, top_k), generator=g, device=device) + 0.1
+        self.weights = (w / w.sum(-1, keepdim=True) * scale).float()  # [layers, T, k]
+
+    def dispatch(self, hidden, topk_weights, topk_ids) -> DispatchResult:
+        i = self.i
+        self.i = (self.i + 1) % self.n_layers
+        return DispatchResult(torch.cat([hidden, self.foreign], 0), self.weights[i], self.ids[i])
+
+    def combine(self, expert_out, dispatched):
+        return expert_out[: self.batch]
+
+    def experts_hit(self, offset: int, n_local: int) -> list[int]:
+        loc = (self.ids >= offset) & (self.ids < offset + n_local)
+        return [int(torch.unique(self.ids[l][loc[l]]).numel()) for l in range(self.n_layers)]
+
+
+def copy_bandwidth(dev) -> float:
+    """GB/s of a 4 GiB device copy (read + write), median of 20 event-timed copies."""
+    n = 1 << 31
+    a = torch.empty(n, dtype=torch.int16, device=dev).random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    del a, b
+    return 2 * n * 2 / (statistics.median(ts) * 1e-3) / 1e9
+
+
+def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters}
+
+
+_CLASSES = [
+    ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel"),
+    ("moe_combine", r"_combine_kernel"),
+    ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),
+    ("dense_gemm", r"gemm|Gemm|cutlass|nvjet|xmma|sm90|cublas"),
+    ("moe_align_sort_topk", r"sort|Sort|radix|Radix|topk|TopK|scan|Scan|cumsum"),
+    ("copy_cat_index", r"copy|Copy|cat|Cat|index|Index|gather|Gather|scatter|Scatter"),
+    ("reduce_norm", r"reduce|Reduce|norm|Norm"),
+    ("elementwise", r"elementwise|vectorized|Elementwise|unrolled"),
+]
+
+
+def breakdown(step, steps: int = 3) -> dict:
+    """CUDA kernel time per step by class, and the 15 largest kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + t / 1000.0 / steps  # ms per step
+    cls: dict[str, float] = {}
+    for name, t in per_kernel.items():
+        c = next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
+        cls[c] = cls.get(c, 0.0) + t
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    return {"by_class_ms": {k: round(v, 4) for k, v in sorted(cls.items(), key=lambda kv: -kv[1])},
+            "kernel_sum_ms": round(sum(per_kernel.values()), 4),
+            "top_kernels_ms": [(n[:120], round(t, 4)) for n, t in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="kimi-k2.6")
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ep-size", type=int, default=8)
+    ap.add_argument("--moe-backend", default="humming")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from kimi.config import ModelConfig
+    from kimi.ops.attention import build_attention_metadata
+    from kimi.presets import load_preset
+    from kimi.worker.cuda_graph import CudaGraphRunner
+    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.worker.kv_cache import allocate_kv_caches
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args), "gpu": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for mod in ("flashinfer", "humming", "triton"):
+        try:
+            res[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            res[mod] = None
+    res["copy_GBps"] = bw = copy_bandwidth(dev)
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+
+    cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    t0 = time.time()
+    a2a = EmulatedEP(n_moe, seqs[0], args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                     cfg.routed_scaling_factor, dev)
+    model = load_gpu_model("", cfg, ep_rank=0, ep_size=args.ep_size, a2a=a2a, dtype=torch.bfloat16, device=dev,
+                           moe_backend=args.moe_backend, load_format="dummy", max_positions=args.ctx + 64)
+    torch.cuda.synchronize()
+    res["load_s"] = time.time() - t0
+    impl = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
+    res["experts_impl"] = impl
+    print(f"model built in {res['load_s']:.1f} s ({impl}); mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+
+    n_local = cfg.n_routed_experts // args.ep_size
+    expert_bytes = 0
+    mlp1 = model.layers[cfg.first_k_dense_replace].mlp
+    for t in mlp1.experts_impl.state_dict().values():
+        if t.dtype != torch.int32 or t.dim() != 1:  # humming 'locks' buffer excluded
+            expert_bytes += t.numel() * t.element_size()
+    expert_bytes //= n_local
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                      if not p.is_meta and ".experts_impl." not in n and n != "embed_tokens")
+    res["bytes_per_expert"] = expert_bytes
+    res["dense_weight_bytes"] = dense_bytes
+
+    bs = args.block_size
+    nblk_seq = -(-args.ctx // bs)
+    max_b = max(seqs)
+    kv = allocate_kv_caches(cfg, max_b * nblk_seq + 1, bs, torch.bfloat16, dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    for c in kv:
+        c.normal_(0, 1, generator=g)
+    res["cases"] = []
+    for B in seqs:
+        case: dict = {"local_seqs": B, "moe_tokens": B * args.ep_size, "ctx": args.ctx}
+        ep = EmulatedEP(n_moe, B, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                        cfg.routed_scaling_factor, dev, seed=B)
+        for l in model.layers:
+            if hasattr(l.mlp, "a2a"):
+                l.mlp.a2a = ep
+        hit = ep.experts_hit(0, n_local)
+        kv_bytes = B * args.ctx * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
+        wbytes = dense_bytes + sum(hit) * expert_bytes + B * cfg.hidden_size * 2
+        case.update(experts_hit_mean=sum(hit) / len(hit), expert_bytes=sum(hit) * expert_bytes,
+                    dense_bytes=dense_bytes, kv_bytes=kv_bytes, total_bytes=wbytes + kv_bytes)
+        case["floor_ms"] = floor = (wbytes + kv_bytes) / (bw * 1e9) * 1e3
+        perm = (torch.randperm(max_b * nblk_seq, generator=torch.Generator().manual_seed(B)) + 1).tolist()
+        tabs = [perm[i * nblk_seq : (i + 1) * nblk_seq] for i in range(B)]
+        slens = [args.ctx] * B
+        ids = torch.randint(0, cfg.vocab_size, (B,), device=dev)
+        pos = torch.full((B,), args.ctx - 1, dtype=torch.int64, device=dev)
+
+        def step():
+            a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
+            h = model(ids, pos, a, kv)
+            return model.compute_logits(h).argmax(-1)
+
+        with torch.inference_mode():
+            ep.i = 0
+            case["eager"] = time_ms(step, args.iters)
+            print(f"B={B}: eager {case['eager']['median_ms']:.2f} ms, floor {floor:.2f} ms", flush=True)
+            if not args.no_profile:
+                try:
+                    case["breakdown_eager"] = breakdown(step)
+                except Exception as e:  # noqa: BLE001
+                    case["breakdown_error"] = repr(e)
+            t1 = time.time()
+            model.graphs = None
+            runner = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])
+            ep.i = 0
+            runner.capture()
+            model.graphs = runner
+            case["capture_s"] = time.time() - t1
+            ep.i = 0
+            case["graph"] = time_ms(step, args.iters)
+            assert runner.num_replays > 0
+            gm = case["graph"]["median_ms"]
+            case["graph_over_floor"] = gm / floor
+            case["eager_over_floor"] = case["eager"]["median_ms"] / floor
+            # the replay alone (no host planning / logits): graph of the forward only
+            a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
+            runner._plan(B, slens, a.block_tables)
+            case["graph_forward_only"] = time_ms(lambda: runner.graphs[B].replay(), args.iters)
+            print(f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
+                  f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}",
+                  flush=True)
+            model.graphs = None
+            del runner
+            torch.cuda.empty_cache()
+        res["cases"].append(case)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    print("\nB_local  moe_tok  floor_ms  eager_ms  graph_ms  graph/floor  replay_ms")
+    for c in res["cases"]:
+        print(f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
+              f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}")
+        if "breakdown_eager" in c:
+            print("   ", json.dumps(c["breakdown_eager"]["by_class_ms"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,7 @@ import uvicorn
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
+from kimi.controller.parsers import THINK_START_ID
 from kimi.controller.submit import SubmitServer
 from kimi.controller.transport import ControllerTransport, free_tcp_port
 from kimi.tokenizer import KimiTokenizer
@@ -62,6 +63,9 @@ class ServeArgs:
     no_prefix_cache: bool = False
     max_waiting: int = 1024
     fake_workers: bool = False
+    api_key: str | None = None
+    max_body_bytes: int = 32 << 20
+    reasoning: str = "auto"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +100,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
     p.add_argument("--fake-workers", action="store_true",
                    help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)")
+    p.add_argument("--api-key", default=os.environ.get("KIMI_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
+                        "the ZeroMQ submit API is then kept on loopback (docs/api.md)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
+    p.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
+                   help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
+                        "tokenizer has a <think> token")
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
@@ -157,7 +168,11 @@ class WorkerProcess:
 
 
 async def serve(a: ServeArgs) -> int:
-    """Run the server until a signal (returns 0) or a worker failure (returns 1)."""
+    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags."""
+    if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
+        log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
+                  a.zmq_submit_addr)
+        return 2
     cfg = ModelConfig.from_dir(a.model)
     if a.num_hidden_layers is not None:
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
@@ -186,12 +201,21 @@ async def serve(a: ServeArgs) -> int:
     else:
         log.info("waiting for %d external worker rank(s): --plan-addr %s --result-addr %s", a.nproc, plan_addr, result_addr)
 
-    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size)
+    if a.reasoning == "auto":
+        thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
+    else:
+        thinking_model = a.reasoning == "on"
+    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size, api_key=a.api_key,
+                       max_body_bytes=a.max_body_bytes, thinking_model=thinking_model)
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
     submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
+    if a.api_key:
+        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
+        if a.zmq_submit_addr is None:
+            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
     submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)
     http_task = asyncio.create_task(http.serve())
     submit_task = asyncio.create_task(submit.serve())

@@ -11,6 +11,7 @@ text tokenizes.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -27,8 +28,16 @@ def _check_text(s: str, param: str) -> None:
         raise BadRequest(f"'{param}' contains the reserved character U+F0000", param)
 
 
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check the OpenAI `messages` shape; raises BadRequest naming e.g. `messages[2].content`."""
+    """Check the OpenAI `messages` shape; raises BadRequest naming e.g. `messages[2].content`.
+
+    Assistant messages may carry `tool_calls` (`[{id, type: "function", function: {name, arguments}}]`,
+    arguments a JSON string or an object); ids are kept as given (`functions.NAME:IDX`, `search:0`,
+    `call_<hex>` all render verbatim). Tool messages need a string `tool_call_id`.
+    """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
     for i, m in enumerate(messages):
@@ -50,7 +59,61 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise BadRequest(f"'{p}.content' must be a string or a list of text parts", f"{p}.content")
         if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
             raise BadRequest(f"'{p}.name' must be a string", f"{p}.name")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise BadRequest(f"'{p}.tool_calls' is only allowed on assistant messages", f"{p}.tool_calls")
+            if not isinstance(calls, list):
+                raise BadRequest(f"'{p}.tool_calls' must be a list", f"{p}.tool_calls")
+            for j, call in enumerate(calls):
+                q = f"{p}.tool_calls[{j}]"
+                if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]:
+                    raise BadRequest(f"'{q}.id' must be a non-empty string", f"{q}.id")
+                fn = call.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise BadRequest(f"'{q}.function.name' must be a non-empty string", f"{q}.function.name")
+                args = fn.get("arguments")
+                if args is not None and not isinstance(args, (str, dict)):
+                    raise BadRequest(f"'{q}.function.arguments' must be a JSON string or an object", f"{q}.function.arguments")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"'{p}.tool_call_id' must be a string for role tool", f"{p}.tool_call_id")
     return messages
+
+
+def validate_tools(tools: Any) -> list[str]:
+    """Check the OpenAI `tools` list (`[{type: "function", function: {name, description?, parameters?,
+    strict?}}]`); return the function names. Names: 1-128 of `A-Za-z0-9_.:-` (Kimi ids are
+    `functions.NAME:IDX`, so dots, dashes and colons are allowed). Raises BadRequest naming `tools[i]...`.
+    """
+    if not isinstance(tools, list) or not tools:
+        raise BadRequest("'tools' must be a non-empty list", "tools")
+    names: list[str] = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise BadRequest(f"'{p}.type' must be 'function'", f"{p}.type")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"'{p}.function' must be an object", f"{p}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise BadRequest(f"'{p}.function.name' must be 1-128 characters of A-Za-z0-9_.:-", f"{p}.function.name")
+        if name in names:
+            raise BadRequest(f"'{p}.function.name' {name!r} is declared twice", f"{p}.function.name")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise BadRequest(f"'{p}.function.description' must be a string", f"{p}.function.description")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise BadRequest(f"'{p}.function.parameters' must be a JSON Schema object", f"{p}.function.parameters")
+        names.append(name)
+    return names
+
+
+def _special_strings(tokenizer: KimiTokenizer) -> list[str]:
+    cached = getattr(tokenizer, "_kimi_special_strings", None)
+    if cached is None:
+        cached = sorted({tokenizer.decode([i]) for i in range(163584, tokenizer.vocab_size)} - {""})
+        tokenizer._kimi_special_strings = cached  # type: ignore[attr-defined]
+    return cached
 
 
 def encode_chat(
@@ -58,9 +121,17 @@ def encode_chat(
 ) -> list[int]:
     """Prompt token ids for a chat request (generation prompt appended).
 
-    Raises BadRequest for malformed messages or a template that fails on them.
+    Every user-controlled string that the template copies (content, names, tool-call ids and arguments,
+    tool_call_id) is encoded with special tokens disallowed. Tool declarations are rendered by the template
+    as JSON; since they cannot be split out, a declaration that contains a control-token string (e.g.
+    `<|im_end|>`) is rejected. Raises BadRequest for malformed messages or a template that fails on them.
     """
     messages = validate_messages(messages)
+    if tools:
+        blob = json.dumps(tools, ensure_ascii=False)
+        for sp in _special_strings(tokenizer):
+            if sp in blob:
+                raise BadRequest(f"'tools' contains the control-token string {sp!r}", "tools")
     pieces: list[str] = []
 
     def mark(s: str, param: str) -> str:
@@ -76,6 +147,21 @@ def encode_chat(
             m2["content"] = mark(c, f"messages[{i}].content") if c else c
         elif isinstance(c, list):
             m2["content"] = [{**part, "text": mark(part["text"], f"messages[{i}].content")} for part in c]
+        if isinstance(m.get("name"), str) and m["name"]:
+            m2["name"] = mark(m["name"], f"messages[{i}].name")
+        if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:
+            m2["tool_call_id"] = mark(m["tool_call_id"], f"messages[{i}].tool_call_id")
+        if m.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(m["tool_calls"]):
+                fn = dict(call["function"])
+                args = fn.get("arguments")
+                if isinstance(args, dict):  # the template's compact JSON, marked so it stays text
+                    args = json.dumps(args, separators=(",", ":"), ensure_ascii=False)
+                fn["arguments"] = mark(args, f"messages[{i}].tool_calls[{j}].function.arguments") if args else "{}"
+                fn["name"] = mark(fn["name"], f"messages[{i}].tool_calls[{j}].function.name")
+                calls.append({**call, "id": mark(call["id"], f"messages[{i}].tool_calls[{j}].id"), "function": fn})
+            m2["tool_calls"] = calls
         marked.append(m2)
     try:
         rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, **template_kwargs)

@@ -106,6 +106,9 @@ class Engine:
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
         self.liveness_checks: list[Callable[[], str | None]] = []
+        # metrics hook (kimi.controller.metrics.Metrics): on_token(req, now) before each output token is
+        # applied, on_finish(req, now) when a request ends for any reason; None = no metrics.
+        self.observer = None
         self.enable_prefix_caching = enable_prefix_caching
         self.max_waiting = max_waiting
 
@@ -251,6 +254,8 @@ class Engine:
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
         self.by_rid.pop(req.rid, None)
+        if self.observer is not None:
+            self.observer.on_finish(req, time.monotonic())
         if emit:
             req.outputs.put_nowait(OutputProcessor.final(req, reason, error))
 
@@ -277,6 +282,7 @@ class Engine:
                             num_new_tokens=sr.num_new_tokens,
                             block_ids=list(req.block_table),
                             sampling=req.sampling,
+                            num_prompt_tokens=req.num_prompt_tokens,
                         )
                     )
                     req.sent_to_workers = True
@@ -331,6 +337,8 @@ class Engine:
                 tok = tokens.get(req.rid)
                 if tok is None:
                     raise RuntimeError(f"step {self._step}: no token for request rid {req.rid}")
+                if self.observer is not None:
+                    self.observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 delta = self.output.append(req, tok)

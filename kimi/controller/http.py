@@ -1,37 +1,65 @@
 """OpenAI-compatible HTTP routes (Starlette), served by uvicorn inside the controller's event loop.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both non-streaming and SSE streaming ending
-with `data: [DONE]`), `GET /v1/models`, `GET /health` ("loading" with 503 until the workers are ready).
-Bad input gets a 400 in the OpenAI error schema naming the field (kimi.controller.validation); an accepted
-request always ends with a finish_reason or an error.
+with `data: [DONE]`), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health` ("loading" with 503
+until the workers are ready). Every accepted field, its range and what is rejected: docs/api.md.
+
+- Honor or reject: every request field is implemented or rejected with a 400 in the OpenAI error schema
+  whose `param` names it (kimi.controller.validation); an accepted request always ends with a
+  finish_reason or an error.
+- `n > 1` runs n sibling requests with the same prompt (ids `<id>-0` .. `<id>-{n-1}`); the prefix cache
+  shares the prompt's KV between them. With a seed, sibling i uses seed + i.
+- A client that disconnects (streaming or not) has all its requests aborted at once (their KV blocks are
+  freed before the next step is planned).
+- `api_key`: every route but /health needs `Authorization: Bearer <key>` (401 otherwise).
+- Request bodies larger than `max_body_bytes` get a 413 (read no further).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kimi.controller.chat import encode_chat
+from kimi.controller.chat import encode_chat, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
+from kimi.controller.metrics import CONTENT_TYPE, Metrics
+from kimi.controller.parsers import OutputParser, ParserConfig
 from kimi.controller.request import StopParams
+from kimi.controller.stops import MAX_STOP_STRINGS
 from kimi.controller.validation import BadRequest, Fields
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.tokenizer import KimiTokenizer
 
 MAX_BODY_BYTES = 32 << 20
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
 
 
-def error_response(e: BadRequest) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def error_response(e: BadRequest, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The OpenAI error body with e.status."""
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _finite(x: float | None) -> float | None:
+    if x is None:
+        return None
+    if math.isnan(x):
+        return LOGPROB_FLOOR
+    return max(x, LOGPROB_FLOOR) if x != math.inf else 0.0
 
 
 @dataclass
@@ -44,26 +72,197 @@ class GenerationArgs:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # completions: top-k count; chat: top_logprobs count (None = off)
+    echo: bool = False
+
+
+@dataclass
+class _Choice:
+    """Accumulated state of one choice (one sibling request)."""
+
+    index: int
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_ids: list[list[int] | None] = field(default_factory=list)
+    top_logprobs: list[list[float] | None] = field(default_factory=list)
+    last: RequestOutput | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_ids: list[list[int] | None] | None = None
+    prompt_top_logprobs: list[list[float] | None] | None = None
+    parser: OutputParser | None = None
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def add(self, o: RequestOutput) -> None:
+        self.last = o
+        self.outputs.append(o)
+        self.token_ids.extend(o.token_ids)
+        self.text.append(o.text)
+        for j in range(len(o.token_ids)):
+            self.logprobs.append(o.logprobs[j] if o.logprobs else None)
+            self.top_ids.append(o.top_ids[j] if o.top_ids else None)
+            self.top_logprobs.append(o.top_logprobs[j] if o.top_logprobs else None)
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs = (
+                o.prompt_logprobs, o.prompt_top_ids, o.prompt_top_logprobs)
+
+
+class _Siblings:
+    """n engine streams merged into one async iterator of (choice index, RequestOutput).
+
+    `close()` aborts every sibling that has not finished (client gone, error) and is idempotent.
+    """
+
+    def __init__(self, engine: Engine, ids: list[str], streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self.engine = engine
+        self.ids = ids
+        self.streams = streams
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.closed = False
+
+    async def _pump(self, i: int) -> None:
+        try:
+            async for o in self.streams[i]:
+                self.queue.put_nowait((i, o))
+        finally:
+            self.queue.put_nowait((i, None))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        self.tasks = [asyncio.ensure_future(self._pump(i)) for i in range(len(self.streams))]
+        live = len(self.streams)
+        while live:
+            i, o = await self.queue.get()
+            if o is None:
+                live -= 1
+                continue
+            yield i, o
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for rid in self.ids:
+            self.engine.abort(rid)
+        for t in self.tasks:
+            if not t.done():
+                t.cancel()
+        for s in self.streams:
+            try:
+                await s.aclose()
+            except Exception:
+                pass
+
+
+class _SSE:
+    """An ASGI text/event-stream response that watches for the client's disconnect while it streams.
+
+    On disconnect (or any end) the chunk generator is closed and `siblings.close()` aborts the requests,
+    so their KV blocks are freed at once rather than when the next chunk fails to send.
+    """
+
+    def __init__(self, chunks: AsyncIterator[dict[str, Any]], siblings: _Siblings) -> None:
+        self.chunks = chunks
+        self.siblings = siblings
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def produce() -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+            async for c in self.chunks:
+                data = b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        prod = asyncio.ensure_future(produce())
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({prod, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (prod, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(prod, watcher, return_exceptions=True)
+            await self.siblings.close()
+            try:
+                await self.chunks.aclose()  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        if prod.done() and not prod.cancelled() and prod.exception() is not None and not isinstance(prod.exception(), OSError):
+            raise prod.exception()  # type: ignore[misc]
+
+
+class _Auth:
+    """ASGI middleware: with an api_key, every HTTP route but /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.api_key and scope["type"] == "http" and scope["path"] != "/health":
+            got = b""
+            for k, v in scope.get("headers", []):
+                if k == b"authorization":
+                    got = v
+            want = b"Bearer " + self.api_key.encode()
+            if not hmac.compare_digest(got, want):
+                resp = JSONResponse(
+                    {"error": {"message": "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                               "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
+                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class OpenAIServer:
-    """Builds the Starlette app around an Engine."""
+    """Builds the Starlette app around an Engine (`.app` is the ASGI app to serve).
 
-    def __init__(self, engine: Engine, tokenizer: KimiTokenizer, served_model_name: str, vocab_size: int) -> None:
+    api_key: None = no authentication. max_body_bytes: larger request bodies get a 413. thinking_model:
+    chat output starts in reasoning (`reasoning_content`) unless `chat_template_kwargs.thinking` is false.
+    Attaches a `Metrics` to the engine (`engine.observer`).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: KimiTokenizer,
+        served_model_name: str,
+        vocab_size: int,
+        *,
+        api_key: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        thinking_model: bool = False,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = served_model_name
         self.vocab_size = vocab_size
+        self.max_body_bytes = max_body_bytes
+        self.thinking_model = thinking_model
         self.created = int(time.time())
-        self.app = Starlette(
+        self.metrics = Metrics(engine)
+        engine.observer = self.metrics
+        self.starlette = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_route, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
+        self.app = _Auth(self.starlette, api_key)
 
     # ---- small routes -----------------------------------------------------------------------------------
     async def _not_found(self, request: HTTPRequest, exc: Exception) -> JSONResponse:
@@ -78,6 +277,9 @@ class OpenAIServer:
         if not self.engine.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def metrics_route(self, request: HTTPRequest) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse(
@@ -100,9 +302,18 @@ class OpenAIServer:
         if not self.engine.ready or self.engine.fatal_error is not None:
             msg = self.engine.fatal_error or "the server is still loading the model"
             raise BadRequest(msg, None, status=503)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", None, status=413)
+        too_big = BadRequest(f"request body larger than {self.max_body_bytes} bytes", None, status=413)
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
+            raise too_big
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_big
+            parts.append(chunk)
+        raw = b"".join(parts)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -113,23 +324,59 @@ class OpenAIServer:
             raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model", code="model_not_found")
         return f
 
-    def _common(self, f: Fields, prompt_token_ids: list[int], max_tokens_default: int | None) -> GenerationArgs:
+    def _logit_bias(self, f: Fields) -> tuple[list[int], list[float]]:
+        lb = f._get("logit_bias")
+        if lb is None:
+            return [], []
+        if not isinstance(lb, dict):
+            raise BadRequest("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"'logit_bias' holds more than {MAX_LOGIT_BIAS} entries", "logit_bias")
+        ids, vals = [], []
+        for k, v in lb.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                raise BadRequest(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+            if not 0 <= tid < self.vocab_size:
+                raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {self.vocab_size})", "logit_bias")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+                raise BadRequest(f"'logit_bias' value for {tid} must be a number in [-100, 100]", "logit_bias")
+            ids.append(tid)
+            vals.append(float(v))
+        return ids, vals
+
+    def _stop_strings(self, f: Fields) -> tuple[str, ...]:
+        stop = f._get("stop")
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("'stop' must be a string or a list of strings", "stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        if any(s == "" for s in stop):
+            raise BadRequest("'stop' strings must not be empty", "stop")
+        return tuple(dict.fromkeys(stop))
+
+    def _common(self, f: Fields, prompt_token_ids: list[int], max_tokens_default: int | None,
+                logprobs: int | None, prompt_logprobs: int) -> GenerationArgs:
         temperature = f.float("temperature", 1.0, lambda v: 0.0 <= v <= 2.0, "in [0, 2]")
         top_p = f.float("top_p", 1.0, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         top_k = f.int("top_k", 0, lo=-1)
         if top_k == -1:
             top_k = 0
+        min_p = f.float("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        presence = f.float("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+        frequency = f.float("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+        repetition = f.float("repetition_penalty", 1.0, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
         seed = f.int("seed", None, lo=-(2**63), hi=2**63 - 1)
-        f.noop("n", (1,), "> 1 is not supported yet")
-        f.noop("best_of", (1,), "> 1 is not supported")
-        f.noop("presence_penalty", (0, 0.0), "is not supported yet")
-        f.noop("frequency_penalty", (0, 0.0), "is not supported yet")
-        f.noop("repetition_penalty", (1, 1.0), "is not supported yet")
-        f.noop("min_p", (0, 0.0), "is not supported yet")
-        f.noop("min_tokens", (0,), "is not supported yet")
-        f.noop("logit_bias", ({},), "is not supported yet")
-        f.noop("stop", ([], ""), "(stop strings) is not supported yet; use stop_token_ids")
-        f.noop("include_stop_str_in_output", (False,), "is not supported yet")
+        n = f.int("n", 1, lo=1, hi=MAX_N)
+        f.noop("best_of", (1, n), "other than n is not supported")
+        lb_ids, lb_vals = self._logit_bias(f)
+        stop_strings = self._stop_strings(f)
+        include_stop = f.bool("include_stop_str_in_output", False)
         f.accept("user")
         stream = f.bool("stream", False)
         so = f._get("stream_options")
@@ -145,11 +392,13 @@ class OpenAIServer:
             except BadRequest as e:
                 raise BadRequest(e.message, f"stream_options.{e.param}") from None
         stop_ids = f.int_list("stop_token_ids", 0, self.vocab_size)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(f"'stop_token_ids' holds more than {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
         ignore_eos = f.bool("ignore_eos", False)
         skip_special = f.bool("skip_special_tokens", True)
-        n = len(prompt_token_ids)
+        n_prompt = len(prompt_token_ids)
         if max_tokens_default is None:
-            max_tokens_default = max(1, self.engine.max_model_len - n)
+            max_tokens_default = max(1, self.engine.max_model_len - n_prompt)
         max_tokens = f.int("max_tokens", None, lo=1)
         if f.has("max_completion_tokens"):
             max_tokens = f.int("max_completion_tokens", None, lo=1)
@@ -157,66 +406,132 @@ class OpenAIServer:
             f.accept("max_completion_tokens")
         if max_tokens is None:
             max_tokens = max_tokens_default
+        min_tokens = f.int("min_tokens", 0, lo=0)
+        if min_tokens > max_tokens:
+            raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        block = sorted(set(stop_ids) | (set() if ignore_eos else set(self.engine.eos_token_ids))) if min_tokens else []
         return GenerationArgs(
             prompt_token_ids=prompt_token_ids,
-            sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, num_logprobs=-1),
-            stop=StopParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_ids), ignore_eos=ignore_eos),
+            sampling=SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                num_logprobs=-1 if logprobs is None else logprobs,
+                min_p=min_p, presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                logit_bias_ids=lb_ids, logit_bias_values=lb_vals, min_tokens=min_tokens, min_tokens_block_ids=block,
+                prompt_logprobs=prompt_logprobs,
+            ),
+            stop=StopParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_ids), ignore_eos=ignore_eos,
+                            stop=stop_strings, include_stop_str_in_output=include_stop, min_tokens=min_tokens),
             skip_special_tokens=skip_special,
             stream=stream,
             include_usage=include_usage,
+            n=n,
+            logprobs=logprobs,
         )
 
-    async def _start(self, request_id: str, g: GenerationArgs) -> AsyncIterator[RequestOutput]:
+    async def _start(self, request_id: str, g: GenerationArgs) -> _Siblings:
+        """Admit the n siblings (all or none: a failure aborts those already admitted)."""
+        ids: list[str] = []
+        streams: list[AsyncIterator[RequestOutput]] = []
         try:
-            return await self.engine.generate(request_id, g.prompt_token_ids, g.sampling, g.stop, g.skip_special_tokens)
+            for i in range(g.n):
+                sp = g.sampling
+                if g.n > 1 and sp.seed is not None:
+                    sp = _replace(sp, seed=(sp.seed + i + 2**63) % 2**64 - 2**63)
+                rid = request_id if g.n == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.generate(rid, g.prompt_token_ids, sp, g.stop, g.skip_special_tokens))
+                ids.append(rid)
         except AdmissionError as e:
+            for rid in ids:
+                self.engine.abort(rid)
+            retry = getattr(e, "retry_after_s", None)
+            if retry is not None:
+                raise BadRequest(str(e), e.param, status=503) from None
             raise BadRequest(str(e), e.param) from None
         except EngineDead as e:
+            for rid in ids:
+                self.engine.abort(rid)
             raise BadRequest(str(e), None, status=503) from None
+        return _Siblings(self.engine, ids, streams)
 
     @staticmethod
-    def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    def _usage(n_prompt: int, n_out: int, n_cached: int) -> dict[str, Any]:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": n_cached}}
 
-    async def _collect(self, request: HTTPRequest, stream: AsyncIterator[RequestOutput]) -> tuple[list[RequestOutput], str | None]:
-        """Run a non-streaming request to its end; abort it if the client goes away first."""
-        outs: list[RequestOutput] = []
+    def _usage_of(self, g: GenerationArgs, choices: list[_Choice]) -> dict[str, Any]:
+        n_out = sum(c.last.num_output_tokens if c.last else 0 for c in choices)
+        cached = choices[0].last.num_cached_tokens if choices and choices[0].last else 0
+        return self._usage(len(g.prompt_token_ids), n_out, cached)
 
+    async def _collect(self, request: HTTPRequest, sib: _Siblings, choices: list[_Choice]) -> str | None:
+        """Run a non-streaming request to its end; abort it at once if the client goes away first.
+
+        Returns an error message, or None when every choice finished normally.
+        """
         async def consume() -> None:
-            async for o in stream:
-                outs.append(o)
+            async for i, o in sib:
+                choices[i].add(o)
+
+        async def disconnected() -> None:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    return
 
         task = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(disconnected())
         try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    await stream.aclose()
-                    return outs, "client disconnected"
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                return "client disconnected"
             task.result()
         finally:
-            if not task.done():
-                task.cancel()
-        err = outs[-1].error if outs else "no output"
-        return outs, err
-
-    def _sse(self, chunks: AsyncIterator[dict[str, Any]], stream: AsyncIterator[RequestOutput]) -> StreamingResponse:
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for c in chunks:
-                    yield b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            finally:
-                await stream.aclose()  # aborts the request if it has not finished (client gone)
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            for t in (task, watcher):
+                if not t.done():
+                    t.cancel()
+            await sib.close()
+        for c in choices:
+            if c.last is None:
+                return "no output"
+            if c.last.error is not None:
+                return c.last.error
+        return None
 
     @staticmethod
     def _error_chunk(message: str) -> dict[str, Any]:
         return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _token_bytes(self, tid: int) -> list[int]:
+        try:
+            return list(self.tokenizer.id_to_bytes(tid))
+        except Exception:
+            return []
+
     # ---- /v1/completions ----------------------------------------------------------------------------------------
+    def _completion_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[int] | None],
+                             top_lps: list[list[float] | None], offset: int) -> dict[str, Any]:
+        """Legacy completions logprobs: tokens, token_logprobs, top_logprobs (per token a dict of the top-k
+        alternatives plus the chosen token, as vLLM; None where the logprob is unknown), text_offset."""
+        tokens, offsets, tl = [], [], []
+        pos = offset
+        for j, tid in enumerate(ids):
+            s = self._token_str(tid)
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+            if lps[j] is None:
+                tl.append(None)
+                continue
+            d = {}
+            if tops[j] is not None:
+                d = {self._token_str(t): _finite(v) for t, v in zip(tops[j], top_lps[j])}  # type: ignore[arg-type]
+            d.setdefault(s, _finite(lps[j]))
+            tl.append(d)
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": tl, "text_offset": offsets}
+
     async def completions(self, request: HTTPRequest) -> Response:
         try:
             f = await self._body(request)
@@ -227,11 +542,13 @@ class OpenAIServer:
                 if prompt == "":
                     raise BadRequest("'prompt' must not be empty", "prompt")
                 ids = self.tokenizer.encode(prompt)
+                prompt_text = prompt
             elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
                 ids = list(prompt)
                 bad = [x for x in ids if not 0 <= x < self.vocab_size]
                 if bad:
                     raise BadRequest(f"'prompt' holds token id {bad[0]}, outside [0, {self.vocab_size})", "prompt")
+                prompt_text = self.tokenizer.decode(ids)
             elif prompt is None:
                 raise BadRequest("'prompt' is required", "prompt")
             elif isinstance(prompt, list) and not prompt:
@@ -240,112 +557,230 @@ class OpenAIServer:
                 raise BadRequest("'prompt' must be a string, a list of token ids, or a batch of one of those", "prompt")
             else:
                 raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
-            f.noop("echo", (False,), "is not supported yet")
-            f.noop("logprobs", (), "is not supported yet")
+            echo = f.bool("echo", False)
+            logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
             f.noop("suffix", ("",), "is not supported")
-            g = self._common(f, ids, max_tokens_default=16)
+            g = self._common(f, ids, max_tokens_default=16, logprobs=logprobs,
+                             prompt_logprobs=(logprobs if echo and logprobs is not None else -1))
+            g.echo = echo
             f.reject_unknown()
             rid = f"cmpl-{uuid.uuid4().hex}"
-            stream = await self._start(rid, g)
+            sib = await self._start(rid, g)
         except BadRequest as e:
-            return error_response(e)
+            return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        n_prompt = len(g.prompt_token_ids)
+        choices = [_Choice(i, r) for i, r in enumerate(sib.ids)]
+
+        def echo_logprobs(c: _Choice) -> dict[str, Any]:
+            n = len(ids)
+            plp = c.prompt_logprobs or [None] * n
+            ptid = c.prompt_top_ids or [None] * n
+            ptlp = c.prompt_top_logprobs or [None] * n
+            return self._completion_logprobs(ids, plp, ptid, ptlp, 0)
 
         if not g.stream:
-            outs, err = await self._collect(request, stream)
+            err = await self._collect(request, sib, choices)
             if err is not None:
                 return error_response(BadRequest(err, None, status=500))
-            last = outs[-1]
-            text = "".join(o.text for o in outs)
-            return JSONResponse(
-                {
-                    **base,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}],
-                    "usage": self._usage(n_prompt, last.num_output_tokens),
-                }
-            )
+            out = []
+            for c in choices:
+                text = "".join(c.text)
+                lp = None
+                if g.logprobs is not None:
+                    start = len(prompt_text) if echo else 0
+                    lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, start)
+                    if echo:
+                        e = echo_logprobs(c)
+                        lp = {k: e[k] + lp[k] for k in lp}
+                if echo:
+                    text = prompt_text + text
+                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.last.finish_reason,
+                            "stop_reason": c.last.stop_reason})
+            return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            n_out = 0
-            async for o in stream:
-                n_out = o.num_output_tokens
+            offsets = [len(prompt_text) if echo else 0] * len(choices)
+            echoed = [False] * len(choices)
+            async for i, o in sib:
+                c = choices[i]
+                c.add(o)
                 if o.error is not None:
                     yield self._error_chunk(o.error)
                     return
-                if o.text or o.finished:
-                    yield {**base, "choices": [{"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}]}
+                if echo and not echoed[i]:
+                    echoed[i] = True
+                    lp = echo_logprobs(c) if g.logprobs is not None else None
+                    yield {**base, "choices": [{"index": i, "text": prompt_text, "logprobs": lp, "finish_reason": None}]}
+                lp = None
+                if g.logprobs is not None and o.token_ids:
+                    lp = self._completion_logprobs(o.token_ids, c.logprobs[-len(o.token_ids):], c.top_ids[-len(o.token_ids):],
+                                                   c.top_logprobs[-len(o.token_ids):], offsets[i])
+                offsets[i] += len(o.text)
+                if o.text or o.finished or lp is not None:
+                    ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+                    if o.finished:
+                        ch["stop_reason"] = o.stop_reason
+                    yield {**base, "choices": [ch]}
             if g.include_usage:
-                yield {**base, "choices": [], "usage": self._usage(n_prompt, n_out)}
+                yield {**base, "choices": [], "usage": self._usage_of(g, choices)}
 
-        return self._sse(chunks(), stream)
+        return _SSE(chunks(), sib)  # type: ignore[return-value]
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
+    def _chat_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[int] | None],
+                       top_lps: list[list[float] | None]) -> dict[str, Any]:
+        content = []
+        for j, tid in enumerate(ids):
+            alts = []
+            if tops[j] is not None:
+                alts = [{"token": self._token_str(t), "logprob": _finite(v), "bytes": self._token_bytes(t)}
+                        for t, v in zip(tops[j], top_lps[j])]  # type: ignore[arg-type]
+            content.append({"token": self._token_str(tid), "logprob": _finite(lps[j]), "bytes": self._token_bytes(tid),
+                            "top_logprobs": alts})
+        return {"content": content}
+
+    def _tool_args(self, f: Fields) -> tuple[list[dict[str, Any]] | None, bool, bool]:
+        """Validate tools / tool_choice / parallel_tool_calls -> (tools to render, parse calls?, parallel?)."""
+        tools = f._get("tools")
+        choice = f._get("tool_choice")
+        parallel = f.bool("parallel_tool_calls", True)
+        if tools is None:
+            if choice not in (None, "none"):
+                raise BadRequest("'tool_choice' needs 'tools'", "tool_choice")
+            return None, False, parallel
+        names = validate_tools(tools)
+        if choice is None or choice in ("auto", "required"):
+            return tools, True, parallel
+        if choice == "none":
+            return tools, False, parallel
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
+                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+            if fn["name"] not in names:
+                raise BadRequest(f"'tool_choice' names function {fn['name']!r}, which is not in 'tools'", "tool_choice")
+            return tools, True, parallel
+        raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
+
     async def chat_completions(self, request: HTTPRequest) -> Response:
         try:
             f = await self._body(request)
             messages = f._get("messages")
-            tools = f._get("tools")
-            if tools is not None:
-                raise BadRequest("'tools' is not supported yet", "tools")
-            f.noop("tool_choice", ("none",), "is not supported yet (no tools)")
-            f.noop("parallel_tool_calls", (True, False), "")
-            f.noop("logprobs", (False,), "is not supported yet")
-            f.noop("top_logprobs", (0,), "is not supported yet")
+            tools, parse_tools, parallel = self._tool_args(f)
+            want_lp = f.bool("logprobs", False)
+            top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+            if top is not None and not want_lp:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             rf = f._get("response_format")
             if rf is not None and rf != {"type": "text"}:
                 raise BadRequest("'response_format' other than {'type': 'text'} is not supported", "response_format")
             kwargs = f._get("chat_template_kwargs")
             if kwargs is not None and not isinstance(kwargs, dict):
                 raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-            ids = encode_chat(self.tokenizer, messages, None, kwargs or {})
-            g = self._common(f, ids, max_tokens_default=None)
+            kwargs = dict(kwargs or {})
+            for k in ("messages", "tools", "add_generation_prompt"):
+                if k in kwargs:
+                    raise BadRequest(f"'chat_template_kwargs' must not set {k!r}", "chat_template_kwargs")
+            ids = encode_chat(self.tokenizer, messages, tools, kwargs)
+            g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
             f.reject_unknown()
+            thinking = self.thinking_model and kwargs.get("thinking", True) is not False
+            pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            stream = await self._start(rid, g)
+            sib = await self._start(rid, g)
         except BadRequest as e:
-            return error_response(e)
+            return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        n_prompt = len(g.prompt_token_ids)
+        choices = [_Choice(i, r, parser=OutputParser(pcfg)) for i, r in enumerate(sib.ids)]
+
+        def finish_reason(c: _Choice) -> str | None:
+            base_reason = c.last.finish_reason if c.last else None
+            if base_reason in ("stop", "length"):
+                return c.parser.finish_reason(base_reason)  # type: ignore[union-attr]
+            return base_reason
 
         if not g.stream:
-            outs, err = await self._collect(request, stream)
+            err = await self._collect(request, sib, choices)
             if err is not None:
                 return error_response(BadRequest(err, None, status=500))
-            last = outs[-1]
-            text = "".join(o.text for o in outs)
-            return JSONResponse(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": text},
-                            "logprobs": None,
-                            "finish_reason": last.finish_reason,
-                        }
-                    ],
-                    "usage": self._usage(n_prompt, last.num_output_tokens),
-                }
-            )
+            out = []
+            for c in choices:
+                content, reasoning = [], []
+                p = c.parser
+                assert p is not None
+                tail = ""
+                for o in c.outputs:
+                    if not o.token_ids:
+                        tail += o.text
+                        continue
+                    d = p.feed(o.token_ids[0], o.text)
+                    content.append(d.content)
+                    reasoning.append(d.reasoning_content)
+                d = p.finish(tail)
+                content.append(d.content)
+                reasoning.append(d.reasoning_content)
+                calls = [t.to_openai() for t in p.tool_calls]
+                if not parallel:
+                    calls = calls[:1]
+                text = "".join(content)
+                msg: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+                if pcfg.starts_in_reasoning:
+                    msg["reasoning_content"] = "".join(reasoning) or None
+                if calls:
+                    msg["tool_calls"] = calls
+                lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if want_lp else None
+                out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish_reason(c),
+                            "stop_reason": c.last.stop_reason})
+            return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            yield {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-            n_out = 0
-            async for o in stream:
-                n_out = o.num_output_tokens
+            for c in choices:
+                yield {**chunk_base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]}
+            async for i, o in sib:
+                c = choices[i]
+                p = c.parser
+                assert p is not None
+                c.add(o)
                 if o.error is not None:
                     yield self._error_chunk(o.error)
                     return
-                if o.text:
-                    yield {**chunk_base, "choices": [{"index": 0, "delta": {"content": o.text}, "logprobs": None, "finish_reason": None}]}
+                d = p.feed(o.token_ids[0], o.text) if o.token_ids else None
                 if o.finished:
-                    yield {**chunk_base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": o.finish_reason}]}
+                    tail = p.finish("" if o.token_ids else o.text)
+                    if d is None:
+                        d = tail
+                    else:
+                        d.content += tail.content
+                        d.reasoning_content += tail.reasoning_content
+                        d.tool_calls += tail.tool_calls
+                delta = d.to_openai() if d is not None else {}
+                if not parallel and "tool_calls" in delta:
+                    delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
+                    if not delta["tool_calls"]:
+                        del delta["tool_calls"]
+                lp = None
+                if want_lp and o.token_ids:
+                    n = len(o.token_ids)
+                    lp = self._chat_logprobs(o.token_ids, c.logprobs[-n:], c.top_ids[-n:], c.top_logprobs[-n:])
+                if delta or lp is not None or o.finished:
+                    ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
+                                          "finish_reason": finish_reason(c) if o.finished else None}
+                    if o.finished:
+                        ch["stop_reason"] = o.stop_reason
+                    yield {**chunk_base, "choices": [ch]}
             if g.include_usage:
-                yield {**chunk_base, "choices": [], "usage": self._usage(n_prompt, n_out)}
+                yield {**chunk_base, "choices": [], "usage": self._usage_of(g, choices)}
 
-        return self._sse(chunks(), stream)
+        return _SSE(chunks(), sib)  # type: ignore[return-value]
+
+
+def _replace(sp: SamplingParams, **changes: Any) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(sp, **changes)

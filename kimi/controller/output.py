@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kimi.controller.request import Request
+from kimi.controller.stops import StopChecker
 from kimi.protocol import RequestOutput, TokenOutput
 from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
 
@@ -20,24 +21,48 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def start(self, req: Request) -> None:
+        """Attach the request's incremental detokenizer and (when it has stop strings) its StopChecker."""
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.skip_special_tokens)
+        if req.stop.stop:
+            req.stop_checker = StopChecker(req.stop.stop, req.stop.include_stop_str_in_output)
 
     def append(self, req: Request, out: TokenOutput) -> RequestOutput:
         """Append `out.token_id` to `req`, check stops, and return the delta for the client.
 
-        Sets req.finish_reason ("stop" or "length") when the request ends with this token.
+        Stops, first match wins: a `stop_token_ids` id (finish "stop", stop_reason = the id); an EOS id
+        unless ignore_eos (finish "stop", stop_reason None, as vLLM); a stop string completing in the text
+        (finish "stop", stop_reason = the string; the text is cut before it, or after it with
+        include_stop_str_in_output; text that may still begin a stop string is held back, never streamed);
+        max_tokens or max_model_len (finish "length"). Stop strings are looked for only once the request
+        has `min_tokens` output tokens (vLLM's rule); earlier text is streamed as it comes.
+        Sets req.finish_reason when the request ends with this token.
         """
         tok = out.token_id
         req.token_ids.append(tok)
         text = req.detokenizer.push(tok)
         reason = None
-        if tok in req.stop.stop_token_ids or (not req.stop.ignore_eos and tok in self.eos_token_ids):
+        stop_reason: str | int | None = None
+        if tok in req.stop.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif not req.stop.ignore_eos and tok in self.eos_token_ids:
             reason = "stop"
         elif req.num_output_tokens >= req.stop.max_tokens or len(req.token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             text += req.detokenizer.flush()
+        checker: StopChecker | None = req.stop_checker  # type: ignore[assignment]
+        if checker is not None and req.num_output_tokens >= req.stop.min_tokens:
+            text, stopped, matched = checker.feed(text)
+            if stopped:
+                reason, stop_reason = "stop", matched
+            elif reason is not None:
+                text += checker.flush()
+        if reason is not None:
             req.finish_reason = reason
+        plp = ptid = ptlp = None
+        if out.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            plp, ptid, ptlp = out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs
+            req.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=req.request_id,
             token_ids=[tok],
@@ -47,6 +72,13 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             logprobs=None if out.logprob is None else [out.logprob],
+            top_ids=None if out.top_ids is None else [out.top_ids],
+            top_logprobs=None if out.top_logprobs is None else [out.top_logprobs],
+            stop_reason=stop_reason,
+            num_cached_tokens=getattr(req, "num_cached_tokens", 0),
+            prompt_logprobs=plp,
+            prompt_top_ids=ptid,
+            prompt_top_logprobs=ptlp,
         )
 
     @staticmethod
@@ -61,4 +93,5 @@ class OutputProcessor:
             error=error,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=getattr(req, "num_cached_tokens", 0),
         )

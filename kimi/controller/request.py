@@ -23,6 +23,11 @@ class StopParams:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # appended (issue #5): stop strings (at most 4, kimi.controller.stops) checked on the detokenized text
+    # once min_tokens tokens exist; min_tokens also keeps EOS / stop ids from being sampled (worker side).
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -52,6 +57,8 @@ class Request:
     finish_reason: str | None = None
     outputs: asyncio.Queue | None = None
     detokenizer: object | None = None
+    stop_checker: object | None = None  # kimi.controller.stops.StopChecker (output.py)
+    prompt_logprobs_sent: bool = False  # output.py: prompt logprobs go out once (a preempted request resends them)
     # prefix cache (scheduler / block_pool): chained hashes of the full blocks of token_ids, how many of
     # block_table's blocks are registered in the cache, and the prompt tokens the first schedule found
     # cached (usage.prompt_tokens_details.cached_tokens); preemptions so far.

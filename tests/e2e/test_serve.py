@@ -160,7 +160,7 @@ BAD = [
     ({"model": "tiny", "prompt": [7] * 500, "max_tokens": 100}, "max_tokens"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": "tiny", "prompt": "hi", "n": 3}, "n"),
+    ({"model": "tiny", "prompt": "hi", "n": 0}, "n"),
     ({"model": "tiny", "prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi"}, "model"),

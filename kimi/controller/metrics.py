@@ -1,0 +1,102 @@
+"""Prometheus metrics for `GET /metrics` (prometheus-client, one CollectorRegistry per server).
+
+Names follow vLLM's where one exists, under the `kimi:` prefix (vLLM uses `vllm:`):
+
+- gauges, read from the engine at scrape time: `kimi:num_requests_running`, `kimi:num_requests_waiting`,
+  `kimi:kv_cache_used_blocks`, `kimi:kv_cache_total_blocks`;
+- counters, read from the engine at scrape time: `kimi:prompt_tokens_total` (prompt tokens of admitted
+  requests), `kimi:generation_tokens_total` (tokens sampled), `kimi:prefix_cache_queries_total` /
+  `kimi:prefix_cache_hits_total` (prompt tokens looked up in / found in the prefix cache; 0 when the
+  engine has no prefix cache), `kimi:request_success_total{finished_reason}` (requests that ended, by
+  finish reason: stop, length, abort, error);
+- histograms, observed by the engine's hooks (`Engine.observer`), in seconds:
+  `kimi:time_to_first_token_seconds` (arrival to the first sampled token),
+  `kimi:inter_token_latency_seconds` (between consecutive sampled tokens of one request),
+  `kimi:e2e_request_latency_seconds` (arrival to the end, any reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Reads gauges and counters from the engine on every scrape (no state of its own)."""
+
+    def __init__(self, metrics: "Metrics") -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Any]:
+        e = self.m.engine
+        ready = bool(getattr(e, "ready", False))
+        yield GaugeMetricFamily("kimi:num_requests_running", "Requests scheduled on the workers (prefill or decode).",
+                                value=e.num_running if ready else 0)
+        yield GaugeMetricFamily("kimi:num_requests_waiting", "Requests waiting to be scheduled.",
+                                value=e.num_waiting if ready else 0)
+        yield GaugeMetricFamily("kimi:kv_cache_used_blocks", "KV-cache blocks in use by requests, summed over DP ranks.",
+                                value=e.num_used_blocks if ready else 0)
+        total = sum(s.block_pool.num_usable_blocks for s in e.schedulers) if ready else 0
+        yield GaugeMetricFamily("kimi:kv_cache_total_blocks", "Usable KV-cache blocks, summed over DP ranks.", value=total)
+        yield CounterMetricFamily("kimi:prompt_tokens", "Prompt tokens of admitted requests.", value=e.stats.prompt_tokens)
+        yield CounterMetricFamily("kimi:generation_tokens", "Tokens sampled.", value=e.stats.generation_tokens)
+        pc = getattr(e, "prefix_cache_stats", None) if ready else None
+        queries = int(pc.get("queries", 0)) if isinstance(pc, dict) else 0
+        hits = int(pc.get("hits", 0)) if isinstance(pc, dict) else 0
+        yield CounterMetricFamily("kimi:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries)
+        yield CounterMetricFamily("kimi:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits)
+        done = CounterMetricFamily("kimi:request_success", "Requests that ended, by finish reason.",
+                                   labels=["finished_reason"])
+        for reason, n in sorted(self.m.finished.items()):
+            done.add_metric([reason], n)
+        yield done
+
+
+class Metrics:
+    """The server's metrics: a private registry, the engine collector and the latency histograms.
+
+    Attach with `engine.observer = metrics`; the engine then calls `on_token` before each sampled token is
+    applied and `on_finish` when a request ends. `render()` returns the Prometheus text exposition.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.finished: dict[str, int] = {}
+        self._last_token: dict[int, float] = {}
+        self.registry.register(_EngineCollector(self))
+        self.ttft = Histogram("kimi:time_to_first_token_seconds", "Arrival to first sampled token (s).",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kimi:inter_token_latency_seconds", "Time between consecutive sampled tokens (s).",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kimi:e2e_request_latency_seconds", "Arrival to end of request, any reason (s).",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def on_token(self, req: Any, now: float) -> None:
+        """One sampled token of `req` at monotonic time `now` (s): TTFT for the first, ITL after that."""
+        last = self._last_token.get(req.rid)
+        if last is None:
+            if req.first_token_time is None:
+                self.ttft.observe(max(0.0, now - req.arrival_time))
+        else:
+            self.itl.observe(max(0.0, now - last))
+        self._last_token[req.rid] = now
+
+    def on_finish(self, req: Any, now: float) -> None:
+        """`req` ended (finish_reason set, or None for an error) at monotonic time `now` (s)."""
+        self._last_token.pop(req.rid, None)
+        reason = req.finish_reason or "error"
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        self.e2e.observe(max(0.0, now - req.arrival_time))
+
+    def render(self) -> bytes:
+        """The Prometheus text format (version 0.0.4) of every metric."""
+        return generate_latest(self.registry)

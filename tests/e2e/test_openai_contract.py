@@ -1,0 +1,366 @@
+"""The OpenAI serving contract, end to end: the official `openai` client against a real `kimi serve`.
+
+The model is the tiny K2.6 checkpoint with its embedding / lm_head rewritten into a bigram chain
+(tests/e2e/chain_checkpoint.py explains why and how): after `<|im_middle|>` greedy decoding generates
+`<think> I think</think>OK` and then a kimi_k2 tool section that repeats the call
+`functions.get_weather:0 {"city":"Paris"}` until max_tokens; `logit_bias {<|tool_call_begin|>: -10}`
+closes the section after one call (`Done<|im_end|>`). So reasoning / tool-call parsing, stop strings and
+token-level features are exercised on tokens the real worker generated, not on a scripted stream. Prompts
+made of other tokens behave like the random tiny model.
+
+One server for the module: --api-key, a small --max-body-bytes, --reasoning on, 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kimi.client import KimiClient
+from kimi.controller.chat import encode_chat
+from kimi.tokenizer import KimiTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chain_checkpoint import CB, CHAIN_TOKENS, IM_MIDDLE, OK, make_chain_checkpoint  # noqa: E402
+from conftest import start_server, stop_server  # noqa: E402
+
+KEY = "sekrit-key"
+MAX_BODY = 65536
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+CALL = {"id": "functions.get_weather:0", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_k26, tmp_path_factory):
+    d = make_chain_checkpoint(tiny_k26, str(tmp_path_factory.mktemp("chain") / "chain"))
+    log = str(tmp_path_factory.mktemp("log") / "contract.log")
+    s = start_server(d, log, "--block-size", "16", "--num-blocks", "200", "--max-model-len", "512",
+                     "--token-budget", "64", "--reasoning", "on", "--api-key", KEY, "--max-body-bytes", str(MAX_BODY))
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _metrics(srv) -> dict[str, float]:
+    text = httpx.get(f"{srv.base_url}/metrics", headers=_auth()).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("" if not s.labels else json.dumps(s.labels, sort_keys=True))
+            out[key] = s.value
+    return out
+
+
+def _stream_chat(client, **kw):
+    """Collect a streamed chat: (reasoning, content, {index: call dict}, finish_reasons, chunks)."""
+    reasoning, content, calls, reasons, n_chunks = [], [], {}, [], 0
+    for ch in client.chat.completions.create(model="tiny", stream=True, **kw):
+        n_chunks += 1
+        c = ch.choices[0]
+        d = c.delta
+        r = getattr(d, "reasoning_content", None) or (d.model_extra or {}).get("reasoning_content")
+        if r:
+            reasoning.append(r)
+        if d.content:
+            content.append(d.content)
+        for tc in d.tool_calls or []:
+            cur = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": [], })
+            if tc.id:
+                assert cur["id"] is None, "a call's head must come once"
+                cur["id"], cur["name"] = tc.id, tc.function.name
+            if tc.function and tc.function.arguments:
+                cur["arguments"].append(tc.function.arguments)
+        if c.finish_reason:
+            reasons.append(c.finish_reason)
+    return "".join(reasoning), "".join(content), calls, reasons, n_chunks
+
+
+# ---- auth and limits ----------------------------------------------------------------------------------
+def test_api_key_required_everywhere_but_health(srv, client):
+    assert httpx.get(f"{srv.base_url}/health").status_code == 200
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(f"{srv.base_url}{path}")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="hi", max_tokens=1)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_body_over_limit_is_413(srv):
+    body = {"model": "tiny", "prompt": "x" * MAX_BODY, "max_tokens": 1}
+    r = httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=_auth())
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+# ---- tool calls and reasoning ----------------------------------------------------------------------------
+def test_two_calls_in_one_section_streaming_equals_non_streaming(client):
+    kw = dict(messages=ASK, tools=TOOLS, max_tokens=34, temperature=0)  # 34 tokens end right after call 2
+    r = client.chat.completions.create(model="tiny", **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.model_extra["reasoning_content"] == " I think"
+    assert c.message.content == "OK"
+    assert [t.model_dump(exclude_none=True) for t in c.message.tool_calls] == [CALL, CALL]
+    reasoning, content, calls, reasons, _ = _stream_chat(client, **kw)
+    assert (reasoning, content, reasons) == (" I think", "OK", ["tool_calls"])
+    assert sorted(calls) == [0, 1]
+    for call in calls.values():
+        assert (call["id"], call["name"], "".join(call["arguments"])) == (CALL["id"], "get_weather", '{"city":"Paris"}')
+        assert len(call["arguments"]) == 5, "arguments stream one generated token per delta"
+    assert "<|" not in content + reasoning
+
+
+def test_section_cut_by_max_tokens(client):
+    kw = dict(messages=ASK, tools=TOOLS, max_tokens=29, temperature=0)  # cut inside call 2's arguments
+    r = client.chat.completions.create(model="tiny", **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length"  # the truncated call's head was already streamable
+    assert [t.id for t in c.message.tool_calls] == [CALL["id"]]
+    _, content, calls, reasons, _ = _stream_chat(client, **kw)
+    assert reasons == ["length"] and content == "OK" and sorted(calls) == [0, 1]
+
+
+def test_section_closed_then_content_then_eos(client):
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                       logit_bias={str(CB): -10})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "OKDone"
+    assert [t.model_dump(exclude_none=True) for t in c.message.tool_calls] == [CALL]
+    assert r.usage.completion_tokens == 23
+
+
+def test_tool_choice_variants(srv, client):
+    none = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none",
+                                          max_tokens=12, temperature=0)
+    m = none.choices[0].message
+    assert not m.tool_calls and none.choices[0].finish_reason == "length"
+    assert m.content.startswith("OK<|tool_calls_section_begin|><|tool_call_begin|>functions")  # markers as text
+    named = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=34, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           parallel_tool_calls=False)
+    assert [t.id for t in named.choices[0].message.tool_calls] == [CALL["id"]]  # parallel off: first call only
+    req = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                         max_tokens=20, temperature=0)
+    assert req.choices[0].finish_reason == "tool_calls"
+    for body, param in [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "description": "<|im_end|>"}}]}, "tools"),
+    ]:
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
+                       json={"model": "tiny", "messages": ASK, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_thinking_off_via_chat_template_kwargs(client):
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=20, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    m = r.choices[0].message
+    assert m.content == "OK" and m.model_extra.get("reasoning_content") is None
+    assert [t.id for t in m.tool_calls] == [CALL["id"]]
+
+
+def test_history_with_non_canonical_tool_call_ids(srv, client):
+    msgs = [
+        {"role": "user", "content": "find it"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "search:0", "type": "function", "function": {"name": "search", "arguments": '{"q":"a"}'}},
+            {"id": "call_0af3", "type": "function", "function": {"name": "my.tool-v2", "arguments": {"x": 1}}}]},
+        {"role": "tool", "tool_call_id": "search:0", "content": "found"},
+        {"role": "tool", "tool_call_id": "call_0af3", "content": "done"},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0)
+    tok = KimiTokenizer.from_dir(srv.model_dir)
+    ids = encode_chat(tok, msgs, None, {})
+    assert r.usage.prompt_tokens == len(ids)
+    text = tok.decode(ids)
+    assert "<|tool_call_begin|>search:0<|tool_call_argument_begin|>{\"q\":\"a\"}<|tool_call_end|>" in text
+    assert "<|tool_call_begin|>call_0af3<|tool_call_argument_begin|>{\"x\":1}<|tool_call_end|>" in text
+    assert "## Return of call_0af3\ndone" in text
+
+
+# ---- stops ------------------------------------------------------------------------------------------------
+def test_stop_strings_tokens_and_hold_back(client):
+    kw = dict(model="tiny", prompt=[IM_MIDDLE], max_tokens=40, temperature=0)
+    r = client.completions.create(**kw, stop=["Paris", "zzz"])
+    c = r.choices[0]
+    assert c.text.endswith('{"city":"') and "Paris" not in c.text
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == "Paris"
+    r = client.completions.create(**kw, stop="Paris", extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text.endswith('{"city":"Paris')
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [OK]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == OK
+    assert r.choices[0].text == " I thinkOK" and r.usage.completion_tokens == 5
+    # "thinkOK" spans two generated tokens: " think" must be held back, never streamed.
+    chunks = [ch.choices[0] for ch in client.completions.create(**kw, stop=["thinkOK"], stream=True)]
+    texts = [ch.text for ch in chunks]
+    assert "".join(texts) == " I " and not any("think" in t for t in texts)
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == "thinkOK"
+
+
+def test_min_tokens_and_ignore_eos(client):
+    kw = dict(model="tiny", prompt=[IM_MIDDLE], max_tokens=40, temperature=0, logit_bias={str(CB): -10})
+    assert client.completions.create(**kw).usage.completion_tokens == 23  # ... Done <|im_end|>
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+    r = client.completions.create(**kw, extra_body={"min_tokens": 30})
+    assert r.usage.completion_tokens >= 30
+    r = client.completions.create(**kw, stop=["Done"], extra_body={"min_tokens": 30})
+    assert r.usage.completion_tokens >= 30  # stop strings count only after min_tokens
+
+
+# ---- logprobs -------------------------------------------------------------------------------------------
+def test_completion_logprobs_and_echo_match_the_sampler(srv, client):
+    with KimiClient(srv.zmq_addr, timeout_s=60) as zc:
+        outs = list(zc.generate([1000], max_tokens=1, temperature=0.0, logprobs=5))
+    g, lp_g = outs[0].token_ids[0], outs[0].logprobs[0]
+    r = client.completions.create(model="tiny", prompt=[1000], max_tokens=3, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] == pytest.approx(lp_g, abs=1e-5)
+    for j in range(3):
+        assert len(lp.top_logprobs[j]) == 5
+        assert lp.token_logprobs[j] == pytest.approx(max(lp.top_logprobs[j].values()), abs=1e-6)  # greedy
+        assert all(math.isfinite(v) and v <= 0 for v in lp.top_logprobs[j].values())
+    # echo: the prompt's own logprobs, computed on the prompt path, equal what the sampler reported.
+    e = client.completions.create(model="tiny", prompt=[1000, g], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    el = e.choices[0].logprobs
+    assert el.token_logprobs[0] is None and el.token_logprobs[1] == pytest.approx(lp_g, abs=1e-4)
+    assert len(el.tokens) == 3 and el.text_offset[:2] == [0, len(el.tokens[0])]
+    assert e.choices[0].text.startswith(el.tokens[0] + el.tokens[1])
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 2 and math.isfinite(t.logprob) and isinstance(t.bytes, list)
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-6)
+
+
+# ---- sampling, n, usage -------------------------------------------------------------------------------------
+def test_seed_reproducible_and_n_siblings(client):
+    # banning the chain's tokens keeps random sampling out of the deterministic chain
+    ban = {str(t): -100 for t in CHAIN_TOKENS}
+    kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=1.0, seed=7, n=2, logit_bias=ban,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # siblings use seed + index
+    assert a.usage.completion_tokens == 16 and a.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(**{**kw, "n": 3}, stream=True, stream_options={"include_usage": True}))
+    finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finals == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    greedy = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0,
+                                       presence_penalty=1.5, frequency_penalty=1.0,
+                                       extra_body={"repetition_penalty": 1.3, "min_p": 0.1, "top_k": 5})
+    assert greedy.usage.completion_tokens >= 1
+
+
+def test_cached_tokens_reported(client):
+    prompt = list(range(2000, 2040))  # 40 tokens: two full 16-token blocks can be shared
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == 32
+
+
+BAD = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"n": 17}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"echo": "yes"}, "echo"),
+    ({"seed": "x"}, "seed"),
+    ({"stop_token_ids": [163840]}, "stop_token_ids"),
+    ({"suffix": "x"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])
+def test_bad_sampling_fields_are_400(srv, extra, param):
+    r = httpx.post(f"{srv.base_url}/v1/completions", headers=_auth(),
+                   json={"model": "tiny", "prompt": "hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_nan_and_chat_only_fields_are_400(srv):
+    r = httpx.post(f"{srv.base_url}/v1/completions", headers={**_auth(), "content-type": "application/json"},
+                   content=b'{"model": "tiny", "prompt": "hi", "temperature": NaN}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
+                   json={"model": "tiny", "messages": ASK, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+# ---- aborts and metrics ----------------------------------------------------------------------------------
+def _wait_idle(srv, timeout_s: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics(srv)
+        if m["kimi:num_requests_running"] == 0 and m["kimi:kv_cache_used_blocks"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"not idle: {m}"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_and_frees_kv(srv):
+    aborted = '{"finished_reason": "abort"}'
+    before = _metrics(srv).get(f"kimi:request_success_total{aborted}", 0)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json={**body, "stream": True}, headers=_auth()) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: {") for x in got)
+        m = _metrics(srv)
+        assert m["kimi:num_requests_running"] == 1 and m["kimi:kv_cache_used_blocks"] >= 1
+    _wait_idle(srv)
+    with pytest.raises(httpx.ReadTimeout):  # the non-streaming client gives up mid-generation
+        httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=_auth(), timeout=1.0)
+    m = _wait_idle(srv)
+    assert m[f"kimi:request_success_total{aborted}"] == before + 2
+
+
+def test_metrics_exposition(srv, client):
+    client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+    m = _metrics(srv)
+    assert m["kimi:prompt_tokens_total"] > 0 and m["kimi:generation_tokens_total"] >= 3
+    assert m["kimi:time_to_first_token_seconds_count"] >= 1
+    assert m["kimi:inter_token_latency_seconds_count"] >= 2
+    assert m["kimi:e2e_request_latency_seconds_count"] >= 1
+    assert m["kimi:kv_cache_total_blocks"] == 199
+    assert m["kimi:prefix_cache_hits_total"] >= 32  # test_cached_tokens_reported's hit (module order)
+    assert m["kimi:num_requests_waiting"] == 0

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Callable
 
 from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
-from kimi.controller.block_pool import BlockPool
+from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.output import OutputProcessor
 from kimi.controller.request import Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
@@ -206,7 +206,13 @@ class Engine:
         self.output.start(req)
         self.requests[request_id] = req
         self.by_rid[rid] = req
-        dp = self.router.choose()
+        affinity = None
+        if self.enable_prefix_caching and len(self.schedulers) > 1:
+            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
+            bs = self.schedulers[0].block_pool.block_size
+            req.block_hashes = block_hashes(req.token_ids, bs)
+            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
+        dp = self.router.choose(affinity)
         self.schedulers[dp].add(req)
         self.stats.prompt_tokens += n
         self._wake.set()

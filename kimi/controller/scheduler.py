@@ -29,6 +29,9 @@ from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.request import Request, RequestStatus
 
 
+_NO_BLOCKS: list[int] = []  # shared, never mutated: new_blocks of a step that appends none
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: compute `num_new_tokens` tokens; `new_blocks` were appended for them.
@@ -188,18 +191,26 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         if self.running:
-            decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+            decodes = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
             if len(decodes) < len(self.running):
-                order = decodes + [r for r in self.running if r.num_tokens_to_compute != 1]
+                order = decodes + [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]
             else:
                 order = decodes
+            bs = self.block_pool.block_size
+            running = RequestStatus.RUNNING
             for req in order:
                 if budget <= 0:
                     break
-                if req.status != RequestStatus.RUNNING:
+                if req.status is not running:
                     continue  # preempted earlier in this step
-                num_new = min(req.num_tokens_to_compute, budget)
+                num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
                 if num_new <= 0:
+                    continue
+                if req.num_computed_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
+                    # fast path (most decode steps): the tokens fit the blocks it holds
+                    out.scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False))
+                    scheduled_ids.add(req.rid)
+                    budget -= num_new
                     continue
                 blocks = self._grow(req, num_new)
                 while blocks is None:

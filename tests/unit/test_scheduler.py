@@ -173,3 +173,31 @@ def test_request_fitting_alone_waits_instead_of_failing():
     s.add(b)
     run_all(s)
     assert a.num_output_tokens == 5 and b.num_output_tokens == 5
+
+
+def test_engine_routes_a_shared_prefix_to_the_rank_that_caches_it(tmp_path):
+    """Two DP ranks: a prompt whose 64-token prefix rank 1 caches goes to rank 1 although rank 1 is busier."""
+    from kimi.controller.engine import Engine
+    from kimi.controller.router import DPRouter
+    from kimi.tokenizer import KimiTokenizer, write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    cfg = SchedulerConfig(max_num_seqs=64, token_budget=512, max_model_len=4096)
+    from kimi.config import CacheConfig
+
+    eng = Engine(KimiTokenizer.from_dir(tmp_path), frozenset(), cfg, CacheConfig(block_size=BS), transport=None,
+                 vocab_size=1000)
+    eng.schedulers = [Scheduler(cfg, BlockPool(200, BS), dp_rank=r) for r in range(2)]
+    eng.router = DPRouter(eng.schedulers)
+    eng.world_size, eng.kv_capacity_tokens, eng.ready = 2, 199 * BS, True
+    prefix = list(range(300, 300 + 64 * BS))
+    warm = make(1, prefix + [1], max_tokens=1)
+    eng.schedulers[1].add(warm)
+    run_all(eng.schedulers[1])  # rank 1 now caches the prefix (free, still hashed)
+    eng.schedulers[1].add(make(2, [5, 6, 7], max_tokens=50))  # and is busier than rank 0
+    r_other = eng.add_request("a", [9, 8, 7, 6], SamplingParams(temperature=0.0), StopParams(4))
+    assert r_other.dp_rank == 0
+    r_shared = eng.add_request("b", prefix + [2, 3], SamplingParams(temperature=0.0), StopParams(4))
+    assert r_shared.dp_rank == 1
+    (sr,) = [x for x in step(eng.schedulers[1]).scheduled if x.request is r_shared]
+    assert r_shared.num_cached_tokens == 64 * BS and sr.num_new_tokens == 2

@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+"""Controller + HTTP cost per engine step at 64 / 256 / 1024 running streaming requests (no model).
+
+    python tools/bench_controller.py [--running 64 256 1024] [--output-len 256] [--input-len 64]
+                                     [--out bench/controller_cpu_DATE.json] [--profile DIR]
+
+For each N: starts `kimi serve --fake-workers` (real controller, real HTTP, real ZeroMQ step plans, a real
+torchrun worker that runs kimi.worker.fake instead of a model) with max-num-seqs N and a token budget that
+fits N decodes, then runs tools/bench_serving.py in a separate process (N concurrent streaming requests of
+`--input-len` random token ids, `--output-len` tokens each, ignore_eos). The fake worker records when each
+step starts and ends ($KIMI_FAKE_STATS); from the steady-state steps (all N requests decoding, one token
+each) this reports:
+
+- steps_per_s: 1 / median step period (start to next start);
+- controller_ms: the gap between a step's end on the worker and the next step's start, p50 / p90 / p99:
+  the controller's share of a step (apply the sampled tokens, detokenize, stream N SSE chunks through
+  HTTP, schedule, build and send the next plan, plus ZeroMQ both ways);
+- worker_ms: the fake worker's own time per step (plan decode is outside; this is its bookkeeping);
+- controller_cpu_us_per_output_token: the controller process's CPU time (user + sys, /proc) during the
+  client run divided by the output tokens delivered. The engine does not wait for HTTP: while it waits
+  for a step result the event loop streams earlier tokens, and streaming can fall behind the engine
+  (outputs queue up), so the step rate alone under-counts HTTP work; this number and the client's TPOT
+  include it;
+- the client's TTFT / TPOT / ITL from bench_serving.
+
+Pinning (`--pin`, default on when >= 2 CPUs): the server (controller + fake worker) on CPU 0, the load
+generator on CPU 1, so they do not share a core. The fake worker shares the controller's core, but it only
+runs while the controller waits for its result. With `--profile DIR`, the controller runs under cProfile
+(`python -m cProfile -o DIR/controller_N.prof`) and the top functions by own time are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import pstats
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+from kimi.controller.transport import free_tcp_port  # noqa: E402
+
+
+def make_model_dir(path: str) -> str:
+    """A folder with the tiny K2.6 config.json, generation_config.json and tokenizer files (no weights)."""
+    from make_tiny_checkpoint import tiny_config
+
+    from kimi.tokenizer import write_tokenizer_files
+
+    os.makedirs(path, exist_ok=True)
+    cfg, gen = tiny_config("k2.6")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(gen, f)
+    write_tokenizer_files(path)
+    return path
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of process `pid` so far (/proc/PID/stat fields 14 and 15)."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
+    """Serve with fake workers at N running requests, drive it, return the measurements."""
+    port = free_tcp_port()
+    stats_path = os.path.join(tmp, f"fake_steps_{n}.json")
+    total_tokens = args.input_len + args.output_len
+    num_blocks = n * (-(-total_tokens // 64)) + 64
+    server = [sys.executable]
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        server += ["-m", "cProfile", "-o", os.path.join(args.profile, f"controller_{n}.prof")]
+    server += ["-m", "kimi", "serve", "--model", model_dir, "--port", str(port), "--served-model-name", "fake",
+               "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", "--fake-workers",
+               "--max-num-seqs", str(n), "--max-waiting", str(4 * n), "--token-budget", str(max(2048, 2 * n)),
+               "--num-blocks", str(num_blocks), "--max-model-len", str(total_tokens + 64), "--log-level", "warning"]
+    client = [sys.executable, os.path.join(REPO, "tools", "bench_serving.py"), "--base-url", f"http://127.0.0.1:{port}",
+              "--model", "fake", "--num-requests", str(n), "--concurrency", str(n), "--input-len", str(args.input_len),
+              "--output-len", str(args.output_len), "--no-progress", "--out", os.path.join(tmp, f"client_{n}.json")]
+    if args.pin:
+        server = ["taskset", "-c", "0"] + server
+        client = ["taskset", "-c", "1"] + client
+    env = dict(os.environ, KIMI_FAKE_STATS=stats_path)
+    log = open(os.path.join(tmp, f"server_{n}.log"), "w")
+    proc = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {open(log.name).read()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server not ready")
+            time.sleep(0.3)
+        load_before = os.getloadavg()
+        cpu0 = cpu_seconds(proc.pid)
+        subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
+        cpu1 = cpu_seconds(proc.pid)
+        load_after = os.getloadavg()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(stats_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    steps = json.load(open(stats_path))["steps"]
+    rep = json.load(open(os.path.join(tmp, f"client_{n}.json")))
+    # steady state: n requests in the step, one token each (all decoding)
+    idx = [i for i in range(len(steps) - 1) if steps[i][2] == n and steps[i][3] == n and steps[i + 1][2] == n]
+    period = [steps[i + 1][0] - steps[i][0] for i in idx]
+    gap = [steps[i + 1][0] - steps[i][1] for i in idx]
+    work = [steps[i][1] - steps[i][0] for i in idx]
+    out = {
+        "running": n,
+        "steady_steps": len(idx),
+        "total_steps": len(steps),
+        "steps_per_s": 1.0 / statistics.median(period) if period else None,
+        "output_tok_per_s_steady": n / statistics.median(period) if period else None,
+        "controller_ms": {q: 1000 * pct(gap, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} if gap else None,
+        "controller_us_per_request": 1e6 * statistics.median(gap) / n if gap else None,
+        "worker_ms_p50": 1000 * statistics.median(work) if work else None,
+        "controller_cpu_s": cpu1 - cpu0,
+        "controller_cpu_us_per_output_token": 1e6 * (cpu1 - cpu0) / max(1, rep["total_output_tokens"]),
+        "client": {k: rep[k] for k in ("completed", "errors", "wall_s", "output_token_throughput_per_s", "ttft", "tpot", "itl")},
+        "loadavg_before_after": [load_before, load_after],
+    }
+    if args.profile:
+        print(f"\n== controller profile, N={n} (own time) ==")
+        pstats.Stats(os.path.join(args.profile, f"controller_{n}.prof")).sort_stats("tottime").print_stats(18)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
+    p.add_argument("--profile", default=None, help="run the controller under cProfile; .prof files go here")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(os.path.join(tmp, "tiny-config"))
+        for n in args.running:
+            r = run_one(n, args, model_dir, tmp)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    doc = {
+        "benchmark": "tools/bench_controller.py",
+        "date": datetime.date.today().isoformat(),
+        "git_head": rev,
+        "conditions": {
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+            "python": platform.python_version(),
+            "pinning": "server (controller + fake worker) on CPU 0, load generator on CPU 1" if args.pin else "none",
+            "workload": f"N concurrent streaming /v1/completions, {args.input_len} random prompt token ids, "
+                        f"{args.output_len} output tokens, ignore_eos, greedy; kimi serve --fake-workers",
+            "note": "shared machine: other processes ran at the same time (see loadavg_before_after)",
+        },
+        "command": "python tools/bench_controller.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "results": results,
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

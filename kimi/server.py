@@ -26,9 +26,8 @@ import uvicorn
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
-from kimi.controller.parsers import THINK_START_ID
 from kimi.controller.submit import SubmitServer
-from kimi.controller.transport import ControllerTransport, free_tcp_port
+from kimi.controller.transport import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.server")
@@ -63,9 +62,8 @@ class ServeArgs:
     no_prefix_cache: bool = False
     max_waiting: int = 1024
     fake_workers: bool = False
-    api_key: str | None = None
-    max_body_bytes: int = 32 << 20
-    reasoning: str = "auto"
+    a2a_backend: str | None = None
+    heartbeat_timeout: float = 10.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -100,20 +98,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
     p.add_argument("--fake-workers", action="store_true",
                    help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)")
-    p.add_argument("--api-key", default=os.environ.get("KIMI_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
-                        "the ZeroMQ submit API is then kept on loopback (docs/api.md)")
-    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
-    p.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
-                   help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
-                        "tokenizer has a <think> token")
+    p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
+                   help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     """The torchrun command line that starts this server's workers."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.nproc),
-        "--master-port", str(free_tcp_port()), "-m", "kimi.worker.main",
+        # --standalone: one node, rendezvous on a port the store picks itself (no free-port race)
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
+        "-m", "kimi.worker.main",
         "--model", a.model, "--plan-addr", plan_addr, "--result-addr", result_addr,
         "--device", a.device, "--block-size", str(a.block_size),
         "--gpu-memory-utilization", str(a.gpu_memory_utilization),
@@ -124,6 +120,8 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
             cmd += [flag, str(v)]
     if a.fake_workers:
         cmd.append("--fake")
+    if a.a2a_backend is not None:
+        cmd += ["--a2a-backend", a.a2a_backend]
     if a.device == "cuda":
         cmd += ["--moe-backend", a.moe_backend, "--load-format", a.load_format,
                 "--cuda-graph-max-bs", str(0 if a.enforce_eager else a.max_num_seqs)]
@@ -147,7 +145,7 @@ class WorkerProcess:
 
     def check(self) -> str | None:
         rc = self.proc.poll()
-        return None if rc is None else f"worker process exited with code {rc}"
+        return None if rc is None else f"worker process exited with code {rc} (torchrun: a worker rank died or failed)"
 
     def stop(self, grace_s: float = 5.0) -> None:
         try:
@@ -168,11 +166,7 @@ class WorkerProcess:
 
 
 async def serve(a: ServeArgs) -> int:
-    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags."""
-    if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
-        log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
-                  a.zmq_submit_addr)
-        return 2
+    """Run the server until a signal (returns 0) or a worker failure (returns 1)."""
     cfg = ModelConfig.from_dir(a.model)
     if a.num_hidden_layers is not None:
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
@@ -180,9 +174,9 @@ async def serve(a: ServeArgs) -> int:
     eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
     max_model_len = a.max_model_len or cfg.max_position_embeddings
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
-    plan_addr = a.plan_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
-    result_addr = a.result_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
-    transport = ControllerTransport(plan_addr, result_addr)
+    # no address given: ZeroMQ picks a free port at bind time (no window for another process to take it)
+    transport = ControllerTransport(a.plan_addr or "tcp://127.0.0.1:*", a.result_addr or "tcp://127.0.0.1:*")
+    plan_addr, result_addr = transport.plan_addr, transport.result_addr
     engine = Engine(
         tokenizer,
         eos,
@@ -194,28 +188,32 @@ async def serve(a: ServeArgs) -> int:
         enable_prefix_caching=not a.no_prefix_cache,
         max_waiting=a.max_waiting,
     )
+    engine.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
+    if a.a2a_backend is not None and not a.attach:
+        from kimi.ops.all_to_all import check_backend
+
+        try:
+            check_backend(a.a2a_backend, a.nproc, a.device)
+        except ValueError as e:
+            log.error("%s", e)
+            transport.close()
+            return 2
     workers = None
     if not a.attach:
         workers = WorkerProcess(worker_command(a, plan_addr, result_addr))
         engine.liveness_checks.append(workers.check)
     else:
-        log.info("waiting for %d external worker rank(s): --plan-addr %s --result-addr %s", a.nproc, plan_addr, result_addr)
+        log.info("waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
+                 "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
+                 "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
+                 "(docs/multinode.md)", a.nproc, a.model, plan_addr, result_addr, a.device)
 
-    if a.reasoning == "auto":
-        thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
-    else:
-        thinking_model = a.reasoning == "on"
-    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size, api_key=a.api_key,
-                       max_body_bytes=a.max_body_bytes, thinking_model=thinking_model)
+    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size)
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
     submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
-    if a.api_key:
-        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        if a.zmq_submit_addr is None:
-            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
     submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)
     http_task = asyncio.create_task(http.serve())
     submit_task = asyncio.create_task(submit.serve())
@@ -251,7 +249,9 @@ async def serve(a: ServeArgs) -> int:
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             pass
         if workers is not None:
-            await asyncio.to_thread(workers.stop)
+            # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and never
+            # see Shutdown: give them 1 s instead of 5 before the process group is terminated
+            await asyncio.to_thread(workers.stop, 1.0 if engine.fatal_error is not None else 5.0)
         transport.close()
     return rc
 

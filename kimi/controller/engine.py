@@ -6,9 +6,10 @@ continuing requests, dropped rids), the plan is broadcast to all workers, the en
 Steps run back to back while there is work; when idle the engine pings the workers once a second so they
 know the controller is alive.
 
-Failure: a `WorkerError`, a worker process that exits, or a step that takes longer than `step_timeout_s`
-makes the engine fail every in-flight request with an error and stop (`fatal_error` is set; the server then
-exits non-zero).
+Failure: a `WorkerError`, a worker process that exits, a rank whose heartbeat stops (no `Pong` and no
+other message for `heartbeat_timeout_s`: dead, SIGSTOPped, wedged; pings go out every `heartbeat_s`, also
+between and during steps), or a step that takes longer than `step_timeout_s` makes the engine fail every
+in-flight request with an error and stop (`fatal_error` is set; the server then exits non-zero).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
-from kimi.controller.block_pool import BlockPool, block_hashes
+from kimi.controller.block_pool import BlockPool
 from kimi.controller.output import OutputProcessor
 from kimi.controller.request import Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
@@ -90,6 +91,10 @@ class Engine:
         self.vocab_size = vocab_size
         self.step_timeout_s = step_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s: float | None = 10.0  # None: no heartbeat check (set by the server's flag)
+        self._last_ping = 0.0
+        self._ping_seq = itertools.count(1 << 20)
+        self._alive_since = 0.0
         self.schedulers: list[Scheduler] = []
         self.router: DPRouter | None = None
         self.requests: dict[str, Request] = {}
@@ -106,9 +111,6 @@ class Engine:
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
         self.liveness_checks: list[Callable[[], str | None]] = []
-        # metrics hook (kimi.controller.metrics.Metrics): on_token(req, now) before each output token is
-        # applied, on_finish(req, now) when a request ends for any reason; None = no metrics.
-        self.observer = None
         self.enable_prefix_caching = enable_prefix_caching
         self.max_waiting = max_waiting
 
@@ -149,6 +151,7 @@ class Engine:
         ]
         self.router = DPRouter(self.schedulers)
         self.kv_capacity_tokens = (num_blocks - 1) * block_size
+        self._alive_since = time.monotonic()  # heartbeat clock starts when every rank is ready
         self.ready = True
 
     # ---- front-end API ------------------------------------------------------------------------------------
@@ -206,13 +209,7 @@ class Engine:
         self.output.start(req)
         self.requests[request_id] = req
         self.by_rid[rid] = req
-        affinity = None
-        if self.enable_prefix_caching and len(self.schedulers) > 1:
-            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
-            bs = self.schedulers[0].block_pool.block_size
-            req.block_hashes = block_hashes(req.token_ids, bs)
-            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
-        dp = self.router.choose(affinity)
+        dp = self.router.choose()
         self.schedulers[dp].add(req)
         self.stats.prompt_tokens += n
         self._wake.set()
@@ -260,8 +257,6 @@ class Engine:
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
         self.by_rid.pop(req.rid, None)
-        if self.observer is not None:
-            self.observer.on_finish(req, time.monotonic())
         if emit:
             req.outputs.put_nowait(OutputProcessor.final(req, reason, error))
 
@@ -288,7 +283,6 @@ class Engine:
                             num_new_tokens=sr.num_new_tokens,
                             block_ids=list(req.block_table),
                             sampling=req.sampling,
-                            num_prompt_tokens=req.num_prompt_tokens,
                         )
                     )
                     req.sent_to_workers = True
@@ -310,6 +304,7 @@ class Engine:
                 msg = await asyncio.wait_for(self.transport.recv(), min(left, 0.5))
             except asyncio.TimeoutError:
                 self._check_liveness()
+                await self._maybe_ping()
                 continue
             if isinstance(msg, protocol.WorkerError):
                 raise RuntimeError(f"worker rank {msg.rank} failed: {msg.message}")
@@ -326,6 +321,28 @@ class Engine:
             err = check()
             if err:
                 raise RuntimeError(err)
+        self._check_heartbeats()
+
+    def _check_heartbeats(self) -> None:
+        """Raise RuntimeError naming every rank not heard from for heartbeat_timeout_s (after start-up)."""
+        if self.heartbeat_timeout_s is None or not self.ready or not hasattr(self.transport, "silent_ranks"):
+            return
+        self.transport.drain_nowait()  # never called while a recv is in progress
+        silent = self.transport.silent_ranks(self.world_size, self.heartbeat_timeout_s, self._alive_since)
+        if silent:
+            steps = ", ".join(f"rank {r}: step {self.transport.last_step.get(r, 0)}" for r in silent)
+            raise RuntimeError(
+                f"worker rank(s) {silent} stopped answering: no heartbeat for {self.heartbeat_timeout_s:.0f} s "
+                f"(last step reported: {steps}; current step {self._step})"
+            )
+
+    async def _maybe_ping(self) -> None:
+        """Ping every rank when heartbeat_s has passed since the last ping (the ranks' heartbeat threads
+        answer with Pong; their absence is what `_check_heartbeats` catches)."""
+        now = time.monotonic()
+        if now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            await self.transport.send(protocol.Ping(next(self._ping_seq)))
 
     def _apply(self, outs: list[SchedulerOutput], tokens: dict[int, protocol.TokenOutput]) -> None:
         now = time.monotonic()
@@ -343,8 +360,6 @@ class Engine:
                 tok = tokens.get(req.rid)
                 if tok is None:
                     raise RuntimeError(f"step {self._step}: no token for request rid {req.rid}")
-                if self.observer is not None:
-                    self.observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 delta = self.output.append(req, tok)
@@ -363,13 +378,14 @@ class Engine:
                         await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
                     except asyncio.TimeoutError:
                         self._check_liveness()
-                        await self.transport.send(protocol.Ping(-1))
+                        await self._maybe_ping()
                     continue
                 plan, outs = self._build_plan()
                 if not plan.new and not plan.cont and not plan.finished:
                     self._step -= 1
                     await asyncio.sleep(0.005)
                     continue
+                await self._maybe_ping()
                 await self.transport.send(plan)
                 tokens = await self._collect(plan.step)
                 self.stats.steps += 1

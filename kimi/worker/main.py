@@ -4,6 +4,14 @@ Each rank connects to the controller (SUB for plans, PUSH for results), loads it
 sizes its KV cache, answers the controller's ping with `Ready`, then runs one step per plan. It exits
 when the controller says `Shutdown`, when the controller goes silent for `--controller-timeout` seconds,
 or (non-zero, after sending `WorkerError`) on any failure, including a gap in step numbers.
+
+Many ranks: torch.distributed is initialised from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) with gloo on CPU and nccl on CUDA, and the MoE all-to-all backend is built from
+`--a2a-backend` (kimi/ops/all_to_all.py; default local for one rank, gloo on CPU, nccl on CUDA). Rank r
+runs DP rank r's requests and owns experts [r*E/N, (r+1)*E/N). A `Heartbeat` thread answers the
+controller's pings while steps run, and ends the process when the controller's pings stop for
+`--controller-timeout` + 5 s even if the main thread is stuck in a collective. Several nodes: run the same
+command under `torchrun --nnodes M --node-rank i --master-addr ...` on each node (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 
 from kimi import protocol
 from kimi.config import CacheConfig, ModelConfig
-from kimi.controller.transport import WorkerTransport
+from kimi.controller.transport import Heartbeat, WorkerTransport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
     p.add_argument("--controller-timeout", type=float, default=30.0, help="exit after this long without a message")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
+                   help="MoE all-to-all (default: local for 1 rank, gloo on cpu, nccl on cuda)")
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="torch.distributed collective timeout, seconds")
+    p.add_argument("--ll-max-tokens", type=int, default=128,
+                   help="decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)")
     p.add_argument("--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)")
     p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
                    help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)")
@@ -54,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     log = logging.getLogger("kimi.worker")
     transport = WorkerTransport(args.plan_addr, args.result_addr)
+    heartbeat = Heartbeat(args.plan_addr, args.result_addr, rank, args.controller_timeout + 5.0).start()
+    a2a = None
     try:
+        from kimi.ops.all_to_all import default_backend, init_distributed, make_all_to_all
         from kimi.worker.runner import ModelRunner
 
         device = "cpu"
@@ -81,15 +97,23 @@ def main(argv: list[str] | None = None) -> int:
 
             runner = FakeRunner(cfg, cache, rank=rank, world_size=world_size)
         else:
+            backend = args.a2a_backend or default_backend(world_size, args.device)
+            group = init_distributed(backend, torch.device(device), args.dist_timeout)
+            a2a = make_all_to_all(
+                backend, num_experts=cfg.n_routed_experts, hidden=cfg.hidden_size, ep_rank=rank, ep_size=world_size,
+                group=group, ll_max_tokens_per_rank=args.ll_max_tokens,
+            )
+            log.info("rank %d of %d: all-to-all backend %s", rank, world_size, backend)
             runner = ModelRunner(
                 args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
-                progress=not args.no_progress and rank == 0,
+                progress=not args.no_progress and rank == 0, a2a=a2a, ll_max_tokens_per_rank=args.ll_max_tokens,
                 gpu_options=dict(moe_backend=args.moe_backend, load_format=args.load_format,
                                  cuda_graph_max_bs=args.cuda_graph_max_bs),
             )
     except Exception as e:
         traceback.print_exc()
         transport.send(protocol.WorkerError(rank, f"start-up failed: {type(e).__name__}: {e}"))
+        heartbeat.stop()
         transport.close()
         return 1
 
@@ -108,18 +132,37 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if isinstance(msg, protocol.Shutdown):
                 log.info("shutdown: %s", msg.reason)
+                _close_distributed(a2a)
                 return 0
             if msg.step != last_step + 1:
                 raise RuntimeError(f"step plan gap: expected step {last_step + 1}, got {msg.step}")
             last_step = msg.step
             outputs = runner.execute(msg)
             transport.send(protocol.StepResult(msg.step, rank, outputs))
+            heartbeat.step = msg.step
     except Exception as e:
         traceback.print_exc()
         transport.send(protocol.WorkerError(rank, f"{type(e).__name__}: {e}"))
         return 1
     finally:
+        log.info(
+            "rank %d served %d requests, sampled %d tokens, %d steps (%d idle)", rank,
+            getattr(runner, "num_requests", 0), getattr(runner, "num_sampled", 0), last_step,
+            getattr(runner, "num_idle_steps", 0),
+        )
+        heartbeat.stop()
         transport.close()
+
+
+def _close_distributed(a2a) -> None:
+    """Clean shutdown only (every rank got Shutdown): release the backend's buffers and the process group."""
+    import torch.distributed as dist
+
+    close = getattr(a2a, "close", None)
+    if close is not None:
+        close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,12 @@
 
 The runner holds no request policy: it computes exactly the tokens the plan names and samples the next
 token of every request whose computed tokens reach the end of its known tokens (protocol.py).
+
+Many ranks (DP attention x EP MoE): each rank runs the requests whose `dp_rank` is its rank and the routed
+experts it owns; the MoE all-to-all (kimi/ops/all_to_all.py) is collective, so a rank with nothing to run
+still takes part: `_idle_step` runs every MoE layer's dispatch / combine with zero tokens, in layer order,
+exactly as a forward would. Every rank also tracks which rank owns every live request (all plans reach all
+ranks), so all ranks pick the same all-to-all mode for a step (`step_mode`).
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import torch
 from kimi import protocol
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
+from kimi.ops.all_to_all import step_mode
 from kimi.ops.attention import build_attention_metadata
-from kimi.ops.sampling import prompt_logprobs, sample
+from kimi.ops.sampling import sample
 from kimi.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
 
@@ -32,18 +39,18 @@ class WorkerRequest:
     block_table: list[int]
     sampling: protocol.SamplingParams
     generator: torch.Generator | None
-    num_prompt_tokens: int = 0
-    # prompt logprobs gathered over the prompt's chunks (SamplingParams.prompt_logprobs >= 0); entry i is
-    # about token i; None where not computed here (entry 0, prefix-cache hits). Sent with the next token.
-    prompt_lp: list[float | None] | None = None
-    prompt_top_ids: list[list[int] | None] | None = None
-    prompt_top_lps: list[list[float] | None] | None = None
 
 
 class ModelRunner:
     """Loads this rank's shard and runs steps.
 
     rank / world_size: this worker's DP rank and EP rank (the same under DP attention + EP MoE).
+    a2a: the MoE all-to-all backend (kimi.ops.all_to_all; None = local, world_size 1 only).
+    ll_max_tokens_per_rank: decode steps with at most this many tokens on every rank use the backend's
+    low-latency mode (DeepEP); others use its normal mode.
+    Counters (logged at exit, read by tests): num_requests (NewRequest entries this rank ran; a preempted and
+    re-sent request counts again), num_sampled (tokens it
+    sampled), num_idle_steps (steps it ran with no local tokens).
     Raises CheckpointError / ConfigError while loading, RuntimeError on plan inconsistencies.
     """
 
@@ -58,9 +65,17 @@ class ModelRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         progress: bool = True,
+        a2a=None,
+        ll_max_tokens_per_rank: int = 128,
         gpu_options: dict | None = None,
     ) -> None:
         self.cfg = cfg
+        self.a2a = a2a
+        self.ll_max_tokens_per_rank = ll_max_tokens_per_rank
+        self.rank_of: dict[int, int] = {}  # rid -> dp_rank, for every live request of every rank
+        self.num_requests = 0
+        self.num_sampled = 0
+        self.num_idle_steps = 0
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
@@ -74,14 +89,14 @@ class ModelRunner:
             from kimi.worker.gpu_model import load_gpu_model
 
             self.model = load_gpu_model(
-                model_dir, cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device,
+                model_dir, cfg, ep_rank=rank, ep_size=world_size, a2a=a2a, dtype=dtype, device=self.device,
                 progress=progress, **gpu_opts,
             )
         else:
             weights = load_checkpoint(
                 model_dir, cfg, ep_rank=rank, ep_size=world_size, dequantize=True, dtype=dtype, device="cpu", progress=progress
             )
-            self.model = KimiForCausalLM(cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device)
+            self.model = KimiForCausalLM(cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device, a2a=a2a)
             self.model.load_weights(weights)
             del weights
             self.model.eval()
@@ -122,17 +137,26 @@ class ModelRunner:
         """Apply the plan's diff, run one forward over this rank's scheduled tokens, sample, return tokens."""
         for rid in plan.finished:
             self.requests.pop(rid, None)
+            self.rank_of.pop(rid, None)
+        per_rank = [0] * self.world_size
+        for nr in plan.new:
+            self.rank_of[nr.rid] = nr.dp_rank
+            per_rank[nr.dp_rank] += nr.num_new_tokens
+        for c in plan.cont:
+            if c.rid not in self.rank_of:
+                raise RuntimeError(f"step {plan.step}: continuing rid {c.rid} was never sent as new")
+            per_rank[self.rank_of[c.rid]] += c.num_new_tokens
+        single = all(nr.num_new_tokens == 1 for nr in plan.new) and all(c.num_new_tokens == 1 for c in plan.cont)
+        if self.a2a is not None:
+            self.a2a.set_mode(step_mode(per_rank, single, self.ll_max_tokens_per_rank))
         batch: list[tuple[int, WorkerRequest, int]] = []
         for nr in plan.new:
             if nr.dp_rank != self.rank:
                 continue
+            self.num_requests += 1
             wr = WorkerRequest(
-                list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling, self._new_generator(nr.sampling),
-                num_prompt_tokens=nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids),
+                list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling, self._new_generator(nr.sampling)
             )
-            if nr.sampling.prompt_logprobs >= 0:
-                n_p = wr.num_prompt_tokens
-                wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps = [None] * n_p, [None] * n_p, [None] * n_p
             self.requests[nr.rid] = wr
             batch.append((nr.rid, wr, nr.num_new_tokens))
         for c in plan.cont:
@@ -142,6 +166,8 @@ class ModelRunner:
             wr.block_table.extend(c.new_block_ids)
             batch.append((c.rid, wr, c.num_new_tokens))
         if not batch:
+            if self.world_size > 1:
+                self._idle_step()
             return []
 
         input_ids: list[int] = []
@@ -151,7 +177,6 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_idx: list[int] = []
-        plp_rows: list[tuple[int, int, int]] = []  # (batch index, first flat row, prompt position of that row)
         row = 0
         for i, (rid, wr, n) in enumerate(batch):
             start = wr.num_computed_tokens
@@ -165,9 +190,6 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(wr.block_table)
-            if wr.prompt_lp is not None and start < wr.num_prompt_tokens - 1:
-                # rows predicting prompt tokens start+1 .. min(end, n_prompt - 1)
-                plp_rows.append((i, row, start))
             row += n
             if end == len(wr.token_ids):
                 sample_rows.append(row - 1)
@@ -183,18 +205,6 @@ class ModelRunner:
         )
         for _, wr, n in batch:
             wr.num_computed_tokens += n
-        for i, first_row, start in plp_rows:
-            wr = batch[i][1]
-            stop = min(wr.num_computed_tokens, wr.num_prompt_tokens - 1)  # last position whose next token is prompt
-            rows = torch.arange(first_row, first_row + stop - start, device=dev)
-            lp, tids, tlps = prompt_logprobs(
-                self.model.compute_logits(hidden[rows]), wr.token_ids[start + 1 : stop + 1], wr.sampling.prompt_logprobs
-            )
-            for j in range(stop - start):
-                wr.prompt_lp[start + 1 + j] = lp[j]  # type: ignore[index]
-                if tids is not None:
-                    wr.prompt_top_ids[start + 1 + j] = tids[j]  # type: ignore[index]
-                    wr.prompt_top_lps[start + 1 + j] = tlps[j]  # type: ignore[index]
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
@@ -206,16 +216,22 @@ class ModelRunner:
                 # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
                 wr = batch[i][1]
                 g.manual_seed((wr.sampling.seed * 1_000_003 + len(wr.token_ids)) % (1 << 63))
-        res = sample(
-            logits, params, gens, [batch[i][1].token_ids for i in sample_idx],
-            [batch[i][1].num_prompt_tokens for i in sample_idx],
-        )
+        res = sample(logits, params, gens)
         outputs = []
         for j, i in enumerate(sample_idx):
             rid, wr, _ = batch[i]
             tok = res.token_ids[j]
             wr.token_ids.append(tok)
-            plp = (wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None else (None, None, None)
-            wr.prompt_lp = wr.prompt_top_ids = wr.prompt_top_lps = None  # sent once
-            outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j], *plp))
+            self.num_sampled += 1
+            outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j]))
         return outputs
+
+    def _idle_step(self) -> None:
+        """No local tokens this step: run every MoE layer's dispatch / combine on a [0, hidden] batch, in layer
+        order, so this rank issues the same collectives as the ranks that run a forward (nothing is written to
+        the KV cache; attention and dense layers have no collectives)."""
+        empty = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)  # [0, D]
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.mlp(empty)
+        self.num_idle_steps += 1

@@ -1,0 +1,128 @@
+"""Faults with many ranks: a worker rank killed mid-stream, and a rank frozen with SIGSTOP.
+
+Every in-flight client must get an error (streaming: an error event, which the openai client raises as
+APIError; non-streaming: a 5xx with an OpenAI error body), the server must exit non-zero within seconds,
+and no worker or torchrun process may be left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from conftest import start_server, worker_pids
+
+ARGS = ("--block-size", "16", "--max-model-len", "256", "--num-blocks", "200", "--nproc", "2")
+
+
+def _rank_pid(model_dir: str, rank: int) -> int:
+    """The kimi.worker.main process of torchrun rank `rank` (found by its RANK environment variable)."""
+    for pid in worker_pids(model_dir):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kimi.worker.main" in cmd and b"torch.distributed.run" not in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker process for rank {rank}")
+
+
+async def _stream(ac: openai.AsyncOpenAI, prompt: list[int], started: asyncio.Event, chunks: list) -> BaseException | None:
+    try:
+        stream = await ac.completions.create(model="tiny", prompt=prompt, max_tokens=240, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        async for ch in stream:
+            chunks.append(ch)
+            started.set()
+    except BaseException as e:  # noqa: BLE001 - the error is what the test is about
+        return e
+    return None
+
+
+async def _plain(base_url: str, prompt: list[int]) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as c:
+        return await c.post(f"{base_url}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True})
+
+
+def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str) -> tuple[list, list, float, float, int]:
+    """Start a 2-rank server, run 4 streaming + 2 non-streaming requests, send `sig` to rank 1 once every
+    stream has produced a chunk. Returns (stream results, plain responses, seconds from the signal until
+    every client had its error, seconds from the signal to the server's exit, server exit code)."""
+    srv = start_server(model_dir, log_path, *ARGS, *extra)
+    victim = _rank_pid(model_dir, 1)
+    sent_at = 0.0
+    try:
+        async def go():
+            nonlocal sent_at
+            ac = openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+            try:
+                events = [asyncio.Event() for _ in range(4)]
+                chunks: list[list] = [[] for _ in range(4)]
+                streams = [asyncio.create_task(_stream(ac, [10 + i, 20, 30 + i], events[i], chunks[i])) for i in range(4)]
+                plains = [asyncio.create_task(_plain(srv.base_url, [40 + i, 50])) for i in range(2)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+                assert all(not t.done() for t in streams + plains), "requests ended before the fault"
+                os.kill(victim, sig)
+                sent_at = time.monotonic()
+                out = await asyncio.gather(*streams), await asyncio.gather(*plains), chunks
+                return (*out, time.monotonic() - sent_at)
+            finally:
+                await ac.close()
+
+        streams, plains, chunks, detected = asyncio.run(go())
+        rc = srv.proc.wait(30)
+        took = time.monotonic() - sent_at
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    while worker_pids(model_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = worker_pids(model_dir)
+    for pid in left:  # do not leak into later tests, but still fail this one
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes left behind: {left}\n{srv.log()}"
+    assert all(len(c) >= 1 for c in chunks)
+    return streams, plains, detected, took, rc
+
+
+def _check_errors(streams: list, plains: list[httpx.Response], log: str) -> None:
+    for e in streams:
+        assert isinstance(e, openai.APIError), (e, log)
+        assert "rank" in str(e.message) and ("died" in e.message or "failed" in e.message or "stopped" in e.message), e.message
+    for r in plains:
+        assert r.status_code >= 500, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"], err
+
+
+def test_killed_rank_fails_every_request_and_exits(tiny_k26, tmp_path):
+    log_path = str(tmp_path / "server.log")
+    streams, plains, detected, took, rc = _fault_run(tiny_k26, log_path, signal.SIGKILL)
+    log = Path(log_path).read_text(errors="replace")
+    _check_errors(streams, plains, log[-3000:])
+    assert rc != 0, log[-3000:]
+    assert detected < 10 and took < 20, (detected, took)  # lenient: the CI box may be busy
+
+
+def test_stopped_rank_is_detected_by_heartbeat(tiny_k26, tmp_path):
+    log_path = str(tmp_path / "server.log")
+    streams, plains, detected, took, rc = _fault_run(tiny_k26, log_path, signal.SIGSTOP, "--heartbeat-timeout", "3")
+    log = Path(log_path).read_text(errors="replace")
+    _check_errors(streams, plains, log[-3000:])
+    assert "worker rank(s) [1] stopped answering" in log, log[-3000:]
+    assert rc != 0, log[-3000:]
+    # 3 s heartbeat timeout (+ up to 1 s ping spacing); exit: + 1 s grace + 3 s for torchrun to obey SIGTERM
+    assert detected < 10 and took < 20, (detected, took)

@@ -34,6 +34,16 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, tag=1):
     top_k: int = 0
     seed: int | None = None
     num_logprobs: int = -1
+    # appended (issue #5); semantics and order of application: kimi/ops/sampling.py
+    min_p: float = 0.0  # keep tokens with prob >= min_p * max prob (after temperature); 0 = off
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt + generated tokens; 1 = off
+    logit_bias_ids: list[int] = []  # added to the logits: logit[ids[i]] += logit_bias_values[i]
+    logit_bias_values: list[float] = []
+    min_tokens: int = 0  # until this many tokens are generated, `min_tokens_block_ids` cannot be sampled
+    min_tokens_block_ids: list[int] = []  # EOS + stop_token_ids (set by the controller)
+    prompt_logprobs: int = -1  # -1 none; k >= 0: logprob of every prompt token (+ top-k) in TokenOutput
 
 
 # ---- controller -> worker ------------------------------------------------------------------------------
@@ -53,6 +63,7 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, tag=10):
     num_new_tokens: int
     block_ids: list[int]
     sampling: SamplingParams
+    num_prompt_tokens: int = -1  # token_ids[:num_prompt_tokens] is the prompt (-1: all of token_ids)
 
 
 class ContinueRequest(msgspec.Struct, array_like=True, frozen=True, tag=11):
@@ -106,6 +117,12 @@ class TokenOutput(msgspec.Struct, array_like=True, frozen=True, tag=21):
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    # appended: set on a request's first sampled token when SamplingParams.prompt_logprobs >= 0.
+    # Entry i is about prompt token i given tokens < i; entry 0, and positions served from the prefix
+    # cache (not computed by this worker), are None.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_ids: list[list[int] | None] | None = None
+    prompt_top_logprobs: list[list[float] | None] | None = None
 
 
 class StepResult(msgspec.Struct, array_like=True, frozen=True, tag=22):
@@ -179,6 +196,14 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, tag=32, kw_onl
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[float] | None = None
+    # appended (issue #5)
+    top_ids: list[list[int]] | None = None  # per token in token_ids: top-k alternative ids, highest first
+    top_logprobs: list[list[float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the request
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[float | None] | None = None  # on the first delta, when asked (see TokenOutput)
+    prompt_top_ids: list[list[int] | None] | None = None
+    prompt_top_logprobs: list[list[float] | None] | None = None
 
 
 ToController = Union[SubmitRequest, AbortRequest]

@@ -26,6 +26,7 @@ import uvicorn
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
+from kimi.controller.parsers import THINK_START_ID
 from kimi.controller.submit import SubmitServer
 from kimi.controller.transport import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
@@ -56,14 +57,17 @@ class ServeArgs:
     result_addr: str | None = None
     worker_timeout: float = 600.0
     log_level: str = "info"
-    moe_backend: str = "humming"
-    load_format: str = "auto"
-    enforce_eager: bool = False
     no_prefix_cache: bool = False
     max_waiting: int = 1024
     fake_workers: bool = False
+    api_key: str | None = None
+    max_body_bytes: int = 32 << 20
+    reasoning: str = "auto"
     a2a_backend: str | None = None
     heartbeat_timeout: float = 10.0
+    moe_backend: str = "humming"
+    load_format: str = "auto"
+    enforce_eager: bool = False
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -88,20 +92,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
     p.add_argument("--worker-timeout", type=float, default=600.0, help="seconds a step may take before failing")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
-                   help="cuda: routed-expert kernels, INT4 kept packed (humming, triton) or dequantised (ref)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="cuda: dummy = random weights of the checkpoint's shapes, generated on the GPU")
-    p.add_argument("--enforce-eager", action="store_true", help="cuda: no decode CUDA graphs")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
     p.add_argument("--fake-workers", action="store_true",
                    help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)")
+    p.add_argument("--api-key", default=os.environ.get("KIMI_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
+                        "the ZeroMQ submit API is then kept on loopback (docs/api.md)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
+    p.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
+                   help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
+                        "tokenizer has a <think> token")
     p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
                    help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
+    p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
+                   help="cuda: routed-expert kernels, INT4 kept packed (humming, triton) or dequantised (ref)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="cuda: dummy = random weights of the checkpoint's shapes, generated on the GPU")
+    p.add_argument("--enforce-eager", action="store_true", help="cuda: no decode CUDA graphs")
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
@@ -166,7 +177,11 @@ class WorkerProcess:
 
 
 async def serve(a: ServeArgs) -> int:
-    """Run the server until a signal (returns 0) or a worker failure (returns 1)."""
+    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags."""
+    if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
+        log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
+                  a.zmq_submit_addr)
+        return 2
     cfg = ModelConfig.from_dir(a.model)
     if a.num_hidden_layers is not None:
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
@@ -208,12 +223,21 @@ async def serve(a: ServeArgs) -> int:
                  "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
                  "(docs/multinode.md)", a.nproc, a.model, plan_addr, result_addr, a.device)
 
-    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size)
+    if a.reasoning == "auto":
+        thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
+    else:
+        thinking_model = a.reasoning == "on"
+    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size, api_key=a.api_key,
+                       max_body_bytes=a.max_body_bytes, thinking_model=thinking_model)
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
     submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
+    if a.api_key:
+        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
+        if a.zmq_submit_addr is None:
+            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
     submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)
     http_task = asyncio.create_task(http.serve())
     submit_task = asyncio.create_task(submit.serve())

@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
-from kimi.controller.block_pool import BlockPool
+from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.output import OutputProcessor
 from kimi.controller.request import Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
@@ -111,6 +111,9 @@ class Engine:
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
         self.liveness_checks: list[Callable[[], str | None]] = []
+        # metrics hook (kimi.controller.metrics.Metrics): on_token(req, now) before each output token is
+        # applied, on_finish(req, now) when a request ends for any reason; None = no metrics.
+        self.observer = None
         self.enable_prefix_caching = enable_prefix_caching
         self.max_waiting = max_waiting
 
@@ -209,7 +212,13 @@ class Engine:
         self.output.start(req)
         self.requests[request_id] = req
         self.by_rid[rid] = req
-        dp = self.router.choose()
+        affinity = None
+        if self.enable_prefix_caching and len(self.schedulers) > 1:
+            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
+            bs = self.schedulers[0].block_pool.block_size
+            req.block_hashes = block_hashes(req.token_ids, bs)
+            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
+        dp = self.router.choose(affinity)
         self.schedulers[dp].add(req)
         self.stats.prompt_tokens += n
         self._wake.set()
@@ -257,6 +266,8 @@ class Engine:
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
         self.by_rid.pop(req.rid, None)
+        if self.observer is not None:
+            self.observer.on_finish(req, time.monotonic())
         if emit:
             req.outputs.put_nowait(OutputProcessor.final(req, reason, error))
 
@@ -283,6 +294,7 @@ class Engine:
                             num_new_tokens=sr.num_new_tokens,
                             block_ids=list(req.block_table),
                             sampling=req.sampling,
+                            num_prompt_tokens=req.num_prompt_tokens,
                         )
                     )
                     req.sent_to_workers = True
@@ -360,6 +372,8 @@ class Engine:
                 tok = tokens.get(req.rid)
                 if tok is None:
                     raise RuntimeError(f"step {self._step}: no token for request rid {req.rid}")
+                if self.observer is not None:
+                    self.observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 delta = self.output.append(req, tok)

@@ -23,7 +23,7 @@ from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
 from kimi.ops.all_to_all import step_mode
 from kimi.ops.attention import build_attention_metadata
-from kimi.ops.sampling import sample
+from kimi.ops.sampling import prompt_logprobs, sample
 from kimi.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
 
@@ -39,6 +39,12 @@ class WorkerRequest:
     block_table: list[int]
     sampling: protocol.SamplingParams
     generator: torch.Generator | None
+    num_prompt_tokens: int = 0
+    # prompt logprobs gathered over the prompt's chunks (SamplingParams.prompt_logprobs >= 0); entry i is
+    # about token i; None where not computed here (entry 0, prefix-cache hits). Sent with the next token.
+    prompt_lp: list[float | None] | None = None
+    prompt_top_ids: list[list[int] | None] | None = None
+    prompt_top_lps: list[list[float] | None] | None = None
 
 
 class ModelRunner:
@@ -155,8 +161,12 @@ class ModelRunner:
                 continue
             self.num_requests += 1
             wr = WorkerRequest(
-                list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling, self._new_generator(nr.sampling)
+                list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling, self._new_generator(nr.sampling),
+                num_prompt_tokens=nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids),
             )
+            if nr.sampling.prompt_logprobs >= 0:
+                n_p = wr.num_prompt_tokens
+                wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps = [None] * n_p, [None] * n_p, [None] * n_p
             self.requests[nr.rid] = wr
             batch.append((nr.rid, wr, nr.num_new_tokens))
         for c in plan.cont:
@@ -177,6 +187,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_idx: list[int] = []
+        plp_rows: list[tuple[int, int, int]] = []  # (batch index, first flat row, prompt position of that row)
         row = 0
         for i, (rid, wr, n) in enumerate(batch):
             start = wr.num_computed_tokens
@@ -190,6 +201,9 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(wr.block_table)
+            if wr.prompt_lp is not None and start < wr.num_prompt_tokens - 1:
+                # rows predicting prompt tokens start+1 .. min(end, n_prompt - 1)
+                plp_rows.append((i, row, start))
             row += n
             if end == len(wr.token_ids):
                 sample_rows.append(row - 1)
@@ -205,6 +219,18 @@ class ModelRunner:
         )
         for _, wr, n in batch:
             wr.num_computed_tokens += n
+        for i, first_row, start in plp_rows:
+            wr = batch[i][1]
+            stop = min(wr.num_computed_tokens, wr.num_prompt_tokens - 1)  # last position whose next token is prompt
+            rows = torch.arange(first_row, first_row + stop - start, device=dev)
+            lp, tids, tlps = prompt_logprobs(
+                self.model.compute_logits(hidden[rows]), wr.token_ids[start + 1 : stop + 1], wr.sampling.prompt_logprobs
+            )
+            for j in range(stop - start):
+                wr.prompt_lp[start + 1 + j] = lp[j]  # type: ignore[index]
+                if tids is not None:
+                    wr.prompt_top_ids[start + 1 + j] = tids[j]  # type: ignore[index]
+                    wr.prompt_top_lps[start + 1 + j] = tlps[j]  # type: ignore[index]
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
@@ -216,14 +242,19 @@ class ModelRunner:
                 # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
                 wr = batch[i][1]
                 g.manual_seed((wr.sampling.seed * 1_000_003 + len(wr.token_ids)) % (1 << 63))
-        res = sample(logits, params, gens)
+        res = sample(
+            logits, params, gens, [batch[i][1].token_ids for i in sample_idx],
+            [batch[i][1].num_prompt_tokens for i in sample_idx],
+        )
         outputs = []
         for j, i in enumerate(sample_idx):
             rid, wr, _ = batch[i]
             tok = res.token_ids[j]
             wr.token_ids.append(tok)
             self.num_sampled += 1
-            outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j]))
+            plp = (wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None else (None, None, None)
+            wr.prompt_lp = wr.prompt_top_ids = wr.prompt_top_lps = None  # sent once
+            outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j], *plp))
         return outputs
 
     def _idle_step(self) -> None:

@@ -7,8 +7,11 @@ are applied exactly once, inside `fused_experts_ref`.
 Expert parallelism: rank `ep_rank` of `ep_size` holds experts [ep_rank * E / ep_size, (ep_rank + 1) * E /
 ep_size). `MoELayer` routes, hands (tokens, weights, ids) to an all-to-all backend (`dispatch`), runs its
 local experts on what it received, and `combine`s the partial outputs back to the tokens' home rank, where
-the shared expert is added. `LocalAllToAll` is the single-rank identity backend; DeepEP / NCCL backends
-implement the same two methods later.
+the shared expert is added. `LocalAllToAll` is the single-rank identity backend; the gloo / nccl / DeepEP
+backends are in kimi/ops/all_to_all.py. The expert computation must accept what any backend hands it:
+global expert ids with pairs of other ranks' experts (and ids of -1) ignored; in DeepEP's low-latency mode
+that is one (weight 1.0, expert id or -1) pair per row over an expert-major padded buffer, the routing
+weights being applied by that backend's combine instead.
 """
 
 from __future__ import annotations

@@ -97,6 +97,11 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
 
 
 _CLASSES = [
+    ("fused_norm", r"_rmsnorm_kernel"),
+    ("fused_silu_mul", r"_silu_mul_kernel"),
+    ("fused_rope_kv_write", r"_mla_rope_kv_kernel"),
+    ("fused_router", r"_router_logits_kernel|_router_topk_kernel"),
+    ("fused_align", r"_align_count_kernel|_align_scatter_kernel"),
     ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel"),
     ("moe_combine", r"_combine_kernel"),
     ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),

@@ -5,7 +5,7 @@ experts this rank owns, with the INT4 weights kept PACKED on the device.
   its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors `weight_packed` / `weight_scale` /
   `weight_shape`, `transform()`ed once into humming's layout, then called with moe_align's sorted pair ids).
   Steps: align (kimi.ops.moe_int4_triton.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
-  pair -> silu(gate) * up in torch -> down GEMM -> our Triton combine (routing weights applied once).
+  pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul; align: kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   Measured 2-3x faster than ours at decode (docs/benchmarks.md).
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
@@ -127,12 +127,19 @@ class HummingInt4Experts(nn.Module):
             return out
         c1, c2 = self._configs(T, k)
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
+        if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
+            from kimi.ops.fused import moe_align_fused as moe_align, silu_mul
+        else:
+            silu_mul = None
         a1 = moe_align(topk_ids, self.E, self.expert_offset, bm1)
         a2 = a1 if bm2 == bm1 else moe_align(topk_ids, self.E, self.expert_offset, bm2)
         cc = {"gemm_type": "indexed"}
         y1 = self.l1(x.contiguous(), sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=k,
                      compute_config=cc, tuning_config=c1)  # [T*k, 2I] rows = pair ids (local pairs written)
-        act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
+        if silu_mul is not None:
+            act = silu_mul(y1, self.inter)  # [T*k, I]
+        else:
+            act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
                      compute_config=cc, tuning_config=c2)  # [T*k, D]
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)

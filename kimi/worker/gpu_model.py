@@ -12,6 +12,9 @@
 - `GPUKimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
   (kimi/worker/cuda_graph.py); anything else runs eagerly, with one FlashInfer plan per step for all layers
   (planned on the host, outside any graph).
+- Fused Triton kernels (kimi/ops/fused.py) on CUDA: residual add + RMSNorm (across layers), merged q_a + kv_a
+  GEMM (`w_qkv_a`, the two parameters are views of it), rope + latent norm + paged KV write in one kernel, merged
+  gate/up weights (`w13` of each DenseMLP) + SiLU*up, the Triton router; the CPU path keeps the references.
 - `--load-format dummy`: random weights of the real shapes generated on the GPU (kimi/worker/dummy_weights.py).
 """
 
@@ -27,11 +30,16 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
-from kimi.ops.moe import MoELayer
+from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer
 from kimi.ops.moe_backend import make_experts
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
 from kimi.worker.model import KimiForCausalLM
+
+try:  # Triton: the fused GPU kernels (absent on CPU-only installs, where the GPU model is never run)
+    from kimi.ops import fused
+except ImportError:  # pragma: no cover
+    fused = None
 
 log = logging.getLogger("kimi.worker")
 
@@ -64,6 +72,14 @@ class GPUMLAAttention(MLAAttention):
     """
 
     def prepare(self) -> None:
+        """Also merges q_a_proj and kv_a_proj_with_mqa into one [q_lora + L + R, D] weight `w_qkv_a` (the two
+        parameters become views of it, no extra memory) so the GPU forward runs one GEMM for both."""
+        if self.cfg.q_lora_rank is not None and self.q_a_proj.is_cuda:
+            ql = self.cfg.q_lora_rank
+            w = torch.cat([self.q_a_proj.detach(), self.kv_a_proj_with_mqa.detach()], 0)
+            self.q_a_proj = nn.Parameter(w[:ql], requires_grad=False)
+            self.kv_a_proj_with_mqa = nn.Parameter(w[ql:], requires_grad=False)
+            self.w_qkv_a = w
         H, N, V, L = self.num_heads, self.nope, self.v_dim, self.kv_lora
         w = self.kv_b_proj.detach().view(H, N + V, L)  # [H, N + V, L]
         self.w_uk = w[:, :N, :].contiguous()  # [H, N, L]
@@ -78,7 +94,7 @@ class GPUMLAAttention(MLAAttention):
             o_lat = mla_decode_ref(q_lat, q_pe, kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale)
             return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.float()).transpose(0, 1)  # [B, H, V]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()  # [B, H, L]
-        o_lat = fi.run(q_lat, q_pe.contiguous(), kv_cache)  # [B, H, L]
+        o_lat = fi.run(q_lat, q_pe if q_pe.is_contiguous() else q_pe.contiguous(), kv_cache)  # [B, H, L]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, H, V]
 
     def forward(self, hidden, positions, attn: AttentionMetadata, kv_cache, rope):
@@ -87,18 +103,29 @@ class GPUMLAAttention(MLAAttention):
             return super().forward(hidden, positions, attn, kv_cache, rope)
         T = hidden.shape[0]
         H, N, R, V, L = self.num_heads, self.nope, self.rope, self.v_dim, self.kv_lora
-        if self.cfg.q_lora_rank is not None:
+        w_qkv_a = getattr(self, "w_qkv_a", None)
+        if w_qkv_a is not None:  # merged q_a + kv_a projection (one GEMM), fused norms / rope / cache write
+            ql = self.cfg.q_lora_rank
+            qkv_a = F.linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
+            q = F.linear(fused.rms_norm(qkv_a[:, :ql], self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+            kv_a = qkv_a[:, ql:]  # [T, L + R]
+        elif self.cfg.q_lora_rank is not None:
             q_lat_in = rms_norm(F.linear(hidden, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
             q = F.linear(q_lat_in, self.q_b_proj)  # [T, H * (N + R)]
+            kv_a = F.linear(hidden, self.kv_a_proj_with_mqa)  # [T, L + R]
         else:
             q = F.linear(hidden, self.q_proj)  # [T, H * (N + R)]
+            kv_a = F.linear(hidden, self.kv_a_proj_with_mqa)  # [T, L + R]
         q = q.view(T, H, N + R)
-        q_nope, q_pe = q[..., :N], q[..., N:]  # [T, H, N], [T, H, R]
-        kv_a = F.linear(hidden, self.kv_a_proj_with_mqa)  # [T, L + R]
-        ckv = rms_norm(kv_a[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)  # [T, L]
-        q_pe, k_pe = rope(positions, q_pe, kv_a[:, L:])  # [T, H, R], [T, R]
-        flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
-        flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
+        q_nope = q[..., :N]  # [T, H, N]
+        if hidden.is_cuda:
+            q_pe = fused.mla_rope_kv_write(q, kv_a, self.kv_a_layernorm, LATENT_NORM_EPS, rope.cos_cache,
+                                           rope.sin_cache, positions, plan.slot_mapping, kv_cache, N)  # [T, H, R]
+        else:
+            ckv = rms_norm(kv_a[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)  # [T, L]
+            q_pe, k_pe = rope(positions, q[..., N:], kv_a[:, L:])  # [T, H, R], [T, R]
+            flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
+            flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
         if plan.all_decode:
             o = self._decode(q_nope, q_pe, kv_cache, plan.fi, attn, plan)  # [T, H, V]
         else:
@@ -162,7 +189,27 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             if self.graphs is not None and self.graphs.can_run(attn):
                 return self.graphs.run(input_ids, positions, attn)
             self.plan_eager(attn)
-        return super().forward(input_ids, positions, attn, kv_caches)
+        if not input_ids.is_cuda:
+            return super().forward(input_ids, positions, attn, kv_caches)
+        return self._forward_fused(input_ids, positions, attn, kv_caches)
+
+    def _forward_fused(self, input_ids, positions, attn: AttentionMetadata, kv_caches):
+        """KimiForCausalLM.forward with fused kernels (kimi/ops/fused.py): each residual add is fused with the
+        RMSNorm that follows it (across layers: the MLP output of layer i is added in the kernel that computes
+        layer i + 1's input norm, or the final norm), merged gate/up GEMMs, the Triton router."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        eps = self.cfg.rms_norm_eps
+        h = self.embed_tokens[input_ids]  # [T, D]
+        x = fused.rms_norm(h, self.layers[0].input_layernorm, eps) if self.layers else h
+        n = len(self.layers)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            a = layer.self_attn(x, positions, attn, cache, self.rope)  # [T, D]
+            h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
+            d1, d2 = _mlp_fused(layer.mlp, x)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
+            h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
+        return x  # [T, D] after the final norm
 
     def capture_cuda_graphs(self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int) -> None:
         """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py)."""
@@ -183,6 +230,36 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         self.graphs = runner
         log.info("captured %d decode CUDA graphs (buckets %s) in %.1f s", len(runner.buckets), runner.buckets,
                  time.monotonic() - t0)
+
+
+def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
+    """DenseMLP.forward with the merged gate/up weight `w13` (set by _finish) and the fused SiLU * up."""
+    w13 = getattr(m, "w13", None)
+    if w13 is None:
+        return m(x)
+    return F.linear(fused.silu_mul(F.linear(x, w13)), m.down_proj)
+
+
+def _mlp_fused(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
+    adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
+    as MoELayer.forward."""
+    if not isinstance(mlp, MoELayer):
+        return _dense_mlp_fused(mlp, x), None
+    a2a = mlp.a2a
+    if a2a is None:
+        if mlp.ep_size != 1:
+            raise RuntimeError("MoELayer with ep_size > 1 needs an all-to-all backend")
+        a2a = LocalAllToAll()
+    if mlp.experts_impl is None:
+        return mlp(x), None
+    topk_weights, topk_ids = fused.router_topk(x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k,
+                                               mlp.routed_scaling_factor, mlp.norm_topk_prob)
+    recv = a2a.dispatch(x, topk_weights, topk_ids)
+    y = mlp.experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)  # [T_recv, D]
+    out = a2a.combine(y, recv)  # [T, D]
+    shared = _dense_mlp_fused(mlp.shared_experts, x) if mlp.shared_experts is not None else None
+    return out, shared
 
 
 def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_total: int, dtype) -> nn.Module:
@@ -230,9 +307,25 @@ def build_gpu_model(
     return model
 
 
+def _merge_gate_up(m: DenseMLP) -> None:
+    """One [2I, D] gate/up weight `m.w13`; gate_proj / up_proj become views of it (no extra memory)."""
+    if not m.gate_proj.is_cuda:
+        return
+    inter = m.gate_proj.shape[0]
+    w = torch.cat([m.gate_proj.detach(), m.up_proj.detach()], 0)
+    m.gate_proj = nn.Parameter(w[:inter], requires_grad=False)
+    m.up_proj = nn.Parameter(w[inter:], requires_grad=False)
+    m.w13 = w
+
+
 def _finish(model: GPUKimiForCausalLM) -> GPUKimiForCausalLM:
     for layer in model.layers:
         layer.self_attn.prepare()
+        mlp = layer.mlp
+        if isinstance(mlp, DenseMLP):
+            _merge_gate_up(mlp)
+        elif isinstance(mlp, MoELayer) and mlp.shared_experts is not None:
+            _merge_gate_up(mlp.shared_experts)
     model.eval()
     return model
 

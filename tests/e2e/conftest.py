@@ -56,6 +56,8 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
            "--zmq-submit-addr", f"tcp://127.0.0.1:{zport}", "--served-model-name", "tiny", *extra]
     if os.environ.get("KIMI_TEST_DEVICE") == "cuda":  # run the e2e suite on the GPU path (kimi/worker/gpu_model.py)
         cmd += ["--device", "cuda"]
+    if os.environ.get("KIMI_TEST_A2A"):  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
+        cmd += ["--a2a-backend", os.environ["KIMI_TEST_A2A"]]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     srv = Server(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zport}", "tiny", model_dir, log_path)

@@ -131,6 +131,10 @@ class _Siblings:
             self.queue.put_nowait((i, None))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:  # the common case: no merge queue, no pump task (one hop less per token)
+            async for o in self.streams[0]:
+                yield 0, o
+            return
         self.tasks = [asyncio.ensure_future(self._pump(i)) for i in range(len(self.streams))]
         live = len(self.streams)
         while live:

@@ -160,6 +160,14 @@ class _Siblings:
                 pass
 
 
+async def until_disconnect(receive: Any) -> None:
+    """Return when the ASGI `receive` callable reports that the client went away."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
 class _SSE:
     """An ASGI text/event-stream response that watches for the client's disconnect while it streams.
 
@@ -180,14 +188,8 @@ class _SSE:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-        async def watch() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
         prod = asyncio.ensure_future(produce())
-        watcher = asyncio.ensure_future(watch())
+        watcher = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait({prod, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -476,14 +478,8 @@ class OpenAIServer:
             async for i, o in sib:
                 choices[i].add(o)
 
-        async def disconnected() -> None:
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
         task = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(disconnected())
+        watcher = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
-    p.add_argument("--controller-timeout", type=float, default=30.0, help="exit after this long without a message")
+    p.add_argument("--controller-timeout", type=float, default=15.0, help="exit after this long without a message (the controller pings every second)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
                    help="MoE all-to-all (default: local for 1 rank, gloo on cpu, nccl on cuda)")

@@ -126,3 +126,15 @@ def test_stopped_rank_is_detected_by_heartbeat(tiny_k26, tmp_path):
     assert rc != 0, log[-3000:]
     # 3 s heartbeat timeout (+ up to 1 s ping spacing); exit: + 1 s grace + 3 s for torchrun to obey SIGTERM
     assert detected < 10 and took < 20, (detected, took)
+
+
+def test_workers_exit_when_the_controller_is_killed(tiny_k26, tmp_path):
+    """SIGKILL leaves the controller no chance to clean up: the workers notice the silence and exit."""
+    srv = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "64")
+    assert worker_pids(tiny_k26), "no worker processes found"
+    srv.proc.send_signal(signal.SIGKILL)
+    srv.proc.wait(10)
+    deadline = time.monotonic() + 45  # the workers' --controller-timeout is 15 s (+5 s for the heartbeat thread)
+    while worker_pids(tiny_k26) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert worker_pids(tiny_k26) == [], "workers outlived a killed controller"

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 from dataclasses import dataclass
 
@@ -177,19 +178,46 @@ class WorkerProcess:
                 pass
 
 
+def load_model_meta(a: ServeArgs) -> tuple[ModelConfig, KimiTokenizer]:
+    """The controller's view of the model: its config and tokenizer (no tensors).
+
+    `--model preset:NAME` (with `--load-format dummy`: random weights of a real config, for benchmarks) takes
+    the config from kimi/presets and the Kimi tokenizer files from `default_tokenizer_source()` (the real
+    vocabulary) or, without it, the built-in byte-level one. Raises ValueError on a preset without dummy
+    weights or an unknown preset.
+    """
+    if not a.model.startswith("preset:"):
+        return ModelConfig.from_dir(a.model), KimiTokenizer.from_dir(a.model)
+    from kimi.presets import load_preset
+    from kimi.tokenizer import default_tokenizer_source, write_tokenizer_files
+
+    if a.load_format != "dummy":
+        raise ValueError(f"--model {a.model} has no weights: add --load-format dummy")
+    try:
+        cfg = ModelConfig.from_dict(load_preset(a.model[len("preset:"):]))
+    except KeyError as e:
+        raise ValueError(str(e.args[0])) from None
+    with tempfile.TemporaryDirectory() as d:
+        write_tokenizer_files(d, default_tokenizer_source())
+        return cfg, KimiTokenizer.from_dir(d)
+
+
 async def serve(a: ServeArgs) -> int:
     """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags."""
     if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
         log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
                   a.zmq_submit_addr)
         return 2
-    cfg = ModelConfig.from_dir(a.model)
+    try:
+        cfg, tokenizer = load_model_meta(a)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     if a.num_hidden_layers is not None:
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
-    tokenizer = KimiTokenizer.from_dir(a.model)
     eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
     max_model_len = a.max_model_len or cfg.max_position_embeddings
-    name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
+    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
     # no address given: ZeroMQ picks a free port at bind time (no window for another process to take it)
     transport = ControllerTransport(a.plan_addr or "tcp://127.0.0.1:*", a.result_addr or "tcp://127.0.0.1:*")
     plan_addr, result_addr = transport.plan_addr, transport.result_addr

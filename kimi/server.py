@@ -260,8 +260,16 @@ async def serve(a: ServeArgs) -> int:
                        max_body_bytes=a.max_body_bytes, thinking_model=thinking_model)
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # Stop accepting connections and end every in-flight request now (an error chunk / 503), so that
+        # open streams close and the server exits promptly instead of waiting for long generations.
+        http.should_exit = True
+        if engine.ready:
+            engine.drain("the server is shutting down")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
+        loop.add_signal_handler(sig, on_signal)
     submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
     if a.api_key:
         # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+import msgspec
+
 from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
 from kimi.controller.block_pool import BlockPool, block_hashes
@@ -107,6 +109,7 @@ class Engine:
         self.world_size = 0
         self.max_model_len = scheduler_config.max_model_len
         self.fatal_error: str | None = None
+        self.closing: str | None = None  # set by drain(): shutting down, new requests refused
         self.stopped = asyncio.Event()
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
@@ -141,7 +144,7 @@ class Engine:
                 continue
             if isinstance(msg, protocol.Ready):
                 ready[msg.rank] = msg
-                log.info("rank %d ready: %d KV blocks of %d tokens on %s", msg.rank, msg.num_blocks, msg.block_size, msg.device)
+                log.info("rank %d ready: %d KV blocks of %d tokens (block 0 is the null block) on %s", msg.rank, msg.num_blocks, msg.block_size, msg.device)
             elif isinstance(msg, protocol.WorkerError):
                 raise RuntimeError(f"worker rank {msg.rank} failed during start-up: {msg.message}")
         num_blocks = min(r.num_blocks for r in ready.values())
@@ -172,6 +175,8 @@ class Engine:
         """
         if self.fatal_error is not None:
             raise EngineDead(self.fatal_error)
+        if self.closing is not None:
+            raise EngineDead(self.closing)
         if not self.ready:
             raise EngineDead("the engine is still loading")
         if request_id in self.requests:
@@ -196,6 +201,10 @@ class Engine:
                 f"{self.kv_capacity_tokens} tokens",
                 "max_tokens",
             )
+        try:  # the sampling parameters go to every worker in the next plan: they must encode
+            protocol.encode(sampling)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise AdmissionError(f"sampling parameters cannot be sent to the workers: {e}", None) from None
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"the server's waiting queue is full ({self.max_waiting} requests); retry later")
         rid = next(self._rids)
@@ -410,6 +419,15 @@ class Engine:
         except Exception as e:  # a worker failure or a protocol violation: nothing may hang
             log.error("engine stopped: %s", e)
             self.fail_all(str(e))
+
+    def drain(self, message: str) -> None:
+        """Shutdown: refuse new requests and end every in-flight one with `message` as its error.
+
+        Unlike `fail_all` the engine keeps stepping (the workers are healthy); the server exits 0.
+        """
+        self.closing = message
+        for req in list(self.requests.values()):
+            self._finish(req, None, error=message)
 
     def fail_all(self, message: str) -> None:
         """Fail every in-flight request with `message` and refuse new ones."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -314,16 +314,21 @@ class OpenAIServer:
             raise too_big
         parts: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_big
-            parts.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_big
+                parts.append(chunk)
+        except ClientDisconnect:
+            raise BadRequest("the client disconnected while sending the request body", None) from None
         raw = b"".join(parts)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply", None) from None
         f = Fields(body)
         model = f.str("model", required=True)
         if model != self.model_name:
@@ -379,7 +384,7 @@ class OpenAIServer:
         repetition = f.float("repetition_penalty", 1.0, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
         seed = f.int("seed", None, lo=-(2**63), hi=2**63 - 1)
         n = f.int("n", 1, lo=1, hi=MAX_N)
-        f.noop("best_of", (1, n), "other than n is not supported")
+        f.noop("best_of", (n,), "must equal n (best-of sampling is not supported)")
         lb_ids, lb_vals = self._logit_bias(f)
         stop_strings = self._stop_strings(f)
         include_stop = f.bool("include_stop_str_in_output", False)
@@ -407,7 +412,11 @@ class OpenAIServer:
             max_tokens_default = max(1, self.engine.max_model_len - n_prompt)
         max_tokens = f.int("max_tokens", None, lo=1)
         if f.has("max_completion_tokens"):
-            max_tokens = f.int("max_completion_tokens", None, lo=1)
+            mct = f.int("max_completion_tokens", None, lo=1)
+            if max_tokens is not None and mct != max_tokens:
+                raise BadRequest("'max_tokens' and 'max_completion_tokens' disagree; send one of them",
+                                 "max_completion_tokens")
+            max_tokens = mct
         else:
             f.accept("max_completion_tokens")
         if max_tokens is None:
@@ -554,7 +563,8 @@ class OpenAIServer:
             elif isinstance(prompt, list) and not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
             elif isinstance(prompt, list):
-                raise BadRequest("'prompt' must be a string, a list of token ids, or a batch of one of those", "prompt")
+                raise BadRequest("'prompt' must be a string or a list of token ids; batches of several prompts are "
+                                 "not supported (send one request per prompt)", "prompt")
             else:
                 raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
             echo = f.bool("echo", False)

@@ -59,8 +59,10 @@ class SubmitServer:
             raise ValueError(f"temperature must be in [0, 2], got {r.temperature}")
         if not (math.isfinite(r.top_p) and 0.0 < r.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {r.top_p}")
-        if r.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {r.top_k}")
+        if not 0 <= r.top_k < 2**63:
+            raise ValueError(f"top_k must be in [0, 2**63), got {r.top_k}")
+        if r.seed is not None and not -(2**63) <= r.seed < 2**63:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {r.seed}")
         bad = [t for t in r.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary")
@@ -86,7 +88,12 @@ class SubmitServer:
     async def serve(self) -> None:
         """Receive submissions until cancelled."""
         while True:
-            ident, data = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart()
+            ident = frames[0]
+            if len(frames) != 2:  # a DEALER sends one frame per message; anything else is malformed
+                await self._reply(ident, self._error("", f"malformed message: {len(frames) - 1} frames, expected 1"))
+                continue
+            data = frames[1]
             try:
                 msg = protocol.decode_to_controller(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -69,9 +69,11 @@ class Fields:
                 v = int(v)
             else:
                 raise BadRequest(f"'{name}' must be an integer", name)
-        if lo is not None and v < lo:
+        lo = -(2**63) if lo is None else lo  # every integer travels to the workers as a 64-bit value
+        hi = 2**63 - 1 if hi is None else hi
+        if v < lo:
             raise BadRequest(f"'{name}' must be >= {lo}, got {v}", name)
-        if hi is not None and v > hi:
+        if v > hi:
             raise BadRequest(f"'{name}' must be <= {hi}, got {v}", name)
         return v
 

@@ -138,3 +138,28 @@ def test_workers_exit_when_the_controller_is_killed(tiny_k26, tmp_path):
     while worker_pids(tiny_k26) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert worker_pids(tiny_k26) == [], "workers outlived a killed controller"
+
+
+def test_sigterm_ends_open_streams_with_an_error_and_exits_0(tiny_k26, tmp_path):
+    """Shutdown does not wait for long generations: open streams get an error event, the server exits 0."""
+    srv = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256")
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+    stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got, err = 0, None
+    t_sig = None
+    try:
+        for _ in stream:
+            got += 1
+            if got == 3:
+                srv.proc.send_signal(signal.SIGTERM)
+                t_sig = time.monotonic()
+    except openai.APIError as e:
+        err = e
+    assert t_sig is not None and err is not None and "shutting down" in str(err.message), (got, err)
+    assert time.monotonic() - t_sig < 10
+    assert srv.proc.wait(30) == 0, Path(srv.log_path).read_text()[-2000:]
+    deadline = time.monotonic() + 10
+    while worker_pids(tiny_k26) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert worker_pids(tiny_k26) == []

@@ -164,6 +164,9 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi"}, "model"),
+    ({"model": "tiny", "prompt": "hi", "top_k": 2**70}, "top_k"),  # would not fit the 64-bit wire format
+    ({"model": "tiny", "prompt": "hi", "seed": -(2**64)}, "seed"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
 ]
 
 
@@ -181,6 +184,8 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
+     "max_completion_tokens"),
 ]
 
 
@@ -198,3 +203,32 @@ def test_malformed_json_is_400_and_changes_nothing(server, client):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
     ok = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_deeply_nested_json_is_400(server, client):
+    body = b'{"model": "tiny", "prompt": "hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_zmq_multi_frame_message_is_an_error_and_the_api_survives(server):
+    import zmq
+
+    from kimi import protocol
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.zmq_addr)
+    try:
+        s.send_multipart([b"a", b"b", b"c"])
+        assert s.poll(10_000), "no answer to a multi-frame message"
+        out = protocol.decode_output(s.recv())
+        assert out.finished and "malformed" in out.error
+    finally:
+        s.close(0)
+        ctx.term()
+    with KimiClient(server.zmq_addr, timeout_s=60) as c:
+        outs = list(c.generate("hi", max_tokens=2, temperature=0.0))
+        assert outs[-1].finished and outs[-1].num_output_tokens >= 1

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a 2-GPU machine (device kind nvidia-h200-x2; carry .whl .whl_e2e .jitcache):
+#  1. tests/gpu/test_long_context_gpu.py (GPU model vs CPU reference past 32k positions; uses GPU 0)
+#  2. kimi serve --device cuda --nproc 2 with --a2a-backend nccl, then deepep, on the tiny K2.6 checkpoint,
+#     driven by tests/gpu/serve_check.py (real HTTP requests), server logs kept.
+# NVLink multicast stays off (the machine sets NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1; not overridden here).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl_e2e/*.whl 2>/dev/null) || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HUMMING_CACHE_DIR=/tmp/hcache
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT; export KIMI_GPU_REPORT=$OUT/report.jsonl
+[ -f .jitcache/humming.tgz ] && mkdir -p /tmp/hcache && tar xzf .jitcache/humming.tgz -C /tmp/hcache
+[ -f .jitcache/flashinfer.tgz ] && mkdir -p ~/.cache && tar xzf .jitcache/flashinfer.tgz -C ~/.cache
+nvidia-smi -L | tee $OUT/gpus.txt; env | grep -E "NVLS|MULTICAST" | tee -a $OUT/gpus.txt
+if [ "${SKIP_LONG:-0}" != 1 ]; then
+  timeout ${T_LONG:-240} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_long_context_gpu.py 2>&1 | tail -8 | tee $OUT/long_context.log
+fi
+python3 tools/make_tiny_checkpoint.py /tmp/tiny --layout k2.6 > /dev/null
+for be in ${BACKENDS:-nccl deepep}; do
+  python3 -m kimi serve --device cuda --nproc 2 --a2a-backend $be --model /tmp/tiny --port 8000 \
+    --served-model-name tiny --heartbeat-timeout 30 > $OUT/serve_$be.log 2>&1 &
+  pid=$!; t0=$(date +%s); ok=1
+  until curl -sf localhost:8000/health | grep -q ok; do
+    sleep 2
+    if ! kill -0 $pid 2>/dev/null || [ $(( $(date +%s) - t0 )) -gt 150 ]; then ok=0; break; fi
+  done
+  if [ $ok = 1 ]; then
+    echo "== $be: ready after $(( $(date +%s) - t0 )) s"
+    timeout 120 python3 tests/gpu/serve_check.py --base-url http://127.0.0.1:8000 --model tiny --concurrency 16 \
+      --out $OUT/serve_check_$be.json; echo "== $be serve_check rc=$?"
+  else
+    echo "== $be: not ready"; tail -25 $OUT/serve_$be.log
+  fi
+  kill -TERM $pid 2>/dev/null; timeout 30 tail --pid=$pid -f /dev/null; echo "== $be server exit"
+  grep -E "all-to-all backend|served|Error|error" $OUT/serve_$be.log | head -12
+  pkill -9 -f kimi.worker.main 2>/dev/null; sleep 1
+done
+ls -la $OUT

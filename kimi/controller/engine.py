@@ -168,10 +168,13 @@ class Engine:
         sampling: SamplingParams,
         stop: StopParams,
         skip_special_tokens: bool = True,
+        leader: str | None = None,
     ) -> Request:
         """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure.
 
         Raises QueueFull (an AdmissionError) when `max_waiting` requests are already waiting.
+        leader: request id of an earlier sibling with the same prompt (OpenAI `n` > 1): this request runs on
+        the leader's DP rank and starts once the leader's prompt KV is in the prefix cache, so it is shared.
         """
         if self.fatal_error is not None:
             raise EngineDead(self.fatal_error)
@@ -227,7 +230,12 @@ class Engine:
             bs = self.schedulers[0].block_pool.block_size
             req.block_hashes = block_hashes(req.token_ids, bs)
             affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
-        dp = self.router.choose(affinity)
+        lead = self.requests.get(leader) if leader is not None else None
+        if lead is not None and self.enable_prefix_caching:
+            req.leader = lead
+            dp = lead.dp_rank
+        else:
+            dp = self.router.choose(affinity)
         self.schedulers[dp].add(req)
         self.stats.prompt_tokens += n
         self._wake.set()
@@ -248,12 +256,14 @@ class Engine:
         sampling: SamplingParams,
         stop: StopParams,
         skip_special_tokens: bool = True,
+        leader: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit (AdmissionError raised here, before anything is yielded) and stream the request's deltas.
 
         The last delta has finished=True. If the consumer stops early (client gone), the request is aborted.
+        leader: see `add_request`.
         """
-        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens)
+        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
         return self._stream(req)
 
     async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:

@@ -453,7 +453,8 @@ class OpenAIServer:
                 if g.n > 1 and sp.seed is not None:
                     sp = _replace(sp, seed=(sp.seed + i + 2**63) % 2**64 - 2**63)
                 rid = request_id if g.n == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.generate(rid, g.prompt_token_ids, sp, g.stop, g.skip_special_tokens))
+                streams.append(await self.engine.generate(rid, g.prompt_token_ids, sp, g.stop, g.skip_special_tokens,
+                                                          leader=ids[0] if ids else None))
                 ids.append(rid)
         except AdmissionError as e:
             for rid in ids:

@@ -57,6 +57,7 @@ class Request:
     finish_reason: str | None = None
     outputs: asyncio.Queue | None = None
     detokenizer: object | None = None
+    leader: "Request | None" = None  # n > 1: the first sibling; this one starts after the leader's prompt is cached
     stop_checker: object | None = None  # kimi.controller.stops.StopChecker (output.py)
     prompt_logprobs_sent: bool = False  # output.py: prompt logprobs go out once (a preempted request resends them)
     # prefix cache (scheduler / block_pool): chained hashes of the full blocks of token_ids, how many of

@@ -227,8 +227,12 @@ class Scheduler:
                 scheduled_ids.add(req.rid)
                 budget -= num_new
 
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if _waits_for_leader(req):
+                deferred.append(self.waiting.popleft())  # its prompt's KV is being computed by its leader
+                continue
             got = self._admit(req, budget)
             if got is None:
                 break
@@ -238,4 +242,16 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return out
+
+
+def _waits_for_leader(req: Request) -> bool:
+    """True while `req.leader` (the first of n > 1 siblings with the same prompt) is still computing the prompt.
+
+    Siblings start once the leader's prompt KV is committed to the prefix cache, so they reuse its full
+    blocks instead of computing the same prompt n times (OpenAI `n`: the choices share the prompt's KV).
+    """
+    lead = req.leader
+    return (lead is not None and lead.status != RequestStatus.FINISHED
+            and lead.num_computed_tokens < lead.num_prompt_tokens)

@@ -285,6 +285,19 @@ def test_seed_reproducible_and_n_siblings(client):
     assert greedy.usage.completion_tokens >= 1
 
 
+def test_n_siblings_share_the_prompt_kv(srv, client):
+    """n = 4: the prompt is computed once; the 3 other choices reuse its 6 full 16-token blocks."""
+    prompt = list(range(3000, 3100))  # 100 tokens: 6 full blocks
+    before = _metrics(srv)["kimi:prefix_cache_hits_total"]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, n=4,
+                                  logit_bias={str(t): -100 for t in CHAIN_TOKENS}, extra_body={"ignore_eos": True})
+    hits = _metrics(srv)["kimi:prefix_cache_hits_total"] - before
+    assert hits == 3 * 96, hits
+    alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                      logit_bias={str(t): -100 for t in CHAIN_TOKENS}, extra_body={"ignore_eos": True})
+    assert {c.text for c in r.choices} == {alone.choices[0].text}  # greedy: sharing changes no token
+
+
 def test_cached_tokens_reported(client):
     prompt = list(range(2000, 2040))  # 40 tokens: two full 16-token blocks can be shared
     client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)

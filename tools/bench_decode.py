@@ -150,6 +150,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--overlap", default="on,off",
+                    help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
+                         "others are timed as graph replays too (A/B in one run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -238,6 +241,22 @@ def main() -> None:
                     case["breakdown_eager"] = breakdown(step)
                 except Exception as e:  # noqa: BLE001
                     case["breakdown_error"] = repr(e)
+            modes = args.overlap.split(",")
+            for mode in modes[1:]:  # A/B variants first, the headline mode last (its graph stays for below)
+                model.overlap_shared = mode == "on"
+                model.graphs = None
+                r2 = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])
+                ep.i = 0
+                r2.capture()
+                model.graphs = r2
+                ep.i = 0
+                case[f"graph_overlap_{mode}"] = time_ms(step, args.iters)
+                print(f"B={B}: graph (overlap {mode}) {case[f'graph_overlap_{mode}']['median_ms']:.2f} ms", flush=True)
+                model.graphs = None
+                del r2
+                torch.cuda.empty_cache()
+            model.overlap_shared = modes[0] == "on"
+            case["overlap_shared"] = model.overlap_shared
             t1 = time.time()
             model.graphs = None
             runner = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])

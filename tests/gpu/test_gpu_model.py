@@ -7,9 +7,10 @@ expert I 256) so that FlashInfer's MLA kernel and the INT4 MoE kernels actually 
 
 Comparison: CPU model in float32 vs GPU model in bf16, same tokens, a prefill of two sequences then decode
 steps. Reported per case (printed, and appended as JSON lines to $KIMI_GPU_REPORT when set): top-1 agreement
-of the logits rows and max |logprob difference| of the CPU's top-1 token. bf16 tolerances: top-1 agreement
->= 90% of rows, max logprob diff <= 0.25 nats (tiny random models have nearly flat logits, so a top-1 flip on
-a near-tie is expected at bf16). The GPU KV cache is poisoned (1e4) before the run except the null block;
+of the logits rows and max |logprob difference| of the CPU's top-1 token. bf16 tolerances: per row, the
+difference <= max(0.25 nats, the bf16 reference model's own difference + 0.1), top-1 agreement >= min(90% of
+rows, the bf16 reference's - 1) (tiny random models have nearly flat logits and near-tied routing, so bf16
+rounding alone can flip a top-1 token or an expert choice; see test_gpu_model_matches_cpu). The GPU KV cache is poisoned (1e4) before the run except the null block;
 graph output buffers are poisoned (NaN) before each replay.
 """
 
@@ -111,14 +112,35 @@ def run_steps(model, cfg, device, dtype, poison: bool):
     return out
 
 
+def _rows(want: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[int, int, list[float]]:
+    """(top-1 agreements, rows, per-row |logprob difference| of want's top-1 token) over all steps."""
+    agree, rows, diffs = 0, 0, []
+    for w, o in zip(want, got):
+        top = w.argmax(-1)
+        agree += int((o.argmax(-1) == top).sum())
+        rows += len(top)
+        lw, lo = torch.log_softmax(w, -1), torch.log_softmax(o, -1)
+        diffs += [float(x) for x in (lw.gather(1, top[:, None]) - lo.gather(1, top[:, None])).abs()[:, 0]]
+    return agree, rows, diffs
+
+
+def ref_bf16_on_gpu(path, cfg):
+    """The reference model (kimi/worker/model.py) with bf16 weights on the GPU: bf16's own error."""
+    from kimi.checkpoint import load_checkpoint
+    from kimi.worker.model import KimiForCausalLM
+
+    m = KimiForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
+    m.load_weights(load_checkpoint(path, cfg, progress=False))
+    return m.eval()
+
+
 @pytest.mark.parametrize("name,backend", [("tiny-mla", "humming"), ("tiny-mla", "triton"), ("tiny-mla", "ref"),
-                                          ("tiny-k2.6", "humming"),
-                                          pytest.param("tiny-k2-instruct", "humming", marks=pytest.mark.xfail(
-                                              strict=False, reason="H200 2026-11-29: 8/10 top-1, max logprob diff 1.51; "
-                                              "the same load path in float32 on the CPU matches the reference to 5e-6, "
-                                              "in bf16 on the CPU it differs by ~2 logits on both tiny layouts: bf16 "
-                                              "rounding on a near-flat random model, not yet proven"))])
+                                          ("tiny-k2.6", "humming"), ("tiny-k2-instruct", "humming")])
 def test_gpu_model_matches_cpu(ckpts, name, backend):
+    """Bound per logits row: |GPU - CPU f32| <= max(0.25, |R16 - CPU f32| + 0.1) nats, where R16 is the reference
+    model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
+    showed 1.5-nat misses that the bf16 reference shares (bf16 rounding flipping near-tied routing on a random
+    model), which a fixed 0.25 bound cannot tell from a bug; a GPU kernel bug exceeds bf16's own error."""
     from kimi.worker.gpu_model import load_gpu_model
 
     path = ckpts[name]
@@ -127,18 +149,17 @@ def test_gpu_model_matches_cpu(ckpts, name, backend):
     impl = type(gm.layers[1].mlp.experts_impl).__name__
     want = run_steps(ref, cfg, "cpu", torch.float32, poison=False)
     got = run_steps(gm, cfg, "cuda", torch.bfloat16, poison=True)
-    agree, rows, max_lp = 0, 0, 0.0
-    for w, o in zip(want, got):
+    r16 = run_steps(ref_bf16_on_gpu(path, cfg), cfg, "cuda", torch.bfloat16, poison=False)
+    for o in got:
         assert torch.isfinite(o).all()
-        top = w.argmax(-1)
-        agree += int((o.argmax(-1) == top).sum())
-        rows += len(top)
-        lw, lo = torch.log_softmax(w, -1), torch.log_softmax(o, -1)
-        max_lp = max(max_lp, float((lw.gather(1, top[:, None]) - lo.gather(1, top[:, None])).abs().max()))
+    agree, rows, diffs = _rows(want, got)
+    agree16, _, diffs16 = _rows(want, r16)
     report(dict(test="gpu_model_vs_cpu", checkpoint=name, moe_backend=backend, experts_impl=impl,
-                flashinfer=gm.flashinfer_ok, top1_agree=f"{agree}/{rows}", max_logprob_diff=round(max_lp, 4)))
-    assert agree >= 0.9 * rows
-    assert max_lp <= 0.25
+                flashinfer=gm.flashinfer_ok, top1_agree=f"{agree}/{rows}", max_logprob_diff=round(max(diffs), 4),
+                ref_bf16_top1_agree=f"{agree16}/{rows}", ref_bf16_max_logprob_diff=round(max(diffs16), 4)))
+    assert agree >= min(0.9 * rows, agree16 - 1)
+    for i, (d, d16) in enumerate(zip(diffs, diffs16)):
+        assert d <= max(0.25, d16 + 0.1), f"row {i}: |GPU - CPU| {d:.4f} nats, bf16 reference {d16:.4f}"
 
 
 @pytest.mark.parametrize("backend", ["humming", "triton"])

@@ -1,0 +1,138 @@
+"""Sweep humming-kernels' schedule configs for Kimi's two expert GEMMs at decode shapes (one H200).
+
+The default (`HummingInt4Experts._configs`) asks humming's heuristics for a config at shape_m = the expected
+number of local (token, expert) pairs. This tool times, per GEMM (w13 gate_up [4096 x 7168], w2 down
+[7168 x 2048]) and per T in --tokens (tokens routed over 384 experts, the 48 of EP rank 2 of 8 computed):
+  - the heuristic's config for shape_m hints in --hints (x the expected pairs), and humming's whole candidate
+    table (get_heuristics_config without shape_m);
+  - variants of the default: num_stages and num_ctas_per_sm changed.
+Each distinct config is JIT-compiled on first use (the compile time is recorded); after --budget seconds no
+new config is tried. Timing: triton.testing.do_bench median, L2 cleared, NSETS distinct routing sets cycled.
+GB/s = weight bytes of the distinct local experts hit by that GEMM / time. Output: JSON (--out) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_moe import E, E_TOTAL, H, I, OFFSET, TOPK, Humming, bench, copy_bandwidth, cycle, make_sets, make_weights, touched, versions  # noqa: E402
+from kimi.ops.moe_int4_triton import moe_align  # noqa: E402
+
+
+def key(c: dict) -> str:
+    return json.dumps({k: c[k] for k in sorted(c)}, default=str)
+
+
+def variants(c: dict) -> list[dict]:
+    out = []
+    for st in (3, 4, 6, 8):
+        if st != c.get("num_stages"):
+            out.append(c | {"num_stages": st})
+    for n in (1, 2, 4):
+        if n != c.get("num_ctas_per_sm"):
+            out.append(c | {"num_ctas_per_sm": n})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="64,256")
+    ap.add_argument("--hints", default="0.25,0.5,1,2,4")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new config is compiled")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "humming_sweep.json"))
+    args = ap.parse_args()
+    from humming.tune import get_heuristics_config
+
+    t_start = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = {"what": "humming indexed MoE GEMM config sweep, Kimi-K2 expert shapes (48 local of 384, top-8)",
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+           "versions": versions(), "copy": copy_bandwidth(), "cases": []}
+    copy_bw = res["copy"]["GBps_read_plus_write"]
+    w13p, w13s, w2p, w2s = make_weights(gen)
+    b13 = (w13p[0].numel() * 4 + w13s[0].numel() * 2)
+    b2 = (w2p[0].numel() * 4 + w2s[0].numel() * 2)
+    hum = Humming(w13p, w13s, w2p, w2s)
+    for T in [int(t) for t in args.tokens.split(",")]:
+        sets = make_sets(T, gen)
+        n_exp = sum(touched(s[2])[0] for s in sets) / len(sets)
+        m_local = max(1, T * TOPK * E // E_TOTAL)
+        for name, layer, nbytes in (("w13", hum.l1, b13), ("w2", hum.l2, b2)):
+            default = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
+            cands = [("default", default)]
+            for h in (float(x) for x in args.hints.split(",")):
+                m = max(1, int(m_local * h))
+                cands.append((f"hint_m{m}", get_heuristics_config(layer.humming_config, shape_m=m, gemm_type="indexed")))
+            try:
+                table = get_heuristics_config(layer.humming_config, shape_m=None, gemm_type="indexed")
+                for i, entry in enumerate(table):
+                    cands.append((f"table{i}_{entry[0]}-{entry[1]}", dict(entry[2])))
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("table_errors", []).append(repr(e))
+            cands += [(f"var{i}", v) for i, v in enumerate(variants(default))]
+            seen, rows, base = set(), [], None
+            # inputs per set: the GEMM's own input (x for w13; act [T*k, I] for w2) and alignment
+            for label, cfg in cands:
+                k = key(cfg)
+                if k in seen:
+                    continue
+                seen.add(k)
+                if time.time() - t_start > args.budget:
+                    rows.append({"label": label, "config": cfg, "skipped": "budget"})
+                    continue
+                bm = cfg["block_shape"][0]
+                inputs = []
+                for x, w, ids in sets:
+                    a = moe_align(ids, E, OFFSET, bm)
+                    inp = x if name == "w13" else torch.randn(T * TOPK, I, device="cuda", dtype=torch.bfloat16)
+                    inputs.append((inp, a))
+
+                def run(inp, a, cfg=cfg, layer=layer, name=name):
+                    return layer(inp, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2].view(()),
+                                 top_k=TOPK if name == "w13" else 1, compute_config={"gemm_type": "indexed"},
+                                 tuning_config=cfg)
+
+                row = {"label": label, "config": cfg}
+                try:
+                    t0 = time.time()
+                    ref = run(*inputs[0]).float()
+                    torch.cuda.synchronize()
+                    row["first_call_s"] = round(time.time() - t0, 2)
+                    ms = bench(cycle(run, inputs), rep=200)
+                    row["ms"] = ms
+                    row["GBps"] = n_exp * nbytes / ms / 1e6
+                    row["frac_copy"] = row["GBps"] / copy_bw
+                    if label == "default":
+                        base = ref
+                    else:
+                        row["rel_diff_vs_default"] = float((ref - base).norm() / base.norm())
+                except Exception:  # noqa: BLE001
+                    row["error"] = traceback.format_exc()[-600:]
+                rows.append(row)
+                print(T, name, json.dumps(row, default=str)[:300], flush=True)
+            res["cases"].append({"T": T, "gemm": name, "experts_hit_mean": n_exp, "bytes_per_expert": nbytes,
+                                 "rows": rows})
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"\ncopy {copy_bw:.0f} GB/s")
+    for c in res["cases"]:
+        ok = sorted([r for r in c["rows"] if "ms" in r], key=lambda r: r["ms"])
+        d = next((r for r in c["rows"] if r["label"] == "default"), {})
+        print(f"T={c['T']} {c['gemm']}: default {d.get('ms', float('nan')):.4f} ms; best {ok[0]['label'] if ok else '-'} "
+              f"{ok[0]['ms'] if ok else float('nan'):.4f} ms {ok[0].get('GBps', 0) if ok else 0:.0f} GB/s; "
+              f"{json.dumps(ok[0]['config'], default=str) if ok else ''}")
+
+
+if __name__ == "__main__":
+    main()

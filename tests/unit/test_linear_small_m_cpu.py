@@ -1,0 +1,107 @@
+"""CPU tests of kimi.ops.linear_small_m: the dispatch is F.linear off the GPU, the table file format, and (where
+Triton is installed and its interpreter works with the installed numpy) the kernel itself under
+TRITON_INTERPRET=1 in a subprocess, in fp16 (the interpreter's bf16 arithmetic is not faithful)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kimi.ops import linear_small_m as lsm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dispatch_is_f_linear(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(2112, 256, dtype=dtype)
+    for shape in [(1, 256), (8, 256), (2, 3, 256), (100, 256)]:
+        x = torch.randn(*shape, dtype=dtype)
+        assert torch.equal(lsm.linear(x, w), F.linear(x, w))
+
+
+def test_m_bucket():
+    assert [lsm.m_bucket(m) for m in (1, 2, 8, 9, 16, 17, 32, 33, 64)] == [1, 8, 8, 16, 16, 32, 32, 64, 64]
+    for bad in (0, 65):
+        with pytest.raises(ValueError):
+            lsm.m_bucket(bad)
+
+
+def test_table_file(tmp_path):
+    assert lsm.load_table(tmp_path / "missing.json") == {"gpu": None, "entries": {}}
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"gpu": "NVIDIA H200", "table": {
+        "8,2112,7168": {"block_n": 64, "block_k": 256, "split_k": 4, "num_warps": 4, "num_stages": 4,
+                        "swap_ab": False}}}))
+    t = lsm.load_table(p)
+    assert t["gpu"] == "NVIDIA H200"
+    assert t["entries"] == {(8, 2112, 7168): lsm.SmallMConfig(block_n=64, block_k=256, split_k=4)}
+    p.write_text(json.dumps({"gpu": "x", "table": {"8,2112": {}}}))
+    with pytest.raises(ValueError):
+        lsm.load_table(p)
+
+
+def test_linear_small_m_rejects_cpu_tensors():
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    if not lsm.HAS_TRITON:
+        with pytest.raises(RuntimeError):
+            lsm.linear_small_m(x, w)
+    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(ValueError):
+            lsm.linear_small_m(x, w)
+
+
+_INTERP_SCRIPT = textwrap.dedent("""
+    import torch
+    from kimi.ops.linear_small_m import SmallMConfig, linear_small_m
+    torch.manual_seed(0)
+    cases = [(1, 64, 256, SmallMConfig(block_n=32, block_k=64)),
+             (3, 40, 200, SmallMConfig(block_n=32, block_k=64)),                   # ragged K, N < tile
+             (17, 96, 512, SmallMConfig(block_n=32, block_k=64, split_k=3)),       # split-K fix-up
+             (5, 100, 300, SmallMConfig(block_n=32, block_k=64, split_k=2, swap_ab=True)),
+             (33, 64, 256, SmallMConfig(block_n=32, block_k=64, swap_ab=True)),
+             (5, 100, 320, SmallMConfig(block_n=32, block_k=64, split_k=2, tma=True)),          # TMA descriptors
+             (17, 96, 512, SmallMConfig(block_n=32, block_k=64, split_k=3, swap_ab=True, tma=True))]
+    for M, N, K, cfg in cases:
+        x, w = torch.randn(M, K).half(), torch.randn(N, K).half()
+        ref = x.float() @ w.float().T
+        for _ in range(2):  # the second call checks the split-K counters were reset
+            y = torch.full((M, N), float("nan")).half()
+            linear_small_m(x, w, out=y, config=cfg)
+            err = (y.float() - ref).abs().max().item()
+            assert err <= 1e-2 * ref.abs().max().item(), (M, N, K, cfg, err)
+    print("OK")
+""")
+
+
+def _interpreter_usable() -> str | None:
+    import numpy as np
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton not installed"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            int(np.array([1]))  # Triton 3.6's interpreter needs this (numpy >= 2.3 refuses it)
+    except TypeError:
+        return f"Triton's interpreter does not work with numpy {np.__version__}"
+    return None
+
+
+def test_kernel_under_triton_interpreter():
+    why = _interpreter_usable()
+    if why:
+        pytest.skip(why)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=60,
+                       cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""Token sampling (plain PyTorch reference): logit processing, greedy / random sampling, logprobs.
+"""Token sampling: logit processing, greedy / random sampling, logprobs (batched, GPU-friendly, + reference).
 
 Per row b of a batch, in this order (the order vLLM's V1 sampler uses):
 
@@ -14,10 +14,27 @@ Per row b of a batch, in this order (the order vLLM's V1 sampler uses):
    - frequency (OpenAI): `logit -= frequency_penalty * count_in_output(token)`;
    - presence (OpenAI): `logit -= presence_penalty * (count_in_output(token) > 0)`.
 5. temperature 0: argmax of the processed logits (ties: lowest id). Otherwise divide by the temperature,
-   then min_p (drop tokens whose probability is below `min_p * max probability`), top-k, top-p (keep the
-   smallest set, in descending probability, whose mass reaches top_p; the most likely token is always
-   kept), and draw with `torch.multinomial` from the row's generator (seeded requests are reproducible
-   whatever else is in the batch) or the global RNG.
+   then min_p (drop tokens whose probability is below `min_p * max probability`), top-k (keep the tokens
+   whose logit is >= the k-th largest, so ties with the k-th are kept), top-p (keep the smallest set, in
+   descending probability with ties in ascending id, whose mass reaches top_p; the most likely token is
+   always kept), and draw from the softmax of what is left with the exponential race (below), using the
+   row's generator (seeded requests are reproducible whatever else is in the batch) or the global RNG.
+
+Drawing (`exponential_race`): token = argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. Proof that this samples
+p: E_i / p_i ~ Exp(rate p_i) independently, and the minimum of independent exponentials is attained at i
+with probability p_i / sum_j p_j = p_i (memorylessness), so P(argmin_i E_i/p_i = i) = p_i. A token with
+p_i = 0 scores 0 and never wins (E is clamped away from 0, and the top token's score is > 0).
+
+Two implementations of the same semantics:
+
+- `sample` / `process_logits`: batched tensor ops over the rows, for the GPU. No device->host
+  synchronisation per row: the only device->host copy is one packed float64 tensor at the end
+  (`_to_host`: token ids, chosen logprobs, top-k ids and logprobs). Host->device inputs (row indices,
+  per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
+  non-blocking copies from pinned memory (`_h2d`), which do not make the host wait either.
+- `sample_ref` / `process_logits_ref`: one row at a time in plain PyTorch, the reference the batched path
+  is tested against (tests/unit/test_sampling.py on CPU, tests/gpu/test_gpu_sampling.py on CUDA). With the
+  same generators both draw the same exponentials, so seeded rows sample the same token in both.
 
 Shapes: logits [B, V] float32 (any float dtype is upcast). Token-history inputs are Python lists.
 """
@@ -30,6 +47,8 @@ from typing import Sequence
 import torch
 
 from kimi.protocol import SamplingParams
+
+_NEG_INF = float("-inf")
 
 
 @dataclass
@@ -46,22 +65,69 @@ class SampleOutput:
     top_logprobs: list[list[float] | None]
 
 
+def _any_processing(params: Sequence[SamplingParams]) -> bool:
+    return any(p.logit_bias_ids or p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+               or p.frequency_penalty != 0.0 for p in params)
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    return p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _draw_exponential(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """[n] float32 Exp(1) draws from `generator` (or the global RNG), on `device`.
+
+    The draw is made on the generator's device (a CUDA generator needs a CUDA tensor) and moved to `device`
+    (a no-op when it is already there; a blocking copy from a CPU generator to a CUDA `device`, which the
+    runner avoids by keeping generators on the model's device). Depends only on the generator's state and
+    n, never on the rest of the batch.
+    """
+    gdev = generator.device if generator is not None else device
+    e = torch.empty(n, dtype=torch.float32, device=gdev).exponential_(generator=generator)
+    return e.to(device)
+
+
+def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row of `probs` [R, V] (rows sum to 1, float32): argmax_i probs_i / E_i.
+
+    E ~ Exp(1) i.i.d. per (row, token) (proof in the module docstring); row j's E comes from
+    generators[j] when not None (one launch per seeded row, no sync), the other rows' from the global RNG in
+    one batched call. E is clamped to >= the smallest normal float so a zero-probability token scores
+    exactly 0. Returns [R] int64 on probs' device. Ties in the score (float rounding) go to the lowest id.
+    """
+    R, V = probs.shape
+    if len(generators) != R:
+        raise ValueError(f"{len(generators)} generators for {R} rows")
+    q = torch.empty(R, V, dtype=torch.float32, device=probs.device)
+    seeded = [(j, g) for j, g in enumerate(generators) if g is not None]
+    if len(seeded) < R:
+        q.exponential_()
+    for j, g in seeded:
+        q[j] = _draw_exponential(V, probs.device, g)
+    q.clamp_min_(torch.finfo(torch.float32).tiny)
+    return torch.argmax(probs.float() / q, dim=-1)
+
+
+# ---- reference: one row at a time ---------------------------------------------------------------------
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) the tokens outside the top-k and outside the smallest set with cumulative p >= top_p.
 
-    logits: [V] float32 (already divided by the temperature). Returns a new tensor.
+    logits: [V] float32 (already divided by the temperature). Returns a new tensor. Reference for
+    `filter_logits`.
     """
     out = logits.clone()
     if top_k > 0 and top_k < out.numel():
         kth = torch.topk(out, top_k).values[-1]
-        out[out < kth] = float("-inf")
+        out[out < kth] = _NEG_INF
     if top_p < 1.0:
-        sorted_logits, idx = torch.sort(out, descending=True)
+        sorted_logits, idx = torch.sort(out, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         cum = torch.cumsum(probs, dim=-1)
         # keep a token if the mass before it is < top_p (so the first token is always kept)
         remove = (cum - probs) >= top_p
-        sorted_logits[remove] = float("-inf")
+        sorted_logits[remove] = _NEG_INF
         out = torch.empty_like(out).scatter_(0, idx, sorted_logits)
     return out
 
@@ -75,33 +141,21 @@ def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
         return logits
     probs = torch.softmax(logits, dim=-1)
     keep = probs >= min_p * probs.max()
-    return logits.masked_fill(~keep, float("-inf"))
+    return logits.masked_fill(~keep, _NEG_INF)
 
 
-def process_logits(
+def process_logits_ref(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Steps 2-4 of the module docstring (min_tokens, logit_bias, penalties) -> [B, V] float32.
-
-    Returns a new tensor, or `logits` itself (as float32) when no row asks for any of these.
-
-    logits: [B, V] float32. token_ids[b]: the row's prompt followed by its generated tokens so far;
-    num_prompt_tokens[b]: how many of them are the prompt. Both may be None when no row uses min_tokens or
-    penalties (a ValueError is raised if one does). Ids outside [0, V) in logit_bias raise IndexError
-    (the controller validates them against the vocabulary first).
-    """
-    if not any(p.logit_bias_ids or p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-               or p.frequency_penalty != 0.0 for p in params):
-        return logits.float()  # nothing to do: the common case costs no copy
+    """Per-row reference of `process_logits` (same arguments and result; IndexError for logit_bias ids outside [0, V))."""
+    if not _any_processing(params):
+        return logits.float()
     out = logits.float().clone()
     B, V = out.shape
-    pen_rows = [
-        b for b, p in enumerate(params)
-        if p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    ]
+    pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
     for b, p in enumerate(params):
@@ -109,7 +163,7 @@ def process_logits(
             n_out = len(token_ids[b]) - num_prompt_tokens[b]  # type: ignore[index]
             if n_out < p.min_tokens:
                 ids = torch.tensor([i for i in p.min_tokens_block_ids if 0 <= i < V], dtype=torch.long)
-                out[b, ids.to(out.device)] = float("-inf")
+                out[b, ids.to(out.device)] = _NEG_INF
         if p.logit_bias_ids:
             ids = torch.tensor(p.logit_bias_ids, dtype=torch.long, device=out.device)
             vals = torch.tensor(p.logit_bias_values, dtype=out.dtype, device=out.device)
@@ -136,24 +190,21 @@ def process_logits(
     return out
 
 
-def sample(
+def sample_ref(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
 ) -> SampleOutput:
-    """Sample one token per row (module docstring for the steps and their order).
+    """Per-row reference of `sample` (same arguments and result). Syncs with the device once per row.
 
-    logits: [B, V] float32. params[b].temperature == 0 means argmax of the processed logits. token_ids /
-    num_prompt_tokens: see `process_logits` (needed only for min_tokens and penalties). Returns token ids
-    and, where params[b].num_logprobs >= 0, the sampled token's raw logprob and the top num_logprobs
-    alternatives (ids, raw logprobs), highest first. The controller keeps at least one token
-    sampleable (min_tokens bans at most the EOS and stop ids; biases are finite).
+    Each random row draws its exponentials with `_draw_exponential(V, device, generators[b])`, exactly as
+    `sample` does, so a seeded row samples the same token in both.
     """
-    B = logits.shape[0]
+    B, V = logits.shape
     logits = logits.float()
-    processed = process_logits(logits, params, token_ids, num_prompt_tokens)
+    processed = process_logits_ref(logits, params, token_ids, num_prompt_tokens)
     ids = torch.empty(B, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     if greedy:
@@ -165,10 +216,7 @@ def sample(
         row = _filter_min_p(row, p.min_p)
         row = _filter_top_k_top_p(row, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
-        gen = generators[i]
-        if gen is not None and gen.device != probs.device:
-            probs = probs.to(gen.device)
-        ids[i] = torch.multinomial(probs, 1, generator=gen).item()
+        ids[i] = exponential_race(probs.unsqueeze(0), [generators[i]]).item()
     want = [i for i, p in enumerate(params) if p.num_logprobs >= 0]
     lps: list[float | None] = [None] * B
     tids: list[list[int] | None] = [None] * B
@@ -184,6 +232,225 @@ def sample(
                 tids[i] = t.tolist()
                 tlps[i] = v.tolist()
     return SampleOutput(ids.tolist(), lps, tids, tlps)
+
+
+# ---- batched: no per-row host synchronisation -------------------------------------------------------
+
+
+def _h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA: staged in pinned memory and copied non-blocking.
+
+    The pinned block is not reused before the copy has run (PyTorch's caching host allocator records the
+    copy's stream), so the host never waits for the device here.
+    """
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> list[float]:
+    """The one device->host copy of a `sample` call: a flat float64 tensor -> Python floats."""
+    return t.cpu().tolist()
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[Sequence[int]] | None = None,
+    num_prompt_tokens: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Steps 2-4 of the module docstring (min_tokens, logit_bias, penalties) -> [B, V] float32, batched.
+
+    Returns a new tensor, or `logits` itself (as float32) when no row asks for any of these.
+
+    logits: [B, V] float32. token_ids[b]: the row's prompt followed by its generated tokens so far;
+    num_prompt_tokens[b]: how many of them are the prompt. Both may be None when no row uses min_tokens or
+    penalties (a ValueError is raised if one does). Ids outside [0, V) in logit_bias raise IndexError
+    (the controller validates them against the vocabulary first); logit_bias_ids and logit_bias_values of
+    different lengths raise ValueError. Each kind of edit is one batched op over (row, token) index pairs
+    gathered on the host from the lists; nothing is read back from the device.
+    """
+    if not _any_processing(params):
+        return logits.float()  # nothing to do: the common case costs no copy
+    out = logits.float().clone()
+    B, V = out.shape
+    dev = out.device
+    pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
+    if pen_rows and (token_ids is None or num_prompt_tokens is None):
+        raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
+    ban_r: list[int] = []
+    ban_c: list[int] = []
+    bias_r: list[int] = []
+    bias_c: list[int] = []
+    bias_v: list[float] = []
+    for b, p in enumerate(params):
+        if p.min_tokens > 0 and p.min_tokens_block_ids:
+            if len(token_ids[b]) - num_prompt_tokens[b] < p.min_tokens:  # type: ignore[index]
+                ids = [i for i in p.min_tokens_block_ids if 0 <= i < V]
+                ban_r += [b] * len(ids)
+                ban_c += ids
+        if p.logit_bias_ids:
+            if len(p.logit_bias_ids) != len(p.logit_bias_values):
+                raise ValueError(f"row {b}: {len(p.logit_bias_ids)} logit_bias ids, {len(p.logit_bias_values)} values")
+            bad = [i for i in p.logit_bias_ids if not 0 <= i < V]
+            if bad:
+                raise IndexError(f"row {b}: logit_bias ids {bad[:5]} outside [0, {V})")
+            bias_r += [b] * len(p.logit_bias_ids)
+            bias_c += p.logit_bias_ids
+            bias_v += p.logit_bias_values
+    if ban_c:  # step 2, before the bias (a banned token stays banned: -inf + bias = -inf)
+        out.index_put_((_h2d(ban_r, torch.long, dev), _h2d(ban_c, torch.long, dev)),
+                       torch.full((), _NEG_INF, dtype=out.dtype, device=dev))  # a fill, not a host copy
+    if bias_c:  # step 3; repeated ids add up, as index_add_ does
+        out.index_put_((_h2d(bias_r, torch.long, dev), _h2d(bias_c, torch.long, dev)),
+                       _h2d(bias_v, out.dtype, dev), accumulate=True)
+    rep_rows = [b for b in pen_rows if params[b].repetition_penalty != 1.0]
+    if rep_rows:
+        rr: list[int] = []
+        rc: list[int] = []
+        for b in rep_rows:
+            toks = [t for t in token_ids[b] if 0 <= t < V]  # type: ignore[index]
+            rr += [b] * len(toks)
+            rc += toks
+        if rc:
+            seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+            seen.index_put_((_h2d(rr, torch.long, dev), _h2d(rc, torch.long, dev)),
+                            torch.ones((), dtype=torch.bool, device=dev))  # not `= True`: that copies from the host
+            r = _h2d([p.repetition_penalty for p in params], out.dtype, dev).unsqueeze(1)
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    fp_rows = [b for b in pen_rows if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
+    if fp_rows:
+        cr: list[int] = []
+        cc: list[int] = []
+        for b in fp_rows:
+            gen = [t for t in token_ids[b][num_prompt_tokens[b]:] if 0 <= t < V]  # type: ignore[index]
+            cr += [b] * len(gen)
+            cc += gen
+        if cc:
+            counts = torch.zeros(B, V, dtype=out.dtype, device=dev)
+            counts.index_put_((_h2d(cr, torch.long, dev), _h2d(cc, torch.long, dev)),
+                              torch.ones((), dtype=out.dtype, device=dev).expand(len(cc)), accumulate=True)
+            fp = _h2d([[p.frequency_penalty, p.presence_penalty] for p in params], out.dtype, dev)
+            out = out - fp[:, 0:1] * counts - fp[:, 1:2] * (counts > 0).to(out.dtype)
+    return out
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """min_p, then top-k, then top-p over the rows of `logits` [R, V] float32 (already divided by the temperature).
+
+    min_p: [R] float32, 0 = off; top_k: [R] int64 in [1, V], V = off; top_p: [R] float32, +inf = off
+    (`sample` maps the request's k <= 0 or >= V, and p >= 1, to these). None skips that filter for every row.
+    Dropped tokens become -inf; returns a new tensor (or `logits` itself when all three are None).
+    top-k and top-p share ONE stable descending sort of each row: top-k keeps the sorted values >= the k-th
+    (ties with it kept), top-p then drops a sorted position when the mass before it is >= p (so the first is
+    always kept, and ties go to the lower id). Same result as `_filter_min_p` + `_filter_top_k_top_p` per row.
+    """
+    x = logits
+    if min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        keep = probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(~keep, _NEG_INF)
+    if top_k is None and top_p is None:
+        return x
+    sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        kth = sv.gather(1, (top_k - 1).unsqueeze(1))
+        sv = sv.masked_fill(sv < kth, _NEG_INF)
+    if top_p is not None:
+        sp = torch.softmax(sv, dim=-1)
+        sv = sv.masked_fill((torch.cumsum(sp, dim=-1) - sp) >= top_p.unsqueeze(1), _NEG_INF)
+    return torch.empty_like(x).scatter_(1, si, sv)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    token_ids: Sequence[Sequence[int]] | None = None,
+    num_prompt_tokens: Sequence[int] | None = None,
+) -> SampleOutput:
+    """Sample one token per row (module docstring for the steps and their order), batched.
+
+    logits: [B, V] float32 (other float dtypes are upcast), on any device. params[b].temperature == 0 means
+    argmax of the processed logits (lowest id on ties). generators[b]: a torch.Generator for a seeded row
+    (best on logits' device; see `_draw_exponential`) or None for the global RNG. token_ids /
+    num_prompt_tokens: see `process_logits` (needed only for min_tokens and penalties; ValueError /
+    IndexError as there). Returns token ids and, where params[b].num_logprobs >= 0, the sampled token's raw
+    logprob and the top num_logprobs alternatives (ids, raw logprobs), highest first. The controller keeps
+    at least one token sampleable (min_tokens bans at most the EOS and stop ids; biases are finite).
+
+    Device work: one argmax over the greedy rows; for the random rows one temperature division, one
+    min_p mask, one sort for top-k / top-p, one softmax and one exponential race; one log_softmax and one
+    topk (with the largest requested k) over the rows that want logprobs. Everything the host needs is
+    packed into one float64 tensor (ids and top ids are exact below 2**53) and copied back once.
+    """
+    B, V = logits.shape
+    dev = logits.device
+    if len(params) != B or len(generators) != B:
+        raise ValueError(f"{B} rows, {len(params)} params, {len(generators)} generators")
+    logits = logits.float()
+    processed = process_logits(logits, params, token_ids, num_prompt_tokens)
+    greedy = [b for b, p in enumerate(params) if p.temperature == 0.0]
+    rand = [b for b, p in enumerate(params) if p.temperature != 0.0]
+    if not rand:
+        ids = torch.argmax(processed, dim=-1)
+    else:
+        ids = torch.empty(B, dtype=torch.long, device=dev)
+        if greedy:
+            gi = _h2d(greedy, torch.long, dev)
+            ids.index_copy_(0, gi, torch.argmax(processed.index_select(0, gi), dim=-1))
+        ri = _h2d(rand, torch.long, dev) if greedy else None
+        ps = [params[b] for b in rand]
+        # per random row: temperature, min_p (0 = off), top_p (inf = off); top_k (V = off)
+        rp = _h2d([[p.temperature, p.min_p, p.top_p if p.top_p < 1.0 else float("inf")] for p in ps], torch.float32, dev)
+        use_k = any(0 < p.top_k < V for p in ps)
+        x = processed if ri is None else processed.index_select(0, ri)
+        x = x / rp[:, 0:1]
+        x = filter_logits(
+            x,
+            rp[:, 1] if any(p.min_p > 0.0 for p in ps) else None,
+            _h2d([p.top_k if 0 < p.top_k < V else V for p in ps], torch.long, dev) if use_k else None,
+            rp[:, 2] if any(p.top_p < 1.0 for p in ps) else None,
+        )
+        drawn = exponential_race(torch.softmax(x, dim=-1), [generators[b] for b in rand])
+        if ri is None:
+            ids = drawn
+        else:
+            ids.index_copy_(0, ri, drawn)
+    want = [b for b, p in enumerate(params) if p.num_logprobs >= 0]
+    parts = [ids.to(torch.float64)]
+    K = 0
+    if want:
+        wi = _h2d(want, torch.long, dev) if len(want) < B else None
+        logp = torch.log_softmax(logits if wi is None else logits.index_select(0, wi), dim=-1)
+        chosen = logp.gather(1, (ids if wi is None else ids.index_select(0, wi)).unsqueeze(1)).squeeze(1)
+        parts.append(chosen.to(torch.float64))
+        K = min(max(params[b].num_logprobs for b in want), V)
+        if K > 0:
+            tv, ti = torch.topk(logp, K, dim=-1)
+            parts += [ti.to(torch.float64).flatten(), tv.to(torch.float64).flatten()]
+    host = _to_host(torch.cat(parts) if len(parts) > 1 else parts[0])  # the one device->host copy
+    token_out = [int(v) for v in host[:B]]
+    lps: list[float | None] = [None] * B
+    tids: list[list[int] | None] = [None] * B
+    tlps: list[list[float] | None] = [None] * B
+    W = len(want)
+    for j, b in enumerate(want):
+        lps[b] = host[B + j]
+        k = min(params[b].num_logprobs, V)
+        if k > 0:
+            o = B + W + j * K
+            tids[b] = [int(v) for v in host[o : o + k]]
+            tlps[b] = host[o + W * K : o + W * K + k]
+    return SampleOutput(token_out, lps, tids, tlps)
 
 
 def prompt_logprobs(

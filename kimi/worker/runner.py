@@ -132,9 +132,17 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------------
     def _new_generator(self, sp: protocol.SamplingParams) -> torch.Generator | None:
+        """A seeded request's generator, on the model's device (a CUDA generator when the runner is on cuda).
+
+        `sample` draws the row's exponentials on the generator's device, so keeping it on the logits' device
+        means no extra copy or sync; `execute` reseeds it per position before each draw.
+        """
         if sp.seed is None:
             return None
-        g = torch.Generator(device=self.device)
+        dev = self.device
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())  # the logits' device, spelled the same way
+        g = torch.Generator(device=dev)
         g.manual_seed(sp.seed)
         return g
 
@@ -242,7 +250,7 @@ class ModelRunner:
                 # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
                 wr = batch[i][1]
                 g.manual_seed((wr.sampling.seed * 1_000_003 + len(wr.token_ids)) % (1 << 63))
-        res = sample(
+        res = sample(  # batched on the logits' device; one device->host copy for the whole step
             logits, params, gens, [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],
         )

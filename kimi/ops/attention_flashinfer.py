@@ -1,41 +1,79 @@
-"""Absorbed MLA decode on the GPU through FlashInfer's `BatchMLAPagedAttentionWrapper` (FA3 backend on Hopper).
+"""Absorbed MLA on the GPU through FlashInfer's paged MLA kernel (`BatchMLAPagedAttentionWrapper`, FA3 on Hopper):
+decode, prefill and chunked prefill, mixed in one plan / one run.
 
-Same function as `kimi.ops.attention.mla_decode_ref`: MQA of H query heads over the 576-wide latent cache,
-``score[b,h,s] = (q_lat . ckv_s + q_pe . kpe_s) * scale`` over s < seq_lens[b], ``o_lat = softmax(score) @ ckv``.
+Math (KIMI.md section 3, absorbed form; the same function as `kimi.ops.attention.mla_decode_ref` for one query
+row, and as `mla_prefill_ref` after the W_UK / W_UV absorption): MQA of H query heads over the 576-wide latent
+cache. For a sequence with qo_len Q new rows and kv_len S context tokens (the new ones included), query row i
+(0 <= i < Q) sits at position S - Q + i and, with ``causal=True``,
 
-Cache layout (docs/DESIGN.md "KV cache"): ONE buffer per layer ``kv_cache [num_blocks, block_size, 576]``
-(bf16): ``[..., :512]`` is rmsnorm(ckv), ``[..., 512:]`` the roped k_pe. FlashInfer's MLA kernels take
-ckv and kpe as separate tensors but read their page / token strides (``ckv_cache.stride(0)``,
-``stride(1)`` in csrc/batch_mla_sm90_run.cu of flashinfer 0.6.4), so the two strided *views* of the one
-buffer are passed without a copy (tested against the reference in tests/gpu/test_gpu_kernels.py).
+    score[i, h, s] = (q_lat[i, h] . ckv_s + q_pe[i, h] . kpe_s) * sm_scale   for s <= S - Q + i,
+    o_lat[i, h]    = softmax_s(score[i, h]) @ ckv                             (float32 softmax in the kernel).
+
+Causal alignment (verified in the flashinfer 0.6.4 sources): the mask is bottom-right aligned, i.e. the Q queries
+are the LAST Q tokens of the S keys. The FA3 kernel keeps a logit iff ``!(kv_idx + qo_len > kv_len + q_idx)``
+(include/flashinfer/attention/mla_hopper.cuh:365, `logits_mask_`; the FA2 kernel mla.cuh:343 / 357 is the same),
+the planner's per-tile KV end is "right aligned" ``kv_len - qo_len + ceil(...)`` (scheduler.cuh:811-819,
+`packed_causal_kv_end`), and flashinfer/prefill.py:1169-1172 documents the same mask as
+``tril(ones(qo_len, kv_len), diagonal=kv_len - qo_len)``. A decode row (Q = 1) sees all S keys, so causal and
+non-causal agree there and one causal plan covers a mixed decode + prefill batch.
+
+Kernel facts (flashinfer 0.6.4): the wrapper docstring says the kernel serves "decode, and incremental prefill"
+(flashinfer/mla.py:144); the SM90 kernel rejects only MaskMode kCustom, causal is a template flag
+(mla_hopper.cuh:975-978). Heads are packed into the row (M) dimension: packed row = q_idx * H + h, tiles of 64
+rows per CTA, 1 or 2 CTAs per cluster (2 when the batch's mean qo_len * H > 64; scheduler.cuh:1469-1481), H
+arbitrary (a fastdiv); for H dividing 64 (Kimi 64, the "tiny-mla" test model 16) the per-tile causal KV bound
+``kv_len - q_len + (q_start + cluster_tile_q) / H`` (mla_hopper.cuh:705) is exact. Limit: `MLAPlan`
+(scheduler.cuh:1440-1707; the fa3 and fa2 plans both call it: csrc/batch_mla_sm90_plan.cu, batch_mla_plan.cu:49)
+lays out a fixed table of 16384 work items (scheduler.cuh:1600) and does NOT check it; a batch needs at most
+sum_b ceil(Q_b * H / cluster_tile_q) + num_clusters of them, so `plan` checks that bound and raises ValueError
+past it (Kimi, H 64: ~32k query rows per step; H 16: ~130k). No other per-request qo_len limit in the planner
+or the kernel (Q <= S required).
+
+Cost note: in the absorbed form every (query, key, head) costs 2 * (576 + 512) FLOPs against 2 * (192 + 128) in
+the naive 192/128 form, but nothing is expanded with kv_b (the naive form re-expands the whole cached prefix for
+every chunk). For long fresh prompts a ragged 192/128 prefill kernel may be faster: measure before choosing.
+
+Cache layout (docs/DESIGN.md "KV cache"): ONE buffer per layer ``kv_cache [num_blocks, block_size, 576]`` (bf16):
+``[..., :512]`` is rmsnorm(ckv), ``[..., 512:]`` the roped k_pe. FlashInfer's MLA kernels take ckv and kpe as
+separate tensors but read their page / token strides (``ckv_cache.stride(0)``, ``stride(1)``,
+csrc/batch_mla_sm90_run.cu:48-57), so two strided *views* of the one buffer are passed without a copy.
 
 Paging: FlashInfer's page = kimi's block (page_size = block_size); per request the pages are
-``block_tables[b, :ceil(seq_len / block_size)]``, concatenated into `kv_indices` with `kv_indptr` offsets;
-``kv_len_arr = seq_lens``. Decode only: one query row per request (``qo_indptr = arange(B+1)``).
+``block_tables[b, :ceil(seq_len / block_size)]``, concatenated into `kv_indices` (int32) with `kv_indptr`
+offsets; ``kv_len_arr = seq_lens``; ``qo_indptr = [0, cumsum(qo_lens)]``: the query rows of request b are rows
+``qo_indptr[b] .. qo_indptr[b+1] - 1`` of q_lat / q_pe / o_lat (kimi's flat batch order).
 
-Usage: ``plan(...)`` once per step OUTSIDE CUDA graphs (it reads lengths on the host), then ``run(...)``
-(capturable when the wrapper was built with ``use_cuda_graph=True`` and a fixed batch size).
+Usage: ``plan(...)`` once per step OUTSIDE CUDA graphs (host work: FlashInfer's scheduler runs on the host over
+the lengths), shared by every layer, then ``run(...)`` per layer (capturable when the wrapper was built with
+``use_cuda_graph=True`` and the batch size is fixed). `plan` itself does not synchronise the device: it builds
+the index arrays from host lengths and gathers the pages on the device; it waits only for its own previous
+plan's host-to-device copy (FlashInfer reuses one pinned staging buffer per wrapper, scheduler.cuh:1675-1697).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["FlashInferMLADecode"]
+__all__ = ["FlashInferMLA", "FlashInferMLADecode", "MAX_PLAN_WORKS"]
+
+# max_total_num_works of MLAPlan: flashinfer 0.6.4 include/flashinfer/attention/scheduler.cuh:1600
+MAX_PLAN_WORKS = 16384
 
 
-class FlashInferMLADecode:
-    """Paged MLA decode over kimi's [num_blocks, block_size, L+R] latent cache.
+class FlashInferMLA:
+    """Paged absorbed MLA over kimi's [num_blocks, block_size, L+R] latent cache, any mix of query lengths.
 
     Args:
         num_heads: query heads per rank (64 for Kimi).
         sm_scale: softmax scale (cfg.softmax_scale, qk_head_dim 192-based, see KIMI.md section 3).
         device: CUDA device.
-        kv_lora_rank: L (512); rope_dim: R (64).
-        backend: FlashInfer MLA backend ("fa3" on Hopper, "fa2", or "auto").
+        kv_lora_rank: L (512); rope_dim: R (64); kimi uses FlashInfer only for 512 / 64
+            (GPUKimiForCausalLM.flashinfer_ok), other sizes run the torch references.
+        backend: FlashInfer MLA backend ("fa3" on Hopper, "fa2", or "auto"); both support causal qo_len > 1.
         workspace_bytes: float workspace for split-KV partial results (128 MiB as FlashInfer recommends).
-        use_cuda_graph / max_batch / max_pages: fixed buffers for graph capture (then plan() copies into them).
-        dtype: q / kv dtype (bf16).
+        use_cuda_graph / max_batch / max_pages: fixed index buffers for graph capture (then every plan must have
+            exactly max_batch requests and at most max_pages pages).
+        dtype: q / kv / o dtype (bf16).
     """
 
     def __init__(
@@ -57,9 +95,15 @@ class FlashInferMLADecode:
         self.num_heads = num_heads
         self.sm_scale = float(sm_scale)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.L = kv_lora_rank
         self.R = rope_dim
         self.dtype = dtype
+        self.use_cuda_graph = use_cuda_graph
+        self.max_batch = max_batch
+        self.max_pages = max_pages
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         kwargs = {}
         if use_cuda_graph:
@@ -76,51 +120,116 @@ class FlashInferMLADecode:
         )
         self.block_size = None
         self.batch = None
+        self.num_rows = 0  # sum of qo_lens of the current plan: rows of q_lat / q_pe / o_lat
+        self.causal = None
+        self._plan_done: torch.cuda.Event | None = None
 
-    def plan(self, seq_lens_cpu: list[int], block_tables: torch.Tensor, block_size: int) -> None:
+    def max_works(self, qo_lens: list[int]) -> int:
+        """Upper bound on the work items MLAPlan lays out for these query lengths (see the module docstring):
+        sum_b ceil(Q_b * H / cluster_tile_q) + num_clusters, with the cluster size rule of scheduler.cuh:1469-1481."""
+        H = self.num_heads
+        packed = [q * H for q in qo_lens]
+        cluster = 2 if sum(packed) // max(len(packed), 1) > 64 else 1
+        tile = 64 * cluster
+        return sum(-(-p // tile) for p in packed) + self.num_sms // cluster
+
+    def plan(self, qo_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
+             causal: bool = True) -> None:
+        """Plan one step (host work; call outside CUDA graphs). Does not synchronise the device.
+
+        qo_lens: [B] new query rows per request (>= 1); seq_lens: [B] context lengths including them
+            (qo_lens[b] <= seq_lens[b]); the rows of request b are its LAST qo_lens[b] tokens.
+        block_tables: [B, max_blocks] int (device or host), padded with the null block 0.
+        block_size: tokens per block (= FlashInfer page size).
+        causal: bottom-right aligned causal mask (needed for qo_len > 1; a no-op for qo_len 1).
+        Raises ValueError on an empty batch, inconsistent lengths, a too narrow table, a batch past FlashInfer's
+        work table (MAX_PLAN_WORKS), or (CUDA-graph wrappers) a batch other than max_batch / too many pages.
+        """
+        B = len(qo_lens)
+        if B == 0:
+            raise ValueError("plan: empty batch")
+        if len(seq_lens) != B:
+            raise ValueError(f"plan: {B} qo_lens but {len(seq_lens)} seq_lens")
+        for b, (q, s) in enumerate(zip(qo_lens, seq_lens)):
+            if q < 1 or q > s:
+                raise ValueError(f"plan: request {b}: qo_len {q} must be in [1, seq_len={s}]")
+        nblk = [(s + block_size - 1) // block_size for s in seq_lens]
+        width = block_tables.shape[1]
+        if max(nblk) > width:
+            raise ValueError("plan: block_tables too narrow for seq_lens")
+        total_pages = sum(nblk)
+        if self.use_cuda_graph and (B != self.max_batch or total_pages > self.max_pages):
+            raise ValueError(f"plan: CUDA-graph wrapper for {self.max_batch} requests / {self.max_pages} pages got "
+                             f"{B} requests / {total_pages} pages")
+        works = self.max_works(qo_lens)
+        if works > MAX_PLAN_WORKS:
+            raise ValueError(f"plan: {sum(qo_lens)} query rows x {self.num_heads} heads may need {works} FlashInfer "
+                             f"work items, more than its fixed table of {MAX_PLAN_WORKS}: lower the token budget")
+        dev = self.device
+        nblk_c = torch.tensor(nblk, dtype=torch.int64)  # [B] host
+        kv_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] host
+        kv_indptr[1:] = torch.cumsum(nblk_c, 0)
+        # flat positions in block_tables of every used page, request by request (host, no device sync)
+        rows = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), nblk_c)  # [total_pages]
+        cols = torch.arange(total_pages, dtype=torch.int64) - torch.repeat_interleave(kv_indptr[:-1], nblk_c)
+        flat = (rows * width + cols).to(dev, non_blocking=True)  # [total_pages]
+        bt = block_tables.to(dev).reshape(-1)  # [B * max_blocks]
+        kv_indices = bt.index_select(0, flat).to(torch.int32)  # [total_pages] page ids
+        qo_indptr = torch.zeros(B + 1, dtype=torch.int32)  # [B+1] host
+        qo_indptr[1:] = torch.cumsum(torch.tensor(qo_lens, dtype=torch.int32), 0)
+        kv_len = torch.tensor(seq_lens, dtype=torch.int32)  # [B] host
+        if self._plan_done is not None:  # the previous plan's staging copy must have left the pinned buffer
+            self._plan_done.synchronize()
+        self.wrapper.plan(
+            qo_indptr, kv_indptr.to(torch.int32), kv_indices, kv_len,
+            self.num_heads, self.L, self.R, block_size, causal, self.sm_scale, self.dtype, self.dtype,
+        )
+        if self._plan_done is None:
+            self._plan_done = torch.cuda.Event()
+        self._plan_done.record(torch.cuda.current_stream(dev))
+        self.block_size = block_size
+        self.batch = B
+        self.num_rows = int(qo_indptr[-1])
+        self.causal = causal
+
+    def plan_from_metadata(self, attn, causal: bool = True) -> None:
+        """Plan every sequence of a kimi.ops.attention.AttentionMetadata (rows in its flat order)."""
+        self.plan(list(attn.query_lens_cpu), list(attn.seq_lens_cpu), attn.block_tables, attn.block_size, causal)
+
+    def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
+        """q_lat [N, H, L], q_pe [N, H, R] (dtype of the plan, last dim contiguous; N = num_rows of the plan),
+        kv_cache [num_blocks, block_size, L+R] -> o_lat [N, H, L] (q dtype; written into `out` when given, same
+        shape / dtype). The cache is passed as two strided views (no copy). Raises RuntimeError before plan,
+        ValueError on mismatched shapes."""
+        if self.batch is None:
+            raise RuntimeError("run before plan")
+        if kv_cache.shape[1] != self.block_size or kv_cache.shape[2] != self.L + self.R:
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match block_size {self.block_size}")
+        if q_lat.shape[0] != self.num_rows or q_pe.shape[0] != self.num_rows:
+            raise ValueError(f"q_lat {tuple(q_lat.shape)} / q_pe {tuple(q_pe.shape)}: "
+                             f"the plan has {self.num_rows} rows")
+        ckv = kv_cache[..., : self.L]  # [num_blocks, bs, L] view, row stride L+R
+        kpe = kv_cache[..., self.L :]  # [num_blocks, bs, R] view
+        return self.wrapper.run(q_lat, q_pe, ckv, kpe, out=out)
+
+
+class FlashInferMLADecode(FlashInferMLA):
+    """FlashInferMLA for pure decode batches (one query row per request, non-causal plan): the CUDA-graph
+    decode path (kimi/worker/cuda_graph.py) and tools/bench_mla.py. Same constructor as FlashInferMLA."""
+
+    def plan(  # type: ignore[override]
+        self, seq_lens_cpu: list[int], block_tables: torch.Tensor, block_size: int
+    ) -> None:
         """Plan one decode step (host work; call outside CUDA graphs).
 
         seq_lens_cpu: [B] context lengths including the new token (>= 1).
         block_tables: [B, max_blocks] int (device or host), padded with the null block 0.
         block_size: tokens per block (= FlashInfer page size).
         """
-        B = len(seq_lens_cpu)
-        if B == 0:
-            raise ValueError("plan: empty batch")
-        if min(seq_lens_cpu) < 1:
-            raise ValueError("plan: seq_lens must be >= 1")
-        nblk = [(s + block_size - 1) // block_size for s in seq_lens_cpu]
-        if max(nblk) > block_tables.shape[1]:
-            raise ValueError("plan: block_tables too narrow for seq_lens")
-        dev = self.device
-        bt = block_tables.to(dev)
-        nblk_t = torch.tensor(nblk, dtype=torch.int64, device=dev)
-        mask = torch.arange(bt.shape[1], device=dev)[None, :] < nblk_t[:, None]  # [B, max_blocks]
-        kv_indices = bt[mask].to(torch.int32)  # [sum nblk] row-major = per request in order
-        kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(torch.tensor(nblk, dtype=torch.int32), 0)
-        qo_indptr = torch.arange(B + 1, dtype=torch.int32)
-        kv_len = torch.tensor(seq_lens_cpu, dtype=torch.int32)
-        self.wrapper.plan(
-            qo_indptr.to(dev), kv_indptr.to(dev), kv_indices, kv_len.to(dev),
-            self.num_heads, self.L, self.R, block_size, False, self.sm_scale, self.dtype, self.dtype,
-        )
-        self.block_size = block_size
-        self.batch = B
+        super().plan([1] * len(seq_lens_cpu), list(seq_lens_cpu), block_tables, block_size, causal=False)
 
-    def plan_from_metadata(self, attn) -> None:
+    def plan_from_metadata(self, attn, causal: bool = False) -> None:
         """Plan from a kimi.ops.attention.AttentionMetadata of a pure decode batch (every query_len == 1)."""
         if any(q != 1 for q in attn.query_lens_cpu):
             raise ValueError("FlashInferMLADecode handles decode only (query_len 1 per sequence)")
         self.plan(list(attn.seq_lens_cpu), attn.block_tables, attn.block_size)
-
-    def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
-        """q_lat [B, H, L], q_pe [B, H, R] (dtype of the plan), kv_cache [num_blocks, block_size, L+R]
-        -> o_lat [B, H, L] (q dtype). The cache is passed as two strided views (no copy)."""
-        if self.batch is None:
-            raise RuntimeError("run before plan")
-        if kv_cache.shape[1] != self.block_size or kv_cache.shape[2] != self.L + self.R:
-            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match block_size {self.block_size}")
-        ckv = kv_cache[..., : self.L]  # [num_blocks, bs, L] view, row stride L+R
-        kpe = kv_cache[..., self.L :]  # [num_blocks, bs, R] view
-        return self.wrapper.run(q_lat, q_pe, ckv, kpe, out=out)

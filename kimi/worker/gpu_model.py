@@ -5,10 +5,12 @@
   compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
   through a kimi.ops.moe_backend module (`humming` default, `triton`, `ref`) set as `MoELayer.experts_impl`.
   FP8 (K2-Instruct) tensors are dequantised to the model dtype on load (experts too, which then run `ref`).
-- Attention (`GPUMLAAttention`): the same projections as the reference; rows of decode sequences (query_len 1)
-  use the absorbed form with FlashInfer's paged MLA kernel over the one [num_blocks, bs, 576] cache buffer
-  (kimi.ops.attention_flashinfer); prefill / chunked-prefill sequences still use the reference naive form
-  (`mla_prefill_ref`, float32) on the GPU: FlashInfer prefill is not wired yet.
+- Attention (`GPUMLAAttention`): the same projections as the reference, then the absorbed form for EVERY row,
+  decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer paged MLA run per layer
+  over the one [num_blocks, bs, 576] cache buffer with a causal plan (a sequence's query rows are the last
+  query_len tokens of its context; kimi.ops.attention_flashinfer), o = o_lat @ W_UV^T (bf16). No per-sequence
+  loop. Latent sizes FlashInfer has no kernel for (tiny 64-wide test models) use the float32 references instead
+  (`mla_decode_ref` for decode rows, `mla_prefill_ref` per prefill sequence).
 - `GPUKimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
   (kimi/worker/cuda_graph.py); anything else runs eagerly, with one FlashInfer plan per step for all layers
   (planned on the host, outside any graph).
@@ -50,10 +52,13 @@ __all__ = ["GPUAttnPlan", "GPUMLAAttention", "GPUKimiForCausalLM", "build_gpu_mo
 class GPUAttnPlan:
     """What GPUMLAAttention needs beyond AttentionMetadata for one step (shared by all layers).
 
-    fi: a planned FlashInferMLADecode (None when no decode rows); slot_mapping: [T] int64 cache slots of every row
-    (padded rows -> slots of the null block 0); all_decode: every row is a decode row of its own sequence, in
-    order; decode_rows: [Bd] int64 rows of decode sequences (mixed batches); prefill: (first row, last row + 1,
-    sequence index) of each query_len > 1 sequence.
+    fi: a planned kimi.ops.attention_flashinfer.FlashInferMLA (FlashInferMLADecode in CUDA graphs) covering EVERY
+    row of the batch in its flat order (decode rows and the causal rows of prefill / chunked-prefill sequences:
+    one run per layer), or None: the torch fallback (no FlashInfer kernel for the latent size), which uses the
+    fallback fields below. slot_mapping: [T] int64 cache slots of every row (padded rows -> slots of the null
+    block 0); all_decode: every row is a decode row of its own sequence, in order.
+    Fallback only: decode_rows: [Bd] int64 rows of decode sequences (mixed batches); decode_seqs: [Bd] int64 their
+    sequence indices; prefill: (first row, last row + 1, sequence index) of each query_len > 1 sequence.
     """
 
     fi: object | None
@@ -65,7 +70,8 @@ class GPUAttnPlan:
 
 
 class GPUMLAAttention(MLAAttention):
-    """MLAAttention with FlashInfer decode (instances of MLAAttention get this class in build_gpu_model).
+    """MLAAttention with FlashInfer's absorbed paged MLA for decode and (chunked) prefill rows (instances of
+    MLAAttention get this class in build_gpu_model).
 
     Uses `attn.gpu` (a GPUAttnPlan) when present, else the reference forward. Call `prepare()` once after
     the weights are loaded (W_UK [H, N, L] and W_UV^T [H, L, V] as contiguous bf16 copies of kv_b_proj).
@@ -85,17 +91,33 @@ class GPUMLAAttention(MLAAttention):
         self.w_uk = w[:, :N, :].contiguous()  # [H, N, L]
         self.w_uv_t = w[:, N:, :].transpose(1, 2).contiguous()  # [H, L, V]
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi, attn=None, plan=None):
-        """q_nope [B, H, N], q_pe [B, H, R] -> o [B, H, V] (absorbed MLA through FlashInfer; without fi, through
-        the float32 reference `mla_decode_ref`, for latent sizes FlashInfer has no kernel for, e.g. tiny models)."""
-        if fi is None:
-            sel = plan.decode_seqs
-            q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk.float()).transpose(0, 1)  # [B, H, L]
-            o_lat = mla_decode_ref(q_lat, q_pe, kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale)
-            return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.float()).transpose(0, 1)  # [B, H, V]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()  # [B, H, L]
-        o_lat = fi.run(q_lat, q_pe if q_pe.is_contiguous() else q_pe.contiguous(), kv_cache)  # [B, H, L]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, H, V]
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi) -> torch.Tensor:
+        """Every row through FlashInfer: q_nope [T, H, N], q_pe [T, H, R] (model dtype, bf16) -> o [T, H, V] (bf16).
+
+        q_lat = q_nope @ W_UK per head (bf16 GEMM), one `fi.run` over all planned rows (decode rows and the causal
+        rows of prefill / chunked-prefill sequences alike; o_lat [T, H, L] bf16, float32 softmax inside the
+        kernel), o = o_lat @ W_UV^T per head (bf16). Rows past fi.num_rows (padding) get zeros. Raises ValueError
+        when the plan has more rows than the batch."""
+        T = q_nope.shape[0]
+        n = fi.num_rows
+        if n > T:
+            raise ValueError(f"FlashInfer plan has {n} rows, the batch {T}")
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()  # [T, H, L]
+        q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()  # [T, H, R]
+        if n == T:
+            o_lat = fi.run(q_lat, q_pe, kv_cache)  # [T, H, L]
+        else:
+            o_lat = torch.zeros_like(q_lat)  # [T, H, L]
+            fi.run(q_lat[:n], q_pe[:n], kv_cache, out=o_lat[:n])
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, V]
+
+    def _decode_ref(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, attn, plan) -> torch.Tensor:
+        """Torch fallback for decode rows (latent sizes FlashInfer has no kernel for, e.g. tiny models): q_nope
+        [Bd, H, N], q_pe [Bd, H, R] of the sequences plan.decode_seqs -> o [Bd, H, V] float32 (`mla_decode_ref`)."""
+        sel = plan.decode_seqs
+        q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk.float()).transpose(0, 1)  # [Bd, H, L]
+        o_lat = mla_decode_ref(q_lat, q_pe, kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale)
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.float()).transpose(0, 1)  # [Bd, H, V]
 
     def forward(self, hidden, positions, attn: AttentionMetadata, kv_cache, rope):
         plan: GPUAttnPlan | None = getattr(attn, "gpu", None)
@@ -126,13 +148,15 @@ class GPUMLAAttention(MLAAttention):
             q_pe, k_pe = rope(positions, q[..., N:], kv_a[:, L:])  # [T, H, R], [T, R]
             flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
             flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
-        if plan.all_decode:
-            o = self._decode(q_nope, q_pe, kv_cache, plan.fi, attn, plan)  # [T, H, V]
+        if plan.fi is not None:  # decode + prefill rows: one causal FlashInfer run
+            o = self._absorbed(q_nope, q_pe, kv_cache, plan.fi)  # [T, H, V] bf16
+        elif plan.all_decode:
+            o = self._decode_ref(q_nope, q_pe, kv_cache, attn, plan)  # [T, H, V] float32
         else:
             o = torch.zeros(T, H, V, dtype=torch.float32, device=hidden.device)  # [T, H, V]
             if plan.decode_rows is not None:
                 r = plan.decode_rows
-                o[r] = self._decode(q_nope[r], q_pe[r], kv_cache, plan.fi, attn, plan).float()
+                o[r] = self._decode_ref(q_nope[r], q_pe[r], kv_cache, attn, plan)
             for s, e, b in plan.prefill:
                 latent = gather_kv_cache(kv_cache, attn.block_tables[b], attn.seq_lens_cpu[b])  # [S, L + R]
                 o[s:e] = mla_prefill_ref(q_nope[s:e], q_pe[s:e], latent, self.kv_b_proj, H, N, V, self.scale)
@@ -147,6 +171,14 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
     fi_eager = None
     graphs = None
+    overlap_shared = True  # run the shared expert on a side CUDA stream, concurrently with the routed experts
+    _side = None
+
+    def _side_stream(self):
+        """The side CUDA stream for the shared expert (created on first use; None off CUDA)."""
+        if self._side is None and torch.cuda.is_available() and self.norm.is_cuda:
+            self._side = torch.cuda.Stream(device=self.norm.device)
+        return self._side
 
     @property
     def flashinfer_ok(self) -> bool:
@@ -155,32 +187,36 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         return self.cfg.kv_lora_rank == 512 and self.cfg.qk_rope_head_dim == 64
 
     def plan_eager(self, attn: AttentionMetadata) -> GPUAttnPlan:
-        """Attach a GPUAttnPlan for an unpadded batch (host work; FlashInfer plan over the decode rows)."""
-        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+        """Attach a GPUAttnPlan for an unpadded batch (host work, once per step for all layers).
 
+        With FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every sequence, qo_len = query_len (decode rows
+        are qo_len-1 requests), causal unless the batch is pure decode (where causal == non-causal; non-causal is
+        the kernel the CUDA graphs run). Otherwise the torch fallback's row / sequence indices."""
         qlens = attn.query_lens_cpu
-        decode = [b for b, q in enumerate(qlens) if q == 1]
-        qsl = [0]
-        for q in qlens:
-            qsl.append(qsl[-1] + q)
-        fi = None
-        if decode and self.flashinfer_ok:
+        all_decode = all(q == 1 for q in qlens)
+        dev = attn.slot_mapping.device
+        if self.flashinfer_ok and attn.slot_mapping.is_cuda:
+            from kimi.ops.attention_flashinfer import FlashInferMLA
+
             if self.fi_eager is None:
-                self.fi_eager = FlashInferMLADecode(
-                    self.cfg.num_attention_heads, self.cfg.softmax_scale, attn.slot_mapping.device,
+                self.fi_eager = FlashInferMLA(
+                    self.cfg.num_attention_heads, self.cfg.softmax_scale, dev,
                     self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, dtype=self.dtype,
                 )
-            fi = self.fi_eager
-            sel = torch.tensor(decode, dtype=torch.int64, device=attn.block_tables.device)
-            fi.plan([attn.seq_lens_cpu[b] for b in decode], attn.block_tables[sel], attn.block_size)
-        all_decode = len(decode) == len(qlens)
-        plan = GPUAttnPlan(fi, attn.slot_mapping, all_decode)
-        if decode and fi is None:
-            plan.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=attn.slot_mapping.device)
-        if not all_decode:
+            self.fi_eager.plan_from_metadata(attn, causal=not all_decode)
+            plan = GPUAttnPlan(self.fi_eager, attn.slot_mapping, all_decode)
+        else:
+            decode = [b for b, q in enumerate(qlens) if q == 1]
+            qsl = [0]
+            for q in qlens:
+                qsl.append(qsl[-1] + q)
+            plan = GPUAttnPlan(None, attn.slot_mapping, all_decode)
             if decode:
-                plan.decode_rows = torch.tensor([qsl[b] for b in decode], dtype=torch.int64, device=attn.slot_mapping.device)
-            plan.prefill = [(qsl[b], qsl[b + 1], b) for b, q in enumerate(qlens) if q != 1]
+                plan.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=dev)
+            if not all_decode:
+                if decode:
+                    plan.decode_rows = torch.tensor([qsl[b] for b in decode], dtype=torch.int64, device=dev)
+                plan.prefill = [(qsl[b], qsl[b + 1], b) for b, q in enumerate(qlens) if q != 1]
         attn.gpu = plan  # type: ignore[attr-defined]
         return plan
 
@@ -203,10 +239,11 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         h = self.embed_tokens[input_ids]  # [T, D]
         x = fused.rms_norm(h, self.layers[0].input_layernorm, eps) if self.layers else h
         n = len(self.layers)
+        side = self._side_stream() if self.overlap_shared else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn(x, positions, attn, cache, self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
-            d1, d2 = _mlp_fused(layer.mlp, x)
+            d1, d2 = _mlp_fused(layer.mlp, x, side)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
         return x  # [T, D] after the final norm
@@ -240,10 +277,17 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return F.linear(fused.silu_mul(F.linear(x, w13)), m.down_proj)
 
 
-def _mlp_fused(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
     adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
-    as MoELayer.forward."""
+    as MoELayer.forward.
+
+    side: a torch.cuda.Stream or None. When given, the shared expert runs on it, forked after x is ready and
+    joined before returning, so its three bandwidth-bound kernels overlap the router / all-to-all / routed
+    expert GEMMs (also inside CUDA graph capture, where the fork / join become graph edges). Memory safety:
+    x is produced on the main stream before the fork; the shared output is read on the main stream only after
+    the join, and the side stream's next use of freed blocks comes after the next fork, i.e. after the main
+    stream's reads were enqueued."""
     if not isinstance(mlp, MoELayer):
         return _dense_mlp_fused(mlp, x), None
     a2a = mlp.a2a
@@ -253,12 +297,21 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         a2a = LocalAllToAll()
     if mlp.experts_impl is None:
         return mlp(x), None
+    shared = None
+    if side is not None and mlp.shared_experts is not None:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = _dense_mlp_fused(mlp.shared_experts, x)
     topk_weights, topk_ids = fused.router_topk(x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k,
                                                mlp.routed_scaling_factor, mlp.norm_topk_prob)
     recv = a2a.dispatch(x, topk_weights, topk_ids)
     y = mlp.experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)  # [T_recv, D]
     out = a2a.combine(y, recv)  # [T, D]
-    shared = _dense_mlp_fused(mlp.shared_experts, x) if mlp.shared_experts is not None else None
+    if shared is not None:
+        main.wait_stream(side)
+    elif mlp.shared_experts is not None:
+        shared = _dense_mlp_fused(mlp.shared_experts, x)
     return out, shared
 
 

@@ -105,6 +105,7 @@ _CLASSES = [
     ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel"),
     ("moe_combine", r"_combine_kernel"),
     ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),
+    ("dense_gemm_triton", r"_linear_small_m"),
     ("dense_gemm", r"gemm|Gemm|cutlass|nvjet|xmma|sm90|cublas"),
     ("moe_align_sort_topk", r"sort|Sort|radix|Radix|topk|TopK|scan|Scan|cumsum"),
     ("copy_cat_index", r"copy|Copy|cat|Cat|index|Index|gather|Gather|scatter|Scatter"),
@@ -227,9 +228,10 @@ def main() -> None:
         ids = torch.randint(0, cfg.vocab_size, (B,), device=dev)
         pos = torch.full((B,), args.ctx - 1, dtype=torch.int64, device=dev)
 
-        def step():
-            a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
-            h = model(ids, pos, a, kv)
+        ids_l, pos_l = ids.tolist(), pos.tolist()
+
+        def step():  # the worker's decode path (ModelRunner.execute): host lists -> graph replay or eager
+            h = model.forward_decode(ids_l, pos_l, slens, tabs, bs, kv)
             return model.compute_logits(h).argmax(-1)
 
         with torch.inference_mode():

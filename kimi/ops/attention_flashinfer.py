@@ -158,13 +158,7 @@ class FlashInferMLA:
         if max(nblk) > width:
             raise ValueError("plan: block_tables too narrow for seq_lens")
         total_pages = sum(nblk)
-        if self.use_cuda_graph and (B != self.max_batch or total_pages > self.max_pages):
-            raise ValueError(f"plan: CUDA-graph wrapper for {self.max_batch} requests / {self.max_pages} pages got "
-                             f"{B} requests / {total_pages} pages")
-        works = self.max_works(qo_lens)
-        if works > MAX_PLAN_WORKS:
-            raise ValueError(f"plan: {sum(qo_lens)} query rows x {self.num_heads} heads may need {works} FlashInfer "
-                             f"work items, more than its fixed table of {MAX_PLAN_WORKS}: lower the token budget")
+        self._check_works(qo_lens, B, total_pages)
         dev = self.device
         nblk_c = torch.tensor(nblk, dtype=torch.int64)  # [B] host
         kv_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] host
@@ -175,15 +169,54 @@ class FlashInferMLA:
         flat = (rows * width + cols).to(dev, non_blocking=True)  # [total_pages]
         bt = block_tables.to(dev).reshape(-1)  # [B * max_blocks]
         kv_indices = bt.index_select(0, flat).to(torch.int32)  # [total_pages] page ids
-        qo_indptr = torch.zeros(B + 1, dtype=torch.int32)  # [B+1] host
+        self._plan_indices(qo_lens, seq_lens, kv_indptr.to(torch.int32), kv_indices, block_size, causal)
+
+    def _check_works(self, qo_lens: list[int], B: int, total_pages: int) -> None:
+        if self.use_cuda_graph and (B != self.max_batch or total_pages > self.max_pages):
+            raise ValueError(f"plan: CUDA-graph wrapper for {self.max_batch} requests / {self.max_pages} pages got "
+                             f"{B} requests / {total_pages} pages")
+        works = self.max_works(qo_lens)
+        if works > MAX_PLAN_WORKS:
+            raise ValueError(f"plan: {sum(qo_lens)} query rows x {self.num_heads} heads may need {works} FlashInfer "
+                             f"work items, more than its fixed table of {MAX_PLAN_WORKS}: lower the token budget")
+
+    def plan_pages(self, qo_lens: list[int], seq_lens: list[int], pages: list[list[int]], block_size: int,
+                   causal: bool = True) -> None:
+        """`plan` from host lists: pages[b] = request b's block ids (at least ceil(seq_lens[b] / block_size) of
+        them; extra entries are ignored). Everything is built on the host and sent in pinned, non-blocking
+        copies: no device kernel, no device sync (the decode fast path of kimi/worker/cuda_graph.py). Raises
+        ValueError as `plan` does."""
+        B = len(qo_lens)
+        if B == 0 or len(seq_lens) != B or len(pages) != B:
+            raise ValueError(f"plan_pages: {B} qo_lens, {len(seq_lens)} seq_lens, {len(pages)} page lists")
+        flat: list[int] = []
+        indptr = [0]
+        for b, (q, s, pg) in enumerate(zip(qo_lens, seq_lens, pages)):
+            n = (s + block_size - 1) // block_size
+            if q < 1 or q > s or n > len(pg):
+                raise ValueError(f"plan_pages: request {b}: qo_len {q}, seq_len {s}, {len(pg)} pages")
+            flat.extend(pg[:n])
+            indptr.append(indptr[-1] + n)
+        self._check_works(qo_lens, B, len(flat))
+        kv_indices = torch.tensor(flat, dtype=torch.int32).pin_memory()  # [total_pages] host, pinned
+        kv_indptr = torch.tensor(indptr, dtype=torch.int32)  # [B+1] host
+        self._plan_indices(qo_lens, seq_lens, kv_indptr, kv_indices, block_size, causal)
+
+    def _plan_indices(self, qo_lens: list[int], seq_lens: list[int], kv_indptr: torch.Tensor,
+                      kv_indices: torch.Tensor, block_size: int, causal: bool) -> None:
+        """FlashInfer's plan with host kv_indptr [B+1] int32 and kv_indices [pages] int32 (device, or pinned
+        host: FlashInfer copies it into its buffer non-blocking)."""
+        dev = self.device
+        qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32)  # [B+1] host
         qo_indptr[1:] = torch.cumsum(torch.tensor(qo_lens, dtype=torch.int32), 0)
         kv_len = torch.tensor(seq_lens, dtype=torch.int32)  # [B] host
         if self._plan_done is not None:  # the previous plan's staging copy must have left the pinned buffer
             self._plan_done.synchronize()
         self.wrapper.plan(
-            qo_indptr, kv_indptr.to(torch.int32), kv_indices, kv_len,
+            qo_indptr, kv_indptr, kv_indices, kv_len,
             self.num_heads, self.L, self.R, block_size, causal, self.sm_scale, self.dtype, self.dtype,
         )
+        B = len(qo_lens)
         if self._plan_done is None:
             self._plan_done = torch.cuda.Event()
         self._plan_done.record(torch.cuda.current_stream(dev))

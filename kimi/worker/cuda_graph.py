@@ -62,9 +62,14 @@ class CudaGraphRunner:
         dev = model.embed_tokens.device
         self.device = dev
         cfg = model.cfg
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # [max_batch]
-        self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # [max_batch]
-        self.slot_mapping = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)  # [max_batch]
+        # static inputs: one [3, max_batch] int64 buffer (token ids, positions, cache slots) so the host fast path
+        # (run_host) fills it with ONE pinned, non-blocking copy
+        self.static_in = torch.zeros((3, self.max_batch), dtype=torch.int64, device=dev)
+        self.input_ids = self.static_in[0]  # [max_batch]
+        self.positions = self.static_in[1]  # [max_batch]
+        self.slot_mapping = self.static_in[2]  # [max_batch]
+        self.host_in = torch.zeros((3, self.max_batch), dtype=torch.int64, pin_memory=True)  # staging
+        self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
         self.fi = {
             bs: FlashInferMLADecode(
                 cfg.num_attention_heads, cfg.softmax_scale, dev, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
@@ -145,6 +150,44 @@ class CudaGraphRunner:
             self.graphs[bs] = g
             self.outputs[bs] = out
         torch.cuda.synchronize(self.device)
+
+    def can_run_host(self, seq_lens: list[int], block_size: int) -> bool:
+        """`can_run` for run_host's host lists (a pure decode batch by construction)."""
+        B = len(seq_lens)
+        return (0 < B <= self.max_batch and block_size == self.block_size
+                and -(-max(seq_lens) // block_size) <= self.max_blocks_per_seq)
+
+    def run_host(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
+                 block_tables: list[list[int]]) -> torch.Tensor:
+        """Replay a decode batch given as host lists (the worker's fast path: no AttentionMetadata, no device
+        kernels before the replay): token id, position (= seq_len - 1), context length and block ids per
+        sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
+
+        The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
+        slot 0 of the null block) go to the static input buffer in one pinned non-blocking copy; FlashInfer is
+        planned from the page lists (`FlashInferMLA.plan_pages`, pinned copies). Raises ValueError when the
+        batch exceeds the largest bucket or a table is too short.
+        """
+        B = len(input_ids)
+        bs = self.bucket_for(B)
+        blk = self.block_size
+        if self._host_in_free is not None:
+            self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
+        h = self.host_in.numpy()
+        h[:, :bs] = 0
+        h[0, :B] = input_ids
+        h[1, :B] = positions
+        h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
+        self.static_in.copy_(self.host_in, non_blocking=True)
+        if self._host_in_free is None:
+            self._host_in_free = torch.cuda.Event()
+        self._host_in_free.record(torch.cuda.current_stream(self.device))
+        pad = bs - B
+        self.fi[bs].plan_pages([1] * bs, list(seq_lens) + [1] * pad, list(block_tables) + [[0]] * pad, blk,
+                               causal=False)
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.outputs[bs][:B]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Replay the bucket of this decode batch: input_ids / positions [B] -> hidden [B, D] (a view of the

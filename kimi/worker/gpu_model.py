@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
+from kimi.ops.linear_small_m import linear as dense_linear
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer
 from kimi.ops.moe_backend import make_experts
@@ -128,8 +129,8 @@ class GPUMLAAttention(MLAAttention):
         w_qkv_a = getattr(self, "w_qkv_a", None)
         if w_qkv_a is not None:  # merged q_a + kv_a projection (one GEMM), fused norms / rope / cache write
             ql = self.cfg.q_lora_rank
-            qkv_a = F.linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
-            q = F.linear(fused.rms_norm(qkv_a[:, :ql], self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+            qkv_a = dense_linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
+            q = dense_linear(fused.rms_norm(qkv_a[:, :ql], self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
             kv_a = qkv_a[:, ql:]  # [T, L + R]
         elif self.cfg.q_lora_rank is not None:
             q_lat_in = rms_norm(F.linear(hidden, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
@@ -160,7 +161,7 @@ class GPUMLAAttention(MLAAttention):
             for s, e, b in plan.prefill:
                 latent = gather_kv_cache(kv_cache, attn.block_tables[b], attn.seq_lens_cpu[b])  # [S, L + R]
                 o[s:e] = mla_prefill_ref(q_nope[s:e], q_pe[s:e], latent, self.kv_b_proj, H, N, V, self.scale)
-        return F.linear(o.to(hidden.dtype).reshape(T, H * V), self.o_proj)  # [T, D]
+        return dense_linear(o.to(hidden.dtype).reshape(T, H * V), self.o_proj)  # [T, D]
 
 
 class GPUKimiForCausalLM(KimiForCausalLM):
@@ -229,6 +230,26 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             return super().forward(input_ids, positions, attn, kv_caches)
         return self._forward_fused(input_ids, positions, attn, kv_caches)
 
+    def forward_decode(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], block_size: int, kv_caches) -> torch.Tensor:
+        """One decode step from host lists (one new token per sequence: positions[b] = seq_lens[b] - 1) ->
+        hidden [B, D] after the final norm. Replays a CUDA graph through `CudaGraphRunner.run_host` when one
+        fits (no AttentionMetadata is built), else builds the metadata and runs `forward`."""
+        g = self.graphs
+        if g is not None and g.can_run_host(seq_lens, block_size):
+            return g.run_host(input_ids, positions, seq_lens, block_tables)
+        from kimi.ops.attention import build_attention_metadata
+
+        dev = self.norm.device
+        attn = build_attention_metadata([1] * len(input_ids), seq_lens, block_tables, block_size, dev)
+        return self(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                    torch.tensor(positions, dtype=torch.int64, device=dev), attn, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, vocab] float32, the lm_head GEMM through kimi.ops.linear_small_m.linear."""
+        w = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return dense_linear(hidden, w).float()  # [N, V]
+
     def _forward_fused(self, input_ids, positions, attn: AttentionMetadata, kv_caches):
         """KimiForCausalLM.forward with fused kernels (kimi/ops/fused.py): each residual add is fused with the
         RMSNorm that follows it (across layers: the MLP output of layer i is added in the kernel that computes
@@ -274,7 +295,7 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     w13 = getattr(m, "w13", None)
     if w13 is None:
         return m(x)
-    return F.linear(fused.silu_mul(F.linear(x, w13)), m.down_proj)
+    return dense_linear(fused.silu_mul(dense_linear(x, w13)), m.down_proj)
 
 
 def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor, torch.Tensor | None]:

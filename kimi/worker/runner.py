@@ -218,13 +218,18 @@ class ModelRunner:
                 sample_idx.append(i)
 
         dev = self.device
-        attn = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
-        hidden = self.model(  # [T, hidden]
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            attn,
-            self.kv_caches,
-        )
+        fast = getattr(self.model, "forward_decode", None)
+        if fast is not None and not plp_rows and all(q == 1 for q in query_lens):
+            # pure decode on the GPU model: host lists straight into a CUDA graph replay (kimi/worker/cuda_graph.py)
+            hidden = fast(input_ids, positions, seq_lens, tables, self.block_size, self.kv_caches)  # [T, hidden]
+        else:
+            attn = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
+            hidden = self.model(  # [T, hidden]
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                attn,
+                self.kv_caches,
+            )
         for _, wr, n in batch:
             wr.num_computed_tokens += n
         for i, first_row, start in plp_rows:
@@ -241,7 +246,10 @@ class ModelRunner:
                     wr.prompt_top_lps[start + 1 + j] = tlps[j]  # type: ignore[index]
         if not sample_rows:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
+        if len(sample_rows) == hidden.shape[0]:  # every row is sampled (decode): no gather
+            logits = self.model.compute_logits(hidden)  # [S, vocab] f32
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
         params = [batch[i][1].sampling for i in sample_idx]
         gens = [batch[i][1].generator for i in sample_idx]
         for i, g in zip(sample_idx, gens):

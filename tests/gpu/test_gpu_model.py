@@ -165,7 +165,8 @@ def test_gpu_model_matches_cpu(ckpts, name, backend):
 @pytest.mark.parametrize("backend", ["humming", "triton"])
 def test_cuda_graph_replay_equals_eager(ckpts, backend):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
-    graph's hidden output vs the eager forward over the same cache state."""
+    graph's hidden output vs the eager forward over the same cache state, and the host-list path
+    (forward_decode / CudaGraphRunner.run_host) bit-equal to the tensor path's replay."""
     from kimi.config import ModelConfig
     from kimi.ops.attention import build_attention_metadata
     from kimi.worker.gpu_model import load_gpu_model
@@ -202,6 +203,12 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend):
                 graph = gm(ids, pos, a2, kv).clone()
                 assert gm.graphs.num_replays == n0 + 1
                 assert torch.isfinite(graph).all()
+                # the worker's host-list fast path (forward_decode -> run_host) replays the same graph
+                for o in gm.graphs.outputs.values():
+                    o.fill_(float("nan"))
+                host = gm.forward_decode(ids.tolist(), pos.tolist(), slens, tabs, bs, kv).clone()
+                assert gm.graphs.num_replays == n0 + 2
+                assert torch.equal(host, graph), (bucket, B)
                 diff = float((graph.float() - eager.float()).abs().max())
                 rel = float((graph.float() - eager.float()).norm() / eager.float().norm())
                 results.append((bucket, B, diff, rel))

@@ -26,7 +26,12 @@ each) this reports:
 Pinning (`--pin`, default on when >= 2 CPUs): the server (controller + fake worker) on CPU 0, the load
 generator on CPU 1, so they do not share a core. The fake worker shares the controller's core, but it only
 runs while the controller waits for its result. With `--profile DIR`, the controller runs under cProfile
-(`python -m cProfile -o DIR/controller_N.prof`) and the top functions by own time are printed.
+(`python -m cProfile -o DIR/controller_N.prof`) and the top functions by own time are printed. With
+`--py-spy DIR` (needs `pip install py-spy` in the venv), py-spy samples the controller at 250 Hz (pinned to
+the client's CPU, non-blocking, GIL-holding samples only) during the client run and writes collapsed
+stacks to DIR/controller_N.txt; `python tools/bench_controller.py --summarise-py-spy DIR/controller_N.txt`
+prints the top functions by own and by inclusive samples. The result also splits the controller's CPU into
+user and system time (`controller_cpu_user_s`, `controller_cpu_sys_s`).
 """
 
 from __future__ import annotations
@@ -74,10 +79,11 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of process `pid` so far (/proc/PID/stat fields 14 and 15)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` so far (/proc/PID/stat fields 14 and 15)."""
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(f[11]) / tck, int(f[12]) / tck
 
 
 def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
@@ -116,11 +122,24 @@ def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError("server not ready")
             time.sleep(0.3)
+        spy = None
+        if args.py_spy:
+            os.makedirs(args.py_spy, exist_ok=True)
+            spy_cmd = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(proc.pid),
+                       "--format", "raw", "--rate", "250", "--nonblocking", "--gil",
+                       "-o", os.path.join(args.py_spy, f"controller_{n}.txt")]
+            if args.pin:
+                spy_cmd = ["taskset", "-c", "1"] + spy_cmd
+            spy = subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
         load_before = os.getloadavg()
         cpu0 = cpu_seconds(proc.pid)
         subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
         cpu1 = cpu_seconds(proc.pid)
         load_after = os.getloadavg()
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -146,8 +165,10 @@ def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
         "controller_ms": {q: 1000 * pct(gap, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} if gap else None,
         "controller_us_per_request": 1e6 * statistics.median(gap) / n if gap else None,
         "worker_ms_p50": 1000 * statistics.median(work) if work else None,
-        "controller_cpu_s": cpu1 - cpu0,
-        "controller_cpu_us_per_output_token": 1e6 * (cpu1 - cpu0) / max(1, rep["total_output_tokens"]),
+        "controller_cpu_s": sum(cpu1) - sum(cpu0),
+        "controller_cpu_user_s": cpu1[0] - cpu0[0],
+        "controller_cpu_sys_s": cpu1[1] - cpu0[1],
+        "controller_cpu_us_per_output_token": 1e6 * (sum(cpu1) - sum(cpu0)) / max(1, rep["total_output_tokens"]),
         "client": {k: rep[k] for k in ("completed", "errors", "wall_s", "output_token_throughput_per_s", "ttft", "tpot", "itl")},
         "loadavg_before_after": [load_before, load_after],
     }
@@ -157,6 +178,32 @@ def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
     return out
 
 
+def summarise_py_spy(path: str, top: int = 30) -> str:
+    """Top functions of a py-spy raw (collapsed stacks) file, by own and by inclusive samples (line numbers
+    dropped, so a function's lines add up)."""
+    import collections
+    import re
+
+    own: collections.Counter = collections.Counter()
+    incl: collections.Counter = collections.Counter()
+    total = 0
+    for line in open(path):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    out = [f"{path}: {total} samples"]
+    for title, c in (("own", own), ("inclusive", incl)):
+        out.append(f"-- by {title} samples --")
+        out += [f"{100 * v / max(1, total):6.1f}%  {k}" for k, v in c.most_common(top)]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
@@ -164,8 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
     p.add_argument("--profile", default=None, help="run the controller under cProfile; .prof files go here")
+    p.add_argument("--py-spy", default=None, metavar="DIR",
+                   help="sample the controller with py-spy (from the venv, on CPU 1) during the client run; "
+                        "collapsed stacks go to DIR/controller_N.txt (--summarise-py-spy FILE prints the top functions)")
+    p.add_argument("--summarise-py-spy", default=None, metavar="FILE", help="print a --py-spy file's top functions and exit")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.summarise_py_spy:
+        print(summarise_py_spy(args.summarise_py_spy))
+        return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(os.path.join(tmp, "tiny-config"))

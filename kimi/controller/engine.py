@@ -27,7 +27,7 @@ from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
 from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.output import OutputProcessor
-from kimi.controller.request import Request, RequestStatus, StopParams
+from kimi.controller.request import OutputStream, Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
 from kimi.controller.transport import ControllerTransport
@@ -219,7 +219,7 @@ class Engine:
             sampling=sampling,
             stop=stop,
             skip_special_tokens=skip_special_tokens,
-            outputs=asyncio.Queue(),
+            outputs=OutputStream(),
         )
         self.output.start(req)
         self.requests[request_id] = req
@@ -266,12 +266,40 @@ class Engine:
         req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
         return self._stream(req)
 
+    async def generate_batches(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        stop: StopParams,
+        skip_special_tokens: bool = True,
+        leader: str | None = None,
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """`generate`, but each item is a non-empty list of the deltas that arrived since the last item.
+
+        The reader wakes once per engine step (not once per delta), which is what the HTTP streaming path
+        uses. The last delta of the last list has finished=True; an early exit aborts the request.
+        """
+        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
+        return self._stream_batches(req)
+
     async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                out = await req.outputs.get()
-                yield out
-                if out.finished:
+                for out in await req.outputs.get_batch():
+                    yield out
+                    if out.finished:
+                        return
+        finally:
+            if req.status != RequestStatus.FINISHED:
+                self.abort(req.request_id)
+
+    async def _stream_batches(self, req: Request) -> AsyncIterator[list[RequestOutput]]:
+        try:
+            while True:
+                batch = await req.outputs.get_batch()
+                yield batch
+                if batch[-1].finished:
                     return
         finally:
             if req.status != RequestStatus.FINISHED:
@@ -288,7 +316,7 @@ class Engine:
         if self.observer is not None:
             self.observer.on_finish(req, time.monotonic())
         if emit:
-            req.outputs.put_nowait(OutputProcessor.final(req, reason, error))
+            req.outputs.put(OutputProcessor.final(req, reason, error))
 
     def _has_work(self) -> bool:
         return bool(self._pending_drops) or any(s.has_work() for s in self.schedulers)
@@ -299,11 +327,15 @@ class Engine:
         cont: list[protocol.ContinueRequest] = []
         drops = self._pending_drops
         self._pending_drops = []
+        Cont = protocol.ContinueRequest
         for so in outs:
             drops.extend(r.rid for r in so.preempted)
             for sr in so.scheduled:
                 req = sr.request
-                if sr.is_new:
+                if not sr.is_new:  # the common case (every decode): checked first
+                    nb = sr.new_blocks
+                    cont.append(Cont(req.rid, sr.num_new_tokens, list(nb) if nb else []))
+                else:
                     new.append(
                         protocol.NewRequest(
                             rid=req.rid,
@@ -317,8 +349,6 @@ class Engine:
                         )
                     )
                     req.sent_to_workers = True
-                else:
-                    cont.append(protocol.ContinueRequest(req.rid, sr.num_new_tokens, list(sr.new_blocks)))
         self._step += 1
         return protocol.StepPlan(step=self._step, new=new, cont=cont, finished=drops), outs
 
@@ -376,30 +406,42 @@ class Engine:
             await self.transport.send(protocol.Ping(next(self._ping_seq)))
 
     def _apply(self, outs: list[SchedulerOutput], tokens: dict[int, protocol.TokenOutput]) -> None:
+        """Apply a step's sampled tokens: commit full blocks to the prefix cache, detokenize, check stops, hand
+        each delta to its request's stream. Runs once per step over every scheduled request, so the loop
+        body is kept lean (at 1024 decodes it is a large share of the controller's CPU per step)."""
         now = time.monotonic()
-        for so in outs:
+        by_rid = self.by_rid
+        observer = self.observer
+        append = self.output.append
+        finished = RequestStatus.FINISHED
+        n_out = 0
+        for sched, so in zip(self.schedulers, outs):
+            bs = sched.block_pool.block_size
             for sr in so.scheduled:
                 req = sr.request
-                if req.status == RequestStatus.FINISHED or req.rid not in self.by_rid:
+                if req.status is finished or req.rid not in by_rid:
                     continue  # aborted while the step ran
                 if not req.sent_to_workers:
                     continue  # preempted later in this same plan (not possible today, kept safe)
-                req.num_computed_tokens += sr.num_new_tokens
-                self.schedulers[req.dp_rank].commit(req)  # full blocks just computed join the prefix cache
-                if req.num_computed_tokens < len(req.token_ids):
+                nct = req.num_computed_tokens + sr.num_new_tokens
+                req.num_computed_tokens = nct
+                if nct >= (req.num_cached_blocks + 1) * bs:  # a block may have filled up: commit (cheap test)
+                    sched.commit(req)  # full blocks just computed join the prefix cache
+                if nct < len(req.token_ids):
                     continue  # a prompt chunk; no token sampled yet
                 tok = tokens.get(req.rid)
                 if tok is None:
                     raise RuntimeError(f"step {self._step}: no token for request rid {req.rid}")
-                if self.observer is not None:
-                    self.observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
+                if observer is not None:
+                    observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                delta = self.output.append(req, tok)
-                self.stats.generation_tokens += 1
-                req.outputs.put_nowait(delta)
+                delta = append(req, tok)
+                n_out += 1
+                req.outputs.put(delta)
                 if delta.finished:
                     self._finish(req, delta.finish_reason, emit=False)
+        self.stats.generation_tokens += n_out
 
     async def run(self) -> None:
         """Step until `stop()`; on a worker failure fail every request, set fatal_error and return."""

@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for every str (C)
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -35,7 +37,7 @@ from kimi.controller.chat import encode_chat, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
 from kimi.controller.parsers import OutputParser, ParserConfig
-from kimi.controller.request import StopParams
+from kimi.controller.request import OutputStream, StopParams
 from kimi.controller.stops import MAX_STOP_STRINGS
 from kimi.controller.validation import BadRequest, Fields
 from kimi.protocol import RequestOutput, SamplingParams
@@ -47,6 +49,9 @@ MAX_N = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
+RAW_SEND = "kimi.raw_send"  # scope key: the server's own ASGI `send`, set by _Auth (see _SSE)
+
+log = logging.getLogger("kimi.http")
 
 
 def error_response(e: BadRequest, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -108,41 +113,100 @@ class _Choice:
             self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs = (
                 o.prompt_logprobs, o.prompt_top_ids, o.prompt_top_logprobs)
 
+    def note(self, o: RequestOutput) -> None:
+        """Streaming: keep only what later chunks need (the last output, the prompt logprobs); the streamed
+        deltas are not accumulated (`add` does that for non-streaming responses)."""
+        self.last = o
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs = (
+                o.prompt_logprobs, o.prompt_top_ids, o.prompt_top_logprobs)
+
+
+def _token_logprobs(o: RequestOutput) -> tuple[list[float | None], list[list[int] | None], list[list[float] | None]]:
+    """Per token of `o`: its logprob, top ids and top logprobs (None where not reported), as `_Choice.add`
+    accumulates them."""
+    n = len(o.token_ids)
+    lps = list(o.logprobs) if o.logprobs else [None] * n
+    tops = list(o.top_ids) if o.top_ids else [None] * n
+    top_lps = list(o.top_logprobs) if o.top_logprobs else [None] * n
+    return lps, tops, top_lps  # type: ignore[return-value]
+
+
+def sse_event(chunk: dict[str, Any]) -> bytes:
+    """One SSE event: `data: <json>` and a blank line (json.dumps defaults, non-ASCII kept as UTF-8)."""
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+
+_SLOT = "\x00kimi-slot\x00"
+
+
+class _EventTemplate:
+    """The bytes of `sse_event(chunk)` around one string field, for chunks that differ only in that string.
+
+    `template(i)` is the chunk for choice i with `_SLOT` as the variable string; `fill(i, text)` returns
+    exactly `sse_event(template(i) with text in the slot)`: the prefix and suffix bytes are cut from the
+    encoded template once per choice index and the string is escaped by json's own encoder, so a streamed
+    token costs one C call and two concatenations instead of a dict copy and a json.dumps
+    (tests/unit/test_controller_fast_paths.py checks byte equality).
+    """
+
+    def __init__(self, template: Any) -> None:
+        self.template = template
+        self._parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def _split(self, i: int) -> tuple[bytes, bytes]:
+        raw = sse_event(self.template(i))
+        pre, _, post = raw.partition(encode_basestring(_SLOT).encode())
+        self._parts[i] = (pre, post)
+        return pre, post
+
+    def parts(self, i: int) -> tuple[bytes, bytes]:
+        """The bytes before and after the string for choice i."""
+        return self._parts.get(i) or self._split(i)
+
+    def fill(self, i: int, text: str) -> bytes:
+        pre, post = self._parts.get(i) or self._split(i)
+        return pre + encode_basestring(text).encode() + post
+
 
 class _Siblings:
-    """n engine streams merged into one async iterator of (choice index, RequestOutput).
+    """n engine streams merged into one async iterator of (choice index, list of RequestOutput).
 
+    Each stream is an `Engine.generate_batches` iterator (the deltas of one engine step come as one list);
+    `outputs` are the requests' OutputStreams, in the same order.
     `close()` aborts every sibling that has not finished (client gone, error) and is idempotent.
     """
 
-    def __init__(self, engine: Engine, ids: list[str], streams: list[AsyncIterator[RequestOutput]]) -> None:
+    def __init__(self, engine: Engine, ids: list[str], streams: list[AsyncIterator[list[RequestOutput]]],
+                 outputs: list[OutputStream] | None = None) -> None:
         self.engine = engine
         self.ids = ids
         self.streams = streams
+        self.outputs = outputs or []  # the requests' OutputStreams (for _SSE's synchronous sink)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.closed = False
 
     async def _pump(self, i: int) -> None:
         try:
-            async for o in self.streams[i]:
-                self.queue.put_nowait((i, o))
+            async for batch in self.streams[i]:
+                self.queue.put_nowait((i, batch))
         finally:
             self.queue.put_nowait((i, None))
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self.streams) == 1:  # the common case: no merge queue, no pump task (one hop less per token)
-            async for o in self.streams[0]:
-                yield 0, o
+    async def __aiter__(self) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+        if len(self.streams) == 1:  # the common case: no merge queue, no pump task (one hop less per step)
+            async for batch in self.streams[0]:
+                yield 0, batch
             return
         self.tasks = [asyncio.ensure_future(self._pump(i)) for i in range(len(self.streams))]
         live = len(self.streams)
         while live:
-            i, o = await self.queue.get()
-            if o is None:
+            i, batch = await self.queue.get()
+            if batch is None:
                 live -= 1
                 continue
-            yield i, o
+            yield i, batch
 
     async def close(self) -> None:
         if self.closed:
@@ -155,7 +219,7 @@ class _Siblings:
                 t.cancel()
         for s in self.streams:
             try:
-                await s.aclose()
+                await s.aclose()  # type: ignore[attr-defined]
             except Exception:
                 pass
 
@@ -168,52 +232,198 @@ async def until_disconnect(receive: Any) -> None:
             return
 
 
+class _BodyWriter:
+    """Synchronous writes of response body chunks straight to the HTTP connection (no ASGI `send`).
+
+    `attach(send)` recognises uvicorn's own `send` (a bound `RequestResponseCycle.send` of its h11 or
+    httptools protocol) once the response has started with chunked transfer encoding, and returns a writer
+    for it; otherwise (another server, HTTP/1.0 framing, internals that changed) it returns None and the
+    caller keeps using `send`. `write(data)` frames `data` as one HTTP/1.1 chunk (`<hex len>\\r\\n<data>\\r\\n`,
+    exactly what h11's ChunkedWriter and uvicorn's httptools protocol write for a body message) and hands it
+    to the transport; `ready()` is False while uvicorn would make `send` wait (the client reads slowly and
+    the transport paused writing) or drop the data (disconnected, response complete), and the caller must
+    then go through `send`. The end of the body (`more_body: False`) always goes through `send`, so the
+    server's own bookkeeping (keep-alive, the next request) is unchanged.
+    """
+
+    __slots__ = ("cycle", "flow", "transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle
+        self.flow = cycle.flow
+        self.transport = cycle.transport
+
+    @classmethod
+    def attach(cls, send: Any) -> "_BodyWriter | None":
+        cycle = getattr(send, "__self__", None)
+        if cycle is None or type(cycle).__name__ != "RequestResponseCycle":
+            return None
+        mod = type(cycle).__module__
+        try:
+            if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":
+                return None
+            if mod == "uvicorn.protocols.http.h11_impl":
+                chunked = type(cycle.conn._writer).__name__ == "ChunkedWriter"
+            elif mod == "uvicorn.protocols.http.httptools_impl":
+                chunked = cycle.chunked_encoding is True
+            else:
+                return None
+            if not chunked or not hasattr(cycle.flow, "write_paused") or not hasattr(cycle, "disconnected"):
+                return None
+            return cls(cycle)
+        except (AttributeError, KeyError, TypeError):
+            return None
+
+    def ready(self) -> bool:
+        c = self.cycle
+        return not (c.disconnected or c.response_complete or self.flow.write_paused)
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
 class _SSE:
     """An ASGI text/event-stream response that watches for the client's disconnect while it streams.
 
-    On disconnect (or any end) the chunk generator is closed and `siblings.close()` aborts the requests,
-    so their KV blocks are freed at once rather than when the next chunk fails to send.
+    The events come from `render(i, output) -> (bytes, end)`: the encoded SSE events for one output of
+    choice i (b"" for none) and whether the stream ends with it (an error). `first` is sent before any
+    output (chat: the role chunks), `tail()` after the last (the usage chunk, or b""), then `data: [DONE]`.
+    On disconnect (or any end) the requests are aborted (`siblings.close()`), so their KV blocks are freed
+    at once rather than when the next chunk fails to send.
+
+    Delivery. A task reads the engine's outputs (`Engine.generate_batches`: the deltas of one engine step
+    arrive as one list, written with one `send`). For a single choice on uvicorn's HTTP/1.1 chunked
+    streaming, the common outputs skip the task altogether: a sink on the request's OutputStream renders
+    each non-final output and writes it to the connection synchronously (`_BodyWriter`) from the engine's
+    step, as long as the task is idle (so order is kept) and the connection is writable. The final output,
+    errors, a paused (slow) client and every other case take the task, which sends through the server's
+    own `send` (`scope[RAW_SEND]`, set by `_Auth`, the outermost ASGI app) rather than through Starlette's
+    two exception-middleware wrappers, which only record that the response started. The wire bytes are the
+    same either way. An exception after the response started is logged here and the server closes the
+    connection (the response is incomplete), which is what the wrappers would have led to.
     """
 
-    def __init__(self, chunks: AsyncIterator[dict[str, Any]], siblings: _Siblings) -> None:
-        self.chunks = chunks
+    def __init__(self, siblings: _Siblings, render: Any, first: bytes = b"", tail: Any = None,
+                 text_only: tuple[_Choice, _EventTemplate] | None = None) -> None:
         self.siblings = siblings
+        self.render = render
+        self.first = first
+        self.tail = tail
+        # (choice, template): every non-final output without prompt logprobs renders as template.fill(0, text)
+        # (plain completions); the sink then does that itself instead of calling render
+        self.text_only = text_only
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        if self.first:
+            yield self.first
+        render = self.render
+        async for i, batch in self.siblings:
+            if len(batch) == 1:
+                data, end = render(i, batch[0])
+            else:
+                parts = []
+                end = False
+                for o in batch:
+                    d, end = render(i, o)
+                    parts.append(d)
+                    if end:
+                        break
+                data = b"".join(parts)
+            if data:
+                yield data
+            if end:
+                return
+        if self.tail is not None:
+            data = self.tail()
+            if data:
+                yield data
+
+    def _sink(self, writer: _BodyWriter) -> Any:
+        render = self.render
+        cycle, flow, write = writer.cycle, writer.flow, writer.transport.write  # _BodyWriter.ready / write, inlined
+
+        if self.text_only is not None:
+            choice, template = self.text_only
+            pre, post = template.parts(0)
+
+            def text_sink(o: RequestOutput) -> bool:  # render + sink below, fused for the commonest stream
+                if (o.finished or o.error is not None or o.prompt_logprobs is not None or cycle.disconnected
+                        or cycle.response_complete or flow.write_paused):
+                    return False
+                choice.last = o
+                text = o.text
+                if text:
+                    data = pre + encode_basestring(text).encode() + post
+                    write(b"%x\r\n%b\r\n" % (len(data), data))
+                return True
+
+            return text_sink
+
+        def sink(o: RequestOutput) -> bool:
+            if o.finished or o.error is not None or cycle.disconnected or cycle.response_complete or flow.write_paused:
+                return False
+            data, _ = render(0, o)
+            if data:
+                write(b"%x\r\n%b\r\n" % (len(data), data))
+            return True
+
+        return sink
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        raw = scope.get(RAW_SEND)
+        started = False
+        chunks = self._chunks()
+        stream = self.siblings.outputs[0] if len(self.siblings.outputs) == 1 else None
+
         async def produce() -> None:
+            nonlocal started
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
-            async for c in self.chunks:
-                data = b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            started = True
+            out = raw or send
+            writer = _BodyWriter.attach(raw) if raw is not None and stream is not None else None
+            if writer is not None:
+                stream.sink = self._sink(writer)  # type: ignore[union-attr]
+            async for data in chunks:
+                await out({"type": "http.response.body", "body": data, "more_body": True})
+            await out({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
         prod = asyncio.ensure_future(produce())
         watcher = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait({prod, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if stream is not None:
+                stream.sink = None
             for t in (prod, watcher):
                 if not t.done():
                     t.cancel()
             await asyncio.gather(prod, watcher, return_exceptions=True)
             await self.siblings.close()
             try:
-                await self.chunks.aclose()  # type: ignore[attr-defined]
+                await chunks.aclose()
             except Exception:
                 pass
         if prod.done() and not prod.cancelled() and prod.exception() is not None and not isinstance(prod.exception(), OSError):
-            raise prod.exception()  # type: ignore[misc]
+            exc = prod.exception()
+            if raw is not None and started:
+                log.error("streaming response failed after it started", exc_info=exc)
+                return
+            raise exc  # type: ignore[misc]
 
 
 class _Auth:
-    """ASGI middleware: with an api_key, every HTTP route but /health needs `Authorization: Bearer <key>`."""
+    """The outermost ASGI app: records the server's `send` in the scope (RAW_SEND, for _SSE); with an api_key,
+    every HTTP route but /health needs `Authorization: Bearer <key>`."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
         self.api_key = api_key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send  # streaming bodies bypass Starlette's send wrappers (_SSE)
         if self.api_key and scope["type"] == "http" and scope["path"] != "/health":
             got = b""
             for k, v in scope.get("headers", []):
@@ -446,16 +656,18 @@ class OpenAIServer:
     async def _start(self, request_id: str, g: GenerationArgs) -> _Siblings:
         """Admit the n siblings (all or none: a failure aborts those already admitted)."""
         ids: list[str] = []
-        streams: list[AsyncIterator[RequestOutput]] = []
+        streams: list[AsyncIterator[list[RequestOutput]]] = []
+        outputs: list[OutputStream] = []
         try:
             for i in range(g.n):
                 sp = g.sampling
                 if g.n > 1 and sp.seed is not None:
                     sp = _replace(sp, seed=(sp.seed + i + 2**63) % 2**64 - 2**63)
                 rid = request_id if g.n == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.generate(rid, g.prompt_token_ids, sp, g.stop, g.skip_special_tokens,
-                                                          leader=ids[0] if ids else None))
+                streams.append(await self.engine.generate_batches(rid, g.prompt_token_ids, sp, g.stop,
+                                                                  g.skip_special_tokens, leader=ids[0] if ids else None))
                 ids.append(rid)
+                outputs.append(self.engine.requests[rid].outputs)
         except AdmissionError as e:
             for rid in ids:
                 self.engine.abort(rid)
@@ -467,7 +679,7 @@ class OpenAIServer:
             for rid in ids:
                 self.engine.abort(rid)
             raise BadRequest(str(e), None, status=503) from None
-        return _Siblings(self.engine, ids, streams)
+        return _Siblings(self.engine, ids, streams, outputs)
 
     @staticmethod
     def _usage(n_prompt: int, n_out: int, n_cached: int) -> dict[str, Any]:
@@ -485,8 +697,10 @@ class OpenAIServer:
         Returns an error message, or None when every choice finished normally.
         """
         async def consume() -> None:
-            async for i, o in sib:
-                choices[i].add(o)
+            async for i, batch in sib:
+                c = choices[i]
+                for o in batch:
+                    c.add(o)
 
         task = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(until_disconnect(request.receive))
@@ -610,33 +824,45 @@ class OpenAIServer:
                             "stop_reason": c.last.stop_reason})
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
-        async def chunks() -> AsyncIterator[dict[str, Any]]:
-            offsets = [len(prompt_text) if echo else 0] * len(choices)
-            echoed = [False] * len(choices)
-            async for i, o in sib:
-                c = choices[i]
-                c.add(o)
-                if o.error is not None:
-                    yield self._error_chunk(o.error)
-                    return
-                if echo and not echoed[i]:
-                    echoed[i] = True
-                    lp = echo_logprobs(c) if g.logprobs is not None else None
-                    yield {**base, "choices": [{"index": i, "text": prompt_text, "logprobs": lp, "finish_reason": None}]}
-                lp = None
-                if g.logprobs is not None and o.token_ids:
-                    lp = self._completion_logprobs(o.token_ids, c.logprobs[-len(o.token_ids):], c.top_ids[-len(o.token_ids):],
-                                                   c.top_logprobs[-len(o.token_ids):], offsets[i])
-                offsets[i] += len(o.text)
-                if o.text or o.finished or lp is not None:
-                    ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
-                    if o.finished:
-                        ch["stop_reason"] = o.stop_reason
-                    yield {**base, "choices": [ch]}
-            if g.include_usage:
-                yield {**base, "choices": [], "usage": self._usage_of(g, choices)}
+        text_event = _EventTemplate(lambda i: {**base, "choices": [{"index": i, "text": _SLOT, "logprobs": None,
+                                                                    "finish_reason": None}]})
+        offsets = [len(prompt_text) if echo else 0] * len(choices)
+        echoed = [False] * len(choices)
+        plain = g.logprobs is None
 
-        return _SSE(chunks(), sib)  # type: ignore[return-value]
+        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
+            """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
+            c = choices[i]
+            if o.prompt_logprobs is None:
+                c.last = o  # _Choice.note, inlined
+            else:
+                c.note(o)
+            if o.error is not None:
+                return sse_event(self._error_chunk(o.error)), True
+            if plain and not o.finished and (echoed[i] or not echo):  # the common chunk: only the text varies
+                return (text_event.fill(i, o.text) if o.text else b""), False
+            events: list[bytes] = []
+            if echo and not echoed[i]:
+                echoed[i] = True
+                lp = echo_logprobs(c) if g.logprobs is not None else None
+                events.append(sse_event({**base, "choices": [{"index": i, "text": prompt_text, "logprobs": lp,
+                                                              "finish_reason": None}]}))
+            lp = None
+            if g.logprobs is not None and o.token_ids:
+                lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), offsets[i])
+            offsets[i] += len(o.text)
+            if o.text or o.finished or lp is not None:
+                ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+                if o.finished:
+                    ch["stop_reason"] = o.stop_reason
+                events.append(sse_event({**base, "choices": [ch]}))
+            return b"".join(events), False
+
+        def tail() -> bytes:
+            return sse_event({**base, "choices": [], "usage": self._usage_of(g, choices)}) if g.include_usage else b""
+
+        text_only = (choices[0], text_event) if plain and not echo and len(choices) == 1 else None
+        return _SSE(sib, render, b"", tail, text_only)  # type: ignore[return-value]
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
     def _chat_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[int] | None],
@@ -749,46 +975,57 @@ class OpenAIServer:
 
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
-        async def chunks() -> AsyncIterator[dict[str, Any]]:
-            for c in choices:
-                yield {**chunk_base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]}
-            async for i, o in sib:
-                c = choices[i]
-                p = c.parser
-                assert p is not None
-                c.add(o)
-                if o.error is not None:
-                    yield self._error_chunk(o.error)
-                    return
-                d = p.feed(o.token_ids[0], o.text) if o.token_ids else None
-                if o.finished:
-                    tail = p.finish("" if o.token_ids else o.text)
-                    if d is None:
-                        d = tail
-                    else:
-                        d.content += tail.content
-                        d.reasoning_content += tail.reasoning_content
-                        d.tool_calls += tail.tool_calls
-                delta = d.to_openai() if d is not None else {}
-                if not parallel and "tool_calls" in delta:
-                    delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
-                    if not delta["tool_calls"]:
-                        del delta["tool_calls"]
-                lp = None
-                if want_lp and o.token_ids:
-                    n = len(o.token_ids)
-                    lp = self._chat_logprobs(o.token_ids, c.logprobs[-n:], c.top_ids[-n:], c.top_logprobs[-n:])
-                if delta or lp is not None or o.finished:
-                    ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
-                                          "finish_reason": finish_reason(c) if o.finished else None}
-                    if o.finished:
-                        ch["stop_reason"] = o.stop_reason
-                    yield {**chunk_base, "choices": [ch]}
-            if g.include_usage:
-                yield {**chunk_base, "choices": [], "usage": self._usage_of(g, choices)}
+        content_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
+            {"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}]})
+        reasoning_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
+            {"index": i, "delta": {"reasoning_content": _SLOT}, "logprobs": None, "finish_reason": None}]})
 
-        return _SSE(chunks(), sib)  # type: ignore[return-value]
+        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
+            """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
+            c = choices[i]
+            p = c.parser
+            assert p is not None
+            c.note(o)
+            if o.error is not None:
+                return sse_event(self._error_chunk(o.error)), True
+            d = p.feed(o.token_ids[0], o.text) if o.token_ids else None
+            if d is not None and not o.finished and not want_lp and not d.tool_calls:
+                # the common chunks: only the content or only the reasoning text varies
+                if not d.reasoning_content:
+                    return (content_event.fill(i, d.content) if d.content else b""), False
+                if not d.content:
+                    return reasoning_event.fill(i, d.reasoning_content), False
+            if o.finished:
+                tail = p.finish("" if o.token_ids else o.text)
+                if d is None:
+                    d = tail
+                else:
+                    d.content += tail.content
+                    d.reasoning_content += tail.reasoning_content
+                    d.tool_calls += tail.tool_calls
+            delta = d.to_openai() if d is not None else {}
+            if not parallel and "tool_calls" in delta:
+                delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
+                if not delta["tool_calls"]:
+                    del delta["tool_calls"]
+            lp = None
+            if want_lp and o.token_ids:
+                lp = self._chat_logprobs(o.token_ids, *_token_logprobs(o))
+            if delta or lp is not None or o.finished:
+                ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
+                                      "finish_reason": finish_reason(c) if o.finished else None}
+                if o.finished:
+                    ch["stop_reason"] = o.stop_reason
+                return sse_event({**chunk_base, "choices": [ch]}), False
+            return b"", False
+
+        def usage() -> bytes:
+            return sse_event({**chunk_base, "choices": [], "usage": self._usage_of(g, choices)}) if g.include_usage else b""
+
+        first = b"".join(sse_event({**chunk_base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                                "logprobs": None, "finish_reason": None}]})
+                         for c in choices)
+        return _SSE(sib, render, first, usage)  # type: ignore[return-value]
 
 
 def _replace(sp: SamplingParams, **changes: Any) -> SamplingParams:

@@ -2,10 +2,66 @@
 
 from __future__ import annotations
 
+import codecs
+
 from kimi.controller.request import Request
 from kimi.controller.stops import StopChecker
 from kimi.protocol import RequestOutput, TokenOutput
-from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
+from kimi.tokenizer import KimiTokenizer
+
+
+class FastDetokenizer:
+    """`kimi.tokenizer.IncrementalDetokenizer` with a per-token shortcut; the same text, token for token.
+
+    `texts[i]` is token i's text when its bytes are complete, valid UTF-8 on their own ("" for a skipped
+    special token, an empty or unknown entry), else None. While the UTF-8 decoder holds no partial
+    character, such a token's text is exactly what the incremental decoder would return, so `push` returns
+    it without running the decoder (most tokens of most text); otherwise (a token ending mid-character, or
+    one that completes a held character) it runs the same incremental UTF-8 decoder (errors="replace") as
+    IncrementalDetokenizer. tests/unit/test_controller_fast_paths.py checks the equality on random streams.
+    """
+
+    __slots__ = ("_texts", "_table", "_skip", "_decoder")
+
+    def __init__(self, tokenizer: KimiTokenizer, texts: list[str | None], skip_special_tokens: bool = True) -> None:
+        self._texts = texts
+        self._table = tokenizer._table
+        self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @staticmethod
+    def texts(tokenizer: KimiTokenizer, skip_special_tokens: bool) -> list[str | None]:
+        """The per-token text table for `tokenizer` (build once, share between requests)."""
+        skip = tokenizer.special_ids if skip_special_tokens else frozenset()
+        out: list[str | None] = []
+        for i, b in enumerate(tokenizer._table):
+            if not b or i in skip:
+                out.append("")
+                continue
+            try:
+                out.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(None)
+        return out
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text completed by it (possibly "")."""
+        dec = self._decoder
+        if not dec.buffer:  # no partial character held
+            if 0 <= token_id < len(self._texts):
+                text = self._texts[token_id]
+                if text is not None:
+                    return text
+            else:
+                return ""
+        if token_id in self._skip or not (0 <= token_id < len(self._table)):
+            return ""
+        b = self._table[token_id]
+        return dec.decode(b, final=False) if b else ""
+
+    def flush(self) -> str:
+        """End of stream: return what is left (an incomplete trailing character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)
 
 
 class OutputProcessor:
@@ -19,10 +75,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # skip_special_tokens -> FastDetokenizer.texts (the default's built now, not on the first request)
+        self._texts: dict[bool, list[str | None]] = {True: FastDetokenizer.texts(tokenizer, True)}
 
     def start(self, req: Request) -> None:
         """Attach the request's incremental detokenizer and (when it has stop strings) its StopChecker."""
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.skip_special_tokens)
+        skip = bool(req.skip_special_tokens)
+        texts = self._texts.get(skip)
+        if texts is None:
+            texts = self._texts[skip] = FastDetokenizer.texts(self.tokenizer, skip)
+        req.detokenizer = FastDetokenizer(self.tokenizer, texts, skip_special_tokens=skip)
         if req.stop.stop:
             req.stop_checker = StopChecker(req.stop.stop, req.stop.include_stop_str_in_output)
 
@@ -38,20 +100,23 @@ class OutputProcessor:
         Sets req.finish_reason when the request ends with this token.
         """
         tok = out.token_id
-        req.token_ids.append(tok)
+        token_ids = req.token_ids
+        token_ids.append(tok)
+        n_out = len(token_ids) - req.num_prompt_tokens
         text = req.detokenizer.push(tok)
+        stop = req.stop
         reason = None
         stop_reason: str | int | None = None
-        if tok in req.stop.stop_token_ids:
+        if tok in stop.stop_token_ids:
             reason, stop_reason = "stop", tok
-        elif not req.stop.ignore_eos and tok in self.eos_token_ids:
+        elif not stop.ignore_eos and tok in self.eos_token_ids:
             reason = "stop"
-        elif req.num_output_tokens >= req.stop.max_tokens or len(req.token_ids) >= self.max_model_len:
+        elif n_out >= stop.max_tokens or len(token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             text += req.detokenizer.flush()
         checker: StopChecker | None = req.stop_checker  # type: ignore[assignment]
-        if checker is not None and req.num_output_tokens >= req.stop.min_tokens:
+        if checker is not None and n_out >= stop.min_tokens:
             text, stopped, matched = checker.feed(text)
             if stopped:
                 reason, stop_reason = "stop", matched
@@ -59,6 +124,19 @@ class OutputProcessor:
                 text += checker.flush()
         if reason is not None:
             req.finish_reason = reason
+        if out.logprob is None and out.top_ids is None and out.prompt_logprobs is None:
+            # the common case (no logprobs asked): only the fields that differ from the defaults
+            return RequestOutput(
+                request_id=req.request_id,
+                token_ids=[tok],
+                text=text,
+                finished=reason is not None,
+                finish_reason=reason,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=n_out,
+                stop_reason=stop_reason,
+                num_cached_tokens=req.num_cached_tokens,
+            )
         plp = ptid = ptlp = None
         if out.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             plp, ptid, ptlp = out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs
@@ -70,12 +148,12 @@ class OutputProcessor:
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=n_out,
             logprobs=None if out.logprob is None else [out.logprob],
             top_ids=None if out.top_ids is None else [out.top_ids],
             top_logprobs=None if out.top_logprobs is None else [out.top_logprobs],
             stop_reason=stop_reason,
-            num_cached_tokens=getattr(req, "num_cached_tokens", 0),
+            num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=plp,
             prompt_top_ids=ptid,
             prompt_top_logprobs=ptlp,

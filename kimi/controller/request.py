@@ -4,10 +4,72 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from kimi.protocol import SamplingParams
+
+log = logging.getLogger("kimi.request")
+
+
+class OutputStream:
+    """One request's outputs, from the engine (`put`, synchronous) to its one reader (`get_batch`, async).
+
+    Replaces an asyncio.Queue per request: `put` appends to a list and wakes the reader only if it is
+    waiting (one future resolved, once), and `get_batch` takes every output queued so far. So the reader
+    wakes at most once per engine step however many outputs that step produced for it (a token and the
+    terminal output, say), and a reader that fell behind catches up with one wake-up.
+
+    `sink`: an optional synchronous consumer, `sink(output) -> bool`. While the reader is waiting (it has
+    handled everything before), `put` first offers the output to the sink; True means the sink delivered it
+    (the HTTP layer wrote the SSE chunk to the connection) and the reader is not woken at all; False, or
+    an exception (logged; the sink is then dropped), queues it for the reader as usual. So outputs reach the
+    client in order whichever way each one goes. At 1024 streaming requests this saves a task wake-up and
+    the async hops per request per step (docs/benchmarks-serving.md).
+    """
+
+    __slots__ = ("_buf", "_waiter", "sink")
+
+    def __init__(self) -> None:
+        self._buf: list = []
+        self._waiter: asyncio.Future | None = None
+        self.sink: Callable[[Any], bool] | None = None
+
+    def put(self, out: Any) -> None:
+        """Hand one output to the sink or queue it for the reader (never blocks, never raises)."""
+        w = self._waiter
+        if w is not None:
+            sink = self.sink
+            if sink is not None and not w.done():
+                try:
+                    if sink(out):
+                        return
+                except Exception:
+                    log.exception("output sink failed; falling back to the queue")
+                    self.sink = None
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+        self._buf.append(out)
+
+    async def get_batch(self) -> list:
+        """Every output queued since the last call, oldest first; waits while there is none (cancel-safe)."""
+        while not self._buf:
+            w = asyncio.get_running_loop().create_future()
+            self._waiter = w
+            try:
+                await w
+            finally:
+                self._waiter = None
+        buf = self._buf
+        self._buf = []
+        return buf
+
+    def qsize(self) -> int:
+        """Outputs queued and not read yet."""
+        return len(self._buf)
 
 
 class RequestStatus(enum.Enum):
@@ -36,7 +98,7 @@ class Request:
 
     `token_ids` is the prompt followed by the generated tokens. `num_computed_tokens` counts tokens whose KV
     the workers hold; `block_table` lists the KV blocks (append-only while the request runs). `outputs` is
-    the queue of `RequestOutput`-shaped dicts that front-ends (HTTP, ZeroMQ) read.
+    the stream of `RequestOutput` deltas that front-ends (HTTP, ZeroMQ) read.
     """
 
     rid: int
@@ -55,7 +117,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_reason: str | None = None
-    outputs: asyncio.Queue | None = None
+    outputs: OutputStream | None = None
     detokenizer: object | None = None
     leader: "Request | None" = None  # n > 1: the first sibling; this one starts after the leader's prompt is cached
     stop_checker: object | None = None  # kimi.controller.stops.StopChecker (output.py)

@@ -32,7 +32,7 @@ from kimi.controller.request import Request, RequestStatus
 _NO_BLOCKS: list[int] = []  # shared, never mutated: new_blocks of a step that appends none
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `num_new_tokens` tokens; `new_blocks` were appended for them.
 
@@ -198,17 +198,20 @@ class Scheduler:
                 order = decodes
             bs = self.block_pool.block_size
             running = RequestStatus.RUNNING
+            scheduled = out.scheduled
             for req in order:
                 if budget <= 0:
                     break
                 if req.status is not running:
                     continue  # preempted earlier in this step
-                num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+                num_new = len(req.token_ids) - req.num_computed_tokens
+                if num_new > budget:
+                    num_new = budget
                 if num_new <= 0:
                     continue
                 if req.num_computed_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
                     # fast path (most decode steps): the tokens fit the blocks it holds
-                    out.scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False))
+                    scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False))
                     scheduled_ids.add(req.rid)
                     budget -= num_new
                     continue

@@ -226,16 +226,21 @@ def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, b)
-    tl.atomic_add(out_ptr + rt[:, None] * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
+    # split-K partial sums go to their own slice [pk] (summed in a fixed order by the top-k kernel): the logits
+    # do not depend on the order the splits finish in, so routing is run-to-run deterministic
+    base = out_ptr + pk.to(tl.int64) * T * E
+    tl.store(base + rt[:, None].to(tl.int64) * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E))
 
 
 @triton.jit
-def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, E, scale, K: tl.constexpr, NORM: tl.constexpr,
+def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale, K: tl.constexpr, NORM: tl.constexpr,
                         BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    z = tl.load(logit_ptr + t * E + e, mask=em, other=0.0)
+    z = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for sp in range(0, N_SPLIT):  # the split-K partials of _router_logits_kernel, in split order
+        z += tl.load(logit_ptr + (sp * T + t) * E + e, mask=em, other=0.0)
     sc = 1.0 / (1.0 + tl.exp(-z))
     choice = tl.where(em, sc + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
     kk = tl.arange(0, K)
@@ -261,7 +266,6 @@ def router_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, 
     T, D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0
-    logits = torch.zeros((T, E), dtype=torch.float32, device=x.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
@@ -272,9 +276,10 @@ def router_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, 
     n_split = triton.cdiv(D, k_split)
     if x.dtype != gate_weight.dtype:
         x = x.to(gate_weight.dtype)
+    logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
     _router_logits_kernel[(triton.cdiv(E, BE), n_split, triton.cdiv(T, BT))](
         x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=BT, BE=BE, BK=BK, F32_DOT=_INTERPRET, num_warps=4)
-    _router_topk_kernel[(T,)](logits, bias.float(), w, ids, E, float(scale), K=top_k, NORM=bool(norm_topk_prob),
+    _router_topk_kernel[(T,)](logits, bias.float(), w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
                               BLOCK_E=triton.next_power_of_2(E), num_warps=4)
     return w, ids
 

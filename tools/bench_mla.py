@@ -37,6 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="8,64,128")
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--backend", default="fa3", help="FlashInfer MLA backend: fa3 (kimi's default), fa2, auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
@@ -47,7 +48,7 @@ def main():
         "what": "FlashInfer BatchMLAPagedAttentionWrapper (fa3) decode over kimi's latent cache",
         "date": date, "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "flashinfer": flashinfer.__version__, "cuda": torch.version.cuda},
-        "shape": {"heads": HEADS, "kv_lora_rank": L, "rope_dim": R, "block_size": BS, "ctx": args.ctx, "dtype": "bf16"},
+        "shape": {"heads": HEADS, "kv_lora_rank": L, "rope_dim": R, "block_size": BS, "ctx": args.ctx, "dtype": "bf16", "backend": args.backend},
         "conditions": "every request at ctx tokens; blocks randomly permuted; do_bench median (L2 cleared), "
         "warmup 50 ms, rep 300 ms; clocks as found",
         "cases": [],
@@ -66,7 +67,7 @@ def main():
             q_lat = torch.randn(B, HEADS, L, device="cuda", generator=gen).to(torch.bfloat16)
             q_pe = torch.randn(B, HEADS, R, device="cuda", generator=gen).to(torch.bfloat16)
             seq = [args.ctx] * B
-            m = FlashInferMLADecode(HEADS, SCALE)
+            m = FlashInferMLADecode(HEADS, SCALE, backend=args.backend)
             t0 = time.perf_counter()
             m.plan(seq, bt, BS)
             torch.cuda.synchronize()
@@ -92,7 +93,7 @@ def main():
             case["separate_vs_views_maxdiff"] = (out2.float() - out.float()).abs().max().item()
             del ckv, kpe
             try:
-                mg = FlashInferMLADecode(HEADS, SCALE, use_cuda_graph=True, max_batch=B, max_pages=B * nb)
+                mg = FlashInferMLADecode(HEADS, SCALE, backend=args.backend, use_cuda_graph=True, max_batch=B, max_pages=B * nb)
                 mg.plan(seq, bt, BS)
                 out3 = torch.empty_like(out)
                 s = torch.cuda.Stream()

@@ -172,7 +172,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
     fi_eager = None
     graphs = None
-    overlap_shared = True  # run the shared expert on a side CUDA stream, concurrently with the routed experts
+    overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     _side = None
 
     def _side_stream(self):
@@ -260,7 +260,10 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         h = self.embed_tokens[input_ids]  # [T, D]
         x = fused.rms_norm(h, self.layers[0].input_layernorm, eps) if self.layers else h
         n = len(self.layers)
-        side = self._side_stream() if self.overlap_shared else None
+        # the side stream only inside CUDA-graph capture, where its gain was measured (bench/decode_2026-11-29_v4.json);
+        # eager steps (prefill, mixed) keep the inline shared expert: eager decode got slower and noisier after the
+        # side stream came in (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
+        side = self._side_stream() if self.overlap_shared and torch.cuda.is_current_stream_capturing() else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn(x, positions, attn, cache, self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)

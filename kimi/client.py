@@ -8,6 +8,14 @@
 `AsyncKimiClient` is the asyncio twin (`async for out in client.generate(...)`). Every output is a
 `kimi.protocol.RequestOutput` delta (token_ids, text); the last has `finished=True` and a `finish_reason`
 ("stop", "length", "abort") or an `error`. Several requests may be in flight on one client.
+
+Parameters (keyword arguments of `submit` / `generate`, the fields of `kimi.protocol.SubmitRequest`): the
+HTTP API's per-request controls with the same names, ranges and meaning (docs/api.md): `max_tokens`,
+`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `presence_penalty`, `frequency_penalty`,
+`repetition_penalty`, `logit_bias` ({token id: bias}, int keys), `min_tokens`, `stop` (a string or up to 4),
+`include_stop_str_in_output`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `logprobs`. The last
+output's `stop_reason` is the stop string or stop token id that ended the request. A bad value ends the
+request with `KimiError`, whose message names the field (the HTTP 400's message for a value out of range).
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ class KimiClient:
         self._pending: dict[str, collections.deque[RequestOutput]] = {}
 
     def submit(self, prompt: str | list[int], **params: Any) -> str:
-        """Send a request (text or token ids; params as in protocol.SubmitRequest); returns its request id."""
+        """Send a request (text or token ids; params: the fields of protocol.SubmitRequest, e.g. max_tokens,
+        temperature, min_p, logit_bias, min_tokens, stop); returns its request id. Parameter errors come back
+        as the request's only output and are raised by `stream` (KimiError)."""
         rid = params.pop("request_id", None) or uuid.uuid4().hex
         self._pending[rid] = collections.deque()
         self._sock.send(_submit_msg(rid, prompt, params))
@@ -118,6 +128,7 @@ class AsyncKimiClient:
                 q.put_nowait(out)
 
     async def submit(self, prompt: str | list[int], **params: Any) -> str:
+        """`KimiClient.submit`, asynchronously."""
         if self._reader is None:
             self._reader = self._asyncio.create_task(self._read())
         rid = params.pop("request_id", None) or uuid.uuid4().hex

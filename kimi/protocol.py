@@ -157,8 +157,20 @@ FromWorker = Union[Ready, StepResult, WorkerError, Pong]
 class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_only=True):
     """Submit one generation. Exactly one of `prompt` (text) and `prompt_token_ids` must be given.
 
-    max_tokens >= 1; temperature >= 0 (0 = greedy); top_p in (0, 1]; top_k >= 0 (0 = off);
-    stop_token_ids: extra token ids that end generation; ignore_eos: keep going past EOS ids.
+    The fields mean what the HTTP API's fields of the same name mean (docs/api.md) and are validated by the
+    same rules (kimi.controller.validation; a bad value ends the request with an error naming the field):
+    max_tokens >= 1; temperature in [0, 2] (0 = greedy); top_p in (0, 1]; top_k >= -1 (-1 and 0 = off);
+    seed: a signed 64-bit integer (None = unseeded); stop_token_ids: up to 256 token ids that end generation
+    (stop_reason = the id); ignore_eos: keep going past EOS ids; logprobs: None, or 0..20 top alternatives;
+    min_p in [0, 1] (0 = off); presence_penalty / frequency_penalty in [-2, 2]; repetition_penalty in (0, 10]
+    (1 = off); logit_bias: {token id: bias in [-100, 100]}, up to 1024 entries; min_tokens in [0, max_tokens]:
+    EOS (unless ignore_eos) and stop_token_ids cannot be sampled, and stop strings are not looked for, before
+    that many tokens; stop: a string or up to 4 non-empty strings that end generation (stop_reason = the
+    string; text that could still begin one is held back, never sent); include_stop_str_in_output: keep the
+    matched stop string in the text.
+
+    Wire format: the fields from `min_p` on were appended later; a message that ends before them (an older
+    client) decodes with their defaults.
     """
 
     request_id: str
@@ -173,6 +185,15 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # appended: the HTTP API's other per-request sampling / stop controls
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag=31):

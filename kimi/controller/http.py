@@ -38,16 +38,22 @@ from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
 from kimi.controller.parsers import OutputParser, ParserConfig
 from kimi.controller.request import OutputStream, StopParams
-from kimi.controller.stops import MAX_STOP_STRINGS
-from kimi.controller.validation import BadRequest, Fields
+from kimi.controller.validation import (
+    MAX_LOGPROBS,
+    BadRequest,
+    Fields,
+    generation_params,
+    read_logit_bias,
+    read_min_tokens,
+    read_sampling,
+    read_stop_strings,
+    read_stop_token_ids,
+)
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.tokenizer import KimiTokenizer
 
 MAX_BODY_BYTES = 32 << 20
-MAX_LOGPROBS = 20
 MAX_N = 16
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 1024
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
 RAW_SEND = "kimi.raw_send"  # scope key: the server's own ASGI `send`, set by _Auth (see _SSE)
 
@@ -545,58 +551,15 @@ class OpenAIServer:
             raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model", code="model_not_found")
         return f
 
-    def _logit_bias(self, f: Fields) -> tuple[list[int], list[float]]:
-        lb = f._get("logit_bias")
-        if lb is None:
-            return [], []
-        if not isinstance(lb, dict):
-            raise BadRequest("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-        if len(lb) > MAX_LOGIT_BIAS:
-            raise BadRequest(f"'logit_bias' holds more than {MAX_LOGIT_BIAS} entries", "logit_bias")
-        ids, vals = [], []
-        for k, v in lb.items():
-            try:
-                tid = int(k)
-            except (TypeError, ValueError):
-                raise BadRequest(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
-            if not 0 <= tid < self.vocab_size:
-                raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {self.vocab_size})", "logit_bias")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
-                raise BadRequest(f"'logit_bias' value for {tid} must be a number in [-100, 100]", "logit_bias")
-            ids.append(tid)
-            vals.append(float(v))
-        return ids, vals
-
-    def _stop_strings(self, f: Fields) -> tuple[str, ...]:
-        stop = f._get("stop")
-        if stop is None:
-            return ()
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("'stop' must be a string or a list of strings", "stop")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise BadRequest(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-        if any(s == "" for s in stop):
-            raise BadRequest("'stop' strings must not be empty", "stop")
-        return tuple(dict.fromkeys(stop))
-
     def _common(self, f: Fields, prompt_token_ids: list[int], max_tokens_default: int | None,
                 logprobs: int | None, prompt_logprobs: int) -> GenerationArgs:
-        temperature = f.float("temperature", 1.0, lambda v: 0.0 <= v <= 2.0, "in [0, 2]")
-        top_p = f.float("top_p", 1.0, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
-        top_k = f.int("top_k", 0, lo=-1)
-        if top_k == -1:
-            top_k = 0
-        min_p = f.float("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-        presence = f.float("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
-        frequency = f.float("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
-        repetition = f.float("repetition_penalty", 1.0, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
-        seed = f.int("seed", None, lo=-(2**63), hi=2**63 - 1)
+        # the request-level fields and their order (which bad field is reported first) are shared with the
+        # ZeroMQ submit API (kimi.controller.submit) through kimi.controller.validation
+        sampling = read_sampling(f)
         n = f.int("n", 1, lo=1, hi=MAX_N)
         f.noop("best_of", (n,), "must equal n (best-of sampling is not supported)")
-        lb_ids, lb_vals = self._logit_bias(f)
-        stop_strings = self._stop_strings(f)
+        lb_ids, lb_vals = read_logit_bias(f, self.vocab_size)
+        stop_strings = read_stop_strings(f)
         include_stop = f.bool("include_stop_str_in_output", False)
         f.accept("user")
         stream = f.bool("stream", False)
@@ -612,9 +575,7 @@ class OpenAIServer:
                 sof.reject_unknown()
             except BadRequest as e:
                 raise BadRequest(e.message, f"stream_options.{e.param}") from None
-        stop_ids = f.int_list("stop_token_ids", 0, self.vocab_size)
-        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise BadRequest(f"'stop_token_ids' holds more than {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+        stop_ids = read_stop_token_ids(f, self.vocab_size)
         ignore_eos = f.bool("ignore_eos", False)
         skip_special = f.bool("skip_special_tokens", True)
         n_prompt = len(prompt_token_ids)
@@ -631,21 +592,17 @@ class OpenAIServer:
             f.accept("max_completion_tokens")
         if max_tokens is None:
             max_tokens = max_tokens_default
-        min_tokens = f.int("min_tokens", 0, lo=0)
-        if min_tokens > max_tokens:
-            raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
-        block = sorted(set(stop_ids) | (set() if ignore_eos else set(self.engine.eos_token_ids))) if min_tokens else []
+        min_tokens = read_min_tokens(f, max_tokens)
+        sp, st = generation_params(
+            sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias_ids=lb_ids,
+            logit_bias_values=lb_vals, stop=stop_strings, include_stop_str_in_output=include_stop,
+            stop_token_ids=stop_ids, ignore_eos=ignore_eos, max_tokens=max_tokens, min_tokens=min_tokens,
+            eos_token_ids=self.engine.eos_token_ids,
+        )
         return GenerationArgs(
             prompt_token_ids=prompt_token_ids,
-            sampling=SamplingParams(
-                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                num_logprobs=-1 if logprobs is None else logprobs,
-                min_p=min_p, presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-                logit_bias_ids=lb_ids, logit_bias_values=lb_vals, min_tokens=min_tokens, min_tokens_block_ids=block,
-                prompt_logprobs=prompt_logprobs,
-            ),
-            stop=StopParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_ids), ignore_eos=ignore_eos,
-                            stop=stop_strings, include_stop_str_in_output=include_stop, min_tokens=min_tokens),
+            sampling=sp,
+            stop=st,
             skip_special_tokens=skip_special,
             stream=stream,
             include_usage=include_usage,

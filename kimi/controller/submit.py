@@ -2,7 +2,8 @@
 
 A client sends `SubmitRequest` / `AbortRequest` (msgspec, kimi.protocol) and receives a stream of
 `RequestOutput` deltas per request id, the last with `finished=True` (a finish_reason or an error).
-Invalid submissions are answered with a finished output carrying the error; nothing else changes.
+Invalid submissions are answered with a finished output carrying the error, which names the bad field (the
+HTTP API's rules and messages, kimi.controller.validation); nothing else changes.
 Request ids are scoped per client connection.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
+import re
 
 import msgspec
 import zmq
@@ -19,10 +20,25 @@ import zmq.asyncio
 from kimi import protocol
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.request import StopParams
+from kimi.controller.validation import (
+    MAX_LOGPROBS,
+    BadRequest,
+    Fields,
+    generation_params,
+    read_logit_bias,
+    read_min_tokens,
+    read_sampling,
+    read_stop_strings,
+    read_stop_token_ids,
+)
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.submit")
+
+_SUBMIT_TAG = protocol.SubmitRequest.__struct_config__.tag
+_SUBMIT_FIELDS = protocol.SubmitRequest.__struct_fields__  # position i + 1 on the wire (the tag is at 0)
+_FIELD_AT = re.compile(r"`\$\[(\d+)\]")  # msgspec's error path, e.g. "... - at `$[12]`" or "`$[15][0]`"
 
 
 class SubmitServer:
@@ -47,43 +63,75 @@ class SubmitServer:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
 
     def _validate(self, r: protocol.SubmitRequest) -> tuple[list[int], SamplingParams, StopParams]:
+        """The request's prompt ids, SamplingParams and StopParams; raises BadRequest naming the bad field.
+
+        The fields go through the HTTP API's own rules (kimi.controller.validation: the same checks, in the
+        same order, with the same messages) and become SamplingParams / StopParams the way the HTTP routes
+        make them (`generation_params`: min_tokens' blocked ids, stop strings), so the same request gives
+        the same tokens and text over HTTP and ZeroMQ.
+        """
         if (r.prompt is None) == (r.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
+            raise BadRequest("give exactly one of 'prompt' and 'prompt_token_ids'", "prompt")
         if r.prompt is not None:
             if not r.prompt:
-                raise ValueError("prompt must not be empty")
+                raise BadRequest("'prompt' must not be empty", "prompt")
             ids = self.tokenizer.encode(r.prompt)
         else:
             ids = list(r.prompt_token_ids)
-        if not (math.isfinite(r.temperature) and 0.0 <= r.temperature <= 2.0):
-            raise ValueError(f"temperature must be in [0, 2], got {r.temperature}")
-        if not (math.isfinite(r.top_p) and 0.0 < r.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {r.top_p}")
-        if not 0 <= r.top_k < 2**63:
-            raise ValueError(f"top_k must be in [0, 2**63), got {r.top_k}")
-        if r.seed is not None and not -(2**63) <= r.seed < 2**63:
-            raise ValueError(f"seed must be a signed 64-bit integer, got {r.seed}")
-        bad = [t for t in r.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary")
-        if r.logprobs is not None and not 0 <= r.logprobs <= 20:
-            raise ValueError("logprobs must be in [0, 20]")
-        sp = SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed,
-            num_logprobs=-1 if r.logprobs is None else r.logprobs,
+            if not ids:
+                raise BadRequest("'prompt_token_ids' must not be empty", "prompt_token_ids")
+            bad = [x for x in ids if not 0 <= x < self.vocab_size]
+            if bad:
+                raise BadRequest(f"'prompt_token_ids' holds token id {bad[0]}, outside [0, {self.vocab_size})",
+                                 "prompt_token_ids")
+        f = Fields(msgspec.structs.asdict(r), "message")
+        logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)  # where /v1/completions reads it
+        sampling = read_sampling(f)
+        lb_ids, lb_vals = read_logit_bias(f, self.vocab_size)
+        stop = read_stop_strings(f)
+        include_stop = f.bool("include_stop_str_in_output", False)
+        stop_ids = read_stop_token_ids(f, self.vocab_size)
+        ignore_eos = f.bool("ignore_eos", False)
+        f.bool("skip_special_tokens", True)
+        max_tokens = f.int("max_tokens", 16, lo=1)
+        min_tokens = read_min_tokens(f, max_tokens)  # type: ignore[arg-type]
+        sp, st = generation_params(
+            sampling, logprobs=logprobs, prompt_logprobs=-1, logit_bias_ids=lb_ids, logit_bias_values=lb_vals,
+            stop=stop, include_stop_str_in_output=include_stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+            max_tokens=max_tokens, min_tokens=min_tokens, eos_token_ids=self.engine.eos_token_ids,  # type: ignore[arg-type]
         )
-        st = StopParams(max_tokens=r.max_tokens, stop_token_ids=frozenset(r.stop_token_ids), ignore_eos=r.ignore_eos)
         return ids, sp, st
 
     async def _run_one(self, ident: bytes, r: protocol.SubmitRequest) -> None:
         try:
             ids, sp, st = self._validate(r)
             stream = await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
+        except BadRequest as e:
+            await self._reply(ident, self._error(r.request_id, e.message))
+            return
         except (ValueError, AdmissionError, EngineDead) as e:
             await self._reply(ident, self._error(r.request_id, str(e)))
             return
         async for out in stream:
             await self._reply(ident, msgspec.structs.replace(out, request_id=r.request_id))
+
+    @staticmethod
+    def _undecodable(data: bytes, e: Exception) -> RequestOutput:
+        """The error answer to a message that does not decode. When it is a SubmitRequest whose request id can
+        be read (a field of the wrong type, say), the answer goes to that request id and names the field, so
+        the client's request ends instead of waiting; otherwise the request id is ""."""
+        rid, msg = "", f"malformed message: {e}"
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except Exception:  # not msgpack at all (or a map with unhashable keys)
+            raw = None
+        if isinstance(raw, list) and len(raw) >= 2 and raw[0] == _SUBMIT_TAG and isinstance(raw[1], str):
+            rid = raw[1]
+            m = _FIELD_AT.search(str(e))
+            if m is not None and 1 <= int(m.group(1)) <= len(_SUBMIT_FIELDS):
+                name = _SUBMIT_FIELDS[int(m.group(1)) - 1]
+                msg = f"'{name}' has the wrong type: {e}"
+        return RequestOutput(request_id=rid, token_ids=[], text="", finished=True, error=msg)
 
     async def serve(self) -> None:
         """Receive submissions until cancelled."""
@@ -97,7 +145,7 @@ class SubmitServer:
             try:
                 msg = protocol.decode_to_controller(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                await self._reply(ident, self._error("", f"malformed message: {e}"))
+                await self._reply(ident, self._undecodable(data, e))
                 continue
             if isinstance(msg, protocol.AbortRequest):
                 self.engine.abort(self._key(ident, msg.request_id))

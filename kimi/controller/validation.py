@@ -1,4 +1,4 @@
-"""Request-body validation for the OpenAI-compatible routes: honor or reject, never ignore.
+"""Request-body validation for the OpenAI-compatible routes and the ZeroMQ submit API: honor or reject, never ignore.
 
 Every field of an OpenAI request is either implemented, accepted only at its no-op value (e.g. `n: 1`,
 `presence_penalty: 0`), or rejected with an HTTP 400 whose `param` names it. Errors use the OpenAI error
@@ -8,7 +8,12 @@ schema: `{"error": {"message", "type": "invalid_request_error", "param", "code"}
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from kimi.controller.request import StopParams
+from kimi.controller.stops import MAX_STOP_STRINGS
+from kimi.protocol import SamplingParams
 
 
 class BadRequest(Exception):
@@ -119,3 +124,133 @@ class Fields:
         for k, v in self.body.items():
             if k not in self.seen and v is not None:
                 raise BadRequest(f"'{k}' is not supported by this server", k)
+
+
+# ---- rules shared by the HTTP routes (kimi.controller.http) and the ZeroMQ submit API (kimi.controller.submit)
+# Both front-ends read a `Fields` (the ZeroMQ side builds one from a decoded SubmitRequest), so a field has one
+# rule, one error message and one way of becoming SamplingParams / StopParams, whichever way it arrives.
+
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+
+
+@dataclass
+class SamplingFields:
+    """The per-token sampling controls of one request, validated (`read_sampling`)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int | None
+
+
+def read_sampling(f: Fields) -> SamplingFields:
+    """temperature [0, 2], top_p (0, 1], top_k >= -1 (-1 and 0 = off), min_p [0, 1], presence / frequency
+    penalties [-2, 2], repetition_penalty (0, 10], seed a signed 64-bit integer (None = unseeded); read in
+    this order (the first bad field is the one reported)."""
+    temperature = f.float("temperature", 1.0, lambda v: 0.0 <= v <= 2.0, "in [0, 2]")
+    top_p = f.float("top_p", 1.0, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+    top_k = f.int("top_k", 0, lo=-1)
+    if top_k == -1:
+        top_k = 0
+    min_p = f.float("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+    presence = f.float("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+    frequency = f.float("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+    repetition = f.float("repetition_penalty", 1.0, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
+    seed = f.int("seed", None, lo=-(2**63), hi=2**63 - 1)
+    return SamplingFields(temperature, top_p, top_k, min_p, presence, frequency, repetition, seed)  # type: ignore[arg-type]
+
+
+def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]:
+    """`logit_bias`: {token id (an int or its decimal string): bias in [-100, 100]}, at most MAX_LOGIT_BIAS
+    entries, ids in [0, vocab_size) -> (ids, biases) in the mapping's order."""
+    lb = f._get("logit_bias")
+    if lb is None:
+        return [], []
+    if not isinstance(lb, dict):
+        raise BadRequest("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' holds more than {MAX_LOGIT_BIAS} entries", "logit_bias")
+    ids, vals = [], []
+    for k, v in lb.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise BadRequest(f"'logit_bias' value for {tid} must be a number in [-100, 100]", "logit_bias")
+        ids.append(tid)
+        vals.append(float(v))
+    return ids, vals
+
+
+def read_stop_strings(f: Fields) -> tuple[str, ...]:
+    """`stop`: a string or a list of up to MAX_STOP_STRINGS non-empty strings -> the distinct strings, in order."""
+    stop = f._get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    if any(s == "" for s in stop):
+        raise BadRequest("'stop' strings must not be empty", "stop")
+    return tuple(dict.fromkeys(stop))
+
+
+def read_stop_token_ids(f: Fields, vocab_size: int) -> list[int]:
+    """`stop_token_ids`: at most MAX_STOP_TOKEN_IDS ids in [0, vocab_size)."""
+    stop_ids = f.int_list("stop_token_ids", 0, vocab_size)
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"'stop_token_ids' holds more than {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    return stop_ids
+
+
+def read_min_tokens(f: Fields, max_tokens: int) -> int:
+    """`min_tokens`: 0 .. max_tokens."""
+    min_tokens = f.int("min_tokens", 0, lo=0)
+    if min_tokens > max_tokens:  # type: ignore[operator]
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    return min_tokens  # type: ignore[return-value]
+
+
+def generation_params(
+    s: SamplingFields,
+    *,
+    logprobs: int | None,
+    prompt_logprobs: int,
+    logit_bias_ids: list[int],
+    logit_bias_values: list[float],
+    stop: tuple[str, ...],
+    include_stop_str_in_output: bool,
+    stop_token_ids: list[int],
+    ignore_eos: bool,
+    max_tokens: int,
+    min_tokens: int,
+    eos_token_ids: Iterable[int],
+) -> tuple[SamplingParams, StopParams]:
+    """The validated fields as the worker's SamplingParams and the controller's StopParams.
+
+    With min_tokens > 0 the ids the worker keeps from being sampled until then (`min_tokens_block_ids`) are
+    the stop_token_ids plus, unless ignore_eos, the model's EOS ids (`eos_token_ids`), sorted.
+    """
+    block = sorted(set(stop_token_ids) | (set() if ignore_eos else set(eos_token_ids))) if min_tokens else []
+    sampling = SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        num_logprobs=-1 if logprobs is None else logprobs,
+        min_p=s.min_p, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values,
+        min_tokens=min_tokens, min_tokens_block_ids=block, prompt_logprobs=prompt_logprobs,
+    )
+    stop_params = StopParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_token_ids), ignore_eos=ignore_eos,
+                             stop=stop, include_stop_str_in_output=include_stop_str_in_output, min_tokens=min_tokens)
+    return sampling, stop_params

@@ -64,6 +64,7 @@ class ServeArgs:
     fake_workers: bool = False
     api_key: str | None = None
     max_body_bytes: int = 32 << 20
+    request_body_timeout: float = 30.0
     reasoning: str = "auto"
     a2a_backend: str | None = None
     heartbeat_timeout: float = 10.0
@@ -103,6 +104,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
                         "the ZeroMQ submit API is then kept on loopback (docs/api.md)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
+    p.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds to receive a request body after its headers, else HTTP 408 (default 30)")
     p.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
                    help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
                         "tokenizer has a <think> token")
@@ -257,7 +260,8 @@ async def serve(a: ServeArgs) -> int:
     else:
         thinking_model = a.reasoning == "on"
     api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size, api_key=a.api_key,
-                       max_body_bytes=a.max_body_bytes, thinking_model=thinking_model)
+                       max_body_bytes=a.max_body_bytes, body_timeout_s=a.request_body_timeout,
+                       thinking_model=thinking_model)
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()
 

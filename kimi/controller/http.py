@@ -449,7 +449,9 @@ class _Auth:
 class OpenAIServer:
     """Builds the Starlette app around an Engine (`.app` is the ASGI app to serve).
 
-    api_key: None = no authentication. max_body_bytes: larger request bodies get a 413. thinking_model:
+    api_key: None = no authentication. max_body_bytes: larger request bodies get a 413. body_timeout_s: a body
+    not fully received this many seconds after the headers gets a 408 (a client that sends fewer bytes than its
+    Content-Length holds no request slot or KV, but would otherwise hold a connection forever). thinking_model:
     chat output starts in reasoning (`reasoning_content`) unless `chat_template_kwargs.thinking` is false.
     Attaches a `Metrics` to the engine (`engine.observer`).
     """
@@ -463,6 +465,7 @@ class OpenAIServer:
         *,
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        body_timeout_s: float = 30.0,
         thinking_model: bool = False,
     ) -> None:
         self.engine = engine
@@ -470,6 +473,7 @@ class OpenAIServer:
         self.model_name = served_model_name
         self.vocab_size = vocab_size
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.thinking_model = thinking_model
         self.created = int(time.time())
         self.metrics = Metrics(engine)
@@ -529,18 +533,29 @@ class OpenAIServer:
         if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
             raise too_big
         parts: list[bytes] = []
-        size = 0
-        try:
+
+        async def read() -> None:
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > self.max_body_bytes:
                     raise too_big
                 parts.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.body_timeout_s)
         except ClientDisconnect:
             raise BadRequest("the client disconnected while sending the request body", None) from None
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body was not received within {self.body_timeout_s:g} s", None,
+                             status=408) from None
         raw = b"".join(parts)
         try:
-            body = json.loads(raw)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"the request body is not valid UTF-8: {e}", None) from None
+        try:
+            body = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
         except RecursionError:

@@ -98,7 +98,7 @@ def server(tiny_k26, tmp_path_factory):
     """Small blocks and a small token budget so that prompts span blocks and prefills are chunked."""
     log = str(tmp_path_factory.mktemp("log") / "server.log")
     srv = start_server(tiny_k26, log, "--block-size", "16", "--token-budget", "48", "--max-model-len", "512",
-                       "--num-blocks", "400")
+                       "--num-blocks", "400", "--request-body-timeout", "2")
     yield srv
     rc = stop_server(srv)
     assert rc == 0, srv.log()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -203,6 +205,33 @@ def test_malformed_json_is_400_and_changes_nothing(server, client):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
     ok = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server, client):
+    """A client that sends fewer bytes than its Content-Length gets a 408 after --request-body-timeout (2 s
+    here) instead of holding the connection forever; a body that is not UTF-8 is a 400 saying so."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(server.base_url)
+    with socket.create_connection((u.hostname, u.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n" + b'{"model": "tiny"')
+        t0 = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        waited = time.monotonic() - t0
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"not received within 2 s" in reply
+    assert 1.5 <= waited <= 15, waited
+    r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
 
 
 def test_deeply_nested_json_is_400(server, client):

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from bench_util import copy_bandwidth  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
 
 
@@ -60,25 +61,6 @@ class EmulatedEP:
     def experts_hit(self, offset: int, n_local: int) -> list[int]:
         loc = (self.ids >= offset) & (self.ids < offset + n_local)
         return [int(torch.unique(self.ids[l][loc[l]]).numel()) for l in range(self.n_layers)]
-
-
-def copy_bandwidth(dev) -> float:
-    """GB/s of a 4 GiB device copy (read + write), median of 20 event-timed copies."""
-    n = 1 << 31
-    a = torch.empty(n, dtype=torch.int16, device=dev).random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    del a, b
-    return 2 * n * 2 / (statistics.median(ts) * 1e-3) / 1e9
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
@@ -172,7 +154,7 @@ def main() -> None:
             res[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             res[mod] = None
-    res["copy_GBps"] = bw = copy_bandwidth(dev)
+    res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]  # 4 GiB copy
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
 
     cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
@@ -243,30 +225,28 @@ def main() -> None:
                     case["breakdown_eager"] = breakdown(step)
                 except Exception as e:  # noqa: BLE001
                     case["breakdown_error"] = repr(e)
+            def capture(overlap: bool) -> CudaGraphRunner:
+                """Capture bucket B (shared expert on the side stream or inline) and install it on the model."""
+                model.overlap_shared = overlap
+                model.graphs = None
+                r = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])
+                ep.i = 0
+                r.capture()
+                model.graphs = r
+                ep.i = 0
+                return r
+
             modes = args.overlap.split(",")
             for mode in modes[1:]:  # A/B variants first, the headline mode last (its graph stays for below)
-                model.overlap_shared = mode == "on"
-                model.graphs = None
-                r2 = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])
-                ep.i = 0
-                r2.capture()
-                model.graphs = r2
-                ep.i = 0
+                capture(mode == "on")
                 case[f"graph_overlap_{mode}"] = time_ms(step, args.iters)
                 print(f"B={B}: graph (overlap {mode}) {case[f'graph_overlap_{mode}']['median_ms']:.2f} ms", flush=True)
                 model.graphs = None
-                del r2
                 torch.cuda.empty_cache()
-            model.overlap_shared = modes[0] == "on"
-            case["overlap_shared"] = model.overlap_shared
+            case["overlap_shared"] = modes[0] == "on"
             t1 = time.time()
-            model.graphs = None
-            runner = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])
-            ep.i = 0
-            runner.capture()
-            model.graphs = runner
+            runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
-            ep.i = 0
             case["graph"] = time_ms(step, args.iters)
             assert runner.num_replays > 0
             gm = case["graph"]["median_ms"]

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_util import copy_bandwidth  # noqa: E402  (tools/, this script's folder)
 from kimi.ops import linear_small_m as lsm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -110,27 +111,6 @@ class Timer:
         return t
 
 
-def copy_bandwidth(timer: Timer) -> dict:
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ms = statistics.median(ts)
-    del a, b
-    torch.cuda.empty_cache()
-    return {"bytes_per_copy": n, "median_ms": ms, "GBps_read_plus_write": 2 * n / ms / 1e6}
-
-
 def split_options(cfg: lsm.SmallMConfig, N: int, K: int, sms: int) -> list[int]:
     n_tiles = math.ceil(N / cfg.block_n)
     k_blocks = math.ceil(K / cfg.block_k)
@@ -169,7 +149,7 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(dev)
     sms = props.multi_processor_count
     timer = Timer(max(50, args.samples))
-    copy = copy_bandwidth(timer)
+    copy = copy_bandwidth(2 << 30)  # 2 GiB
     copy_gbps = copy["GBps_read_plus_write"]
     log(f"{gpu}  SMs={sms}  L2={props.L2_cache_size >> 20} MiB  torch {torch.__version__}  triton "
         f"{triton.__version__}  copy bandwidth {copy_gbps:.0f} GB/s (2 GiB d2d, read+write)")

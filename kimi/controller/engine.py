@@ -15,6 +15,7 @@ in-flight request with an error and stop (`fatal_error` is set; the server then 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -284,15 +285,10 @@ class Engine:
         return self._stream_batches(req)
 
     async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                for out in await req.outputs.get_batch():
+        async with contextlib.aclosing(self._stream_batches(req)) as batches:  # closing aborts an unfinished request
+            async for batch in batches:
+                for out in batch:
                     yield out
-                    if out.finished:
-                        return
-        finally:
-            if req.status != RequestStatus.FINISHED:
-                self.abort(req.request_id)
 
     async def _stream_batches(self, req: Request) -> AsyncIterator[list[RequestOutput]]:
         try:

@@ -124,19 +124,6 @@ class OutputProcessor:
                 text += checker.flush()
         if reason is not None:
             req.finish_reason = reason
-        if out.logprob is None and out.top_ids is None and out.prompt_logprobs is None:
-            # the common case (no logprobs asked): only the fields that differ from the defaults
-            return RequestOutput(
-                request_id=req.request_id,
-                token_ids=[tok],
-                text=text,
-                finished=reason is not None,
-                finish_reason=reason,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=n_out,
-                stop_reason=stop_reason,
-                num_cached_tokens=req.num_cached_tokens,
-            )
         plp = ptid = ptlp = None
         if out.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             plp, ptid, ptlp = out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs

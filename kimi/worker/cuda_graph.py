@@ -190,18 +190,7 @@ class CudaGraphRunner:
         return self.outputs[bs][:B]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """Replay the bucket of this decode batch: input_ids / positions [B] -> hidden [B, D] (a view of the
-        graph's output buffer, valid until the next replay)."""
-        B = attn.num_seqs
-        bs = self.bucket_for(B)
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(positions)
-        self.slot_mapping[:B].copy_(attn.slot_mapping)
-        if bs > B:
-            self.input_ids[B:bs].zero_()
-            self.positions[B:bs].zero_()
-            self.slot_mapping[B:bs].zero_()
-        self._plan(bs, attn.seq_lens_cpu, attn.block_tables)
-        self.graphs[bs].replay()
-        self.num_replays += 1
-        return self.outputs[bs][:B]
+        """`run_host` for a decode batch given as tensors + AttentionMetadata (GPUKimiForCausalLM.forward):
+        input_ids / positions [B] -> hidden [B, D]. Copies the ids, positions and block tables to the host first
+        (a device sync); the worker's decode path calls run_host with its host lists instead."""
+        return self.run_host(input_ids.tolist(), positions.tolist(), list(attn.seq_lens_cpu), attn.block_tables.tolist())

@@ -1,0 +1,32 @@
+"""Shared pieces of the GPU benchmarks in tools/ (imported as a sibling module: the tools run as scripts)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def copy_bandwidth(nbytes: int, device="cuda", iters: int = 20, warmup: int = 3) -> dict:
+    """HBM copy bandwidth: a device-to-device copy of `nbytes`, event-timed, median of `iters` copies.
+
+    Returns {"bytes_per_copy", "median_ms", "GBps_read_plus_write"} (bytes read + written per second / 1e9,
+    the usual way a copy's bandwidth is quoted).
+    """
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    for _ in range(warmup):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    ms = statistics.median(ts)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"bytes_per_copy": nbytes, "median_ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}

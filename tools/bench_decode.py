@@ -18,6 +18,7 @@ Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device co
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
 KV read (B * CTX * 61 * 1152 bytes).
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class.
+host_forward_decode_us: host time of the graph decode call (forward_decode) until the replay is launched.
 
 Usage: python tools/bench_decode.py --seqs 8,32 --layers 61 --out bench/decode_DATE.json
 """
@@ -88,6 +89,7 @@ _CLASSES = [
     ("moe_combine", r"_combine_kernel"),
     ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),
     ("dense_gemm_triton", r"_linear_small_m"),
+    ("mla_head_gemm_triton", r"_bmm_small_m"),
     ("dense_gemm", r"gemm|Gemm|cutlass|nvjet|xmma|sm90|cublas"),
     ("moe_align_sort_topk", r"sort|Sort|radix|Radix|topk|TopK|scan|Scan|cumsum"),
     ("copy_cat_index", r"copy|Copy|cat|Cat|index|Index|gather|Gather|scatter|Scatter"),
@@ -252,6 +254,16 @@ def main() -> None:
             gm = case["graph"]["median_ms"]
             case["graph_over_floor"] = gm / floor
             case["eager_over_floor"] = case["eager"]["median_ms"] / floor
+            # host time of the decode call up to the replay's launch (slots, pinned copy, FlashInfer plan, graph
+            # launch): the GPU idles through it when each step waits for the last, as a server's steps do
+            hs = []
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                t_h = time.perf_counter()
+                model.forward_decode(ids_l, pos_l, slens, tabs, bs, kv)
+                hs.append((time.perf_counter() - t_h) * 1e6)
+            torch.cuda.synchronize()
+            case["host_forward_decode_us"] = statistics.median(hs)
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)
@@ -269,7 +281,8 @@ def main() -> None:
     print("\nB_local  moe_tok  floor_ms  eager_ms  graph_ms  graph/floor  replay_ms")
     for c in res["cases"]:
         print(f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
-              f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}")
+              f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
+              f"  host {c['host_forward_decode_us']:.0f} us")
         if "breakdown_eager" in c:
             print("   ", json.dumps(c["breakdown_eager"]["by_class_ms"]))
 

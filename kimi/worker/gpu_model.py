@@ -32,6 +32,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.linear_small_m import linear as dense_linear
+from kimi.ops.bmm_small_m import bmm_heads
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer
 from kimi.ops.moe_backend import make_experts
@@ -89,36 +90,41 @@ class GPUMLAAttention(MLAAttention):
             self.w_qkv_a = w
         H, N, V, L = self.num_heads, self.nope, self.v_dim, self.kv_lora
         w = self.kv_b_proj.detach().view(H, N + V, L)  # [H, N + V, L]
-        self.w_uk = w[:, :N, :].contiguous()  # [H, N, L]
-        self.w_uv_t = w[:, N:, :].transpose(1, 2).contiguous()  # [H, L, V]
+        self.w_uk_t = w[:, :N, :].transpose(1, 2).contiguous()  # [H, L, N]: q_lat[h] = q_nope[h] @ w_uk_t[h]^T
+        self.w_uv = w[:, N:, :].contiguous()  # [H, V, L]: o[h] = o_lat[h] @ w_uv[h]^T
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi) -> torch.Tensor:
-        """Every row through FlashInfer: q_nope [T, H, N], q_pe [T, H, R] (model dtype, bf16) -> o [T, H, V] (bf16).
+        """Every row through FlashInfer: q_nope [T, H, N] (any row / head strides), q_pe [T, H, R] (model dtype,
+        bf16) -> o [T, H * V] (bf16, contiguous: o_proj's input).
 
-        q_lat = q_nope @ W_UK per head (bf16 GEMM), one `fi.run` over all planned rows (decode rows and the causal
-        rows of prefill / chunked-prefill sequences alike; o_lat [T, H, L] bf16, float32 softmax inside the
-        kernel), o = o_lat @ W_UV^T per head (bf16). Rows past fi.num_rows (padding) get zeros. Raises ValueError
-        when the plan has more rows than the batch."""
-        T = q_nope.shape[0]
+        q_lat = q_nope @ W_UK per head (kimi.ops.bmm_small_m.bmm_heads: bf16 in, fp32 accumulation), one `fi.run`
+        over all planned rows (decode rows and the causal rows of prefill / chunked-prefill sequences alike; o_lat
+        [T, H, L] bf16, float32 softmax inside the kernel), o = o_lat @ W_UV^T per head written straight into the
+        [T, H * V] buffer. Rows past fi.num_rows (padding) get zeros. Raises ValueError when the plan has more
+        rows than the batch."""
+        T, H = q_nope.shape[:2]
         n = fi.num_rows
         if n > T:
             raise ValueError(f"FlashInfer plan has {n} rows, the batch {T}")
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()  # [T, H, L]
+        q_lat = bmm_heads(q_nope, self.w_uk_t)  # [T, H, L] contiguous
         q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()  # [T, H, R]
         if n == T:
             o_lat = fi.run(q_lat, q_pe, kv_cache)  # [T, H, L]
         else:
             o_lat = torch.zeros_like(q_lat)  # [T, H, L]
             fi.run(q_lat[:n], q_pe[:n], kv_cache, out=o_lat[:n])
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, V]
+        V = self.w_uv.shape[1]
+        o = torch.empty((T, H * V), dtype=o_lat.dtype, device=o_lat.device)  # [T, H * V]
+        bmm_heads(o_lat, self.w_uv, out=o.view(T, H, V))
+        return o
 
     def _decode_ref(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, attn, plan) -> torch.Tensor:
         """Torch fallback for decode rows (latent sizes FlashInfer has no kernel for, e.g. tiny models): q_nope
         [Bd, H, N], q_pe [Bd, H, R] of the sequences plan.decode_seqs -> o [Bd, H, V] float32 (`mla_decode_ref`)."""
         sel = plan.decode_seqs
-        q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk.float()).transpose(0, 1)  # [Bd, H, L]
+        q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk_t.float().transpose(1, 2)).transpose(0, 1)  # [Bd, H, L]
         o_lat = mla_decode_ref(q_lat, q_pe, kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale)
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.float()).transpose(0, 1)  # [Bd, H, V]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.float().transpose(1, 2)).transpose(0, 1)  # [Bd, H, V]
 
     def forward(self, hidden, positions, attn: AttentionMetadata, kv_cache, rope):
         plan: GPUAttnPlan | None = getattr(attn, "gpu", None)
@@ -150,8 +156,8 @@ class GPUMLAAttention(MLAAttention):
             flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
             flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
         if plan.fi is not None:  # decode + prefill rows: one causal FlashInfer run
-            o = self._absorbed(q_nope, q_pe, kv_cache, plan.fi)  # [T, H, V] bf16
-        elif plan.all_decode:
+            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.fi), self.o_proj)  # [T, D]
+        if plan.all_decode:
             o = self._decode_ref(q_nope, q_pe, kv_cache, attn, plan)  # [T, H, V] float32
         else:
             o = torch.zeros(T, H, V, dtype=torch.float32, device=hidden.device)  # [T, H, V]

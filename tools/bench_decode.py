@@ -64,6 +64,19 @@ class EmulatedEP:
         return [int(torch.unique(self.ids[l][loc[l]]).numel()) for l in range(self.n_layers)]
 
 
+def _set_prologue(on: bool) -> None:
+    from kimi.ops import linear_small_m
+
+    linear_small_m.FUSE_PROLOGUE = on
+
+
+# name: (what it changes, apply(model), undo(model)); applied before a graph capture, undone after its timing
+AB_VARIANTS = {
+    "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
+                     lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
+}
+
+
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
     for _ in range(warmup):
         fn()
@@ -138,6 +151,9 @@ def main() -> None:
     ap.add_argument("--overlap", default="on,off",
                     help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
                          "others are timed as graph replays too (A/B in one run)")
+    ap.add_argument("--ab", default="prologue_off",
+                    help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
+                         + ", ".join(AB_VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -243,6 +259,15 @@ def main() -> None:
                 capture(mode == "on")
                 case[f"graph_overlap_{mode}"] = time_ms(step, args.iters)
                 print(f"B={B}: graph (overlap {mode}) {case[f'graph_overlap_{mode}']['median_ms']:.2f} ms", flush=True)
+                model.graphs = None
+                torch.cuda.empty_cache()
+            for name in [a for a in args.ab.split(",") if a]:
+                what, apply, undo = AB_VARIANTS[name]
+                apply(model)
+                capture(modes[0] == "on")
+                case[f"graph_{name}"] = dict(time_ms(step, args.iters), what=what)
+                print(f"B={B}: graph ({name}) {case[f'graph_{name}']['median_ms']:.2f} ms", flush=True)
+                undo(model)
                 model.graphs = None
                 torch.cuda.empty_cache()
             case["overlap_shared"] = modes[0] == "on"

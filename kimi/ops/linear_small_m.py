@@ -87,6 +87,7 @@ __all__ = [
     "linear_small_m",
     "linear",
     "load_table",
+    "prologue_config",
     "lookup",
 ]
 
@@ -158,14 +159,43 @@ def _block_m(m: int) -> int:
 SMEM_BUDGET = 220 * 1024  # H100/H200: 227 KiB of shared memory per block
 
 
-def _num_stages(cfg: "SmallMConfig", block_m: int) -> int:
-    """cfg.num_stages, lowered (not below 2) so that num_stages buffers of the x and W tiles fit SMEM_BUDGET."""
-    stage_bytes = (block_m + cfg.block_n) * cfg.block_k * 2
+def _num_stages(cfg: "SmallMConfig", block_m: int, prologue: int = 0) -> int:
+    """cfg.num_stages, lowered (not below 2) so that num_stages buffers of the x (two with the SiLU prologue) and
+    W tiles fit SMEM_BUDGET."""
+    stage_bytes = ((2 if prologue == 2 else 1) * block_m + cfg.block_n) * cfg.block_k * 2
     return max(2, min(cfg.num_stages, SMEM_BUDGET // stage_bytes))
 
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_M] fp32 1 / sqrt(mean(x[m, :K]^2) + eps) of the (clamped) rows of x (the RMSNorm prologue)."""
+        rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xv = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                         mask=(k0 + offs_k)[None, :] < K, other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, axis=1)
+        return 1.0 / tl.sqrt(ss / K + eps)
+
+    @triton.jit
+    def _prologue(xt, ut, g_ptr, rstd, k, K, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The x tile [BLOCK_M, BLOCK_K] the GEMM multiplies, from the loaded tile(s), rounded to x's dtype as the
+        unfused ops round their outputs. PROLOGUE 0: xt as is; 1 (RMSNorm): gamma[k] * (xt * rstd[m]);
+        2 (SiLU * up): silu(xt) rounded, times ut (the up half's tile)."""
+        if PROLOGUE == 1:
+            offs_k = k + tl.arange(0, BLOCK_K)
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            return (g[None, :] * (xt.to(tl.float32) * rstd[:, None])).to(xt.dtype)
+        elif PROLOGUE == 2:
+            gt = xt.to(tl.float32)
+            sg = (gt / (1.0 + tl.exp(-gt))).to(xt.dtype).to(tl.float32)
+            return (sg * ut.to(tl.float32)).to(xt.dtype)
+        else:
+            return xt
 
     @triton.jit
     def _store_tile(acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k,
@@ -200,11 +230,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "ITERS", "LAST_ITERS"])
     def _linear_small_m_kernel(
-        x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr,
+        x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, g_ptr,
         M, N, K, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS,
-        stride_xm, stride_wn, stride_ym,
+        stride_xm, stride_wn, stride_ym, eps,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+        PROLOGUE: tl.constexpr = 0,
     ):
         """Pointer (cp.async) variant. ITERS / LAST_ITERS: K steps of every split but the last / of the last
         (plain arguments: Triton's interpreter cannot bound a loop by a program_id-derived value)."""
@@ -224,18 +255,27 @@ if HAS_TRITON:
             num_iters = LAST_ITERS
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_kb)[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_start + offs_kb)[None, :]  # [BLOCK_N, BLOCK_K]
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if PROLOGUE == 1:
+            rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_K)
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(0, num_iters):
+            ut = None
             if EVEN_K:
                 xt = tl.load(x_ptrs)
                 wt = tl.load(w_ptrs)
+                if PROLOGUE == 2:
+                    ut = tl.load(x_ptrs + K)
             else:
                 kmask = (k_start + i * BLOCK_K + offs_kb) < K
                 xt = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
                 wt = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+                if PROLOGUE == 2:
+                    ut = tl.load(x_ptrs + K, mask=kmask[None, :], other=0.0)
+            xt = _prologue(xt, ut, g_ptr, rstd, k_start + i * BLOCK_K, K, PROLOGUE, BLOCK_K)
             if SWAP_AB:
                 acc = tl.dot(wt, tl.trans(xt), acc)  # [BLOCK_N, BLOCK_M]
             else:
@@ -247,10 +287,10 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "ITERS", "LAST_ITERS"])
     def _linear_small_m_tma_kernel(
-        x_desc, w_desc, y_ptr, ws_ptr, cnt_ptr,
-        M, N, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS, stride_ym,
+        x_desc, w_desc, y_ptr, ws_ptr, cnt_ptr, x_ptr, g_ptr,
+        M, N, K, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS, stride_ym, stride_xm, eps,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+        USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, PROLOGUE: tl.constexpr = 0,
     ):
         """TMA variant: x and W tiles come through host-built tensor descriptors (x: shape [M, K], box
         [BLOCK_M, BLOCK_K]; W: [N, K], box [BLOCK_N, BLOCK_K]); out-of-range rows / K are zero-filled by the
@@ -266,9 +306,16 @@ if HAS_TRITON:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if PROLOGUE == 1:
+            rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_K)
         for i in range(0, num_iters):
             xt = x_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
             wt = w_desc.load([n0, k])  # [BLOCK_N, BLOCK_K]
+            ut = None
+            if PROLOGUE == 2:
+                ut = x_desc.load([0, k + K])  # the up half (x's descriptor spans [M, 2K])
+            xt = _prologue(xt, ut, g_ptr, rstd, k, K, PROLOGUE, BLOCK_K)
             if SWAP_AB:
                 acc = tl.dot(wt, tl.trans(xt), acc)
             else:
@@ -309,12 +356,13 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor, bm: int, bn: int, bk: int) -> bool
             and (w.stride(0) * e) % 16 == 0 and max(bm, bn, bk) <= 256)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_per_k: int = 1) -> None:
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    M, K = x.shape
+    M, Kx = x.shape
     N, Kw = w.shape
-    if Kw != K:
+    K = Kx // x_cols_per_k
+    if Kw != K or Kx != K * x_cols_per_k:
         raise ValueError(f"K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
     if not 1 <= M <= MAX_M:
         raise ValueError(f"M={M} outside 1..{MAX_M}")
@@ -333,27 +381,41 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                   config: SmallMConfig | None = None) -> torch.Tensor:
-    """y = x @ w^T with the Triton small-M kernel (always; no dispatch).
+                   config: SmallMConfig | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                   silu_mul: bool = False) -> torch.Tensor:
+    """y = x @ w^T with the Triton small-M kernel (always; no dispatch), optionally with a fused prologue.
 
     Args:
-        x: [M, K] bf16 (or fp16), 1 <= M <= 64, unit stride on K (row stride free), CUDA.
+        x: [M, K] bf16 (or fp16), 1 <= M <= 64, unit stride on K (row stride free), CUDA; [M, 2K] with silu_mul.
         w: [N, K] same dtype and device, unit stride on K (nn.Linear layout).
         out: optional [M, N] output (same dtype/device, unit stride on N); written and returned.
         config: kernel variant; default: the table's pick for this shape, else SmallMConfig().
+        norm_weight: [K] RMSNorm weight: y = rmsnorm(x) @ w^T, rmsnorm(x)[m, k] = norm_weight[k] * x[m, k] /
+            sqrt(mean_k(x[m]^2) + eps) in fp32, rounded to x's dtype before the product (as kimi.ops.fused.rms_norm
+            then a GEMM; KIMI.md section 3's q_a_layernorm).
+        silu_mul: y = (silu(x[:, :K]) * x[:, K:]) @ w^T, silu rounded to x's dtype first and the product rounded
+            again (as kimi.ops.fused.silu_mul then a GEMM; the gated MLP's down projection).
 
     Returns:
         y [M, N], dtype of x: fp32 accumulation, one rounding.
 
     Raises:
         RuntimeError if Triton is not installed; ValueError for shapes / dtypes / devices / strides outside
-        the limits above (see the module docstring).
+        the limits above (see the module docstring) or both prologues at once.
     """
     if not HAS_TRITON:
         raise RuntimeError("linear_small_m needs Triton (not installed)")
-    _check(x, w, out)
-    M, K = x.shape
-    N = w.shape[0]
+    if norm_weight is not None and silu_mul:
+        raise ValueError("linear_small_m: norm_weight and silu_mul are exclusive")
+    _check(x, w, out, 2 if silu_mul else 1)
+    prologue = 1 if norm_weight is not None else (2 if silu_mul else 0)
+    if prologue == 1 and (norm_weight.shape != (w.shape[1],) or norm_weight.device != x.device
+                          or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be a contiguous [{w.shape[1]}] tensor on {x.device}, "
+                         f"got {tuple(norm_weight.shape)} on {norm_weight.device}")
+    M = x.shape[0]
+    N, K = w.shape
+    g = norm_weight if prologue == 1 else x  # any pointer when unused
     if config is None:
         config = lookup(M, N, K, x.device) or SmallMConfig()
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -372,7 +434,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
             if cnt is None:
                 warnings.warn("linear_small_m: first split-K call is under CUDA-graph capture; using F.linear "
                               "for it (call once eagerly before capturing)", stacklevel=2)
-                return torch.matmul(x, w.t(), out=y) if out is not None else F.linear(x, w)
+                return _unfused(x, w, y if out is not None else None, norm_weight, eps, silu_mul)
             ws = torch.empty((split, n_tiles, bm * bn), dtype=torch.float32, device=x.device)
     if split == 1:
         k_per_split = k_blocks * bk
@@ -380,24 +442,36 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     iters, last_iters = k_per_split // bk, triton.cdiv(K - (split - 1) * k_per_split, bk)
     use_split = split > 1
     if config.tma and _tma_ok(x, w, bm, bn, bk):
-        x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk])
+        x_desc = TensorDescriptor(x, [M, x.shape[1]], [x.stride(0), 1], [bm, bk])
         w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
         _linear_small_m_tma_kernel[(n_tiles, split)](
-            x_desc, w_desc, y, ws, cnt,
-            M, N, k_per_split, split, iters, last_iters, y.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_SPLIT=use_split, SWAP_AB=config.swap_ab,
-            num_warps=config.num_warps, num_stages=_num_stages(config, bm),
+            x_desc, w_desc, y, ws, cnt, x, g,
+            M, N, K, k_per_split, split, iters, last_iters, y.stride(0), x.stride(0), float(eps),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_SPLIT=use_split, SWAP_AB=config.swap_ab, PROLOGUE=prologue,
+            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue),
         )
     else:
         _linear_small_m_kernel[(n_tiles, split)](
-            x, w, y, ws, cnt,
+            x, w, y, ws, cnt, g,
             M, N, K, k_per_split, split, iters, last_iters,
-            x.stride(0), w.stride(0), y.stride(0),
+            x.stride(0), w.stride(0), y.stride(0), float(eps),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            USE_SPLIT=use_split, SWAP_AB=config.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
-            num_warps=config.num_warps, num_stages=_num_stages(config, bm),
+            USE_SPLIT=use_split, SWAP_AB=config.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, PROLOGUE=prologue,
+            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue),
         )
     return y
+
+
+def _unfused(x, w, out, norm_weight, eps, silu_mul):
+    """The prologue (torch references kimi.ops.norm.rms_norm / F.silu, same roundings) then F.linear."""
+    if norm_weight is not None:
+        from kimi.ops.norm import rms_norm
+
+        x = rms_norm(x, norm_weight, eps)
+    elif silu_mul:
+        K = x.shape[1] // 2
+        x = F.silu(x[:, :K]) * x[:, K:]
+    return torch.matmul(x, w.t(), out=out) if out is not None else F.linear(x, w)
 
 
 # ----------------------------------------------------------------------------------------------------- dispatch
@@ -476,6 +550,22 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x2.stride(1) != 1:
         return F.linear(x, w)
     return linear_small_m(x2, w, config=cfg).reshape(*x.shape[:-1], w.shape[0])
+
+
+FUSE_PROLOGUE = os.environ.get("KIMI_FUSE_PROLOGUE", "1") != "0"  # module flag: tools/bench_decode.py A/Bs it
+
+
+def prologue_config(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> SmallMConfig | None:
+    """The config to run `linear_small_m` with a fused prologue (norm_weight, or silu_mul) for x [M, K] ([M, 2K]
+    with silu_mul) and w [N, K], or None: then run the prologue op and `linear` apart. Not None only when `linear`
+    itself would take the Triton path for (M, N, K) (the table's entry; the plain GEMM's config is used), and
+    FUSE_PROLOGUE ($KIMI_FUSE_PROLOGUE != "0") is on."""
+    if not (HAS_TRITON and _ENABLED and FUSE_PROLOGUE and x.is_cuda and x.dim() == 2 and w.dim() == 2
+            and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and w.stride(1) == 1 and w.device == x.device and x.shape[1] == w.shape[1] * (2 if silu_mul else 1)
+            and 1 <= x.shape[0] <= MAX_M):
+        return None
+    return lookup(x.shape[0], w.shape[0], w.shape[1], x.device)
 
 
 def table_entry(cfg: SmallMConfig) -> dict:

@@ -32,6 +32,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.linear_small_m import linear as dense_linear
+from kimi.ops.linear_small_m import linear_small_m, prologue_config
 from kimi.ops.bmm_small_m import bmm_heads
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer
@@ -136,7 +137,12 @@ class GPUMLAAttention(MLAAttention):
         if w_qkv_a is not None:  # merged q_a + kv_a projection (one GEMM), fused norms / rope / cache write
             ql = self.cfg.q_lora_rank
             qkv_a = dense_linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
-            q = dense_linear(fused.rms_norm(qkv_a[:, :ql], self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+            q_a = qkv_a[:, :ql]  # [T, q_lora]
+            cfg = prologue_config(q_a, self.q_b_proj)
+            if cfg is not None:  # q_a_layernorm fused into the q_b GEMM's x loads
+                q = linear_small_m(q_a, self.q_b_proj, config=cfg, norm_weight=self.q_a_layernorm, eps=LATENT_NORM_EPS)
+            else:
+                q = dense_linear(fused.rms_norm(q_a, self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
             kv_a = qkv_a[:, ql:]  # [T, L + R]
         elif self.cfg.q_lora_rank is not None:
             q_lat_in = rms_norm(F.linear(hidden, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
@@ -300,11 +306,16 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
 
 def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
-    """DenseMLP.forward with the merged gate/up weight `w13` (set by _finish) and the fused SiLU * up."""
+    """DenseMLP.forward with the merged gate/up weight `w13` (set by _finish) and SiLU * up fused into the down
+    GEMM where kimi.ops.linear_small_m.prologue_config allows (else the fused.silu_mul kernel)."""
     w13 = getattr(m, "w13", None)
     if w13 is None:
         return m(x)
-    return dense_linear(fused.silu_mul(dense_linear(x, w13)), m.down_proj)
+    y13 = dense_linear(x, w13)  # [T, 2I]
+    cfg = prologue_config(y13, m.down_proj, silu_mul=True)
+    if cfg is not None:  # SiLU * up fused into the down GEMM's x loads
+        return linear_small_m(y13, m.down_proj, config=cfg, silu_mul=True)
+    return dense_linear(fused.silu_mul(y13), m.down_proj)
 
 
 def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -178,3 +178,34 @@ def test_errors():
         lsm.linear_small_m(torch.randn(4, 128, device="cuda", dtype=torch.float32), w)
     with pytest.raises(ValueError):
         lsm.linear_small_m(torch.randn(4, 128, device="cuda", dtype=torch.bfloat16), w.t().contiguous().t())
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "silu_mul"])
+def test_fused_prologues_vs_unfused(kind):
+    """The RMSNorm (q_a_layernorm -> q_b) and SiLU * up (-> down) prologues against the unfused ops in fp32 after
+    the same roundings; table configs where present, plus a pointer and a split-K variant."""
+    from kimi.ops.norm import rms_norm
+
+    N, K = (12288, 1536) if kind == "rmsnorm" else (7168, 2048)
+    torch.manual_seed(7)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    g = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+    for M in (1, 5, 8, 32, 64):
+        if kind == "rmsnorm":
+            x = (torch.randn(M, K + 576, device="cuda", dtype=torch.bfloat16) * 3)[:, :K]  # a slice of qkv_a
+            xin = rms_norm(x.float(), g.float(), 1e-6).to(torch.bfloat16)
+            kw = dict(norm_weight=g, eps=1e-6)
+        else:
+            x = torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16)
+            xin = (F.silu(x[:, :K].float()).to(torch.bfloat16).float() * x[:, K:].float()).to(torch.bfloat16)
+            kw = dict(silu_mul=True)
+        base = lsm.lookup(M, N, K, torch.device("cuda")) or lsm.SmallMConfig()
+        cfgs = [base, lsm.SmallMConfig(**{**lsm.table_entry(base), "tma": False}),
+                lsm.SmallMConfig(**{**lsm.table_entry(base), "split_k": 2})]
+        for cfg in cfgs:
+            y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            lsm.linear_small_m(x, w, out=y, config=cfg, **kw)
+            try:
+                _check(xin, w, y)
+            except AssertionError as e:
+                raise AssertionError(f"{kind} M={M} {cfg.name()}: {e}") from None

@@ -83,6 +83,35 @@ _INTERP_SCRIPT = textwrap.dedent("""
 """)
 
 
+_INTERP_PROLOGUE = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from kimi.ops.linear_small_m import SmallMConfig, linear_small_m
+    from kimi.ops.norm import rms_norm
+    torch.manual_seed(0)
+    cases = [(3, 40, 200, SmallMConfig(block_n=32, block_k=64)),                    # ragged K, N < tile
+             (8, 96, 256, SmallMConfig(block_n=32, block_k=64, split_k=2, swap_ab=True)),
+             (5, 64, 192, SmallMConfig(block_n=32, block_k=64, tma=True)),
+             (17, 96, 256, SmallMConfig(block_n=32, block_k=64, split_k=2, swap_ab=True, tma=True))]
+    for M, N, K, cfg in cases:
+        w = torch.randn(N, K).half()
+        x = (torch.randn(M, K + 8) * 3).half()[:, :K]          # strided rows, as q_a is a slice of qkv_a
+        g = (torch.rand(K) + 0.5).half()
+        ref = rms_norm(x.float(), g.float(), 1e-6).half().float() @ w.float().T
+        y = torch.full((M, N), float("nan")).half()
+        linear_small_m(x, w, out=y, config=cfg, norm_weight=g, eps=1e-6)
+        err = (y.float() - ref).abs().max().item()
+        assert err <= 1e-2 * ref.abs().max().item(), ("rmsnorm", M, N, K, cfg, err)
+        x2 = torch.randn(M, 2 * K).half()
+        ref2 = (F.silu(x2[:, :K].float()).half().float() * x2[:, K:].float()).half().float() @ w.float().T
+        y2 = torch.full((M, N), float("nan")).half()
+        linear_small_m(x2, w, out=y2, config=cfg, silu_mul=True)
+        err2 = (y2.float() - ref2).abs().max().item()
+        assert err2 <= 1e-2 * ref2.abs().max().item(), ("silu_mul", M, N, K, cfg, err2)
+    print("OK")
+""")
+
+
 def _interpreter_usable() -> str | None:
     import numpy as np
 
@@ -105,3 +134,22 @@ def test_kernel_under_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=60,
                        cwd=REPO)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_prologues_under_triton_interpreter():
+    """The fused RMSNorm and SiLU * up prologues (pointer and TMA kernels, split-K) against the unfused ops."""
+    why = _interpreter_usable()
+    if why:
+        pytest.skip(why)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-c", _INTERP_PROLOGUE], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_prologue_checks_and_cpu_dispatch():
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    assert lsm.prologue_config(x, w) is None  # CPU tensors: never the fused kernel
+    if lsm.HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(ValueError):
+            lsm.linear_small_m(x, w, norm_weight=torch.ones(64), silu_mul=True)

@@ -1,23 +1,37 @@
 """Fused Triton kernels for the GPU decode path (kimi/worker/gpu_model.py), each with its plain-PyTorch reference.
 
 The CPU model keeps the references (kimi/ops/norm.py, rope.py, moe.py); the GPU model calls the fused ops.
+All launches are CUDA-graph capturable: no host synchronisation, no tensor-dependent host control flow; the only
+persistent buffer (the router's int32 arrival counters) is allocated by the first call outside capture.
 
 - `rms_norm` / `add_rms_norm`: RMSNorm in fp32 over the last dim, optionally after a residual add of one or two
   deltas (`h_new = h + d1 (+ d2)`; returns (h_new, rmsnorm(h_new))). Strided rows allowed (row stride only).
+  One program per row; the weight load is issued first (before the h_new store, which the compiler must assume
+  may alias it), so a program waits for one round of loads instead of two.
 - `silu_mul`: `silu(y[:, :I]) * y[:, I:]` for y [M, 2I] (the merged gate/up GEMM output).
 - `mla_rope_kv_write`: one kernel per step and layer for the MLA latent path: rmsnorm(kv_a[:, :L]) and
   rope(kv_a[:, L:]) written into the paged cache at slot_mapping, plus rope of q_pe into a contiguous [T, H, R].
+  Grid (T, head groups + 1): each row's q heads are split over several programs, the last program of a row does
+  the latent rmsnorm + k_pe rope + cache write. Interleaved rope pairs are loaded as contiguous rows and split
+  into even / odd lanes in registers (tl.reshape + tl.split), re-interleaved with tl.join for the store.
 - `router_topk`: noaux_tc router: sigmoid(x @ gate^T) (bf16 inputs, fp32 accumulation: bf16 products are exact in
   fp32, so this equals the fp32 reference up to summation order), top-k of `s + bias`, weights = s normalised
-  and scaled. Two kernels (split-K logits with fp32 atomics into a zeroed buffer; per-row top-k).
-- `moe_align_fused`: kimi.ops.moe_int4_triton.moe_align's outputs from two kernels (histogram + padded offsets +
-  block experts in one program; atomic slot claims for the pairs). Pairs within one expert are in arbitrary
-  order (each GEMM row is independent of the others; the combine reads pairs by id).
+  and scaled. For T <= ROUTER_FUSED_MAX_T one kernel (split-K, "last arriving program reduces" with int32
+  arrival counters, see `_router_fused_kernel`); above, or when the counter buffer does not exist yet under
+  graph capture, two kernels (split-K partials; per-row sum in split order + top-k). Both are run-to-run
+  deterministic: partial sums are added in the fixed split order, never with float atomics.
+- `moe_align_fused`: kimi.ops.moe_int4_triton.moe_align's outputs. For P = T*k <= ALIGN_ONE_PROGRAM_MAX_P one
+  program (histogram, padded offsets, block experts, sentinel fill, and each pair's slot = padded start of its
+  expert + its rank among that expert's pairs by a one-hot cumsum): the same pair order as moe_align's stable
+  sort, deterministic. Above, two kernels (histogram program; atomic slot claims: pairs within one expert in
+  arbitrary order, which the GEMMs and the combine do not depend on).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +43,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 __all__ = [
     "rms_norm", "add_rms_norm", "silu_mul", "mla_rope_kv_write", "router_topk", "moe_align_fused",
     "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
+    "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P",
 ]
+
+ROUTER_FUSED_MAX_T = 256  # router_topk: one fused kernel up to this many rows, the two-kernel path above
+ALIGN_ONE_PROGRAM_MAX_P = 4096  # moe_align_fused: one program up to this many (token, slot) pairs
 
 
 # ---- RMSNorm (+ residual add) ----------------------------------------------------------------------------
@@ -41,6 +59,9 @@ def _rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
+    # the weight first: loaded after the h store below, it would wait for that store (h may alias w as far as
+    # the compiler knows), adding a second memory round trip to the program
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * x_stride + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_D1:
         x += tl.load(d1_ptr + row * d1_stride + offs, mask=m, other=0.0).to(tl.float32)
@@ -51,7 +72,6 @@ def _rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr
         x = xr.to(tl.float32)  # normalise the stored (rounded) residual, as the reference does
     ms = tl.sum(x * x, axis=0) / D
     r = 1.0 / tl.sqrt(ms + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_stride + offs, (w * (x * r)).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -60,7 +80,8 @@ def _nw(block: int) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, D] (last dim contiguous, any row stride) -> rmsnorm [T, D] in x.dtype (fp32 math)."""
+    """x [T, D] (last dim contiguous, any row stride), weight [D] -> rmsnorm [T, D] in x.dtype (fp32 math,
+    kimi.ops.norm.rms_norm). out: optional [T, D] destination (unit last-dim stride), returned."""
     T, D = x.shape
     assert x.stride(1) == 1
     y = torch.empty((T, D), dtype=x.dtype, device=x.device) if out is None else out
@@ -73,7 +94,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def add_rms_norm(h: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(h + d1 (+ d2), rmsnorm(that)): h, d1, d2 [T, D]; returns (h_new [T, D] h.dtype, y [T, D] h.dtype)."""
+    """(h + d1 (+ d2), rmsnorm(that)): h, d1, d2 [T, D] (unit last-dim stride); returns (h_new [T, D] h.dtype,
+    y [T, D] h.dtype). The sum is rounded to h.dtype once and y normalises that rounded value (add_rms_norm_ref)."""
     T, D = h.shape
     h_new = torch.empty((T, D), dtype=h.dtype, device=h.device)
     y = torch.empty((T, D), dtype=h.dtype, device=h.device)
@@ -132,39 +154,55 @@ def silu_mul_ref(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
 
 
 @triton.jit
+def _rope_pairs(x, c, s, ROWS: tl.constexpr, R: tl.constexpr):
+    """Interleaved rope of x [ROWS, R] fp32 (pairs (2i, 2i+1)) with c, s [R/2] fp32 -> [ROWS, R] fp32:
+    y[2i] = x[2i] c_i - x[2i+1] s_i, y[2i+1] = x[2i+1] c_i + x[2i] s_i (kimi.ops.rope.apply_rope_interleaved)."""
+    x0, x1 = tl.split(tl.reshape(x, (ROWS, R // 2, 2)))
+    cc = c[None, :]
+    ss = s[None, :]
+    return tl.reshape(tl.join(x0 * cc - x1 * ss, x1 * cc + x0 * ss), (ROWS, R))
+
+
+@triton.jit
 def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                        cache_ptr, qpe_ptr, H, N, L, eps, R2: tl.constexpr, BLOCK_H: tl.constexpr,
+                        cache_ptr, qpe_ptr, H, N, L, eps, R: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_L: tl.constexpr):
+    # grid (T, cdiv(H, BLOCK_H) + 1): programs 0.. of a row rope BLOCK_H heads of q_pe each; the last one does
+    # the latent rmsnorm, the k_pe rope and the cache write of that row
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    i = tl.arange(0, R2)
-    c = tl.load(cos_ptr + pos * R2 + i)
-    s = tl.load(sin_ptr + pos * R2 + i)
-    R = 2 * R2
-    row_stride = L + R
-    # latent: rmsnorm(kv_a[t, :L]) -> cache[slot, :L]
-    lo = tl.arange(0, BLOCK_L)
-    lm = lo < L
-    x = tl.load(kva_ptr + t * kva_s0 + lo, mask=lm, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
-    w = tl.load(w_ptr + lo, mask=lm, other=0.0).to(tl.float32)
-    ckv = (w * (x * r)).to(kva_ptr.dtype.element_ty)
-    tl.store(cache_ptr + slot * row_stride + lo, ckv.to(cache_ptr.dtype.element_ty), mask=lm)
-    # k_pe: rope(kv_a[t, L:]) -> cache[slot, L:]
-    k0 = tl.load(kva_ptr + t * kva_s0 + L + 2 * i).to(tl.float32)
-    k1 = tl.load(kva_ptr + t * kva_s0 + L + 2 * i + 1).to(tl.float32)
-    tl.store(cache_ptr + slot * row_stride + L + 2 * i, (k0 * c - k1 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
-    tl.store(cache_ptr + slot * row_stride + L + 2 * i + 1, (k1 * c + k0 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
-    # q_pe: rope(q[t, h, N:]) -> qpe[t, h, :]
-    hh = tl.arange(0, BLOCK_H)
-    hm = hh < H
-    qb = q_ptr + t * q_s0 + hh[:, None] * q_s1 + N + 2 * i[None, :]
-    q0 = tl.load(qb, mask=hm[:, None], other=0.0).to(tl.float32)
-    q1 = tl.load(qb + 1, mask=hm[:, None], other=0.0).to(tl.float32)
-    ob = qpe_ptr + t * H * R + hh[:, None] * R + 2 * i[None, :]
-    tl.store(ob, (q0 * c[None, :] - q1 * s[None, :]).to(qpe_ptr.dtype.element_ty), mask=hm[:, None])
-    tl.store(ob + 1, (q1 * c[None, :] + q0 * s[None, :]).to(qpe_ptr.dtype.element_ty), mask=hm[:, None])
+    g = tl.program_id(1)
+    R2: tl.constexpr = R // 2
+    ri = tl.arange(0, R)
+    if g == tl.num_programs(1) - 1:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        lo = tl.arange(0, BLOCK_L)
+        lm = lo < L
+        row = kva_ptr + t * kva_s0
+        w = tl.load(w_ptr + lo, mask=lm, other=0.0).to(tl.float32)
+        x = tl.load(row + lo, mask=lm, other=0.0).to(tl.float32)
+        kp = tl.load(row + L + ri).to(tl.float32)  # k_pe [R], contiguous
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c = tl.load(cos_ptr + pos * R2 + tl.arange(0, R2))
+        s = tl.load(sin_ptr + pos * R2 + tl.arange(0, R2))
+        # latent: rmsnorm(kv_a[t, :L]) -> cache[slot, :L]
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+        ckv = (w * (x * r)).to(kva_ptr.dtype.element_ty)
+        crow = cache_ptr + slot * (L + R)
+        tl.store(crow + lo, ckv.to(cache_ptr.dtype.element_ty), mask=lm)
+        # k_pe: rope(kv_a[t, L:]) -> cache[slot, L:]
+        kr = tl.reshape(_rope_pairs(tl.reshape(kp, (1, R)), c, s, 1, R), (R,))
+        tl.store(crow + L + ri, kr.to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
+    else:
+        # q_pe: rope(q[t, h, N:]) -> qpe[t, h, :] for h in this program's head group
+        hh = g * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = hh[:, None] < H
+        qv = tl.load(q_ptr + t * q_s0 + hh[:, None].to(tl.int64) * q_s1 + N + ri[None, :], mask=hm,
+                     other=0.0).to(tl.float32)  # [BLOCK_H, R], rows contiguous
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c = tl.load(cos_ptr + pos * R2 + tl.arange(0, R2))
+        s = tl.load(sin_ptr + pos * R2 + tl.arange(0, R2))
+        qr = _rope_pairs(qv, c, s, BLOCK_H, R)
+        tl.store(qpe_ptr + t * H * R + hh[:, None] * R + ri[None, :], qr.to(qpe_ptr.dtype.element_ty), mask=hm)
 
 
 def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tensor, eps: float,
@@ -173,18 +211,22 @@ def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tens
     """q [T, H, N + R] (last dim contiguous), kv_a [T, L + R] (row stride any) -> q_pe roped [T, H, R] contiguous.
 
     Writes cache.view(-1, L + R)[slot_mapping[t]] = cat(rmsnorm(kv_a[t, :L]), rope(kv_a[t, L:])) for every t.
-    cos_cache / sin_cache: [P, R/2] float32 contiguous (RotaryEmbedding's, mscale folded in).
+    cos_cache / sin_cache: [P, R/2] float32 contiguous (RotaryEmbedding's, mscale folded in); positions,
+    slot_mapping: [T] integer; kv_norm_w [L]; kv_cache contiguous [..., L + R]. R must be a power of two.
+    Math: mla_rope_kv_write_ref (rms_norm in fp32, rope in fp32, each rounded once to the model dtype).
     """
     T, H, NR = q.shape
     R = NR - nope
     L = kv_a.shape[1] - R
     assert q.stride(2) == 1 and kv_a.stride(1) == 1 and kv_cache.is_contiguous() and kv_cache.shape[-1] == L + R
+    assert R >= 2 and R & (R - 1) == 0
     qpe = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
     if T == 0:
         return qpe
-    _mla_rope_kv_kernel[(T,)](q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache,
-                              positions, slot_mapping, kv_cache, qpe, H, nope, L, eps, R2=R // 2,
-                              BLOCK_H=triton.next_power_of_2(H), BLOCK_L=triton.next_power_of_2(L), num_warps=4)
+    BH = min(triton.next_power_of_2(H), 8 if T <= 64 else 32)  # small T: more programs per row
+    _mla_rope_kv_kernel[(T, triton.cdiv(H, BH) + 1)](
+        q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache, positions, slot_mapping,
+        kv_cache, qpe, H, nope, L, eps, R=R, BLOCK_H=BH, BLOCK_L=triton.next_power_of_2(L), num_warps=4)
     return qpe
 
 
@@ -205,6 +247,129 @@ def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 
 
 # ---- router ----------------------------------------------------------------------------------------------
+
+# int32 arrival counters of the fused router kernel: one buffer per device, allocated once (zeros) outside graph
+# capture, split in regions that successive calls rotate through; the kernel leaves every counter at 0.
+_NUM_COUNTER_REGIONS = 64
+_COUNTER_REGION = 4096
+_counter_lock = threading.Lock()
+_counters: dict[int, torch.Tensor] = {}
+_next_region = [0]
+_warned_capture = [False]
+
+
+def _counter_region(device: torch.device) -> torch.Tensor | None:
+    """The next counter region (int32 [_COUNTER_REGION], zero between calls) of `device`; None when the buffer
+    does not exist yet and the current stream is being captured (it must not be allocated inside a graph)."""
+    idx = -1 if device.type != "cuda" else (device.index if device.index is not None else torch.cuda.current_device())
+    with _counter_lock:
+        buf = _counters.get(idx)
+        if buf is None:
+            if idx >= 0 and torch.cuda.is_current_stream_capturing():
+                return None
+            buf = torch.zeros(_NUM_COUNTER_REGIONS * _COUNTER_REGION, dtype=torch.int32, device=device)
+            _counters[idx] = buf
+        r = _next_region[0]
+        _next_region[0] = (r + 1) % _NUM_COUNTER_REGIONS
+    return buf[r * _COUNTER_REGION:(r + 1) * _COUNTER_REGION]
+
+
+@triton.jit
+def _router_fused_kernel(x_ptr, x_s0, w_ptr, w_s0, bias_ptr, part_ptr, logit_ptr, cnt_ptr, wout_ptr, idout_ptr,
+                         T, E, D, K_SPLIT, scale, TOPK: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr,
+                         BE: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
+                         F32_DOT: tl.constexpr):
+    """Grid (n_e = cdiv(E, BE), n_split, n_t = cdiv(T, BT)). Program (pe, pk, pt) computes the fp32 partial
+    z[rows pt*BT.., experts pe*BE..] over K range [pk*K_SPLIT, +K_SPLIT) and stores it to its own workspace tile
+    part[pt, pe, pk]. Then (CTA barrier, acq_rel atomic on counter[pt, pe]) the program that arrives last for
+    (pt, pe) sums the n_split tiles in the fixed order 0..n_split-1 (deterministic whatever the arrival order),
+    stores the logits tile, resets counter[pt, pe], and arrives on counter2[pt]; the last of the n_e tiles of row
+    block pt resets counter2[pt] and does sigmoid + bias + top-k + normalisation for those rows, SUB rows at a
+    time (_router_topk_rows). (The usual split-K "serial reduction" fix-up, written for this project.)
+
+    Top-k: each (row, expert) gets one int64 key = (order-preserving int32 image of s + bias) << 32 |
+    (BLOCK_E - 1 - expert), so one max-reduction per pick yields the largest value and, among exact ties, the
+    lowest expert id; the picked key is then knocked out. Weights: sigmoid of the gathered logits (the same
+    expression as the scores, so the same values)."""
+    pe = tl.program_id(0)
+    pk = tl.program_id(1)
+    pt = tl.program_id(2)
+    n_e = tl.num_programs(0)
+    n_split = tl.num_programs(1)
+    n_t = tl.num_programs(2)
+    rt = pt * BT + tl.arange(0, BT)
+    re = pe * BE + tl.arange(0, BE)
+    rows_x = tl.minimum(rt, T - 1).to(tl.int64)  # rows >= T re-read row T-1 (never stored)
+    rows_w = tl.minimum(re, E - 1).to(tl.int64)  # experts >= E likewise
+    acc = tl.zeros((BT, BE), dtype=tl.float32)
+    k0 = pk * K_SPLIT
+    for kk in range(0, K_SPLIT, BK):  # K_SPLIT is a multiple of BK
+        rk = k0 + kk + tl.arange(0, BK)
+        km = rk[None, :] < D
+        a = tl.load(x_ptr + rows_x[:, None] * x_s0 + rk[None, :], mask=km, other=0.0)  # [BT, BK]
+        b = tl.load(w_ptr + rows_w[:, None] * w_s0 + rk[None, :], mask=km, other=0.0)  # [BE, BK]
+        if F32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact products in fp32 instead
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(b))
+    tile = tl.arange(0, BT)[:, None] * BE + tl.arange(0, BE)[None, :]
+    grp = pt * n_e + pe
+    pbase = part_ptr + grp.to(tl.int64) * n_split * (BT * BE)
+    tl.store(pbase + pk * (BT * BE) + tile, acc)
+    tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
+    arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_split - 1:  # last split of (pt, pe): reduce in split order
+        z = tl.load(pbase + tile, cache_modifier=".cg")
+        for sp in range(1, n_split):
+            z += tl.load(pbase + sp * (BT * BE) + tile, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + grp, 0, sem="relaxed", scope="gpu")
+        # logits [n_t * BT, E]: padded rows exist, so only the expert mask
+        tl.store(logit_ptr + rt[:, None].to(tl.int64) * E + re[None, :], z, mask=re[None, :] < E)
+        tl.debug_barrier()
+        c2 = cnt_ptr + n_t * n_e + pt
+        done = tl.atomic_add(c2, 1, sem="acq_rel", scope="gpu")
+        if done == n_e - 1:  # last expert tile of row block pt: top-k of its rows, SUB rows at a time
+            tl.atomic_xchg(c2, 0, sem="relaxed", scope="gpu")
+            for sb in tl.static_range(BT // SUB):
+                if pt * BT + sb * SUB < T:  # (sub-blocks past the last row are skipped)
+                    _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, pt * BT + sb * SUB, T, E, scale,
+                                      TOPK, NORM, SUB, BLOCK_E)
+
+
+@triton.jit
+def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, r0, T, E, scale, TOPK: tl.constexpr,
+                      NORM: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+    """sigmoid + bias + top-k + normalisation of logits rows [r0, r0 + SUB) (rows >= T not stored; the logits
+    buffer has them). Loads with .cg: the logits were written by other programs (see _router_fused_kernel)."""
+    rt = r0 + tl.arange(0, SUB)
+    e = tl.arange(0, BLOCK_E)
+    em = e[None, :] < E
+    lrow = logit_ptr + rt[:, None].to(tl.int64) * E
+    zz = tl.load(lrow + e[None, :], mask=em, other=0.0, cache_modifier=".cg")  # [SUB, BLOCK_E]
+    sc = 1.0 / (1.0 + tl.exp(-zz))
+    choice = sc + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order
+    lowest = tl.full((SUB, BLOCK_E), -2147483648, tl.int32)
+    ordered = tl.where(em, ordered, lowest)
+    inv = tl.where(em, BLOCK_E - 1 - e[None, :], 0)
+    key = (ordered.to(tl.int64) << 32) | inv.to(tl.int64)
+    floor_key = lowest.to(tl.int64) << 32  # below every valid key
+    kk = tl.arange(0, TOPK)
+    ids = tl.zeros((SUB, TOPK), dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(key, axis=1)  # [SUB]
+        low = (m - ((m >> 32) << 32)).to(tl.int32)  # the inverted expert id
+        ids = tl.where(kk[None, :] == j, BLOCK_E - 1 - low[:, None], ids)
+        key = tl.where(key == m[:, None], floor_key, key)
+    zk = tl.load(lrow + ids, cache_modifier=".cg")  # [SUB, TOPK] logits of the picks
+    ws = 1.0 / (1.0 + tl.exp(-zk))
+    if NORM:
+        ws = ws / tl.sum(ws, axis=1)[:, None]
+    om = rt[:, None] < T
+    optr = rt[:, None].to(tl.int64) * TOPK + kk[None, :]
+    tl.store(wout_ptr + optr, ws * scale, mask=om)
+    tl.store(idout_ptr + optr, ids.to(tl.int64), mask=om)
 
 
 @triton.jit
@@ -259,29 +424,83 @@ def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale
     tl.store(id_out + t * K + kk, ids)
 
 
+_RT_BT, _RT_BE, _RT_BK = 16, 32, 128
+_RT_SUB = 8  # rows per top-k step of the fused kernel ([8, 512] int64 keys: 64 registers a thread at 4 warps)
+
+
+def _router_split(D: int) -> tuple[int, int]:
+    """(n_split, k_split): K split in pieces of a multiple of BK (512 for Kimi's D=7168: 14 splits)."""
+    n_split = max(1, min(triton.cdiv(D, 512), 16))
+    k_split = triton.cdiv(triton.cdiv(D, n_split), _RT_BK) * _RT_BK
+    return triton.cdiv(D, k_split), k_split
+
+
+def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids):
+    """The two-kernel path (large T): split-K partials [n_split, T, E] fp32, then one top-k program per row."""
+    T, D = x.shape
+    E = gate_weight.shape[0]
+    n_split, k_split = _router_split(D)
+    logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
+    _router_logits_kernel[(triton.cdiv(E, _RT_BE), n_split, triton.cdiv(T, _RT_BT))](
+        x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=_RT_BT, BE=_RT_BE, BK=_RT_BK,
+        F32_DOT=_INTERPRET, num_warps=4)
+    _router_topk_kernel[(T,)](logits, bias, w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+    return w, ids
+
+
+def _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt):
+    """The one-kernel path (_router_fused_kernel); cnt: a zeroed int32 counter region."""
+    T, D = x.shape
+    E = gate_weight.shape[0]
+    n_split, k_split = _router_split(D)
+    n_e, n_t = triton.cdiv(E, _RT_BE), triton.cdiv(T, _RT_BT)
+    part = torch.empty((n_t * n_e * n_split * _RT_BT * _RT_BE,), dtype=torch.float32, device=x.device)
+    logits = torch.empty((n_t * _RT_BT, E), dtype=torch.float32, device=x.device)
+    _router_fused_kernel[(n_e, n_split, n_t)](
+        x, x.stride(0), gate_weight, gate_weight.stride(0), bias, part, logits, cnt, w, ids, T, E, D, k_split,
+        float(scale), TOPK=top_k, NORM=bool(norm_topk_prob), BT=_RT_BT, BE=_RT_BE, BK=_RT_BK, SUB=_RT_SUB,
+        BLOCK_E=triton.next_power_of_2(E), F32_DOT=_INTERPRET, num_warps=4)
+    return w, ids
+
+
 def router_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
                 norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi.ops.moe.select_experts on the GPU: x [T, D], gate_weight [E, D] (model dtype), bias [E] f32 ->
-    (topk_weights [T, k] f32, topk_ids [T, k] int64). top_k must be a power of two (8 for Kimi)."""
+    (topk_weights [T, k] f32, topk_ids [T, k] int64), ids in descending order of s + bias.
+
+    top_k must be a power of two (8 for Kimi) and <= E; x and gate_weight need unit last-dim stride
+    (AssertionError otherwise). One kernel for T <= ROUTER_FUSED_MAX_T, two above. The one-kernel path needs the
+    counter buffer, allocated by the first call outside CUDA-graph capture; a first call under capture takes the
+    two-kernel path (with a warning). Deterministic run to run on either path (no float atomics); ids equal the
+    reference's except where two scores are within fp32 summation-order noise of each other.
+    """
+    return _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, None)
+
+
+def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None):
+    """router_topk with the path forced (fused True / False; None: by T). For tests and tools/bench_fused.py."""
     T, D = x.shape
     E = gate_weight.shape[0]
-    assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0
+    assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
         return w, ids
-    BT, BE, BK = 16, 32, 128
-    n_split = max(1, min(triton.cdiv(D, 512), 16))
-    k_split = triton.cdiv(triton.cdiv(D, n_split), BK) * BK
-    n_split = triton.cdiv(D, k_split)
     if x.dtype != gate_weight.dtype:
         x = x.to(gate_weight.dtype)
-    logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
-    _router_logits_kernel[(triton.cdiv(E, BE), n_split, triton.cdiv(T, BT))](
-        x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=BT, BE=BE, BK=BK, F32_DOT=_INTERPRET, num_warps=4)
-    _router_topk_kernel[(T,)](logits, bias.float(), w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=4)
-    return w, ids
+    bias = bias.float()
+    n_t, n_e = triton.cdiv(T, _RT_BT), triton.cdiv(E, _RT_BE)
+    use_fused = (T <= ROUTER_FUSED_MAX_T) if fused is None else fused
+    if use_fused and n_t * (n_e + 1) <= _COUNTER_REGION:
+        cnt = _counter_region(x.device)
+        if cnt is not None:
+            return _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt)
+        if not _warned_capture[0]:
+            _warned_capture[0] = True
+            warnings.warn("router_topk: first call is under CUDA-graph capture; using the two-kernel path "
+                          "(call once eagerly before capturing)", stacklevel=2)
+    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids)
 
 
 def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):
@@ -294,9 +513,10 @@ def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, cursor_ptr, bexp_ptr, npad_ptr, cap,
-                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
-    # one program: histogram of local experts, padded offsets, cursors, block experts, sentinel fill
+def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Histogram of local experts, padded offsets, num_padded, block experts, sentinel fill of sorted_ids[:cap].
+    Returns pad_start [BLOCK_E] int32 (0 past E)."""
     eo = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
@@ -309,7 +529,6 @@ def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, curso
     padded = (counts + bm - 1) // bm * bm
     pad_end = tl.cumsum(padded, axis=0)
     pad_start = pad_end - padded
-    tl.store(cursor_ptr + eo, pad_start, mask=eo < E)
     total = tl.sum(padded, axis=0)
     tl.store(npad_ptr, total)
     for b0 in range(0, max_blocks, BLOCK_B):
@@ -318,9 +537,20 @@ def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, curso
         ge = (pad_end[None, :] <= bstart[:, None]) & (eo[None, :] < E)
         be = tl.minimum(tl.sum(ge.to(tl.int32), axis=1), E - 1)
         tl.store(bexp_ptr + bo, be, mask=bo < max_blocks)
-    for c0 in range(0, cap, BLOCK_P):
-        co = c0 + tl.arange(0, BLOCK_P)
-        tl.store(sorted_ptr + co, tl.zeros((BLOCK_P,), dtype=tl.int32) + P, mask=co < cap)
+    for c0 in range(0, cap, BLOCK_F):
+        co = c0 + tl.arange(0, BLOCK_F)
+        tl.store(sorted_ptr + co, tl.zeros((BLOCK_F,), dtype=tl.int32) + P, mask=co < cap)
+    return pad_start
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, cursor_ptr, bexp_ptr, npad_ptr, cap,
+                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    # one program: histogram of local experts, padded offsets, cursors, block experts, sentinel fill
+    pad_start = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
+                              BLOCK_P, BLOCK_E, BLOCK_B, BLOCK_P)
+    eo = tl.arange(0, BLOCK_E)
+    tl.store(cursor_ptr + eo, pad_start, mask=eo < E)
 
 
 @triton.jit
@@ -333,21 +563,66 @@ def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: 
     tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
 
 
-def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int):
-    """Same outputs and contract as kimi.ops.moe_int4_triton.moe_align (pairs within an expert in any order)."""
+@triton.jit
+def _align_one_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
+                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
+    """One program: _align_header, then the pairs in chunks of BLOCK_C: one-hot [BLOCK_C, BLOCK_E] of each
+    pair's local expert, inclusive cumsum down the chunk = rank of the pair among its expert's pairs in the chunk
+    (+1); slot = pad_start[e] + pairs of e in earlier chunks + rank. Pairs keep ascending id order within an
+    expert (what moe_align's stable sort gives). No atomics."""
+    base = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
+                         BLOCK_C, BLOCK_E, BLOCK_B, BLOCK_F)
+    tl.debug_barrier()  # the sentinel fill is done (by all threads) before any pair's slot is written
+    eo = tl.arange(0, BLOCK_E)
+    for p0 in range(0, P, BLOCK_C):
+        po = p0 + tl.arange(0, BLOCK_C)
+        pm = po < P
+        loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
+        ok = pm & (loc >= 0) & (loc < E)
+        key = tl.where(ok, loc, E)  # column E (< BLOCK_E) collects the non-local pairs, never used
+        oh = (key[:, None] == eo[None, :]).to(tl.int32)  # [BLOCK_C, BLOCK_E]
+        rank = tl.cumsum(oh, axis=0)
+        dest = tl.sum(oh * (rank - 1 + base[None, :]), axis=1)  # [BLOCK_C]
+        tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
+        base += tl.sum(oh, axis=0)
+
+
+def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int):
     T, k = topk_ids.shape
     P = T * k
+    max_blocks = (P + block_m - 1) // block_m + min(num_local_experts, P)
+    return P, max_blocks, max_blocks * block_m
+
+
+def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int):
+    """kimi.ops.moe_int4_triton.moe_align on the GPU: same outputs and contract.
+
+    topk_ids [T, k] integer global expert ids (contiguous or reshapeable to [T*k]); experts
+    [expert_offset, expert_offset + E) are local. Returns (sorted_ids [max_blocks * block_m] int32 with sentinel
+    T*k in pads, block_expert [max_blocks] int32, num_padded [1] int32, max_blocks). For T*k <=
+    ALIGN_ONE_PROGRAM_MAX_P one program (pairs in moe_align's order: identical outputs, deterministic), above two
+    kernels (pairs within an expert in arbitrary order).
+    """
+    return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None)
+
+
+def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program: bool | None):
+    """moe_align_fused with the path forced (one_program True / False; None: by T*k). Tests and the benchmark."""
+    P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m)
     E = num_local_experts
     dev = topk_ids.device
-    max_blocks = (P + block_m - 1) // block_m + min(E, P)
-    cap = max_blocks * block_m
     ids = topk_ids.reshape(-1)
     sorted_ids = torch.empty((cap,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
     num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
-    cursor = torch.empty((E,), dtype=torch.int32, device=dev)
     BLOCK_E = triton.next_power_of_2(E + 1)
     BLOCK_B = max(16, min(128, 8192 // BLOCK_E))
+    if (P <= ALIGN_ONE_PROGRAM_MAX_P) if one_program is None else one_program:
+        BLOCK_C = max(16, min(triton.next_power_of_2(max(P, 1)), 8192 // BLOCK_E, 256))  # [C, BLOCK_E] int32
+        _align_one_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, block_expert, num_padded,
+                                cap, BLOCK_C=BLOCK_C, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, BLOCK_F=1024, num_warps=8)
+        return sorted_ids, block_expert, num_padded, max_blocks
+    cursor = torch.empty((E,), dtype=torch.int32, device=dev)
     _align_count_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, cursor, block_expert,
                               num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8)
     if P:

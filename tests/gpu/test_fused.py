@@ -1,8 +1,12 @@
 """Fused Triton kernels (kimi/ops/fused.py) against their plain-PyTorch references on the GPU.
 
 Fresh random inputs per test, outputs (and the KV cache) poisoned with NaN before the run, bf16 relative error
-||out - ref|| / ||ref|| <= 1e-2; router ids and align outputs compared exactly (align: as sets per row block).
+||out - ref|| / ||ref|| <= 1e-2; router ids and align outputs compared exactly (align: identical to moe_align on
+the single-program path, as sets per row block on the two-kernel path). Both paths of router_topk (one fused
+kernel / two kernels) and moe_align_fused (one program / two kernels) are tested forced and by their default
+dispatch at small and large T, the fused router also replayed in a CUDA graph (arrival counters reset).
 Shapes: the real Kimi-K2.6 ones (D 7168, q_lora 1536, latent 512 + 64, 64 heads, 384 experts top-8, 48 local).
+CPU interpreter versions: tests/unit/test_fused_cpu.py.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def test_silu_mul(M, I):
     assert rel_err(fused.silu_mul(y, I), fused.silu_mul_ref(y, I)) <= REL_TOL
 
 
-@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("T", [1, 8, 32, 64, 100])  # T > 64: the larger head group
 def test_mla_rope_kv_write(T):
     from kimi.ops import fused
 
@@ -82,17 +86,16 @@ def test_mla_rope_kv_write(T):
     assert f1[mask].isnan().all()  # nothing else written
 
 
-@pytest.mark.parametrize("T", [1, 8, 64, 256])
-def test_router_topk(T):
-    from kimi.ops import fused
-
+def _router_inputs(T, seed):
     E, D = 384, 7168
-    g = torch.Generator(device=DEV).manual_seed(200 + T)
+    g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(T, D, generator=g, device=DEV).to(torch.bfloat16)
     gw = (torch.randn(E, D, generator=g, device=DEV) * D**-0.5).to(torch.bfloat16)
     bias = torch.randn(E, generator=g, device=DEV) * 0.05
-    w, ids = fused.router_topk(x, gw, bias, 8, 2.827)
-    rw, rids = fused.router_topk_ref(x, gw, bias, 8, 2.827)
+    return x, gw, bias
+
+
+def _check_router(w, ids, rw, rids):
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
     same = (ids.sort(1).values == rids.sort(1).values).all(1)
     assert same.float().mean().item() >= 0.99  # fp32 summation order may swap a near-tie
@@ -100,15 +103,60 @@ def test_router_topk(T):
     assert rel_err(w.gather(1, so)[same], rw.gather(1, ro)[same]) <= 1e-5
 
 
-@pytest.mark.parametrize("T,bm", [(8, 8), (64, 16), (64, 64), (256, 16), (2048, 64)])
-def test_moe_align_fused(T, bm):
-    from kimi.ops.fused import moe_align_fused
+@pytest.mark.parametrize("path", [None, True, False])  # default dispatch, one fused kernel, two kernels
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 300])
+def test_router_topk(T, path):
+    from kimi.ops import fused
+
+    x, gw, bias = _router_inputs(T, 200 + T)
+    w, ids = fused.router_topk(x, gw, bias, 8, 2.827) if path is None else fused._router_topk(
+        x, gw, bias, 8, 2.827, True, path)
+    rw, rids = fused.router_topk_ref(x, gw, bias, 8, 2.827)
+    _check_router(w, ids, rw, rids)
+    for _ in range(3):  # run-to-run deterministic, bit for bit
+        w2, ids2 = fused._router_topk(x, gw, bias, 8, 2.827, True, path)
+        assert torch.equal(w, w2) and torch.equal(ids, ids2)
+    torch.cuda.synchronize()
+    assert all(int(b.abs().sum()) == 0 for b in fused._counters.values())  # arrival counters back at 0
+
+
+def test_router_topk_cuda_graph():
+    """The fused path captured in a graph (20 calls, rotating counter regions), replayed 3 times = eager."""
+    from kimi.ops import fused
+
+    x, gw, bias = _router_inputs(8, 7)
+    ref = fused._router_topk(x, gw, bias, 8, 2.827, True, True)  # eager first: allocates the counters
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused.router_topk(x, gw, bias, 8, 2.827)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [fused.router_topk(x, gw, bias, 8, 2.827) for _ in range(20)]
+    for _ in range(3):
+        for w, ids in outs:
+            w.fill_(float("nan"))
+            ids.fill_(-1)
+        g.replay()
+        torch.cuda.synchronize()
+        for w, ids in outs:
+            assert torch.equal(w, ref[0]) and torch.equal(ids, ref[1])
+    assert all(int(b.abs().sum()) == 0 for b in fused._counters.values())
+
+
+@pytest.mark.parametrize("one", [None, True, False])  # default dispatch, one program, two kernels
+@pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (512, 64), (2048, 64)])
+def test_moe_align_fused(T, bm, one):
+    from kimi.ops import fused
     from kimi.ops.moe_int4_triton import moe_align
 
     g = torch.Generator(device=DEV).manual_seed(300 + T)
     ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, 1).indices.to(torch.int64)
-    s, be, npd, mb = moe_align_fused(ids, 48, 96, bm)
+    s, be, npd, mb = fused.moe_align_fused(ids, 48, 96, bm) if one is None else fused._moe_align(ids, 48, 96, bm, one)
     rs, rbe, rn, rmb = moe_align(ids, 48, 96, bm)
     assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn)
+    if one or (one is None and T * 8 <= fused.ALIGN_ONE_PROGRAM_MAX_P):
+        assert torch.equal(s, rs)  # the single program keeps moe_align's (stable sort) order
     s, rs = s.view(-1, bm).sort(1).values, rs.view(-1, bm).sort(1).values
     assert torch.equal(s, rs)

@@ -1,0 +1,184 @@
+"""CPU tests of the fused Triton kernels (kimi/ops/fused.py) under Triton's interpreter (TRITON_INTERPRET=1, in a
+subprocess: the variable must be set before Triton is imported), against the plain-PyTorch references, on small
+random inputs. fp16 / fp32 only (the interpreter's bf16 arithmetic is not faithful). Skipped, with the reason,
+where Triton is not installed or its interpreter does not work with the installed numpy.
+
+Covered: rms_norm / add_rms_norm (odd D, strided rows, out=); mla_rope_kv_write (both head-group sizes, odd H
+and L, nothing but the mapped cache slots written); router_topk on both paths (one fused kernel with arrival
+counters, and the two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several
+row tiles, counters back at zero, bitwise run-to-run determinism, exact ties; moe_align_fused on both paths
+(the single program's output equals moe_align's exactly; the two-kernel path's as sets per row block) and the
+P threshold dispatch. The GPU versions of these checks: tests/gpu/test_fused.py.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+_PRELUDE = textwrap.dedent("""
+    import torch
+    from kimi.ops import fused
+    torch.manual_seed(0)
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+""")
+
+_RMSNORM = textwrap.dedent("""
+    for dt in (torch.float16, torch.float32):
+        for T, D in [(1, 200), (3, 1000), (2, 1024)]:
+            h, d1, d2 = (torch.randn(T, D).to(dt) for _ in range(3))
+            w = (torch.rand(D) + 0.5).to(dt)
+            ry = fused.add_rms_norm_ref(h, torch.zeros_like(h), None, w, 1e-6)[1]
+            assert rel(fused.rms_norm(h, w, 1e-6), ry) <= 1e-3, (dt, T, D)
+            big = torch.randn(T, D + 37).to(dt)  # strided rows, out=
+            out = torch.full((T, D), float("nan")).to(dt)
+            r = fused.rms_norm(big[:, :D], w, 1e-6, out=out)
+            ref = fused.add_rms_norm_ref(big[:, :D], torch.zeros(T, D, dtype=dt), None, w, 1e-6)[1]
+            assert r is out and rel(out, ref) <= 1e-3
+            hn, yn = fused.add_rms_norm(h, d1, None, w, 1e-6)
+            rh, ryy = fused.add_rms_norm_ref(h, d1, None, w, 1e-6)
+            assert torch.equal(hn, rh) and rel(yn, ryy) <= 1e-3, (dt, T, D)
+            hn, yn = fused.add_rms_norm(h, d1, d2, w, 1e-6)
+            rh, ryy = fused.add_rms_norm_ref(h, d1, d2, w, 1e-6)
+            assert rel(hn, rh) <= 1e-3 and rel(yn, ryy) <= 1e-3, (dt, T, D)
+            # y normalises the stored (rounded) residual
+            assert rel(yn, fused.add_rms_norm_ref(hn, torch.zeros_like(hn), None, w, 1e-6)[1]) <= 1e-6
+    print("OK rmsnorm")
+""")
+
+_MLA = textwrap.dedent("""
+    for T, H, N, R, L in [(1, 12, 16, 64, 96), (3, 64, 16, 64, 512), (70, 5, 8, 16, 40)]:  # T > 64: head group 32
+        ql, bs, nb, P = 24, 4, 40, 50
+        q = torch.randn(T, H, N + R).half()
+        kv_a = torch.randn(T, ql + L + R).half()[:, ql:]  # strided rows
+        w = (torch.rand(L) + 0.5).half()
+        ang = torch.rand(P, R // 2) * 6.28
+        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+        pos = torch.randint(0, P, (T,))
+        slot = torch.randperm(nb * bs)[:T]
+        c1 = torch.full((nb, bs, L + R), float("nan")).half()
+        c2 = c1.clone()
+        o = fused.mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c1, N)
+        ro = fused.mla_rope_kv_write_ref(q, kv_a, w, 1e-6, cos, sin, pos, slot, c2, N)
+        assert o.shape == (T, H, R) and o.is_contiguous() and not o.isnan().any()
+        assert rel(o, ro) <= 1e-3, (T, H)
+        f1, f2 = c1.view(-1, L + R), c2.view(-1, L + R)
+        assert not f1[slot].isnan().any()
+        assert rel(f1[slot][:, :L], f2[slot][:, :L]) <= 1e-3 and rel(f1[slot][:, L:], f2[slot][:, L:]) <= 1e-3
+        mask = torch.ones(nb * bs, dtype=torch.bool)
+        mask[slot] = False
+        assert f1[mask].isnan().all()  # nothing else written
+    print("OK mla")
+""")
+
+_ROUTER = textwrap.dedent("""
+    for T, E, D, k, norm in [(1, 64, 300, 8, True), (5, 72, 1100, 8, True), (20, 64, 1100, 4, False),
+                             (40, 40, 520, 8, True)]:
+        x = torch.randn(T, D).half()
+        gw = (torch.randn(E, D) * D ** -0.5).half()
+        bias = torch.randn(E) * 0.05
+        rw, rids = fused.router_topk_ref(x, gw, bias, k, 2.5, norm)
+        for path in (True, False):
+            w, ids = fused._router_topk(x, gw, bias, k, 2.5, norm, path)
+            assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, k)
+            assert torch.equal(ids, rids), (T, E, D, path)  # same ids in the same (descending) order
+            assert ((w - rw).abs() / rw.abs()).max().item() <= 1e-5, (T, E, D, path)
+            w2, ids2 = fused._router_topk(x, gw, bias, k, 2.5, norm, path)
+            assert torch.equal(w, w2) and torch.equal(ids, ids2)  # deterministic
+        w3, ids3 = fused.router_topk(x, gw, bias, k, 2.5, norm)  # default dispatch
+        assert torch.equal(ids3, rids)
+    # many calls: the counter regions wrap around and every counter is back at 0 after each call
+    x = torch.randn(20, 1100).half()
+    gw = (torch.randn(64, 1100) * 0.03).half()
+    bias = torch.zeros(64)
+    ref = fused._router_topk(x, gw, bias, 8, 1.0, True, False)
+    for _ in range(fused._NUM_COUNTER_REGIONS + 3):
+        w, ids = fused._router_topk(x, gw, bias, 8, 1.0, True, True)
+        assert torch.equal(ids, ref[1]) and torch.equal(w, ref[0])
+    assert all(int(b.abs().sum()) == 0 for b in fused._counters.values())
+    # exact ties (duplicated gate rows): both paths pick the lower expert id first
+    gw = (torch.randn(16, 64) * 0.1).half()
+    gw[9] = gw[3]
+    gw[12] = gw[3]
+    x = torch.randn(6, 64).half()
+    x[:, :] = x[:, :] + 5 * gw[3].float().half()  # makes expert 3 (and its copies) the top pick
+    b = torch.zeros(16)
+    a = fused._router_topk(x, gw, b, 4, 1.0, True, True)
+    c = fused._router_topk(x, gw, b, 4, 1.0, True, False)
+    assert torch.equal(a[1], c[1]) and torch.equal(a[0], c[0])
+    assert (a[1][:, :3] == torch.tensor([3, 9, 12])).all()
+    print("OK router")
+""")
+
+_ALIGN = textwrap.dedent("""
+    from kimi.ops.moe_int4_triton import moe_align
+    for T, k, bm in [(0, 8, 16), (1, 8, 8), (8, 8, 16), (33, 4, 16), (200, 8, 64), (200, 8, 16)]:
+        ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
+        rs, rbe, rn, rmb = moe_align(ids, 12, 8, bm)
+        for one in (True, False):
+            s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, one)
+            assert s.dtype == be.dtype == npd.dtype == torch.int32
+            assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn), (T, bm, one)
+            if one:
+                assert torch.equal(s, rs), (T, bm)  # same order as moe_align's stable sort
+            else:
+                assert torch.equal(s.view(-1, bm).sort(1).values, rs.view(-1, bm).sort(1).values), (T, bm)
+    # dispatch: P above the threshold takes the two-kernel path, still correct
+    T = fused.ALIGN_ONE_PROGRAM_MAX_P // 8 + 3
+    ids = torch.rand(T, 32).topk(8, 1).indices.to(torch.int64)
+    s, be, npd, mb = fused.moe_align_fused(ids, 12, 8, 64)
+    rs, rbe, rn, rmb = moe_align(ids, 12, 8, 64)
+    assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn)
+    assert torch.equal(s.view(-1, 64).sort(1).values, rs.view(-1, 64).sort(1).values)
+    print("OK align")
+""")
+
+
+def _interpreter_usable() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "Triton not installed"
+    import numpy as np
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            int(np.array([1]))  # Triton 3.6's interpreter needs this (numpy >= 2.3 refuses it)
+    except TypeError:
+        return f"Triton's interpreter does not work with numpy {np.__version__}"
+    return None
+
+
+def _run(body: str, tag: str) -> None:
+    why = _interpreter_usable()
+    if why:
+        pytest.skip(why)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-c", _PRELUDE + body], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=REPO)
+    assert r.returncode == 0 and f"OK {tag}" in r.stdout, r.stdout + r.stderr
+
+
+def test_rmsnorm_interpreter():
+    _run(_RMSNORM, "rmsnorm")
+
+
+def test_mla_rope_kv_write_interpreter():
+    _run(_MLA, "mla")
+
+
+def test_router_topk_interpreter():
+    _run(_ROUTER, "router")
+
+
+def test_moe_align_interpreter():
+    _run(_ALIGN, "align")

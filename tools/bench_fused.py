@@ -1,0 +1,313 @@
+"""Benchmark the fused decode kernels of kimi/ops/fused.py against their previous implementations (A/B).
+
+Ops and shapes (Kimi-K2.6, one rank of the decode step):
+  - rms_norm / add_rms_norm (D 7168; rms_norm also D 1536, the q_a norm), T = 8 and 32 rows. "old": the previous
+    kernel (weight loaded after the h_new store), kept in this file.
+  - mla_rope_kv_write (H 64, N 128, R 64, L 512, paged cache of 64-token blocks), T = 8 and 32. "old": the previous
+    grid-(T,) kernel, kept in this file.
+  - router_topk (E 384, D 7168, top-8), T = 8, 32, 64, 256: "new" = the one fused kernel (fused._router_topk forced
+    fused), "old" = the two-kernel path (still the large-T path). 20 distinct gate matrices (110 MB, > L2),
+    cycled, so each call reads its gate from HBM as in the model.
+  - moe_align_fused (48 local experts of 384, top-8), T = 64, 256, 512 tokens (P = 512, 2048, 4096 pairs), block_m
+    16 and 64: "new" = the single program, "old" = the two-kernel path (still the path above
+    ALIGN_ONE_PROGRAM_MAX_P).
+  - silu_mul (unchanged; for reference): M 8 and 512 rows, I 2048.
+Before timing, each new output is compared with the old one (rmsnorm / mla: max abs difference; router: ids equal;
+align: identical sets per row block) and the result goes into the report.
+
+Timing: one sample = one CUDA-graph replay of R (default 20) back-to-back calls, CUDA-event timed and divided by R
+(graphs are how the decode step runs; they keep Triton's host launch cost out); a torch.cuda._sleep before each
+sample lets the host queue the events and the replay ahead of the GPU. Median of --samples (default 50) samples.
+
+Output: a table on stdout (us per call, old, new, speed-up) and JSON to --out (default $OUT/bench_fused_<date>.json,
+or bench/ when $OUT is unset) with GPU name, torch / triton / CUDA versions and every measurement.
+
+Usage: PYTHONPATH=. python tools/bench_fused.py [--samples 50] [--reps 20] [--ops rmsnorm,mla,router,align,silu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kimi.ops import fused  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---- previous implementations (A/B only) ---------------------------------------------------------------------
+
+
+@triton.jit
+def _old_rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr, h_ptr, h_stride, y_ptr,
+                        y_stride, D, eps, HAS_D1: tl.constexpr, HAS_D2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    x = tl.load(x_ptr + row * x_stride + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_D1:
+        x += tl.load(d1_ptr + row * d1_stride + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_D2:
+            x += tl.load(d2_ptr + row * d2_stride + offs, mask=m, other=0.0).to(tl.float32)
+        xr = x.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * h_stride + offs, xr, mask=m)
+        x = xr.to(tl.float32)
+    ms = tl.sum(x * x, axis=0) / D
+    r = 1.0 / tl.sqrt(ms + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * y_stride + offs, (w * (x * r)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def old_rms_norm(x, weight, eps):
+    T, D = x.shape
+    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    B = triton.next_power_of_2(D)
+    _old_rmsnorm_kernel[(T,)](x, x.stride(0), x, 0, x, 0, weight, y, 0, y, y.stride(0), D, eps,
+                              HAS_D1=False, HAS_D2=False, BLOCK=B, num_warps=fused._nw(B))
+    return y
+
+
+def old_add_rms_norm(h, d1, d2, weight, eps):
+    T, D = h.shape
+    h_new = torch.empty((T, D), dtype=h.dtype, device=h.device)
+    y = torch.empty((T, D), dtype=h.dtype, device=h.device)
+    B = triton.next_power_of_2(D)
+    d2_ = d1 if d2 is None else d2
+    _old_rmsnorm_kernel[(T,)](h, h.stride(0), d1, d1.stride(0), d2_, d2_.stride(0), weight, h_new, h_new.stride(0),
+                              y, y.stride(0), D, eps, HAS_D1=True, HAS_D2=d2 is not None, BLOCK=B,
+                              num_warps=fused._nw(B))
+    return h_new, y
+
+
+@triton.jit
+def _old_mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+                            cache_ptr, qpe_ptr, H, N, L, eps, R2: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_L: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    i = tl.arange(0, R2)
+    c = tl.load(cos_ptr + pos * R2 + i)
+    s = tl.load(sin_ptr + pos * R2 + i)
+    R = 2 * R2
+    row_stride = L + R
+    lo = tl.arange(0, BLOCK_L)
+    lm = lo < L
+    x = tl.load(kva_ptr + t * kva_s0 + lo, mask=lm, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+    w = tl.load(w_ptr + lo, mask=lm, other=0.0).to(tl.float32)
+    ckv = (w * (x * r)).to(kva_ptr.dtype.element_ty)
+    tl.store(cache_ptr + slot * row_stride + lo, ckv.to(cache_ptr.dtype.element_ty), mask=lm)
+    k0 = tl.load(kva_ptr + t * kva_s0 + L + 2 * i).to(tl.float32)
+    k1 = tl.load(kva_ptr + t * kva_s0 + L + 2 * i + 1).to(tl.float32)
+    tl.store(cache_ptr + slot * row_stride + L + 2 * i,
+             (k0 * c - k1 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
+    tl.store(cache_ptr + slot * row_stride + L + 2 * i + 1,
+             (k1 * c + k0 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
+    hh = tl.arange(0, BLOCK_H)
+    hm = hh < H
+    qb = q_ptr + t * q_s0 + hh[:, None] * q_s1 + N + 2 * i[None, :]
+    q0 = tl.load(qb, mask=hm[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(qb + 1, mask=hm[:, None], other=0.0).to(tl.float32)
+    ob = qpe_ptr + t * H * R + hh[:, None] * R + 2 * i[None, :]
+    tl.store(ob, (q0 * c[None, :] - q1 * s[None, :]).to(qpe_ptr.dtype.element_ty), mask=hm[:, None])
+    tl.store(ob + 1, (q1 * c[None, :] + q0 * s[None, :]).to(qpe_ptr.dtype.element_ty), mask=hm[:, None])
+
+
+def old_mla_rope_kv_write(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positions, slot_mapping, kv_cache, nope):
+    T, H, NR = q.shape
+    R = NR - nope
+    L = kv_a.shape[1] - R
+    qpe = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    _old_mla_rope_kv_kernel[(T,)](q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache,
+                                  positions, slot_mapping, kv_cache, qpe, H, nope, L, eps, R2=R // 2,
+                                  BLOCK_H=triton.next_power_of_2(H), BLOCK_L=triton.next_power_of_2(L), num_warps=4)
+    return qpe
+
+
+# ---- timing --------------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """CUDA-graph replay timer (see the module docstring)."""
+
+    def __init__(self, samples: int):
+        self.samples = samples
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        s.record()
+        torch.cuda._sleep(2_000_000)
+        e.record()
+        e.synchronize()
+        self.cycles_per_us = 2_000_000 / (s.elapsed_time(e) * 1e3)
+
+    def time_calls(self, calls) -> float:
+        """Median microseconds per call of the list `calls` (no-arg callables), replayed as one graph."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside capture: JIT, counter buffers
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        g.replay()
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.samples)]
+        for s, e in ev:
+            torch.cuda._sleep(int(60 * self.cycles_per_us))
+            s.record()
+            g.replay()
+            e.record()
+        torch.cuda.synchronize()
+        us = statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3 / len(calls)
+        del g
+        return us
+
+
+# ---- cases ---------------------------------------------------------------------------------------------------
+
+
+def rmsnorm_cases(reps):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for T in (8, 32):
+        for name, D, nd in (("rms_norm", 7168, 0), ("rms_norm", 1536, 0), ("add_rms_norm d1", 7168, 1),
+                            ("add_rms_norm d1+d2", 7168, 2)):
+            h, d1, d2 = (torch.randn(T, D, generator=g, device=DEV).to(BF16) for _ in range(3))
+            w = (torch.rand(D, generator=g, device=DEV) + 0.5).to(BF16)
+            if nd == 0:
+                new = lambda h=h, w=w: fused.rms_norm(h, w, 1e-6)  # noqa: E731
+                old = lambda h=h, w=w: old_rms_norm(h, w, 1e-6)  # noqa: E731
+                diff = (new().float() - old().float()).abs().max().item()
+            else:
+                dd = d2 if nd == 2 else None
+                new = lambda h=h, d1=d1, dd=dd, w=w: fused.add_rms_norm(h, d1, dd, w, 1e-6)  # noqa: E731
+                old = lambda h=h, d1=d1, dd=dd, w=w: old_add_rms_norm(h, d1, dd, w, 1e-6)  # noqa: E731
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(new(), old()))
+            yield {"op": name, "shape": f"T={T} D={D}", "check": f"max|new-old|={diff:g}"}, \
+                [new] * reps, [old] * reps
+
+
+def mla_cases(reps):
+    H, N, R, L, ql, bs, nb = 64, 128, 64, 512, 1536, 64, 256
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for T in (8, 32):
+        q = torch.randn(T, H, N + R, generator=g, device=DEV).to(BF16)
+        kv_a = torch.randn(T, ql + L + R, generator=g, device=DEV).to(BF16)[:, ql:]
+        w = (torch.rand(L, generator=g, device=DEV) + 0.5).to(BF16)
+        ang = torch.rand(8192, R // 2, generator=g, device=DEV) * 6.28
+        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+        pos = torch.randint(0, 8192, (T,), generator=g, device=DEV)
+        slot = torch.randperm(nb * bs, generator=g, device=DEV)[:T]
+        c_new = torch.zeros(nb, bs, L + R, dtype=BF16, device=DEV)
+        c_old = torch.zeros_like(c_new)
+        new = lambda: fused.mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c_new, N)  # noqa: E731
+        old = lambda: old_mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c_old, N)  # noqa: E731
+        diff = max((new().float() - old().float()).abs().max().item(),
+                   (c_new.float() - c_old.float()).abs().max().item())
+        yield {"op": "mla_rope_kv_write", "shape": f"T={T} H={H} R={R} L={L}", "check": f"max|new-old|={diff:g}"}, \
+            [new] * reps, [old] * reps
+
+
+def router_cases(reps):
+    E, D = 384, 7168
+    g = torch.Generator(device=DEV).manual_seed(2)
+    gates = [(torch.randn(E, D, generator=g, device=DEV) * D**-0.5).to(BF16) for _ in range(reps)]
+    bias = torch.randn(E, generator=g, device=DEV) * 0.05
+    for T in (8, 32, 64, 256):
+        x = torch.randn(T, D, generator=g, device=DEV).to(BF16)
+        a = fused._router_topk(x, gates[0], bias, 8, 2.827, True, True)
+        b = fused._router_topk(x, gates[0], bias, 8, 2.827, True, False)
+        check = f"ids equal={torch.equal(a[1], b[1])} max|dw|={(a[0] - b[0]).abs().max().item():g}"
+        new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, True) for gw in gates]
+        old = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
+        yield {"op": "router_topk", "shape": f"T={T} E={E} D={D}", "check": check}, new, old
+
+
+def align_cases(reps):
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for T in (64, 256, 512):
+        ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, 1).indices.to(torch.int64)
+        for bm in (16, 64):
+            a = fused._moe_align(ids, 48, 96, bm, True)
+            b = fused._moe_align(ids, 48, 96, bm, False)
+            ok = (torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+                  and torch.equal(a[0].view(-1, bm).sort(1).values, b[0].view(-1, bm).sort(1).values))
+            new = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, True)  # noqa: E731
+            old = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, False)  # noqa: E731
+            yield {"op": "moe_align_fused", "shape": f"T={T} P={T * 8} bm={bm}", "check": f"same={ok}"}, \
+                [new] * reps, [old] * reps
+
+
+def silu_cases(reps):
+    g = torch.Generator(device=DEV).manual_seed(4)
+    for M in (8, 512):
+        y = torch.randn(M, 4096, generator=g, device=DEV).to(BF16)
+        yield {"op": "silu_mul (unchanged)", "shape": f"M={M} I=2048", "check": ""}, \
+            [lambda y=y: fused.silu_mul(y, 2048)] * reps, None
+
+
+CASES = {"rmsnorm": rmsnorm_cases, "mla": mla_cases, "router": router_cases, "align": align_cases,
+         "silu": silu_cases}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=20, help="calls per graph replay")
+    ap.add_argument("--ops", default=",".join(CASES))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    date = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    out_path = args.out or os.path.join(out_dir, f"bench_fused_{date}.json")
+    gpu = torch.cuda.get_device_name()
+    report = {"gpu": gpu, "date": date, "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                                                     "cuda": torch.version.cuda},
+              "reps": args.reps, "samples": args.samples,
+              "thresholds": {"ROUTER_FUSED_MAX_T": fused.ROUTER_FUSED_MAX_T,
+                             "ALIGN_ONE_PROGRAM_MAX_P": fused.ALIGN_ONE_PROGRAM_MAX_P},
+              "results": [], "error": None}
+    log(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  CUDA {torch.version.cuda}")
+    log(f"{'op':24s} {'shape':26s} {'old us':>8s} {'new us':>8s} {'x':>6s}  check")
+    timer = Timer(args.samples)
+    try:
+        for op in args.ops.split(","):
+            for meta, new, old in CASES[op](args.reps):
+                meta["new_us"] = timer.time_calls(new)
+                meta["old_us"] = timer.time_calls(old) if old is not None else None
+                report["results"].append(meta)
+                o = f"{meta['old_us']:8.2f}" if old is not None else f"{'-':>8s}"
+                x = f"{meta['old_us'] / meta['new_us']:6.2f}" if old is not None else f"{'':6s}"
+                log(f"{meta['op']:24s} {meta['shape']:26s} {o} {meta['new_us']:8.2f} {x}  {meta['check']}")
+    except Exception:  # still write what was measured
+        report["error"] = traceback.format_exc()
+        log(report["error"])
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    log(f"wrote {out_path}")
+    return 1 if report["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

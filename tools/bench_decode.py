@@ -71,9 +71,22 @@ def _set_prologue(on: bool) -> None:
 
 
 # name: (what it changes, apply(model), undo(model)); applied before a graph capture, undone after its timing
+_saved: dict = {}
+
+
+def _set_attn(m, backend: str) -> None:
+    _saved["decode_attention"] = m.decode_attention
+    m.decode_attention = backend
+
+
 AB_VARIANTS = {
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
+    "attn_triton": ("decode attention by kimi.ops.mla_decode_triton (no host plan)",
+                    lambda m: _set_attn(m, "triton"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
+    "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
+                        lambda m: _set_attn(m, "flashinfer"),
+                        lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
 }
 
 
@@ -151,6 +164,8 @@ def main() -> None:
     ap.add_argument("--overlap", default="on,off",
                     help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
                          "others are timed as graph replays too (A/B in one run)")
+    ap.add_argument("--attn", default=None, choices=["triton", "flashinfer"],
+                    help="decode attention of the headline (default: the model's decode_attention)")
     ap.add_argument("--ab", default="prologue_off",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
                          + ", ".join(AB_VARIANTS))
@@ -185,6 +200,9 @@ def main() -> None:
                            moe_backend=args.moe_backend, load_format="dummy", max_positions=args.ctx + 64)
     torch.cuda.synchronize()
     res["load_s"] = time.time() - t0
+    if args.attn:
+        model.decode_attention = args.attn
+    res["decode_attention"] = model.decode_attention
     impl = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
     res["experts_impl"] = impl
     print(f"model built in {res['load_s']:.1f} s ({impl}); mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)

@@ -9,8 +9,12 @@ Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) ge
 of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. Their MoE
 routing is real (they cost the bucket's extra rows), their outputs are dropped.
 
-Attention planning (FlashInfer `plan`, host work) runs before each replay, outside the graph, into the bucket's
-own `use_cuda_graph=True` wrapper whose index buffers the graph captured.
+Attention, by the model's `decode_attention`:
+- "triton" (kimi.ops.mla_decode_triton): no planning. Context lengths and block tables go, with the ids /
+  positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
+  then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
+- "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
+  `use_cuda_graph=True` wrapper whose index buffers the graph captured.
 """
 
 from __future__ import annotations
@@ -69,14 +73,30 @@ class CudaGraphRunner:
         self.positions = self.static_in[1]  # [max_batch]
         self.slot_mapping = self.static_in[2]  # [max_batch]
         self.host_in = torch.zeros((3, self.max_batch), dtype=torch.int64, pin_memory=True)  # staging
-        self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
-        self.fi = {
-            bs: FlashInferMLADecode(
-                cfg.num_attention_heads, cfg.softmax_scale, dev, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                use_cuda_graph=True, max_batch=bs, max_pages=bs * max_blocks_per_seq, dtype=model.dtype,
-            )
-            for bs in self.buckets
-        }
+        self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copies
+        self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
+        if self.triton_attn:
+            from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
+
+            mb, n = max_blocks_per_seq, self.max_batch * (1 + max_blocks_per_seq)
+            self.attn_in = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch] seq_lens, then tables
+            self.attn_host = torch.zeros(n, dtype=torch.int32, pin_memory=True)  # staging
+            self.seq_lens = self.attn_in[: self.max_batch]  # [max_batch]
+            self.block_tables = self.attn_in[self.max_batch:].view(self.max_batch, mb)  # [max_batch, mb]
+            self.fi = {
+                bs: TritonMLADecodeRun(self.seq_lens[:bs], self.block_tables[:bs], cfg.softmax_scale,
+                                       triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev,
+                                                         max_ctx=mb * block_size))
+                for bs in self.buckets
+            }
+        else:
+            self.fi = {
+                bs: FlashInferMLADecode(
+                    cfg.num_attention_heads, cfg.softmax_scale, dev, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                    use_cuda_graph=True, max_batch=bs, max_pages=bs * max_blocks_per_seq, dtype=model.dtype,
+                )
+                for bs in self.buckets
+            }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -102,6 +122,12 @@ class CudaGraphRunner:
     def _plan(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor):
         """Plan bucket bs with rows past len(seq_lens_cpu) padded (seq_len 1 over the null block 0)."""
         B = len(seq_lens_cpu)
+        if self.triton_attn:  # device writes into the static buffers (eager, outside any graph)
+            self.seq_lens[:bs] = torch.tensor(list(seq_lens_cpu) + [1] * (bs - B), dtype=torch.int32)
+            self.block_tables[:bs].zero_()
+            if B:
+                self.block_tables[:B, : block_tables.shape[1]] = block_tables
+            return self.fi[bs]
         width = max(1, block_tables.shape[1] if B else 1)
         bt = torch.zeros((bs, width), dtype=torch.int64, device=self.device)  # [bs, width], 0 = null block
         if B:
@@ -164,7 +190,8 @@ class CudaGraphRunner:
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
 
         The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
-        slot 0 of the null block) go to the static input buffer in one pinned non-blocking copy; FlashInfer is
+        slot 0 of the null block) go to the static input buffer in one pinned non-blocking copy; then either the
+        lengths and tables go to theirs (Triton attention: two more pinned copies, no plan) or FlashInfer is
         planned from the page lists (`FlashInferMLA.plan_pages`, pinned copies). Raises ValueError when the
         batch exceeds the largest bucket or a table is too short.
         """
@@ -179,12 +206,25 @@ class CudaGraphRunner:
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
         self.static_in.copy_(self.host_in, non_blocking=True)
+        pad = bs - B
+        if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
+            mb, mx = self.max_blocks_per_seq, self.max_batch
+            a = self.attn_host.numpy()
+            a[:B] = seq_lens
+            a[B:bs] = 1
+            tab = a[mx:].reshape(mx, mb)
+            for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
+                k = -(-n // blk)
+                tab[b, :k] = t[:k]
+            tab[B:bs, 0] = 0
+            self.attn_in[:bs].copy_(self.attn_host[:bs], non_blocking=True)
+            self.attn_in[mx : mx + bs * mb].copy_(self.attn_host[mx : mx + bs * mb], non_blocking=True)
         if self._host_in_free is None:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
-        pad = bs - B
-        self.fi[bs].plan_pages([1] * bs, list(seq_lens) + [1] * pad, list(block_tables) + [[0]] * pad, blk,
-                               causal=False)
+        if not self.triton_attn:
+            self.fi[bs].plan_pages([1] * bs, list(seq_lens) + [1] * pad, list(block_tables) + [[0]] * pad, blk,
+                                   causal=False)
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.outputs[bs][:B]

@@ -72,6 +72,60 @@ class GPUAttnPlan:
     decode_seqs: torch.Tensor | None = None  # [Bd] sequence indices of decode rows (torch fallback, fi None)
 
 
+class TritonMLADecodeRun:
+    """The `GPUAttnPlan.fi` of a pure decode batch run by kimi.ops.mla_decode_triton.mla_decode: no host plan, the
+    kernel reads the lengths and tables from device tensors (the CUDA-graph runner's static buffers, or an eager
+    step's AttentionMetadata). Same interface as FlashInferMLA where GPUMLAAttention uses it (num_rows, run).
+
+    seq_lens: [B] int32 / int64 device tensor (>= 1); block_tables: [B, W] int32 / int64 device tensor; scale:
+    softmax scale; num_splits: KV splits per request (host int); config: a MLADecodeConfig or None (default).
+    """
+
+    def __init__(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int, config=None):
+        self.seq_lens = seq_lens
+        self.block_tables = block_tables
+        self.scale = float(scale)
+        self.num_splits = num_splits
+        self.config = config if config is not None else triton_mla_config()
+        self.num_rows = seq_lens.shape[0]
+
+    def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
+        """q_lat [B, H, L], q_pe [B, H, R] -> o_lat [B, H, L] (see mla_decode; ValueError on mismatched shapes)."""
+        from kimi.ops.mla_decode_triton import mla_decode
+
+        return mla_decode(q_lat, q_pe, kv_cache, self.block_tables, self.seq_lens, self.scale, out=out,
+                          num_splits=self.num_splits, config=self.config)
+
+
+def triton_mla_config():
+    """The launch config of the Triton decode attention: $KIMI_MLA_DECODE_CONFIG as "block_h,block_n,block_dv,
+    num_warps,num_stages" (benchmarks), else kimi.ops.mla_decode_triton.DEFAULT_CONFIG. Raises ValueError on a
+    malformed variable."""
+    import os
+
+    from kimi.ops import mla_decode_triton as mdt
+
+    env = os.environ.get("KIMI_MLA_DECODE_CONFIG")
+    if not env:
+        return mdt.DEFAULT_CONFIG
+    try:
+        h, n, dv, w, st = (int(v) for v in env.split(","))
+    except ValueError as e:
+        raise ValueError(f"KIMI_MLA_DECODE_CONFIG={env!r}: want block_h,block_n,block_dv,num_warps,num_stages") from e
+    return mdt.MLADecodeConfig(block_h=h, block_n=n, block_dv=dv, num_warps=w, num_stages=st)
+
+
+def triton_mla_splits(batch: int, num_heads: int, kv_lora_rank: int, device, max_ctx: int | None = None) -> int:
+    """KV splits for mla_decode of `batch` requests (kimi.ops.mla_decode_triton.choose_num_splits with the
+    default config's programs per split), capped by the longest context max_ctx when given."""
+    from kimi.ops import mla_decode_triton as mdt
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(idx).multi_processor_count
+    return mdt.choose_num_splits(batch, sms, mdt.programs_per_split(num_heads, kv_lora_rank, triton_mla_config()),
+                                 max_ctx=max_ctx)
+
+
 class GPUMLAAttention(MLAAttention):
     """MLAAttention with FlashInfer's absorbed paged MLA for decode and (chunked) prefill rows (instances of
     MLAAttention get this class in build_gpu_model).
@@ -184,6 +238,9 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
     fi_eager = None
     graphs = None
+    # pure decode attention: "triton" (kimi.ops.mla_decode_triton, no host plan) or "flashinfer"; prefill and mixed
+    # batches always run FlashInfer
+    decode_attention = "flashinfer"
     overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     _side = None
 
@@ -202,13 +259,19 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     def plan_eager(self, attn: AttentionMetadata) -> GPUAttnPlan:
         """Attach a GPUAttnPlan for an unpadded batch (host work, once per step for all layers).
 
-        With FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every sequence, qo_len = query_len (decode rows
-        are qo_len-1 requests), causal unless the batch is pure decode (where causal == non-causal; non-causal is
-        the kernel the CUDA graphs run). Otherwise the torch fallback's row / sequence indices."""
+        Pure decode with decode_attention "triton" (flashinfer_ok shapes, CUDA tensors): the plan-free Triton kernel
+        over attn's device lengths / tables. Else with FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every
+        sequence, qo_len = query_len (decode rows are qo_len-1 requests), causal unless the batch is pure decode
+        (where causal == non-causal). Otherwise the torch fallback's row / sequence indices."""
         qlens = attn.query_lens_cpu
         all_decode = all(q == 1 for q in qlens)
         dev = attn.slot_mapping.device
-        if self.flashinfer_ok and attn.slot_mapping.is_cuda:
+        if self.flashinfer_ok and attn.slot_mapping.is_cuda and all_decode and self.decode_attention == "triton":
+            splits = triton_mla_splits(len(qlens), self.cfg.num_attention_heads, self.cfg.kv_lora_rank, dev,
+                                       max_ctx=max(attn.seq_lens_cpu))
+            run = TritonMLADecodeRun(attn.seq_lens, attn.block_tables, self.cfg.softmax_scale, splits)
+            plan = GPUAttnPlan(run, attn.slot_mapping, True)
+        elif self.flashinfer_ok and attn.slot_mapping.is_cuda:
             from kimi.ops.attention_flashinfer import FlashInferMLA
 
             if self.fi_eager is None:

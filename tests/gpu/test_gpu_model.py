@@ -134,9 +134,11 @@ def ref_bf16_on_gpu(path, cfg):
     return m.eval()
 
 
-@pytest.mark.parametrize("name,backend", [("tiny-mla", "humming"), ("tiny-mla", "triton"), ("tiny-mla", "ref"),
-                                          ("tiny-k2.6", "humming"), ("tiny-k2-instruct", "humming")])
-def test_gpu_model_matches_cpu(ckpts, name, backend):
+@pytest.mark.parametrize("name,backend,attn", [
+    ("tiny-mla", "humming", None), ("tiny-mla", "triton", None), ("tiny-mla", "ref", None),
+    ("tiny-mla", "humming", "triton"), ("tiny-mla", "humming", "flashinfer"),
+    ("tiny-k2.6", "humming", None), ("tiny-k2-instruct", "humming", None)])
+def test_gpu_model_matches_cpu(ckpts, name, backend, attn):
     """Bound per logits row: |GPU - CPU f32| <= max(0.25, |R16 - CPU f32| + 0.1) nats, where R16 is the reference
     model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
     showed 1.5-nat misses that the bf16 reference shares (bf16 rounding flipping near-tied routing on a random
@@ -146,6 +148,8 @@ def test_gpu_model_matches_cpu(ckpts, name, backend):
     path = ckpts[name]
     cfg, ref = cpu_model(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False)
+    if attn:  # decode attention backend (None: the model's default)
+        gm.decode_attention = attn
     impl = type(gm.layers[1].mlp.experts_impl).__name__
     want = run_steps(ref, cfg, "cpu", torch.float32, poison=False)
     got = run_steps(gm, cfg, "cuda", torch.bfloat16, poison=True)
@@ -155,6 +159,7 @@ def test_gpu_model_matches_cpu(ckpts, name, backend):
     agree, rows, diffs = _rows(want, got)
     agree16, _, diffs16 = _rows(want, r16)
     report(dict(test="gpu_model_vs_cpu", checkpoint=name, moe_backend=backend, experts_impl=impl,
+                decode_attention=gm.decode_attention,
                 flashinfer=gm.flashinfer_ok, top1_agree=f"{agree}/{rows}", max_logprob_diff=round(max(diffs), 4),
                 ref_bf16_top1_agree=f"{agree16}/{rows}", ref_bf16_max_logprob_diff=round(max(diffs16), 4)))
     assert agree >= min(0.9 * rows, agree16 - 1)
@@ -162,8 +167,8 @@ def test_gpu_model_matches_cpu(ckpts, name, backend):
         assert d <= max(0.25, d16 + 0.1), f"row {i}: |GPU - CPU| {d:.4f} nats, bf16 reference {d16:.4f}"
 
 
-@pytest.mark.parametrize("backend", ["humming", "triton"])
-def test_cuda_graph_replay_equals_eager(ckpts, backend):
+@pytest.mark.parametrize("backend,attn", [("humming", "flashinfer"), ("triton", "flashinfer"), ("humming", "triton")])
+def test_cuda_graph_replay_equals_eager(ckpts, backend, attn):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
     (forward_decode / CudaGraphRunner.run_host) bit-equal to the tensor path's replay."""
@@ -175,6 +180,7 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend):
     path = ckpts["tiny-mla"]
     cfg = ModelConfig.from_dir(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False)
+    gm.decode_attention = attn
     bs, nb = 16, 200
     kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -213,5 +219,5 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend):
                 rel = float((graph.float() - eager.float()).norm() / eager.float().norm())
                 results.append((bucket, B, diff, rel))
                 assert rel <= 1e-2, (bucket, B, diff, rel)
-    report(dict(test="cuda_graph_replay_vs_eager", moe_backend=backend,
+    report(dict(test="cuda_graph_replay_vs_eager", moe_backend=backend, decode_attention=attn,
                 cases=[dict(bucket=b, batch=B, max_abs=round(d, 5), rel=round(r, 6)) for b, B, d, r in results]))

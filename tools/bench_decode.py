@@ -82,6 +82,8 @@ def _set_attn(m, backend: str) -> None:
 AB_VARIANTS = {
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
+    "prologue_on": ("RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m prologues)",
+                    lambda m: _set_prologue(True), lambda m: _set_prologue(False)),
     "attn_triton": ("decode attention by kimi.ops.mla_decode_triton (no host plan)",
                     lambda m: _set_attn(m, "triton"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
@@ -166,7 +168,7 @@ def main() -> None:
                          "others are timed as graph replays too (A/B in one run)")
     ap.add_argument("--attn", default=None, choices=["triton", "flashinfer"],
                     help="decode attention of the headline (default: the model's decode_attention)")
-    ap.add_argument("--ab", default="prologue_off",
+    ap.add_argument("--ab", default="prologue_on",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
                          + ", ".join(AB_VARIANTS))
     ap.add_argument("--out", default=None)

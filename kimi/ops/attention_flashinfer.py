@@ -52,6 +52,7 @@ plan's host-to-device copy (FlashInfer reuses one pinned staging buffer per wrap
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["FlashInferMLA", "FlashInferMLADecode", "MAX_PLAN_WORKS"]
@@ -123,6 +124,23 @@ class FlashInferMLA:
         self.num_rows = 0  # sum of qo_lens of the current plan: rows of q_lat / q_pe / o_lat
         self.causal = None
         self._plan_done: torch.cuda.Event | None = None
+        self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
+
+    def _pinned(self, name: str, n: int) -> torch.Tensor:
+        """A pinned int32 host buffer `name` of n elements (grown, never shrunk; its previous contents are free once
+        `_wait_staging` returned: the copies that read them are done)."""
+        buf = self._pin.get(name)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 64, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
+                              pin_memory=True)
+            self._pin[name] = buf
+        return buf[:n]
+
+    def _wait_staging(self) -> None:
+        """Wait until the previous plan's host-to-device copies have read the pinned staging buffers (FlashInfer's
+        own pinned buffer included), so this plan may overwrite them."""
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
 
     def max_works(self, qo_lens: list[int]) -> int:
         """Upper bound on the work items MLAPlan lays out for these query lengths (see the module docstring):
@@ -159,6 +177,7 @@ class FlashInferMLA:
             raise ValueError("plan: block_tables too narrow for seq_lens")
         total_pages = sum(nblk)
         self._check_works(qo_lens, B, total_pages)
+        self._wait_staging()
         dev = self.device
         nblk_c = torch.tensor(nblk, dtype=torch.int64)  # [B] host
         kv_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] host
@@ -169,7 +188,7 @@ class FlashInferMLA:
         flat = (rows * width + cols).to(dev, non_blocking=True)  # [total_pages]
         bt = block_tables.to(dev).reshape(-1)  # [B * max_blocks]
         kv_indices = bt.index_select(0, flat).to(torch.int32)  # [total_pages] page ids
-        self._plan_indices(qo_lens, seq_lens, kv_indptr.to(torch.int32), kv_indices, block_size, causal)
+        self._plan_indices(qo_lens, seq_lens, kv_indptr.tolist(), kv_indices, block_size, causal)
 
     def _check_works(self, qo_lens: list[int], B: int, total_pages: int) -> None:
         if self.use_cuda_graph and (B != self.max_batch or total_pages > self.max_pages):
@@ -198,31 +217,37 @@ class FlashInferMLA:
             flat.extend(pg[:n])
             indptr.append(indptr[-1] + n)
         self._check_works(qo_lens, B, len(flat))
-        kv_indices = torch.tensor(flat, dtype=torch.int32).pin_memory()  # [total_pages] host, pinned
-        kv_indptr = torch.tensor(indptr, dtype=torch.int32)  # [B+1] host
-        self._plan_indices(qo_lens, seq_lens, kv_indptr, kv_indices, block_size, causal)
+        self._wait_staging()
+        kv_indices = self._pinned("kv_indices", len(flat))  # [total_pages] host, pinned
+        kv_indices.numpy()[:] = flat
+        self._plan_indices(qo_lens, seq_lens, indptr, kv_indices, block_size, causal)
 
-    def _plan_indices(self, qo_lens: list[int], seq_lens: list[int], kv_indptr: torch.Tensor,
+    def _plan_indices(self, qo_lens: list[int], seq_lens: list[int], kv_indptr: list[int],
                       kv_indices: torch.Tensor, block_size: int, causal: bool) -> None:
-        """FlashInfer's plan with host kv_indptr [B+1] int32 and kv_indices [pages] int32 (device, or pinned
-        host: FlashInfer copies it into its buffer non-blocking)."""
+        """FlashInfer's plan with kv_indptr [B+1] and kv_indices [pages] int32 (device, or pinned host: FlashInfer
+        copies it into its buffer non-blocking). The host arrays go through pinned staging buffers, so every
+        copy FlashInfer makes is asynchronous; the caller ran `_wait_staging` first."""
         dev = self.device
-        qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32)  # [B+1] host
-        qo_indptr[1:] = torch.cumsum(torch.tensor(qo_lens, dtype=torch.int32), 0)
-        kv_len = torch.tensor(seq_lens, dtype=torch.int32)  # [B] host
-        if self._plan_done is not None:  # the previous plan's staging copy must have left the pinned buffer
-            self._plan_done.synchronize()
+        B = len(qo_lens)
+        qo_indptr = self._pinned("qo_indptr", B + 1)  # [B+1] host, pinned
+        qn = qo_indptr.numpy()
+        qn[0] = 0
+        np.cumsum(np.asarray(qo_lens, dtype=np.int32), out=qn[1:])
+        kv_indptr_h = self._pinned("kv_indptr", B + 1)  # [B+1]
+        kv_indptr_h.numpy()[:] = kv_indptr
+        kv_len = self._pinned("kv_len", B)  # [B]
+        kv_len.numpy()[:] = seq_lens
+        kv_indptr = kv_indptr_h
         self.wrapper.plan(
             qo_indptr, kv_indptr, kv_indices, kv_len,
             self.num_heads, self.L, self.R, block_size, causal, self.sm_scale, self.dtype, self.dtype,
         )
-        B = len(qo_lens)
         if self._plan_done is None:
             self._plan_done = torch.cuda.Event()
         self._plan_done.record(torch.cuda.current_stream(dev))
         self.block_size = block_size
         self.batch = B
-        self.num_rows = int(qo_indptr[-1])
+        self.num_rows = int(qn[-1])
         self.causal = causal
 
     def plan_from_metadata(self, attn, causal: bool = True) -> None:

@@ -46,8 +46,12 @@ __all__ = [
     "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P",
 ]
 
-ROUTER_FUSED_MAX_T = 256  # router_topk: one fused kernel up to this many rows, the two-kernel path above
-ALIGN_ONE_PROGRAM_MAX_P = 4096  # moe_align_fused: one program up to this many (token, slot) pairs
+# Both one-kernel paths below measured SLOWER than the two-kernel paths in the K2.6 decode step on an H200
+# (bench/decode_2026-11-29_v6.json, eager kernel time per step at 8 / 32 local sequences: router 1.27 / 3.42 ms
+# against 0.57 / 0.61, align 0.95 / 3.49 ms against 0.29 / 0.48), so they are off (thresholds 0); they stay
+# selectable (router_topk(fused=True), moe_align_fused(one_program=True)) and tested.
+ROUTER_FUSED_MAX_T = 0  # router_topk: one fused kernel up to this many rows, the two-kernel path above
+ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (token, slot) pairs
 
 
 # ---- RMSNorm (+ residual add) ----------------------------------------------------------------------------

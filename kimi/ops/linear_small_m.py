@@ -552,14 +552,18 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear_small_m(x2, w, config=cfg).reshape(*x.shape[:-1], w.shape[0])
 
 
-FUSE_PROLOGUE = os.environ.get("KIMI_FUSE_PROLOGUE", "1") != "0"  # module flag: tools/bench_decode.py A/Bs it
+# Off by default: in the K2.6 decode step on an H200 the fused q_b / shared-down GEMMs cost more than the norm and
+# SiLU kernels they replace (bench/decode_2026-11-29_v6.json: eager Triton GEMM time 4.92 -> 5.96 ms per step at 8
+# local sequences; graph step 26.41 ms on vs 26.31 off). $KIMI_FUSE_PROLOGUE=1 turns it on; tools/bench_decode.py
+# A/Bs it (--ab prologue_on).
+FUSE_PROLOGUE = os.environ.get("KIMI_FUSE_PROLOGUE", "0") == "1"
 
 
 def prologue_config(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> SmallMConfig | None:
     """The config to run `linear_small_m` with a fused prologue (norm_weight, or silu_mul) for x [M, K] ([M, 2K]
     with silu_mul) and w [N, K], or None: then run the prologue op and `linear` apart. Not None only when `linear`
     itself would take the Triton path for (M, N, K) (the table's entry; the plain GEMM's config is used), and
-    FUSE_PROLOGUE ($KIMI_FUSE_PROLOGUE != "0") is on."""
+    FUSE_PROLOGUE ($KIMI_FUSE_PROLOGUE=1; off by default, see above) is on."""
     if not (HAS_TRITON and _ENABLED and FUSE_PROLOGUE and x.is_cuda and x.dim() == 2 and w.dim() == 2
             and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and w.stride(1) == 1 and w.device == x.device and x.shape[1] == w.shape[1] * (2 if silu_mul else 1)

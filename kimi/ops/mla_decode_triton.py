@@ -112,8 +112,10 @@ CONFIGS: tuple[MLADecodeConfig, ...] = (
     MLADecodeConfig(block_h=16, block_n=32, block_dv=512, num_warps=4, num_stages=3),
     MLADecodeConfig(block_h=16, block_n=64, block_dv=512, num_warps=4, num_stages=2),
 )
-# Not measured yet: a middle-of-the-sweep guess until tools/bench_mla_triton.py has run on the target GPU.
-DEFAULT_CONFIG = MLADecodeConfig()
+# The fastest config of bench/mla_triton_2026-11-29.json (H200, 64 heads, ctx 2048) at B = 8 and 32, with about one
+# stage-1 program per SM (16 splits at B = 8: 33.9 us; 4 at B = 32: 80.4 us). FlashInfer fa3 took 24.9 / 42.2 us
+# in the same run, so this kernel is NOT kimi's default decode attention (GPUKimiForCausalLM.decode_attention).
+DEFAULT_CONFIG = MLADecodeConfig(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2)
 
 
 def _next_pow2(n: int) -> int:
@@ -147,7 +149,7 @@ def choose_num_splits(
     num_sms: int,
     num_head_groups: int = 1,
     max_ctx: int | None = None,
-    programs_per_sm: int = 2,
+    programs_per_sm: int = 1,
     max_splits: int = MAX_SPLITS,
     min_tokens_per_split: int = 256,
 ) -> int:

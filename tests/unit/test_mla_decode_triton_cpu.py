@@ -23,11 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_choose_num_splits():
-    # 2 programs per SM over B * head groups programs per split, capped at 64
-    assert mdt.choose_num_splits(8, 132) == 33
-    assert mdt.choose_num_splits(8, 132, num_head_groups=2) == 17
+    # 1 program per SM (the default) over B * head groups programs per split, capped at 64
+    assert mdt.choose_num_splits(8, 132) == 17
+    assert mdt.choose_num_splits(8, 132, num_head_groups=2) == 9
+    assert mdt.choose_num_splits(8, 132, programs_per_sm=2) == 33
     assert mdt.choose_num_splits(1, 132) == 64
-    assert mdt.choose_num_splits(128, 132) == 3
+    assert mdt.choose_num_splits(128, 132) == 2
     assert mdt.choose_num_splits(1024, 132) == 1
     assert mdt.choose_num_splits(1, 132, max_splits=16) == 16
     # context hint: no split shorter than min_tokens_per_split

@@ -411,21 +411,24 @@ def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale
     for sp in range(0, N_SPLIT):  # the split-K partials of _router_logits_kernel, in split order
         z += tl.load(logit_ptr + (sp * T + t) * E + e, mask=em, other=0.0)
     sc = 1.0 / (1.0 + tl.exp(-z))
-    choice = tl.where(em, sc + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
+    choice = sc + tl.load(bias_ptr + e, mask=em, other=0.0)
+    # one int64 key per expert: (order-preserving int32 image of s + bias) << 32 | (BLOCK_E - 1 - e), so ONE max
+    # per pick gives the largest value and, among exact ties, the lowest expert id (as _router_topk_rows)
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = tl.where(em, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2147483648)
+    key = (ordered.to(tl.int64) << 32) | tl.where(em, BLOCK_E - 1 - e, 0).to(tl.int64)
+    floor_key = tl.full((BLOCK_E,), -2147483648, tl.int64) << 32  # below every valid key
     kk = tl.arange(0, K)
-    ws = tl.zeros((K,), dtype=tl.float32)
-    ids = tl.zeros((K,), dtype=tl.int64)
+    ids = tl.zeros((K,), dtype=tl.int32)
     for j in tl.static_range(K):
-        m = tl.max(choice, axis=0)
-        idx = tl.min(tl.where(choice == m, e, BLOCK_E), axis=0)
-        wj = tl.sum(tl.where(e == idx, sc, 0.0), axis=0)
-        ws = tl.where(kk == j, wj, ws)
-        ids = tl.where(kk == j, idx.to(tl.int64), ids)
-        choice = tl.where(e == idx, float("-inf"), choice)
+        m = tl.max(key, axis=0)
+        ids = tl.where(kk == j, BLOCK_E - 1 - (m & 0xFFFFFFFF).to(tl.int32), ids)
+        key = tl.where(key == m, floor_key, key)
+    ws = tl.sum(tl.where(e[None, :] == ids[:, None], sc[None, :], 0.0), axis=1)  # [K] scores of the picks
     if NORM:
         ws = ws / tl.sum(ws, axis=0)
     tl.store(w_out + t * K + kk, ws * scale)
-    tl.store(id_out + t * K + kk, ids)
+    tl.store(id_out + t * K + kk, ids.to(tl.int64))
 
 
 _RT_BT, _RT_BE, _RT_BK = 16, 32, 128
@@ -449,7 +452,7 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
         x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=_RT_BT, BE=_RT_BE, BK=_RT_BK,
         F32_DOT=_INTERPRET, num_warps=4)
     _router_topk_kernel[(T,)](logits, bias, w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=2)
     return w, ids
 
 

@@ -72,6 +72,12 @@ def _set_prologue(on: bool) -> None:
 
 # name: (what it changes, apply(model), undo(model)); applied before a graph capture, undone after its timing
 _saved: dict = {}
+_LPG = [None]  # layers per graph segment of the captures (None: kimi.worker.cuda_graph.LAYERS_PER_GRAPH)
+
+
+def _set_lpg(v) -> None:
+    _saved["lpg"] = _LPG[0]
+    _LPG[0] = v
 
 
 def _set_attn(m, backend: str) -> None:
@@ -86,6 +92,8 @@ AB_VARIANTS = {
                     lambda m: _set_prologue(True), lambda m: _set_prologue(False)),
     "attn_triton": ("decode attention by kimi.ops.mla_decode_triton (no host plan)",
                     lambda m: _set_attn(m, "triton"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
+    "one_graph": ("the whole forward as ONE CUDA graph (no layer segments)",
+                  lambda m: _set_lpg(0), lambda m: _LPG.__setitem__(0, _saved["lpg"])),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -171,8 +179,12 @@ def main() -> None:
     ap.add_argument("--ab", default="prologue_on",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
                          + ", ".join(AB_VARIANTS))
+    ap.add_argument("--layers-per-graph", type=int, default=None,
+                    help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
+                         "0: one graph)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    _LPG[0] = args.layers_per_graph
 
     from kimi.config import ModelConfig
     from kimi.ops.attention import build_attention_metadata
@@ -205,6 +217,9 @@ def main() -> None:
     if args.attn:
         model.decode_attention = args.attn
     res["decode_attention"] = model.decode_attention
+    from kimi.worker import cuda_graph as _cg
+
+    res["layers_per_graph"] = _cg.LAYERS_PER_GRAPH if _LPG[0] is None else _LPG[0]
     impl = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
     res["experts_impl"] = impl
     print(f"model built in {res['load_s']:.1f} s ({impl}); mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
@@ -267,7 +282,8 @@ def main() -> None:
                 """Capture bucket B (shared expert on the side stream or inline) and install it on the model."""
                 model.overlap_shared = overlap
                 model.graphs = None
-                r = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B])
+                kw = {} if _LPG[0] is None else {"layers_per_graph": _LPG[0]}
+                r = CudaGraphRunner(model, kv, bs, B, nblk_seq, buckets=[B], **kw)
                 ep.i = 0
                 r.capture()
                 model.graphs = r
@@ -312,7 +328,7 @@ def main() -> None:
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)
-            case["graph_forward_only"] = time_ms(lambda: runner.graphs[B].replay(), args.iters)
+            case["graph_forward_only"] = time_ms(lambda: runner.replay(B), args.iters)
             print(f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
                   f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}",
                   flush=True)

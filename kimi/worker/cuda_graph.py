@@ -1,9 +1,10 @@
 """CUDA graphs for decode steps (DESIGN.md "Forward on the GPU").
 
-One graph per decode batch bucket (`bucket_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to the
-largest, which is max_batch), captured largest first into one shared memory pool. A graph covers the whole
-model forward (embedding -> final norm) of `bucket` decode rows over static input buffers; the logits and
-sampling run eagerly after it on the rows in use.
+Per decode batch bucket (`bucket_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to the largest, which
+is max_batch), captured largest first into one shared memory pool: the whole model forward (embedding -> final
+norm) of `bucket` decode rows over static input buffers, as a chain of graphs of LAYERS_PER_GRAPH layers each
+(the first also embeds), replayed in order; each segment's (residual, normed) outputs are the next one's inputs.
+The logits and sampling run eagerly after it on the rows in use.
 
 Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) get token 0 at position 0, slot 0
 of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. Their MoE
@@ -26,6 +27,10 @@ from kimi.ops.attention import AttentionMetadata
 __all__ = ["bucket_sizes", "CudaGraphRunner"]
 
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Layers per captured graph. The host cost of cudaGraphLaunch grows with the graph's nodes (~1.4 ms for the whole
+# 61-layer K2.6 forward, ~1600 kernels; tools/bench_decode.py's host_forward_decode_us), during which the GPU waits;
+# a chain of smaller graphs lets the GPU run segment k while the host launches segment k + 1.
+LAYERS_PER_GRAPH = 8
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -50,11 +55,12 @@ class CudaGraphRunner:
     model: the GPU model; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
     block_size: tokens per block; max_batch: largest bucket; max_blocks_per_seq: widest block table a
     replayed batch may have (FlashInfer's fixed kv_indices buffer holds bucket * this many pages);
-    buckets: capture only these sizes (default bucket_sizes(max_batch)).
+    buckets: capture only these sizes (default bucket_sizes(max_batch)); layers_per_graph: layers per graph
+    segment (None or <= 0: one graph for the whole forward).
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_batch: int, max_blocks_per_seq: int,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, layers_per_graph: int | None = LAYERS_PER_GRAPH):
         from kimi.ops.attention_flashinfer import FlashInferMLADecode
 
         self.model = model
@@ -97,7 +103,11 @@ class CudaGraphRunner:
                 )
                 for bs in self.buckets
             }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # layer segments, one CUDA graph each (see the module docstring): [(start, end), ...] covering all layers
+        n = len(model.layers)
+        per = n if layers_per_graph is None or layers_per_graph <= 0 else layers_per_graph
+        self.segments = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
@@ -168,13 +178,19 @@ class CudaGraphRunner:
                     self.model(*args)
             torch.cuda.current_stream(self.device).wait_stream(s)
             torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.model(*args)  # [bs, D]
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-            self.outputs[bs] = out
+            chain = []
+            h = x = None
+            for start, end in self.segments:  # one graph per segment of layers, replayed in this order
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    if start == 0:
+                        h, x = self.model.embed_fused(args[0])
+                    h, x = self.model.layers_fused(h, x, args[1], attn, self.kv_caches, start, end)  # [bs, D]
+                if self.pool is None:
+                    self.pool = g.pool()
+                chain.append(g)
+            self.graphs[bs] = chain
+            self.outputs[bs] = x
         torch.cuda.synchronize(self.device)
 
     def can_run_host(self, seq_lens: list[int], block_size: int) -> bool:
@@ -225,9 +241,14 @@ class CudaGraphRunner:
         if not self.triton_attn:
             self.fi[bs].plan_pages([1] * bs, list(seq_lens) + [1] * pad, list(block_tables) + [[0]] * pad, blk,
                                    causal=False)
-        self.graphs[bs].replay()
+        self.replay(bs)
         self.num_replays += 1
         return self.outputs[bs][:B]
+
+    def replay(self, bs: int) -> None:
+        """Launch bucket bs's graphs (its layer segments, in order) on the current stream."""
+        for g in self.graphs[bs]:
+            g.replay()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """`run_host` for a decode batch given as tensors + AttentionMetadata (GPUKimiForCausalLM.forward):

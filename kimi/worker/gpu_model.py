@@ -331,25 +331,40 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         layer i + 1's input norm, or the final norm), merged gate/up GEMMs, the Triton router."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        eps = self.cfg.rms_norm_eps
+        h, x = self.embed_fused(input_ids)
+        h, x = self.layers_fused(h, x, positions, attn, kv_caches, 0, len(self.layers))
+        return x  # [T, D] after the final norm
+
+    def embed_fused(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] -> (residual h [T, D], layer 0's input norm of it x [T, D]); the start of _forward_fused."""
         h = self.embed_tokens[input_ids]  # [T, D]
-        x = fused.rms_norm(h, self.layers[0].input_layernorm, eps) if self.layers else h
+        x = fused.rms_norm(h, self.layers[0].input_layernorm, self.cfg.rms_norm_eps) if self.layers else h
+        return h, x
+
+    def layers_fused(self, h: torch.Tensor, x: torch.Tensor, positions, attn: AttentionMetadata, kv_caches,
+                     start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [start, end) of _forward_fused: (h, x) in -> (h, x) out, x being the next layer's input norm of h
+        (the final norm after the last layer). The CUDA-graph runner captures the layers in segments with it."""
+        eps = self.cfg.rms_norm_eps
         n = len(self.layers)
         # the side stream only inside CUDA-graph capture, where its gain was measured (bench/decode_2026-11-29_v4.json);
         # eager steps (prefill, mixed) keep the inline shared expert: eager decode got slower and noisier after the
         # side stream came in (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
         side = self._side_stream() if self.overlap_shared and torch.cuda.is_current_stream_capturing() else None
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            a = layer.self_attn(x, positions, attn, cache, self.rope)  # [T, D]
+        for i in range(start, end):
+            layer = self.layers[i]
+            a = layer.self_attn(x, positions, attn, kv_caches[i], self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
             d1, d2 = _mlp_fused(layer.mlp, x, side)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
-        return x  # [T, D] after the final norm
+        return h, x
 
-    def capture_cuda_graphs(self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int) -> None:
-        """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py)."""
-        from kimi.worker.cuda_graph import CudaGraphRunner
+    def capture_cuda_graphs(self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int,
+                            layers_per_graph: int | None = None) -> None:
+        """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py); layers_per_graph:
+        layers per graph segment (default cuda_graph.LAYERS_PER_GRAPH; 0: one graph)."""
+        from kimi.worker.cuda_graph import LAYERS_PER_GRAPH, CudaGraphRunner
 
         if not self.flashinfer_ok:
             log.warning("CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
@@ -361,7 +376,8 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             log.warning("CUDA graphs off: MoE backend %s cannot be captured", bad[0])
             return
         t0 = time.monotonic()
-        runner = CudaGraphRunner(self, kv_caches, block_size, max_batch, max_blocks_per_seq)
+        runner = CudaGraphRunner(self, kv_caches, block_size, max_batch, max_blocks_per_seq,
+                                 layers_per_graph=LAYERS_PER_GRAPH if layers_per_graph is None else layers_per_graph)
         runner.capture()
         self.graphs = runner
         log.info("captured %d decode CUDA graphs (buckets %s) in %.1f s", len(runner.buckets), runner.buckets,

@@ -167,8 +167,9 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn):
         assert d <= max(0.25, d16 + 0.1), f"row {i}: |GPU - CPU| {d:.4f} nats, bf16 reference {d16:.4f}"
 
 
-@pytest.mark.parametrize("backend,attn", [("humming", "flashinfer"), ("triton", "flashinfer"), ("humming", "triton")])
-def test_cuda_graph_replay_equals_eager(ckpts, backend, attn):
+@pytest.mark.parametrize("backend,attn,lpg", [("humming", "flashinfer", None), ("triton", "flashinfer", 0),
+                                              ("humming", "triton", 1)])
+def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
     (forward_decode / CudaGraphRunner.run_host) bit-equal to the tensor path's replay."""
@@ -186,8 +187,9 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn):
     gen = torch.Generator(device="cuda").manual_seed(3)
     for c in kv:
         c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
-    gm.capture_cuda_graphs(kv, bs, 16, 8)
+    gm.capture_cuda_graphs(kv, bs, 16, 8, layers_per_graph=lpg)  # lpg 1: a chain of one-layer graphs; 0: one graph
     assert gm.graphs is not None and gm.graphs.buckets == [1, 2, 4, 8, 16]
+    assert len(gm.graphs.graphs[16]) == (len(gm.layers) if lpg == 1 else 1 if lpg == 0 else -(-len(gm.layers) // 8))
     results = []
     with torch.inference_mode():
         for bucket in gm.graphs.buckets:
@@ -219,5 +221,5 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn):
                 rel = float((graph.float() - eager.float()).norm() / eager.float().norm())
                 results.append((bucket, B, diff, rel))
                 assert rel <= 1e-2, (bucket, B, diff, rel)
-    report(dict(test="cuda_graph_replay_vs_eager", moe_backend=backend, decode_attention=attn,
+    report(dict(test="cuda_graph_replay_vs_eager", moe_backend=backend, decode_attention=attn, layers_per_graph=lpg,
                 cases=[dict(bucket=b, batch=B, max_abs=round(d, 5), rel=round(r, 6)) for b, B, d, r in results]))

@@ -94,6 +94,8 @@ AB_VARIANTS = {
                     lambda m: _set_attn(m, "triton"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
     "one_graph": ("the whole forward as ONE CUDA graph (no layer segments)",
                   lambda m: _set_lpg(0), lambda m: _LPG.__setitem__(0, _saved["lpg"])),
+    **{f"lpg{n}": (f"CUDA graph segments of {n} layers", lambda m, n=n: _set_lpg(n),
+                   lambda m: _LPG.__setitem__(0, _saved["lpg"])) for n in (1, 2, 4, 16)},
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

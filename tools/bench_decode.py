@@ -17,7 +17,8 @@ from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_gr
 Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
 KV read (B * CTX * 61 * 1152 bytes).
-Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class.
+Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
+timings (a profiler session slows later CUDA-graph launches in the same process).
 host_forward_decode_us: host time of the graph decode call (forward_decode) until the replay is launched.
 
 Usage: python tools/bench_decode.py --seqs 8,32 --layers 61 --out bench/decode_DATE.json
@@ -246,6 +247,8 @@ def main() -> None:
     for c in kv:
         c.normal_(0, 1, generator=g)
     res["cases"] = []
+    profiles = []  # (case, install, step): profiled after every timing (a torch.profiler session slowed later
+    # graph launches in the same process: bench/decode_2026-11-29_v9.json vs v10)
     for B in seqs:
         case: dict = {"local_seqs": B, "moe_tokens": B * args.ep_size, "ctx": args.ctx}
         ep = EmulatedEP(n_moe, B, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
@@ -267,7 +270,8 @@ def main() -> None:
 
         ids_l, pos_l = ids.tolist(), pos.tolist()
 
-        def step():  # the worker's decode path (ModelRunner.execute): host lists -> graph replay or eager
+        def step(ids_l=ids_l, pos_l=pos_l, slens=slens, tabs=tabs):  # the worker's decode path (ModelRunner.execute):
+            # host lists -> graph replay or eager (this case's lists bound now: the profile runs after the loop)
             h = model.forward_decode(ids_l, pos_l, slens, tabs, bs, kv)
             return model.compute_logits(h).argmax(-1)
 
@@ -275,11 +279,7 @@ def main() -> None:
             ep.i = 0
             case["eager"] = time_ms(step, args.iters)
             print(f"B={B}: eager {case['eager']['median_ms']:.2f} ms, floor {floor:.2f} ms", flush=True)
-            if not args.no_profile:
-                try:
-                    case["breakdown_eager"] = breakdown(step)
-                except Exception as e:  # noqa: BLE001
-                    case["breakdown_error"] = repr(e)
+
             def capture(overlap: bool) -> CudaGraphRunner:
                 """Capture bucket B (shared expert on the side stream or inline) and install it on the model."""
                 model.overlap_shared = overlap
@@ -338,6 +338,25 @@ def main() -> None:
             del runner
             torch.cuda.empty_cache()
         res["cases"].append(case)
+
+        def install(ep=ep):  # this case's emulated all-to-all back on the MoE layers (for the profile below)
+            for l in model.layers:
+                if hasattr(l.mlp, "a2a"):
+                    l.mlp.a2a = ep
+            ep.i = 0
+
+        profiles.append((case, install, step))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    if not args.no_profile:
+        with torch.inference_mode():
+            for case, install, step in profiles:
+                install()
+                try:
+                    case["breakdown_eager"] = breakdown(step)
+                except Exception as e:  # noqa: BLE001
+                    case["breakdown_error"] = repr(e)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)

@@ -2,8 +2,9 @@
 
 Per decode batch bucket (`bucket_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to the largest, which
 is max_batch), captured largest first into one shared memory pool: the whole model forward (embedding -> final
-norm) of `bucket` decode rows over static input buffers, as a chain of graphs of LAYERS_PER_GRAPH layers each
-(the first also embeds), replayed in order; each segment's (residual, normed) outputs are the next one's inputs.
+norm) of `bucket` decode rows over static input buffers, as one graph or (LAYERS_PER_GRAPH > 0) a chain of graphs
+of that many layers each (the first also embeds), replayed in order; each segment's (residual, normed) outputs are
+the next one's inputs.
 The logits and sampling run eagerly after it on the rows in use.
 
 Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) get token 0 at position 0, slot 0
@@ -27,10 +28,12 @@ from kimi.ops.attention import AttentionMetadata
 __all__ = ["bucket_sizes", "CudaGraphRunner"]
 
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-# Layers per captured graph. The host cost of cudaGraphLaunch grows with the graph's nodes (~1.4 ms for the whole
-# 61-layer K2.6 forward, ~1600 kernels; tools/bench_decode.py's host_forward_decode_us), during which the GPU waits;
-# a chain of smaller graphs lets the GPU run segment k while the host launches segment k + 1.
-LAYERS_PER_GRAPH = 8
+# Layers per captured graph (0: the whole forward in one graph). A chain of smaller graphs lets the GPU run segment
+# k while the host launches segment k + 1. Measured on the H200 (K2.6, 61 layers): after a torch.profiler session in
+# the same process 8-layer segments were 0.5 ms faster (bench/decode_2026-11-29_v9.json: 23.66 vs 24.19 ms at 8
+# local seqs), without one they were not (v10: one graph 23.44 / 32.25 ms, 8-layer segments 23.51 / 32.40, 2 and 4
+# likewise), so one graph is the default.
+LAYERS_PER_GRAPH = 0
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

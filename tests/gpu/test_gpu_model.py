@@ -189,7 +189,10 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
         c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
     gm.capture_cuda_graphs(kv, bs, 16, 8, layers_per_graph=lpg)  # lpg 1: a chain of one-layer graphs; 0: one graph
     assert gm.graphs is not None and gm.graphs.buckets == [1, 2, 4, 8, 16]
-    assert len(gm.graphs.graphs[16]) == (len(gm.layers) if lpg == 1 else 1 if lpg == 0 else -(-len(gm.layers) // 8))
+    from kimi.worker.cuda_graph import LAYERS_PER_GRAPH
+
+    per = LAYERS_PER_GRAPH if lpg is None else lpg
+    assert len(gm.graphs.graphs[16]) == (-(-len(gm.layers) // per) if per > 0 else 1)
     results = []
     with torch.inference_mode():
         for bucket in gm.graphs.buckets:

@@ -13,7 +13,12 @@ ARGS       ?=
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-gpu tiny wheelhouse clean
+# Triton's CPU interpreter runs the kernel tests (tests/unit/triton_interp.py) from a side venv: it needs a numpy
+# older than the test venv's. Best effort: if it cannot be built, those tests skip and say why.
+TVENV      ?= .venv-triton
+TRITON_SPEC ?= triton==3.6.0
+
+.PHONY: install serve test test-gpu tiny wheelhouse clean triton-venv
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,8 +37,14 @@ tiny: $(TINY)/config.json
 serve: install $(if $(filter $(TINY),$(MODEL)),$(TINY)/config.json)
 	$(BIN)/kimi serve --model $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install
-	$(BIN)/python -m pytest -q -m "not gpu" tests $(PYTEST_ARGS)
+$(TVENV)/.installed:
+	-(test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)) && $(TVENV)/bin/python -m pip install -q \
+		"$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3" && touch $@
+
+triton-venv: $(TVENV)/.installed
+
+test: install triton-venv
+	KIMI_TRITON_PYTHON=$(CURDIR)/$(TVENV)/bin/python $(BIN)/python -m pytest -q -m "not gpu" tests $(PYTEST_ARGS)
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
@@ -42,4 +53,4 @@ wheelhouse:
 	bash ../shared/wheelhouse.sh .whl
 
 clean:
-	rm -rf $(VENV) models build *.egg-info
+	rm -rf $(VENV) $(TVENV) models build *.egg-info

@@ -3,18 +3,14 @@ checks, and (where Triton's interpreter is usable) the kernel itself under TRITO
 fp16 (the interpreter's bf16 arithmetic is not faithful)."""
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from kimi.ops import bmm_small_m as bmm
-from tests.unit.test_linear_small_m_cpu import _interpreter_usable
+from tests.unit.triton_interp import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,10 +66,5 @@ _INTERP_SCRIPT = textwrap.dedent("""
 
 
 def test_kernel_under_triton_interpreter():
-    why = _interpreter_usable()
-    if why:
-        pytest.skip(why)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=REPO)
+    r = run_interpreted(_INTERP_SCRIPT, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -11,17 +11,11 @@ row tiles, counters back at zero, bitwise run-to-run determinism, exact ties; mo
 P threshold dispatch. The GPU versions of these checks: tests/gpu/test_fused.py.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-import warnings
-from pathlib import Path
 
-import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.triton_interp import run_interpreted
+
 
 _PRELUDE = textwrap.dedent("""
     import torch
@@ -144,27 +138,8 @@ _ALIGN = textwrap.dedent("""
 """)
 
 
-def _interpreter_usable() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "Triton not installed"
-    import numpy as np
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            int(np.array([1]))  # Triton 3.6's interpreter needs this (numpy >= 2.3 refuses it)
-    except TypeError:
-        return f"Triton's interpreter does not work with numpy {np.__version__}"
-    return None
-
-
 def _run(body: str, tag: str) -> None:
-    why = _interpreter_usable()
-    if why:
-        pytest.skip(why)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-c", _PRELUDE + body], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=REPO)
+    r = run_interpreted(_PRELUDE + body, timeout=180)
     assert r.returncode == 0 and f"OK {tag}" in r.stdout, r.stdout + r.stderr
 
 

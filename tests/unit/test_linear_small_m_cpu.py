@@ -2,22 +2,17 @@
 Triton is installed and its interpreter works with the installed numpy) the kernel itself under
 TRITON_INTERPRET=1 in a subprocess, in fp16 (the interpreter's bf16 arithmetic is not faithful)."""
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 import textwrap
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kimi.ops import linear_small_m as lsm
+from tests.unit.triton_interp import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,38 +107,14 @@ _INTERP_PROLOGUE = textwrap.dedent("""
 """)
 
 
-def _interpreter_usable() -> str | None:
-    import numpy as np
-
-    if importlib.util.find_spec("triton") is None:
-        return "Triton not installed"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            int(np.array([1]))  # Triton 3.6's interpreter needs this (numpy >= 2.3 refuses it)
-    except TypeError:
-        return f"Triton's interpreter does not work with numpy {np.__version__}"
-    return None
-
-
 def test_kernel_under_triton_interpreter():
-    why = _interpreter_usable()
-    if why:
-        pytest.skip(why)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=60,
-                       cwd=REPO)
+    r = run_interpreted(_INTERP_SCRIPT, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 def test_prologues_under_triton_interpreter():
     """The fused RMSNorm and SiLU * up prologues (pointer and TMA kernels, split-K) against the unfused ops."""
-    why = _interpreter_usable()
-    if why:
-        pytest.skip(why)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-c", _INTERP_PROLOGUE], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=REPO)
+    r = run_interpreted(_INTERP_PROLOGUE, timeout=180)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 

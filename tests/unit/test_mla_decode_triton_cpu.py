@@ -6,20 +6,14 @@ Tolerance: max |o - ref| <= 1e-2 * max |ref| (fp16 output rounding and the fp16 
 relative). Outputs are poisoned with NaN before every call.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from kimi.ops import mla_decode_triton as mdt
+from tests.unit.triton_interp import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_choose_num_splits():
@@ -160,25 +154,6 @@ _INTERP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interpreter_usable() -> str | None:
-    import numpy as np
-
-    if importlib.util.find_spec("triton") is None:
-        return "Triton not installed"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            int(np.array([1]))  # Triton 3.6's interpreter needs this (numpy >= 2.3 refuses it)
-    except TypeError:
-        return f"Triton's interpreter does not work with numpy {np.__version__}"
-    return None
-
-
 def test_kernels_under_triton_interpreter():
-    why = _interpreter_usable()
-    if why:
-        pytest.skip(why)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=240,
-                       cwd=REPO)
+    r = run_interpreted(_INTERP_SCRIPT, timeout=240)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -31,7 +31,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -143,45 +142,7 @@ def old_mla_rope_kv_write(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 # ---- timing --------------------------------------------------------------------------------------------------
 
 
-class Timer:
-    """CUDA-graph replay timer (see the module docstring)."""
-
-    def __init__(self, samples: int):
-        self.samples = samples
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        s.record()
-        torch.cuda._sleep(2_000_000)
-        e.record()
-        e.synchronize()
-        self.cycles_per_us = 2_000_000 / (s.elapsed_time(e) * 1e3)
-
-    def time_calls(self, calls) -> float:
-        """Median microseconds per call of the list `calls` (no-arg callables), replayed as one graph."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside capture: JIT, counter buffers
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        g.replay()
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.samples)]
-        for s, e in ev:
-            torch.cuda._sleep(int(60 * self.cycles_per_us))
-            s.record()
-            g.replay()
-            e.record()
-        torch.cuda.synchronize()
-        us = statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3 / len(calls)
-        del g
-        return us
+from bench_gemm import Timer  # noqa: E402  (tools/, this script's folder: CUDA-graph replay timer)
 
 
 # ---- cases ---------------------------------------------------------------------------------------------------

@@ -30,13 +30,15 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kimi.ops.linear_small_m import COUNTER_REGION as _COUNTER_REGION
+from kimi.ops.linear_small_m import _counter_region
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -252,30 +254,10 @@ def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 
 # ---- router ----------------------------------------------------------------------------------------------
 
-# int32 arrival counters of the fused router kernel: one buffer per device, allocated once (zeros) outside graph
-# capture, split in regions that successive calls rotate through; the kernel leaves every counter at 0.
-_NUM_COUNTER_REGIONS = 64
-_COUNTER_REGION = 4096
-_counter_lock = threading.Lock()
-_counters: dict[int, torch.Tensor] = {}
-_next_region = [0]
+# int32 arrival counters of the fused router kernel: kimi.ops.linear_small_m's per-device buffer, allocated once
+# (zeros) outside graph capture, split in regions that successive calls rotate through (_counter_region); the
+# kernel leaves every counter at 0.
 _warned_capture = [False]
-
-
-def _counter_region(device: torch.device) -> torch.Tensor | None:
-    """The next counter region (int32 [_COUNTER_REGION], zero between calls) of `device`; None when the buffer
-    does not exist yet and the current stream is being captured (it must not be allocated inside a graph)."""
-    idx = -1 if device.type != "cuda" else (device.index if device.index is not None else torch.cuda.current_device())
-    with _counter_lock:
-        buf = _counters.get(idx)
-        if buf is None:
-            if idx >= 0 and torch.cuda.is_current_stream_capturing():
-                return None
-            buf = torch.zeros(_NUM_COUNTER_REGIONS * _COUNTER_REGION, dtype=torch.int32, device=device)
-            _counters[idx] = buf
-        r = _next_region[0]
-        _next_region[0] = (r + 1) % _NUM_COUNTER_REGIONS
-    return buf[r * _COUNTER_REGION:(r + 1) * _COUNTER_REGION]
 
 
 @triton.jit

@@ -49,7 +49,6 @@ __all__ = ["BmmConfig", "CONFIGS", "HAS_TRITON", "MAX_M", "bmm_small_m", "bmm_he
 
 MAX_M = 64
 TABLE_PATH = Path(__file__).with_name("bmm_small_m_table.json")
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -136,16 +135,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
     Hw, N, Kw = w.shape
     if Hw != H or Kw != K:
         raise ValueError(f"head / K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"M={M} outside 1..{MAX_M}")
-    if N < 1 or K < 1:
-        raise ValueError(f"empty weight {tuple(w.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise ValueError(f"dtypes must be bf16/fp16 and equal, got x {x.dtype}, w {w.dtype}")
-    if not ((x.is_cuda or _INTERPRET) and w.device == x.device):
-        raise ValueError(f"x and w must be on one CUDA device, got {x.device} and {w.device}")
-    if x.stride(2) != 1 or w.stride(2) != 1:
-        raise ValueError(f"x and w need unit stride on K, got strides {x.stride()} and {w.stride()}")
+    _lsm.check_operands(x, w, M, N, K)
     if out is not None:
         if out.shape != (M, H, N) or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1:
             raise ValueError(f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "

@@ -356,14 +356,10 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor, bm: int, bn: int, bk: int) -> bool
             and (w.stride(0) * e) % 16 == 0 and max(bm, bn, bk) <= 256)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_per_k: int = 1) -> None:
-    if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    M, Kx = x.shape
-    N, Kw = w.shape
-    K = Kx // x_cols_per_k
-    if Kw != K or Kx != K * x_cols_per_k:
-        raise ValueError(f"K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
+def check_operands(x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int) -> None:
+    """The checks the small-M kernels share (this module's and kimi.ops.bmm_small_m's): 1 <= M <= MAX_M, N, K >= 1,
+    x and w bf16 / fp16 of one dtype on one CUDA device (any device under the interpreter), unit stride on their
+    last (K) dim. Raises ValueError naming what is wrong."""
     if not 1 <= M <= MAX_M:
         raise ValueError(f"M={M} outside 1..{MAX_M}")
     if N < 1 or K < 1:
@@ -372,8 +368,19 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_pe
         raise ValueError(f"dtypes must be bf16/fp16 and equal, got x {x.dtype}, w {w.dtype}")
     if not ((x.is_cuda or _INTERPRET) and w.device == x.device):
         raise ValueError(f"x and w must be on one CUDA device, got {x.device} and {w.device}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"x and w need unit stride on K, got strides {x.stride()} and {w.stride()}")
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_per_k: int = 1) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    M, Kx = x.shape
+    N, Kw = w.shape
+    K = Kx // x_cols_per_k
+    if Kw != K or Kx != K * x_cols_per_k:
+        raise ValueError(f"K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
+    check_operands(x, w, M, N, K)
     if out is not None:
         if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
             raise ValueError(f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "

@@ -1,12 +1,16 @@
 """`kimi serve`: the controller process.
 
-Starts the ZeroMQ transport, spawns the workers under torchrun (unless `--attach`), opens HTTP at once
-(`/health` says "loading" until every rank is ready), waits for the workers' handshake, then runs the
-engine loop, the HTTP server and the ZeroMQ submit API in one asyncio event loop.
+Checks every flag (numeric ranges at parse time, `--num-hidden-layers` against the config once it is read),
+binds every socket (the ZeroMQ transport to the workers, HTTP, the ZeroMQ submit API), and only then spawns
+the workers under torchrun (unless `--attach`); HTTP serves at once (`/health` says "loading" until every
+rank is ready). After the workers' handshake it runs the engine loop, the HTTP server and the ZeroMQ submit
+API in one asyncio event loop.
 
 Exit status: 0 after SIGINT / SIGTERM; 1 when a worker dies or fails (every in-flight request is failed
-with the error first) or start-up fails. Worker processes are never left behind: they are sent `Shutdown`,
-then terminated as a process group; workers also exit by themselves when the controller goes silent.
+with the error first) or start-up fails (an address that cannot be bound is one error line, and nothing is
+launched); 2 for a flag no server can run with. Worker processes are never left behind: they are sent
+`Shutdown`, then terminated as a process group; workers also exit by themselves when the controller goes
+silent.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import sys
 from dataclasses import dataclass
 
 import uvicorn
+import zmq
 
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
@@ -73,45 +80,117 @@ class ServeArgs:
     enforce_eager: bool = False
 
 
+# Every numeric `kimi serve` flag: (type, lowest, highest, inclusive lowest). Checked by argparse (`kimi serve`
+# exits 2 naming the flag) and again by `check_serve_args` for programmatic callers of `serve`.
+NUMERIC_LIMITS: dict[str, tuple[type, float, float | None, bool]] = {
+    "port": (int, 1, 65535, True),
+    "nproc": (int, 1, None, True),
+    "block_size": (int, 1, None, True),  # any size >= 1: the KV cache, BlockPool and the kernels index by p // bs
+    "num_blocks": (int, 2, None, True),  # block 0 is the null block (BlockPool)
+    "kv_cache_memory_gib": (float, 0, None, False),
+    "gpu_memory_utilization": (float, 0, 1, False),
+    "max_model_len": (int, 1, None, True),
+    "max_num_seqs": (int, 1, None, True),
+    "token_budget": (int, 1, None, True),
+    "num_hidden_layers": (int, 1, None, True),  # at most the config's: checked once the config is read
+    "worker_timeout": (float, 0, None, False),
+    "max_waiting": (int, 1, None, True),
+    "max_body_bytes": (int, 1, None, True),
+    "request_body_timeout": (float, 0, None, False),
+    "heartbeat_timeout": (float, 0, None, True),  # 0 = off
+}
+
+
+def _limit_error(name: str, v: float) -> str | None:
+    """Why `v` is not a valid value of the numeric flag `name` (None when it is)."""
+    kind, lo, hi, lo_incl = NUMERIC_LIMITS[name]
+    if kind is float and not math.isfinite(v):
+        return f"must be a finite number, got {v}"
+    if (v < lo if lo_incl else v <= lo) or (hi is not None and v > hi):
+        if hi is not None:
+            return f"must be in {'[' if lo_incl else '('}{lo}, {hi}], got {v}"
+        return f"must be {'>=' if lo_incl else '>'} {lo}, got {v}"
+    return None
+
+
+def _numeric(name: str):
+    """An argparse `type` for the flag `name`: parses, then checks NUMERIC_LIMITS (ArgumentTypeError names why)."""
+    kind = NUMERIC_LIMITS[name][0]
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        err = _limit_error(name, v)
+        if err is not None:
+            raise argparse.ArgumentTypeError(err)
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def check_serve_args(a: ServeArgs) -> str | None:
+    """The first problem with `a` that no server could run with, naming the flag (None when there is none).
+
+    The per-flag ranges of NUMERIC_LIMITS plus the checks that involve two flags. (`--num-hidden-layers`
+    against the config's layer count is checked by `serve`, once the config is read.)
+    """
+    for name in NUMERIC_LIMITS:
+        v = getattr(a, name)
+        if v is None:
+            continue
+        err = _limit_error(name, v)
+        if err is not None:
+            return f"--{name.replace('_', '-')}: {err}"
+    if a.zmq_submit_addr is None and a.port >= 65535:
+        return (f"--port {a.port} leaves no port for the ZeroMQ submit API (default tcp://HOST:PORT+1); "
+                "give --zmq-submit-addr")
+    if not a.host:
+        return "--host must not be empty"
+    return None
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--port", type=_numeric("port"), default=8000, help="HTTP port (default 8000)")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: folder name)")
     p.add_argument("--zmq-submit-addr", default=None, help="ZeroMQ submit API address (default tcp://HOST:PORT+1)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default fp32 cpu, bf16 cuda")
-    p.add_argument("--nproc", type=int, default=1, help="worker ranks on this node (DP attention x EP MoE)")
-    p.add_argument("--block-size", type=int, default=64, help="KV-cache block size in tokens")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per rank (default: from memory)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV-cache memory per rank")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: config's)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per DP rank")
-    p.add_argument("--token-budget", type=int, default=2048, help="tokens per step per rank (chunked prefill)")
-    p.add_argument("--num-hidden-layers", type=int, default=None, help="use only the first N layers (benchmarks)")
+    p.add_argument("--nproc", type=_numeric("nproc"), default=1, help="worker ranks on this node (DP attention x EP MoE)")
+    p.add_argument("--block-size", type=_numeric("block_size"), default=64, help="KV-cache block size in tokens")
+    p.add_argument("--num-blocks", type=_numeric("num_blocks"), default=None, help="KV blocks per rank (default: from memory)")
+    p.add_argument("--kv-cache-memory-gib", type=_numeric("kv_cache_memory_gib"), default=None, help="KV-cache memory per rank")
+    p.add_argument("--gpu-memory-utilization", type=_numeric("gpu_memory_utilization"), default=0.9)
+    p.add_argument("--max-model-len", type=_numeric("max_model_len"), default=None, help="prompt + output tokens (default: config's)")
+    p.add_argument("--max-num-seqs", type=_numeric("max_num_seqs"), default=256, help="running requests per DP rank")
+    p.add_argument("--token-budget", type=_numeric("token_budget"), default=2048, help="tokens per step per rank (chunked prefill)")
+    p.add_argument("--num-hidden-layers", type=_numeric("num_hidden_layers"), default=None, help="use only the first N layers (benchmarks)")
     p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
     p.add_argument("--plan-addr", default=None, help="ZeroMQ address workers read plans from (default: free port)")
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
-    p.add_argument("--worker-timeout", type=float, default=600.0, help="seconds a step may take before failing")
+    p.add_argument("--worker-timeout", type=_numeric("worker_timeout"), default=600.0, help="seconds a step may take before failing")
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
-    p.add_argument("--max-waiting", type=int, default=1024,
+    p.add_argument("--max-waiting", type=_numeric("max_waiting"), default=1024,
                    help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
     p.add_argument("--fake-workers", action="store_true",
                    help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)")
     p.add_argument("--api-key", default=os.environ.get("KIMI_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
                         "the ZeroMQ submit API is then kept on loopback (docs/api.md)")
-    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
-    p.add_argument("--request-body-timeout", type=float, default=30.0,
+    p.add_argument("--max-body-bytes", type=_numeric("max_body_bytes"), default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
+    p.add_argument("--request-body-timeout", type=_numeric("request_body_timeout"), default=30.0,
                    help="seconds to receive a request body after its headers, else HTTP 408 (default 30)")
     p.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
                    help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
                         "tokenizer has a <think> token")
     p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
                    help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
                    help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
     p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
                    help="cuda: routed-expert kernels, INT4 kept packed (humming, triton) or dequantised (ref)")
@@ -205,8 +284,49 @@ def load_model_meta(a: ServeArgs) -> tuple[ModelConfig, KimiTokenizer]:
         return cfg, KimiTokenizer.from_dir(d)
 
 
+def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening TCP sockets for `host`:`port`, bound the way asyncio's `create_server(host=, port=)` (what
+    uvicorn does itself) binds them: every address `host` resolves to, SO_REUSEADDR, IPv6 sockets v6-only.
+
+    Raises OSError naming the address that could not be resolved or bound (nothing is left open then).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve --host {host!r}: {e.strerror or e}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, type_, proto, _, sockaddr in dict.fromkeys(infos):
+            sock = socket.socket(family, type_, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as e:
+                raise OSError(f"cannot bind HTTP on {sockaddr[0]}:{sockaddr[1]} (--host {host} --port {port}): "
+                              f"{e.strerror or e}") from None
+            sock.listen(2048)  # uvicorn's default backlog
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 async def serve(a: ServeArgs) -> int:
-    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags."""
+    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags.
+
+    Start-up order: flags and the model's config are checked, then every socket is bound (the workers'
+    plan / result sockets, HTTP, the ZeroMQ submit API), and only then are the workers launched, so a flag
+    or an address that cannot work fails with one line (2 for flags, 1 for an address) and nothing to stop.
+    """
+    err = check_serve_args(a)
+    if err is not None:
+        log.error("%s", err)
+        return 2
     if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
         log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
                   a.zmq_submit_addr)
@@ -217,25 +337,11 @@ async def serve(a: ServeArgs) -> int:
         log.error("%s", e)
         return 2
     if a.num_hidden_layers is not None:
+        if a.num_hidden_layers > cfg.num_hidden_layers:
+            log.error("--num-hidden-layers %d: the model has only %d layers (give 1..%d)", a.num_hidden_layers,
+                      cfg.num_hidden_layers, cfg.num_hidden_layers)
+            return 2
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
-    eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
-    max_model_len = a.max_model_len or cfg.max_position_embeddings
-    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
-    # no address given: ZeroMQ picks a free port at bind time (no window for another process to take it)
-    transport = ControllerTransport(a.plan_addr or "tcp://127.0.0.1:*", a.result_addr or "tcp://127.0.0.1:*")
-    plan_addr, result_addr = transport.plan_addr, transport.result_addr
-    engine = Engine(
-        tokenizer,
-        eos,
-        SchedulerConfig(max_num_seqs=a.max_num_seqs, token_budget=a.token_budget, max_model_len=max_model_len),
-        CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gib=a.kv_cache_memory_gib),
-        transport,
-        vocab_size=cfg.vocab_size,
-        step_timeout_s=a.worker_timeout,
-        enable_prefix_caching=not a.no_prefix_cache,
-        max_waiting=a.max_waiting,
-    )
-    engine.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
     if a.a2a_backend is not None and not a.attach:
         from kimi.ops.all_to_all import check_backend
 
@@ -243,17 +349,49 @@ async def serve(a: ServeArgs) -> int:
             check_backend(a.a2a_backend, a.nproc, a.device)
         except ValueError as e:
             log.error("%s", e)
-            transport.close()
             return 2
-    workers = None
-    if not a.attach:
-        workers = WorkerProcess(worker_command(a, plan_addr, result_addr))
-        engine.liveness_checks.append(workers.check)
-    else:
-        log.info("waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
-                 "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
-                 "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
-                 "(docs/multinode.md)", a.nproc, a.model, plan_addr, result_addr, a.device)
+    eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
+    max_model_len = a.max_model_len or cfg.max_position_embeddings
+    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
+    submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
+    if a.api_key:
+        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
+        if a.zmq_submit_addr is None:
+            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+
+    # Bind everything before anything is launched.
+    transport = None
+    http_socks: list[socket.socket] = []
+    try:
+        # no address given: ZeroMQ picks a free port at bind time (no window for another process to take it)
+        what = f"the worker plan / result sockets ({a.plan_addr or 'tcp://127.0.0.1:*'}, " \
+               f"{a.result_addr or 'tcp://127.0.0.1:*'})"
+        transport = ControllerTransport(a.plan_addr or "tcp://127.0.0.1:*", a.result_addr or "tcp://127.0.0.1:*")
+        what = "HTTP"
+        http_socks = bind_http_sockets(a.host, a.port)
+        engine = Engine(
+            tokenizer,
+            eos,
+            SchedulerConfig(max_num_seqs=a.max_num_seqs, token_budget=a.token_budget, max_model_len=max_model_len),
+            CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gib=a.kv_cache_memory_gib),
+            transport,
+            vocab_size=cfg.vocab_size,
+            step_timeout_s=a.worker_timeout,
+            enable_prefix_caching=not a.no_prefix_cache,
+            max_waiting=a.max_waiting,
+        )
+        what = f"the ZeroMQ submit API on {submit_addr}"
+        submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)
+    except (OSError, zmq.ZMQError) as e:
+        msg = str(e) if what == "HTTP" else f"cannot bind {what}: {e}"
+        log.error("start-up failed: %s", msg)
+        for sock in http_socks:
+            sock.close()
+        if transport is not None:
+            transport.close()
+        return 1
+    plan_addr, result_addr = transport.plan_addr, transport.result_addr
+    engine.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
 
     if a.reasoning == "auto":
         thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
@@ -274,22 +412,27 @@ async def serve(a: ServeArgs) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
-    if a.api_key:
-        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        if a.zmq_submit_addr is None:
-            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
-    submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)
-    http_task = asyncio.create_task(http.serve())
-    submit_task = asyncio.create_task(submit.serve())
-    engine_task = None
+
+    workers = None
+    http_task = submit_task = engine_task = None
     rc = 0
     try:
+        if not a.attach:
+            workers = WorkerProcess(worker_command(a, plan_addr, result_addr))
+            engine.liveness_checks.append(workers.check)
+        else:
+            log.info("waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
+                     "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
+                     "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
+                     "(docs/multinode.md)", a.nproc, a.model, plan_addr, result_addr, a.device)
+        log.info("HTTP on http://%s:%d (/health says \"loading\" until the workers are ready)", a.host, a.port)
+        http_task = asyncio.create_task(http.serve(sockets=http_socks))
+        submit_task = asyncio.create_task(submit.serve())
         start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.worker_timeout))
         await asyncio.wait({start, http_task}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():  # HTTP stopped (a signal) while loading
+        if not start.done():  # HTTP stopped (a signal) while loading, or failed
             start.cancel()
-            return 0
+            return _http_end(http_task, http)
         try:
             start.result()
         except Exception as e:
@@ -306,23 +449,44 @@ async def serve(a: ServeArgs) -> int:
         if engine.fatal_error is not None:
             rc = 1
             await asyncio.sleep(0.2)  # let streaming responses deliver their error chunks
+        elif http_task in done:
+            rc = _http_end(http_task, http)
     finally:
         http.should_exit = True
-        await engine.shutdown()
-        if engine_task is not None and not engine_task.done():
-            engine_task.cancel()
-        submit_task.cancel()
-        submit.close()
         try:
-            await asyncio.wait_for(http_task, 5)
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
-            pass
-        if workers is not None:
-            # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and never
-            # see Shutdown: give them 1 s instead of 5 before the process group is terminated
-            await asyncio.to_thread(workers.stop, 1.0 if engine.fatal_error is not None else 5.0)
-        transport.close()
+            await engine.shutdown()
+        finally:
+            if engine_task is not None and not engine_task.done():
+                engine_task.cancel()
+            if submit_task is not None:
+                submit_task.cancel()
+            submit.close()
+            if http_task is not None:
+                try:
+                    await asyncio.wait_for(http_task, 5)
+                except (asyncio.TimeoutError, asyncio.CancelledError, Exception, SystemExit):
+                    pass
+            else:
+                for sock in http_socks:
+                    sock.close()
+            if workers is not None:
+                # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and
+                # never see Shutdown: give them 1 s instead of 5 before the process group is terminated
+                await asyncio.to_thread(workers.stop, 1.0 if engine.fatal_error is not None or rc else 5.0)
+            transport.close()
     return rc
+
+
+def _http_end(http_task: asyncio.Task, http: uvicorn.Server) -> int:
+    """The exit status once the HTTP server has stopped: 0 after a signal, 1 when it stopped by itself."""
+    if http.should_exit:
+        return 0
+    try:
+        exc = http_task.exception()
+    except asyncio.CancelledError:
+        exc = None
+    log.error("start-up failed: the HTTP server stopped%s", f": {exc!r}" if exc is not None else "")
+    return 1
 
 
 def run(a: ServeArgs) -> int:

@@ -1,0 +1,97 @@
+"""Start-up failures of a real `kimi serve`: an address that cannot be bound, a layer count the model does
+not have, a KV cache no worker can allocate. Each must exit non-zero with one clear error line, no Python
+traceback, and leave no process behind: neither in kimi's own process group (it is started in a session of
+its own) nor any torchrun / kimi.worker.main process serving this test's uniquely named checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import REPO, worker_pids
+from kimi.controller.transport import free_tcp_port
+
+
+@pytest.fixture
+def model(tiny_k26, tmp_path) -> str:
+    """The tiny checkpoint under a unique name: every process of this test carries it in its command line."""
+    link = tmp_path / f"ckpt-{uuid.uuid4().hex}"
+    link.symlink_to(tiny_k26)
+    return str(link)
+
+
+def _serve(model: str, *args: str, timeout_s: float = 60) -> tuple[int, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        raise
+    # right after exit: nothing of kimi's process group, and no worker / torchrun of this checkpoint
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    assert worker_pids(model) == [], f"processes outlived the server:\n{out}"
+    return proc.returncode, out
+
+
+def _error_lines(out: str) -> list[str]:
+    assert "Traceback" not in out and "never retrieved" not in out, out
+    return [line for line in out.splitlines() if " ERROR " in line]
+
+
+def test_http_port_in_use(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, out = _serve(model, "--port", str(port), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}")
+    assert rc == 1, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "Address already in use" in errors[0], out
+    assert "torch.distributed.run" not in out and "rank0" not in out, "workers were launched"
+
+
+def test_zmq_submit_port_in_use(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        zport = s.getsockname()[1]
+        rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{zport}")
+    assert rc == 1, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and f"tcp://127.0.0.1:{zport}" in errors[0] and "Address already in use" in errors[0], out
+
+
+def test_host_that_cannot_be_bound(model):
+    rc, out = _serve(model, "--host", "10.255.255.1", "--port", str(free_tcp_port()))
+    assert rc == 1, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "10.255.255.1" in errors[0] and "cannot bind HTTP" in errors[0], out
+
+
+def test_too_many_hidden_layers_exits_2_before_launching(model):
+    rc, out = _serve(model, "--num-hidden-layers", "999", "--port", str(free_tcp_port()),
+                     "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}")
+    assert rc == 2, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "--num-hidden-layers 999" in errors[0], out
+
+
+def test_bad_flag_exits_2_at_once(model):
+    rc, out = _serve(model, "--port", "99999")
+    assert rc == 2 and "argument --port" in out, out
+
+
+def test_worker_start_up_failure_stops_every_worker(model):
+    """Workers launched, then start-up fails (a KV cache too small for one block): the whole torchrun process
+    group is gone when kimi exits."""
+    rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}",
+                     "--kv-cache-memory-gib", "1e-9", "--worker-timeout", "60", timeout_s=120)
+    assert rc == 1, out
+    assert "start-up failed" in out, out

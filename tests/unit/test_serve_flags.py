@@ -1,0 +1,67 @@
+"""`kimi serve` flag validation: every numeric flag is range-checked at parse time (exit 2, the flag named),
+before anything is loaded or launched; the same checks guard programmatic callers of `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from kimi import cli
+from kimi.server import NUMERIC_LIMITS, ServeArgs, add_serve_args, check_serve_args, serve
+
+BAD = [
+    ("--port", "99999"), ("--port", "0"), ("--port", "-1"), ("--port", "http"),
+    ("--nproc", "0"), ("--block-size", "0"), ("--block-size", "-16"), ("--num-blocks", "0"), ("--num-blocks", "1"),
+    ("--kv-cache-memory-gib", "0"), ("--kv-cache-memory-gib", "inf"),
+    ("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "nan"),
+    ("--max-model-len", "0"), ("--max-num-seqs", "0"), ("--token-budget", "0"), ("--num-hidden-layers", "0"),
+    ("--worker-timeout", "0"), ("--worker-timeout", "-5"), ("--max-waiting", "0"), ("--max-body-bytes", "0"),
+    ("--request-body-timeout", "0"), ("--heartbeat-timeout", "-1"), ("--heartbeat-timeout", "nan"),
+]
+
+
+@pytest.mark.parametrize("flag,value", BAD)
+def test_bad_numeric_flag_exits_2_naming_the_flag(flag, value, capsys, monkeypatch):
+    # nothing may be loaded or launched: `run` must never be reached
+    monkeypatch.setattr("kimi.server.run", lambda a: pytest.fail("run() reached with a bad flag"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model", "/nonexistent", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err, err
+
+
+def test_every_numeric_serve_flag_is_checked():
+    """A numeric flag added later without a range check fails here."""
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    numeric = {a.dest for a in p._actions if a.type is not None and a.type.__name__ in ("int", "float")}
+    assert numeric == set(NUMERIC_LIMITS)
+    assert {f.lstrip("-").replace("-", "_") for f, _ in BAD} == set(NUMERIC_LIMITS)
+
+
+def test_port_65535_needs_a_zmq_submit_addr(capsys, monkeypatch):
+    monkeypatch.setattr("kimi.server.run", lambda a: pytest.fail("run() reached with a bad flag"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model", "/nonexistent", "--port", "65535"])
+    assert e.value.code == 2 and "--port 65535" in capsys.readouterr().err
+    monkeypatch.setattr("kimi.server.run", lambda a: 0)
+    assert cli.main(["serve", "--model", "/x", "--port", "65535", "--zmq-submit-addr", "tcp://127.0.0.1:7000"]) == 0
+
+
+@pytest.mark.parametrize("value", ["1", "0.5", "1e3"])
+def test_good_values_pass(value, monkeypatch):
+    seen = []
+    monkeypatch.setattr("kimi.server.run", lambda a: seen.append(a) or 0)
+    assert cli.main(["serve", "--model", "/x", "--kv-cache-memory-gib", value, "--heartbeat-timeout", "0",
+                     "--gpu-memory-utilization", "1", "--block-size", "48", "--num-blocks", "2"]) == 0
+    assert seen[0].kv_cache_memory_gib == float(value) and seen[0].block_size == 48 and seen[0].heartbeat_timeout == 0
+
+
+def test_programmatic_serve_rejects_bad_args():
+    assert check_serve_args(ServeArgs(model="/x")) is None
+    assert "--max-num-seqs" in check_serve_args(ServeArgs(model="/x", max_num_seqs=0))
+    assert "--max-model-len" in check_serve_args(ServeArgs(model="/x", max_model_len=0))
+    assert asyncio.run(serve(ServeArgs(model="/nonexistent", token_budget=0))) == 2

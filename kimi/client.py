@@ -16,11 +16,18 @@ HTTP API's per-request controls with the same names, ranges and meaning (docs/ap
 `include_stop_str_in_output`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `logprobs`. The last
 output's `stop_reason` is the stop string or stop token id that ended the request. A bad value ends the
 request with `KimiError`, whose message names the field (the HTTP 400's message for a value out of range).
+
+Request lifetime: a stream left before its last output (a `break`, an exception, a generator that is closed)
+aborts its request on the server, and closing the client (leaving its `with` / `async with` block) aborts
+every request it submitted that has not finished, so none runs on to max_tokens for nobody. A `request_id`
+still in use by an unfinished request of the same client is refused by `submit` (KimiError, nothing is
+sent): the running request and its stream are left alone.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
@@ -33,7 +40,17 @@ from kimi.protocol import RequestOutput
 
 
 class KimiError(RuntimeError):
-    """The server answered a request with an error (bad parameters, engine failure)."""
+    """The server answered a request with an error (bad parameters, engine failure), or `submit` refused a
+    request id that is already in use on this client."""
+
+
+ABORT_LINGER_MS = 1000  # how long closing a client may wait for its abort messages to leave
+
+
+def _check_new_id(rid: str, outstanding: Any) -> None:
+    if rid in outstanding:
+        raise KimiError(f"request id {rid!r} is already in use by an unfinished request of this client; "
+                        "the new submission is refused (the running request is not affected)")
 
 
 def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]) -> bytes:
@@ -60,8 +77,10 @@ class KimiClient:
         temperature, min_p, logit_bias, min_tokens, stop); returns its request id. Parameter errors come back
         as the request's only output and are raised by `stream` (KimiError)."""
         rid = params.pop("request_id", None) or uuid.uuid4().hex
+        _check_new_id(rid, self._pending)
+        msg = _submit_msg(rid, prompt, params)
         self._pending[rid] = collections.deque()
-        self._sock.send(_submit_msg(rid, prompt, params))
+        self._sock.send(msg)
         return rid
 
     def _recv_one(self) -> None:
@@ -75,11 +94,14 @@ class KimiClient:
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """Outputs of a submitted request until it finishes. Raises KimiError if it ends with an error."""
         q = self._pending[request_id]
+        done = False
         try:
             while True:
                 while not q:
                     self._recv_one()
                 out = q.popleft()
+                if out.error is not None or out.finished:
+                    done = True
                 if out.error is not None:
                     raise KimiError(out.error)
                 yield out
@@ -87,6 +109,8 @@ class KimiClient:
                     return
         finally:
             self._pending.pop(request_id, None)
+            if not done:  # left early (break, exception, timeout): the server must not run it on
+                self._abort_quietly(request_id)
 
     def generate(self, prompt: str | list[int], **params: Any) -> Iterator[RequestOutput]:
         """submit + stream."""
@@ -95,8 +119,24 @@ class KimiClient:
     def abort(self, request_id: str) -> None:
         self._sock.send(protocol.encode(protocol.AbortRequest(request_id)))
 
+    def _abort_quietly(self, request_id: str) -> bool:
+        """Send an abort without blocking; False when it could not be sent (socket closed or full)."""
+        if self._sock.closed:
+            return False
+        try:
+            self._sock.send(protocol.encode(protocol.AbortRequest(request_id)), zmq.DONTWAIT)
+            return True
+        except zmq.ZMQError:
+            return False
+
     def close(self) -> None:
-        self._sock.close(0)
+        """Abort every unfinished request of this client, then close (waiting at most ABORT_LINGER_MS for the
+        aborts to leave)."""
+        if self._sock.closed:
+            return
+        sent = [self._abort_quietly(rid) for rid in list(self._pending)]
+        self._pending.clear()
+        self._sock.close(ABORT_LINGER_MS if any(sent) else 0)
         self._ctx.term()
 
     def __enter__(self) -> "KimiClient":
@@ -132,15 +172,21 @@ class AsyncKimiClient:
         if self._reader is None:
             self._reader = self._asyncio.create_task(self._read())
         rid = params.pop("request_id", None) or uuid.uuid4().hex
+        _check_new_id(rid, self._queues)
+        msg = _submit_msg(rid, prompt, params)
         self._queues[rid] = self._asyncio.Queue()
-        await self._sock.send(_submit_msg(rid, prompt, params))
+        await self._sock.send(msg)
         return rid
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """`KimiClient.stream`: leaving it before the last output aborts the request."""
         q = self._queues[request_id]
+        done = False
         try:
             while True:
                 out = await q.get()
+                if out.error is not None or out.finished:
+                    done = True
                 if out.error is not None:
                     raise KimiError(out.error)
                 yield out
@@ -148,19 +194,40 @@ class AsyncKimiClient:
                     return
         finally:
             self._queues.pop(request_id, None)
+            if not done:
+                self._abort_quietly(request_id)
 
     async def generate(self, prompt: str | list[int], **params: Any) -> AsyncIterator[RequestOutput]:
         rid = await self.submit(prompt, **params)
-        async for out in self.stream(rid):
-            yield out
+        async with contextlib.aclosing(self.stream(rid)) as outs:  # closing this generator closes (aborts) that one
+            async for out in outs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         await self._sock.send(protocol.encode(protocol.AbortRequest(request_id)))
 
+    def _abort_quietly(self, request_id: str) -> bool:
+        """Send an abort now, without awaiting (also from a generator's cleanup); False if it was not sent."""
+        if self._sock.closed:
+            return False
+        try:
+            fut = self._sock.send(protocol.encode(protocol.AbortRequest(request_id)), zmq.DONTWAIT)
+        except zmq.ZMQError:
+            return False
+        if fut.done():  # DONTWAIT: it was sent, or it failed (socket full); never left pending
+            return fut.exception() is None
+        fut.cancel()
+        return False
+
     async def close(self) -> None:
+        """Abort every unfinished request of this client, then close (see KimiClient.close)."""
+        if self._sock.closed:
+            return
+        sent = [self._abort_quietly(rid) for rid in list(self._queues)]
+        self._queues.clear()
         if self._reader is not None:
             self._reader.cancel()
-        self._sock.close(0)
+        self._sock.close(ABORT_LINGER_MS if any(sent) else 0)
         self._ctx.term()
 
     async def __aenter__(self) -> "AsyncKimiClient":

@@ -166,6 +166,14 @@ def encode_chat(
     try:
         rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, **template_kwargs)
     except ValueError as e:
+        if template_kwargs:  # blame the kwargs when the template renders these messages without them
+            try:
+                tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True)
+            except ValueError:
+                pass
+            else:
+                raise BadRequest(f"the chat template failed with these 'chat_template_kwargs' (it renders these "
+                                 f"messages without them): {e}", "chat_template_kwargs") from None
         raise BadRequest(str(e), "messages") from None
     ids: list[int] = []
     pos = 0

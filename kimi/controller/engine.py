@@ -203,7 +203,7 @@ class Engine:
             raise AdmissionError(
                 f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the KV cache capacity of "
                 f"{self.kv_capacity_tokens} tokens",
-                "max_tokens",
+                "max_tokens" if n < self.kv_capacity_tokens else "prompt",
             )
         try:  # the sampling parameters go to every worker in the next plan: they must encode
             protocol.encode(sampling)

@@ -421,7 +421,7 @@ class _SSE:
 
 class _Auth:
     """The outermost ASGI app: records the server's `send` in the scope (RAW_SEND, for _SSE); with an api_key,
-    every HTTP route but /health needs `Authorization: Bearer <key>`."""
+    every HTTP route but /health needs `Authorization: Bearer <key>` (the scheme in any case, RFC 7235)."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
@@ -435,8 +435,10 @@ class _Auth:
             for k, v in scope.get("headers", []):
                 if k == b"authorization":
                     got = v
-            want = b"Bearer " + self.api_key.encode()
-            if not hmac.compare_digest(got, want):
+            # `<scheme> 1*SP <credentials>`; the scheme is case-insensitive (RFC 7235 section 2.1)
+            scheme, _, cred = got.strip().partition(b" ")
+            key_ok = hmac.compare_digest(cred.lstrip(b" "), self.api_key.encode())
+            if not (key_ok and scheme.lower() == b"bearer"):
                 resp = JSONResponse(
                     {"error": {"message": "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
@@ -483,6 +485,7 @@ class OpenAIServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_route, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
@@ -507,21 +510,20 @@ class OpenAIServer:
     async def metrics_route(self, request: HTTPRequest) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kimi",
+                "max_model_len": self.engine.max_model_len}
+
     async def models(self, request: HTTPRequest) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "kimi",
-                        "max_model_len": self.engine.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        """`GET /v1/models/{id}` (the openai client's `models.retrieve`): the served model, else a 404."""
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            return error_response(BadRequest(f"the model '{model_id}' does not exist; this server serves "
+                                             f"'{self.model_name}'", None, status=404, code="model_not_found"))
+        return JSONResponse(self._model_card())
 
     # ---- shared parsing ---------------------------------------------------------------------------------------
     async def _body(self, request: HTTPRequest) -> Fields:
@@ -593,9 +595,10 @@ class OpenAIServer:
         stop_ids = read_stop_token_ids(f, self.vocab_size)
         ignore_eos = f.bool("ignore_eos", False)
         skip_special = f.bool("skip_special_tokens", True)
-        n_prompt = len(prompt_token_ids)
-        if max_tokens_default is None:
-            max_tokens_default = max(1, self.engine.max_model_len - n_prompt)
+        # a default max_tokens never makes a request inadmissible: it is clamped to what max_model_len and the
+        # KV cache (which can be smaller) leave after this prompt (an explicit max_tokens is checked as sent)
+        room = max(1, min(self.engine.max_model_len, self.engine.kv_capacity_tokens) - len(prompt_token_ids))
+        max_tokens_default = room if max_tokens_default is None else min(max_tokens_default, room)
         max_tokens = f.int("max_tokens", None, lo=1)
         if f.has("max_completion_tokens"):
             mct = f.int("max_completion_tokens", None, lo=1)
@@ -626,7 +629,14 @@ class OpenAIServer:
         )
 
     async def _start(self, request_id: str, g: GenerationArgs) -> _Siblings:
-        """Admit the n siblings (all or none: a failure aborts those already admitted)."""
+        """Admit the n siblings (all or none: a failure aborts those already admitted).
+
+        n siblings wait in the queue together, so n > max_waiting could never be admitted: that is a 400 (not
+        the retryable 503 of a full queue, which a client following Retry-After would retry forever)."""
+        if g.n > self.engine.max_waiting:
+            raise BadRequest(f"'n' ({g.n}) exceeds this server's queue capacity of {self.engine.max_waiting} "
+                             f"requests (--max-waiting): the {g.n} choices can never be queued together; "
+                             f"use n <= {self.engine.max_waiting}", "n")
         ids: list[str] = []
         streams: list[AsyncIterator[list[RequestOutput]]] = []
         outputs: list[OutputStream] = []
@@ -889,9 +899,11 @@ class OpenAIServer:
             if kwargs is not None and not isinstance(kwargs, dict):
                 raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
             kwargs = dict(kwargs or {})
-            for k in ("messages", "tools", "add_generation_prompt"):
-                if k in kwargs:
-                    raise BadRequest(f"'chat_template_kwargs' must not set {k!r}", "chat_template_kwargs")
+            for k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+                if k in kwargs:  # set by the server (the last two from the tokenizer)
+                    raise BadRequest(f"'chat_template_kwargs' must not set {k!r}: the server sets it",
+                                     "chat_template_kwargs")
+
             ids = encode_chat(self.tokenizer, messages, tools, kwargs)
             g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
             f.reject_unknown()

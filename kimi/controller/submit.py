@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from typing import AsyncIterator
 
 import msgspec
 import zmq
@@ -102,18 +103,22 @@ class SubmitServer:
         )
         return ids, sp, st
 
-    async def _run_one(self, ident: bytes, r: protocol.SubmitRequest) -> None:
+    async def _admit(self, ident: bytes, r: protocol.SubmitRequest) -> AsyncIterator[RequestOutput] | None:
+        """Validate and admit a submission, in the receive loop itself (`Engine.generate` admits without
+        suspending), so an AbortRequest that follows it on the socket always finds it admitted. Returns its
+        output stream, or None after answering it with its error."""
         try:
             ids, sp, st = self._validate(r)
-            stream = await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
+            return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))
-            return
         except (ValueError, AdmissionError, EngineDead) as e:
             await self._reply(ident, self._error(r.request_id, str(e)))
-            return
+        return None
+
+    async def _forward(self, ident: bytes, request_id: str, stream: AsyncIterator[RequestOutput]) -> None:
         async for out in stream:
-            await self._reply(ident, msgspec.structs.replace(out, request_id=r.request_id))
+            await self._reply(ident, msgspec.structs.replace(out, request_id=request_id))
 
     @staticmethod
     def _undecodable(data: bytes, e: Exception) -> RequestOutput:
@@ -150,7 +155,10 @@ class SubmitServer:
             if isinstance(msg, protocol.AbortRequest):
                 self.engine.abort(self._key(ident, msg.request_id))
                 continue
-            t = asyncio.create_task(self._run_one(ident, msg))
+            stream = await self._admit(ident, msg)
+            if stream is None:
+                continue
+            t = asyncio.create_task(self._forward(ident, msg.request_id, stream))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 

@@ -8,6 +8,7 @@ schema: `{"error": {"message", "type": "invalid_request_error", "param", "code"}
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -69,11 +70,8 @@ class Fields:
         v = self._get(name)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            else:
-                raise BadRequest(f"'{name}' must be an integer", name)
+        if isinstance(v, bool) or not isinstance(v, int):  # 1.0, "1" and true are not integers
+            raise BadRequest(f"'{name}' must be an integer, got {_json_type(v)}", name)
         lo = -(2**63) if lo is None else lo  # every integer travels to the workers as a 64-bit value
         hi = 2**63 - 1 if hi is None else hi
         if v < lo:
@@ -107,13 +105,14 @@ class Fields:
         return v
 
     def noop(self, name: str, allowed: tuple[Any, ...], why: str = "is not supported") -> None:
-        """Accept the field only at one of its no-op values (None always allowed)."""
+        """Accept the field only at one of its no-op values (None always allowed), of the same JSON type: 1.0 and
+        true are not the integer 1, 0 is not false."""
         v = self._get(name)
         if v is None:
             return
         if isinstance(v, bool) and not any(isinstance(a, bool) for a in allowed):
             raise BadRequest(f"'{name}' {why}", name)
-        if v not in allowed:
+        if not any(v == a and _json_type(v) == _json_type(a) for a in allowed):
             raise BadRequest(f"'{name}'={v!r} {why}; only {', '.join(repr(a) for a in allowed)} is accepted", name)
 
     def accept(self, *names: str) -> None:
@@ -126,6 +125,25 @@ class Fields:
                 raise BadRequest(f"'{k}' is not supported by this server", k)
 
 
+def _json_type(v: Any) -> str:
+    """The JSON type name of a decoded value (for error messages and exact-type comparisons)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number with a fraction or exponent"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
 # ---- rules shared by the HTTP routes (kimi.controller.http) and the ZeroMQ submit API (kimi.controller.submit)
 # Both front-ends read a `Fields` (the ZeroMQ side builds one from a decoded SubmitRequest), so a field has one
 # rule, one error message and one way of becoming SamplingParams / StopParams, whichever way it arrives.
@@ -133,6 +151,8 @@ class Fields:
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+# canonical ASCII decimal: no "+", space, "_" or leading 0 ("-5" is canonical, and outside any vocabulary)
+_TOKEN_ID_KEY = re.compile(r"0|-?[1-9][0-9]*")
 
 
 @dataclass
@@ -167,8 +187,10 @@ def read_sampling(f: Fields) -> SamplingFields:
 
 
 def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]:
-    """`logit_bias`: {token id (an int or its decimal string): bias in [-100, 100]}, at most MAX_LOGIT_BIAS
-    entries, ids in [0, vocab_size) -> (ids, biases) in the mapping's order."""
+    """`logit_bias`: {token id: bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries, ids in [0, vocab_size)
+    -> (ids, biases) in the mapping's order. A key is an int (ZeroMQ) or, as JSON keys are strings, the id's
+    canonical decimal string ("0", "5", "163839"; "-1" is out of range like the int -1); " 5", "+5", "05",
+    "1_0", "5.0" and non-ASCII digits are rejected (Python's int() would take most of them)."""
     lb = f._get("logit_bias")
     if lb is None:
         return [], []
@@ -178,10 +200,16 @@ def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]
         raise BadRequest(f"'logit_bias' holds more than {MAX_LOGIT_BIAS} entries", "logit_bias")
     ids, vals = [], []
     for k, v in lb.items():
-        try:
+        if isinstance(k, int) and not isinstance(k, bool):
+            tid = k
+        elif isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k):
+            if len(k) > 18:  # further from 0 than than any vocabulary (and int() of a huge string is slow or refused)
+                raise BadRequest(f"'logit_bias' token id {k[:24]}... is outside the vocabulary [0, {vocab_size})",
+                                 "logit_bias")
             tid = int(k)
-        except (TypeError, ValueError):
-            raise BadRequest(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        else:
+            raise BadRequest(f"'logit_bias' key {k!r:.40} is not a token id (a non-negative decimal integer without "
+                             "sign, spaces or leading zeros)", "logit_bias")
         if not 0 <= tid < vocab_size:
             raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:

@@ -155,3 +155,20 @@ def test_real_vocabulary_prompt_ids():
     prompt = real.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
                                       add_generation_prompt=False)
     assert real.encode(prompt, allow_special=True)[-5:] == [163587, 2482, 163601, 18699, 163586]
+
+
+def test_encode_chat_blames_chat_template_kwargs_only_when_they_break_the_template(tok):
+    from kimi.controller.chat import encode_chat
+    from kimi.controller.validation import BadRequest
+
+    t = copy.copy(tok)
+    t.chat_template = "{{ messages[0].content }}{% if sep is defined %}{{ sep.upper() }}{% endif %}"
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert encode_chat(t, msgs, None, {"sep": "x"}) == t.encode("Hi") + t.encode("X")
+    with pytest.raises(BadRequest) as e:  # renders without the kwargs: the kwargs are at fault
+        encode_chat(t, msgs, None, {"sep": 5})
+    assert e.value.param == "chat_template_kwargs" and "chat_template_kwargs" in e.value.message
+    t.chat_template = "{{ raise_exception('bad messages') }}"
+    with pytest.raises(BadRequest) as e:  # fails with or without them: the messages are
+        encode_chat(t, msgs, None, {"sep": 5})
+    assert e.value.param == "messages" and "bad messages" in e.value.message

@@ -1,0 +1,296 @@
+"""End to end: admission limits and request-validation edges, on one real server with tight limits.
+
+The server: --max-waiting 2, --max-model-len 1024 but a KV cache of 19 usable 16-token blocks (304 tokens),
+and an API key. Checked here: `n` beyond the queue capacity (400, not a 503 retried forever), the default
+max_tokens clamped to the KV cache, integer fields that refuse floats and booleans, canonical logit_bias
+keys, a case-insensitive `Bearer` scheme, `GET /v1/models/{id}`, chat_template_kwargs errors, and the
+ZeroMQ client's lifetime rules (closing or leaving a stream aborts; a duplicate request id is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kimi import protocol
+from kimi.client import AsyncKimiClient, KimiClient, KimiError
+
+from conftest import start_server, stop_server
+
+KEY = "edge-key"
+KV_TOKENS = 19 * 16  # --num-blocks 20 (block 0 is the null block) x --block-size 16
+MSGS = [{"role": "user", "content": "What is 1+1?"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_k26, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("log") / "edges.log")
+    s = start_server(tiny_k26, log, "--max-model-len", "1024", "--num-blocks", "20", "--block-size", "16",
+                     "--max-waiting", "2", "--api-key", KEY)
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _post(srv, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def _bad(r: httpx.Response, param: str, status: int = 400) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    return err["message"]
+
+
+# ---- 1. n beyond --max-waiting ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [3, 4])
+def test_n_beyond_queue_capacity_is_a_400_not_a_503(srv, n):
+    for path, body in (("completions", {"prompt": "Hi", "max_tokens": 2}),
+                       ("chat/completions", {"messages": MSGS, "max_tokens": 2})):
+        r = _post(srv, path, {"model": "tiny", "n": n, **body})
+        msg = _bad(r, "n")
+        assert "retry-after" not in r.headers
+        assert "queue capacity" in msg and f"({n})" in msg and "2" in msg
+
+
+def test_n_at_queue_capacity_runs(client):
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+
+
+def test_zmq_request_is_admitted_by_an_idle_server(srv):
+    with KimiClient(srv.zmq_addr, timeout_s=60) as c:  # one request per submission: never beyond max_waiting >= 1
+        outs = list(c.generate("Hi", max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert outs[-1].finish_reason == "length"
+
+
+# ---- 2. the default max_tokens fits the KV cache ---------------------------------------------------------------
+def test_chat_default_max_tokens_is_clamped_to_the_kv_cache(client):
+    long = [{"role": "user", "content": "word " * 250}]  # leaves a few tokens of the 304-token KV cache
+    r = client.chat.completions.create(model="tiny", messages=long, temperature=0, extra_body={"ignore_eos": True})
+    room = KV_TOKENS - r.usage.prompt_tokens
+    assert 0 < room < 60
+    assert r.usage.completion_tokens == room and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=3)  # short prompt too
+    assert r.usage.completion_tokens <= 3
+
+
+def test_completions_default_max_tokens_is_clamped_too(client):
+    r = client.completions.create(model="tiny", prompt=[7] * (KV_TOKENS - 5), temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_explicit_max_tokens_beyond_the_kv_cache_is_still_a_400(srv):
+    msg = _bad(_post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 900}), "max_tokens")
+    assert "KV cache capacity of 304" in msg
+    msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": [7] * 400}), "prompt")  # default: no room at all
+    assert "KV cache capacity" in msg
+
+
+# ---- 3. integers only --------------------------------------------------------------------------------------------
+INT_FIELDS = {
+    "completions": ["max_tokens", "max_completion_tokens", "n", "best_of", "top_k", "seed", "min_tokens", "logprobs"],
+    "chat/completions": ["max_tokens", "max_completion_tokens", "n", "top_k", "seed", "min_tokens", "top_logprobs"],
+}
+
+
+@pytest.mark.parametrize("path", list(INT_FIELDS))
+@pytest.mark.parametrize("value", [1.0, True, "1"])
+def test_integer_fields_refuse_floats_and_booleans(srv, path, value):
+    base = {"model": "tiny", "prompt": "Hi"} if path == "completions" else {"model": "tiny", "messages": MSGS,
+                                                                              "logprobs": True}
+    for name in INT_FIELDS[path]:
+        msg = _bad(_post(srv, path, {**base, name: value}), name)
+        assert "integer" in msg or "best_of" in msg
+    # the same values as integers are accepted
+    ok = _post(srv, path, {**base, **{k: 1 for k in INT_FIELDS[path] if k != "max_completion_tokens"}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_boolean_noop_fields_refuse_integers(srv):
+    r = _post(srv, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "stream": True,
+                                   "stream_options": {"continuous_usage_stats": 0}})
+    _bad(r, "continuous_usage_stats")
+
+
+def test_zmq_integer_fields_refuse_floats_and_booleans(srv):
+    with KimiClient(srv.zmq_addr, timeout_s=60) as c:
+        for name in ("max_tokens", "top_k", "seed", "min_tokens", "logprobs"):
+            for value in (1.0, True):
+                with pytest.raises(KimiError, match=f"'{name}'"):
+                    list(c.generate([1, 2, 3], **{name: value}))
+        with pytest.raises(KimiError, match="'logit_bias'"):
+            list(c.generate([1, 2, 3], max_tokens=1, logit_bias={"05": 1.0}))
+
+
+# ---- 4. logit_bias keys ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", [" 5", "5 ", "+5", "-5", "-0", "05", "00", "\u0665", "1_0", "5.0", "0x5", "", "5\n",
+                                 "9" * 5000])
+def test_logit_bias_keys_must_be_canonical_decimal_ids(srv, key):
+    r = _post(srv, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "logit_bias": {key: 1}})
+    _bad(r, "logit_bias")
+
+
+def test_logit_bias_canonical_keys_are_accepted(client):
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, temperature=0,
+                                  logit_bias={"0": 0, "5": 1, "163839": -1, "5000": 100})
+    assert r.choices[0].text is not None
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, temperature=0, logit_bias={"5000": 100})
+    assert r.choices[0].logprobs is None and r.usage.completion_tokens == 1
+
+
+# ---- 5. Authorization scheme, any case --------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_bearer_scheme_is_case_insensitive(srv, scheme):
+    r = httpx.get(f"{srv.base_url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("value", [f"Basic {KEY}", f"Bearer {KEY}x", KEY, f"Bearer{KEY}", f"Bearer  x{KEY}", ""])
+def test_wrong_credentials_are_still_a_401(srv, value):
+    r = httpx.get(f"{srv.base_url}/v1/models", headers={"Authorization": value} if value else {})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+# ---- 6. GET /v1/models/{id} --------------------------------------------------------------------------------------------
+def test_models_retrieve(client, srv):
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.object == "model"
+    assert m.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.status_code == 404
+    assert e.value.body["code"] == "model_not_found" and e.value.body["type"] == "invalid_request_error"
+    assert httpx.get(f"{srv.base_url}/v1/models/tiny").status_code == 401  # behind the key like the list
+    assert httpx.get(f"{srv.base_url}/v1/models/org/name", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+# ---- 7. chat_template_kwargs -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bos_token", "eos_token"])
+def test_chat_template_kwargs_may_not_set_the_tokenizer_tokens(srv, name):
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 1,
+                                        "chat_template_kwargs": {name: {"x": 1}}})
+    msg = _bad(r, "chat_template_kwargs")
+    assert name in msg and "TypeError" not in msg
+
+
+def test_chat_template_kwargs_are_still_passed_to_the_template(client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert r.usage.completion_tokens == 1
+
+
+# ---- 8. ZeroMQ client lifetime -------------------------------------------------------------------------------------------
+def _aborts(srv) -> float:
+    text = httpx.get(f"{srv.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kimi:request_success_total" and s.labels.get("finished_reason") == "abort":
+                return s.value
+    return 0.0
+
+
+def _running(srv) -> float:
+    text = httpx.get(f"{srv.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kimi:num_requests_running":
+                return s.value
+    raise AssertionError("no kimi:num_requests_running")
+
+
+def _wait_aborted(srv, before: float, count: int = 1) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _aborts(srv) >= before + count and _running(srv) == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not aborted: aborts {_aborts(srv)} (before {before}), running {_running(srv)}")
+
+
+LONG = dict(max_tokens=KV_TOKENS - 4, temperature=0.0, ignore_eos=True)
+
+
+def test_closing_the_client_aborts_its_streaming_requests(srv):
+    before = _aborts(srv)
+    with KimiClient(srv.zmq_addr, timeout_s=60) as c:
+        it = c.generate([1, 2, 3], **LONG)
+        next(it)  # streaming; `it` stays referenced (not closed) when the block is left
+    _wait_aborted(srv, before)
+    del it
+
+
+def test_leaving_a_stream_early_aborts_its_request(srv):
+    before = _aborts(srv)
+    with KimiClient(srv.zmq_addr, timeout_s=60) as c:
+        for _ in c.generate([1, 2, 3], **LONG):
+            break
+        _wait_aborted(srv, before)  # while the client is still open
+        outs = list(c.generate("Hi", max_tokens=2, temperature=0.0, ignore_eos=True))  # the client still works
+        assert outs[-1].finish_reason == "length"
+
+
+def test_closing_the_async_client_aborts_its_streaming_requests(srv):
+    before = _aborts(srv)
+
+    async def go():
+        async with AsyncKimiClient(srv.zmq_addr) as c:
+            gen = c.generate([1, 2, 3], **LONG)
+            await gen.__anext__()
+            rid = await c.submit([4, 5, 6], **LONG)  # submitted, never streamed
+            return gen, rid
+
+    gen, _ = asyncio.run(go())
+    _wait_aborted(srv, before, 2)
+
+
+def test_a_duplicate_request_id_is_refused_and_the_running_request_continues(srv):
+    with KimiClient(srv.zmq_addr, timeout_s=60) as c:
+        c.submit([1, 2, 3], request_id="dup", max_tokens=30, temperature=0.0, ignore_eos=True)
+        with pytest.raises(KimiError, match="already in use"):
+            c.submit([4, 5, 6], request_id="dup", max_tokens=2)
+        outs = list(c.stream("dup"))
+        assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 30
+        assert c.submit([4, 5, 6], request_id="dup", max_tokens=2) == "dup"  # free again once finished
+        assert list(c.stream("dup"))[-1].finish_reason == "length"
+
+    async def go():
+        async with AsyncKimiClient(srv.zmq_addr) as c:
+            await c.submit([1, 2, 3], request_id="adup", max_tokens=30, temperature=0.0, ignore_eos=True)
+            with pytest.raises(KimiError, match="already in use"):
+                await c.submit([4, 5, 6], request_id="adup", max_tokens=2)
+            return [o async for o in c.stream("adup")]
+
+    outs = asyncio.run(go())
+    assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 30
+
+
+def test_old_format_submit_still_decodes(srv):
+    """Nothing on the wire changed: a raw SubmitRequest still round-trips through the server."""
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(srv.zmq_addr)
+    try:
+        s.send(protocol.encode(protocol.SubmitRequest(request_id="raw", prompt_token_ids=[1, 2], max_tokens=1)))
+        assert s.poll(60000)
+        out = protocol.decode_output(s.recv())
+        while not out.finished:
+            out = protocol.decode_output(s.recv())
+        assert out.request_id == "raw" and out.finish_reason == "length"
+    finally:
+        s.close(0)
+        ctx.term()

@@ -56,6 +56,15 @@ def graph_of(fn):
     return g
 
 
+def replay_checked(fn, out, ref):
+    """(fn captured in a CUDA graph, the relative error of one replay's `out` (poisoned with NaN first) to ref)."""
+    g = graph_of(fn)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return g, rel_err(out, ref)
+
+
 def splits_for(B, cfg, num_sms, explicit=None):
     """(choose_num_splits' pick, the values to time): the pick, half and double it (and 1 for B >= 64), or the
     explicit list given with --splits."""
@@ -102,11 +111,7 @@ def run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits):
             mg = fi_mod.FlashInferMLADecode(HEADS, SCALE, backend="fa3", use_cuda_graph=True, max_batch=B,
                                             max_pages=B * nb)
             mg.plan(lens, bt, BS)
-            g = graph_of(lambda: mg.run(q_lat, q_pe, kv, out=out))
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            fi["graph_rel_err"] = rel_err(out, ref)
+            g, fi["graph_rel_err"] = replay_checked(lambda: mg.run(q_lat, q_pe, kv, out=out), out, ref)
             fi["graph_us"] = bench(g.replay) * 1e3
             fi["graph_GBps"] = case["bytes"] / fi["graph_us"] / 1e3
             del g, mg, m
@@ -130,11 +135,7 @@ def run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits):
                 row["first_call_s"] = time.perf_counter() - t0  # compile included the first time
                 row["rel_err"] = rel_err(out, ref)
                 row["nan"] = bool(torch.isnan(out).any())
-                g = graph_of(fn)
-                out.fill_(float("nan"))
-                g.replay()
-                torch.cuda.synchronize()
-                row["graph_rel_err"] = rel_err(out, ref)
+                g, row["graph_rel_err"] = replay_checked(fn, out, ref)
                 row["us"] = bench(g.replay) * 1e3
                 row["GBps"] = case["bytes"] / row["us"] / 1e3
                 row["ok"] = row["rel_err"] <= 1e-2 and row["graph_rel_err"] <= 1e-2 and not row["nan"]

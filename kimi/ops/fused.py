@@ -323,6 +323,16 @@ def _router_fused_kernel(x_ptr, x_s0, w_ptr, w_s0, bias_ptr, part_ptr, logit_ptr
 
 
 @triton.jit
+def _topk_key(choice, valid, e, BLOCK_E: tl.constexpr):
+    """Top-k selection keys (elementwise, any shape): int64 (order-preserving int32 image of the fp32 `choice`)
+    << 32 | (BLOCK_E - 1 - e), so one max-reduction gives the largest value and, among exact ties, the lowest
+    id e; entries not `valid` get (int32 min) << 32, the floor below every valid key."""
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = tl.where(valid, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2147483648)  # int32 order == float order
+    return (ordered.to(tl.int64) << 32) | tl.where(valid, BLOCK_E - 1 - e, 0).to(tl.int64)
+
+
+@triton.jit
 def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, r0, T, E, scale, TOPK: tl.constexpr,
                       NORM: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
     """sigmoid + bias + top-k + normalisation of logits rows [r0, r0 + SUB) (rows >= T not stored; the logits
@@ -334,13 +344,8 @@ def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, r0, T, E, scale,
     zz = tl.load(lrow + e[None, :], mask=em, other=0.0, cache_modifier=".cg")  # [SUB, BLOCK_E]
     sc = 1.0 / (1.0 + tl.exp(-zz))
     choice = sc + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
-    bits = choice.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order
-    lowest = tl.full((SUB, BLOCK_E), -2147483648, tl.int32)
-    ordered = tl.where(em, ordered, lowest)
-    inv = tl.where(em, BLOCK_E - 1 - e[None, :], 0)
-    key = (ordered.to(tl.int64) << 32) | inv.to(tl.int64)
-    floor_key = lowest.to(tl.int64) << 32  # below every valid key
+    key = _topk_key(choice, em, e[None, :], BLOCK_E)  # [SUB, BLOCK_E]
+    floor_key = tl.full((SUB, BLOCK_E), -2147483648, tl.int64) << 32  # below every valid key
     kk = tl.arange(0, TOPK)
     ids = tl.zeros((SUB, TOPK), dtype=tl.int32)
     for j in tl.static_range(TOPK):
@@ -394,11 +399,7 @@ def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale
         z += tl.load(logit_ptr + (sp * T + t) * E + e, mask=em, other=0.0)
     sc = 1.0 / (1.0 + tl.exp(-z))
     choice = sc + tl.load(bias_ptr + e, mask=em, other=0.0)
-    # one int64 key per expert: (order-preserving int32 image of s + bias) << 32 | (BLOCK_E - 1 - e), so ONE max
-    # per pick gives the largest value and, among exact ties, the lowest expert id (as _router_topk_rows)
-    bits = choice.to(tl.int32, bitcast=True)
-    ordered = tl.where(em, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2147483648)
-    key = (ordered.to(tl.int64) << 32) | tl.where(em, BLOCK_E - 1 - e, 0).to(tl.int64)
+    key = _topk_key(choice, em, e, BLOCK_E)  # one max per pick (see _topk_key)
     floor_key = tl.full((BLOCK_E,), -2147483648, tl.int64) << 32  # below every valid key
     kk = tl.arange(0, K)
     ids = tl.zeros((K,), dtype=tl.int32)

@@ -23,20 +23,12 @@ import torch
 
 import kimi.ops.sampling as S
 from kimi.protocol import SamplingParams
+from tests.unit.test_sampling import _chi2_pvalue
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 MARGIN = 1e-5
-
-
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    n = float(counts.sum())
-    m = probs > 0
-    exp = probs[m].double() * n
-    chi2 = float(((counts[m].double() - exp) ** 2 / exp).sum())
-    df = int(m.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)))
 
 
 def _history(B: int, V: int, seed: int) -> tuple[list[list[int]], list[int]]:

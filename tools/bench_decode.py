@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -86,6 +87,21 @@ def _set_attn(m, backend: str) -> None:
     m.decode_attention = backend
 
 
+def _set_humming_table(m, off: bool) -> None:
+    """humming_table_off: humming's heuristic schedules instead of kimi/ops/humming_table.json ($KIMI_HUMMING_TABLE)."""
+    from kimi.ops import moe_backend
+
+    if off:
+        _saved["humming_table"] = moe_backend._humming_table
+        moe_backend._humming_table = {"gpu": None, "entries": {}}
+    else:
+        moe_backend._humming_table = _saved["humming_table"]
+    for layer in m.layers:
+        impl = getattr(layer.mlp, "experts_impl", None)
+        if hasattr(impl, "_tuning"):
+            impl._tuning.clear()
+
+
 AB_VARIANTS = {
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
@@ -97,6 +113,8 @@ AB_VARIANTS = {
                   lambda m: _set_lpg(0), lambda m: _LPG.__setitem__(0, _saved["lpg"])),
     **{f"lpg{n}": (f"CUDA graph segments of {n} layers", lambda m, n=n: _set_lpg(n),
                    lambda m: _LPG.__setitem__(0, _saved["lpg"])) for n in (1, 2, 4, 16)},
+    "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
+                          lambda m: _set_humming_table(m, True), lambda m: _set_humming_table(m, False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -225,6 +243,11 @@ def main() -> None:
     res["layers_per_graph"] = _cg.LAYERS_PER_GRAPH if _LPG[0] is None else _LPG[0]
     impl = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
     res["experts_impl"] = impl
+    from kimi.ops import moe_backend
+
+    ht = moe_backend.load_humming_table()
+    res["humming_table"] = {"path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
+                            "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, _ in v] for (n, k), v in ht["entries"].items()}}
     print(f"model built in {res['load_s']:.1f} s ({impl}); mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
 
     n_local = cfg.n_routed_experts // args.ep_size

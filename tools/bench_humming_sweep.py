@@ -5,10 +5,13 @@ number of local (token, expert) pairs. This tool times, per GEMM (w13 gate_up [4
 [7168 x 2048]) and per T in --tokens (tokens routed over 384 experts, the 48 of EP rank 2 of 8 computed):
   - the heuristic's config for shape_m hints in --hints (x the expected pairs), and humming's whole candidate
     table (get_heuristics_config without shape_m);
-  - variants of the default: num_stages and num_ctas_per_sm changed.
+  - variants of the default: num_stages and num_ctas_per_sm changed;
+  - with --grid / --grid-only: GRID_TILES (N / K tiles and warp shapes at M tile 8) x stream-K x CTAs per SM.
 Each distinct config is JIT-compiled on first use (the compile time is recorded); after --budget seconds no
 new config is tried. Timing: triton.testing.do_bench median, L2 cleared, NSETS distinct routing sets cycled.
-GB/s = weight bytes of the distinct local experts hit by that GEMM / time. Output: JSON (--out) and a table.
+GB/s = weight bytes of the distinct local experts hit by that GEMM / time. rel_diff_vs_default: the relative
+difference from the default config's output over the local pairs' rows (the only rows written) of the first
+input set. Output: JSON (--out) and a table; --table-out also writes a kimi.ops.moe_backend humming table.
 """
 
 from __future__ import annotations
@@ -44,11 +47,67 @@ def variants(c: dict) -> list[dict]:
     return out
 
 
+# --grid: (block_shape, warp_shape) pairs tried with the default's other fields, x use_stream_k x num_ctas_per_sm.
+# M tile 8 throughout (decode: ~1-6 pairs per expert); N / K tiles the defaults (w13 [8,128,64], w2 [8,256,128])
+# never crossed.
+GRID_TILES = (
+    ((8, 128, 64), (8, 64, 32)),
+    ((8, 128, 128), (8, 64, 64)),
+    ((8, 128, 128), (8, 32, 64)),
+    ((8, 256, 64), (8, 64, 32)),
+    ((8, 256, 128), (8, 64, 64)),
+    ((8, 64, 128), (8, 32, 64)),
+    ((8, 64, 256), (8, 32, 64)),
+    ((8, 512, 64), (8, 64, 64)),
+)
+
+
+def grid(c: dict, mma_types: list[str]) -> list[tuple[str, dict]]:
+    """GRID_TILES x stream-K x CTAs per SM over config c; mma_types: values of mma_type to cross with ("" keeps c's)."""
+    out = []
+    for mma in mma_types:
+        for bs, ws in GRID_TILES:
+            for sk in (True, False):
+                for ncta in (2, 4):
+                    label = f"grid_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}" + (f"_{mma}" if mma else "")
+                    cfg = c | {"block_shape": list(bs), "warp_shape": list(ws), "use_stream_k": sk, "num_ctas_per_sm": ncta}
+                    if mma:
+                        cfg["mma_type"] = mma
+                    out.append((label, cfg))
+    return out
+
+
+def heuristic_candidates(layer, m_local: int, hints: str, res: dict) -> list[tuple[str, dict]]:
+    """humming's heuristic config at shape_m hints (x m_local) and its whole candidate table."""
+    from humming.tune import get_heuristics_config
+
+    cands = []
+    for h in (float(x) for x in hints.split(",")):
+        m = max(1, int(m_local * h))
+        cands.append((f"hint_m{m}", get_heuristics_config(layer.humming_config, shape_m=m, gemm_type="indexed")))
+    try:
+        table = get_heuristics_config(layer.humming_config, shape_m=None, gemm_type="indexed")
+        for i, entry in enumerate(table):
+            cands.append((f"table{i}_{entry[0]}-{entry[1]}", dict(entry[2])))
+    except Exception as e:  # noqa: BLE001
+        res.setdefault("table_errors", []).append(repr(e))
+    return cands
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="64,256")
     ap.add_argument("--hints", default="0.25,0.5,1,2,4")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new config is compiled")
+    ap.add_argument("--grid", action="store_true", help="also the GRID_TILES x stream-K x CTAs-per-SM grid")
+    ap.add_argument("--mma", default="", help="comma list of mma_type values crossed with the grid (empty: the default's)")
+    ap.add_argument("--gemms", default="w13,w2", help="which expert GEMMs to sweep")
+    ap.add_argument("--grid-only", action="store_true", help="the default and the grid only (no table / hints / variants)")
+    ap.add_argument("--table-out", default=None,
+                    help="write a kimi.ops.moe_backend humming table: per GEMM and T, the fastest config when it beats "
+                         "the default by more than --min-gain, for expected local pairs from midway to the previous swept "
+                         "T's to midway to the next one's (the largest T: up to its own)")
+    ap.add_argument("--min-gain", type=float, default=0.02)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "humming_sweep.json"))
     args = ap.parse_args()
     from humming.tune import get_heuristics_config
@@ -67,19 +126,19 @@ def main():
         sets = make_sets(T, gen)
         n_exp = sum(touched(s[2])[0] for s in sets) / len(sets)
         m_local = max(1, T * TOPK * E // E_TOTAL)
+        acts = [torch.randn(T * TOPK, I, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in sets]  # w2 inputs
+        ids0 = sets[0][2].reshape(-1)
+        loc0 = ((ids0 >= OFFSET) & (ids0 < OFFSET + E)).nonzero().flatten()  # pair rows written by both GEMMs
         for name, layer, nbytes in (("w13", hum.l1, b13), ("w2", hum.l2, b2)):
+            if name not in args.gemms.split(","):
+                continue
             default = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
             cands = [("default", default)]
-            for h in (float(x) for x in args.hints.split(",")):
-                m = max(1, int(m_local * h))
-                cands.append((f"hint_m{m}", get_heuristics_config(layer.humming_config, shape_m=m, gemm_type="indexed")))
-            try:
-                table = get_heuristics_config(layer.humming_config, shape_m=None, gemm_type="indexed")
-                for i, entry in enumerate(table):
-                    cands.append((f"table{i}_{entry[0]}-{entry[1]}", dict(entry[2])))
-            except Exception as e:  # noqa: BLE001
-                res.setdefault("table_errors", []).append(repr(e))
-            cands += [(f"var{i}", v) for i, v in enumerate(variants(default))]
+            if args.grid or args.grid_only:
+                cands += grid(default, args.mma.split(","))
+            if not args.grid_only:
+                cands += heuristic_candidates(layer, m_local, args.hints, res)
+                cands += [(f"var{i}", v) for i, v in enumerate(variants(default))]
             seen, rows, base = set(), [], None
             # inputs per set: the GEMM's own input (x for w13; act [T*k, I] for w2) and alignment
             for label, cfg in cands:
@@ -92,10 +151,9 @@ def main():
                     continue
                 bm = cfg["block_shape"][0]
                 inputs = []
-                for x, w, ids in sets:
+                for (x, w, ids), act in zip(sets, acts):
                     a = moe_align(ids, E, OFFSET, bm)
-                    inp = x if name == "w13" else torch.randn(T * TOPK, I, device="cuda", dtype=torch.bfloat16)
-                    inputs.append((inp, a))
+                    inputs.append((x if name == "w13" else act, a))
 
                 def run(inp, a, cfg=cfg, layer=layer, name=name):
                     return layer(inp, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2].view(()),
@@ -105,7 +163,7 @@ def main():
                 row = {"label": label, "config": cfg}
                 try:
                     t0 = time.time()
-                    ref = run(*inputs[0]).float()
+                    ref = run(*inputs[0]).float()[loc0]  # rows of the local pairs (the only ones written)
                     torch.cuda.synchronize()
                     row["first_call_s"] = round(time.time() - t0, 2)
                     ms = bench(cycle(run, inputs), rep=200)
@@ -125,6 +183,24 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
+    if args.table_out:
+        entries = []
+        ms_local = sorted({max(1, c["T"] * TOPK * E // E_TOTAL) for c in res["cases"]})
+        for c in res["cases"]:
+            ok = sorted([r for r in c["rows"] if "ms" in r], key=lambda r: r["ms"])
+            d = next((r for r in c["rows"] if r["label"] == "default" and "ms" in r), None)
+            if ok and d and ok[0]["ms"] < d["ms"] * (1 - args.min_gain) and ok[0].get("rel_diff_vs_default", 1) < 1e-2:
+                n, k = (2 * I, H) if c["gemm"] == "w13" else (H, I)
+                m = max(1, c["T"] * TOPK * E // E_TOTAL)
+                i = ms_local.index(m)  # the range up to the next swept size's midpoint, from the previous one's
+                lo = 1 if i == 0 else (ms_local[i - 1] + m) // 2 + 1
+                hi = m if i == len(ms_local) - 1 else (m + ms_local[i + 1]) // 2
+                entries.append({"n": n, "k": k, "m_min": lo, "m_max": hi, "config": ok[0]["config"],
+                                "label": ok[0]["label"], "ms": ok[0]["ms"], "default_ms": d["ms"]})
+        with open(args.table_out, "w") as f:
+            json.dump({"gpu": res["gpu"], "date": res["date"], "source": os.path.basename(args.out),
+                       "entries": entries}, f, indent=1, default=str)
+        print(f"humming table: {len(entries)} entries -> {args.table_out}")
     print(f"\ncopy {copy_bw:.0f} GB/s")
     for c in res["cases"]:
         ok = sorted([r for r in c["rows"] if "ms" in r], key=lambda r: r["ms"])

@@ -43,7 +43,7 @@ from kimi.ops.linear_small_m import _counter_region
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "silu_mul", "mla_rope_kv_write", "router_topk", "moe_align_fused",
+    "rms_norm", "add_rms_norm", "silu_mul", "silu_mul_rows", "mla_rope_kv_write", "router_topk", "moe_align_fused",
     "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
     "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P",
 ]
@@ -154,6 +154,54 @@ def silu_mul(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
 def silu_mul_ref(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
     inter = y.shape[1] // 2 if inter is None else inter
     return F.silu(y[:, :inter]) * y[:, inter:]
+
+
+@triton.jit
+def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr, P, I, ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # program (slot block, column block): rows rows_ptr[slot] for the ROWS slots of the block, slots past
+    # *nrows_ptr and row ids >= P (the align's pad sentinel) skipped
+    s0 = tl.program_id(0) * ROWS
+    n = tl.load(nrows_ptr)
+    if s0 < n:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < I
+        for j in range(ROWS):
+            s = s0 + j
+            r = tl.load(rows_ptr + s, mask=s < n, other=P)
+            if r < P:
+                r64 = r.to(tl.int64)
+                g = tl.load(y_ptr + r64 * y_stride + offs, mask=m, other=0.0).to(tl.float32)
+                u = tl.load(y_ptr + r64 * y_stride + I + offs, mask=m, other=0.0).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
+                tl.store(o_ptr + r64 * o_stride + offs, (a * u).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, inter: int | None = None,
+                  rows_per_program: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_mul for the rows a MoE align lists only: y [P, 2I] (unit last-dim stride), rows [cap] int32 row ids
+    (moe_align's sorted_ids: values >= P are pads, skipped), num_rows [1] int32 on the device (how many leading
+    entries of rows are valid: moe_align's num_padded) -> o [P, I] (y.dtype) where o[r] = silu(y[r, :I]) * y[r, I:]
+    for every listed row r; the other rows of o are left UNINITIALISED (the down GEMM reads only listed rows).
+    out: optional [P, I] destination (unit last-dim stride), returned; its unlisted rows are not written.
+
+    Why: the gate_up GEMM writes only the rows of local (token, expert) pairs, about 1/ep_size of the P = T * k
+    rows; silu_mul over all P rows reads and writes ~ep_size x more than needed. Same math as `silu_mul`
+    (silu rounded to y.dtype, then the product rounded). No host sync (num_rows stays on the device): the grid
+    covers all cap slots and programs past num_rows exit at once. CUDA-graph capturable."""
+    P, two_i = y.shape
+    inter = two_i // 2 if inter is None else inter
+    assert y.stride(1) == 1 and rows.dtype == torch.int32 and num_rows.numel() == 1
+    o = torch.empty((P, inter), dtype=y.dtype, device=y.device) if out is None else out
+    assert o.shape == (P, inter) and o.stride(1) == 1
+    cap = rows.numel()
+    if P == 0 or cap == 0:
+        return o
+    BLOCK = min(1024, triton.next_power_of_2(inter))
+    R = rows_per_program
+    _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
+        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=4)
+    return o
 
 
 # ---- MLA: q_pe rope, kv latent rmsnorm + k_pe rope, paged cache write -------------------------------------

@@ -5,7 +5,8 @@ experts this rank owns, with the INT4 weights kept PACKED on the device.
   its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors `weight_packed` / `weight_scale` /
   `weight_shape`, `transform()`ed once into humming's layout, then called with moe_align's sorted pair ids).
   Steps: align (kimi.ops.moe_int4_triton.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
-  pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul; align: kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
+  pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul_rows over the local pairs' rows only; align:
+  kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   Measured 2-3x faster than ours at decode (docs/benchmarks.md).
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
@@ -19,6 +20,10 @@ pair are 0. `graph_safe` says whether a CUDA graph may capture it.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +32,53 @@ from kimi.ops.moe import fused_experts_ref
 
 BACKENDS = ("humming", "triton", "ref")
 
-__all__ = ["BACKENDS", "HummingInt4Experts", "TritonInt4Experts", "RefExperts", "make_experts"]
+# Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one
+# (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
+# ("" or "off": none), and used only on the GPU it was measured on. Format (JSON): {"gpu": name, "entries": [{"n": N,
+# "k": K, "m_min": A, "m_max": B, "config": {humming tuning fields}}, ...]}: for a GEMM [N, K] at m expected local
+# pairs, the first entry with A <= m <= B applies; none: humming's heuristic.
+HUMMING_TABLE_PATH = Path(__file__).with_name("humming_table.json")
+_humming_table: dict | None = None
+
+
+def load_humming_table(path: str | os.PathLike | None = None) -> dict:
+    """{"gpu": name or None, "entries": {(n, k): [(m_min, m_max, config), ...]}}. A missing file (or
+    $KIMI_HUMMING_TABLE "" / "off") gives no entries; a malformed file raises ValueError."""
+    env = os.environ.get("KIMI_HUMMING_TABLE")
+    if path is None and env is not None and env.strip().lower() in ("", "off"):
+        return {"gpu": None, "entries": {}}
+    p = Path(path) if path is not None else Path(env or HUMMING_TABLE_PATH)
+    if not p.exists():
+        return {"gpu": None, "entries": {}}
+    try:
+        raw = json.loads(p.read_text())
+        entries: dict[tuple[int, int], list[tuple[int, int, dict]]] = {}
+        for e in raw["entries"]:
+            lo, hi = int(e["m_min"]), int(e["m_max"])
+            if not 1 <= lo <= hi:
+                raise ValueError(f"m range [{lo}, {hi}]")
+            entries.setdefault((int(e["n"]), int(e["k"])), []).append((lo, hi, dict(e["config"])))
+        return {"gpu": str(raw["gpu"]), "entries": entries}
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"bad humming table {p}: {e!r}") from e
+
+
+def humming_table_config(n: int, k: int, m_local: int, gpu: str) -> dict | None:
+    """The measured config for a humming GEMM [n, k] at m_local expected pairs on GPU `gpu`, or None."""
+    global _humming_table
+    if _humming_table is None:
+        _humming_table = load_humming_table()
+    t = _humming_table
+    if t["gpu"] != gpu:
+        return None
+    for lo, hi, cfg in t["entries"].get((n, k), []):
+        if lo <= m_local <= hi:
+            return dict(cfg)
+    return None
+
+
+__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingInt4Experts", "TritonInt4Experts",
+           "RefExperts", "make_experts"]
 
 
 class RefExperts(nn.Module):
@@ -103,6 +154,7 @@ class HummingInt4Experts(nn.Module):
             self.l1.transform()
             self.l2.transform()
         self.E, self.D, self.inter = E, D, inter
+        self.device = dev
         self.expert_offset = expert_offset
         self.num_experts_total = num_experts_total
         self._tuning: dict[tuple[int, int], tuple[dict, dict]] = {}
@@ -113,9 +165,14 @@ class HummingInt4Experts(nn.Module):
             from humming.tune import get_heuristics_config
 
             m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
-            c1 = get_heuristics_config(self.l1.humming_config, shape_m=m_local, gemm_type="indexed")
-            c2 = get_heuristics_config(self.l2.humming_config, shape_m=m_local, gemm_type="indexed")
-            self._tuning[key] = (c1, c2)
+            gpu = torch.cuda.get_device_name(self.device)
+            cs = []
+            for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
+                c = humming_table_config(n, kk, m_local, gpu)
+                if c is None:
+                    c = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
+                cs.append(c)
+            self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -128,16 +185,16 @@ class HummingInt4Experts(nn.Module):
         c1, c2 = self._configs(T, k)
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
-            from kimi.ops.fused import moe_align_fused as moe_align, silu_mul
+            from kimi.ops.fused import moe_align_fused as moe_align, silu_mul_rows
         else:
-            silu_mul = None
+            silu_mul_rows = None
         a1 = moe_align(topk_ids, self.E, self.expert_offset, bm1)
         a2 = a1 if bm2 == bm1 else moe_align(topk_ids, self.E, self.expert_offset, bm2)
         cc = {"gemm_type": "indexed"}
         y1 = self.l1(x.contiguous(), sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=k,
                      compute_config=cc, tuning_config=c1)  # [T*k, 2I] rows = pair ids (local pairs written)
-        if silu_mul is not None:
-            act = silu_mul(y1, self.inter)  # [T*k, I]
+        if silu_mul_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
+            act = silu_mul_rows(y1, a1[0], a1[2], self.inter)  # [T*k, I]
         else:
             act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,

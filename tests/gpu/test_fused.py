@@ -147,6 +147,33 @@ def test_router_topk_cuda_graph():
     assert all(int(b.abs().sum()) == 0 for b in lsm._counters.values())
 
 
+@pytest.mark.parametrize("T,bm", [(8, 8), (64, 8), (256, 8), (256, 16)])
+def test_silu_mul_rows(T, bm):
+    """silu_mul_rows over moe_align_fused's rows (K2.6 I = 2048, 48 local of 384 experts): exactly the local
+    pairs' rows written (out poisoned with NaN first), each equal to silu_mul_ref; also inside a CUDA graph."""
+    from kimi.ops import fused
+
+    g = torch.Generator(device=DEV).manual_seed(700 + T + bm)
+    I = 2048
+    ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, 1).indices.to(torch.int64)
+    s, _, npd, _ = fused.moe_align_fused(ids, 48, 96, bm)
+    P = T * 8
+    y = torch.randn(P, 2 * I, generator=g, device=DEV).to(torch.bfloat16) * 3
+    loc = ((ids >= 96) & (ids < 144)).reshape(-1).nonzero().flatten()
+    out = torch.full((P, I), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fused.silu_mul_rows(y, s, npd, I, out=out)
+    assert torch.equal((~out.isnan().all(1)).nonzero().flatten(), loc)
+    assert rel_err(out[loc], fused.silu_mul_ref(y[loc], I)) <= REL_TOL
+    out2 = torch.full_like(out, float("nan"))
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fused.silu_mul_rows(y, s, npd, I, out=out2)
+    gr.replay()
+    torch.cuda.synchronize()
+    unlisted = out.isnan().all(1)
+    assert torch.equal(out2[loc], out[loc]) and out2[unlisted].isnan().all()
+
+
 @pytest.mark.parametrize("one", [None, True, False])  # default dispatch, one program, two kernels
 @pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (512, 64), (2048, 64)])
 def test_moe_align_fused(T, bm, one):

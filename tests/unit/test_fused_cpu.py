@@ -8,7 +8,7 @@ and L, nothing but the mapped cache slots written); router_topk on both paths (o
 counters, and the two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several
 row tiles, counters back at zero, bitwise run-to-run determinism, exact ties; moe_align_fused on both paths
 (the single program's output equals moe_align's exactly; the two-kernel path's as sets per row block) and the
-P threshold dispatch. The GPU versions of these checks: tests/gpu/test_fused.py.
+P threshold dispatch; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
 """
 
 import textwrap
@@ -138,6 +138,32 @@ _ALIGN = textwrap.dedent("""
     print("OK align")
 """)
 
+_SILU_ROWS = textwrap.dedent("""
+    from kimi.ops.moe_int4_triton import moe_align
+    for T, k, bm, I, R in [(1, 8, 8, 40, 4), (9, 8, 16, 100, 4), (33, 4, 16, 64, 3), (0, 8, 8, 16, 4)]:
+        ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
+        s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, False)
+        P = T * k
+        y = torch.randn(P, 2 * I).half() * 3
+        out = torch.full((P, I), float("nan")).half()
+        o = fused.silu_mul_rows(y, s, npd, I, rows_per_program=R, out=out)
+        assert o is out and o.dtype == y.dtype
+        listed = sorted({int(r) for r in s[: int(npd)] if int(r) < P})
+        loc = ((ids >= 8) & (ids < 20)).reshape(-1).nonzero().flatten().tolist()
+        assert listed == loc, (T, listed, loc)  # exactly the local pairs
+        written = ~o.isnan().all(1)
+        assert written.nonzero().flatten().tolist() == loc, T  # listed rows written, no other row
+        if listed:
+            rows = torch.tensor(listed)
+            assert rel(o[rows], fused.silu_mul_ref(y[rows], I)) <= 1e-3, (T, k, bm, I)
+        # slots past num_rows are skipped even where the table lists real rows
+        o0 = torch.full((P, I), float("nan")).half()
+        fused.silu_mul_rows(y, s, torch.zeros(1, dtype=torch.int32), I, out=o0)
+        assert o0.isnan().all()
+    print("OK silu_rows")
+""")
+
+
 
 def _run(body: str, tag: str) -> None:
     r = run_interpreted(_PRELUDE + body, timeout=180)
@@ -158,3 +184,7 @@ def test_router_topk_interpreter():
 
 def test_moe_align_interpreter():
     _run(_ALIGN, "align")
+
+
+def test_silu_mul_rows_interpreter():
+    _run(_SILU_ROWS, "silu_rows")

@@ -1,0 +1,69 @@
+"""The measured humming schedule table (kimi.ops.moe_backend.load_humming_table / humming_table_config): the shipped
+file parses, ranges select the right entry, another GPU gets none, $KIMI_HUMMING_TABLE switches or disables it,
+malformed files raise ValueError naming the file."""
+
+import json
+
+import pytest
+
+from kimi.ops import moe_backend as mb
+
+
+def _write(tmp_path, entries, gpu="GPU-A"):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"gpu": gpu, "entries": entries}))
+    return p
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch):
+    monkeypatch.setattr(mb, "_humming_table", None)
+
+
+def test_shipped_table_parses():
+    t = mb.load_humming_table(mb.HUMMING_TABLE_PATH)
+    assert t["gpu"] == "NVIDIA H200"
+    for (n, k), v in t["entries"].items():
+        assert n > 0 and k > 0
+        for lo, hi, cfg in v:
+            assert 1 <= lo <= hi and "block_shape" in cfg
+
+
+def test_ranges_and_gpu(tmp_path, monkeypatch):
+    p = _write(tmp_path, [
+        {"n": 10, "k": 20, "m_min": 1, "m_max": 64, "config": {"block_shape": [8, 1, 1]}},
+        {"n": 10, "k": 20, "m_min": 161, "m_max": 256, "config": {"block_shape": [8, 2, 2]}},
+    ])
+    monkeypatch.setenv("KIMI_HUMMING_TABLE", str(p))
+    assert mb.humming_table_config(10, 20, 1, "GPU-A") == {"block_shape": [8, 1, 1]}
+    assert mb.humming_table_config(10, 20, 64, "GPU-A") == {"block_shape": [8, 1, 1]}
+    assert mb.humming_table_config(10, 20, 100, "GPU-A") is None  # between the ranges: heuristic
+    assert mb.humming_table_config(10, 20, 256, "GPU-A") == {"block_shape": [8, 2, 2]}
+    assert mb.humming_table_config(10, 20, 257, "GPU-A") is None
+    assert mb.humming_table_config(10, 21, 64, "GPU-A") is None  # other shape
+    assert mb.humming_table_config(10, 20, 64, "GPU-B") is None  # other GPU
+    c = mb.humming_table_config(10, 20, 64, "GPU-A")
+    c["block_shape"] = None  # a copy: the table is not changed through it
+    assert mb.humming_table_config(10, 20, 64, "GPU-A") == {"block_shape": [8, 1, 1]}
+
+
+@pytest.mark.parametrize("value", ["", "off", "OFF"])
+def test_env_off(value, monkeypatch):
+    monkeypatch.setenv("KIMI_HUMMING_TABLE", value)
+    assert mb.load_humming_table() == {"gpu": None, "entries": {}}
+
+
+def test_missing_file(tmp_path):
+    assert mb.load_humming_table(tmp_path / "none.json")["entries"] == {}
+
+
+@pytest.mark.parametrize("entries", [
+    [{"n": 1, "k": 1, "m_min": 5, "m_max": 4, "config": {}}],  # empty range
+    [{"n": 1, "k": 1, "m_min": 0, "m_max": 4, "config": {}}],  # m_min < 1
+    [{"n": 1, "k": 1, "m_max": 4, "config": {}}],  # no m_min
+    "not a list",
+])
+def test_malformed(tmp_path, entries):
+    p = _write(tmp_path, entries)
+    with pytest.raises(ValueError, match="bad humming table"):
+        mb.load_humming_table(p)

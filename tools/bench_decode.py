@@ -102,6 +102,20 @@ def _set_humming_table(m, off: bool) -> None:
             impl._tuning.clear()
 
 
+def _set_module_attr(module: str, attr: str, value) -> None:
+    import importlib
+
+    m = importlib.import_module(module)
+    _saved[(module, attr)] = getattr(m, attr)
+    setattr(m, attr, value)
+
+
+def _restore_module_attr(module: str, attr: str) -> None:
+    import importlib
+
+    setattr(importlib.import_module(module), attr, _saved[(module, attr)])
+
+
 AB_VARIANTS = {
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
@@ -113,6 +127,15 @@ AB_VARIANTS = {
                   lambda m: _set_lpg(0), lambda m: _LPG.__setitem__(0, _saved["lpg"])),
     **{f"lpg{n}": (f"CUDA graph segments of {n} layers", lambda m, n=n: _set_lpg(n),
                    lambda m: _LPG.__setitem__(0, _saved["lpg"])) for n in (1, 2, 4, 16)},
+    "pdl_off": ("no programmatic dependent launch (kimi.ops.pdl.ENABLED False)",
+                lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", False),
+                lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED")),
+    "pdl_on": ("programmatic dependent launch for kimi's Triton kernels (kimi.ops.pdl.ENABLED True)",
+               lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", True),
+               lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED")),
+    **{f"pf{n}": (f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
+                  lambda m, n=n: _set_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES", n),
+                  lambda m: _restore_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES")) for n in (0, 1, 4, 8)},
     "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
                           lambda m: _set_humming_table(m, True), lambda m: _set_humming_table(m, False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
@@ -245,6 +268,10 @@ def main() -> None:
     res["experts_impl"] = impl
     from kimi.ops import moe_backend
 
+    from kimi.ops import linear_small_m as _lsm
+    from kimi.ops import pdl as _pdl
+
+    res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
     ht = moe_backend.load_humming_table()
     res["humming_table"] = {"path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
                             "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, _ in v] for (n, k), v in ht["entries"].items()}}

@@ -81,14 +81,16 @@ CONFIGS: tuple[BmmConfig, ...] = (
 
 
 if HAS_TRITON:
+    from kimi.ops.pdl import launch_kwargs, wait_and_release
 
     @triton.jit(do_not_specialize=["M"])
     def _bmm_small_m_kernel(
         x_ptr, w_ptr, y_ptr, M, N, K,
         s_xm, s_xh, s_wh, s_wn, s_ym, s_yh,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+        SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        wait_and_release(PDL)  # kimi.ops.pdl
         h = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -171,7 +173,7 @@ def bmm_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         x, w, y, M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=config.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(x.device),
     )
     return y
 

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from kimi.ops.linear_small_m import COUNTER_REGION as _COUNTER_REGION
 from kimi.ops.linear_small_m import _counter_region
+from kimi.ops.pdl import launch_kwargs, wait_and_release
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -61,13 +62,15 @@ ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (tok
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr, h_ptr, h_stride, y_ptr, y_stride,
-                    D, eps, HAS_D1: tl.constexpr, HAS_D2: tl.constexpr, BLOCK: tl.constexpr):
+                    D, eps, HAS_D1: tl.constexpr, HAS_D2: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
     # the weight first: loaded after the h store below, it would wait for that store (h may alias w as far as
-    # the compiler knows), adding a second memory round trip to the program
+    # the compiler knows), adding a second memory round trip to the program. A weight: read before the PDL wait.
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    wait_and_release(PDL)
     x = tl.load(x_ptr + row * x_stride + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_D1:
         x += tl.load(d1_ptr + row * d1_stride + offs, mask=m, other=0.0).to(tl.float32)
@@ -95,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         return y
     B = triton.next_power_of_2(D)
     _rmsnorm_kernel[(T,)](x, x.stride(0), x, 0, x, 0, weight, y, 0, y, y.stride(0), D, eps,
-                          HAS_D1=False, HAS_D2=False, BLOCK=B, num_warps=_nw(B))
+                          HAS_D1=False, HAS_D2=False, BLOCK=B, num_warps=_nw(B), **launch_kwargs(x.device))
     return y
 
 
@@ -110,7 +113,8 @@ def add_rms_norm(h: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor | None, wei
     B = triton.next_power_of_2(D)
     d2_ = d1 if d2 is None else d2
     _rmsnorm_kernel[(T,)](h, h.stride(0), d1, d1.stride(0), d2_, d2_.stride(0), weight, h_new, h_new.stride(0),
-                          y, y.stride(0), D, eps, HAS_D1=True, HAS_D2=d2 is not None, BLOCK=B, num_warps=_nw(B))
+                          y, y.stride(0), D, eps, HAS_D1=True, HAS_D2=d2 is not None, BLOCK=B, num_warps=_nw(B),
+                          **launch_kwargs(h.device))
     return h_new, y
 
 
@@ -127,7 +131,8 @@ def add_rms_norm_ref(h, d1, d2, weight, eps):
 
 
 @triton.jit
-def _silu_mul_kernel(y_ptr, y_stride, o_ptr, o_stride, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(y_ptr, y_stride, o_ptr, o_stride, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -147,7 +152,8 @@ def silu_mul(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
     if M == 0:
         return o
     BLOCK = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(M, triton.cdiv(inter, BLOCK))](y, y.stride(0), o, o.stride(0), inter, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(M, triton.cdiv(inter, BLOCK))](y, y.stride(0), o, o.stride(0), inter, BLOCK=BLOCK, num_warps=4,
+                                                     **launch_kwargs(y.device))
     return o
 
 
@@ -158,9 +164,10 @@ def silu_mul_ref(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr, P, I, ROWS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # program (slot block, column block): rows rows_ptr[slot] for the ROWS slots of the block, slots past
     # *nrows_ptr and row ids >= P (the align's pad sentinel) skipped
+    wait_and_release(PDL)
     s0 = tl.program_id(0) * ROWS
     n = tl.load(nrows_ptr)
     if s0 < n:
@@ -200,7 +207,8 @@ def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, i
     BLOCK = min(1024, triton.next_power_of_2(inter))
     R = rows_per_program
     _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
-        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=4)
+        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=4,
+        **launch_kwargs(y.device))
     return o
 
 
@@ -220,9 +228,10 @@ def _rope_pairs(x, c, s, ROWS: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                         cache_ptr, qpe_ptr, H, N, L, eps, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_L: tl.constexpr):
+                        BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
     # grid (T, cdiv(H, BLOCK_H) + 1): programs 0.. of a row rope BLOCK_H heads of q_pe each; the last one does
     # the latent rmsnorm, the k_pe rope and the cache write of that row
+    wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     R2: tl.constexpr = R // 2
@@ -280,7 +289,8 @@ def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tens
     BH = min(triton.next_power_of_2(H), 8 if T <= 64 else 32)  # small T: more programs per row
     _mla_rope_kv_kernel[(T, triton.cdiv(H, BH) + 1)](
         q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache, positions, slot_mapping,
-        kv_cache, qpe, H, nope, L, eps, R=R, BLOCK_H=BH, BLOCK_L=triton.next_power_of_2(L), num_warps=4)
+        kv_cache, qpe, H, nope, L, eps, R=R, BLOCK_H=BH, BLOCK_L=triton.next_power_of_2(L), num_warps=4,
+        **launch_kwargs(q.device))
     return qpe
 
 
@@ -413,7 +423,9 @@ def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, r0, T, E, scale,
 
 @triton.jit
 def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
-                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     pe = tl.program_id(0)
     pk = tl.program_id(1)
     pt = tl.program_id(2)
@@ -438,7 +450,8 @@ def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
 
 @triton.jit
 def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale, K: tl.constexpr, NORM: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
+                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -481,9 +494,9 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
     logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
     _router_logits_kernel[(triton.cdiv(E, _RT_BE), n_split, triton.cdiv(T, _RT_BT))](
         x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=_RT_BT, BE=_RT_BE, BK=_RT_BK,
-        F32_DOT=_INTERPRET, num_warps=4)
+        F32_DOT=_INTERPRET, num_warps=4, **launch_kwargs(x.device))
     _router_topk_kernel[(T,)](logits, bias, w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=2)
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=2, **launch_kwargs(x.device))
     return w, ids
 
 
@@ -583,7 +596,8 @@ def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, n
 
 @triton.jit
 def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, cursor_ptr, bexp_ptr, npad_ptr, cap,
-                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     # one program: histogram of local experts, padded offsets, cursors, block experts, sentinel fill
     pad_start = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
                               BLOCK_P, BLOCK_E, BLOCK_B, BLOCK_P)
@@ -592,7 +606,9 @@ def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, curso
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: tl.constexpr):
+def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     po = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pm = po < P
     loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
@@ -662,8 +678,9 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
         return sorted_ids, block_expert, num_padded, max_blocks
     cursor = torch.empty((E,), dtype=torch.int32, device=dev)
     _align_count_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, cursor, block_expert,
-                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8)
+                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8,
+                              **launch_kwargs(dev))
     if P:
         _align_scatter_kernel[(triton.cdiv(P, 256),)](ids, P, E, expert_offset, sorted_ids, cursor, BLOCK=256,
-                                                      num_warps=4)
+                                                      num_warps=4, **launch_kwargs(dev))
     return sorted_ids, block_expert, num_padded, max_blocks

@@ -166,8 +166,27 @@ def _num_stages(cfg: "SmallMConfig", block_m: int, prologue: int = 0) -> int:
     return max(2, min(cfg.num_stages, SMEM_BUDGET // stage_bytes))
 
 
+# With PDL (kimi.ops.pdl), each program first prefetches into L2 the first PREFETCH_TILES W tiles of its K range
+# ([BLOCK_N, BLOCK_K] each; weights are never written during a step, so this may run before griddepcontrol.wait,
+# while the kernel ahead finishes), then waits. 0: no prefetch. Set before CUDA-graph capture (a constexpr).
+PREFETCH_TILES = 2
+
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kimi.ops.pdl import launch_kwargs, wait_and_release
+
+    @triton.jit
+    def _prefetch_w(w_ptr, stride_wn, rows_w, k0, K, n_iters, PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr):
+        """prefetch.global.L2 of W[rows_w, k0 + j * BLOCK_K + (0..BLOCK_K)) for j < min(PREFETCH, n_iters): one
+        prefetch per 128-byte line (64 two-byte elements), columns clamped to K - 1 (never past a row)."""
+        lines = tl.arange(0, BLOCK_K // 64) * 64
+        for j in tl.static_range(PREFETCH):
+            if j < n_iters:
+                cols = tl.minimum(k0 + j * BLOCK_K + lines, K - 1)
+                p = w_ptr + rows_w[:, None] * stride_wn + cols[None, :]
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32,
+                                          is_pure=False, pack=1)
 
     @triton.jit
     def _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -235,10 +254,11 @@ if HAS_TRITON:
         stride_xm, stride_wn, stride_ym, eps,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-        PROLOGUE: tl.constexpr = 0,
+        PROLOGUE: tl.constexpr = 0, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     ):
         """Pointer (cp.async) variant. ITERS / LAST_ITERS: K steps of every split but the last / of the last
-        (plain arguments: Triton's interpreter cannot bound a loop by a program_id-derived value)."""
+        (plain arguments: Triton's interpreter cannot bound a loop by a program_id-derived value). PDL /
+        PREFETCH: kimi.ops.pdl, PREFETCH_TILES."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -253,6 +273,9 @@ if HAS_TRITON:
         num_iters = ITERS
         if pid_k == SPLIT_K - 1:
             num_iters = LAST_ITERS
+        if PDL:
+            _prefetch_w(w_ptr, stride_wn, rows_w, k_start, K, num_iters, PREFETCH, BLOCK_K)
+        wait_and_release(PDL)
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_kb)[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_start + offs_kb)[None, :]  # [BLOCK_N, BLOCK_K]
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -287,10 +310,11 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "ITERS", "LAST_ITERS"])
     def _linear_small_m_tma_kernel(
-        x_desc, w_desc, y_ptr, ws_ptr, cnt_ptr, x_ptr, g_ptr,
-        M, N, K, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS, stride_ym, stride_xm, eps,
+        x_desc, w_desc, y_ptr, ws_ptr, cnt_ptr, x_ptr, g_ptr, w_ptr,
+        M, N, K, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS, stride_ym, stride_xm, stride_wn, eps,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, PROLOGUE: tl.constexpr = 0,
+        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     ):
         """TMA variant: x and W tiles come through host-built tensor descriptors (x: shape [M, K], box
         [BLOCK_M, BLOCK_K]; W: [N, K], box [BLOCK_N, BLOCK_K]); out-of-range rows / K are zero-filled by the
@@ -302,6 +326,10 @@ if HAS_TRITON:
         if pid_k == SPLIT_K - 1:
             num_iters = LAST_ITERS
         n0 = pid_n * BLOCK_N
+        if PDL:
+            rows_w = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            _prefetch_w(w_ptr, stride_wn, rows_w, k, K, num_iters, PREFETCH, BLOCK_K)
+        wait_and_release(PDL)
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
@@ -448,14 +476,17 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         cnt = ws = y  # unused by the kernel; any pointer
     iters, last_iters = k_per_split // bk, triton.cdiv(K - (split - 1) * k_per_split, bk)
     use_split = split > 1
+    pdl = launch_kwargs(x.device)
+    if pdl["PDL"]:
+        pdl["PREFETCH"] = PREFETCH_TILES
     if config.tma and _tma_ok(x, w, bm, bn, bk):
         x_desc = TensorDescriptor(x, [M, x.shape[1]], [x.stride(0), 1], [bm, bk])
         w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
         _linear_small_m_tma_kernel[(n_tiles, split)](
-            x_desc, w_desc, y, ws, cnt, x, g,
-            M, N, K, k_per_split, split, iters, last_iters, y.stride(0), x.stride(0), float(eps),
+            x_desc, w_desc, y, ws, cnt, x, g, w,
+            M, N, K, k_per_split, split, iters, last_iters, y.stride(0), x.stride(0), w.stride(0), float(eps),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_SPLIT=use_split, SWAP_AB=config.swap_ab, PROLOGUE=prologue,
-            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue),
+            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue), **pdl,
         )
     else:
         _linear_small_m_kernel[(n_tiles, split)](
@@ -464,7 +495,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
             x.stride(0), w.stride(0), y.stride(0), float(eps),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             USE_SPLIT=use_split, SWAP_AB=config.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, PROLOGUE=prologue,
-            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue),
+            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue), **pdl,
         )
     return y
 

@@ -138,6 +138,7 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
 
 
 if HAS_TRITON:
+    from kimi.ops.pdl import launch_kwargs, wait_and_release
 
     @triton.jit
     def _load_dequant(wbase, sbase, offs_n, stride_wn, stride_sn, k0,
@@ -254,8 +255,9 @@ if HAS_TRITON:
     def _combine_kernel(
         y_ptr, w_ptr, ids_ptr, out_ptr, N, top_k, expert_lo, expert_hi,
         stride_y, stride_out,
-        TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+        TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        wait_and_release(PDL)  # kimi.ops.pdl
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_j = tl.arange(0, TOPK_P2)
@@ -371,6 +373,6 @@ def combine_into(y, topk_weights, topk_ids, expert_offset, num_local_experts, ou
     _combine_kernel[(T, triton.cdiv(H, block_n))](
         y, tw, ti, out, H, k, expert_offset, expert_offset + num_local_experts,
         y.stride(0), out.stride(0),
-        TOPK_P2=triton.next_power_of_2(k), BLOCK_N=block_n, num_warps=4,
+        TOPK_P2=triton.next_power_of_2(k), BLOCK_N=block_n, num_warps=4, **launch_kwargs(out.device),
     )
     return out

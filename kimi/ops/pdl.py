@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL) for kimi's Triton kernels on Hopper.
+
+What: a kernel launched with PDL may be scheduled before the kernel ahead of it in the stream has finished, once
+every program of that kernel has executed `griddepcontrol.launch_dependents` (or exited). Its programs then wait
+in `griddepcontrol.wait` until the kernel ahead has completed and its memory writes are visible (CUDA
+Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA, griddepcontrol). The launch
+latency and the ramp-up of the next kernel overlap the tail of the current one; the decode step is a chain of
+~20 short, dependent kernels per layer, so each boundary counts. CUDA graphs keep the programmatic edges.
+
+Contract of every kernel that takes `PDL: tl.constexpr` (see `wait_and_release`):
+- before `griddepcontrol.wait` it reads only data no kernel of the step writes (weights, the L2 prefetch of
+  kimi.ops.linear_small_m) and writes nothing;
+- right after the wait it executes `launch_dependents`, so at most one kernel waits ahead of a running one.
+Kernels we do not own (FlashInfer, humming, cuBLAS, torch) never trigger early: a PDL kernel after them
+starts at their completion, as without PDL.
+
+Switch: `ENABLED` (environment KIMI_PDL=0 turns it off at import; tests and benchmarks may set the attribute).
+Off under Triton's CPU interpreter (no griddepcontrol there) and on GPUs before sm_90.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+    tl = None
+
+__all__ = ["ENABLED", "enabled", "launch_kwargs"]
+
+ENABLED = os.environ.get("KIMI_PDL", "1") != "0"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL now: ENABLED, a CUDA device of compute capability >= 9.0, not
+    under the interpreter."""
+    if not ENABLED or _INTERPRET or triton is None or device.type != "cuda":
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Keyword arguments for a PDL-aware kernel launch on `device`: {"PDL": True, "launch_pdl": True} when
+    `enabled`, else {"PDL": False} (the interpreter does not take launch_pdl)."""
+    if enabled(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_and_release(PDL: tl.constexpr):
+        """With PDL: wait for the kernel ahead to complete (its writes visible), then let the next kernel launch."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

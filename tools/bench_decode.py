@@ -116,6 +116,18 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
+def _qb_cublas(on: bool) -> None:
+    """qb_cublas: q_b ([12288, 1536]) at M buckets 32 / 64 through F.linear (cuBLAS) as before session 4's table entries."""
+    from kimi.ops import linear_small_m as lsm
+
+    ent = lsm._get_table()["entries"]
+    keys = [(32, 12288, 1536), (64, 12288, 1536)]
+    if on:
+        _saved["qb"] = {k: ent.pop(k) for k in keys if k in ent}
+    else:
+        ent.update(_saved["qb"])
+
+
 AB_VARIANTS = {
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
@@ -136,6 +148,8 @@ AB_VARIANTS = {
     **{f"pf{n}": (f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
                   lambda m, n=n: _set_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES", n),
                   lambda m: _restore_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES")) for n in (0, 1, 4, 8)},
+    "qb_cublas": ("q_b GEMM at 17-64 rows by cuBLAS (no PDL for it) instead of linear_small_m",
+                  lambda m: _qb_cublas(True), lambda m: _qb_cublas(False)),
     "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
                           lambda m: _set_humming_table(m, True), lambda m: _set_humming_table(m, False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
@@ -161,7 +175,7 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
 
 _CLASSES = [
     ("fused_norm", r"_rmsnorm_kernel"),
-    ("fused_silu_mul", r"_silu_mul_kernel"),
+    ("fused_silu_mul", r"_silu_mul_kernel|_silu_mul_rows_kernel"),
     ("fused_rope_kv_write", r"_mla_rope_kv_kernel"),
     ("fused_router", r"_router_logits_kernel|_router_topk_kernel"),
     ("fused_align", r"_align_count_kernel|_align_scatter_kernel"),

@@ -170,18 +170,18 @@ def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr,
     wait_and_release(PDL)
     s0 = tl.program_id(0) * ROWS
     n = tl.load(nrows_ptr)
-    if s0 < n:
+    if s0 < n:  # the ROWS rows of the block in one [ROWS, BLOCK] tile (one memory round trip, not ROWS)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < I
-        for j in range(ROWS):
-            s = s0 + j
-            r = tl.load(rows_ptr + s, mask=s < n, other=P)
-            if r < P:
-                r64 = r.to(tl.int64)
-                g = tl.load(y_ptr + r64 * y_stride + offs, mask=m, other=0.0).to(tl.float32)
-                u = tl.load(y_ptr + r64 * y_stride + I + offs, mask=m, other=0.0).to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
-                tl.store(o_ptr + r64 * o_stride + offs, (a * u).to(o_ptr.dtype.element_ty), mask=m)
+        sl = s0 + tl.arange(0, ROWS)
+        r = tl.load(rows_ptr + sl, mask=sl < n, other=P)
+        ok = r < P
+        r64 = tl.where(ok, r, 0).to(tl.int64)
+        mm = ok[:, None] & (offs < I)[None, :]
+        base = r64[:, None] * y_stride + offs[None, :]
+        g = tl.load(y_ptr + base, mask=mm, other=0.0).to(tl.float32)
+        u = tl.load(y_ptr + base + I, mask=mm, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(o_ptr + r64[:, None] * o_stride + offs[None, :], (a * u).to(o_ptr.dtype.element_ty), mask=mm)
 
 
 def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, inter: int | None = None,
@@ -191,6 +191,7 @@ def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, i
     entries of rows are valid: moe_align's num_padded) -> o [P, I] (y.dtype) where o[r] = silu(y[r, :I]) * y[r, I:]
     for every listed row r; the other rows of o are left UNINITIALISED (the down GEMM reads only listed rows).
     out: optional [P, I] destination (unit last-dim stride), returned; its unlisted rows are not written.
+    rows_per_program: listed rows per program, rounded up to a power of two (loaded as one [rows, 1024] tile).
 
     Why: the gate_up GEMM writes only the rows of local (token, expert) pairs, about 1/ep_size of the P = T * k
     rows; silu_mul over all P rows reads and writes ~ep_size x more than needed. Same math as `silu_mul`
@@ -205,7 +206,7 @@ def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, i
     if P == 0 or cap == 0:
         return o
     BLOCK = min(1024, triton.next_power_of_2(inter))
-    R = rows_per_program
+    R = triton.next_power_of_2(rows_per_program)
     _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
         y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=4,
         **launch_kwargs(y.device))

@@ -22,7 +22,7 @@ pytestmark = [
 # is not a multiple of 64/128, which exercises the clamped-row path).
 SHAPES = [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048), (36864, 7168), (7168, 18432),
           (20000, 7168)]
-MS = [1, 3, 8, 16, 33, 64]
+MS = [1, 3, 8, 16, 24, 33, 64]
 
 
 def _check(x, w, y):

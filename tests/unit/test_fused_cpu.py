@@ -140,7 +140,7 @@ _ALIGN = textwrap.dedent("""
 
 _SILU_ROWS = textwrap.dedent("""
     from kimi.ops.moe_int4_triton import moe_align
-    for T, k, bm, I, R in [(1, 8, 8, 40, 4), (9, 8, 16, 100, 4), (33, 4, 16, 64, 3), (0, 8, 8, 16, 4)]:
+    for T, k, bm, I, R in [(1, 8, 8, 40, 4), (9, 8, 16, 100, 8), (33, 4, 16, 64, 3), (20, 8, 8, 48, 1), (0, 8, 8, 16, 4)]:
         ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
         s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, False)
         P = T * k

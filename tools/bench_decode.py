@@ -128,6 +128,31 @@ def _qb_cublas(on: bool) -> None:
         ent.update(_saved["qb"])
 
 
+def _small_tuned(on: bool) -> None:
+    """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over kimi.ops.fused.LAUNCH
+    and kimi.ops.moe_int4_triton.COMBINE_LAUNCH."""
+    import copy
+
+    from kimi.ops import fused
+    from kimi.ops import moe_int4_triton as mi
+
+    if on:
+        _saved["small"] = (copy.deepcopy(fused.LAUNCH), dict(mi.COMBINE_LAUNCH))
+        picks = json.load(open(os.environ["KIMI_SMALL_PICKS"]))["picks"]
+        for var in picks.values():
+            for k, v in var.items():
+                if k == "combine":
+                    mi.COMBINE_LAUNCH.update(v)
+                else:
+                    fused.LAUNCH[k] = v
+        print(f"small_tuned: {json.dumps(picks)}", flush=True)
+    else:
+        fused.LAUNCH.clear()
+        fused.LAUNCH.update(_saved["small"][0])
+        mi.COMBINE_LAUNCH.clear()
+        mi.COMBINE_LAUNCH.update(_saved["small"][1])
+
+
 AB_VARIANTS = {
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
@@ -148,6 +173,8 @@ AB_VARIANTS = {
     **{f"pf{n}": (f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
                   lambda m, n=n: _set_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES", n),
                   lambda m: _restore_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES")) for n in (0, 1, 4, 8)},
+    "small_tuned": ("small-kernel launch parameters picked by tools/sweep_small_kernels.py ($KIMI_SMALL_PICKS)",
+                    lambda m: _small_tuned(True), lambda m: _small_tuned(False)),
     "qb_cublas": ("q_b GEMM at 17-64 rows by cuBLAS (no PDL for it) instead of linear_small_m",
                   lambda m: _qb_cublas(True), lambda m: _qb_cublas(False)),
     "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",

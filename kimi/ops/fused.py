@@ -46,7 +46,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 __all__ = [
     "rms_norm", "add_rms_norm", "silu_mul", "silu_mul_rows", "mla_rope_kv_write", "router_topk", "moe_align_fused",
     "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
-    "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P",
+    "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P", "LAUNCH",
 ]
 
 # Both one-kernel paths below measured SLOWER than the two-kernel paths in the K2.6 decode step on an H200
@@ -55,6 +55,20 @@ __all__ = [
 # selectable (router_topk(fused=True), moe_align_fused(one_program=True)) and tested.
 ROUTER_FUSED_MAX_T = 0  # router_topk: one fused kernel up to this many rows, the two-kernel path above
 ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (token, slot) pairs
+
+# Launch parameters of the decode-path kernels below (read at each call; CUDA graphs keep the values of their
+# capture). tools/sweep_small_kernels.py times alternatives at the K2.6 decode shapes and checks their outputs.
+#   rmsnorm_warps: None = by the row width (_nw); silu_rows: rows per program, column block, warps;
+#   router_logits: row / expert / K tiles, warps, K elements per split (at most 16 splits); router_topk_warps;
+#   align_count_warps; align_scatter: pairs per program, warps.
+LAUNCH: dict = {
+    "rmsnorm_warps": None,
+    "silu_rows": {"rows": 4, "block": 1024, "warps": 4},
+    "router_logits": {"bt": 16, "be": 32, "bk": 128, "warps": 4, "split_elems": 512},
+    "router_topk_warps": 2,
+    "align_count_warps": 8,
+    "align_scatter": {"block": 256, "warps": 4},
+}
 
 
 # ---- RMSNorm (+ residual add) ----------------------------------------------------------------------------
@@ -85,6 +99,8 @@ def _rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr
 
 
 def _nw(block: int) -> int:
+    if LAUNCH["rmsnorm_warps"]:
+        return LAUNCH["rmsnorm_warps"]
     return 8 if block >= 4096 else (4 if block >= 1024 else 2)
 
 
@@ -185,13 +201,14 @@ def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr,
 
 
 def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, inter: int | None = None,
-                  rows_per_program: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+                  rows_per_program: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu_mul for the rows a MoE align lists only: y [P, 2I] (unit last-dim stride), rows [cap] int32 row ids
     (moe_align's sorted_ids: values >= P are pads, skipped), num_rows [1] int32 on the device (how many leading
     entries of rows are valid: moe_align's num_padded) -> o [P, I] (y.dtype) where o[r] = silu(y[r, :I]) * y[r, I:]
     for every listed row r; the other rows of o are left UNINITIALISED (the down GEMM reads only listed rows).
     out: optional [P, I] destination (unit last-dim stride), returned; its unlisted rows are not written.
-    rows_per_program: listed rows per program, rounded up to a power of two (loaded as one [rows, 1024] tile).
+    rows_per_program: listed rows per program, rounded up to a power of two (loaded as one [rows, block] tile);
+    default LAUNCH["silu_rows"]["rows"].
 
     Why: the gate_up GEMM writes only the rows of local (token, expert) pairs, about 1/ep_size of the P = T * k
     rows; silu_mul over all P rows reads and writes ~ep_size x more than needed. Same math as `silu_mul`
@@ -205,10 +222,11 @@ def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, i
     cap = rows.numel()
     if P == 0 or cap == 0:
         return o
-    BLOCK = min(1024, triton.next_power_of_2(inter))
-    R = triton.next_power_of_2(rows_per_program)
+    lp = LAUNCH["silu_rows"]
+    BLOCK = min(lp["block"], triton.next_power_of_2(inter))
+    R = triton.next_power_of_2(lp["rows"] if rows_per_program is None else rows_per_program)
     _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
-        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=4,
+        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=lp["warps"],
         **launch_kwargs(y.device))
     return o
 
@@ -480,10 +498,11 @@ _RT_BT, _RT_BE, _RT_BK = 16, 32, 128
 _RT_SUB = 8  # rows per top-k step of the fused kernel ([8, 512] int64 keys: 64 registers a thread at 4 warps)
 
 
-def _router_split(D: int) -> tuple[int, int]:
-    """(n_split, k_split): K split in pieces of a multiple of BK (512 for Kimi's D=7168: 14 splits)."""
-    n_split = max(1, min(triton.cdiv(D, 512), 16))
-    k_split = triton.cdiv(triton.cdiv(D, n_split), _RT_BK) * _RT_BK
+def _router_split(D: int, split_elems: int = 512, bk: int = _RT_BK) -> tuple[int, int]:
+    """(n_split, k_split): K split in pieces of about split_elems, a multiple of bk, at most 16 pieces (512 for
+    Kimi's D=7168: 14 splits)."""
+    n_split = max(1, min(triton.cdiv(D, split_elems), 16))
+    k_split = triton.cdiv(triton.cdiv(D, n_split), bk) * bk
     return triton.cdiv(D, k_split), k_split
 
 
@@ -491,13 +510,15 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
     """The two-kernel path (large T): split-K partials [n_split, T, E] fp32, then one top-k program per row."""
     T, D = x.shape
     E = gate_weight.shape[0]
-    n_split, k_split = _router_split(D)
+    lp = LAUNCH["router_logits"]
+    n_split, k_split = _router_split(D, lp["split_elems"], lp["bk"])
     logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
-    _router_logits_kernel[(triton.cdiv(E, _RT_BE), n_split, triton.cdiv(T, _RT_BT))](
-        x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=_RT_BT, BE=_RT_BE, BK=_RT_BK,
-        F32_DOT=_INTERPRET, num_warps=4, **launch_kwargs(x.device))
+    _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
+        x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=lp["bt"], BE=lp["be"],
+        BK=lp["bk"], F32_DOT=_INTERPRET, num_warps=lp["warps"], **launch_kwargs(x.device))
     _router_topk_kernel[(T,)](logits, bias, w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=2, **launch_kwargs(x.device))
+                              BLOCK_E=triton.next_power_of_2(E), num_warps=LAUNCH["router_topk_warps"],
+                              **launch_kwargs(x.device))
     return w, ids
 
 
@@ -679,9 +700,12 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
         return sorted_ids, block_expert, num_padded, max_blocks
     cursor = torch.empty((E,), dtype=torch.int32, device=dev)
     _align_count_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, cursor, block_expert,
-                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8,
+                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B,
+                              num_warps=LAUNCH["align_count_warps"],
                               **launch_kwargs(dev))
     if P:
-        _align_scatter_kernel[(triton.cdiv(P, 256),)](ids, P, E, expert_offset, sorted_ids, cursor, BLOCK=256,
-                                                      num_warps=4, **launch_kwargs(dev))
+        sc = LAUNCH["align_scatter"]
+        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](ids, P, E, expert_offset, sorted_ids, cursor,
+                                                              BLOCK=sc["block"], num_warps=sc["warps"],
+                                                              **launch_kwargs(dev))
     return sorted_ids, block_expert, num_padded, max_blocks

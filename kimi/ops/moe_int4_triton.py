@@ -364,15 +364,21 @@ def fused_experts_int4(
     return out
 
 
-def combine_into(y, topk_weights, topk_ids, expert_offset, num_local_experts, out, block_n: int = 1024):
-    """out[t] = sum_j [ids[t,j] local] * w[t,j] * y[t*k+j] (fp32 sum). y: [T*k, H]; out: [T, H]."""
+# combine_into's launch (tools/sweep_small_kernels.py times alternatives): columns per program, warps
+COMBINE_LAUNCH = {"block_n": 1024, "warps": 4}
+
+
+def combine_into(y, topk_weights, topk_ids, expert_offset, num_local_experts, out, block_n: int | None = None):
+    """out[t] = sum_j [ids[t,j] local] * w[t,j] * y[t*k+j] (fp32 sum). y: [T*k, H]; out: [T, H]. block_n: columns
+    per program (default COMBINE_LAUNCH)."""
     T, k = topk_ids.shape
     H = out.shape[1]
     tw = topk_weights.contiguous()
     ti = topk_ids.contiguous()
-    _combine_kernel[(T, triton.cdiv(H, block_n))](
+    bn = COMBINE_LAUNCH["block_n"] if block_n is None else block_n
+    _combine_kernel[(T, triton.cdiv(H, bn))](
         y, tw, ti, out, H, k, expert_offset, expert_offset + num_local_experts,
         y.stride(0), out.stride(0),
-        TOPK_P2=triton.next_power_of_2(k), BLOCK_N=block_n, num_warps=4, **launch_kwargs(out.device),
+        TOPK_P2=triton.next_power_of_2(k), BLOCK_N=bn, num_warps=COMBINE_LAUNCH["warps"], **launch_kwargs(out.device),
     )
     return out

@@ -61,15 +61,24 @@ GRID_TILES = (
     ((8, 512, 64), (8, 64, 64)),
 )
 
+# --tiles m16: M tile 16 (one M block per expert up to 16 pairs: no weight tile read twice for experts with 9-16
+# pairs, which block_m 8 reads twice; mma's native M is 16)
+GRID_TILES_M16 = (
+    ((16, 128, 64), (16, 64, 32)),
+    ((16, 128, 128), (16, 64, 64)),
+    ((16, 256, 64), (16, 64, 32)),
+)
 
-def grid(c: dict, mma_types: list[str]) -> list[tuple[str, dict]]:
+
+def grid(c: dict, mma_types: list[str], tiles=GRID_TILES) -> list[tuple[str, dict]]:
     """GRID_TILES x stream-K x CTAs per SM over config c; mma_types: values of mma_type to cross with ("" keeps c's)."""
     out = []
     for mma in mma_types:
-        for bs, ws in GRID_TILES:
+        for bs, ws in tiles:
             for sk in (True, False):
                 for ncta in (2, 4):
-                    label = f"grid_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}" + (f"_{mma}" if mma else "")
+                    label = (f"grid_m{bs[0]}_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}" if bs[0] != 8 else
+                             f"grid_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}") + (f"_{mma}" if mma else "")
                     cfg = c | {"block_shape": list(bs), "warp_shape": list(ws), "use_stream_k": sk, "num_ctas_per_sm": ncta}
                     if mma:
                         cfg["mma_type"] = mma
@@ -101,6 +110,7 @@ def main():
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new config is compiled")
     ap.add_argument("--grid", action="store_true", help="also the GRID_TILES x stream-K x CTAs-per-SM grid")
     ap.add_argument("--mma", default="", help="comma list of mma_type values crossed with the grid (empty: the default's)")
+    ap.add_argument("--tiles", default="m8", choices=["m8", "m16"], help="tile set of the grid (GRID_TILES / GRID_TILES_M16)")
     ap.add_argument("--gemms", default="w13,w2", help="which expert GEMMs to sweep")
     ap.add_argument("--grid-only", action="store_true", help="the default and the grid only (no table / hints / variants)")
     ap.add_argument("--table-out", default=None,
@@ -135,7 +145,7 @@ def main():
             default = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
             cands = [("default", default)]
             if args.grid or args.grid_only:
-                cands += grid(default, args.mma.split(","))
+                cands += grid(default, args.mma.split(","), GRID_TILES_M16 if args.tiles == "m16" else GRID_TILES)
             if not args.grid_only:
                 cands += heuristic_candidates(layer, m_local, args.hints, res)
                 cands += [(f"var{i}", v) for i, v in enumerate(variants(default))]

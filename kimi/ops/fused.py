@@ -57,16 +57,18 @@ ROUTER_FUSED_MAX_T = 0  # router_topk: one fused kernel up to this many rows, th
 ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (token, slot) pairs
 
 # Launch parameters of the decode-path kernels below (read at each call; CUDA graphs keep the values of their
-# capture). tools/sweep_small_kernels.py times alternatives at the K2.6 decode shapes and checks their outputs.
+# capture). tools/sweep_small_kernels.py times alternatives at the K2.6 decode shapes and checks their outputs;
+# the values below are its picks where one beat the previous value by > 3% (bench/small_kernels_2026-11-29.json;
+# the decode step A/B of the picks: 22.63 vs 22.59 ms at 8 seqs, 30.84 vs 31.01 at 32, bench/decode_2026-11-29_v16.json).
 #   rmsnorm_warps: None = by the row width (_nw); silu_rows: rows per program, column block, warps;
 #   router_logits: row / expert / K tiles, warps, K elements per split (at most 16 splits); router_topk_warps;
 #   align_count_warps; align_scatter: pairs per program, warps.
 LAUNCH: dict = {
     "rmsnorm_warps": None,
-    "silu_rows": {"rows": 4, "block": 1024, "warps": 4},
+    "silu_rows": {"rows": 2, "block": 2048, "warps": 8},  # 1.88 / 2.30 us vs 2.54 / 3.02 at 8 / 32 local rows
     "router_logits": {"bt": 16, "be": 32, "bk": 128, "warps": 4, "split_elems": 512},
     "router_topk_warps": 2,
-    "align_count_warps": 8,
+    "align_count_warps": 16,  # 4.08 / 6.72 us vs 4.09 / 7.16 (count + scatter)
     "align_scatter": {"block": 256, "warps": 4},
 }
 
@@ -101,7 +103,9 @@ def _rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr
 def _nw(block: int) -> int:
     if LAUNCH["rmsnorm_warps"]:
         return LAUNCH["rmsnorm_warps"]
-    return 8 if block >= 4096 else (4 if block >= 1024 else 2)
+    # 8 warps from 2048 columns (was 4096): rms_norm [8 / 32, 1536] + add_rms_norm [8 / 32, 7168] 5.72 vs 5.98 us
+    # (bench/small_kernels_2026-11-29.json)
+    return 8 if block >= 2048 else (4 if block >= 1024 else 2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

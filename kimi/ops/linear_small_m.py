@@ -50,6 +50,11 @@ kimi/ops/linear_small_m_table.json (or the file named by $KIMI_LINEAR_SMALL_M_TA
 current GPU's name equals the one the table was measured on; otherwise (or without Triton, or on CPU, or
 for M > 64, other dtypes, non-contiguous W, ...) `linear()` is `F.linear`. $KIMI_LINEAR_SMALL_M=0 disables
 the Triton path. Tables are keyed by bucket: M=1 -> 1, 2..8 -> 8, 9..16 -> 16, 17..32 -> 32, 33..64 -> 64.
+(Two q_b entries were added by hand, see the table's "notes".)
+
+PDL (kimi/ops/pdl.py, Hopper): the kernels are launched with programmatic dependent launch; each program first
+issues `prefetch.global.L2` for the first PREFETCH_TILES W tiles of its K range (weights only), then waits for
+the kernel ahead (`griddepcontrol.wait`), then lets the next kernel launch.
 
 Limits: x [M, K] and W [N, K] with unit stride on the last dim, same dtype (bf16 / fp16), 1 <= M <= 64;
 any N, K >= 1 (K % BLOCK_K != 0 takes a masked path); pointer offsets are 64-bit.

@@ -166,6 +166,7 @@ def main() -> None:
         if name not in args.ops.split(","):
             continue
         default = {k: get_launch(k) for k in keys}
+        variants = [default] + [v for v in variants if v != default]  # rows[0]: the current default
         refs = {}
         for k, v in default.items():
             set_launch(k, v)

@@ -278,7 +278,7 @@ if HAS_TRITON:
         num_iters = ITERS
         if pid_k == SPLIT_K - 1:
             num_iters = LAST_ITERS
-        if PDL:
+        if PDL and PREFETCH > 0:
             _prefetch_w(w_ptr, stride_wn, rows_w, k_start, K, num_iters, PREFETCH, BLOCK_K)
         wait_and_release(PDL)
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_kb)[None, :]  # [BLOCK_M, BLOCK_K]
@@ -331,7 +331,7 @@ if HAS_TRITON:
         if pid_k == SPLIT_K - 1:
             num_iters = LAST_ITERS
         n0 = pid_n * BLOCK_N
-        if PDL:
+        if PDL and PREFETCH > 0:
             rows_w = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
             _prefetch_w(w_ptr, stride_wn, rows_w, k, K, num_iters, PREFETCH, BLOCK_K)
         wait_and_release(PDL)
@@ -482,7 +482,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     iters, last_iters = k_per_split // bk, triton.cdiv(K - (split - 1) * k_per_split, bk)
     use_split = split > 1
     pdl = launch_kwargs(x.device)
-    if pdl["PDL"]:
+    if pdl["PDL"] and bk >= 64 and x.element_size() == 2:  # _prefetch_w: 128-byte lines of 2-byte elements
         pdl["PREFETCH"] = PREFETCH_TILES
     if config.tma and _tma_ok(x, w, bm, bn, bk):
         x_desc = TensorDescriptor(x, [M, x.shape[1]], [x.stride(0), 1], [bm, bk])

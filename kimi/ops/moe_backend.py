@@ -20,6 +20,7 @@ pair are 0. `graph_safe` says whether a CUDA graph may capture it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -73,7 +74,7 @@ def humming_table_config(n: int, k: int, m_local: int, gpu: str) -> dict | None:
         return None
     for lo, hi, cfg in t["entries"].get((n, k), []):
         if lo <= m_local <= hi:
-            return dict(cfg)
+            return copy.deepcopy(cfg)
     return None
 
 

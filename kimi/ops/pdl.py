@@ -44,9 +44,9 @@ def _sm90(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL now: ENABLED, a CUDA device of compute capability >= 9.0, not
-    under the interpreter."""
-    if not ENABLED or _INTERPRET or triton is None or device.type != "cuda":
+    """Whether kernels on `device` launch with PDL now: ENABLED, an NVIDIA (not ROCm) device of compute capability
+    >= 9.0, not under the interpreter."""
+    if not ENABLED or _INTERPRET or triton is None or device.type != "cuda" or torch.version.hip is not None:
         return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 

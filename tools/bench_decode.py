@@ -87,28 +87,16 @@ def _set_attn(m, backend: str) -> None:
     m.decode_attention = backend
 
 
-def _set_humming_table_alt(m, on: bool) -> None:
-    """humming_table_alt: the humming table in the file $KIMI_HUMMING_TABLE_ALT instead of the default one."""
+def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
+    """humming_table_off (table_file None: humming's heuristic schedules) / humming_table_alt (the table in
+    $KIMI_HUMMING_TABLE_ALT) instead of kimi/ops/humming_table.json ($KIMI_HUMMING_TABLE); on=False restores.
+    The experts' cached schedules are dropped either way."""
     from kimi.ops import moe_backend
 
     if on:
-        _saved["humming_table_alt"] = moe_backend._humming_table
-        moe_backend._humming_table = moe_backend.load_humming_table(os.environ["KIMI_HUMMING_TABLE_ALT"])
-    else:
-        moe_backend._humming_table = _saved["humming_table_alt"]
-    for layer in m.layers:
-        impl = getattr(layer.mlp, "experts_impl", None)
-        if hasattr(impl, "_tuning"):
-            impl._tuning.clear()
-
-
-def _set_humming_table(m, off: bool) -> None:
-    """humming_table_off: humming's heuristic schedules instead of kimi/ops/humming_table.json ($KIMI_HUMMING_TABLE)."""
-    from kimi.ops import moe_backend
-
-    if off:
         _saved["humming_table"] = moe_backend._humming_table
-        moe_backend._humming_table = {"gpu": None, "entries": {}}
+        moe_backend._humming_table = (moe_backend.load_humming_table(table_file) if table_file
+                                      else {"gpu": None, "entries": {}})
     else:
         moe_backend._humming_table = _saved["humming_table"]
     for layer in m.layers:
@@ -193,9 +181,10 @@ AB_VARIANTS = {
     "qb_cublas": ("q_b GEMM at 17-64 rows by cuBLAS (no PDL for it) instead of linear_small_m",
                   lambda m: _qb_cublas(True), lambda m: _qb_cublas(False)),
     "humming_table_alt": ("the humming schedule table of $KIMI_HUMMING_TABLE_ALT",
-                          lambda m: _set_humming_table_alt(m, True), lambda m: _set_humming_table_alt(m, False)),
+                          lambda m: _swap_humming_table(m, os.environ["KIMI_HUMMING_TABLE_ALT"], True),
+                          lambda m: _swap_humming_table(m, None, False)),
     "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
-                          lambda m: _set_humming_table(m, True), lambda m: _set_humming_table(m, False)),
+                          lambda m: _swap_humming_table(m, None, True), lambda m: _swap_humming_table(m, None, False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

@@ -1,7 +1,7 @@
 """`kimi serve`: the controller process.
 
-Checks every flag (numeric ranges at parse time, `--num-hidden-layers` against the config once it is read),
-binds every socket (the ZeroMQ transport to the workers, HTTP, the ZeroMQ submit API), and only then spawns
+Checks every flag (numeric ranges at parse time; `--num-hidden-layers` and `--max-model-len` against the
+config once it is read; `--device cuda` against the machine before launching local workers), binds every socket (the ZeroMQ transport to the workers, HTTP, the ZeroMQ submit API), and only then spawns
 the workers under torchrun (unless `--attach`); HTTP serves at once (`/health` says "loading" until every
 rank is ready). After the workers' handshake it runs the engine loop, the HTTP server and the ZeroMQ submit
 API in one asyncio event loop.
@@ -134,8 +134,9 @@ def _numeric(name: str):
 def check_serve_args(a: ServeArgs) -> str | None:
     """The first problem with `a` that no server could run with, naming the flag (None when there is none).
 
-    The per-flag ranges of NUMERIC_LIMITS plus the checks that involve two flags. (`--num-hidden-layers`
-    against the config's layer count is checked by `serve`, once the config is read.)
+    The per-flag ranges of NUMERIC_LIMITS, an empty `--served-model-name`, plus the checks that involve two
+    flags. (`--num-hidden-layers` and `--max-model-len` against the config, and `--device cuda` against the
+    machine, are checked by `serve`, once the config is read.)
     """
     for name in NUMERIC_LIMITS:
         v = getattr(a, name)
@@ -149,6 +150,8 @@ def check_serve_args(a: ServeArgs) -> str | None:
                 "give --zmq-submit-addr")
     if not a.host:
         return "--host must not be empty"
+    if a.served_model_name is not None and not a.served_model_name.strip():
+        return "--served-model-name must not be empty"
     return None
 
 
@@ -260,6 +263,18 @@ class WorkerProcess:
                 pass
 
 
+def _cuda_unavailable() -> str | None:
+    """Why the local workers could not run with `--device cuda` (None when CUDA is usable here).
+
+    Imports torch, which the controller otherwise does not, so it is called only with `--device cuda`.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    return None
+
+
 def load_model_meta(a: ServeArgs) -> tuple[ModelConfig, KimiTokenizer]:
     """The controller's view of the model: its config and tokenizer (no tensors).
 
@@ -342,6 +357,15 @@ async def serve(a: ServeArgs) -> int:
                       cfg.num_hidden_layers, cfg.num_hidden_layers)
             return 2
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
+    if a.max_model_len is not None and a.max_model_len > cfg.max_position_embeddings:
+        log.error("--max-model-len %d: the model allows at most %d positions (max_position_embeddings; give "
+                  "1..%d)", a.max_model_len, cfg.max_position_embeddings, cfg.max_position_embeddings)
+        return 2
+    if a.device == "cuda" and not a.attach:
+        err = _cuda_unavailable()
+        if err is not None:
+            log.error("--device cuda: %s", err)
+            return 2
     if a.a2a_backend is not None and not a.attach:
         from kimi.ops.all_to_all import check_backend
 

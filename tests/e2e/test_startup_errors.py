@@ -12,6 +12,7 @@ import sys
 import uuid
 
 import pytest
+import torch
 
 from conftest import REPO, worker_pids
 from kimi.controller.transport import free_tcp_port
@@ -81,6 +82,25 @@ def test_too_many_hidden_layers_exits_2_before_launching(model):
     assert rc == 2, out
     errors = _error_lines(out)
     assert len(errors) == 1 and "--num-hidden-layers 999" in errors[0], out
+
+
+def test_max_model_len_above_the_config_exits_2_before_launching(model):
+    rc, out = _serve(model, "--max-model-len", "1000000", "--port", str(free_tcp_port()),
+                     "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}")
+    assert rc == 2, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "--max-model-len 1000000" in errors[0] and "262144" in errors[0], out
+    assert "torch.distributed.run" not in out and "rank0" not in out, "workers were launched"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_exits_2_before_launching(model):
+    rc, out = _serve(model, "--device", "cuda", "--port", str(free_tcp_port()),
+                     "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}")
+    assert rc == 2, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "--device cuda: CUDA is not available" in errors[0], out
+    assert "torch.distributed.run" not in out and "rank0" not in out and "AttributeError" not in out, out
 
 
 def test_bad_flag_exits_2_at_once(model):

@@ -65,3 +65,13 @@ def test_programmatic_serve_rejects_bad_args():
     assert "--max-num-seqs" in check_serve_args(ServeArgs(model="/x", max_num_seqs=0))
     assert "--max-model-len" in check_serve_args(ServeArgs(model="/x", max_model_len=0))
     assert asyncio.run(serve(ServeArgs(model="/nonexistent", token_budget=0))) == 2
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_empty_served_model_name_exits_2(value, capsys, monkeypatch):
+    monkeypatch.setattr("kimi.server.run", lambda a: pytest.fail("run() reached with a bad flag"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model", "/nonexistent", "--served-model-name", value])
+    assert e.value.code == 2 and "--served-model-name" in capsys.readouterr().err
+    assert "--served-model-name" in check_serve_args(ServeArgs(model="/x", served_model_name=value))
+    assert check_serve_args(ServeArgs(model="/x", served_model_name="kimi")) is None

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -562,6 +563,12 @@ class OpenAIServer:
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
         except RecursionError:
             raise BadRequest("the request body is nested too deeply", None) from None
+        try:
+            bad = _lone_surrogate(body, "")
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply", None) from None
+        if bad is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning) or the template
+            raise BadRequest(f"'{bad or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)", bad or None)
         f = Fields(body)
         model = f.str("model", required=True)
         if model != self.model_name:
@@ -578,7 +585,7 @@ class OpenAIServer:
         lb_ids, lb_vals = read_logit_bias(f, self.vocab_size)
         stop_strings = read_stop_strings(f)
         include_stop = f.bool("include_stop_str_in_output", False)
-        f.accept("user")
+        f.str("user")
         stream = f.bool("stream", False)
         so = f._get("stream_options")
         include_usage = False
@@ -788,8 +795,8 @@ class OpenAIServer:
 
         if not g.stream:
             err = await self._collect(request, sib, choices)
-            if err is not None:
-                return error_response(BadRequest(err, None, status=500))
+            if err is not None:  # an error ending a request because the server shuts down is retryable
+                return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
             out = []
             for c in choices:
                 text = "".join(c.text)
@@ -903,6 +910,8 @@ class OpenAIServer:
                 if k in kwargs:  # set by the server (the last two from the tokenizer)
                     raise BadRequest(f"'chat_template_kwargs' must not set {k!r}: the server sets it",
                                      "chat_template_kwargs")
+            if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
+                raise BadRequest("'chat_template_kwargs.thinking' must be a boolean", "chat_template_kwargs.thinking")
 
             ids = encode_chat(self.tokenizer, messages, tools, kwargs)
             g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
@@ -925,8 +934,8 @@ class OpenAIServer:
 
         if not g.stream:
             err = await self._collect(request, sib, choices)
-            if err is not None:
-                return error_response(BadRequest(err, None, status=500))
+            if err is not None:  # an error ending a request because the server shuts down is retryable
+                return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
             out = []
             for c in choices:
                 content, reasoning = [], []
@@ -1010,6 +1019,30 @@ class OpenAIServer:
                                                                 "logprobs": None, "finish_reason": None}]})
                          for c in choices)
         return _SSE(sib, render, first, usage)  # type: ignore[return-value]
+
+
+def _lone_surrogate(v: Any, path: str) -> str | None:
+    """The JSON path (`messages[0].content`) of the first string in v holding a lone surrogate, else None.
+
+    A key holding one is reported at the path of its object (the key itself cannot be echoed back)."""
+    if isinstance(v, str):
+        return path if _SURROGATE_RE.search(v) else None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if _SURROGATE_RE.search(k):
+                return path
+            bad = _lone_surrogate(x, f"{path}.{k}" if path else k)
+            if bad is not None:
+                return bad
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            bad = _lone_surrogate(x, f"{path}[{i}]")
+            if bad is not None:
+                return bad
+    return None
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _replace(sp: SamplingParams, **changes: Any) -> SamplingParams:

@@ -10,6 +10,9 @@ ZeroMQ client's lifetime rules (closing or leaving a stream aborts; a duplicate 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import threading
 import time
 
 import httpx
@@ -191,6 +194,56 @@ def test_chat_template_kwargs_are_still_passed_to_the_template(client):
     assert r.usage.completion_tokens == 1
 
 
+def test_chat_template_kwargs_thinking_must_be_a_boolean(srv):
+    for value in ("maybe", 1, None, {}):
+        r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 1,
+                                            "chat_template_kwargs": {"thinking": value}})
+        assert "boolean" in _bad(r, "chat_template_kwargs.thinking")
+    for value in (True, False):
+        r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 1,
+                                            "chat_template_kwargs": {"thinking": value}})
+        assert r.status_code == 200, r.text
+
+
+# ---- 7b. string fields ------------------------------------------------------------------------------------------------------
+def _post_raw(srv, path: str, body: dict) -> httpx.Response:
+    """Posts json.dumps(body) as is: a lone surrogate travels as the JSON escape "\\ud800"."""
+    return httpx.post(f"{srv.base_url}/v1/{path}", content=json.dumps(body).encode(), timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,body,param", [
+    ("completions", {"prompt": "a\ud800b", "echo": True}, "prompt"),
+    ("completions", {"prompt": "Hi", "stop": ["x", "\udfff"]}, "stop[1]"),
+    ("completions", {"prompt": ["a\udc00"]}, "prompt[0]"),
+    ("chat/completions", {"messages": [MSGS[0], {"role": "user", "content": "a\ud800"}]}, "messages[1].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[0].text"),
+    ("chat/completions", {"messages": MSGS, "stop": "\ud800"}, "stop"),
+    ("chat/completions", {"messages": MSGS, "user": "\ud800"}, "user"),
+    ("chat/completions", {"messages": MSGS, "chat_template_kwargs": {"x": "\ud800"}}, "chat_template_kwargs.x"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(srv, path, body, param, stream):
+    r = _post_raw(srv, path, {"model": "tiny", "max_tokens": 1, "stream": stream, **body})
+    assert "surrogate" in _bad(r, param)
+
+
+def test_surrogate_pairs_are_still_accepted(srv):
+    r = _post_raw(srv, "completions", {"model": "tiny", "prompt": "a\U0001F600b", "max_tokens": 1, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("a\U0001F600b"), r.text
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_user_must_be_a_string(srv, path):
+    base = {"model": "tiny", "max_tokens": 1, **({"prompt": "Hi"} if path == "completions" else {"messages": MSGS})}
+    for value in (5, True, ["u"], {"id": "u"}):
+        assert "string" in _bad(_post(srv, path, {**base, "user": value}), "user")
+    for value in ("user-1", None):
+        r = _post(srv, path, {**base, "user": value})
+        assert r.status_code == 200, r.text
+
+
 # ---- 8. ZeroMQ client lifetime -------------------------------------------------------------------------------------------
 def _aborts(srv) -> float:
     text = httpx.get(f"{srv.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
@@ -294,3 +347,38 @@ def test_old_format_submit_still_decodes(srv):
     finally:
         s.close(0)
         ctx.term()
+
+
+# ---- 9. shutdown --------------------------------------------------------------------------------------------------------------
+def test_sigterm_ends_in_flight_non_streaming_requests_with_a_503(tiny_k26, tmp_path):
+    """Shutting down is not a server fault: an in-flight non-streaming request gets a (retryable) 503."""
+    s = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256")
+    got: dict[str, httpx.Response] = {}
+    bodies = {"completions": {"prompt": [1, 2, 3]}, "chat/completions": {"messages": MSGS}}
+
+    def go(path: str) -> None:
+        got[path] = httpx.post(f"{s.base_url}/v1/{path}", timeout=60, json={
+            "model": "tiny", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, **bodies[path]})
+
+    threads = [threading.Thread(target=go, args=(p,)) for p in bodies]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if _running(s) >= 2:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the requests never ran")
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        for path in bodies:
+            r = got[path]
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and err["message"] == "the server is shutting down", err
+        assert s.proc.wait(30) == 0, s.log()
+    finally:
+        stop_server(s)

@@ -16,6 +16,10 @@ HTTP API's per-request controls with the same names, ranges and meaning (docs/ap
 `include_stop_str_in_output`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `logprobs`. The last
 output's `stop_reason` is the stop string or stop token id that ended the request. A bad value ends the
 request with `KimiError`, whose message names the field (the HTTP 400's message for a value out of range).
+Some mistakes are refused by `submit` itself, before anything is sent: a prompt that is neither a str nor a
+list of int token ids (TypeError), and a `logit_bias` that is not a dict of int token ids to numbers
+(KimiError naming `logit_bias`; the HTTP API's string keys are JSON's, here the keys are ints). `stream` of a
+request id this client did not submit, or whose stream already ended, raises KimiError naming the id.
 
 Request lifetime: a stream left before its last output (a `break`, an exception, a generator that is closed)
 aborts its request on the server, and closing the client (leaving its `with` / `async with` block) aborts
@@ -28,8 +32,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 import time
 import uuid
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 from typing import Any, AsyncIterator, Iterator
 
 import zmq
@@ -40,8 +46,9 @@ from kimi.protocol import RequestOutput
 
 
 class KimiError(RuntimeError):
-    """The server answered a request with an error (bad parameters, engine failure), or `submit` refused a
-    request id that is already in use on this client."""
+    """The server answered a request with an error (bad parameters, engine failure), `submit` refused a
+    request (a request id already in use on this client, a malformed `logit_bias`), or `stream` was given a
+    request id that this client has no unfinished request for."""
 
 
 ABORT_LINGER_MS = 1000  # how long closing a client may wait for its abort messages to leave
@@ -53,11 +60,58 @@ def _check_new_id(rid: str, outstanding: Any) -> None:
                         "the new submission is refused (the running request is not affected)")
 
 
+def _unknown_id(rid: str) -> KimiError:
+    return KimiError(f"unknown request id {rid!r}: not submitted by this client, or already finished (its stream "
+                     "ended, or the client was closed)")
+
+
+def _prompt_token_ids(prompt: Any) -> list[int]:
+    """A non-str prompt -> its token ids; TypeError unless it is an iterable of ints (bool is not a token id)."""
+    what = "prompt must be a str (text) or a list of int token ids"
+    if isinstance(prompt, (bytes, bytearray, memoryview, Mapping, AbstractSet)) or not isinstance(prompt, Iterable):
+        raise TypeError(f"{what}, got {type(prompt).__name__}")
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))  # int, or an int-like such as numpy.int64
+        except TypeError:
+            raise TypeError(f"{what}; item {i} is {type(t).__name__} {t!r:.40}") from None
+    return ids
+
+
+def _logit_bias(lb: Any) -> dict[int, Any] | None:
+    """Check `logit_bias` against the wire type (dict[int, float]) before sending: the server's decode error
+    would name msgspec internals, and the HTTP API's string keys ("5") do not apply here."""
+    if lb is None:
+        return None
+    wrong = "'logit_bias' has the wrong type:"
+    if not isinstance(lb, Mapping):
+        raise KimiError(f"{wrong} it must be a dict {{token id (int): bias}}, got {type(lb).__name__}")
+    out = {}
+    for k, v in lb.items():
+        try:
+            if isinstance(k, bool):
+                raise TypeError
+            tid = operator.index(k)
+        except TypeError:
+            raise KimiError(f"{wrong} logit_bias keys must be int token ids, got {type(k).__name__} key {k!r:.40}"
+                            + (f" (use {{{k}: ...}}, not the HTTP API's JSON string key)"
+                               if isinstance(k, str) and k.isascii() and k.isdigit() else "")) from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise KimiError(f"{wrong} the bias for token id {tid} must be a number, got {type(v).__name__} {v!r:.40}")
+        out[tid] = v if type(v) in (int, float) else float(v)  # numpy.float64 etc. as a plain float
+    return out
+
+
 def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]) -> bytes:
+    if "logit_bias" in params:
+        params = {**params, "logit_bias": _logit_bias(params["logit_bias"])}
     if isinstance(prompt, str):
         msg = protocol.SubmitRequest(request_id=request_id, prompt=prompt, **params)
     else:
-        msg = protocol.SubmitRequest(request_id=request_id, prompt_token_ids=list(prompt), **params)
+        msg = protocol.SubmitRequest(request_id=request_id, prompt_token_ids=_prompt_token_ids(prompt), **params)
     return protocol.encode(msg)
 
 
@@ -92,8 +146,14 @@ class KimiClient:
             q.append(out)
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
-        """Outputs of a submitted request until it finishes. Raises KimiError if it ends with an error."""
-        q = self._pending[request_id]
+        """Outputs of a submitted request until it finishes. Raises KimiError if it ends with an error, and at
+        once if this client has no unfinished request `request_id` (never submitted here, or its stream ended)."""
+        q = self._pending.get(request_id)
+        if q is None:
+            raise _unknown_id(request_id)
+        return self._stream(request_id, q)
+
+    def _stream(self, request_id: str, q: collections.deque[RequestOutput]) -> Iterator[RequestOutput]:
         done = False
         try:
             while True:
@@ -178,9 +238,15 @@ class AsyncKimiClient:
         await self._sock.send(msg)
         return rid
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """`KimiClient.stream`: leaving it before the last output aborts the request."""
-        q = self._queues[request_id]
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """`KimiClient.stream` (an async iterator; an unknown request id raises KimiError at once): leaving it
+        before the last output aborts the request."""
+        q = self._queues.get(request_id)
+        if q is None:
+            raise _unknown_id(request_id)
+        return self._stream(request_id, q)
+
+    async def _stream(self, request_id: str, q: Any) -> AsyncIterator[RequestOutput]:
         done = False
         try:
             while True:

@@ -51,7 +51,7 @@ from kimi.controller.validation import (
     read_stop_token_ids,
 )
 from kimi.protocol import RequestOutput, SamplingParams
-from kimi.tokenizer import KimiTokenizer
+from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
 
 MAX_BODY_BYTES = 32 << 20
 MAX_N = 16
@@ -725,16 +725,16 @@ class OpenAIServer:
 
     # ---- /v1/completions ----------------------------------------------------------------------------------------
     def _completion_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[int] | None],
-                             top_lps: list[list[float] | None], offset: int) -> dict[str, Any]:
+                             top_lps: list[list[float] | None], offsets: list[int]) -> dict[str, Any]:
         """Legacy completions logprobs: tokens, token_logprobs, top_logprobs (per token a dict of the top-k
-        alternatives plus the chosen token, as vLLM; None where the logprob is unknown), text_offset."""
-        tokens, offsets, tl = [], [], []
-        pos = offset
+        alternatives plus the chosen token, as vLLM; None where the logprob is unknown), text_offset.
+
+        `tokens[i]` is `tokenizer.decode([id])` (U+FFFD for a token holding only part of a UTF-8 character).
+        `offsets` (one per id, from `_prompt_offsets` / `_output_offsets`) become text_offset: see there."""
+        tokens, tl = [], []
         for j, tid in enumerate(ids):
             s = self._token_str(tid)
             tokens.append(s)
-            offsets.append(pos)
-            pos += len(s)
             if lps[j] is None:
                 tl.append(None)
                 continue
@@ -743,7 +743,40 @@ class OpenAIServer:
                 d = {self._token_str(t): _finite(v) for t, v in zip(tops[j], top_lps[j])}  # type: ignore[arg-type]
             d.setdefault(s, _finite(lps[j]))
             tl.append(d)
-        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": tl, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": tl,
+                "text_offset": list(offsets)}
+
+    # text_offset rule (non-streaming and streaming alike, so that the streamed chunks' text_offset lists
+    # concatenate to the non-streaming one): text_offset[i] is the character offset (Python str index, i.e.
+    # code points) in the whole returned text -- echoed prompt + completion, as concatenated in the response;
+    # in a stream, the text of all chunks so far, echoed prompt included -- at which the piece of text that
+    # token i completes starts. A token's piece is what the incremental UTF-8 detokenizer emits once that
+    # token's bytes are added: a token ending mid-character has an empty piece (at the offset where the
+    # character will start), the token completing it has the whole character. So offsets never decrease,
+    # and wherever every token is whole characters (tokens[i] == its piece), text_offset[i] ==
+    # len("".join(tokens[:i])) (+ len(prompt) for completion tokens when echoing). Completion pieces are the
+    # engine's text deltas (one token per output), so text held back for a stop string or cut at one is
+    # counted where it is actually returned; offsets are clamped to the returned text's length.
+    def _prompt_offsets(self, ids: list[int], text: str) -> list[int]:
+        """text_offset of the echoed prompt tokens `ids`, whose returned text is `text` (0-based)."""
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
+        out, pos, n = [], 0, len(text)
+        for tid in ids:
+            out.append(min(pos, n))
+            pos += len(detok.push(tid))
+        return out
+
+    def _output_offsets(self, o: RequestOutput, start: int) -> list[int]:
+        """text_offset of the tokens of engine output `o`, whose text delta starts at offset `start`.
+
+        The engine emits one token per output, whose piece is `o.text`; were there several, each later one
+        is placed after the earlier ones' token strings, within the delta."""
+        out, pos, end = [], start, start + len(o.text)
+        for j, tid in enumerate(o.token_ids):
+            out.append(min(pos, end))
+            if j + 1 < len(o.token_ids):
+                pos += len(self._token_str(tid))
+        return out
 
     async def completions(self, request: HTTPRequest) -> Response:
         try:
@@ -791,7 +824,7 @@ class OpenAIServer:
             plp = c.prompt_logprobs or [None] * n
             ptid = c.prompt_top_ids or [None] * n
             ptlp = c.prompt_top_logprobs or [None] * n
-            return self._completion_logprobs(ids, plp, ptid, ptlp, 0)
+            return self._completion_logprobs(ids, plp, ptid, ptlp, self._prompt_offsets(ids, prompt_text))
 
         if not g.stream:
             err = await self._collect(request, sib, choices)
@@ -802,8 +835,12 @@ class OpenAIServer:
                 text = "".join(c.text)
                 lp = None
                 if g.logprobs is not None:
-                    start = len(prompt_text) if echo else 0
-                    lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, start)
+                    pos = len(prompt_text) if echo else 0
+                    offs: list[int] = []
+                    for o in c.outputs:  # the same offsets as the streamed chunks (see _prompt_offsets)
+                        offs.extend(self._output_offsets(o, pos))
+                        pos += len(o.text)
+                    lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, offs)
                     if echo:
                         e = echo_logprobs(c)
                         lp = {k: e[k] + lp[k] for k in lp}
@@ -838,7 +875,7 @@ class OpenAIServer:
                                                               "finish_reason": None}]}))
             lp = None
             if g.logprobs is not None and o.token_ids:
-                lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), offsets[i])
+                lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), self._output_offsets(o, offsets[i]))
             offsets[i] += len(o.text)
             if o.text or o.finished or lp is not None:
                 ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}

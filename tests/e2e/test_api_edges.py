@@ -153,6 +153,71 @@ def test_logit_bias_canonical_keys_are_accepted(client):
     assert r.choices[0].logprobs is None and r.usage.completion_tokens == 1
 
 
+# ---- 4b. logprobs.text_offset with multi-byte characters ----------------------------------------------------------------
+# The rule (LLMServer._completion_logprobs / _prompt_offsets in kimi/controller/http.py): text_offset[i] is the
+# character offset, in the whole returned text (echoed prompt + completion), where the piece of text that
+# token i completes starts; a token ending mid-character completes nothing and sits where the character starts.
+def _check_offsets(text: str, lp: dict) -> None:
+    toks, offs = lp["tokens"], lp["text_offset"]
+    assert len(offs) == len(toks)
+    assert offs == sorted(offs) and all(0 <= o <= len(text) for o in offs), (text, lp)
+    for t, o in zip(toks, offs):
+        if t and "\ufffd" not in t:  # a whole-character token's string is the text at its offset
+            assert text[o:].startswith(t), (text, lp)
+
+
+def test_completion_text_offset_counts_characters_of_the_echoed_text(srv):
+    prompt = "\u00e9\U0001F600x"  # 2 + 4 + 1 bytes, 3 characters
+    r = _post(srv, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0,
+                                   "temperature": 0})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    text, lp = c["text"], c["logprobs"]
+    assert text.startswith(prompt)
+    _check_offsets(text, lp)
+    n = len(lp["tokens"]) - 1  # the prompt's tokens, then the one generated token
+    offs = lp["text_offset"]
+    assert offs[0] == 0 and sorted(set(offs[:n])) == [0, 1, 2]  # each token sits at the character it is part of
+    assert lp["tokens"][n - 1] == "x" and offs[n - 1] == 2
+    assert offs[n] == len(prompt)  # the completion starts after the echoed prompt
+
+
+def _stream_completion(srv, body: dict) -> tuple[str, dict]:
+    text, lp = "", {"tokens": [], "text_offset": [], "token_logprobs": []}
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json={**body, "stream": True}, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:])["choices"]:
+                if ch["logprobs"] is not None:
+                    part = ch["logprobs"]
+                    # each chunk's tokens sit within the text returned so far plus its own text
+                    assert all(len(text) <= o <= len(text) + len(ch["text"]) for o in part["text_offset"]), ch
+                    for k in lp:
+                        lp[k] += part[k]
+                text += ch["text"]
+    return text, lp
+
+
+@pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("bias", ["240", "134750"])  # byte tokens / a token ending mid-character (vocab-dependent)
+def test_streamed_text_offsets_equal_the_non_streaming_ones(srv, echo, bias):
+    body = {"model": "tiny", "prompt": "\u00e9\U0001F600x", "max_tokens": 4, "logprobs": 1, "temperature": 0,
+            "echo": echo, "logit_bias": {bias: 100}}
+    r = _post(srv, "completions", body)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    text, lp = _stream_completion(srv, body)
+    assert text == c["text"]
+    _check_offsets(text, c["logprobs"])
+    for k in ("tokens", "text_offset"):
+        assert lp[k] == c["logprobs"][k], k
+    n = len(lp["tokens"]) - r.json()["usage"]["completion_tokens"]  # the echoed prompt's tokens, if any
+    assert lp["text_offset"][n] == (3 if echo else 0)  # the completion starts after the echoed 3 characters
+
+
 # ---- 5. Authorization scheme, any case --------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
 def test_bearer_scheme_is_case_insensitive(srv, scheme):

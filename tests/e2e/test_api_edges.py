@@ -79,7 +79,17 @@ def test_zmq_request_is_admitted_by_an_idle_server(srv):
 
 # ---- 2. the default max_tokens fits the KV cache ---------------------------------------------------------------
 def test_chat_default_max_tokens_is_clamped_to_the_kv_cache(client):
-    long = [{"role": "user", "content": "word " * 250}]  # leaves a few tokens of the 304-token KV cache
+    def prompt_tokens(n: int) -> int:
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * n}],
+                                           temperature=0, max_tokens=1)
+        return r.usage.prompt_tokens
+
+    # a prompt that leaves a few tokens of the 304-token KV cache, whatever the vocabulary (the real one or the
+    # byte-level fallback): measure tokens per "word " first
+    p10, p20 = prompt_tokens(10), prompt_tokens(20)
+    per_word = (p20 - p10) / 10
+    n = int((KV_TOKENS - 20 - (p10 - 10 * per_word)) / per_word)
+    long = [{"role": "user", "content": "word " * n}]
     r = client.chat.completions.create(model="tiny", messages=long, temperature=0, extra_body={"ignore_eos": True})
     room = KV_TOKENS - r.usage.prompt_tokens
     assert 0 < room < 60

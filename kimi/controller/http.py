@@ -563,10 +563,12 @@ class OpenAIServer:
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
         except RecursionError:
             raise BadRequest("the request body is nested too deeply", None) from None
-        try:
-            bad = _lone_surrogate(body, "")
-        except RecursionError:
-            raise BadRequest("the request body is nested too deeply", None) from None
+        bad = None
+        if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
+            try:
+                bad = _lone_surrogate(body, "")
+            except RecursionError:
+                raise BadRequest("the request body is nested too deeply", None) from None
         if bad is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning) or the template
             raise BadRequest(f"'{bad or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)", bad or None)
         f = Fields(body)
@@ -1080,6 +1082,9 @@ def _lone_surrogate(v: Any, path: str) -> str | None:
 
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
+# a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): the walk above runs only for bodies holding one, so long
+# token-id prompts are not walked element by element
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _replace(sp: SamplingParams, **changes: Any) -> SamplingParams:

@@ -3,8 +3,9 @@
 Checks every flag (numeric ranges at parse time; `--num-hidden-layers` and `--max-model-len` against the
 config once it is read; `--device cuda` against the machine before launching local workers), binds every
 socket (the ZeroMQ transport to the workers, HTTP, the ZeroMQ submit API), and only then spawns the workers
-under torchrun (unless `--attach`); HTTP serves at once (`/health` says "loading" until every rank is ready). After the workers' handshake it runs the engine loop, the HTTP server and the ZeroMQ submit
-API in one asyncio event loop.
+under torchrun (unless `--attach`); HTTP serves at once (`/health` says "loading" until every rank is ready).
+After the workers' handshake it runs the engine loop, the HTTP server and the ZeroMQ submit API in one
+asyncio event loop.
 
 Exit status: 0 after SIGINT / SIGTERM; 1 when a worker dies or fails (every in-flight request is failed
 with the error first) or start-up fails (an address that cannot be bound is one error line, and nothing is

@@ -12,8 +12,8 @@ Every variant's output is compared with the default's first (combine / silu_mul_
 written; align: block experts and num_padded equal, row blocks equal as sets; router: ids equal, weights within
 1e-5; norms within 1e-2 relative) and a variant that differs is not eligible.
 
-Timing: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL as configured
-(kimi.ops.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the variant with
+Timing: tools/bench_gemm.py's Timer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL
+as configured (kimi.ops.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the variant with
 the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the JSON
 (--out) holds the LAUNCH / COMBINE_LAUNCH values to use. tools/bench_decode.py --ab small_tuned applies a picks
 file ($KIMI_SMALL_PICKS) to a whole decode step.
@@ -29,13 +29,14 @@ import datetime
 import itertools
 import json
 import os
-import statistics
 import sys
 import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_gemm import Timer  # noqa: E402  (tools/, this script's folder: CUDA-graph replay timer)
 from kimi.ops import fused  # noqa: E402
 from kimi.ops import moe_int4_triton as mi  # noqa: E402
 
@@ -44,25 +45,9 @@ BF16 = torch.bfloat16
 D, I2, E_ALL, E_LOC, TOPK, OFF = 7168, 4096, 384, 48, 8, 96
 
 
-def graph_us(fn, reps: int, samples: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(i)
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(samples):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20000)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(ts)
+def graph_us(timer, fn, reps: int) -> float:
+    """Median us per call of fn(0..reps-1) replayed as one CUDA graph (tools/bench_gemm.py's Timer)."""
+    return timer.time_calls([lambda i=i: fn(i) for i in range(reps)])
 
 
 def routing(T: int, g):
@@ -162,6 +147,7 @@ def main() -> None:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "pdl": pdl.ENABLED, "reps": args.reps, "samples": args.samples, "ops": {}, "picks": {}}
     ops, setups = op_cases(g)
+    timer = Timer(args.samples)
     for name, keys, variants in ops:
         if name not in args.ops.split(","):
             continue
@@ -190,7 +176,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     ok = ok and check(outp, refs[B])
                 row["same_output"] = bool(ok)
-                row["us"] = {B: graph_us(st[name][0], args.reps, args.samples) for B, st in setups.items()}
+                row["us"] = {B: graph_us(timer, st[name][0], args.reps) for B, st in setups.items()}
                 row["sum_us"] = sum(row["us"].values())
             except Exception:  # noqa: BLE001
                 row["error"] = traceback.format_exc()[-500:]

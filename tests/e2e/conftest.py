@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,6 +75,22 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
         time.sleep(0.3)
     stop_server(srv)
     raise RuntimeError(f"server not healthy after {timeout_s} s:\n{srv.log()}")
+
+
+@contextlib.contextmanager
+def raw_dealer(addr: str):
+    """A bare ZeroMQ DEALER socket connected to a server's submit API (no kimi.client), closed on exit."""
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    try:
+        yield s
+    finally:
+        s.close(0)
+        ctx.term()
 
 
 def stop_server(srv: Server, sig: int = signal.SIGTERM) -> int:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kimi import protocol
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
 
-from conftest import start_server, stop_server
+from conftest import raw_dealer, start_server, stop_server
 
 KEY = "edge-key"
 KV_TOKENS = 19 * 16  # --num-blocks 20 (block 0 is the null block) x --block-size 16
@@ -406,22 +406,13 @@ def test_a_duplicate_request_id_is_refused_and_the_running_request_continues(srv
 
 def test_old_format_submit_still_decodes(srv):
     """Nothing on the wire changed: a raw SubmitRequest still round-trips through the server."""
-    import zmq
-
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(srv.zmq_addr)
-    try:
+    with raw_dealer(srv.zmq_addr) as s:
         s.send(protocol.encode(protocol.SubmitRequest(request_id="raw", prompt_token_ids=[1, 2], max_tokens=1)))
         assert s.poll(60000)
         out = protocol.decode_output(s.recv())
         while not out.finished:
             out = protocol.decode_output(s.recv())
         assert out.request_id == "raw" and out.finish_reason == "length"
-    finally:
-        s.close(0)
-        ctx.term()
 
 
 # ---- 9. shutdown --------------------------------------------------------------------------------------------------------------

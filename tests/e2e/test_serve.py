@@ -242,22 +242,15 @@ def test_deeply_nested_json_is_400(server, client):
 
 
 def test_zmq_multi_frame_message_is_an_error_and_the_api_survives(server):
-    import zmq
+    from conftest import raw_dealer
 
     from kimi import protocol
 
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(server.zmq_addr)
-    try:
+    with raw_dealer(server.zmq_addr) as s:
         s.send_multipart([b"a", b"b", b"c"])
         assert s.poll(10_000), "no answer to a multi-frame message"
         out = protocol.decode_output(s.recv())
         assert out.finished and "malformed" in out.error
-    finally:
-        s.close(0)
-        ctx.term()
     with KimiClient(server.zmq_addr, timeout_s=60) as c:
         outs = list(c.generate("hi", max_tokens=2, temperature=0.0))
         assert outs[-1].finished and outs[-1].num_output_tokens >= 1

@@ -24,11 +24,12 @@ import httpx
 import msgspec
 import openai
 import pytest
-import zmq
 
 from kimi import protocol
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
 from kimi.tokenizer import KimiTokenizer
+
+from conftest import raw_dealer
 
 PROMPT = [34335, 43309, 63183]
 MAX_TOKENS = 8
@@ -314,21 +315,14 @@ def test_new_fields_are_appended_at_the_end():
 
 def _raw_generate(addr: str, arrays: list[list[Any]]) -> dict[str, list[protocol.RequestOutput]]:
     """Send hand-built SubmitRequest arrays on a bare DEALER socket; collect each request's outputs."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
     got: dict[str, list[protocol.RequestOutput]] = {a[1]: [] for a in arrays}
-    try:
+    with raw_dealer(addr) as s:
         for a in arrays:
             s.send(msgspec.msgpack.encode(a))
         while not all(v and v[-1].finished for v in got.values()):
             assert s.poll(30_000), "no answer"
             o = protocol.decode_output(s.recv())
             got[o.request_id].append(o)
-    finally:
-        s.close(0)
-        ctx.term()
     return got
 
 

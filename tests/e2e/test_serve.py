@@ -13,6 +13,8 @@ import pytest
 
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
 
+from conftest import raw_dealer
+
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -242,8 +244,6 @@ def test_deeply_nested_json_is_400(server, client):
 
 
 def test_zmq_multi_frame_message_is_an_error_and_the_api_survives(server):
-    from conftest import raw_dealer
-
     from kimi import protocol
 
     with raw_dealer(server.zmq_addr) as s:

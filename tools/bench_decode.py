@@ -13,13 +13,18 @@ The router still runs on the local rows (its cost counts); its choice is replace
 bytes touched are known exactly. No communication is timed (single GPU).
 
 Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches
-from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_graph.py).
+from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is
+the next decode step of the same B sequences, as in a server: every context length grows by one token per step,
+cycling through CTX - 32 .. CTX + 31 (the wrap back is a batch change; it happens once every 64 steps), so the
+graph runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving.
 Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
-KV read (B * CTX * 61 * 1152 bytes).
+KV read at the mean context CTX - 0.5 (B * (CTX - 0.5) * 61 * 1152 bytes).
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
-host_forward_decode_us: host time of the graph decode call (forward_decode) until the replay is launched.
+host_forward_decode_us: host time of the whole graph decode call (forward_decode, plan ahead included);
+host_until_replay_us: its part before the replay is launched (the GPU idles through it when each step waits
+for the previous one, as a server's steps do).
 
 Usage: python tools/bench_decode.py --seqs 8,32 --layers 61 --out bench/decode_DATE.json
 """
@@ -185,10 +190,29 @@ AB_VARIANTS = {
                           lambda m: _swap_humming_table(m, None, False)),
     "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
                           lambda m: _swap_humming_table(m, None, True), lambda m: _swap_humming_table(m, None, False)),
+    "plan_ahead_off": ("FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
+                       lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
+                       lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD")),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
 }
+
+
+_CYCLE = 64  # decode steps per cycle of context lengths (DecodeSteps)
+
+
+class DecodeSteps:
+    """Context lengths of successive decode steps of B sequences: ctx - 32, ctx - 31, ..., ctx + 31, then back
+    to ctx - 32 (every sequence at the same length; one token more per step, as a server's decode steps)."""
+
+    def __init__(self, ctx: int, batch: int):
+        self.ctx, self.batch, self.i = ctx, batch, 0
+
+    def next(self) -> list[int]:
+        n = self.ctx - _CYCLE // 2 + self.i % _CYCLE
+        self.i += 1
+        return [n] * self.batch
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
@@ -337,7 +361,9 @@ def main() -> None:
     res["dense_weight_bytes"] = dense_bytes
 
     bs = args.block_size
-    nblk_seq = -(-args.ctx // bs)
+    if args.ctx <= _CYCLE // 2:
+        raise SystemExit(f"--ctx must exceed {_CYCLE // 2} (context lengths cycle through ctx - 32 .. ctx + 31)")
+    nblk_seq = -(-(args.ctx + _CYCLE // 2) // bs)  # room for the longest context of the cycle
     max_b = max(seqs)
     kv = allocate_kv_caches(cfg, max_b * nblk_seq + 1, bs, torch.bfloat16, dev)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -354,7 +380,7 @@ def main() -> None:
             if hasattr(l.mlp, "a2a"):
                 l.mlp.a2a = ep
         hit = ep.experts_hit(0, n_local)
-        kv_bytes = B * args.ctx * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
+        kv_bytes = int(B * (args.ctx - 0.5) * cfg.num_hidden_layers * cfg.kv_cache_dim * 2)  # mean context of the cycle
         wbytes = dense_bytes + sum(hit) * expert_bytes + B * cfg.hidden_size * 2
         case.update(experts_hit_mean=sum(hit) / len(hit), expert_bytes=sum(hit) * expert_bytes,
                     dense_bytes=dense_bytes, kv_bytes=kv_bytes, total_bytes=wbytes + kv_bytes)
@@ -362,14 +388,14 @@ def main() -> None:
         perm = (torch.randperm(max_b * nblk_seq, generator=torch.Generator().manual_seed(B)) + 1).tolist()
         tabs = [perm[i * nblk_seq : (i + 1) * nblk_seq] for i in range(B)]
         slens = [args.ctx] * B
-        ids = torch.randint(0, cfg.vocab_size, (B,), device=dev)
-        pos = torch.full((B,), args.ctx - 1, dtype=torch.int64, device=dev)
+        ids_l = torch.randint(0, cfg.vocab_size, (B,)).tolist()
+        steps = DecodeSteps(args.ctx, B)
 
-        ids_l, pos_l = ids.tolist(), pos.tolist()
-
-        def step(ids_l=ids_l, pos_l=pos_l, slens=slens, tabs=tabs):  # the worker's decode path (ModelRunner.execute):
-            # host lists -> graph replay or eager (this case's lists bound now: the profile runs after the loop)
-            h = model.forward_decode(ids_l, pos_l, slens, tabs, bs, kv)
+        def step(ids_l=ids_l, tabs=tabs, steps=steps):  # the worker's decode path (ModelRunner.execute): host lists
+            # -> graph replay or eager, the next step of the batch each call (this case's lists bound now: the
+            # profile runs after the loop)
+            lens = steps.next()
+            h = model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
             return model.compute_logits(h).argmax(-1)
 
         with torch.inference_mode():
@@ -409,21 +435,28 @@ def main() -> None:
             t1 = time.time()
             runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
+            hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
             case["graph"] = time_ms(step, args.iters)
             assert runner.num_replays > 0
+            case["plan_ahead"] = runner.plan_ahead
+            if not runner.triton_attn:
+                case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0  # of 3 warm-up + iters steps
             gm = case["graph"]["median_ms"]
             case["graph_over_floor"] = gm / floor
             case["eager_over_floor"] = case["eager"]["median_ms"] / floor
             # host time of the decode call up to the replay's launch (slots, pinned copy, FlashInfer plan, graph
             # launch): the GPU idles through it when each step waits for the last, as a server's steps do
-            hs = []
+            hs, hr = [], []
             for _ in range(args.iters):
                 torch.cuda.synchronize()
                 t_h = time.perf_counter()
-                model.forward_decode(ids_l, pos_l, slens, tabs, bs, kv)
+                lens = steps.next()
+                model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
                 hs.append((time.perf_counter() - t_h) * 1e6)
+                hr.append(runner.last_host_us)
             torch.cuda.synchronize()
             case["host_forward_decode_us"] = statistics.median(hs)
+            case["host_until_replay_us"] = statistics.median(hr)
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)
@@ -461,7 +494,7 @@ def main() -> None:
     for c in res["cases"]:
         print(f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
               f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
-              f"  host {c['host_forward_decode_us']:.0f} us")
+              f"  host {c['host_until_replay_us']:.0f} us before the replay ({c['host_forward_decode_us']:.0f} us in all)")
         if "breakdown_eager" in c:
             print("   ", json.dumps(c["breakdown_eager"]["by_class_ms"]))
 

@@ -107,6 +107,7 @@ class FlashInferMLA:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         kwargs = {}
+        self._kv_indices_dev: torch.Tensor | None = None  # the CUDA-graph wrapper's fixed kv_indices buffer
         if use_cuda_graph:
             if max_batch <= 0 or max_pages <= 0:
                 raise ValueError("use_cuda_graph needs max_batch and max_pages")
@@ -116,6 +117,7 @@ class FlashInferMLA:
                 kv_indices=torch.empty(max_pages, dtype=torch.int32, device=self.device),
                 kv_len_arr=torch.empty(max_batch, dtype=torch.int32, device=self.device),
             )
+            self._kv_indices_dev = kwargs["kv_indices"]
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self.workspace, use_cuda_graph=use_cuda_graph, backend=backend, **kwargs
         )
@@ -125,6 +127,13 @@ class FlashInferMLA:
         self.causal = None
         self._plan_done: torch.cuda.Event | None = None
         self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
+        self._idx_done: torch.cuda.Event | None = None  # recorded after a plan-ahead hit's kv_indices copy
+        # plan ahead (decode, CUDA-graph wrappers): (block_size, seq_lens) the wrapper's schedule was planned for
+        # by `plan_ahead` with no plan since, else None; `plan_pages` of exactly those lengths then only copies
+        # the page ids (see plan_ahead)
+        self._ahead: tuple[int, tuple[int, ...]] | None = None
+        self.ahead_hits = 0  # plan_pages calls served by a plan made ahead (counters for tests / benchmarks)
+        self.ahead_misses = 0  # plan_pages calls after a plan_ahead whose lengths did not match
 
     def _pinned(self, name: str, n: int) -> torch.Tensor:
         """A pinned int32 host buffer `name` of n elements (grown, never shrunk; its previous contents are free once
@@ -177,6 +186,7 @@ class FlashInferMLA:
             raise ValueError("plan: block_tables too narrow for seq_lens")
         total_pages = sum(nblk)
         self._check_works(qo_lens, B, total_pages)
+        self._ahead = None
         self._wait_staging()
         dev = self.device
         nblk_c = torch.tensor(nblk, dtype=torch.int64)  # [B] host
@@ -217,10 +227,67 @@ class FlashInferMLA:
             flat.extend(pg[:n])
             indptr.append(indptr[-1] + n)
         self._check_works(qo_lens, B, len(flat))
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if not causal and ahead == (block_size, tuple(seq_lens)) and all(q == 1 for q in qo_lens):
+                self._copy_indices(flat)  # the schedule in place is this step's: only the page ids are new
+                self._ahead_state(block_size, B)
+                self.ahead_hits += 1
+                return
+            self.ahead_misses += 1
         self._wait_staging()
         kv_indices = self._pinned("kv_indices", len(flat))  # [total_pages] host, pinned
         kv_indices.numpy()[:] = flat
         self._plan_indices(qo_lens, seq_lens, indptr, kv_indices, block_size, causal)
+
+    def plan_ahead(self, seq_lens: list[int], block_size: int) -> bool:
+        """Plan the schedule of a decode step whose page ids are not known yet (CUDA-graph wrappers only): one
+        query row per request, non-causal, context lengths seq_lens. The next `plan_pages([1] * B, seq_lens,
+        pages, block_size, causal=False)` with exactly these lengths then skips FlashInfer's host scheduler and
+        only copies the page ids; any other plan discards this one.
+
+        Why this is exact: FlashInfer's MLA plan (the work split over SMs, written to the int workspace) is a
+        function of qo_indptr, kv_indptr and kv_len only (with the fixed heads / dims / causal flag); the page ids
+        are read by the kernel from the kv_indices buffer at run time. kv_indptr follows from seq_lens and
+        block_size, so the schedule of a step is fixed by its lengths alone.
+
+        Use: the CUDA-graph runner calls it right after launching step N's replay with step N's lengths + 1 (the
+        same batch one token further), so the host scheduler runs while the GPU works; every copy it enqueues
+        follows step N's kernels in stream order, so step N still reads its own plan. Returns False (nothing
+        planned, any earlier plan-ahead dropped) when the wrapper is not a CUDA-graph one or the lengths do not
+        fit its buffers (batch size, pages, work table)."""
+        self._ahead = None
+        B = len(seq_lens)
+        if not self.use_cuda_graph or B != self.max_batch or min(seq_lens, default=0) < 1:
+            return False
+        nblk = [(s + block_size - 1) // block_size for s in seq_lens]
+        if sum(nblk) > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
+            return False
+        self._wait_staging()
+        indptr = [0] * (B + 1)
+        for b, n in enumerate(nblk):
+            indptr[b + 1] = indptr[b] + n
+        self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
+        self._ahead = (block_size, tuple(seq_lens))
+        return True
+
+    def _copy_indices(self, flat: list[int]) -> None:
+        """Page ids into the CUDA-graph wrapper's kv_indices buffer by one pinned non-blocking copy (its own
+        staging buffer, reused once the previous such copy has run)."""
+        if self._idx_done is not None:
+            self._idx_done.synchronize()
+        host = self._pinned("kv_indices_ahead", len(flat))  # [total_pages] host, pinned
+        host.numpy()[:] = flat
+        self._kv_indices_dev[: len(flat)].copy_(host, non_blocking=True)
+        if self._idx_done is None:
+            self._idx_done = torch.cuda.Event()
+        self._idx_done.record(torch.cuda.current_stream(self.device))
+
+    def _ahead_state(self, block_size: int, B: int) -> None:
+        self.block_size = block_size
+        self.batch = B
+        self.num_rows = B
+        self.causal = False
 
     def _plan_indices(self, qo_lens: list[int], seq_lens: list[int], kv_indptr: list[int],
                       kv_indices: torch.Tensor, block_size: int, causal: bool) -> None:

@@ -16,10 +16,15 @@ Attention, by the model's `decode_attention`:
   positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
   then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
 - "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
-  `use_cuda_graph=True` wrapper whose index buffers the graph captured.
+  `use_cuda_graph=True` wrapper whose index buffers the graph captured. With PLAN_AHEAD, `run_host` also plans
+  the bucket's next step (same batch, every length + 1) right after launching the replay, while the GPU works;
+  when the next step is that one, only its page ids are copied before the replay (FlashInferMLA.plan_ahead).
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 
@@ -34,6 +39,11 @@ _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # local seqs), without one they were not (v10: one graph 23.44 / 32.25 ms, 8-layer segments 23.51 / 32.40, 2 and 4
 # likewise), so one graph is the default.
 LAYERS_PER_GRAPH = 0
+
+# Plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same batch
+# one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips FlashInfer's host
+# scheduler before its replay. $KIMI_PLAN_AHEAD=0 turns it off (CudaGraphRunner.plan_ahead per runner).
+PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -114,6 +124,8 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
+        self.plan_ahead = PLAN_AHEAD and not self.triton_attn
+        self.last_host_us = 0.0  # host time of the last run_host up to its replay's launch (benchmarks)
 
     def bucket_for(self, batch: int) -> int:
         """Smallest bucket >= batch; raises ValueError when batch exceeds the largest."""
@@ -214,6 +226,7 @@ class CudaGraphRunner:
         planned from the page lists (`FlashInferMLA.plan_pages`, pinned copies). Raises ValueError when the
         batch exceeds the largest bucket or a table is too short.
         """
+        t0 = time.perf_counter()
         B = len(input_ids)
         bs = self.bucket_for(B)
         blk = self.block_size
@@ -242,10 +255,16 @@ class CudaGraphRunner:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
         if not self.triton_attn:
-            self.fi[bs].plan_pages([1] * bs, list(seq_lens) + [1] * pad, list(block_tables) + [[0]] * pad, blk,
-                                   causal=False)
+            lens = list(seq_lens) + [1] * pad
+            self.fi[bs].plan_pages([1] * bs, lens, list(block_tables) + [[0]] * pad, blk, causal=False)
         self.replay(bs)
+        self.last_host_us = (time.perf_counter() - t0) * 1e6
         self.num_replays += 1
+        if self.plan_ahead and not self.triton_attn:
+            # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
+            # it when its lengths are exactly these, any other plan of the bucket discards it
+            if -(-(max(seq_lens) + 1) // blk) <= self.max_blocks_per_seq:
+                self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk)
         return self.outputs[bs][:B]
 
     def replay(self, bs: int) -> None:

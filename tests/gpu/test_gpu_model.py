@@ -226,3 +226,69 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
                 assert rel <= 1e-2, (bucket, B, diff, rel)
     report(dict(test="cuda_graph_replay_vs_eager", moe_backend=backend, decode_attention=attn, layers_per_graph=lpg,
                 cases=[dict(bucket=b, batch=B, max_abs=round(d, 5), rel=round(r, 6)) for b, B, d, r in results]))
+
+
+def test_plan_ahead_equals_fresh_plans(ckpts):
+    """CudaGraphRunner's plan ahead (FlashInferMLA.plan_ahead after each replay, the next step's page ids only when
+    its lengths are the predicted ones) gives bit-identical hidden states to planning every step afresh, over a
+    run of decode steps with: lengths advancing one token per step across block boundaries, padded buckets, the
+    batch shrinking (another bucket) and growing back, a jump in length (a miss), and a step whose lengths match
+    the prediction but whose block tables are other sequences' (the schedule depends on lengths only)."""
+    from kimi.config import ModelConfig
+    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.worker.kv_cache import allocate_kv_caches
+
+    path = ckpts["tiny-mla"]
+    cfg = ModelConfig.from_dir(path)
+    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend="humming", progress=False)
+    gm.decode_attention = "flashinfer"
+    bs, nb, width = 16, 200, 8
+    kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for c in kv:
+        c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
+    initial = [c.clone() for c in kv]
+    gm.capture_cuda_graphs(kv, bs, 8, width)
+    runner = gm.graphs
+    g = torch.Generator().manual_seed(11)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    tabs = [perm[width * i : width * (i + 1)] for i in range(8)]
+    steps = []  # (sequence indices, lengths)
+    lens = [14, 15, 16, 31, 47]
+    for _ in range(5):  # 5 sequences in bucket 8, crossing the 16-token blocks
+        steps.append(([0, 1, 2, 3, 4], list(lens)))
+        lens = [n + 1 for n in lens]
+    steps.append(([0, 1, 2, 3], lens[:4]))  # one finished: bucket 4 (a miss, then hits)
+    steps.append(([0, 1, 2, 3], [n + 1 for n in lens[:4]]))
+    steps.append(([0, 1, 2, 3], [n + 5 for n in lens[:4]]))  # a jump: miss
+    steps.append(([5, 6, 7, 0, 1], [20, 21, 22, 23, 24]))  # bucket 8 again, other lengths: miss
+    steps.append(([2, 3, 4, 5, 6], [21, 22, 23, 24, 25]))  # the predicted lengths, other sequences' tables: hit
+    steps.append(([2, 3, 4, 5, 6], [22, 23, 24, 25, 26]))
+    want_hits = 0
+    for k in range(1, len(steps)):
+        (_, prev), (_, cur) = steps[k - 1], steps[k]
+        want_hits += runner.bucket_for(len(prev)) == runner.bucket_for(len(cur)) and cur == [n + 1 for n in prev]
+
+    def run(plan_ahead: bool) -> tuple[list[torch.Tensor], int]:
+        for c, c0 in zip(kv, initial):
+            c.copy_(c0)
+        runner.plan_ahead = plan_ahead
+        hits0 = sum(f.ahead_hits for f in runner.fi.values())
+        outs = []
+        with torch.inference_mode():
+            for k, (seqs, slens) in enumerate(steps):
+                ids = torch.randint(0, 163000, (len(seqs),), generator=torch.Generator().manual_seed(k)).tolist()
+                for o in runner.outputs.values():
+                    o.fill_(float("nan"))
+                h = gm.forward_decode(ids, [n - 1 for n in slens], slens, [tabs[i] for i in seqs], bs, kv)
+                outs.append(h.clone())
+        torch.cuda.synchronize()
+        return outs, sum(f.ahead_hits for f in runner.fi.values()) - hits0
+
+    fresh, hits_off = run(False)
+    ahead, hits_on = run(True)
+    assert hits_off == 0
+    assert want_hits == 7 and hits_on == want_hits, (hits_on, want_hits)
+    for k, (a, b) in enumerate(zip(fresh, ahead)):
+        assert torch.isfinite(a).all(), k
+        assert torch.equal(a, b), k

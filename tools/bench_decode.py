@@ -17,6 +17,8 @@ from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_gr
 the next decode step of the same B sequences, as in a server: every context length grows by one token per step,
 cycling through CTX - 32 .. CTX + 31 (the wrap back is a batch change; it happens once every 64 steps), so the
 graph runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving.
+A/B variants (--ab, --overlap) are captured next to the headline graph and all are timed in --rounds interleaved
+rounds of --iters steps each; each reports the median over all its samples and the rounds' medians.
 Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
 KV read at the mean context CTX - 0.5 (B * (CTX - 0.5) * 61 * 1152 bytes).
@@ -110,6 +112,31 @@ def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
             impl._tuning.clear()
 
 
+def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
+    """humming_*_pdl variants: the expert GEMMs' schedules as chosen (table or heuristic) with `use_pdl` forced
+    (None: left as chosen) for gate_up / down; on=False restores. The experts' cached schedules are dropped."""
+    from kimi.ops.moe_backend import HummingInt4Experts
+
+    if on:
+        orig = _saved["humming_configs"] = HummingInt4Experts._configs
+
+        def forced(self, T, k, orig=orig):
+            c1, c2 = (dict(c) for c in orig(self, T, k))
+            if gate_up is not None:
+                c1["use_pdl"] = gate_up
+            if down is not None:
+                c2["use_pdl"] = down
+            return c1, c2
+
+        HummingInt4Experts._configs = forced
+    else:
+        HummingInt4Experts._configs = _saved["humming_configs"]
+    for layer in m.layers:
+        impl = getattr(layer.mlp, "experts_impl", None)
+        if hasattr(impl, "_tuning"):
+            impl._tuning.clear()
+
+
 def _set_module_attr(module: str, attr: str, value) -> None:
     import importlib
 
@@ -190,6 +217,10 @@ AB_VARIANTS = {
                           lambda m: _swap_humming_table(m, None, False)),
     "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
                           lambda m: _swap_humming_table(m, None, True), lambda m: _swap_humming_table(m, None, False)),
+    "humming_down_pdl": ("humming's down GEMM launched with PDL (use_pdl True; gate_up as chosen)",
+                         lambda m: _humming_pdl(m, None, True, True), lambda m: _humming_pdl(m, None, None, False)),
+    "humming_gate_up_nopdl": ("humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
+                              lambda m: _humming_pdl(m, False, None, True), lambda m: _humming_pdl(m, None, None, False)),
     "plan_ahead_off": ("FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
                        lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
                        lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD")),
@@ -227,7 +258,14 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
         e.record()
         e.synchronize()
         ts.append(s.elapsed_time(e))
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters}
+    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters, "samples": ts}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """time_ms results of several rounds -> one: median / min / max over all samples, the rounds' medians."""
+    ts = [t for r in runs for t in r["samples"]]
+    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": len(ts),
+            "round_medians_ms": [round(r["median_ms"], 3) for r in runs]}
 
 
 _CLASSES = [
@@ -297,6 +335,7 @@ def main() -> None:
     ap.add_argument("--layers-per-graph", type=int, default=None,
                     help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
                          "0: one graph)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the graph variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     _LPG[0] = args.layers_per_graph
@@ -415,32 +454,40 @@ def main() -> None:
                 ep.i = 0
                 return r
 
+            # every variant's graph is captured first (each variant's settings take effect at capture), then all are
+            # timed in --rounds interleaved rounds (A, B, C, headline, A, B, ...): slow drifts of the GPU's speed
+            # within the run fall on every variant alike
             modes = args.overlap.split(",")
-            for mode in modes[1:]:  # A/B variants first, the headline mode last (its graph stays for below)
-                capture(mode == "on")
-                case[f"graph_overlap_{mode}"] = time_ms(step, args.iters)
-                print(f"B={B}: graph (overlap {mode}) {case[f'graph_overlap_{mode}']['median_ms']:.2f} ms", flush=True)
-                model.graphs = None
-                torch.cuda.empty_cache()
+            variants = []  # (key, what, runner); the headline last
+            for mode in modes[1:]:
+                variants.append((f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on")))
             for name in [a for a in args.ab.split(",") if a]:
                 what, apply, undo = AB_VARIANTS[name]
                 apply(model)
-                capture(modes[0] == "on")
-                case[f"graph_{name}"] = dict(time_ms(step, args.iters), what=what)
-                print(f"B={B}: graph ({name}) {case[f'graph_{name}']['median_ms']:.2f} ms", flush=True)
+                variants.append((f"graph_{name}", what, capture(modes[0] == "on")))
                 undo(model)
-                model.graphs = None
-                torch.cuda.empty_cache()
             case["overlap_shared"] = modes[0] == "on"
             t1 = time.time()
             runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
+            variants.append(("graph", None, runner))
             hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
-            case["graph"] = time_ms(step, args.iters)
+            runs: dict[str, list] = {k: [] for k, _, _ in variants}
+            for _ in range(args.rounds):
+                for k, _, r in variants:
+                    model.graphs = r
+                    runs[k].append(time_ms(step, args.iters))
+            for k, what, _ in variants:
+                case[k] = pooled(runs[k]) | ({"what": what} if what else {})
+                if k != "graph":
+                    print(f"B={B}: {k} {case[k]['median_ms']:.2f} ms (rounds {case[k]['round_medians_ms']})", flush=True)
+            model.graphs = runner
+            variants.clear()  # the A/B variants' graphs are freed with their runners
+            torch.cuda.empty_cache()
             assert runner.num_replays > 0
             case["plan_ahead"] = runner.plan_ahead
             if not runner.triton_attn:
-                case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0  # of 3 warm-up + iters steps
+                case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0  # of rounds x (3 warm-up + iters) steps
             gm = case["graph"]["median_ms"]
             case["graph_over_floor"] = gm / floor
             case["eager_over_floor"] = case["eager"]["median_ms"] / floor
@@ -453,10 +500,12 @@ def main() -> None:
                 lens = steps.next()
                 model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
                 hs.append((time.perf_counter() - t_h) * 1e6)
-                hr.append(runner.last_host_us)
+                hr.append(runner.host_marks)
             torch.cuda.synchronize()
             case["host_forward_decode_us"] = statistics.median(hs)
-            case["host_until_replay_us"] = statistics.median(hr)
+            case["host_until_replay_us"] = statistics.median(m[2] for m in hr)
+            # where it goes: inputs staged / attention planned / replay launched, us from the call's start (medians)
+            case["host_marks_us"] = [round(statistics.median(m[i] for m in hr), 1) for i in range(3)]
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)

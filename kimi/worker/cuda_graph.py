@@ -125,7 +125,9 @@ class CudaGraphRunner:
         self.pool = None
         self.num_replays = 0
         self.plan_ahead = PLAN_AHEAD and not self.triton_attn
-        self.last_host_us = 0.0  # host time of the last run_host up to its replay's launch (benchmarks)
+        # host times of the last run_host (benchmarks), us from its start: inputs staged, attention planned, replay
+        # launched
+        self.host_marks = (0.0, 0.0, 0.0)
 
     def bucket_for(self, batch: int) -> int:
         """Smallest bucket >= batch; raises ValueError when batch exceeds the largest."""
@@ -238,6 +240,7 @@ class CudaGraphRunner:
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
         self.static_in.copy_(self.host_in, non_blocking=True)
+        t1 = time.perf_counter()
         pad = bs - B
         if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
             mb, mx = self.max_blocks_per_seq, self.max_batch
@@ -257,8 +260,9 @@ class CudaGraphRunner:
         if not self.triton_attn:
             lens = list(seq_lens) + [1] * pad
             self.fi[bs].plan_pages([1] * bs, lens, list(block_tables) + [[0]] * pad, blk, causal=False)
+        t2 = time.perf_counter()
         self.replay(bs)
-        self.last_host_us = (time.perf_counter() - t0) * 1e6
+        self.host_marks = ((t1 - t0) * 1e6, (t2 - t0) * 1e6, (time.perf_counter() - t0) * 1e6)
         self.num_replays += 1
         if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses

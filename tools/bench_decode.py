@@ -261,6 +261,26 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters, "samples": ts}
 
 
+def host_profile(call, steps, iters: int) -> str:
+    """cProfile of `iters` calls call(lens) for the next steps of the batch, each after a device sync: the
+    functions with the most own time (where a graph decode step's host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        lens = steps.next()
+        prof.enable()
+        call(lens)
+        prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(16)
+    return out.getvalue()
+
+
 def pooled(runs: list[dict]) -> dict:
     """time_ms results of several rounds -> one: median / min / max over all samples, the rounds' medians."""
     ts = [t for r in runs for t in r["samples"]]
@@ -506,6 +526,8 @@ def main() -> None:
             case["host_until_replay_us"] = statistics.median(m[2] for m in hr)
             # where it goes: inputs staged / attention planned / replay launched, us from the call's start (medians)
             case["host_marks_us"] = [round(statistics.median(m[i] for m in hr), 1) for i in range(3)]
+            case["host_profile"] = host_profile(
+                lambda lens: model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv), steps, args.iters)
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)

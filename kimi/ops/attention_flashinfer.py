@@ -75,6 +75,8 @@ class FlashInferMLA:
         use_cuda_graph / max_batch / max_pages: fixed index buffers for graph capture (then every plan must have
             exactly max_batch requests and at most max_pages pages).
         dtype: q / kv / o dtype (bf16).
+        kv_indices: CUDA-graph wrappers only: the int32 device buffer (>= max_pages elements) the kernel reads the
+            page ids from, when the caller writes them itself (`plan_decode_schedule`); default: the wrapper's own.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class FlashInferMLA:
         max_batch: int = 0,
         max_pages: int = 0,
         dtype: torch.dtype = torch.bfloat16,
+        kv_indices: torch.Tensor | None = None,
     ):
         import flashinfer.mla  # deferred: optional GPU dependency
 
@@ -117,6 +120,11 @@ class FlashInferMLA:
                 kv_indices=torch.empty(max_pages, dtype=torch.int32, device=self.device),
                 kv_len_arr=torch.empty(max_batch, dtype=torch.int32, device=self.device),
             )
+            if kv_indices is not None:
+                if kv_indices.dtype != torch.int32 or kv_indices.device != self.device or kv_indices.numel() < max_pages:
+                    raise ValueError(f"kv_indices: want >= {max_pages} int32 on {self.device}, got "
+                                     f"{kv_indices.numel()} {kv_indices.dtype} on {kv_indices.device}")
+                kwargs["kv_indices"] = kv_indices
             self._kv_indices_dev = kwargs["kv_indices"]
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self.workspace, use_cuda_graph=use_cuda_graph, backend=backend, **kwargs
@@ -227,24 +235,46 @@ class FlashInferMLA:
             flat.extend(pg[:n])
             indptr.append(indptr[-1] + n)
         self._check_works(qo_lens, B, len(flat))
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            if not causal and ahead == (block_size, tuple(seq_lens)) and all(q == 1 for q in qo_lens):
-                self._copy_indices(flat)  # the schedule in place is this step's: only the page ids are new
-                self._ahead_state(block_size, B)
-                self.ahead_hits += 1
-                return
-            self.ahead_misses += 1
+        if self.use_cuda_graph and not causal and all(q == 1 for q in qo_lens):
+            self._copy_indices(flat)  # the page ids by our own copy, then the schedule (planned ahead or now)
+            self.plan_decode_schedule(seq_lens, block_size)
+            return
+        self._ahead = None
         self._wait_staging()
         kv_indices = self._pinned("kv_indices", len(flat))  # [total_pages] host, pinned
         kv_indices.numpy()[:] = flat
         self._plan_indices(qo_lens, seq_lens, indptr, kv_indices, block_size, causal)
 
+    def plan_decode_schedule(self, seq_lens: list[int], block_size: int) -> None:
+        """Plan a decode step (CUDA-graph wrappers only: one query row per request, non-causal, context lengths
+        seq_lens >= 1) whose page ids the caller writes into the wrapper's kv_indices buffer itself, before the
+        run in stream order (request b's ceil(seq_lens[b] / block_size) pages after those of requests < b).
+        When `plan_ahead` planned exactly these lengths (and no plan came since) nothing is done on the host
+        (`ahead_hits` counts it); otherwise FlashInfer plans now. Raises ValueError as `plan` does."""
+        B = len(seq_lens)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead == (block_size, tuple(seq_lens)):
+                self._ahead_state(block_size, B)
+                self.ahead_hits += 1
+                return
+            self.ahead_misses += 1
+        if not self.use_cuda_graph:
+            raise ValueError("plan_decode_schedule needs a CUDA-graph wrapper (fixed kv_indices buffer)")
+        if min(seq_lens, default=0) < 1:
+            raise ValueError(f"plan_decode_schedule: context lengths must be >= 1, got {seq_lens}")
+        indptr = [0] * (B + 1)
+        for b, s in enumerate(seq_lens):
+            indptr[b + 1] = indptr[b] + (s + block_size - 1) // block_size
+        self._check_works([1] * B, B, indptr[-1])
+        self._wait_staging()
+        self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
+
     def plan_ahead(self, seq_lens: list[int], block_size: int) -> bool:
         """Plan the schedule of a decode step whose page ids are not known yet (CUDA-graph wrappers only): one
-        query row per request, non-causal, context lengths seq_lens. The next `plan_pages([1] * B, seq_lens,
-        pages, block_size, causal=False)` with exactly these lengths then skips FlashInfer's host scheduler and
-        only copies the page ids; any other plan discards this one.
+        query row per request, non-causal, context lengths seq_lens. The next `plan_decode_schedule` (or decode
+        `plan_pages`) with exactly these lengths then skips FlashInfer's host scheduler; any other plan discards
+        this one.
 
         Why this is exact: FlashInfer's MLA plan (the work split over SMs, written to the int workspace) is a
         function of qo_indptr, kv_indptr and kv_len only (with the fixed heads / dims / causal flag); the page ids

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 
 from kimi.ops.attention import AttentionMetadata
@@ -85,15 +86,23 @@ class CudaGraphRunner:
         dev = model.embed_tokens.device
         self.device = dev
         cfg = model.cfg
-        # static inputs: one [3, max_batch] int64 buffer (token ids, positions, cache slots) so the host fast path
-        # (run_host) fills it with ONE pinned, non-blocking copy
-        self.static_in = torch.zeros((3, self.max_batch), dtype=torch.int64, device=dev)
+        self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
+        # static inputs: one int64 device buffer holding [3, max_batch] (token ids, positions, cache slots) and,
+        # for FlashInfer, the page ids of every bucket's plan (int32, the wrappers' shared kv_indices buffer: one
+        # bucket runs at a time and each step writes its own before its replay), so the host fast path (run_host)
+        # sends a step's inputs in ONE pinned, non-blocking copy
+        mb, nb = self.max_batch, 3 * self.max_batch
+        kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
+        self.dev_in = torch.zeros(nb + kv_words, dtype=torch.int64, device=dev)
+        self.static_in = self.dev_in[:nb].view(3, mb)
         self.input_ids = self.static_in[0]  # [max_batch]
         self.positions = self.static_in[1]  # [max_batch]
         self.slot_mapping = self.static_in[2]  # [max_batch]
-        self.host_in = torch.zeros((3, self.max_batch), dtype=torch.int64, pin_memory=True)  # staging
-        self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copies
-        self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
+        self.kv_indices = self.dev_in[nb:].view(torch.int32)  # [>= max_batch * max_blocks_per_seq] page ids
+        self.host_in = torch.zeros(nb + kv_words, dtype=torch.int64, pin_memory=True)  # staging, same layout
+        self._host_np = self.host_in[:nb].numpy().reshape(3, mb)
+        self._host_kv = self.host_in[nb:].numpy().view(np.int32)
+        self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
         if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
 
@@ -113,6 +122,7 @@ class CudaGraphRunner:
                 bs: FlashInferMLADecode(
                     cfg.num_attention_heads, cfg.softmax_scale, dev, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                     use_cuda_graph=True, max_batch=bs, max_pages=bs * max_blocks_per_seq, dtype=model.dtype,
+                    kv_indices=self.kv_indices,
                 )
                 for bs in self.buckets
             }
@@ -223,25 +233,38 @@ class CudaGraphRunner:
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
 
         The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
-        slot 0 of the null block) go to the static input buffer in one pinned non-blocking copy; then either the
-        lengths and tables go to theirs (Triton attention: two more pinned copies, no plan) or FlashInfer is
-        planned from the page lists (`FlashInferMLA.plan_pages`, pinned copies). Raises ValueError when the
-        batch exceeds the largest bucket or a table is too short.
+        slot 0 of the null block) and, for FlashInfer, the page ids of the plan go to the static input buffer in
+        ONE pinned non-blocking copy; then either the lengths and tables go to theirs (Triton attention: two more
+        pinned copies, no plan) or FlashInfer's schedule is planned (`FlashInferMLA.plan_decode_schedule`: nothing
+        to do when the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the
+        bucket's next step (same batch, every length + 1) is planned while the GPU works. Raises ValueError when
+        the batch exceeds the largest bucket or a table is too short.
         """
         t0 = time.perf_counter()
         B = len(input_ids)
         bs = self.bucket_for(B)
         blk = self.block_size
+        pad = bs - B
+        flat: list[int] = []  # FlashInfer: the plan's page ids, request by request, [0] per padded row
+        if not self.triton_attn:
+            for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
+                k = -(-n // blk)
+                if k > len(t) or k > self.max_blocks_per_seq:
+                    raise ValueError(f"run_host: sequence {b}: {n} tokens need {k} blocks; table has {len(t)}, "
+                                     f"the graphs at most {self.max_blocks_per_seq}")
+                flat.extend(t[:k])
+            flat.extend([0] * pad)
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
-        h = self.host_in.numpy()
+        h = self._host_np
         h[:, :bs] = 0
         h[0, :B] = input_ids
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
-        self.static_in.copy_(self.host_in, non_blocking=True)
+        self._host_kv[: len(flat)] = flat
+        n_in = 3 * self.max_batch + (len(flat) + 1) // 2
+        self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
         t1 = time.perf_counter()
-        pad = bs - B
         if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
             mb, mx = self.max_blocks_per_seq, self.max_batch
             a = self.attn_host.numpy()
@@ -257,9 +280,8 @@ class CudaGraphRunner:
         if self._host_in_free is None:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
-        if not self.triton_attn:
-            lens = list(seq_lens) + [1] * pad
-            self.fi[bs].plan_pages([1] * bs, lens, list(block_tables) + [[0]] * pad, blk, causal=False)
+        if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
+            self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk)
         t2 = time.perf_counter()
         self.replay(bs)
         self.host_marks = ((t1 - t0) * 1e6, (t2 - t0) * 1e6, (time.perf_counter() - t0) * 1e6)

@@ -150,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             getattr(runner, "num_requests", 0), getattr(runner, "num_sampled", 0), last_step,
             getattr(runner, "num_idle_steps", 0),
         )
+        graphs = getattr(getattr(runner, "model", None), "graphs", None)
+        if graphs is not None:  # CUDA-graph decode: replays, and decode steps whose attention was planned ahead
+            fis = [f for f in getattr(graphs, "fi", {}).values() if hasattr(f, "ahead_hits")]
+            log.info("rank %d: %d graph replays; plan ahead %d hits, %d misses", rank, graphs.num_replays,
+                     sum(f.ahead_hits for f in fis), sum(f.ahead_misses for f in fis))
         heartbeat.stop()
         transport.close()
 

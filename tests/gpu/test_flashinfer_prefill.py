@@ -171,6 +171,56 @@ def test_flashinfer_mla_replan_and_decode_class(H):
         assert float((o.float() - r).abs().max() / r.abs().max()) <= TOL
 
 
+def test_flashinfer_mla_graph_decode_plans():
+    """The CUDA-graph decode wrapper's host paths against the reference, each run into a NaN-filled output:
+    plan_pages (page ids by kimi's own pinned copy), plan_ahead then plan_decode_schedule with exactly the
+    planned lengths (a hit: no scheduler run; page ids written into an external kv_indices buffer by the
+    caller), a miss (other lengths), and plan_ahead dropped by an intervening plan."""
+    _need_flashinfer()
+    from kimi.ops.attention_flashinfer import FlashInferMLADecode
+
+    H, B, W = 64, 4, 6
+    gen = torch.Generator().manual_seed(9)
+    ext = torch.full((B * W + 5,), -1, dtype=torch.int32, device="cuda")  # the caller-owned page-id buffer
+    dec = FlashInferMLADecode(H, SCALE, use_cuda_graph=True, max_batch=B, max_pages=B * W, kv_indices=ext)
+
+    def check(seq_lens, pages_from_caller: bool):
+        q_lat, q_pe, kv, tables = make_batch([1] * B, seq_lens, H, gen)
+        pages = [tables[b, : -(-s // BS)].tolist() for b, s in enumerate(seq_lens)]
+        if pages_from_caller:
+            flat = [p for pg in pages for p in pg]
+            ext[: len(flat)] = torch.tensor(flat, dtype=torch.int32, device="cuda")
+            dec.plan_decode_schedule(seq_lens, BS)
+        else:
+            dec.plan_pages([1] * B, seq_lens, pages, BS, causal=False)
+        out = torch.full_like(q_lat, float("nan"))
+        dec.run(q_lat, q_pe, kv, out=out)
+        torch.cuda.synchronize()
+        ref = causal_absorbed_ref(q_lat, q_pe, kv, tables, [1] * B, seq_lens, SCALE)
+        assert not torch.isnan(out).any()
+        assert float((out.float() - ref).abs().max() / ref.abs().max()) <= TOL, seq_lens
+
+    lens = [63, 64, 200, 5]
+    check(lens, False)  # plan_pages: FlashInfer plans now
+    assert (dec.ahead_hits, dec.ahead_misses) == (0, 0)
+    nxt = [n + 1 for n in lens]  # 64 -> 65 and 63 -> 64 cross / reach a block boundary
+    assert dec.plan_ahead(nxt, BS)
+    check(nxt, True)  # exactly the planned lengths: a hit
+    assert (dec.ahead_hits, dec.ahead_misses) == (1, 0)
+    assert dec.plan_ahead([n + 1 for n in nxt], BS)
+    check([n + 2 for n in nxt], True)  # other lengths: a miss, planned now
+    assert (dec.ahead_hits, dec.ahead_misses) == (1, 1)
+    assert dec.plan_ahead([7, 8, 9, 10], BS)
+    check([300, 8, 9, 10], False)  # plan_pages of other lengths: a miss
+    assert (dec.ahead_hits, dec.ahead_misses) == (1, 2)
+    assert dec.plan_ahead([7, 8, 9, 10], BS)
+    q_lat, q_pe, kv, tables = make_batch([1] * B, [7, 8, 9, 10], H, gen)
+    dec.plan([7, 8, 9, 10], tables, BS)  # any other plan drops the one made ahead
+    check([7, 8, 9, 10], True)  # so these lengths are planned afresh: no hit
+    assert (dec.ahead_hits, dec.ahead_misses) == (1, 2)
+    assert not dec.plan_ahead([7, 8, 9], BS)  # wrong batch size: nothing planned
+
+
 def test_flashinfer_mla_work_limit():
     """Batches past FlashInfer's fixed work table are refused with ValueError before FlashInfer sees them."""
     _need_flashinfer()

@@ -106,6 +106,11 @@ def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
                                       else {"gpu": None, "entries": {}})
     else:
         moe_backend._humming_table = _saved["humming_table"]
+    _drop_humming_schedules(m)
+
+
+def _drop_humming_schedules(m) -> None:
+    """Forget every MoE layer's cached humming schedules (chosen again at the next capture)."""
     for layer in m.layers:
         impl = getattr(layer.mlp, "experts_impl", None)
         if hasattr(impl, "_tuning"):
@@ -131,10 +136,7 @@ def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
         HummingInt4Experts._configs = forced
     else:
         HummingInt4Experts._configs = _saved["humming_configs"]
-    for layer in m.layers:
-        impl = getattr(layer.mlp, "experts_impl", None)
-        if hasattr(impl, "_tuning"):
-            impl._tuning.clear()
+    _drop_humming_schedules(m)
 
 
 def _set_module_attr(module: str, attr: str, value) -> None:

@@ -4,13 +4,8 @@
 # tools/bench_serving.py drives each over HTTP; JSON and logs under $OUT (one subfolder per value).
 # Usage (device tool, carry .whl .whl_e2e .jitcache): VAR=KIMI_PLAN_AHEAD VALUES="0 1" LAYERS=4 bash tests/gpu/serve_ab.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl_e2e/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HUMMING_CACHE_DIR=/tmp/hcache
-[ -f .jitcache/humming.tgz ] && mkdir -p /tmp/hcache && tar xzf .jitcache/humming.tgz -C /tmp/hcache
-[ -f .jitcache/flashinfer.tgz ] && mkdir -p ~/.cache && tar xzf .jitcache/flashinfer.tgz -C ~/.cache
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source tests/gpu/device_env.sh || exit 1
 LAYERS=${LAYERS:-4}
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee $OUT/gpu.txt
 for v in $VALUES; do
   d=$OUT/${VAR}_$v; mkdir -p $d
   env $VAR=$v python3 -m kimi serve --device cuda --model preset:kimi-k2.6 --load-format dummy \

@@ -4,13 +4,8 @@
 # (tests/gpu/serve_check.py) and tools/bench_serving.py; logs and JSON under $OUT.
 # Usage (device tool, carry .whl .jitcache): LAYERS=4 bash tests/gpu/serve_dummy.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl_e2e/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HUMMING_CACHE_DIR=/tmp/hcache
-[ -f .jitcache/humming.tgz ] && mkdir -p /tmp/hcache && tar xzf .jitcache/humming.tgz -C /tmp/hcache
-[ -f .jitcache/flashinfer.tgz ] && mkdir -p ~/.cache && tar xzf .jitcache/flashinfer.tgz -C ~/.cache
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source tests/gpu/device_env.sh || exit 1
 LAYERS=${LAYERS:-4}
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee $OUT/gpu.txt
 python3 -m kimi serve --device cuda --model preset:kimi-k2.6 --load-format dummy --num-hidden-layers $LAYERS \
   --max-num-seqs 64 --port 8000 --served-model-name k26 > $OUT/serve.log 2>&1 &
 pid=$!

@@ -15,13 +15,14 @@ bytes touched are known exactly. No communication is timed (single GPU).
 Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches
 from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is
 the next decode step of the same B sequences, as in a server: every context length grows by one token per step,
-cycling through CTX - 32 .. CTX + 31 (the wrap back is a batch change; it happens once every 64 steps), so the
-graph runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving.
+so the graph runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving. Every
+timing (eager, each graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at
+contexts CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
 A/B variants (--ab, --overlap) are captured next to the headline graph and all are timed in --rounds interleaved
 rounds of --iters steps each; each reports the median over all its samples and the rounds' medians.
 Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
-KV read at the mean context CTX - 0.5 (B * (CTX - 0.5) * 61 * 1152 bytes).
+KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 1152 bytes).
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
 host_forward_decode_us: host time of the whole graph decode call (forward_decode, plan ahead included);
@@ -232,18 +233,25 @@ AB_VARIANTS = {
 }
 
 
-_CYCLE = 64  # decode steps per cycle of context lengths (DecodeSteps)
+_WARMUP = 3  # untimed steps before each timing (time_ms's warmup)
 
 
 class DecodeSteps:
-    """Context lengths of successive decode steps of B sequences: ctx - 32, ctx - 31, ..., ctx + 31, then back
-    to ctx - 32 (every sequence at the same length; one token more per step, as a server's decode steps)."""
+    """Context lengths of successive decode steps of B sequences, every sequence at the same length, one token more
+    per step (as a server's decode steps). `restart()` goes back to the first step: each timing restarts, so every
+    variant times the same lengths, ctx - iters // 2 .. ctx + iters - iters // 2 - 1 after its _WARMUP warm-up
+    steps (mean ctx - 0.5 for an even iters)."""
 
-    def __init__(self, ctx: int, batch: int):
-        self.ctx, self.batch, self.i = ctx, batch, 0
+    def __init__(self, ctx: int, batch: int, iters: int):
+        self.first = ctx - _WARMUP - iters // 2
+        self.batch, self.i = batch, 0
+
+    def restart(self) -> "DecodeSteps":
+        self.i = 0
+        return self
 
     def next(self) -> list[int]:
-        n = self.ctx - _CYCLE // 2 + self.i % _CYCLE
+        n = self.first + self.i
         self.i += 1
         return [n] * self.batch
 
@@ -422,9 +430,9 @@ def main() -> None:
     res["dense_weight_bytes"] = dense_bytes
 
     bs = args.block_size
-    if args.ctx <= _CYCLE // 2:
-        raise SystemExit(f"--ctx must exceed {_CYCLE // 2} (context lengths cycle through ctx - 32 .. ctx + 31)")
-    nblk_seq = -(-(args.ctx + _CYCLE // 2) // bs)  # room for the longest context of the cycle
+    if args.ctx <= _WARMUP + args.iters // 2:
+        raise SystemExit(f"--ctx must exceed {_WARMUP + args.iters // 2} (the timed steps start below ctx; DecodeSteps)")
+    nblk_seq = -(-(args.ctx + args.iters) // bs)  # room for the longest context a timing reaches
     max_b = max(seqs)
     kv = allocate_kv_caches(cfg, max_b * nblk_seq + 1, bs, torch.bfloat16, dev)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -441,7 +449,8 @@ def main() -> None:
             if hasattr(l.mlp, "a2a"):
                 l.mlp.a2a = ep
         hit = ep.experts_hit(0, n_local)
-        kv_bytes = int(B * (args.ctx - 0.5) * cfg.num_hidden_layers * cfg.kv_cache_dim * 2)  # mean context of the cycle
+        timed = [args.ctx - args.iters // 2 + j for j in range(args.iters)]  # DecodeSteps' timed context lengths
+        kv_bytes = int(B * statistics.mean(timed) * cfg.num_hidden_layers * cfg.kv_cache_dim * 2)
         wbytes = dense_bytes + sum(hit) * expert_bytes + B * cfg.hidden_size * 2
         case.update(experts_hit_mean=sum(hit) / len(hit), expert_bytes=sum(hit) * expert_bytes,
                     dense_bytes=dense_bytes, kv_bytes=kv_bytes, total_bytes=wbytes + kv_bytes)
@@ -450,7 +459,7 @@ def main() -> None:
         tabs = [perm[i * nblk_seq : (i + 1) * nblk_seq] for i in range(B)]
         slens = [args.ctx] * B
         ids_l = torch.randint(0, cfg.vocab_size, (B,)).tolist()
-        steps = DecodeSteps(args.ctx, B)
+        steps = DecodeSteps(args.ctx, B, args.iters)
 
         def step(ids_l=ids_l, tabs=tabs, steps=steps):  # the worker's decode path (ModelRunner.execute): host lists
             # -> graph replay or eager, the next step of the batch each call (this case's lists bound now: the
@@ -461,7 +470,8 @@ def main() -> None:
 
         with torch.inference_mode():
             ep.i = 0
-            case["eager"] = time_ms(step, args.iters)
+            steps.restart()
+            case["eager"] = time_ms(step, args.iters, _WARMUP)
             print(f"B={B}: eager {case['eager']['median_ms']:.2f} ms, floor {floor:.2f} ms", flush=True)
 
             def capture(overlap: bool) -> CudaGraphRunner:
@@ -476,30 +486,35 @@ def main() -> None:
                 ep.i = 0
                 return r
 
-            # every variant's graph is captured first (each variant's settings take effect at capture), then all are
-            # timed in --rounds interleaved rounds (A, B, C, headline, A, B, ...): slow drifts of the GPU's speed
-            # within the run fall on every variant alike
+            # every variant's graph is captured first, with the variant applied; then all are timed in --rounds
+            # interleaved rounds (A, B, C, headline, A, B, ...), each variant applied again while it is timed (for
+            # switches read at run time, e.g. by the eager lm_head), over the same steps (DecodeSteps.restart): slow
+            # drifts of the GPU's speed within the run fall on every variant alike
             modes = args.overlap.split(",")
-            variants = []  # (key, what, runner); the headline last
+            nop = lambda m: None  # noqa: E731
+            variants = []  # (key, what, runner, apply, undo); the headline last
             for mode in modes[1:]:
-                variants.append((f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on")))
+                variants.append((f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on"), nop, nop))
             for name in [a for a in args.ab.split(",") if a]:
                 what, apply, undo = AB_VARIANTS[name]
                 apply(model)
-                variants.append((f"graph_{name}", what, capture(modes[0] == "on")))
+                variants.append((f"graph_{name}", what, capture(modes[0] == "on"), apply, undo))
                 undo(model)
             case["overlap_shared"] = modes[0] == "on"
             t1 = time.time()
             runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
-            variants.append(("graph", None, runner))
+            variants.append(("graph", None, runner, nop, nop))
             hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
-            runs: dict[str, list] = {k: [] for k, _, _ in variants}
+            runs: dict[str, list] = {v[0]: [] for v in variants}
             for _ in range(args.rounds):
-                for k, _, r in variants:
+                for k, _, r, apply, undo in variants:
                     model.graphs = r
-                    runs[k].append(time_ms(step, args.iters))
-            for k, what, _ in variants:
+                    apply(model)
+                    steps.restart()
+                    runs[k].append(time_ms(step, args.iters, _WARMUP))
+                    undo(model)
+            for k, what, *_ in variants:
                 case[k] = pooled(runs[k]) | ({"what": what} if what else {})
                 if k != "graph":
                     print(f"B={B}: {k} {case[k]['median_ms']:.2f} ms (rounds {case[k]['round_medians_ms']})", flush=True)
@@ -509,18 +524,23 @@ def main() -> None:
             assert runner.num_replays > 0
             case["plan_ahead"] = runner.plan_ahead
             if not runner.triton_attn:
-                case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0  # of rounds x (3 warm-up + iters) steps
+                # of rounds x (_WARMUP + iters) steps; the first of each timing follows a restart (a miss)
+                case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0
             gm = case["graph"]["median_ms"]
             case["graph_over_floor"] = gm / floor
             case["eager_over_floor"] = case["eager"]["median_ms"] / floor
-            # host time of the decode call up to the replay's launch (slots, pinned copy, FlashInfer plan, graph
-            # launch): the GPU idles through it when each step waits for the last, as a server's steps do
+            # host time of the whole decode call (plan ahead included) and of its part before the replay's launch
+            # (slots, pinned copy, FlashInfer schedule, graph launch): the GPU idles through the latter when each
+            # step waits for the last, as a server's steps do
+            def decode(lens):  # the graph decode call alone (no logits)
+                return model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
+
             hs, hr = [], []
+            decode(steps.restart().next())  # a first step, planned afresh (the restart is a miss): not measured
             for _ in range(args.iters):
                 torch.cuda.synchronize()
                 t_h = time.perf_counter()
-                lens = steps.next()
-                model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
+                decode(steps.next())
                 hs.append((time.perf_counter() - t_h) * 1e6)
                 hr.append(runner.host_marks)
             torch.cuda.synchronize()
@@ -528,8 +548,8 @@ def main() -> None:
             case["host_until_replay_us"] = statistics.median(m[2] for m in hr)
             # where it goes: inputs staged / attention planned / replay launched, us from the call's start (medians)
             case["host_marks_us"] = [round(statistics.median(m[i] for m in hr), 1) for i in range(3)]
-            case["host_profile"] = host_profile(
-                lambda lens: model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv), steps, args.iters)
+            decode(steps.restart().next())
+            case["host_profile"] = host_profile(decode, steps, args.iters)
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)

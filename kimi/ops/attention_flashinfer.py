@@ -48,6 +48,10 @@ the lengths), shared by every layer, then ``run(...)`` per layer (capturable whe
 ``use_cuda_graph=True`` and the batch size is fixed). `plan` itself does not synchronise the device: it builds
 the index arrays from host lengths and gathers the pages on the device; it waits only for its own previous
 plan's host-to-device copy (FlashInfer reuses one pinned staging buffer per wrapper, scheduler.cuh:1675-1697).
+A plan made ahead (`plan_ahead`, CUDA-graph decode) is enqueued after the step that is running, so the plan
+after it waits for that step to finish: a caller that never synchronises stays at most one step ahead.
+The schedule a run uses is the LAST one planned: after `plan_ahead`, a run (or graph replay) before the next
+`plan_decode_schedule` / `plan_pages` would use the next step's lengths with the current page ids.
 """
 
 from __future__ import annotations
@@ -114,18 +118,19 @@ class FlashInferMLA:
         if use_cuda_graph:
             if max_batch <= 0 or max_pages <= 0:
                 raise ValueError("use_cuda_graph needs max_batch and max_pages")
+            if kv_indices is None:
+                kv_indices = torch.empty(max_pages, dtype=torch.int32, device=self.device)
+            elif (kv_indices.dtype != torch.int32 or kv_indices.device != self.device or kv_indices.dim() != 1
+                  or not kv_indices.is_contiguous() or kv_indices.numel() < max_pages):
+                raise ValueError(f"kv_indices: want a contiguous 1-D int32 buffer of >= {max_pages} elements on "
+                                 f"{self.device}, got {tuple(kv_indices.shape)} {kv_indices.dtype} on {kv_indices.device}")
             kwargs = dict(
                 qo_indptr=torch.empty(max_batch + 1, dtype=torch.int32, device=self.device),
                 kv_indptr=torch.empty(max_batch + 1, dtype=torch.int32, device=self.device),
-                kv_indices=torch.empty(max_pages, dtype=torch.int32, device=self.device),
+                kv_indices=kv_indices,
                 kv_len_arr=torch.empty(max_batch, dtype=torch.int32, device=self.device),
             )
-            if kv_indices is not None:
-                if kv_indices.dtype != torch.int32 or kv_indices.device != self.device or kv_indices.numel() < max_pages:
-                    raise ValueError(f"kv_indices: want >= {max_pages} int32 on {self.device}, got "
-                                     f"{kv_indices.numel()} {kv_indices.dtype} on {kv_indices.device}")
-                kwargs["kv_indices"] = kv_indices
-            self._kv_indices_dev = kwargs["kv_indices"]
+            self._kv_indices_dev = kv_indices
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self.workspace, use_cuda_graph=use_cuda_graph, backend=backend, **kwargs
         )
@@ -135,13 +140,13 @@ class FlashInferMLA:
         self.causal = None
         self._plan_done: torch.cuda.Event | None = None
         self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
-        self._idx_done: torch.cuda.Event | None = None  # recorded after a plan-ahead hit's kv_indices copy
+        self._idx_done: torch.cuda.Event | None = None  # recorded after each `_copy_indices` (decode plan_pages)
         # plan ahead (decode, CUDA-graph wrappers): (block_size, seq_lens) the wrapper's schedule was planned for
-        # by `plan_ahead` with no plan since, else None; `plan_pages` of exactly those lengths then only copies
-        # the page ids (see plan_ahead)
+        # by `plan_ahead` with no plan since, else None; `plan_decode_schedule` (also behind a decode `plan_pages`)
+        # of exactly those lengths then runs no scheduler (see plan_ahead)
         self._ahead: tuple[int, tuple[int, ...]] | None = None
-        self.ahead_hits = 0  # plan_pages calls served by a plan made ahead (counters for tests / benchmarks)
-        self.ahead_misses = 0  # plan_pages calls after a plan_ahead whose lengths did not match
+        self.ahead_hits = 0  # plan_decode_schedule calls served by a plan made ahead (tests / benchmarks / logs)
+        self.ahead_misses = 0  # plan_decode_schedule calls after a plan_ahead whose lengths did not match
 
     def _pinned(self, name: str, n: int) -> torch.Tensor:
         """A pinned int32 host buffer `name` of n elements (grown, never shrunk; its previous contents are free once
@@ -155,7 +160,8 @@ class FlashInferMLA:
 
     def _wait_staging(self) -> None:
         """Wait until the previous plan's host-to-device copies have read the pinned staging buffers (FlashInfer's
-        own pinned buffer included), so this plan may overwrite them."""
+        own pinned buffer included), so this plan may overwrite them. After a `plan_ahead` that means waiting for
+        the step that was running when it was made."""
         if self._plan_done is not None:
             self._plan_done.synchronize()
 
@@ -221,8 +227,9 @@ class FlashInferMLA:
                    causal: bool = True) -> None:
         """`plan` from host lists: pages[b] = request b's block ids (at least ceil(seq_lens[b] / block_size) of
         them; extra entries are ignored). Everything is built on the host and sent in pinned, non-blocking
-        copies: no device kernel, no device sync (the decode fast path of kimi/worker/cuda_graph.py). Raises
-        ValueError as `plan` does."""
+        copies: no device kernel (waits as `plan`: see the module docstring). For a CUDA-graph wrapper and a
+        decode batch (every qo_len 1, causal False) the page ids go by kimi's own copy and the schedule through
+        `plan_decode_schedule` (planned ahead or now). Raises ValueError as `plan` does."""
         B = len(qo_lens)
         if B == 0 or len(seq_lens) != B or len(pages) != B:
             raise ValueError(f"plan_pages: {B} qo_lens, {len(seq_lens)} seq_lens, {len(pages)} page lists")

@@ -23,6 +23,7 @@ Attention, by the model's `decode_attention`:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -32,6 +33,8 @@ import torch
 from kimi.ops.attention import AttentionMetadata
 
 __all__ = ["bucket_sizes", "CudaGraphRunner"]
+
+log = logging.getLogger("kimi.worker")
 
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Layers per captured graph (0: the whole forward in one graph). A chain of smaller graphs lets the GPU run segment
@@ -68,7 +71,8 @@ class CudaGraphRunner:
 
     model: the GPU model; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
     block_size: tokens per block; max_batch: largest bucket; max_blocks_per_seq: widest block table a
-    replayed batch may have (FlashInfer's fixed kv_indices buffer holds bucket * this many pages);
+    replayed batch may have (the buckets' FlashInfer wrappers share one kv_indices buffer of max_batch * this many
+    pages);
     buckets: capture only these sizes (default bucket_sizes(max_batch)); layers_per_graph: layers per graph
     segment (None or <= 0: one graph for the whole forward).
     """
@@ -135,6 +139,7 @@ class CudaGraphRunner:
         self.pool = None
         self.num_replays = 0
         self.plan_ahead = PLAN_AHEAD and not self.triton_attn
+        self._ahead_failed = False  # a plan-ahead error was logged (once)
         # host times of the last run_host (benchmarks), us from its start: inputs staged, attention planned, replay
         # launched
         self.host_marks = (0.0, 0.0, 0.0)
@@ -242,6 +247,9 @@ class CudaGraphRunner:
         """
         t0 = time.perf_counter()
         B = len(input_ids)
+        if B == 0 or not len(positions) == len(seq_lens) == len(block_tables) == B:
+            raise ValueError(f"run_host: {B} input ids, {len(positions)} positions, {len(seq_lens)} lengths, "
+                             f"{len(block_tables)} block tables (want the same number, at least 1)")
         bs = self.bucket_for(B)
         blk = self.block_size
         pad = bs - B
@@ -290,11 +298,20 @@ class CudaGraphRunner:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
             # it when its lengths are exactly these, any other plan of the bucket discards it
             if -(-(max(seq_lens) + 1) // blk) <= self.max_blocks_per_seq:
-                self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk)
+                try:
+                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk)
+                except Exception as e:  # noqa: BLE001 - the step has run; the next one then plans as usual
+                    self.fi[bs]._ahead = None
+                    if not self._ahead_failed:
+                        self._ahead_failed = True
+                        log.warning("plan ahead failed (%s: %s); the next step plans before its replay",
+                                    type(e).__name__, e)
         return self.outputs[bs][:B]
 
     def replay(self, bs: int) -> None:
-        """Launch bucket bs's graphs (its layer segments, in order) on the current stream."""
+        """Launch bucket bs's graphs (its layer segments, in order) on the current stream, with the attention
+        schedule last planned for the bucket: after a `run_host` with plan_ahead that is the NEXT step's, so plan
+        again (`_plan`) before replaying a step by hand."""
         for g in self.graphs[bs]:
             g.replay()
 

@@ -313,7 +313,7 @@ class FlashInferMLA:
         staging buffer, reused once the previous such copy has run)."""
         if self._idx_done is not None:
             self._idx_done.synchronize()
-        host = self._pinned("kv_indices_ahead", len(flat))  # [total_pages] host, pinned
+        host = self._pinned("kv_indices_decode", len(flat))  # [total_pages] host, pinned
         host.numpy()[:] = flat
         self._kv_indices_dev[: len(flat)].copy_(host, non_blocking=True)
         if self._idx_done is None:

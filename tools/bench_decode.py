@@ -343,6 +343,68 @@ def breakdown(step, steps: int = 3) -> dict:
             "top_kernels_ms": [(n[:120], round(t, 4)) for n, t in top]}
 
 
+def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
+    """Kernel timeline of `reps` replays of a captured graph (torch.profiler: CUPTI records each kernel a graph
+    launches), per replay (medians): the span from the first kernel's start to the last one's end, the time some
+    kernel runs (intervals merged: side-stream kernels overlap the main stream's), the idle time between kernels,
+    the kernel count, kernel time by class (not merged), and idle time by transition (class of the kernel that
+    ended -> class of the next one to start), largest first. Replays are told apart by idle gaps > split_us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+            torch.cuda.synchronize()
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    def cls(name: str) -> str:
+        return next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
+
+    runs, cur = [], []
+    for ev in evs:
+        if cur and ev[0] - max(e[1] for e in cur[-8:]) > split_us:
+            runs.append(cur)
+            cur = []
+        cur.append(ev)
+    if cur:
+        runs.append(cur)
+    stats = []
+    for run in runs:
+        busy = idle = 0.0
+        end, end_name = run[0][1], run[0][2]
+        busy = end - run[0][0]
+        trans: dict[str, float] = {}
+        by_cls: dict[str, float] = {}
+        for s0, e0, name in run:
+            by_cls[cls(name)] = by_cls.get(cls(name), 0.0) + (e0 - s0)
+        for s0, e0, name in run[1:]:
+            if s0 > end:
+                idle += s0 - end
+                key = f"{cls(end_name)} -> {cls(name)}"
+                trans[key] = trans.get(key, 0.0) + (s0 - end)
+                busy += e0 - s0
+                end, end_name = e0, name
+            elif e0 > end:
+                busy += e0 - end
+                end, end_name = e0, name
+        stats.append({"span_us": end - run[0][0], "busy_us": busy, "idle_us": idle, "kernels": len(run),
+                      "trans": trans, "by_cls": by_cls})
+    if not stats:
+        return {"error": "no CUDA kernel events recorded"}
+    med = lambda k: round(statistics.median(x[k] for x in stats) / 1000.0, 4)  # noqa: E731
+    keys = {k for x in stats for k in x["trans"]}
+    trans = {k: statistics.median(x["trans"].get(k, 0.0) for x in stats) / 1000.0 for k in keys}
+    ckeys = {k for x in stats for k in x["by_cls"]}
+    by_cls = {k: statistics.median(x["by_cls"].get(k, 0.0) for x in stats) / 1000.0 for k in ckeys}
+    return {"replays": len(stats), "span_ms": med("span_us"), "busy_ms": med("busy_us"), "idle_ms": med("idle_us"),
+            "kernels": int(statistics.median(x["kernels"] for x in stats)),
+            "kernel_ms_by_class": {k: round(v, 4) for k, v in sorted(by_cls.items(), key=lambda kv: -kv[1])},
+            "idle_ms_by_transition": {k: round(v, 4) for k, v in sorted(trans.items(), key=lambda kv: -kv[1])[:15]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="kimi-k2.6")
@@ -354,6 +416,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--graph-timeline", action="store_true",
+                    help="also a kernel timeline of the headline graph's replays (graph_timeline) at the end of each "
+                         "case; a profiler session slows later graph launches in the process: use one --seqs value")
     ap.add_argument("--overlap", default="on,off",
                     help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
                          "others are timed as graph replays too (A/B in one run)")
@@ -554,6 +619,9 @@ def main() -> None:
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)
             case["graph_forward_only"] = time_ms(lambda: runner.replay(B), args.iters)
+            if args.graph_timeline:
+                case["graph_timeline"] = graph_timeline(lambda: runner.replay(B))
+                print(f"B={B}: graph timeline {json.dumps(case['graph_timeline'])}", flush=True)
             print(f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
                   f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}",
                   flush=True)

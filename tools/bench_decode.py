@@ -224,9 +224,6 @@ AB_VARIANTS = {
                          lambda m: _humming_pdl(m, None, True, True), lambda m: _humming_pdl(m, None, None, False)),
     "humming_gate_up_nopdl": ("humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
                               lambda m: _humming_pdl(m, False, None, True), lambda m: _humming_pdl(m, None, None, False)),
-    "pages_full": ("every page id sent each step (forward_decode tables_grow_only False; the headline passes True, as the "
-                   "worker does: only appended pages are written)",
-                   lambda m: _GROW_ONLY.__setitem__(0, False), lambda m: _GROW_ONLY.__setitem__(0, True)),
     "plan_ahead_off": ("FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
                        lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
                        lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD")),
@@ -237,7 +234,6 @@ AB_VARIANTS = {
 
 
 _WARMUP = 3  # untimed steps before each timing (time_ms's warmup)
-_GROW_ONLY = [True]  # step(): forward_decode's tables_grow_only (the worker's setting; A/B variant pages_full)
 
 
 class DecodeSteps:
@@ -534,7 +530,7 @@ def main() -> None:
             # -> graph replay or eager, the next step of the batch each call (this case's lists bound now: the
             # profile runs after the loop)
             lens = steps.next()
-            h = model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv, tables_grow_only=_GROW_ONLY[0])
+            h = model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
             return model.compute_logits(h).argmax(-1)
 
         with torch.inference_mode():
@@ -602,7 +598,7 @@ def main() -> None:
             # (slots, pinned copy, FlashInfer schedule, graph launch): the GPU idles through the latter when each
             # step waits for the last, as a server's steps do
             def decode(lens):  # the graph decode call alone (no logits)
-                return model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv, tables_grow_only=True)
+                return model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
 
             hs, hr = [], []
             decode(steps.restart().next())  # a first step, planned afresh (the restart is a miss): not measured

@@ -141,7 +141,7 @@ class FlashInferMLA:
         self._plan_done: torch.cuda.Event | None = None
         self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
         self._idx_done: torch.cuda.Event | None = None  # recorded after each `_copy_indices` (decode plan_pages)
-        # plan ahead (decode, CUDA-graph wrappers): (block_size, row_stride, seq_lens) the schedule was planned for
+        # plan ahead (decode, CUDA-graph wrappers): (block_size, seq_lens) the wrapper's schedule was planned for
         # by `plan_ahead` with no plan since, else None; `plan_decode_schedule` (also behind a decode `plan_pages`)
         # of exactly those lengths then runs no scheduler (see plan_ahead)
         self._ahead: tuple[int, tuple[int, ...]] | None = None
@@ -252,47 +252,32 @@ class FlashInferMLA:
         kv_indices.numpy()[:] = flat
         self._plan_indices(qo_lens, seq_lens, indptr, kv_indices, block_size, causal)
 
-    def plan_decode_schedule(self, seq_lens: list[int], block_size: int, row_stride: int | None = None) -> None:
+    def plan_decode_schedule(self, seq_lens: list[int], block_size: int) -> None:
         """Plan a decode step (CUDA-graph wrappers only: one query row per request, non-causal, context lengths
         seq_lens >= 1) whose page ids the caller writes into the wrapper's kv_indices buffer itself, before the
-        run in stream order: request b's ceil(seq_lens[b] / block_size) pages right after those of requests < b
-        (row_stride None), or at kv_indices[b * row_stride:] (fixed rows of row_stride pages: the kernel reads
-        request b's pages from kv_indptr[b] on and bounds them by its length, mla_hopper.cuh:702-712, so rows
-        may have unused tails). When `plan_ahead` planned exactly these lengths and stride (and no plan came
-        since) nothing is done on the host (`ahead_hits` counts it); otherwise FlashInfer plans now. Raises
-        ValueError as `plan` does, and when a request needs more than row_stride pages."""
+        run in stream order (request b's ceil(seq_lens[b] / block_size) pages after those of requests < b).
+        When `plan_ahead` planned exactly these lengths (and no plan came since) nothing is done on the host
+        (`ahead_hits` counts it); otherwise FlashInfer plans now. Raises ValueError as `plan` does."""
         B = len(seq_lens)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            if ahead == (block_size, row_stride, tuple(seq_lens)):
+            if ahead == (block_size, tuple(seq_lens)):
                 self._ahead_state(block_size, B)
                 self.ahead_hits += 1
                 return
             self.ahead_misses += 1
         if not self.use_cuda_graph:
             raise ValueError("plan_decode_schedule needs a CUDA-graph wrapper (fixed kv_indices buffer)")
-        indptr = self._decode_indptr(seq_lens, block_size, row_stride)
+        if min(seq_lens, default=0) < 1:
+            raise ValueError(f"plan_decode_schedule: context lengths must be >= 1, got {seq_lens}")
+        indptr = [0] * (B + 1)
+        for b, s in enumerate(seq_lens):
+            indptr[b + 1] = indptr[b] + (s + block_size - 1) // block_size
         self._check_works([1] * B, B, indptr[-1])
         self._wait_staging()
         self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
 
-    @staticmethod
-    def _decode_indptr(seq_lens: list[int], block_size: int, row_stride: int | None) -> list[int]:
-        """kv_indptr [B+1] of a decode plan: packed (row_stride None) or fixed rows; ValueError on a length < 1
-        or a request with more pages than row_stride."""
-        B = len(seq_lens)
-        if min(seq_lens, default=0) < 1:
-            raise ValueError(f"decode plan: context lengths must be >= 1, got {seq_lens}")
-        if row_stride is not None:
-            if max(seq_lens) > row_stride * block_size:
-                raise ValueError(f"decode plan: {max(seq_lens)} tokens exceed rows of {row_stride} pages")
-            return [b * row_stride for b in range(B + 1)]
-        indptr = [0] * (B + 1)
-        for b, s in enumerate(seq_lens):
-            indptr[b + 1] = indptr[b] + (s + block_size - 1) // block_size
-        return indptr
-
-    def plan_ahead(self, seq_lens: list[int], block_size: int, row_stride: int | None = None) -> bool:
+    def plan_ahead(self, seq_lens: list[int], block_size: int) -> bool:
         """Plan the schedule of a decode step whose page ids are not known yet (CUDA-graph wrappers only): one
         query row per request, non-causal, context lengths seq_lens. The next `plan_decode_schedule` (or decode
         `plan_pages`) with exactly these lengths then skips FlashInfer's host scheduler; any other plan discards
@@ -310,17 +295,17 @@ class FlashInferMLA:
         fit its buffers (batch size, pages, work table)."""
         self._ahead = None
         B = len(seq_lens)
-        if not self.use_cuda_graph or B != self.max_batch:
+        if not self.use_cuda_graph or B != self.max_batch or min(seq_lens, default=0) < 1:
             return False
-        try:
-            indptr = self._decode_indptr(seq_lens, block_size, row_stride)
-        except ValueError:
-            return False
-        if indptr[-1] > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
+        nblk = [(s + block_size - 1) // block_size for s in seq_lens]
+        if sum(nblk) > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
             return False
         self._wait_staging()
+        indptr = [0] * (B + 1)
+        for b, n in enumerate(nblk):
+            indptr[b + 1] = indptr[b] + n
         self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
-        self._ahead = (block_size, row_stride, tuple(seq_lens))
+        self._ahead = (block_size, tuple(seq_lens))
         return True
 
     def _copy_indices(self, flat: list[int]) -> None:

@@ -36,8 +36,6 @@ __all__ = ["bucket_sizes", "CudaGraphRunner"]
 
 log = logging.getLogger("kimi.worker")
 
-_PAD_ROW = object()  # CudaGraphRunner._row_table marker: the row holds a padded row's null block
-
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Layers per captured graph (0: the whole forward in one graph). A chain of smaller graphs lets the GPU run segment
 # k while the host launches segment k + 1. Measured on the H200 (K2.6, 61 layers): after a torch.profiler session in
@@ -107,12 +105,7 @@ class CudaGraphRunner:
         self.kv_indices = self.dev_in[nb:].view(torch.int32)  # [>= max_batch * max_blocks_per_seq] page ids
         self.host_in = torch.zeros(nb + kv_words, dtype=torch.int64, pin_memory=True)  # staging, same layout
         self._host_np = self.host_in[:nb].numpy().reshape(3, mb)
-        # FlashInfer page ids in fixed rows: sequence b's at [b * max_blocks_per_seq, ...) (FlashInferMLA
-        # plan_decode_schedule's row_stride), so a step writes only what changed in each row
-        self._host_rows = self.host_in[nb:].numpy().view(np.int32)[: 0 if self.triton_attn else mb * max_blocks_per_seq]
-        self._host_rows = self._host_rows.reshape(0 if self.triton_attn else mb, max_blocks_per_seq)
-        self._row_table: list = [None] * mb  # per row: the table list its pages came from (tables_grow_only), or None
-        self._row_pages = [0] * mb  # per row: pages written
+        self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
         if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
@@ -239,7 +232,7 @@ class CudaGraphRunner:
                 and -(-max(seq_lens) // block_size) <= self.max_blocks_per_seq)
 
     def run_host(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
-                 block_tables: list[list[int]], tables_grow_only: bool = False) -> torch.Tensor:
+                 block_tables: list[list[int]]) -> torch.Tensor:
         """Replay a decode batch given as host lists (the worker's fast path: no AttentionMetadata, no device
         kernels before the replay): token id, position (= seq_len - 1), context length and block ids per
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
@@ -251,10 +244,6 @@ class CudaGraphRunner:
         to do when the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the
         bucket's next step (same batch, every length + 1) is planned while the GPU works. Raises ValueError when
         the batch exceeds the largest bucket or a table is too short.
-
-        Page ids sit in fixed rows, one per batch row. tables_grow_only=True is the caller's promise that a table
-        list passed again (the same object) has only had blocks appended since: rows then get only the new pages
-        (the worker's tables only grow; a new request brings a new list). Otherwise every row is rewritten.
         """
         t0 = time.perf_counter()
         B = len(input_ids)
@@ -264,11 +253,15 @@ class CudaGraphRunner:
         bs = self.bucket_for(B)
         blk = self.block_size
         pad = bs - B
-        W = self.max_blocks_per_seq
-        for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
-            if n < 1 or -(-n // blk) > min(len(t), W):
-                raise ValueError(f"run_host: sequence {b}: {n} tokens need {-(-n // blk)} blocks; table has {len(t)}, "
-                                 f"the graphs at most {W}")
+        flat: list[int] = []  # FlashInfer: the plan's page ids, request by request, [0] per padded row
+        if not self.triton_attn:
+            for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
+                k = -(-n // blk)
+                if k > len(t) or k > self.max_blocks_per_seq:
+                    raise ValueError(f"run_host: sequence {b}: {n} tokens need {k} blocks; table has {len(t)}, "
+                                     f"the graphs at most {self.max_blocks_per_seq}")
+                flat.extend(t[:k])
+            flat.extend([0] * pad)
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
         h = self._host_np
@@ -276,23 +269,8 @@ class CudaGraphRunner:
         h[0, :B] = input_ids
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
-        n_in = 3 * self.max_batch
-        if not self.triton_attn:  # the plan's page ids: row b = sequence b, the null block 0 for padded rows
-            rows, rt, rp = self._host_rows, self._row_table, self._row_pages
-            for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
-                k = -(-n // blk)
-                if tables_grow_only and rt[b] is t:
-                    if k > rp[b]:  # blocks appended since this row was written
-                        rows[b, rp[b]:k] = t[rp[b]:k]
-                        rp[b] = k
-                else:
-                    rows[b, :k] = t[:k]
-                    rt[b], rp[b] = (t if tables_grow_only else None), k
-            for b in range(B, bs):
-                if rt[b] is not _PAD_ROW:
-                    rows[b, 0] = 0
-                    rt[b], rp[b] = _PAD_ROW, 1
-            n_in += (bs * W + 1) // 2
+        self._host_kv[: len(flat)] = flat
+        n_in = 3 * self.max_batch + (len(flat) + 1) // 2
         self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
         t1 = time.perf_counter()
         if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
@@ -311,7 +289,7 @@ class CudaGraphRunner:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
         if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
-            self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk, row_stride=W)
+            self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk)
         t2 = time.perf_counter()
         self.replay(bs)
         self.host_marks = ((t1 - t0) * 1e6, (t2 - t0) * 1e6, (time.perf_counter() - t0) * 1e6)
@@ -321,7 +299,7 @@ class CudaGraphRunner:
             # it when its lengths are exactly these, any other plan of the bucket discards it
             if -(-(max(seq_lens) + 1) // blk) <= self.max_blocks_per_seq:
                 try:
-                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk, row_stride=W)
+                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk)
                 except Exception as e:  # noqa: BLE001 - the step has run; the next one then plans as usual
                     self.fi[bs]._ahead = None
                     if not self._ahead_failed:

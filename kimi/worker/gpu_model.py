@@ -306,15 +306,13 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         return self._forward_fused(input_ids, positions, attn, kv_caches)
 
     def forward_decode(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
-                       block_tables: list[list[int]], block_size: int, kv_caches,
-                       tables_grow_only: bool = False) -> torch.Tensor:
+                       block_tables: list[list[int]], block_size: int, kv_caches) -> torch.Tensor:
         """One decode step from host lists (one new token per sequence: positions[b] = seq_lens[b] - 1) ->
         hidden [B, D] after the final norm. Replays a CUDA graph through `CudaGraphRunner.run_host` when one
-        fits (no AttentionMetadata is built), else builds the metadata and runs `forward`. tables_grow_only:
-        see `CudaGraphRunner.run_host` (a table list passed again has only had blocks appended)."""
+        fits (no AttentionMetadata is built), else builds the metadata and runs `forward`."""
         g = self.graphs
         if g is not None and g.can_run_host(seq_lens, block_size):
-            return g.run_host(input_ids, positions, seq_lens, block_tables, tables_grow_only=tables_grow_only)
+            return g.run_host(input_ids, positions, seq_lens, block_tables)
         from kimi.ops.attention import build_attention_metadata
 
         dev = self.norm.device

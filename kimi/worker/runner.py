@@ -221,9 +221,7 @@ class ModelRunner:
         fast = getattr(self.model, "forward_decode", None)
         if fast is not None and not plp_rows and all(q == 1 for q in query_lens):
             # pure decode on the GPU model: host lists straight into a CUDA graph replay (kimi/worker/cuda_graph.py)
-            # tables_grow_only: wr.block_table only ever grows (extend above); a new request brings a new list
-            hidden = fast(input_ids, positions, seq_lens, tables, self.block_size, self.kv_caches,
-                          tables_grow_only=True)  # [T, hidden]
+            hidden = fast(input_ids, positions, seq_lens, tables, self.block_size, self.kv_caches)  # [T, hidden]
         else:
             attn = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
             hidden = self.model(  # [T, hidden]

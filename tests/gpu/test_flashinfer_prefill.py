@@ -184,16 +184,10 @@ def test_flashinfer_mla_graph_decode_plans():
     ext = torch.full((B * W + 5,), -1, dtype=torch.int32, device="cuda")  # the caller-owned page-id buffer
     dec = FlashInferMLADecode(H, SCALE, use_cuda_graph=True, max_batch=B, max_pages=B * W, kv_indices=ext)
 
-    def check(seq_lens, pages_from_caller: bool, row_stride=None):
+    def check(seq_lens, pages_from_caller: bool):
         q_lat, q_pe, kv, tables = make_batch([1] * B, seq_lens, H, gen)
         pages = [tables[b, : -(-s // BS)].tolist() for b, s in enumerate(seq_lens)]
-        if pages_from_caller and row_stride:  # fixed rows; the unused tails hold a poison page id (never read)
-            rows = torch.full((B, row_stride), 10**6, dtype=torch.int32)
-            for b, pg in enumerate(pages):
-                rows[b, : len(pg)] = torch.tensor(pg, dtype=torch.int32)
-            ext[: B * row_stride] = rows.view(-1).cuda()
-            dec.plan_decode_schedule(seq_lens, BS, row_stride=row_stride)
-        elif pages_from_caller:
+        if pages_from_caller:
             flat = [p for pg in pages for p in pg]
             ext[: len(flat)] = torch.tensor(flat, dtype=torch.int32, device="cuda")
             dec.plan_decode_schedule(seq_lens, BS)
@@ -225,12 +219,6 @@ def test_flashinfer_mla_graph_decode_plans():
     check([7, 8, 9, 10], True)  # so these lengths are planned afresh: no hit
     assert (dec.ahead_hits, dec.ahead_misses) == (1, 2)
     assert not dec.plan_ahead([7, 8, 9], BS)  # wrong batch size: nothing planned
-    # fixed rows of W pages (the CUDA-graph runner's layout): planned now, then ahead (a hit)
-    check([100, 3, 320, 64], True, row_stride=W)
-    assert dec.plan_ahead([101, 4, 321, 65], BS, row_stride=W)
-    check([101, 4, 321, 65], True, row_stride=W)
-    assert (dec.ahead_hits, dec.ahead_misses) == (2, 2)
-    assert not dec.plan_ahead([W * BS + 1, 1, 1, 1], BS, row_stride=W)  # more pages than a row holds
 
 
 def test_flashinfer_mla_work_limit():

@@ -233,8 +233,7 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     its lengths are the predicted ones) gives bit-identical hidden states to planning every step afresh, over a
     run of decode steps with: lengths advancing one token per step across block boundaries, padded buckets, the
     batch shrinking (another bucket) and growing back, a jump in length (a miss), and a step whose lengths match
-    the prediction but whose block tables are other sequences' (the schedule depends on lengths only). Also with
-    tables_grow_only (page rows rewritten only where the row's table changed or grew), the worker's setting."""
+    the prediction but whose block tables are other sequences' (the schedule depends on lengths only)."""
     from kimi.config import ModelConfig
     from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
@@ -270,7 +269,7 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
         (_, prev), (_, cur) = steps[k - 1], steps[k]
         want_hits += runner.bucket_for(len(prev)) == runner.bucket_for(len(cur)) and cur == [n + 1 for n in prev]
 
-    def run(plan_ahead: bool, grow_only: bool = False) -> tuple[list[torch.Tensor], int]:
+    def run(plan_ahead: bool) -> tuple[list[torch.Tensor], int]:
         for c, c0 in zip(kv, initial):
             c.copy_(c0)
         runner.plan_ahead = plan_ahead
@@ -281,19 +280,15 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
                 ids = torch.randint(0, 163000, (len(seqs),), generator=torch.Generator().manual_seed(k)).tolist()
                 for o in runner.outputs.values():
                     o.fill_(float("nan"))
-                h = gm.forward_decode(ids, [n - 1 for n in slens], slens, [tabs[i] for i in seqs], bs, kv,
-                                      tables_grow_only=grow_only)
+                h = gm.forward_decode(ids, [n - 1 for n in slens], slens, [tabs[i] for i in seqs], bs, kv)
                 outs.append(h.clone())
         torch.cuda.synchronize()
         return outs, sum(f.ahead_hits for f in runner.fi.values()) - hits0
 
     fresh, hits_off = run(False)
     ahead, hits_on = run(True)
-    # the worker's setting: page rows updated only where a table (the same list object, never changed here) grew
-    grow, hits_grow = run(True, grow_only=True)
     assert hits_off == 0
-    assert want_hits == 7 and hits_on == want_hits and hits_grow == want_hits, (hits_on, hits_grow, want_hits)
-    for k, (a, b, c) in enumerate(zip(fresh, ahead, grow)):
+    assert want_hits == 7 and hits_on == want_hits, (hits_on, want_hits)
+    for k, (a, b) in enumerate(zip(fresh, ahead)):
         assert torch.isfinite(a).all(), k
         assert torch.equal(a, b), k
-        assert torch.equal(a, c), k

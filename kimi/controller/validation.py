@@ -125,23 +125,15 @@ class Fields:
                 raise BadRequest(f"'{k}' is not supported by this server", k)
 
 
+_JSON_TYPES = (  # first match wins: bool before int (a bool is an int in Python)
+    (type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number with a fraction or exponent"),
+    (str, "a string"), (list, "an array"), (dict, "an object"),
+)
+
+
 def _json_type(v: Any) -> str:
     """The JSON type name of a decoded value (for error messages and exact-type comparisons)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int):
-        return "an integer"
-    if isinstance(v, float):
-        return "a number with a fraction or exponent"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
+    return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
 
 
 # ---- rules shared by the HTTP routes (kimi.controller.http) and the ZeroMQ submit API (kimi.controller.submit)

@@ -65,6 +65,17 @@ __all__ = ["FlashInferMLA", "FlashInferMLADecode", "MAX_PLAN_WORKS"]
 MAX_PLAN_WORKS = 16384
 
 
+def _decode_indptr(seq_lens: list[int], block_size: int) -> list[int]:
+    """kv_indptr [B+1] of a decode plan, request b's ceil(seq_lens[b] / block_size) pages after those of requests
+    < b. Raises ValueError on a context length < 1."""
+    if min(seq_lens, default=0) < 1:
+        raise ValueError(f"decode plan: context lengths must be >= 1, got {seq_lens}")
+    indptr = [0] * (len(seq_lens) + 1)
+    for b, s in enumerate(seq_lens):
+        indptr[b + 1] = indptr[b] + (s + block_size - 1) // block_size
+    return indptr
+
+
 class FlashInferMLA:
     """Paged absorbed MLA over kimi's [num_blocks, block_size, L+R] latent cache, any mix of query lengths.
 
@@ -268,11 +279,7 @@ class FlashInferMLA:
             self.ahead_misses += 1
         if not self.use_cuda_graph:
             raise ValueError("plan_decode_schedule needs a CUDA-graph wrapper (fixed kv_indices buffer)")
-        if min(seq_lens, default=0) < 1:
-            raise ValueError(f"plan_decode_schedule: context lengths must be >= 1, got {seq_lens}")
-        indptr = [0] * (B + 1)
-        for b, s in enumerate(seq_lens):
-            indptr[b + 1] = indptr[b] + (s + block_size - 1) // block_size
+        indptr = _decode_indptr(seq_lens, block_size)
         self._check_works([1] * B, B, indptr[-1])
         self._wait_staging()
         self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
@@ -297,13 +304,10 @@ class FlashInferMLA:
         B = len(seq_lens)
         if not self.use_cuda_graph or B != self.max_batch or min(seq_lens, default=0) < 1:
             return False
-        nblk = [(s + block_size - 1) // block_size for s in seq_lens]
-        if sum(nblk) > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
+        indptr = _decode_indptr(seq_lens, block_size)
+        if indptr[-1] > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
             return False
         self._wait_staging()
-        indptr = [0] * (B + 1)
-        for b, n in enumerate(nblk):
-            indptr[b + 1] = indptr[b] + n
         self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
         self._ahead = (block_size, tuple(seq_lens))
         return True

@@ -108,6 +108,10 @@ def _logit_bias(lb: Any) -> dict[int, Any] | None:
 def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]) -> bytes:
     if "logit_bias" in params:
         params = {**params, "logit_bias": _logit_bias(params["logit_bias"])}
+    unknown = sorted(set(params) - set(protocol.SubmitRequest.__struct_fields__))
+    if unknown:
+        raise KimiError(f"unknown submit parameter(s) {', '.join(map(repr, unknown))}; the ZeroMQ API takes the fields "
+                        "of kimi.protocol.SubmitRequest (n, echo and the other HTTP-only options are not among them)")
     if isinstance(prompt, str):
         msg = protocol.SubmitRequest(request_id=request_id, prompt=prompt, **params)
     else:

@@ -263,6 +263,8 @@ class ModelConfig:
         Raises ConfigError if config.json is missing or malformed.
         """
         cpath = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise ConfigError(f"{path}: no such directory")
         if not os.path.isfile(cpath):
             raise ConfigError(f"{path}: no config.json")
         try:

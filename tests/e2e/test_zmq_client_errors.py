@@ -148,6 +148,16 @@ def test_good_prompts_still_go_out(fake):
             assert list(c.stream(rid))[-1].finished
 
 
+def test_unknown_parameter_is_a_clear_error_before_sending(fake):
+    """An HTTP-only option (n) or a misspelt field is a KimiError naming it, and nothing is sent."""
+    with KimiClient(fake.addr, timeout_s=5) as c:
+        with pytest.raises(KimiError, match=r"^unknown submit parameter\(s\) 'n', 'temprature'; "):
+            c.submit(PROMPT, max_tokens=1, n=2, temprature=0.5)
+        assert c._pending == {}
+        rid = c.submit(PROMPT, max_tokens=1, temperature=0.5)  # the known field still goes out
+        assert fake.finish_one().request_id == rid
+
+
 # ---- logit_bias ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lb,msg", BAD_LOGIT_BIAS, ids=lambda x: repr(x)[:30])
 def test_bad_logit_bias_names_the_field_before_sending(fake, lb, msg):

@@ -136,6 +136,8 @@ def test_config_errors(tmp_path) -> None:
         ModelConfig.from_dict(raw)
     with pytest.raises(ConfigError, match="no config.json"):
         ModelConfig.from_dir(tmp_path)
+    with pytest.raises(ConfigError, match="no such directory"):
+        ModelConfig.from_dir(tmp_path / "missing")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="JSON"):
         ModelConfig.from_dir(tmp_path)

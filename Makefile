@@ -49,8 +49,10 @@ test: install triton-venv
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
 
+# Wheels for an offline x86-64 Python 3.12 GPU host (everything but PyTorch): tools/wheelhouse.sh says how to install.
+WHEELHOUSE ?= .whl
 wheelhouse:
-	bash ../shared/wheelhouse.sh .whl
+	bash tools/wheelhouse.sh $(WHEELHOUSE)
 
 clean:
 	rm -rf $(VENV) $(TVENV) models build *.egg-info

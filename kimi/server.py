@@ -196,8 +196,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
     p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
                    help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
-    p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
-                   help="cuda: routed-expert kernels, INT4 kept packed (humming, triton) or dequantised (ref)")
+    p.add_argument("--moe-backend", default="humming", choices=["humming", "cuda", "triton", "ref"],
+                   help="cuda: routed-expert kernels, INT4 kept packed (humming, cuda: kimi's csrc kernel, triton) or dequantised (ref)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="cuda: dummy = random weights of the checkpoint's shapes, generated on the GPU")
     p.add_argument("--enforce-eager", action="store_true", help="cuda: no decode CUDA graphs")

@@ -8,6 +8,9 @@ experts this rank owns, with the INT4 weights kept PACKED on the device.
   pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul_rows over the local pairs' rows only; align:
   kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   Measured 2-3x faster than ours at decode (docs/benchmarks.md).
+- `CudaInt4Experts`: kimi's CUDA W4A16 indexed GEMM (csrc/moe_w4a16.cu via kimi.ops.moe_int4_cuda; weights
+  repacked once at load into its fragment layout), in the same steps as humming's (align in 16-row blocks).
+  Measured against humming in docs/benchmarks.md; bf16 models only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
   expert counts on the host). Used for `--moe-backend ref` and for FP8 (K2-Instruct) experts, which are
@@ -31,7 +34,7 @@ from torch import nn
 
 from kimi.ops.moe import fused_experts_ref
 
-BACKENDS = ("humming", "triton", "ref")
+BACKENDS = ("humming", "cuda", "triton", "ref")
 
 # Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one
 # (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
@@ -78,8 +81,8 @@ def humming_table_config(n: int, k: int, m_local: int, gpu: str) -> dict | None:
     return None
 
 
-__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingInt4Experts", "TritonInt4Experts",
-           "RefExperts", "make_experts"]
+__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingInt4Experts", "CudaInt4Experts",
+           "TritonInt4Experts", "RefExperts", "make_experts"]
 
 
 class RefExperts(nn.Module):
@@ -204,6 +207,56 @@ class HummingInt4Experts(nn.Module):
         return out
 
 
+class CudaInt4Experts(nn.Module):
+    """Packed INT4 experts run by kimi's CUDA indexed GEMM (kimi.ops.moe_int4_cuda), weights repacked at load.
+
+    Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
+    (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows -> silu(gate) * up on those rows
+    -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
+    shapes the kernel cannot take (N % 16, K % 64), RuntimeError when the extension cannot be built.
+    """
+
+    graph_safe = True
+
+    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
+        super().__init__()
+        from kimi.ops import moe_int4_cuda as mc
+
+        E, two_i, d8 = w13_packed.shape
+        self.E, self.D, self.inter = E, d8 * 8, two_i // 2
+        w13, s13 = mc.repack(w13_packed, w13_scale)
+        w2, s2 = mc.repack(w2_packed, w2_scale)
+        self.register_buffer("w13", w13)
+        self.register_buffer("w13_scale", s13)
+        self.register_buffer("w2", w2)
+        self.register_buffer("w2_scale", s2)
+        self.expert_offset = expert_offset
+        self.num_experts_total = num_experts_total
+        mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from kimi.ops import moe_int4_cuda as mc
+        from kimi.ops.fused import moe_align_fused, silu_mul_rows
+        from kimi.ops.moe_int4_triton import combine_into
+
+        T, k = topk_ids.shape
+        out = torch.empty_like(x)  # [T, D]; combine writes every element
+        if T == 0:
+            return out
+        m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
+        sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, self.E, self.expert_offset, 16)
+        P = T * k
+        y1 = torch.empty((P, 2 * self.inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
+        mc.indexed_gemm(x.contiguous(), self.w13, self.w13_scale, sorted_ids, block_expert, num_padded, k, y1,
+                        config=mc.config_for(2 * self.inter, self.D, m_local))
+        act = silu_mul_rows(y1, sorted_ids, num_padded, self.inter)  # [P, I], listed rows only
+        y2 = torch.empty((P, self.D), dtype=x.dtype, device=x.device)
+        mc.indexed_gemm(act, self.w2, self.w2_scale, sorted_ids, block_expert, num_padded, 1, y2,
+                        config=mc.config_for(self.D, self.inter, m_local))
+        combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
+        return out
+
+
 def make_experts(
     backend: str,
     parts: dict[str, torch.Tensor],
@@ -230,6 +283,8 @@ def make_experts(
 
         return RefExperts(deq(parts["w13_packed"], parts["w13_scale"]), deq(parts["w2_packed"], parts["w2_scale"]),
                           expert_offset)
-    cls = HummingInt4Experts if backend == "humming" else TritonInt4Experts
+    if backend == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"MoE backend cuda runs bf16 models only, not {dtype}")
+    cls = {"humming": HummingInt4Experts, "cuda": CudaInt4Experts}.get(backend, TritonInt4Experts)
     return cls(parts["w13_packed"], parts["w13_scale"], parts["w2_packed"], parts["w2_scale"], expert_offset,
                num_experts_total)

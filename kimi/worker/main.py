@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ll-max-tokens", type=int, default=128,
                    help="decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)")
     p.add_argument("--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)")
-    p.add_argument("--moe-backend", default="humming", choices=["humming", "triton", "ref"],
+    p.add_argument("--moe-backend", default="humming", choices=["humming", "cuda", "triton", "ref"],
                    help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)")

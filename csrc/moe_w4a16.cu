@@ -1,0 +1,302 @@
+// kimi: W4A16 indexed expert GEMM for decode-sized batches (Hopper, sm_90a).
+//
+// out[r, :] = W_e @ x[r / top_k, :] for every pair row r listed by a MoE align (16-row blocks, one expert each),
+// W_e dequantised as (nibble - 8) * scale (group 32) in bf16, products summed in fp32 by mma.sync m16n8k16.
+// The weight layout is built by kimi/ops/moe_int4_cuda.py:repack (its docstring describes it); the fragment
+// positions follow the PTX ISA's tables for mma.m16n8k16 with .bf16 inputs (A row-major, B column-major).
+//
+// Work split: CTA (blockIdx.x = group of NT 16-row tiles of N, blockIdx.y = align block b) has KW warps; warp w
+// takes k64 chunks [w*C/KW, (w+1)*C/KW) of the C = K/64 chunks, for all NT tiles, through a ring of S shared-memory
+// slots filled by cp.async (per chunk: one coalesced 512-byte read per tile, 64 bytes of scales per tile, the
+// lanes' activation fragments), S - 1 chunks in flight. Partials are summed across warps in shared memory (the
+// rings' space, after the loop) and written as bf16.
+//
+// C entry point: kimi_w4a16_indexed_gemm (host launcher; returns a cudaError_t).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kBlockRows = 16;  // rows (pairs) per align block
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// (w & 0x000F000F) | 0x43004300: two nibbles -> the bf16 pair (128 + lo, 128 + hi), exact.
+__device__ __forceinline__ uint32_t nibbles_to_bf16x2(uint32_t w) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t bf162_as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 u32_as_bf162(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// ((128 + n) - 136) * s, each rounded to bf16: (n - 8) exactly, then one rounding of the product (= dequant_int4).
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t w_shifted, __nv_bfloat162 s) {
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+  __nv_bfloat162 v = __hsub2(u32_as_bf162(nibbles_to_bf16x2(w_shifted)), bias);
+  return bf162_as_u32(__hmul2(v, s));
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// Activations are read by every CTA of their block: keep them in L1 (.ca).
+__device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// One warp's ring slot: NT tiles x 32 lanes x 16 bytes of weights, NT x 8 x 8 bytes of scales, the lanes' B
+// fragments (2 halves x 2 x 16 bytes x 32 lanes: a lane's 16 inputs of its row, k permuted as in repack).
+template <int NT>
+struct alignas(16) Slot {
+  uint4 w[NT][32];
+  uint2 s[NT][8];
+  uint4 x[2][2][32];
+};
+
+template <int NT, int KW, int S>
+__global__ void __launch_bounds__(32 * KW) w4a16_indexed_kernel(
+    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
+    const uint2* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
+    const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
+    int top_k, int n_tiles, int k_chunks, int trigger_late) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int b = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  Slot<NT>* ring = reinterpret_cast<Slot<NT>*>(smem_raw) + warp * S;
+  // partial sums reuse the rings after the loop: [KW][NT * 16][17] floats
+  float* partial = reinterpret_cast<float*>(smem_raw);
+
+  grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
+  if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
+  if (b * kBlockRows >= num_padded[0]) {
+    if (trigger_late) launch_dependents();
+    return;
+  }
+  const int e = block_expert[b];
+  const int id0 = sorted_ids[b * kBlockRows + g];
+  const int id1 = sorted_ids[b * kBlockRows + 8 + g];
+  const bool v0 = id0 < num_rows_out, v1 = id1 < num_rows_out;
+  const bool half1 = __any_sync(0xffffffffu, v1);  // rows 8..15 of the block hold pairs: second n8 MMA
+  // the lane's 16 inputs of row (token) g per chunk; pad rows are not loaded (zero B fragments)
+  const __nv_bfloat16* x0 = x + (int64_t)(v0 ? id0 / top_k : 0) * x_stride + 16 * t;
+  const __nv_bfloat16* x1 = x + (int64_t)(v1 ? id1 / top_k : 0) * x_stride + 16 * t;
+
+  const int tile0 = blockIdx.x * NT;
+  const int c_begin = (k_chunks * warp) / KW, c_end = (k_chunks * (warp + 1)) / KW;  // this warp's k64 chunks
+  const size_t base = ((size_t)e * n_tiles + tile0) * (size_t)k_chunks;
+  const uint4* wp = wq + base * 32 + lane;  // + (i * k_chunks + c) * 32
+  const uint4* sp = reinterpret_cast<const uint4*>(wsc + base * 8) + lane;  // lanes 0..3: 16 of a tile's 64 bytes
+
+  auto issue = [&](int c, Slot<NT>& sl) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      cp_async16(&sl.w[i][lane], wp + ((size_t)i * k_chunks + c) * 32);
+      if (lane < 4) cp_async16(reinterpret_cast<uint4*>(&sl.s[i][0]) + lane, sp + ((size_t)i * k_chunks + c) * 4);
+    }
+    const int k0 = c * 64;
+    if (v0) {
+      cp_async16_l1(&sl.x[0][0][lane], x0 + k0);
+      cp_async16_l1(&sl.x[0][1][lane], x0 + k0 + 8);
+    }
+    if (half1 && v1) {
+      cp_async16_l1(&sl.x[1][0][lane], x1 + k0);
+      cp_async16_l1(&sl.x[1][1][lane], x1 + k0 + 8);
+    }
+  };
+
+  float acc[NT][2][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][h][r] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (c_begin + s < c_end) issue(c_begin + s, ring[s]);
+    cp_async_commit();
+  }
+  for (int c = c_begin; c < c_end; ++c) {
+    cp_async_wait<S - 2>();  // chunk c has landed (this lane's copies)
+    __syncwarp();            // ... and every lane's; every lane is done with slot (c - 1) % S
+    const int cn = c + S - 1;
+    if (cn < c_end) issue(cn, ring[(cn - c_begin) % S]);
+    cp_async_commit();
+    const Slot<NT>& sl = ring[(c - c_begin) % S];
+    // B fragments: step j, register r = inputs 16 t + 4 j + 2 r (+1) = word 2 j + r of the lane's 32 bytes
+    uint32_t b0[8], b1[8];
+    if (v0) {
+      const uint4 lo = sl.x[0][0][lane], hi = sl.x[0][1][lane];
+      b0[0] = lo.x; b0[1] = lo.y; b0[2] = lo.z; b0[3] = lo.w; b0[4] = hi.x; b0[5] = hi.y; b0[6] = hi.z; b0[7] = hi.w;
+    } else {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) b0[r] = 0u;
+    }
+    if (half1 && v1) {
+      const uint4 lo = sl.x[1][0][lane], hi = sl.x[1][1][lane];
+      b1[0] = lo.x; b1[1] = lo.y; b1[2] = lo.z; b1[3] = lo.w; b1[4] = hi.x; b1[5] = hi.y; b1[6] = hi.z; b1[7] = hi.w;
+    } else {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) b1[r] = 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const uint4 wv = sl.w[i][lane];
+      const uint2 sc = sl.s[i][g];
+      const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+      // sc.x = (group 2c row g, group 2c row g+8), sc.y = (group 2c+1 row g, group 2c+1 row g+8); the lane's
+      // inputs 16 t .. 16 t + 15 lie in group 2c + t / 2
+      const __nv_bfloat162 pair = u32_as_bf162(t < 2 ? sc.x : sc.y);
+      const __nv_bfloat162 sg = __bfloat162bfloat162(pair.x), sg8 = __bfloat162bfloat162(pair.y);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w = words[j];
+        uint32_t a[4];
+        a[0] = dequant_pair(w, sg);         // row g,     fragment columns 2t, 2t+1
+        a[1] = dequant_pair(w >> 4, sg8);   // row g + 8, columns 2t, 2t+1
+        a[2] = dequant_pair(w >> 8, sg);    // row g,     columns 2t+8, 2t+9
+        a[3] = dequant_pair(w >> 12, sg8);  // row g + 8, columns 2t+8, 2t+9
+        mma_bf16_16816(acc[i][0], a, b0[2 * j], b0[2 * j + 1]);
+        if (half1) mma_bf16_16816(acc[i][1], a, b1[2 * j], b1[2 * j + 1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  if (trigger_late) launch_dependents();
+  __syncthreads();  // every warp is done with its ring: reuse it for the partial sums
+
+  // C fragment: c0, c1 = (n g, rows 2t, 2t+1), c2, c3 = (n g + 8, rows 2t, 2t+1); half h adds 8 to the row
+  constexpr int kP = kBlockRows + 1;
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* p = partial + ((size_t)warp * NT * 16 + i * 16) * kP;
+      p[g * kP + h * 8 + 2 * t] = acc[i][h][0];
+      p[g * kP + h * 8 + 2 * t + 1] = acc[i][h][1];
+      p[(g + 8) * kP + h * 8 + 2 * t] = acc[i][h][2];
+      p[(g + 8) * kP + h * 8 + 2 * t + 1] = acc[i][h][3];
+    }
+  __syncthreads();
+  // sum over warps; thread -> (row r of the block, pair of n columns): bf16x2 stores along n
+  constexpr int kPairs = NT * 8;
+  for (int idx = threadIdx.x; idx < kBlockRows * kPairs; idx += 32 * KW) {
+    const int r = idx / kPairs, np = idx % kPairs;
+    const int id = sorted_ids[b * kBlockRows + r];
+    if (id >= num_rows_out) continue;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+      s0 += partial[((size_t)w * NT * 16 + 2 * np) * kP + r];
+      s1 += partial[((size_t)w * NT * 16 + 2 * np + 1) * kP + r];
+    }
+    *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + (int64_t)tile0 * 16 + 2 * np) =
+        __floats2bfloat162_rn(s0, s1);
+  }
+}
+
+template <int NT, int KW, int S>
+constexpr size_t smem_bytes() {
+  constexpr size_t ring = sizeof(Slot<NT>) * KW * S;
+  constexpr size_t part = sizeof(float) * KW * NT * 16 * (kBlockRows + 1);
+  return ring > part ? ring : part;
+}
+
+template <int NT, int KW, int S>
+cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
+                   const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
+                   int top_k, int n, int k, int num_blocks, int pdl, cudaStream_t stream) {
+  const int n_tiles = n / 16, k_chunks = k / 64;
+  constexpr size_t smem = smem_bytes<NT, KW, S>();
+  static bool attr_set = false;  // the opt-in above 48 KB, once per process (one device kind per process)
+  if (!attr_set) {
+    const cudaError_t err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+    attr_set = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(n_tiles / NT, num_blocks, 1);
+  cfg.blockDim = dim3(32 * KW, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
+  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
+                            static_cast<const uint4*>(wq), static_cast<const uint2*>(wsc), sorted_ids, block_expert,
+                            num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
+                            n_tiles, k_chunks, pdl == 2 ? 1 : 0);
+}
+
+}  // namespace
+
+// Host launcher. x: [R, k] bf16 (row stride x_stride elements, rows 16-byte aligned); wq / wsc: repacked weights and
+// scales; sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
+// out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written). (nt, kw, stages) must be an instantiated
+// configuration with nt dividing n / 16; n % 16 == 0, k % 64 == 0, kw dividing k / 64. pdl: 0 off, 1 on, 2 on with
+// the next kernel released after the main loop. Returns cudaErrorInvalidValue for anything else.
+extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
+                                               const int* sorted_ids, const int* block_expert, const int* num_padded,
+                                               void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
+                                               int k, int num_blocks, int nt, int kw, int stages, int pdl,
+                                               cudaStream_t stream) {
+  if (n % 16 != 0 || k % 64 != 0 || num_blocks <= 0 || top_k <= 0 || (n / 16) % nt != 0 || (k / 64) % kw != 0 ||
+      pdl < 0 || pdl > 2)
+    return cudaErrorInvalidValue;
+#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
+  if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
+    return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
+                                num_rows_out, top_k, n, k, num_blocks, pdl, stream);
+  KIMI_W4A16_CASE(4, 4, 4)
+  KIMI_W4A16_CASE(4, 2, 4)
+  KIMI_W4A16_CASE(8, 1, 4)
+  KIMI_W4A16_CASE(8, 2, 4)
+  KIMI_W4A16_CASE(4, 4, 3)
+  KIMI_W4A16_CASE(4, 2, 3)
+  KIMI_W4A16_CASE(8, 2, 3)
+  KIMI_W4A16_CASE(8, 4, 3)
+  KIMI_W4A16_CASE(8, 1, 3)
+  KIMI_W4A16_CASE(4, 4, 2)
+  KIMI_W4A16_CASE(8, 2, 2)
+#undef KIMI_W4A16_CASE
+  return cudaErrorInvalidValue;
+}

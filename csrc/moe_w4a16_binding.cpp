@@ -1,0 +1,50 @@
+// kimi: torch binding of csrc/moe_w4a16.cu (kimi_w4a16_indexed_gemm). Built by kimi/ops/moe_int4_cuda.py with
+// torch's extension loader; the Python wrapper there documents the arguments.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
+                                               const int* sorted_ids, const int* block_expert, const int* num_padded,
+                                               void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
+                                               int k, int num_blocks, int nt, int kw, int stages, int pdl,
+                                               cudaStream_t stream);
+
+static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wsc,
+                         const torch::Tensor& sorted_ids, const torch::Tensor& block_expert,
+                         const torch::Tensor& num_padded, torch::Tensor& out, int64_t top_k, int64_t nt, int64_t kw,
+                         int64_t stages, int64_t pdl) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x: [R, K] bf16 CUDA tensor with unit last stride");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.stride(1) == 1,
+              "out: [P, N] bf16 CUDA tensor with unit last stride");
+  TORCH_CHECK(wq.scalar_type() == torch::kInt32 && wq.dim() == 5 && wq.size(3) == 32 && wq.size(4) == 4 &&
+                  wq.is_contiguous(),
+              "wq: [E, N/16, K/64, 32, 4] int32, contiguous");
+  TORCH_CHECK(wsc.scalar_type() == torch::kBFloat16 && wsc.dim() == 5 && wsc.size(3) == 8 && wsc.size(4) == 4 &&
+                  wsc.is_contiguous() && wsc.size(0) == wq.size(0) && wsc.size(1) == wq.size(1) &&
+                  wsc.size(2) == wq.size(2),
+              "wsc: [E, N/16, K/64, 8, 4] bf16, contiguous, matching wq");
+  TORCH_CHECK(sorted_ids.scalar_type() == torch::kInt32 && block_expert.scalar_type() == torch::kInt32 &&
+                  num_padded.scalar_type() == torch::kInt32 && sorted_ids.is_contiguous() &&
+                  block_expert.is_contiguous(),
+              "sorted_ids, block_expert, num_padded: contiguous int32");
+  const int64_t n = wq.size(1) * 16, k = wq.size(2) * 64;
+  TORCH_CHECK(x.size(1) == k && out.size(1) == n, "x / out widths do not match the weights");
+  TORCH_CHECK(sorted_ids.numel() == 16 * block_expert.numel(), "sorted_ids must hold 16 ids per block");
+  const int num_blocks = static_cast<int>(block_expert.numel());
+  if (num_blocks == 0 || out.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = kimi_w4a16_indexed_gemm(
+      x.data_ptr(), x.stride(0), wq.data_ptr(), wsc.data_ptr(), sorted_ids.data_ptr<int>(),
+      block_expert.data_ptr<int>(), num_padded.data_ptr<int>(), out.data_ptr(), out.stride(0),
+      static_cast<int>(out.size(0)), static_cast<int>(top_k), static_cast<int>(n), static_cast<int>(k), num_blocks,
+      static_cast<int>(nt), static_cast<int>(kw), static_cast<int>(stages), static_cast<int>(pdl), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "kimi_w4a16_indexed_gemm: ", cudaGetErrorString(err), " (nt=", nt, ", kw=", kw, ", stages=", stages,
+              ", n=", n, ", k=", k, ")");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("indexed_gemm", &indexed_gemm, "kimi W4A16 indexed expert GEMM (csrc/moe_w4a16.cu)");
+}

@@ -1,0 +1,204 @@
+"""kimi's CUDA W4A16 indexed expert GEMM (csrc/moe_w4a16.cu): the routed experts' GEMMs at decode sizes.
+
+What: y[r] = W_e @ x[r // top_k] for every row r that a MoE align lists (r = a (token, slot) pair id; e the expert
+of the 16-row block holding r), with W_e the expert's INT4 group-32 weights, dequantised exactly as
+`kimi.ops.quant.dequant_int4` does (W = (nibble - 8) * scale, rounded once to bf16), products summed in fp32 on the
+tensor cores (mma.sync m16n8k16), the result rounded once to bf16. Rows not listed are not written.
+
+Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read
+of the packed weights; the kernel is written to keep HBM busy: each warp loads 16 bytes per lane per tile (one
+coalesced 512-byte read per warp), several tiles in flight, and dequantises in registers with two bf16x2
+operations per pair of weights.
+
+Layout (`repack`, once at load; the design is this project's, from the PTX ISA's mma.m16n8k16 fragment tables):
+- inputs are permuted inside each k64 chunk (a dot product does not depend on the order of its terms): MMA k16 step
+  j, fragment column c = 2 t' + 8 q + e (PTX numbering, t' = the lane's t) reads input k0 + 16 t + 4 j + 2 q + e, so
+  a lane's B fragments for the whole chunk are the 16 consecutive inputs k0 + 16 t .. + 15 of its row: two 16-byte
+  loads instead of eight 4-byte ones;
+- weights [E, N/16, K/64, 32, 4] int32: for a 16 x 64 tile (16 output rows n, 64 inputs k) lane L (g = L // 4,
+  t = L % 4) holds 4 words, word j for k16 step j. A word's 8 nibbles are the 8 A-fragment values that lane needs:
+  nibble p (bits 4p..4p+3) = stored nibble of W[n0 + g + 8 (p & 1), k0 + 16 t + 4 j + 2 ((p >> 1) & 1) + (p >> 2)].
+  So (word >> 4i) & 0x000F000F holds fragment register i's two values at the low nibble of each 16-bit half, and
+  OR-ing 0x43004300 makes them the bf16 numbers 128 + nibble (exact), from which 136 is subtracted. A lane's inputs
+  lie in one scale group (group 2c + t // 2).
+- scales [E, N/16, K/64, 8, 4] bf16: for lane group g, (group 2c row g, group 2c row g + 8, group 2c+1 row g,
+  group 2c+1 row g + 8) of k64 chunk c: one 8-byte load per lane per chunk.
+Requires N % 16 == 0 and K % 64 == 0 (Kimi's experts: 7168 and 2048).
+
+Work split: a CTA of KW warps owns one 16-row block of the align (one expert; up to 16 pairs, one or two n8
+halves of the MMA) and NT 16-row tiles of N; its warps split K, each streaming its chunks through a ring of S
+shared-memory slots filled by cp.async (S - 1 chunks of weights, scales and activation fragments in flight), and
+sum their partials in shared memory at the end. (Measured and not kept: split-K over CTAs, and persistent CTAs that
+stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's notes.)
+Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
+reads anything, then lets the next kernel launch).
+
+The extension is built with torch's extension loader at first use (sources csrc/moe_w4a16.cu and
+csrc/moe_w4a16_binding.cpp, sm_90a) and cached under $KIMI_CSRC_CACHE (default ~/.cache/kimi/csrc).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "CONFIGS", "TABLE", "load_extension"]
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_ext = None
+_lock = threading.Lock()
+
+# (NT, KW, S) launch configurations compiled into the extension: NT 16-row N tiles per CTA, KW warps splitting K,
+# S k64 chunks per warp in its shared-memory ring (S - 1 in flight).
+CONFIGS = ((4, 4, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (4, 4, 3), (4, 2, 3), (8, 2, 3), (8, 4, 3), (8, 1, 3), (4, 4, 2), (8, 2, 2))
+DEFAULT_CONFIG = (4, 4, 4)
+# Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
+# after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
+PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
+# Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> [(largest expected local pairs, config), ...] in order;
+# shapes not listed, or more pairs than the last entry, use the last entry / DEFAULT_CONFIG.
+# From two sweeps (bench/moe_cuda_2026-11-30.json, at 64 and 256 MoE tokens = 64 and 256 expected local pairs, and
+# the sweep before it, in its notes): the configurations within a few % of the best in both, at both sizes. (An
+# (8, 1, 3) pick for gate_up above 64 pairs was best in one sweep and 24% slower in the other.)
+TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int]]]] = {
+    (4096, 7168): [(1 << 30, (4, 4, 4))],  # gate_up
+    (7168, 2048): [(1 << 30, (8, 2, 2))],  # down
+}
+
+
+def config_for(n: int, k: int, m_local: int) -> tuple[int, int, int]:
+    """The launch configuration for a GEMM [n, k] at m_local expected local pairs (TABLE, else DEFAULT_CONFIG)."""
+    entries = TABLE.get((n, k))
+    if not entries:
+        return DEFAULT_CONFIG
+    for m_max, cfg in entries:
+        if m_local <= m_max:
+            return cfg
+    return entries[-1][1]
+
+
+def _pos_index(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [1, 32, 8], k [4, 32, 8]): the weight row (in a 16-row tile) and input k (in a k64 chunk) of nibble p of
+    lane L's word j (see the module docstring)."""
+    lane = torch.arange(32, device=device).view(1, 32, 1)
+    p = torch.arange(8, device=device).view(1, 1, 8)
+    j = torch.arange(4, device=device).view(4, 1, 1)
+    g, t = lane // 4, lane % 4
+    row = g + 8 * (p & 1)
+    k = 16 * t + 4 * j + 2 * ((p >> 1) & 1) + (p >> 2)
+    return row, k
+
+
+def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors INT4 -> this kernel's layout (module docstring).
+
+    packed: [E, N, K/8] int32 (nibble j of word w is input 8w + j; value = nibble - 8); scale: [E, N, K/32].
+    Returns (weights [E, N/16, K/64, 32, 4] int32, scales [E, N/16, K/64, 8, 4] bf16), on packed's device.
+    Raises ValueError for other shapes or N % 16, K % 64 != 0.
+    """
+    if packed.dim() != 3 or packed.dtype != torch.int32:
+        raise ValueError(f"repack: packed must be [E, N, K/8] int32, got {tuple(packed.shape)} {packed.dtype}")
+    E, N, k8 = packed.shape
+    K = k8 * 8
+    if N % 16 or K % 64:
+        raise ValueError(f"repack: need N % 16 == 0 and K % 64 == 0, got N={N}, K={K}")
+    if tuple(scale.shape) != (E, N, K // 32):
+        raise ValueError(f"repack: scale {tuple(scale.shape)} does not match [E, N, K/32] = {(E, N, K // 32)}")
+    dev = packed.device
+    shifts = torch.arange(0, 32, 4, device=dev, dtype=torch.int32)
+    out_w = torch.empty((E, N // 16, K // 64, 32, 4), dtype=torch.int32, device=dev)
+    row, k = _pos_index(dev)  # [1, 32, 8], [4, 32, 8]
+    row = row.expand(4, 32, 8)
+    for e in range(E):  # one expert at a time: the unpacked nibbles of all experts would be 8x the packed bytes
+        nib = ((packed[e].unsqueeze(-1) >> shifts) & 0xF).reshape(N // 16, 16, K // 64, 64)  # [nt, 16, kc, 64]
+        nib = nib.permute(0, 2, 1, 3)  # [nt, kc, 16 rows, 64 k]
+        sel = nib[:, :, row, k]  # [nt, kc, 4 words, 32 lanes, 8 nibbles]
+        words = (sel.to(torch.int64) << (4 * torch.arange(8, device=dev, dtype=torch.int64))).sum(-1)  # [nt, kc, 4, 32]
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        out_w[e] = words.transpose(2, 3)  # [nt, kc, 32 lanes, 4 words]
+    s = scale.to(torch.bfloat16).reshape(E, N // 16, 2, 8, K // 64, 2)  # [E, nt, half, g, kc, grp]
+    out_s = s.permute(0, 1, 4, 3, 5, 2).reshape(E, N // 16, K // 64, 8, 4).contiguous()  # (grp, half) order
+    return out_w.contiguous(), out_s
+
+
+def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The dequantised [E, N, K] float32 matrix a (weights, scales) pair from `repack` encodes, read back through
+    the fragment layout the kernel uses (the inverse of `repack`, for tests)."""
+    E, nt, kc = weights.shape[:3]
+    N, K = nt * 16, kc * 64
+    dev = weights.device
+    row, k = _pos_index(dev)
+    row = row.expand(4, 32, 8)
+    w = weights.transpose(3, 4)  # [E, nt, kc, 4 words, 32 lanes]
+    nib = ((w.unsqueeze(-1) >> (4 * torch.arange(8, device=dev, dtype=torch.int32))) & 0xF).float() - 8
+    s6 = scales.float().reshape(E, nt, kc, 8, 2, 2)  # [E, nt, kc, g, grp, half]
+    g = row % 8  # [4, 32, 8] lane group of the row
+    sv = s6[:, :, :, g, k // 32, row // 8]  # [E, nt, kc, 4, 32, 8]
+    out = torch.empty((E, nt, kc, 16, 64), dtype=torch.float32, device=dev)
+    out[:, :, :, row, k] = (nib * sv).to(torch.bfloat16).float()
+    return out.permute(0, 1, 3, 2, 4).reshape(E, N, K)
+
+
+def load_extension():
+    """Build (first use) and import the extension; raises RuntimeError when it cannot be built here."""
+    global _ext
+    with _lock:
+        if _ext is None:
+            from torch.utils.cpp_extension import load
+
+            build = Path(os.environ.get("KIMI_CSRC_CACHE", Path.home() / ".cache" / "kimi" / "csrc")) / "moe_w4a16"
+            build.mkdir(parents=True, exist_ok=True)
+            _ext = load(
+                name="kimi_moe_w4a16",
+                sources=[str(CSRC / "moe_w4a16_binding.cpp"), str(CSRC / "moe_w4a16.cu")],
+                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-lineinfo"],
+                extra_cflags=["-O3", "-std=c++17"],
+                build_directory=str(build),
+                verbose=False,
+            )
+    return _ext
+
+
+def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
+                 config: tuple[int, int, int] | None = None, pdl: str | None = None) -> torch.Tensor:
+    """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
+
+    x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, N/16, K/64, 32, 4] int32,
+    [E, N/16, K/64, 8, 4] bf16); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
+    (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
+    num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
+    they are). config: (NT, KW, S) of CONFIGS (default DEFAULT_CONFIG; `config_for` picks from TABLE). pdl: "early",
+    "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
+    Raises ValueError for mismatched shapes / dtypes.
+    """
+    E, nt, kc = weights.shape[:3]
+    N, K = nt * 16, kc * 64
+    if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[-1] != K or x.stride(-1) != 1:
+        raise ValueError(f"indexed_gemm: x {tuple(x.shape)} {x.dtype} (want [R, {K}] bf16, unit stride)")
+    if x.data_ptr() % 16 or x.stride(0) % 8:
+        raise ValueError("indexed_gemm: x rows must start at 16-byte boundaries (16-byte async copies)")
+    if out.shape[-1] != N or out.stride(-1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
+        raise ValueError(f"indexed_gemm: out {tuple(out.shape)} (want [P, {N}] bf16, unit stride)")
+    if sorted_ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or num_padded.dtype != torch.int32:
+        raise ValueError("indexed_gemm: sorted_ids, block_expert and num_padded must be int32")
+    if sorted_ids.numel() != 16 * block_expert.numel():
+        raise ValueError(f"indexed_gemm: {sorted_ids.numel()} sorted ids for {block_expert.numel()} blocks of 16")
+    cfg = tuple(config) if config is not None else DEFAULT_CONFIG
+    if cfg not in CONFIGS:
+        raise ValueError(f"indexed_gemm: config {cfg} not in {CONFIGS}")
+    if pdl is None:
+        from kimi.ops.pdl import enabled
+
+        pdl = PDL_MODE if enabled(x.device) else "off"
+    modes = {"off": 0, "early": 1, "late": 2}
+    if pdl not in modes:
+        raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
+    if K // 64 % cfg[1]:
+        raise ValueError(f"indexed_gemm: config {cfg}: {cfg[1]} warps do not divide the {K // 64} k64 chunks")
+    load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl])
+    return out

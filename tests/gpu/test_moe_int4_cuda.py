@@ -1,0 +1,115 @@
+"""GPU tests of kimi's CUDA W4A16 indexed expert GEMM (kimi.ops.moe_int4_cuda, csrc/moe_w4a16.cu) and the `cuda` MoE
+backend built on it.
+
+Reference: every listed row y[r] = x[r // top_k] @ W_e^T in float32, W_e = `dequant_int4` of the expert's packed
+weights rounded to bf16 (the kernel's dequantisation is exact to that). Fresh random inputs per case; outputs poisoned
+with NaN before the kernel runs; tolerance max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is ~4e-3).
+Rows not listed must keep their poison (the kernel writes listed rows only).
+"""
+
+import pytest
+import torch
+
+from kimi.ops import moe_int4_cuda as mc
+from kimi.ops.quant import dequant_int4
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _experts(E, N, K, gen):
+    packed = torch.randint(-(2**31), 2**31 - 1, (E, N, K // 8), dtype=torch.int32, device="cuda", generator=gen)
+    scale = (torch.rand((E, N, K // 32), device="cuda", generator=gen) * 0.02 + 1e-3).to(torch.bfloat16)
+    return packed, scale
+
+
+def _routing(T, E_total, k, gen):
+    return torch.rand((T, E_total), device="cuda", generator=gen).topk(k, dim=-1).indices
+
+
+@pytest.mark.parametrize("E,N,K,T,k,E_total,offset", [
+    (8, 256, 512, 5, 4, 16, 4),     # small: pads, experts with 0..several pairs
+    (8, 128, 1024, 64, 8, 8, 0),    # every pair local, blocks with > 8 rows (second n8 half)
+    (48, 4096, 7168, 64, 8, 384, 96),  # Kimi gate_up at 8 local sequences under EP8
+    (48, 7168, 2048, 256, 8, 384, 96),  # Kimi down at 32 local sequences
+])
+def test_indexed_gemm_matches_dequant_reference(E, N, K, T, k, E_total, offset):
+    from kimi.ops.fused import moe_align_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(N + K + T)
+    packed, scale = _experts(E, N, K, gen)
+    w, s = mc.repack(packed, scale)
+    ids = _routing(T, E_total, k, gen)
+    P = T * k
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+    local = ((ids >= offset) & (ids < offset + E)).reshape(-1)
+    rows = torch.nonzero(local).flatten()
+    ex = ids.reshape(-1)[rows] - offset
+    for top_k, R in ((k, T), (1, P)):  # gate_up reads x[pair // k], down reads act[pair]
+        x = (torch.randn((R, K), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        ref = torch.empty((len(rows), N), device="cuda")
+        for e in ex.unique().tolist():
+            sel = ex == e
+            ref[sel] = x[rows[sel] // top_k].float() @ dequant_int4(packed[e], scale[e], 32, torch.bfloat16).float().T
+        tol = 1e-2 * ref.abs().max().item()
+        cfgs = [(c, "early") for c in mc.CONFIGS if (N // 16) % c[0] == 0 and (K // 64) % c[1] == 0]
+        for cfg, pdl in cfgs + [(cfgs[0][0], "off"), (cfgs[0][0], "late")]:
+            out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, top_k, out, config=cfg, pdl=pdl)
+            err = (out[rows].float() - ref).abs().max().item()
+            assert err <= tol, f"config {cfg}, pdl {pdl}, top_k {top_k}: max err {err:.3g} > {tol:.3g}"
+            others = torch.ones(P, dtype=torch.bool, device="cuda")
+            others[rows] = False
+            assert torch.isnan(out[others]).all(), f"config {cfg}: a row that is not listed was written"
+
+
+def test_indexed_gemm_in_a_cuda_graph():
+    from kimi.ops.fused import moe_align_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    E, N, K, T, k = 8, 256, 512, 16, 4
+    packed, scale = _experts(E, N, K, gen)
+    w, s = mc.repack(packed, scale)
+    ids = _routing(T, 32, k, gen)
+    x = torch.randn((T, K), device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.full((T * k, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        a = moe_align_fused(ids, E, 0, 16)
+        mc.indexed_gemm(x, w, s, a[0], a[1], a[2], k, out)
+
+    step()
+    eager = out.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    out.fill_(float("nan"))
+    x.copy_(torch.randn((T, K), device="cuda", generator=gen).to(torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    a = moe_align_fused(ids, E, 0, 16)
+    fresh = torch.full_like(out, float("nan"))
+    mc.indexed_gemm(x, w, s, a[0], a[1], a[2], k, fresh)
+    assert torch.equal(torch.nan_to_num(out, 1e9), torch.nan_to_num(fresh, 1e9)), "replay != eager on new inputs"
+    assert not torch.equal(torch.nan_to_num(out, 1e9), torch.nan_to_num(eager, 1e9)), "the replay read stale inputs"
+
+
+def test_cuda_backend_matches_ref_backend():
+    from kimi.ops.moe_backend import make_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    E, D, inter, T, k, E_total, offset = 8, 512, 256, 12, 4, 32, 8
+    p13, s13 = _experts(E, 2 * inter, D, gen)
+    p2, s2 = _experts(E, D, inter, gen)
+    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
+                     "w2_scale": s2.clone()}
+    ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
+    ours = make_experts("cuda", parts(), offset, E_total, torch.bfloat16)
+    x = torch.randn((T, D), device="cuda", generator=gen).to(torch.bfloat16)
+    ids = _routing(T, E_total, k, gen)
+    wts = torch.rand((T, k), device="cuda", generator=gen)
+    y_ref = ref(x, wts, ids).float()
+    y = ours(x, wts, ids).float()
+    err = (y - y_ref).abs().max().item()
+    assert err <= 2e-2 * y_ref.abs().max().item(), f"max err {err:.3g}"
+    with pytest.raises(ValueError, match="bf16"):
+        make_experts("cuda", parts(), offset, E_total, torch.float16)

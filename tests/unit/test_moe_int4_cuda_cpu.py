@@ -1,0 +1,62 @@
+"""CPU tests of kimi's CUDA W4A16 GEMM's host side: the weight repack (kimi.ops.moe_int4_cuda.repack) read back
+through the kernel's fragment layout equals `dequant_int4`, bad shapes are refused, and csrc/moe_w4a16.cu compiles for
+sm_90a (nvcc; skipped with the reason where nvcc is absent). The kernel itself runs in tests/gpu."""
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kimi.ops import moe_int4_cuda as mc
+from kimi.ops.quant import dequant_int4, pack_int4
+
+
+@pytest.mark.parametrize("E,N,K", [(1, 16, 64), (3, 48, 192), (2, 64, 512)])
+def test_repack_reads_back_as_dequant_int4(E, N, K):
+    torch.manual_seed(N + K)
+    w = torch.randn(E, N, K)
+    packs = [pack_int4(w[e]) for e in range(E)]
+    packed = torch.stack([p[0] for p in packs])
+    scale = torch.stack([p[1] for p in packs])
+    wq, ws = mc.repack(packed, scale)
+    assert wq.shape == (E, N // 16, K // 64, 32, 4) and wq.dtype == torch.int32
+    assert ws.shape == (E, N // 16, K // 64, 8, 4) and ws.dtype == torch.bfloat16
+    ref = torch.stack([dequant_int4(packed[e], scale[e], 32, torch.bfloat16).float() for e in range(E)])
+    assert torch.equal(mc.unrepack(wq, ws), ref)
+
+
+def test_fragment_layout_covers_each_weight_once():
+    row, k = mc._pos_index("cpu")
+    flat = (row.expand(4, 32, 8) * 64 + k).flatten()
+    assert sorted(flat.tolist()) == list(range(16 * 64))
+    # a lane's 16 inputs are consecutive (two 16-byte loads) and lie in one scale group of 32
+    for lane in range(32):
+        ks = sorted(set(k[:, lane, :].flatten().tolist()))
+        assert ks == list(range(16 * (lane % 4), 16 * (lane % 4) + 16))
+
+
+@pytest.mark.parametrize("shape,err", [((1, 20, 8), "N % 16"), ((1, 16, 4), "K % 64")])
+def test_repack_refuses_shapes_the_kernel_cannot_take(shape, err):
+    packed = torch.zeros(shape, dtype=torch.int32)
+    scale = torch.zeros((shape[0], shape[1], shape[2] * 8 // 32), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=err):
+        mc.repack(packed, scale)
+
+
+def test_indexed_gemm_refuses_wrong_dtypes():
+    wq = torch.zeros((1, 1, 1, 32, 4), dtype=torch.int32)
+    ws = torch.zeros((1, 1, 1, 8, 4), dtype=torch.bfloat16)
+    ids = torch.zeros(16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="x"):
+        mc.indexed_gemm(torch.zeros((2, 64)), wq, ws, ids, ids[:1], ids[:1], 1, torch.zeros((2, 16), dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (compile check of csrc/)")
+def test_kernel_compiles_for_sm90a(tmp_path):
+    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c",
+                        str(mc.CSRC / "moe_w4a16.cu"), "-o", str(tmp_path / "moe_w4a16.o"), "-Xptxas", "-v"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "spill stores" in r.stderr and " 0 bytes spill stores" in r.stderr
+    assert not [ln for ln in r.stderr.splitlines() if "spill stores" in ln and not ln.strip().startswith("0 bytes")]

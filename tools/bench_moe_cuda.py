@@ -1,0 +1,190 @@
+"""kimi's CUDA W4A16 indexed expert GEMM (kimi/ops/moe_int4_cuda.py, csrc/moe_w4a16.cu) against humming-kernels'
+indexed GEMM, one run, one GPU, at Kimi-K2's expert shapes.
+
+For each T (MoE tokens of one rank's step; the decode bench's 8 / 32 local sequences under EP8 are T = 64 / 256) in
+--tokens: routing of T tokens over 384 experts (top-8, distinct random experts per token, seeded), the 48 local
+experts [96, 144) computed (EP rank 2 of 8). Weights: real shapes (gate_up [48, 4096, 7168], down [48, 7168, 2048]),
+random pack-quantized INT4 words and bf16 scales. For each GEMM:
+- correctness: every listed row against the fp32 product with `dequant_int4`'s bf16 weights (max |err| / max |ref|),
+  for ours (every config) and humming; output rows poisoned with NaN before each checked call;
+- time: a CUDA graph of 20 back-to-back calls of the GEMM alone (align done once outside), replayed; median over
+  replays of the per-call time (L2 not flushed: one call's weights, 0.4-0.8 GB, far exceed the 50 MB L2);
+- GB/s: bytes of the experts hit (packed words + scales) / time, against the copy bandwidth measured in the run.
+Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kimi.ops import moe_int4_cuda as mc  # noqa: E402
+from kimi.ops.quant import dequant_int4  # noqa: E402
+
+H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
+
+
+def copy_bw() -> float:
+    n = 2 * 1024**3
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    del a, b
+    return 2 * n / statistics.median(ts[2:]) / 1e6  # GB/s, read + write
+
+
+def graph_time(fn, calls: int = 20, replays: int = 15) -> float:
+    """Median per-call ms of a CUDA graph holding `calls` calls of fn."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / calls)
+    del g
+    return statistics.median(ts)
+
+
+def random_int4(n: int, k: int, gen: torch.Generator):
+    packed = torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device="cuda", generator=gen)
+    scale = (torch.rand((E, n, k // 32), device="cuda", generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+    return packed, scale
+
+
+def routing(T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand((T, E_TOTAL), device="cuda", generator=g)
+    return scores.topk(TOPK, dim=-1).indices.to(torch.int64)  # [T, 8] distinct experts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="64,256")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--gemms", default="gate_up,down")
+    args = ap.parse_args()
+    from humming.layer import HummingLayer  # noqa: F401  (fails loudly when humming is absent)
+
+    from kimi.ops.fused import moe_align_fused
+    from kimi.ops.moe_backend import HummingInt4Experts
+
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t_build = time.time()
+    bw = copy_bw()
+    res = {"what": __doc__.split("\n")[0], "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": bw, "cases": []}
+    w13, s13 = random_int4(2 * I, H, gen)
+    w2, s2 = random_int4(H, I, gen)
+    ours = {"gate_up": mc.repack(w13, s13), "down": mc.repack(w2, s2)}
+    ext_s = time.time()
+    mc.load_extension()
+    res["extension_build_s"] = time.time() - ext_s
+    hum = HummingInt4Experts(w13.clone(), s13.clone(), w2.clone(), s2.clone(), OFFSET, E_TOTAL)
+    res["setup_s"] = time.time() - t_build
+    shapes = {"gate_up": (2 * I, H, w13, s13, hum.l1), "down": (H, I, w2, s2, hum.l2)}
+    for T in [int(t) for t in args.tokens.split(",")]:
+        ids = routing(T, seed=T)
+        P = T * TOPK
+        local = ((ids >= OFFSET) & (ids < OFFSET + E)).reshape(-1)
+        hit = torch.unique(ids[(ids >= OFFSET) & (ids < OFFSET + E)]) - OFFSET
+        a16 = moe_align_fused(ids, E, OFFSET, 16)
+        c1, c2 = hum._configs(T, TOPK)
+        for name in args.gemms.split(","):
+            n, k, packed, scale, layer = shapes[name]
+            top_k = TOPK if name == "gate_up" else 1
+            R = T if name == "gate_up" else P
+            x = (torch.randn((R, k), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+            hcfg = c1 if name == "gate_up" else c2
+            ah = moe_align_fused(ids, E, OFFSET, hcfg["block_shape"][0])
+            bytes_hit = len(hit) * (packed[0].numel() * 4 + scale[0].numel() * 2)
+            # reference over the listed rows
+            rows = torch.nonzero(local).flatten()  # pair ids of local pairs
+            ref = torch.empty((len(rows), n), device="cuda")
+            exp_of_row = (ids.reshape(-1)[rows] - OFFSET)
+            for ex in exp_of_row.unique().tolist():
+                sel = exp_of_row == ex
+                wdq = dequant_int4(packed[ex], scale[ex], 32, torch.bfloat16).float()
+                ref[sel] = x[rows[sel] // top_k].float() @ wdq.T
+            scale_ref = ref.abs().max().item()
+            case = {"T": T, "gemm": name, "n": n, "k": k, "local_pairs": int(local.sum()), "experts_hit": len(hit),
+                    "bytes": bytes_hit, "ref_absmax": scale_ref, "ours": []}
+
+            def err(y):
+                d = (y[rows].float() - ref).abs()
+                return {"rel_err": (d.max() / scale_ref).item(), "nan": bool(torch.isnan(y[rows]).any())}
+
+            for cfg in mc.CONFIGS:
+                if (n // 16) % cfg[0] or (k // 64) % cfg[1]:
+                    continue
+                out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                fn = lambda cfg=cfg, out=out: mc.indexed_gemm(  # noqa: E731
+                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg)
+                y = fn()
+                torch.cuda.synchronize()
+                r = {"config": list(cfg)} | err(y)
+                r["ms"] = graph_time(fn)
+                r["GBps"] = bytes_hit / r["ms"] / 1e6
+                r["pct_copy"] = 100 * r["GBps"] / bw
+                case["ours"].append(r)
+                print(f"T={T} {name} ours {cfg}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
+                      f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}", flush=True)
+            out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            cc = {"gemm_type": "indexed"}
+
+            def hfn(out=out):
+                y = layer(x, sorted_ids=ah[0], expert_ids=ah[1], num_tokens_padded=ah[2].view(()), top_k=top_k,
+                          compute_config=cc, tuning_config=hcfg)
+                return y
+
+            y = hfn()
+            torch.cuda.synchronize()
+            h = {"config": hcfg} | err(y)
+            h["ms"] = graph_time(hfn)
+            h["GBps"] = bytes_hit / h["ms"] / 1e6
+            h["pct_copy"] = 100 * h["GBps"] / bw
+            case["humming"] = h
+            best = min(case["ours"], key=lambda r: r["ms"])
+            case["best_ours"] = best["config"]
+            case["ours_over_humming"] = best["ms"] / h["ms"]
+            print(f"T={T} {name} humming: {h['ms'] * 1e3:.1f} us {h['GBps']:.0f} GB/s ({h['pct_copy']:.0f}%) "
+                  f"err {h['rel_err']:.2e}; best ours {case['best_ours']} x{case['ours_over_humming']:.3f}", flush=True)
+            res["cases"].append(case)
+    out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), "moe_cuda.json")
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print("wrote", out_path)
+
+
+if __name__ == "__main__":
+    main()

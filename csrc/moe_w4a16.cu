@@ -17,6 +17,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 namespace {
 
 constexpr int kBlockRows = 16;  // rows (pairs) per align block
@@ -244,12 +246,18 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
                    int top_k, int n, int k, int num_blocks, int pdl, cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
-  static bool attr_set = false;  // the opt-in above 48 KB, once per process (one device kind per process)
-  if (!attr_set) {
-    const cudaError_t err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
+  // 0..63) and configuration
+  static std::atomic<uint64_t> attr_set{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit == 0 || !(attr_set.load() & bit)) {
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)smem);
     if (err != cudaSuccess) return err;
-    attr_set = true;
+    attr_set.fetch_or(bit);
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n_tiles / NT, num_blocks, 1);
@@ -272,15 +280,16 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // Host launcher. x: [R, k] bf16 (row stride x_stride elements, rows 16-byte aligned); wq / wsc: repacked weights and
 // scales; sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
 // out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written). (nt, kw, stages) must be an instantiated
-// configuration with nt dividing n / 16; n % 16 == 0, k % 64 == 0, kw dividing k / 64. pdl: 0 off, 1 on, 2 on with
+// configuration with nt dividing n / 16; n % 16 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
+// grid's y dimension). pdl: 0 off, 1 on, 2 on with
 // the next kernel released after the main loop. Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
                                                cudaStream_t stream) {
-  if (n % 16 != 0 || k % 64 != 0 || num_blocks <= 0 || top_k <= 0 || (n / 16) % nt != 0 || (k / 64) % kw != 0 ||
-      pdl < 0 || pdl > 2)
+  if (n % 16 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
+      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \

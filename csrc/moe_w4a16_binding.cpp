@@ -30,6 +30,12 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
                   num_padded.scalar_type() == torch::kInt32 && sorted_ids.is_contiguous() &&
                   block_expert.is_contiguous(),
               "sorted_ids, block_expert, num_padded: contiguous int32");
+  for (const torch::Tensor* t :
+       std::initializer_list<const torch::Tensor*>{&wq, &wsc, &sorted_ids, &block_expert, &num_padded, &out})
+    TORCH_CHECK(t->is_cuda() && t->device() == x.device(), "every tensor must be on x's device (", x.device(), ")");
+  TORCH_CHECK(num_padded.numel() >= 1, "num_padded: [1] int32");
+  TORCH_CHECK(top_k >= 1 && out.size(0) <= x.size(0) * top_k,
+              "out has more rows than x rows x top_k (ids >= out.size(0) are the pads)");
   const int64_t n = wq.size(1) * 16, k = wq.size(2) * 64;
   TORCH_CHECK(x.size(1) == k && out.size(1) == n, "x / out widths do not match the weights");
   TORCH_CHECK(sorted_ids.numel() == 16 * block_expert.numel(), "sorted_ids must hold 16 ids per block");
@@ -41,6 +47,7 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
       block_expert.data_ptr<int>(), num_padded.data_ptr<int>(), out.data_ptr(), out.stride(0),
       static_cast<int>(out.size(0)), static_cast<int>(top_k), static_cast<int>(n), static_cast<int>(k), num_blocks,
       static_cast<int>(nt), static_cast<int>(kw), static_cast<int>(stages), static_cast<int>(pdl), at::cuda::getCurrentCUDAStream());
+  if (err != cudaSuccess) cudaGetLastError();  // clear it: a later, unrelated launch check must not see it
   TORCH_CHECK(err == cudaSuccess, "kimi_w4a16_indexed_gemm: ", cudaGetErrorString(err), " (nt=", nt, ", kw=", kw, ", stages=", stages,
               ", n=", n, ", k=", k, ")");
 }

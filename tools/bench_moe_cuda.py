@@ -26,26 +26,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_util import copy_bandwidth  # noqa: E402  (tools/, the script's folder)
 from kimi.ops import moe_int4_cuda as mc  # noqa: E402
 from kimi.ops.quant import dequant_int4  # noqa: E402
 
 H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
-
-
-def copy_bw() -> float:
-    n = 2 * 1024**3
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    del a, b
-    return 2 * n / statistics.median(ts[2:]) / 1e6  # GB/s, read + write
 
 
 def graph_time(fn, calls: int = 20, replays: int = 15) -> float:
@@ -101,7 +86,7 @@ def main() -> None:
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t_build = time.time()
-    bw = copy_bw()
+    bw = copy_bandwidth(2 * 1024**3)["GBps_read_plus_write"]
     res = {"what": __doc__.split("\n")[0], "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": bw, "cases": []}
     w13, s13 = random_int4(2 * I, H, gen)

@@ -213,7 +213,9 @@ class CudaInt4Experts(nn.Module):
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows -> silu(gate) * up on those rows
     -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
-    shapes the kernel cannot take (N % 16, K % 64), RuntimeError when the extension cannot be built.
+    shapes the kernel cannot take (N % 16, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
+    built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension` raises when it cannot be built; all of them
+    here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can fall back to the reference).
     """
 
     graph_safe = True
@@ -224,6 +226,11 @@ class CudaInt4Experts(nn.Module):
 
         E, two_i, d8 = w13_packed.shape
         self.E, self.D, self.inter = E, d8 * 8, two_i // 2
+        dev = w13_packed.device
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+            raise RuntimeError(f"MoE backend cuda needs an sm_90 (Hopper) GPU; got {dev}")
+        mc.config_for(two_i, self.D, 1)  # ValueError when no configuration runs the gate_up shape
+        mc.config_for(self.D, self.inter, 1)  # ... or the down shape
         w13, s13 = mc.repack(w13_packed, w13_scale)
         w2, s2 = mc.repack(w2_packed, w2_scale)
         self.register_buffer("w13", w13)
@@ -269,7 +276,8 @@ def make_experts(
     parts: either packed INT4 (`w13_packed`, `w13_scale`, `w2_packed`, `w2_scale`, stacked over local experts, on
     the device) or dequantised (`w13` [E, 2I, D], `w2` [E, D, I]). Packed parts with backend "ref" are
     dequantised here (bf16); dequantised parts always give RefExperts (no INT4 kernel applies).
-    Raises ValueError for an unknown backend.
+    Raises ValueError for an unknown backend, or backend "cuda" with a dtype other than bf16; the backends' own
+    errors (CudaInt4Experts, HummingInt4Experts) pass through.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {', '.join(BACKENDS)}")

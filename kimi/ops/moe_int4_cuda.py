@@ -2,7 +2,8 @@
 
 What: y[r] = W_e @ x[r // top_k] for every row r that a MoE align lists (r = a (token, slot) pair id; e the expert
 of the 16-row block holding r), with W_e the expert's INT4 group-32 weights, dequantised exactly as
-`kimi.ops.quant.dequant_int4` does (W = (nibble - 8) * scale, rounded once to bf16), products summed in fp32 on the
+`kimi.ops.quant.dequant_int4` does (W = (nibble - 8) * scale, rounded once to bf16; exact for bf16 scales, as Kimi's
+checkpoints store them: other scale dtypes are rounded to bf16 first), products summed in fp32 on the
 tensor cores (mma.sync m16n8k16), the result rounded once to bf16. Rows not listed are not written.
 
 Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "CONFIGS", "TABLE", "load_extension"]
+__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "CONFIGS", "TABLE", "load_extension"]
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _ext = None
@@ -69,15 +70,26 @@ TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int]]]] = {
 }
 
 
+def config_valid(cfg: tuple[int, int, int], n: int, k: int) -> bool:
+    """Whether configuration cfg = (NT, KW, S) can run a GEMM [n, k]: NT divides n / 16 and KW divides k / 64."""
+    return cfg in CONFIGS and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
+
+
 def config_for(n: int, k: int, m_local: int) -> tuple[int, int, int]:
-    """The launch configuration for a GEMM [n, k] at m_local expected local pairs (TABLE, else DEFAULT_CONFIG)."""
-    entries = TABLE.get((n, k))
-    if not entries:
-        return DEFAULT_CONFIG
-    for m_max, cfg in entries:
+    """The launch configuration for a GEMM [n, k] at m_local expected local pairs: TABLE's pick, else DEFAULT_CONFIG,
+    else the first of CONFIGS that can run the shape (`config_valid`). Raises ValueError when none can."""
+    picks = []
+    for m_max, cfg in TABLE.get((n, k), []):
         if m_local <= m_max:
+            picks.append(cfg)
+            break
+    if TABLE.get((n, k)) and not picks:
+        picks.append(TABLE[(n, k)][-1][1])
+    for cfg in [*picks, DEFAULT_CONFIG, *CONFIGS]:
+        if n % 16 == 0 and k % 64 == 0 and config_valid(cfg, n, k):
             return cfg
-    return entries[-1][1]
+    raise ValueError(f"no configuration of kimi's CUDA W4A16 GEMM runs [{n}, {k}]: it needs N % 16 == 0, K % 64 == 0 "
+                     f"and a config of {CONFIGS} whose NT divides N / 16 and KW divides K / 64")
 
 
 def _pos_index(device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,13 +155,20 @@ def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def load_extension():
-    """Build (first use) and import the extension; raises RuntimeError when it cannot be built here."""
+    """Build (first use) and import the extension. The sources are read from the checkout (csrc/ beside the kimi
+    package: an editable install, as the README's). The build is cached per torch / CUDA / Python version. Raises
+    what torch's extension loader raises when it cannot build here (OSError without a CUDA toolkit, RuntimeError on
+    a compile error or without ninja)."""
     global _ext
     with _lock:
         if _ext is None:
             from torch.utils.cpp_extension import load
 
-            build = Path(os.environ.get("KIMI_CSRC_CACHE", Path.home() / ".cache" / "kimi" / "csrc")) / "moe_w4a16"
+            import sys
+
+            tag = f"torch{torch.__version__}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+            root = Path(os.environ.get("KIMI_CSRC_CACHE", Path.home() / ".cache" / "kimi" / "csrc"))
+            build = root / f"moe_w4a16-{tag.replace('+', '_')}"
             build.mkdir(parents=True, exist_ok=True)
             _ext = load(
                 name="kimi_moe_w4a16",
@@ -171,9 +190,10 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     [E, N/16, K/64, 8, 4] bf16); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
     (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
     num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
-    they are). config: (NT, KW, S) of CONFIGS (default DEFAULT_CONFIG; `config_for` picks from TABLE). pdl: "early",
+    they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K, 1)`). pdl: "early",
     "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
-    Raises ValueError for mismatched shapes / dtypes.
+    Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
+    RuntimeError (from the extension) for tensors on another device.
     """
     E, nt, kc = weights.shape[:3]
     N, K = nt * 16, kc * 64
@@ -187,9 +207,12 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
         raise ValueError("indexed_gemm: sorted_ids, block_expert and num_padded must be int32")
     if sorted_ids.numel() != 16 * block_expert.numel():
         raise ValueError(f"indexed_gemm: {sorted_ids.numel()} sorted ids for {block_expert.numel()} blocks of 16")
-    cfg = tuple(config) if config is not None else DEFAULT_CONFIG
-    if cfg not in CONFIGS:
-        raise ValueError(f"indexed_gemm: config {cfg} not in {CONFIGS}")
+    cfg = tuple(config) if config is not None else config_for(N, K, 1)
+    if not config_valid(cfg, N, K):
+        raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
+                         f"{N // 16}, KW must divide {K // 64})")
+    if block_expert.numel() > 65535:
+        raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
         from kimi.ops.pdl import enabled
 
@@ -197,8 +220,6 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     modes = {"off": 0, "early": 1, "late": 2}
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
-    if K // 64 % cfg[1]:
-        raise ValueError(f"indexed_gemm: config {cfg}: {cfg[1]} warps do not divide the {K // 64} k64 chunks")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
                                   int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl])
     return out

@@ -60,3 +60,54 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "spill stores" in r.stderr and " 0 bytes spill stores" in r.stderr
     assert not [ln for ln in r.stderr.splitlines() if "spill stores" in ln and not ln.strip().startswith("0 bytes")]
+
+
+def _mma_emulation(wq, ws, x):
+    """y = W @ x^T for one expert, computed the way the kernel does, from the PTX ISA's mma.m16n8k16 (.bf16) fragment
+    tables and the kernel's register decoding only (not from repack's index tables): A register r of lane (g, t) is
+    (row g + 8 (r & 1), columns 2t + 8 (r >> 1) + {0, 1}); B register q is (rows 2t + 8q + {0, 1}, column g);
+    the kernel fills A register r from nibbles 4r and 16 + 4r of word j (x scale of group 2c + t // 2, row g or
+    g + 8) and B register q of step j from the lane's input words 2j + q, i.e. inputs 16t + 4j + 2q + {0, 1}.
+    wq [nt, kc, 32, 4] int32, ws [nt, kc, 8, 4] bf16, x [M, K] float -> [nt * 16, M] float."""
+    nt, kc = wq.shape[:2]
+    M = x.shape[0]
+    y = torch.zeros(nt * 16, M, dtype=torch.float64)
+    for tile in range(nt):
+        for c in range(kc):
+            for j in range(4):
+                A = torch.zeros(16, 16, dtype=torch.float64)
+                Bm = torch.zeros(16, M, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    w = int(wq[tile, c, lane, j]) & 0xFFFFFFFF
+                    sc = ws[tile, c, g].float()  # (grp0 row g, grp0 row g+8, grp1 row g, grp1 row g+8)
+                    for r in range(4):
+                        row = g + 8 * (r & 1)
+                        s = float(sc[2 * (t // 2) + (r & 1)])
+                        for e in range(2):
+                            nib = (w >> (4 * r + 16 * e)) & 0xF
+                            val = torch.tensor((nib - 8) * s).to(torch.bfloat16).double()
+                            A[row, 2 * t + 8 * (r >> 1) + e] = val
+                    for q in range(2):
+                        for e in range(2):
+                            Bm[2 * t + 8 * q + e, :] = x[:, c * 64 + 16 * t + 4 * j + 2 * q + e].double()
+                y[tile * 16 : tile * 16 + 16] += A @ Bm
+    return y
+
+
+def test_kernel_fragment_decoding_computes_the_dequantised_product():
+    torch.manual_seed(5)
+    N, K, M = 32, 128, 3
+    packed, scale = pack_int4(torch.randn(N, K))
+    wq, ws = mc.repack(packed.unsqueeze(0), scale.unsqueeze(0))
+    x = torch.randn(M, K)
+    ref = dequant_int4(packed, scale, 32, torch.bfloat16).double() @ x.double().T
+    assert torch.allclose(_mma_emulation(wq[0], ws[0], x), ref, rtol=0, atol=1e-9)
+
+
+def test_config_for_picks_a_configuration_that_runs_the_shape():
+    assert mc.config_for(4096, 7168, 256) == mc.TABLE[(4096, 7168)][-1][1]
+    for n, k in [(128, 128), (128, 64), (256, 512), (7168, 2048)]:
+        assert mc.config_valid(mc.config_for(n, k, 1), n, k)
+    with pytest.raises(ValueError, match="no configuration"):
+        mc.config_for(48, 192, 1)  # N / 16 = 3: no NT of CONFIGS divides it

@@ -132,6 +132,16 @@ def _numeric(name: str):
     return parse
 
 
+def cuda_only_flags_set(a: ServeArgs) -> list[str]:
+    """The flags of `a` that only `--device cuda` uses and that differ from their defaults, when the device is not
+    cuda (`serve` warns that they are ignored)."""
+    if a.device == "cuda":
+        return []
+    d = ServeArgs(model=a.model)
+    return [f"--{name.replace('_', '-')}" for name in ("moe_backend", "load_format", "enforce_eager")
+            if getattr(a, name) != getattr(d, name)]
+
+
 def check_serve_args(a: ServeArgs) -> str | None:
     """The first problem with `a` that no server could run with, naming the flag (None when there is none).
 
@@ -197,10 +207,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
                    help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
     p.add_argument("--moe-backend", default="humming", choices=["humming", "cuda", "triton", "ref"],
-                   help="cuda: routed-expert kernels, INT4 kept packed (humming, cuda: kimi's csrc kernel, triton) or dequantised (ref)")
+                   help="--device cuda only: routed-expert kernels, INT4 kept packed (humming-kernels; cuda = kimi's "
+                        "csrc kernel, Hopper, bf16; triton) or dequantised (ref) (default humming)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="cuda: dummy = random weights of the checkpoint's shapes, generated on the GPU")
-    p.add_argument("--enforce-eager", action="store_true", help="cuda: no decode CUDA graphs")
+                   help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU")
+    p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
@@ -343,6 +354,9 @@ async def serve(a: ServeArgs) -> int:
     if err is not None:
         log.error("%s", err)
         return 2
+    ignored = cuda_only_flags_set(a)
+    if ignored:
+        log.warning("%s: used with --device cuda only; ignored on --device %s", ", ".join(ignored), a.device)
     if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
         log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
                   a.zmq_submit_addr)

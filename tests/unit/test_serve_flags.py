@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from kimi import cli
-from kimi.server import NUMERIC_LIMITS, ServeArgs, add_serve_args, check_serve_args, serve
+from kimi.server import NUMERIC_LIMITS, ServeArgs, add_serve_args, check_serve_args, cuda_only_flags_set, serve
 
 BAD = [
     ("--port", "99999"), ("--port", "0"), ("--port", "-1"), ("--port", "http"),
@@ -75,3 +75,10 @@ def test_empty_served_model_name_exits_2(value, capsys, monkeypatch):
     assert e.value.code == 2 and "--served-model-name" in capsys.readouterr().err
     assert "--served-model-name" in check_serve_args(ServeArgs(model="/x", served_model_name=value))
     assert check_serve_args(ServeArgs(model="/x", served_model_name="kimi")) is None
+
+
+def test_cuda_only_flags_are_named_when_the_device_is_cpu():
+    assert cuda_only_flags_set(ServeArgs(model="/x")) == []
+    assert cuda_only_flags_set(ServeArgs(model="/x", device="cuda", moe_backend="cuda", enforce_eager=True)) == []
+    assert cuda_only_flags_set(ServeArgs(model="/x", moe_backend="cuda", enforce_eager=True)) == [
+        "--moe-backend", "--enforce-eager"]

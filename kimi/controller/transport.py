@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -37,8 +38,29 @@ PING_PREFIX = protocol.encode(protocol.Ping(0))[:2]
 assert all(protocol.encode(protocol.Ping(s))[:2] == PING_PREFIX for s in (-1, 1, 1 << 40))
 
 
+_PORT_RANGE = (20000, 32768)  # below Linux's default ephemeral range, 32768-60999
+_ports_given: set[int] = set()
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago."""
+    """A TCP port on `host` that was free a moment ago, for a socket that some process binds later.
+
+    Chosen at random in [20000, 32768), below the kernel's default ephemeral range: sockets bound to port 0 (ZeroMQ's
+    `tcp://HOST:*`, torchrun's store) and outgoing connections take ephemeral ports, so they cannot take this one
+    between now and its use (a port-0 probe could be handed out again that way). Not the same port twice in a
+    process. Falls back to a port-0 probe when 200 tries find nothing free.
+    """
+    for _ in range(200):
+        port = random.randrange(*_PORT_RANGE)
+        if port in _ports_given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

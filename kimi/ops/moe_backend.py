@@ -7,7 +7,8 @@ experts this rank owns, with the INT4 weights kept PACKED on the device.
   Steps: align (kimi.ops.moe_int4_triton.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
   pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul_rows over the local pairs' rows only; align:
   kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
-  Measured 2-3x faster than ours at decode (docs/benchmarks.md).
+  Measured 2-3x faster than kimi's Triton kernel at decode, and faster than kimi's CUDA kernel in the decode step
+  (docs/benchmarks.md).
 - `CudaInt4Experts`: kimi's CUDA W4A16 indexed GEMM (csrc/moe_w4a16.cu via kimi.ops.moe_int4_cuda; weights
   repacked once at load into its fragment layout), in the same steps as humming's (align in 16-row blocks).
   Measured against humming in docs/benchmarks.md; bf16 models only.

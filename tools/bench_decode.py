@@ -231,12 +231,6 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
-    "moe_cuda_table_first": ("--moe-backend cuda with the first table picks: gate_up (4,4,4) up to 64 pairs, "
-                             "(8,1,3) above; down (4,4,2) / (8,2,2)",
-                             lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "TABLE", {
-                                 (4096, 7168): [(64, (4, 4, 4)), (1 << 30, (8, 1, 3))],
-                                 (7168, 2048): [(64, (4, 4, 2)), (1 << 30, (8, 2, 2))]}),
-                             lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "TABLE")),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

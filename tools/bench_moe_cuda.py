@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_util import copy_bandwidth  # noqa: E402  (tools/, the script's folder)
 from kimi.ops import moe_int4_cuda as mc  # noqa: E402
 from kimi.ops.quant import dequant_int4  # noqa: E402
+from kimi.worker.dummy_weights import random_packed_experts  # noqa: E402
 
 H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 
@@ -60,12 +61,6 @@ def graph_time(fn, calls: int = 20, replays: int = 15) -> float:
     return statistics.median(ts)
 
 
-def random_int4(n: int, k: int, gen: torch.Generator):
-    packed = torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device="cuda", generator=gen)
-    scale = (torch.rand((E, n, k // 32), device="cuda", generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
-    return packed, scale
-
-
 def routing(T: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.rand((T, E_TOTAL), device="cuda", generator=g)
@@ -89,8 +84,8 @@ def main() -> None:
     bw = copy_bandwidth(2 * 1024**3)["GBps_read_plus_write"]
     res = {"what": __doc__.split("\n")[0], "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": bw, "cases": []}
-    w13, s13 = random_int4(2 * I, H, gen)
-    w2, s2 = random_int4(H, I, gen)
+    w13, s13 = random_packed_experts(E, 2 * I, H, gen, "cuda")  # random pack-quantized words, bf16 scales
+    w2, s2 = random_packed_experts(E, H, I, gen, "cuda")
     ours = {"gate_up": mc.repack(w13, s13), "down": mc.repack(w2, s2)}
     ext_s = time.time()
     mc.load_extension()

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from kimi.ops.quant import pack_nibbles, unpack_int4
+
 __all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "CONFIGS", "TABLE", "load_extension"]
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -59,14 +61,13 @@ DEFAULT_CONFIG = (4, 4, 4)
 # Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
 PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
-# Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> [(largest expected local pairs, config), ...] in order;
-# shapes not listed, or more pairs than the last entry, use the last entry / DEFAULT_CONFIG.
-# From two sweeps (bench/moe_cuda_2026-11-30.json, at 64 and 256 MoE tokens = 64 and 256 expected local pairs, and
-# the sweep before it, in its notes): the configurations within a few % of the best in both, at both sizes. (An
-# (8, 1, 3) pick for gate_up above 64 pairs was best in one sweep and 24% slower in the other.)
-TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int]]]] = {
-    (4096, 7168): [(1 << 30, (4, 4, 4))],  # gate_up
-    (7168, 2048): [(1 << 30, (8, 2, 2))],  # down
+# Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> config, at every batch size. From two sweeps
+# (bench/moe_cuda_2026-11-30.json, at 64 and 256 MoE tokens, and the sweep before it, in its notes): the
+# configurations within a few % of the best in both, at both sizes. (An (8, 1, 3) pick for gate_up above 64 pairs
+# was best in one sweep and 24% slower in the other.)
+TABLE: dict[tuple[int, int], tuple[int, int, int]] = {
+    (4096, 7168): (4, 4, 4),  # gate_up
+    (7168, 2048): (8, 2, 2),  # down
 }
 
 
@@ -75,18 +76,11 @@ def config_valid(cfg: tuple[int, int, int], n: int, k: int) -> bool:
     return cfg in CONFIGS and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
 
 
-def config_for(n: int, k: int, m_local: int) -> tuple[int, int, int]:
-    """The launch configuration for a GEMM [n, k] at m_local expected local pairs: TABLE's pick, else DEFAULT_CONFIG,
-    else the first of CONFIGS that can run the shape (`config_valid`). Raises ValueError when none can."""
-    picks = []
-    for m_max, cfg in TABLE.get((n, k), []):
-        if m_local <= m_max:
-            picks.append(cfg)
-            break
-    if TABLE.get((n, k)) and not picks:
-        picks.append(TABLE[(n, k)][-1][1])
-    for cfg in [*picks, DEFAULT_CONFIG, *CONFIGS]:
-        if n % 16 == 0 and k % 64 == 0 and config_valid(cfg, n, k):
+def config_for(n: int, k: int) -> tuple[int, int, int]:
+    """The launch configuration for a GEMM [n, k]: TABLE's pick, else DEFAULT_CONFIG, else the first of CONFIGS that
+    can run the shape (`config_valid`). Raises ValueError when none can."""
+    for cfg in [TABLE.get((n, k)), DEFAULT_CONFIG, *CONFIGS]:
+        if cfg is not None and n % 16 == 0 and k % 64 == 0 and config_valid(cfg, n, k):
             return cfg
     raise ValueError(f"no configuration of kimi's CUDA W4A16 GEMM runs [{n}, {k}]: it needs N % 16 == 0, K % 64 == 0 "
                      f"and a config of {CONFIGS} whose NT divides N / 16 and KW divides K / 64")
@@ -120,16 +114,13 @@ def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     if tuple(scale.shape) != (E, N, K // 32):
         raise ValueError(f"repack: scale {tuple(scale.shape)} does not match [E, N, K/32] = {(E, N, K // 32)}")
     dev = packed.device
-    shifts = torch.arange(0, 32, 4, device=dev, dtype=torch.int32)
     out_w = torch.empty((E, N // 16, K // 64, 32, 4), dtype=torch.int32, device=dev)
     row, k = _pos_index(dev)  # [1, 32, 8], [4, 32, 8]
     row = row.expand(4, 32, 8)
-    for e in range(E):  # one expert at a time: the unpacked nibbles of all experts would be 8x the packed bytes
-        nib = ((packed[e].unsqueeze(-1) >> shifts) & 0xF).reshape(N // 16, 16, K // 64, 64)  # [nt, 16, kc, 64]
-        nib = nib.permute(0, 2, 1, 3)  # [nt, kc, 16 rows, 64 k]
-        sel = nib[:, :, row, k]  # [nt, kc, 4 words, 32 lanes, 8 nibbles]
-        words = (sel.to(torch.int64) << (4 * torch.arange(8, device=dev, dtype=torch.int64))).sum(-1)  # [nt, kc, 4, 32]
-        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    for e in range(E):  # one expert at a time: the unpacked values of all experts would be 2x the packed bytes
+        q = unpack_int4(packed[e]).reshape(N // 16, 16, K // 64, 64).permute(0, 2, 1, 3)  # [nt, kc, 16 rows, 64 k]
+        sel = q[:, :, row, k]  # [nt, kc, 4 words, 32 lanes, 8 nibbles] values in [-8, 7]
+        words = pack_nibbles(sel.reshape(-1, 8)).view(N // 16, K // 64, 4, 32)  # nibble p at bits 4p
         out_w[e] = words.transpose(2, 3)  # [nt, kc, 32 lanes, 4 words]
     s = scale.to(torch.bfloat16).reshape(E, N // 16, 2, 8, K // 64, 2)  # [E, nt, half, g, kc, grp]
     out_s = s.permute(0, 1, 4, 3, 5, 2).reshape(E, N // 16, K // 64, 8, 4).contiguous()  # (grp, half) order
@@ -190,7 +181,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     [E, N/16, K/64, 8, 4] bf16); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
     (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
     num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
-    they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K, 1)`). pdl: "early",
+    they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`). pdl: "early",
     "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
@@ -207,7 +198,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
         raise ValueError("indexed_gemm: sorted_ids, block_expert and num_padded must be int32")
     if sorted_ids.numel() != 16 * block_expert.numel():
         raise ValueError(f"indexed_gemm: {sorted_ids.numel()} sorted ids for {block_expert.numel()} blocks of 16")
-    cfg = tuple(config) if config is not None else config_for(N, K, 1)
+    cfg = tuple(config) if config is not None else config_for(N, K)
     if not config_valid(cfg, N, K):
         raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
                          f"{N // 16}, KW must divide {K // 64})")

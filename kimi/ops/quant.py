@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["pack_int4", "unpack_int4", "dequant_int4", "quant_fp8_block", "dequant_fp8_block", "FP8_MAX"]
+__all__ = ["pack_int4", "pack_nibbles", "unpack_int4", "dequant_int4", "quant_fp8_block", "dequant_fp8_block", "FP8_MAX"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -58,10 +58,10 @@ def pack_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.
     eps = torch.finfo(scale_dtype).eps
     scale = torch.where(scale == 0, torch.full_like(scale, eps), scale)
     q = torch.clamp(torch.round(wf / scale.float().unsqueeze(-1)), -8, 7).to(torch.int8).reshape(n, k)
-    return _pack_nibbles(q), scale
+    return pack_nibbles(q), scale
 
 
-def _pack_nibbles(q: Tensor) -> Tensor:
+def pack_nibbles(q: Tensor) -> Tensor:
     """[N, K] int8 values in [-8, 7] -> [N, K // 8] int32 (nibble q + 8, lowest nibble first)."""
     n, k = q.shape
     nib = (q.to(torch.int32) + 8).reshape(n, k // 8, 8)  # [N, K/8, 8] in [0, 15]

@@ -12,14 +12,13 @@ import torch
 
 from kimi.ops import moe_int4_cuda as mc
 from kimi.ops.quant import dequant_int4
+from kimi.worker.dummy_weights import random_packed_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _experts(E, N, K, gen):
-    packed = torch.randint(-(2**31), 2**31 - 1, (E, N, K // 8), dtype=torch.int32, device="cuda", generator=gen)
-    scale = (torch.rand((E, N, K // 32), device="cuda", generator=gen) * 0.02 + 1e-3).to(torch.bfloat16)
-    return packed, scale
+    return random_packed_experts(E, N, K, gen, "cuda")  # uniform nibbles, bf16 scales
 
 
 def _routing(T, E_total, k, gen):

@@ -121,6 +121,13 @@ def _drop_humming_schedules(m) -> None:
 def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
     """humming_*_pdl variants: the expert GEMMs' schedules as chosen (table or heuristic) with `use_pdl` forced
     (None: left as chosen) for gate_up / down; on=False restores. The experts' cached schedules are dropped."""
+    _humming_override(m, None if gate_up is None else {"use_pdl": gate_up},
+                      None if down is None else {"use_pdl": down}, on)
+
+
+def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> None:
+    """The expert GEMMs' schedules as chosen (table or heuristic) with the given fields replaced for gate_up / down
+    (None: left as chosen); on=False restores. The experts' cached schedules are dropped."""
     from kimi.ops.moe_backend import HummingInt4Experts
 
     if on:
@@ -128,10 +135,8 @@ def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
 
         def forced(self, T, k, orig=orig):
             c1, c2 = (dict(c) for c in orig(self, T, k))
-            if gate_up is not None:
-                c1["use_pdl"] = gate_up
-            if down is not None:
-                c2["use_pdl"] = down
+            c1.update(gate_up or {})
+            c2.update(down or {})
             return c1, c2
 
         HummingInt4Experts._configs = forced
@@ -224,6 +229,18 @@ AB_VARIANTS = {
                          lambda m: _humming_pdl(m, None, True, True), lambda m: _humming_pdl(m, None, None, False)),
     "humming_gate_up_nopdl": ("humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
                               lambda m: _humming_pdl(m, False, None, True), lambda m: _humming_pdl(m, None, None, False)),
+    **{f"humming_gate_up_alt{i}": (f"humming's gate_up GEMM with the fields of entry {i} of the JSON list "
+                                    f"$KIMI_HUMMING_GATE_UP_ALTS over its chosen schedule",
+                                    lambda m, i=i: _humming_override(
+                                        m, json.loads(os.environ["KIMI_HUMMING_GATE_UP_ALTS"])[i], None, True),
+                                    lambda m: _humming_override(m, None, None, False)) for i in range(8)},
+    **{f"humming_down_alt{i}": (f"humming's down GEMM with the fields of entry {i} of the JSON list "
+                                f"$KIMI_HUMMING_DOWN_ALTS over its chosen schedule",
+                                lambda m, i=i: _humming_override(
+                                    m, None, json.loads(os.environ["KIMI_HUMMING_DOWN_ALTS"])[i], True),
+                                lambda m: _humming_override(m, None, None, False)) for i in range(8)},
+    **{f"control{i}": ("the headline again, nothing changed (the spread between identical captures: the A/B noise)",
+                       lambda m: None, lambda m: None) for i in range(4)},
     "plan_ahead_off": ("FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
                        lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
                        lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD")),
@@ -261,6 +278,7 @@ class DecodeSteps:
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
+    """fn's GPU time (events around it), each call after the last one's end."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -442,7 +460,7 @@ def main() -> None:
     from kimi.config import ModelConfig
     from kimi.ops.attention import build_attention_metadata
     from kimi.presets import load_preset
-    from kimi.worker.cuda_graph import CudaGraphRunner
+    from kimi.worker.cuda_graph import HOST_MARKS, CudaGraphRunner
     from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
@@ -483,7 +501,7 @@ def main() -> None:
     res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
     ht = moe_backend.load_humming_table()
     res["humming_table"] = {"path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
-                            "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, _ in v] for (n, k), v in ht["entries"].items()}}
+                            "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()}}
     print(f"model built in {res['load_s']:.1f} s ({impl}); mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
 
     n_local = cfg.n_routed_experts // args.ep_size
@@ -614,9 +632,9 @@ def main() -> None:
                 hr.append(runner.host_marks)
             torch.cuda.synchronize()
             case["host_forward_decode_us"] = statistics.median(hs)
-            case["host_until_replay_us"] = statistics.median(m[2] for m in hr)
-            # where it goes: inputs staged / attention planned / replay launched, us from the call's start (medians)
-            case["host_marks_us"] = [round(statistics.median(m[i] for m in hr), 1) for i in range(3)]
+            case["host_until_replay_us"] = statistics.median(m[-1] for m in hr)
+            # where it goes: us from the call's start at each of cuda_graph.HOST_MARKS (medians)
+            case["host_marks_us"] = {k: round(statistics.median(m[i] for m in hr), 1) for i, k in enumerate(HOST_MARKS)}
             decode(steps.restart().next())
             case["host_profile"] = host_profile(decode, steps, args.iters)
             # the replay alone (no host planning / logits): graph of the forward only
@@ -660,6 +678,7 @@ def main() -> None:
         print(f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
               f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
               f"  host {c['host_until_replay_us']:.0f} us before the replay ({c['host_forward_decode_us']:.0f} us in all)")
+        print(f"    host marks (us from the call's start) {c['host_marks_us']}")
         if "breakdown_eager" in c:
             print("   ", json.dumps(c["breakdown_eager"]["by_class_ms"]))
 

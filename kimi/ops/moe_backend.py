@@ -47,8 +47,10 @@ _humming_table: dict | None = None
 
 
 def load_humming_table(path: str | os.PathLike | None = None) -> dict:
-    """{"gpu": name or None, "entries": {(n, k): [(m_min, m_max, config), ...]}}. A missing file (or
-    $KIMI_HUMMING_TABLE "" / "off") gives no entries; a malformed file raises ValueError."""
+    """{"gpu": name or None, "entries": {(n, k): [(m_min, m_max, config, over_heuristic), ...]}}. An entry with
+    "over_heuristic": true holds only the fields it replaces in humming's heuristic schedule (what was measured);
+    others are whole schedules. A missing file (or $KIMI_HUMMING_TABLE "" / "off") gives no entries; a malformed
+    file raises ValueError."""
     env = os.environ.get("KIMI_HUMMING_TABLE")
     if path is None and env is not None and env.strip().lower() in ("", "off"):
         return {"gpu": None, "entries": {}}
@@ -57,28 +59,38 @@ def load_humming_table(path: str | os.PathLike | None = None) -> dict:
         return {"gpu": None, "entries": {}}
     try:
         raw = json.loads(p.read_text())
-        entries: dict[tuple[int, int], list[tuple[int, int, dict]]] = {}
+        entries: dict[tuple[int, int], list[tuple[int, int, dict, bool]]] = {}
         for e in raw["entries"]:
             lo, hi = int(e["m_min"]), int(e["m_max"])
             if not 1 <= lo <= hi:
                 raise ValueError(f"m range [{lo}, {hi}]")
-            entries.setdefault((int(e["n"]), int(e["k"])), []).append((lo, hi, dict(e["config"])))
+            over = e.get("over_heuristic", False)
+            if not isinstance(over, bool):
+                raise ValueError(f"over_heuristic {over!r} (want true or false)")
+            entries.setdefault((int(e["n"]), int(e["k"])), []).append((lo, hi, dict(e["config"]), over))
         return {"gpu": str(raw["gpu"]), "entries": entries}
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"bad humming table {p}: {e!r}") from e
 
 
-def humming_table_config(n: int, k: int, m_local: int, gpu: str) -> dict | None:
-    """The measured config for a humming GEMM [n, k] at m_local expected pairs on GPU `gpu`, or None."""
+def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict | None = None) -> dict | None:
+    """The measured config for a humming GEMM [n, k] at m_local expected pairs on GPU `gpu`, or None (no entry).
+    An over-heuristic entry is its fields over a copy of `heuristic` (humming's own schedule for the GEMM; raises
+    ValueError when it is not given)."""
     global _humming_table
     if _humming_table is None:
         _humming_table = load_humming_table()
     t = _humming_table
     if t["gpu"] != gpu:
         return None
-    for lo, hi, cfg in t["entries"].get((n, k), []):
+    for lo, hi, cfg, over in t["entries"].get((n, k), []):
         if lo <= m_local <= hi:
-            return copy.deepcopy(cfg)
+            if not over:
+                return copy.deepcopy(cfg)
+            if heuristic is None:
+                raise ValueError(f"humming table entry [{n}, {k}] m {lo}-{hi} replaces fields of the heuristic "
+                                 "schedule; none given")
+            return copy.deepcopy(heuristic) | copy.deepcopy(cfg)
     return None
 
 
@@ -173,10 +185,8 @@ class HummingInt4Experts(nn.Module):
             gpu = torch.cuda.get_device_name(self.device)
             cs = []
             for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
-                c = humming_table_config(n, kk, m_local, gpu)
-                if c is None:
-                    c = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
-                cs.append(c)
+                h = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
+                cs.append(humming_table_config(n, kk, m_local, gpu, h) or h)
             self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 

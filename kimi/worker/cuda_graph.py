@@ -24,6 +24,7 @@ Attention, by the model's `decode_attention`:
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 
@@ -48,6 +49,12 @@ LAYERS_PER_GRAPH = 0
 # one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips FlashInfer's host
 # scheduler before its replay. $KIMI_PLAN_AHEAD=0 turns it off (CudaGraphRunner.plan_ahead per runner).
 PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
+
+# run_host copies its staging buffer's used prefix rounded up to a multiple of this many int64 words
+_COPY_ROUND = 256
+
+# CudaGraphRunner.host_marks: host times of the last run_host, us from its start, at these points
+HOST_MARKS = ("staging_free", "inputs_staged", "copy_launched", "attention_planned", "replay_launched")
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -107,6 +114,7 @@ class CudaGraphRunner:
         self._host_np = self.host_in[:nb].numpy().reshape(3, mb)
         self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
+        self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
         if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
 
@@ -140,9 +148,8 @@ class CudaGraphRunner:
         self.num_replays = 0
         self.plan_ahead = PLAN_AHEAD and not self.triton_attn
         self._ahead_failed = False  # a plan-ahead error was logged (once)
-        # host times of the last run_host (benchmarks), us from its start: inputs staged, attention planned, replay
-        # launched
-        self.host_marks = (0.0, 0.0, 0.0)
+        # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
+        self.host_marks = (0.0,) * len(HOST_MARKS)
 
     def bucket_for(self, batch: int) -> int:
         """Smallest bucket >= batch; raises ValueError when batch exceeds the largest."""
@@ -255,23 +262,33 @@ class CudaGraphRunner:
         pad = bs - B
         flat: list[int] = []  # FlashInfer: the plan's page ids, request by request, [0] per padded row
         if not self.triton_attn:
-            for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
-                k = -(-n // blk)
-                if k > len(t) or k > self.max_blocks_per_seq:
-                    raise ValueError(f"run_host: sequence {b}: {n} tokens need {k} blocks; table has {len(t)}, "
-                                     f"the graphs at most {self.max_blocks_per_seq}")
-                flat.extend(t[:k])
-            flat.extend([0] * pad)
+            ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
+            if max(ks) > self.max_blocks_per_seq or any(map(operator.gt, ks, map(len, block_tables))):
+                b = next(b for b, (t, k) in enumerate(zip(block_tables, ks))
+                         if k > len(t) or k > self.max_blocks_per_seq)
+                raise ValueError(f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
+                                 f"{len(block_tables[b])}, the graphs at most {self.max_blocks_per_seq}")
+            for t, k in zip(block_tables, ks):
+                flat += t[:k]
+            flat += [0] * pad
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
+        t_free = time.perf_counter()
         h = self._host_np
-        h[:, :bs] = 0
         h[0, :B] = input_ids
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
+        if pad:
+            h[:, B:bs] = 0
         self._host_kv[: len(flat)] = flat
-        n_in = 3 * self.max_batch + (len(flat) + 1) // 2
-        self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
+        t_staged = time.perf_counter()
+        # the used prefix of the staging buffer, rounded up to _COPY_ROUND words (past the pages the kernels read:
+        # stale words) so that few (dst, src) views are ever made; one pinned non-blocking copy
+        n_in = min(self.host_in.numel(), -(-(3 * self.max_batch + (len(flat) + 1) // 2) // _COPY_ROUND) * _COPY_ROUND)
+        views = self._copy_views.get(n_in)
+        if views is None:
+            views = self._copy_views[n_in] = (self.dev_in[:n_in], self.host_in[:n_in])
+        views[0].copy_(views[1], non_blocking=True)
         t1 = time.perf_counter()
         if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
             mb, mx = self.max_blocks_per_seq, self.max_batch
@@ -292,7 +309,7 @@ class CudaGraphRunner:
             self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk)
         t2 = time.perf_counter()
         self.replay(bs)
-        self.host_marks = ((t1 - t0) * 1e6, (t2 - t0) * 1e6, (time.perf_counter() - t0) * 1e6)
+        self.host_marks = tuple((t - t0) * 1e6 for t in (t_free, t_staged, t1, t2, time.perf_counter()))
         self.num_replays += 1
         if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses

@@ -25,8 +25,8 @@ def test_shipped_table_parses():
     assert t["gpu"] == "NVIDIA H200"
     for (n, k), v in t["entries"].items():
         assert n > 0 and k > 0
-        for lo, hi, cfg in v:
-            assert 1 <= lo <= hi and "block_shape" in cfg
+        for lo, hi, cfg, over in v:
+            assert 1 <= lo <= hi and "block_shape" in cfg and isinstance(over, bool)
 
 
 def test_ranges_and_gpu(tmp_path, monkeypatch):
@@ -47,6 +47,24 @@ def test_ranges_and_gpu(tmp_path, monkeypatch):
     assert mb.humming_table_config(10, 20, 64, "GPU-A") == {"block_shape": [8, 1, 1]}
 
 
+def test_over_heuristic_entry(tmp_path, monkeypatch):
+    """An over_heuristic entry replaces its fields in the heuristic schedule given; the rest are kept."""
+    p = _write(tmp_path, [
+        {"n": 10, "k": 20, "m_min": 100, "m_max": 300, "over_heuristic": True,
+         "config": {"block_shape": [8, 512, 64], "num_ctas_per_sm": 2}},
+    ])
+    monkeypatch.setenv("KIMI_HUMMING_TABLE", str(p))
+    h = {"block_shape": [8, 128, 64], "num_ctas_per_sm": 4, "use_stream_k": True}
+    c = mb.humming_table_config(10, 20, 256, "GPU-A", h)
+    assert c == {"block_shape": [8, 512, 64], "num_ctas_per_sm": 2, "use_stream_k": True}
+    c["block_shape"][1] = 0  # a copy: neither the table nor the heuristic is changed through it
+    assert h["block_shape"] == [8, 128, 64]
+    assert mb.humming_table_config(10, 20, 256, "GPU-A", h)["block_shape"] == [8, 512, 64]
+    assert mb.humming_table_config(10, 20, 64, "GPU-A", h) is None  # outside the range: the caller's heuristic
+    with pytest.raises(ValueError, match="heuristic"):
+        mb.humming_table_config(10, 20, 256, "GPU-A")
+
+
 @pytest.mark.parametrize("value", ["", "off", "OFF"])
 def test_env_off(value, monkeypatch):
     monkeypatch.setenv("KIMI_HUMMING_TABLE", value)
@@ -61,6 +79,7 @@ def test_missing_file(tmp_path):
     [{"n": 1, "k": 1, "m_min": 5, "m_max": 4, "config": {}}],  # empty range
     [{"n": 1, "k": 1, "m_min": 0, "m_max": 4, "config": {}}],  # m_min < 1
     [{"n": 1, "k": 1, "m_max": 4, "config": {}}],  # no m_min
+    [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "over_heuristic": "yes", "config": {}}],  # not a bool
     "not a list",
 ])
 def test_malformed(tmp_path, entries):

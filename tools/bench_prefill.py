@@ -1,0 +1,253 @@
+"""Prefill steps of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
+
+The rank is the decode benchmark's (tools/bench_decode.py): the real K2.6 text config, all 61 layers at full width,
+random weights generated on the GPU (`--load-format dummy`), EP rank 0 of 8 with its 48 local INT4 experts per MoE
+layer. Each step prefills --chunk new tokens on this rank (the server's --token-budget, default 2048), and every
+other rank does the same: the MoE of each layer sees 8 x chunk tokens, routed to top-8 of 384 experts by fixed random
+routing drawn per layer (PrefillEP, the emulated all-to-all), and computes the pairs that land on the 48 local
+experts. No communication is timed (single GPU).
+
+Cases (`--cases`, comma list):
+  NxL   N prompts of L tokens in one step (N * L = chunk), no cached context;
+  L     one prompt of L tokens, prefilled in chunks of --chunk new tokens (chunked prefill, each chunk attending to
+        the cached ones): a step per chunk; their sum is the prompt's prefill time (its TTFT less scheduling and
+        sampling, on a rank whose peers are prefilling too).
+Step = forward of the step's tokens (eager: prefill does not replay CUDA graphs) + lm_head on the last token of every
+prompt that ends in the step + argmax. Timed with CUDA events, median of --iters steps after 2 warm-up steps.
+
+FLOPs counted (multiply-add = 2):
+  dense: 2 x (every non-expert 2-D weight the step's tokens multiply, layer 0's dense MLP, the absorbed MLA's
+         per-head W_UK / W_UV (kv_b), router, shared expert) per token; lm_head per prompt ending in the step;
+  experts: 2 x (gate_up 4096 x 7168 + down 7168 x 2048) per local (token, expert) pair of the drawn routing;
+  attention as the GPU path runs it (FlashInfer's MLA kernel in the latent space): 2 x heads x (576 + 512) per
+         (query, key) pair, causal; `attention_nonabsorbed_flops` gives the same pairs at 2 x heads x (192 + 128),
+         the cost of a 192/128 ragged prefill kernel, for comparison.
+Ceiling: bf16 matmul TFLOPS measured in the same run (torch.matmul 8192^3, the best of 20 calls); `tflops` /
+`matmul_tflops` is the step's fraction of it. Per-op breakdown: torch.profiler kernel time of one step by class
+(tools/bench_decode.py's classes).
+
+Usage: python tools/bench_prefill.py --cases 16x128,2048,8192 --out bench/prefill_DATE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench_decode import breakdown  # tools/, this script's folder
+from kimi.ops.moe import DispatchResult
+
+
+class PrefillEP:
+    """All-to-all stand-in for a prefill step of `tokens` local rows: dispatch -> this rank's rows + (ep_size - 1) *
+    tokens fixed random rows standing for the other ranks', routed by fixed random top-k per layer; combine -> this
+    rank's rows. Routing is drawn one layer at a time (the whole [layers, T, E] score tensor of a long chunk would
+    not fit next to the model)."""
+
+    def __init__(self, num_moe_layers: int, tokens: int, ep_size: int, hidden: int, n_experts: int, top_k: int,
+                 scale: float, device, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        T = tokens * ep_size
+        self.tokens, self.n_layers, self.i = tokens, num_moe_layers, 0
+        self.foreign = torch.randn((T - tokens, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-t, D]
+        ids, wts = [], []
+        for _ in range(num_moe_layers):
+            scores = torch.rand((T, n_experts), generator=g, device=device)
+            ids.append(scores.topk(top_k, dim=-1).indices.to(torch.int64))  # [T, k] distinct per token
+            w = torch.rand((T, top_k), generator=g, device=device) + 0.1
+            wts.append((w / w.sum(-1, keepdim=True) * scale).float())
+            del scores
+        self.ids = torch.stack(ids)  # [layers, T, k]
+        self.weights = torch.stack(wts)  # [layers, T, k]
+
+    def dispatch(self, hidden, topk_weights, topk_ids) -> DispatchResult:
+        if hidden.shape[0] != self.tokens:
+            raise ValueError(f"PrefillEP built for {self.tokens} local rows, got {hidden.shape[0]}")
+        i = self.i
+        self.i = (self.i + 1) % self.n_layers
+        return DispatchResult(torch.cat([hidden, self.foreign], 0), self.weights[i], self.ids[i])
+
+    def combine(self, expert_out, dispatched):
+        return expert_out[: self.tokens]
+
+    def local_pairs(self, offset: int, n_local: int) -> int:
+        """(token, expert) pairs on experts [offset, offset + n_local), summed over layers."""
+        return int(((self.ids >= offset) & (self.ids < offset + n_local)).sum())
+
+
+def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
+    """Best bf16 torch.matmul TFLOPS of an n x n x n product over `iters` timed calls."""
+    a = torch.randn((n, n), device=dev, dtype=torch.bfloat16)
+    b = torch.randn((n, n), device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e))
+    return 2 * n**3 / (best * 1e-3) / 1e12
+
+
+def parse_cases(spec: str, chunk: int) -> list[dict]:
+    """'16x128,8192' -> [{"name", "prompts": [len, ...], "steps": [(query_lens, context_before), ...]}, ...].
+    Raises ValueError for a batch case whose tokens are not `chunk`, a prompt that is not a multiple of `chunk`,
+    or a malformed entry."""
+    out = []
+    for c in [c for c in spec.split(",") if c]:
+        if "x" in c:
+            n, L = (int(v) for v in c.split("x"))
+            if n * L != chunk:
+                raise ValueError(f"case {c}: {n} x {L} = {n * L} tokens, the chunk is {chunk}")
+            out.append({"name": c, "prompts": [L] * n, "steps": [([L] * n, [0] * n)]})
+        else:
+            L = int(c)
+            if L < 1 or L % chunk:
+                # the emulated peers send a full chunk every step, so every step of this rank is a full chunk too
+                raise ValueError(f"case {c}: a prompt length must be a positive multiple of the chunk {chunk}")
+            steps = [([min(chunk, L - p)], [p]) for p in range(0, L, chunk)]
+            out.append({"name": c, "prompts": [L], "steps": steps})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="kimi-k2.6")
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--ep-size", type=int, default=8)
+    ap.add_argument("--moe-backend", default="humming")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=2048, help="new tokens per step on this rank (--token-budget)")
+    ap.add_argument("--cases", default="16x128,2048,8192")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cases = parse_cases(args.cases, args.chunk)
+
+    from kimi.config import ModelConfig
+    from kimi.ops.attention import build_attention_metadata
+    from kimi.presets import load_preset
+    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.worker.kv_cache import allocate_kv_caches
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args), "gpu": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for mod in ("flashinfer", "humming", "triton"):
+        try:
+            res[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            res[mod] = None
+    res["matmul_tflops"] = peak = matmul_tflops(dev)
+    print(f"bf16 matmul {peak:.0f} TFLOPS", flush=True)
+
+    cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    n_local = cfg.n_routed_experts // args.ep_size
+    offset = 0  # EP rank 0's experts
+    ep = PrefillEP(n_moe, args.chunk, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                   cfg.routed_scaling_factor, dev)
+    max_len = max(max(c["prompts"]) for c in cases)
+    t0 = time.time()
+    model = load_gpu_model("", cfg, ep_rank=0, ep_size=args.ep_size, a2a=ep, dtype=torch.bfloat16, device=dev,
+                           moe_backend=args.moe_backend, load_format="dummy", max_positions=max_len + 64)
+    torch.cuda.synchronize()
+    res["load_s"] = time.time() - t0
+    res["experts_impl"] = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
+    print(f"model built in {res['load_s']:.1f} s ({res['experts_impl']}); mem "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+
+    # FLOPs per token of the non-expert weights (2-D parameters but the embedding; lm_head counted per prompt)
+    dense_elems = sum(p.numel() for n, p in model.named_parameters()
+                      if not p.is_meta and p.dim() == 2 and ".experts_impl." not in n
+                      and n not in ("embed_tokens", "lm_head"))
+    lm_head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    expert_flops_per_pair = 2 * (2 * cfg.moe_intermediate_size * cfg.hidden_size
+                                 + cfg.hidden_size * cfg.moe_intermediate_size)
+    H = cfg.num_attention_heads
+    lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    res["dense_flops_per_token"] = 2 * dense_elems
+    res["expert_flops_per_pair"] = expert_flops_per_pair
+    pairs = ep.local_pairs(offset, n_local)  # per step (every step routes the same drawn pairs)
+    res["local_pairs_per_step"] = pairs
+
+    bs = args.block_size
+    nblk = 1 + max(len(c["prompts"]) * -(-max(c["prompts"]) // bs) for c in cases)  # + the null block 0
+    kv = allocate_kv_caches(cfg, nblk, bs, torch.bfloat16, dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    for c in kv:
+        c.normal_(0, 1, generator=g)
+    res["cases"] = []
+    with torch.inference_mode():
+        for case in cases:
+            n = len(case["prompts"])
+            per = -(-max(case["prompts"]) // bs)
+            tabs = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n)]  # block 0 is the null block
+            out_steps = []
+            for qlens, ctx in case["steps"]:
+                T = sum(qlens)
+                slens = [c + q for c, q in zip(ctx, qlens)]
+                ends = [i for i, s in enumerate(slens) if s == case["prompts"][i]]  # prompts that end here
+                ids = torch.randint(0, cfg.vocab_size, (T,), device=dev)
+                pos = torch.cat([torch.arange(c, c + q, device=dev) for c, q in zip(ctx, qlens)])
+                last = torch.tensor([sum(qlens[: i + 1]) - 1 for i in ends], device=dev, dtype=torch.int64)
+
+                def step(ids=ids, pos=pos, qlens=qlens, slens=slens, tabs=tabs, last=last):
+                    ep.i = 0
+                    a = build_attention_metadata(qlens, slens, tabs, bs, dev)
+                    h = model(ids, pos, a, kv)  # [T, D]
+                    if last.numel():
+                        return model.compute_logits(h[last]).argmax(-1)
+                    return h
+
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(args.iters):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    step()
+                    e.record()
+                    e.synchronize()
+                    ts.append(s.elapsed_time(e))
+                ms = statistics.median(ts)
+                kv_pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(qlens, ctx))  # causal (query, key) pairs
+                f_dense = 2 * dense_elems * T + 2 * lm_head.numel() * len(ends)
+                f_exp = expert_flops_per_pair * pairs
+                f_attn = 2 * H * (lat + rope + lat) * kv_pairs * cfg.num_hidden_layers
+                f_attn_na = 2 * H * (cfg.qk_nope_head_dim + rope + cfg.v_head_dim) * kv_pairs * cfg.num_hidden_layers
+                total = f_dense + f_exp + f_attn
+                st = {"query_lens": qlens if n <= 4 else f"{n} x {qlens[0]}", "context_before": ctx if n <= 4 else 0,
+                      "tokens": T, "median_ms": ms, "samples_ms": ts, "dense_flops": f_dense, "expert_flops": f_exp,
+                      "attention_flops": f_attn, "attention_nonabsorbed_flops": f_attn_na,
+                      "tflops": total / (ms * 1e-3) / 1e12, "tokens_per_s": T / (ms * 1e-3)}
+                st["fraction_of_matmul"] = st["tflops"] / peak
+                if not args.no_profile:
+                    try:
+                        st["breakdown"] = breakdown(step, steps=2)
+                    except Exception as ex:  # noqa: BLE001
+                        st["breakdown_error"] = repr(ex)
+                out_steps.append(st)
+                print(f"{case['name']}: step {len(out_steps)} ({T} tokens after {max(ctx)} cached) {ms:.1f} ms, "
+                      f"{st['tflops']:.0f} TFLOPS ({st['fraction_of_matmul']:.2f} of matmul), "
+                      f"{st['tokens_per_s']:.0f} tok/s", flush=True)
+            total_ms = sum(s["median_ms"] for s in out_steps)
+            res["cases"].append({"name": case["name"], "prompts": case["prompts"], "steps": out_steps,
+                                 "prefill_ms": total_ms})
+            print(f"{case['name']}: prefill {total_ms:.1f} ms in {len(out_steps)} step(s)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

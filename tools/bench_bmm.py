@@ -8,7 +8,8 @@ The two per-head products of every MLA layer at Kimi-K2.6's shape (H = 64 heads 
 Each at M in --ms (the dispatch buckets 1, 8, 16, 32, 64). Timed, as the model ran them before this kernel:
   - "torch_old": torch.bmm on head-major transposes with the old weight layouts ([H, 128, 512] for uk, then
     .contiguous(); [H, 512, 128] for uv, then .reshape to [M, H * 128], a copy);
-  - "torch": kimi.ops.bmm_small_m.bmm_heads_ref (torch.bmm with the new layouts, copy into the output);
+  - "torch": kimi.ops.bmm_small_m.bmm_heads_ref (torch.bmm with the new layouts; since 2026-11-30 it writes the
+    output in place, the table measurements before that date include a copy into the output);
   - every Triton config of kimi.ops.bmm_small_m.CONFIGS (checked against fp32 first: max abs err <= 1e-2 *
     max |ref|, else dropped).
 Method: as tools/bench_gemm.py (its Timer): each sample is one CUDA-graph replay of R calls cycling through enough

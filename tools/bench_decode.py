@@ -325,7 +325,7 @@ _CLASSES = [
     ("fused_silu_mul", r"_silu_mul_kernel|_silu_mul_rows_kernel"),
     ("fused_rope_kv_write", r"_mla_rope_kv_kernel"),
     ("fused_router", r"_router_logits_kernel|_router_topk_kernel"),
-    ("fused_align", r"_align_count_kernel|_align_scatter_kernel"),
+    ("fused_align", r"_align_count_kernel|_align_scatter_kernel|_align_grid"),
     ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel"),
     ("moe_combine", r"_combine_kernel"),
     ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),

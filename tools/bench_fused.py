@@ -22,7 +22,7 @@ sample lets the host queue the events and the replay ahead of the GPU. Median of
 Output: a table on stdout (us per call, old, new, speed-up) and JSON to --out (default $OUT/bench_fused_<date>.json,
 or bench/ when $OUT is unset) with GPU name, torch / triton / CUDA versions and every measurement.
 
-Usage: PYTHONPATH=. python tools/bench_fused.py [--samples 50] [--reps 20] [--ops rmsnorm,mla,router,align,silu]
+Usage: PYTHONPATH=. python tools/bench_fused.py [--samples 50] [--reps 20] [--ops rmsnorm,mla,router,align,align_grid,router_large,silu]
 """
 
 from __future__ import annotations
@@ -219,6 +219,51 @@ def align_cases(reps):
                 [new] * reps, [old] * reps
 
 
+def _router_decode_launch(x, gw, bias):
+    """The two-kernel router with the decode launch (split K, small tiles) at any T."""
+    big = fused.LAUNCH["router_logits_large"]
+    fused.LAUNCH["router_logits_large"] = dict(big, min_t=1 << 30)
+    try:
+        return fused._router_topk(x, gw, bias, 8, 2.827, True, False)
+    finally:
+        fused.LAUNCH["router_logits_large"] = big
+
+
+def router_large_cases(reps):
+    """The two-kernel router at prefill row counts: the large-T launch against the decode launch."""
+    E, D = 384, 7168
+    g = torch.Generator(device=DEV).manual_seed(6)
+    gates = [(torch.randn(E, D, generator=g, device=DEV) * D**-0.5).to(BF16) for _ in range(reps)]
+    bias = torch.randn(E, generator=g, device=DEV) * 0.05
+    for T in (512, 2048, 8192):
+        x = torch.randn(T, D, generator=g, device=DEV).to(BF16)
+        a = fused._router_topk(x, gates[0], bias, 8, 2.827, True, False)
+        b = _router_decode_launch(x, gates[0], bias)
+        same = (a[1].sort(1).values == b[1].sort(1).values).all(1).float().mean().item()
+        check = f"rows with equal id sets={same:.4f} max|dw|={(a[0] - b[0]).abs().max().item():g}"
+        new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
+        old = [lambda gw=gw, x=x: _router_decode_launch(x, gw, bias) for gw in gates]
+        yield {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check}, \
+            new, old
+
+
+def align_grid_cases(reps):
+    """The grid path against the two-kernel path at decode to prefill pair counts (P = 8 T)."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for T in (256, 512, 1024, 2048, 16384):
+        ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, 1).indices.to(torch.int64)
+        for bm in (16, 96):
+            a = fused._moe_align(ids, 48, 96, bm, None, grid=True)
+            b = fused._moe_align(ids, 48, 96, bm, False, grid=False)
+            key = a[1].repeat_interleave(bm).long() * (T * 8 + 1)  # pairs per expert as sets (atomic slots)
+            ok = (torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+                  and torch.equal((key + a[0].long()).sort().values, (key + b[0].long()).sort().values))
+            new = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, None, grid=True)  # noqa: E731
+            old = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, False, grid=False)  # noqa: E731
+            yield {"op": "moe_align_fused grid vs two kernels", "shape": f"T={T} P={T * 8} bm={bm}",
+                   "check": f"same={ok}"}, [new] * reps, [old] * reps
+
+
 def silu_cases(reps):
     g = torch.Generator(device=DEV).manual_seed(4)
     for M in (8, 512):
@@ -228,7 +273,7 @@ def silu_cases(reps):
 
 
 CASES = {"rmsnorm": rmsnorm_cases, "mla": mla_cases, "router": router_cases, "align": align_cases,
-         "silu": silu_cases}
+         "align_grid": align_grid_cases, "router_large": router_large_cases, "silu": silu_cases}
 
 
 def main():

@@ -179,12 +179,13 @@ def bmm_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 
 
 def bmm_heads_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path (any device, any M): x [M, H, K], w [H, N, K] -> [M, H, N] via torch.bmm (head-major),
-    copied into `out` when given."""
-    y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [M, H, N] view of [H, M, N]
+    """The torch path (any device, any M): x [M, H, K], w [H, N, K] -> [M, H, N] via torch.bmm over heads, which
+    writes the [M, H, N] result (or `out`, unit last-dim stride) in place through its head-major view (row stride
+    H * N, batch stride N: a valid strided-batched output, no transpose copy; torch copies internally only for
+    layouts its bmm cannot write)."""
     if out is None:
-        return y.contiguous()
-    out.copy_(y)
+        out = torch.empty((x.shape[0], w.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)  # [M, H, N]
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
     return out
 
 

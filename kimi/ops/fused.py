@@ -24,7 +24,9 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
   program (histogram, padded offsets, block experts, sentinel fill, and each pair's slot = padded start of its
   expert + its rank among that expert's pairs by a one-hot cumsum): the same pair order as moe_align's stable
   sort, deterministic. Above, two kernels (histogram program; atomic slot claims: pairs within one expert in
-  arbitrary order, which the GEMMs and the combine do not depend on).
+  arbitrary order, which the GEMMs and the combine do not depend on). From P >= ALIGN_GRID_MIN_P (prefill) the
+  grid path: per-program histograms of ALIGN_GRID_BLOCK pairs, one program for the offsets and block experts,
+  then every program places its pairs by one-hot rank: moe_align's order again, no atomics.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 __all__ = [
     "rms_norm", "add_rms_norm", "silu_mul", "silu_mul_rows", "mla_rope_kv_write", "router_topk", "moe_align_fused",
     "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
-    "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P", "LAUNCH",
+    "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P", "ALIGN_GRID_MIN_P", "LAUNCH",
 ]
 
 # Both one-kernel paths below measured SLOWER than the two-kernel paths in the K2.6 decode step on an H200
@@ -55,6 +57,12 @@ __all__ = [
 # selectable (router_topk(fused=True), moe_align_fused(one_program=True)) and tested.
 ROUTER_FUSED_MAX_T = 0  # router_topk: one fused kernel up to this many rows, the two-kernel path above
 ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (token, slot) pairs
+# moe_align_fused from this many pairs on: the grid path. tools/bench_fused.py --ops align_grid (H200,
+# bench/fused_prefill_2026-11-30.json; grid vs two kernels at block 16 / 96): 12.8 / 11.7 vs 6.1 / 5.2 us at 2048
+# pairs, 16.2 / 13.0 vs 12.3 / 10.0 at 8192, 20.6 / 13.2 vs 20.7 / 14.7 at 16384, 105 / 50 vs 141 / 94 at 131072.
+# ALIGN_GRID_BLOCK pairs per program.
+ALIGN_GRID_MIN_P = 16384
+ALIGN_GRID_BLOCK = 256
 
 # Launch parameters of the decode-path kernels below (read at each call; CUDA graphs keep the values of their
 # capture). tools/sweep_small_kernels.py times alternatives at the K2.6 decode shapes and checks their outputs;
@@ -67,6 +75,10 @@ LAUNCH: dict = {
     "rmsnorm_warps": None,
     "silu_rows": {"rows": 2, "block": 2048, "warps": 8},  # 1.88 / 2.30 us vs 2.54 / 3.02 at 8 / 32 local rows
     "router_logits": {"bt": 16, "be": 32, "bk": 128, "warps": 4, "split_elems": 512},
+    # from min_t rows on (prefill): bigger tiles, K unsplit. tools/bench_fused.py --ops router_large (H200,
+    # bench/fused_prefill_2026-11-30.json), router logits + top-k, this vs the decode launch above: 48.5 vs 40.5 us
+    # at 512 rows, 59 vs 147 at 2048, 170 vs 557 at 8192 (same top-k sets on every row)
+    "router_logits_large": {"min_t": 1024, "bt": 64, "be": 64, "bk": 64, "warps": 4, "split_elems": 1 << 30},
     "router_topk_warps": 2,
     "align_count_warps": 16,  # 4.08 / 6.72 us vs 4.09 / 7.16 (count + scatter)
     "align_scatter": {"block": 256, "warps": 4},
@@ -515,6 +527,8 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
     T, D = x.shape
     E = gate_weight.shape[0]
     lp = LAUNCH["router_logits"]
+    if T >= LAUNCH["router_logits_large"]["min_t"]:
+        lp = LAUNCH["router_logits_large"]
     n_split, k_split = _router_split(D, lp["split_elems"], lp["bk"])
     logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
     _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
@@ -590,6 +604,19 @@ def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):
 
 
 @triton.jit
+def _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """block_expert[b] = the expert whose padded range holds row b * bm (pad_end [BLOCK_E] int32, 0 past E;
+    blocks past the last expert's range get E - 1: num_padded bounds what the GEMMs read)."""
+    eo = tl.arange(0, BLOCK_E)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        bo = b0 + tl.arange(0, BLOCK_B)
+        bstart = bo * bm
+        ge = (pad_end[None, :] <= bstart[:, None]) & (eo[None, :] < E)
+        be = tl.minimum(tl.sum(ge.to(tl.int32), axis=1), E - 1)
+        tl.store(bexp_ptr + bo, be, mask=bo < max_blocks)
+
+
+@triton.jit
 def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
                   BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     """Histogram of local experts, padded offsets, num_padded, block experts, sentinel fill of sorted_ids[:cap].
@@ -608,12 +635,7 @@ def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, n
     pad_start = pad_end - padded
     total = tl.sum(padded, axis=0)
     tl.store(npad_ptr, total)
-    for b0 in range(0, max_blocks, BLOCK_B):
-        bo = b0 + tl.arange(0, BLOCK_B)
-        bstart = bo * bm
-        ge = (pad_end[None, :] <= bstart[:, None]) & (eo[None, :] < E)
-        be = tl.minimum(tl.sum(ge.to(tl.int32), axis=1), E - 1)
-        tl.store(bexp_ptr + bo, be, mask=bo < max_blocks)
+    _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E, BLOCK_B)
     for c0 in range(0, cap, BLOCK_F):
         co = c0 + tl.arange(0, BLOCK_F)
         tl.store(sorted_ptr + co, tl.zeros((BLOCK_F,), dtype=tl.int32) + P, mask=co < cap)
@@ -667,6 +689,71 @@ def _align_one_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_pt
         base += tl.sum(oh, axis=0)
 
 
+@triton.jit
+def _align_grid_count_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, cap, fill_per,
+                             BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid path, 1 of 3, program g: the histogram of pairs [g * BLOCK, (g + 1) * BLOCK) over the local experts ->
+    part[g, :] (column E: non-local pairs), and the sentinel P into sorted_ids[g * fill_per, (g + 1) * fill_per)."""
+    wait_and_release(PDL)
+    g = tl.program_id(0)
+    eo = tl.arange(0, BLOCK_E)
+    po = g * BLOCK + tl.arange(0, BLOCK)
+    pm = po < P
+    loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
+    key = tl.where(pm & (loc >= 0) & (loc < E), loc, E)
+    tl.store(part_ptr + g * BLOCK_E + eo, tl.histogram(key, BLOCK_E))
+    for c0 in range(0, fill_per, BLOCK):
+        co = c0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + g * fill_per + co, tl.zeros((BLOCK,), dtype=tl.int32) + P,
+                 mask=(co < fill_per) & (g * fill_per + co < cap))
+
+
+@triton.jit
+def _align_grid_offsets_kernel(part_ptr, G, E, bm, max_blocks, bexp_ptr, npad_ptr, BLOCK_G: tl.constexpr,
+                               BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid path, 2 of 3, one program: totals over the G partial histograms, padded offsets, num_padded, block
+    experts; then part[g, e] <- padded start of expert e + its pairs in programs < g (each program's first slot
+    per expert)."""
+    wait_and_release(PDL)
+    eo = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for g0 in range(0, G, BLOCK_G):
+        go = g0 + tl.arange(0, BLOCK_G)
+        c = tl.load(part_ptr + go[:, None] * BLOCK_E + eo[None, :], mask=(go < G)[:, None], other=0)
+        counts += tl.sum(c, axis=0)
+    counts = tl.where(eo < E, counts, 0)
+    padded = (counts + bm - 1) // bm * bm
+    pad_end = tl.cumsum(padded, axis=0)
+    tl.store(npad_ptr, tl.sum(padded, axis=0))
+    _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E, BLOCK_B)
+    run = pad_end - padded
+    for g0 in range(0, G, BLOCK_G):
+        go = g0 + tl.arange(0, BLOCK_G)
+        msk = (go < G)[:, None]
+        ptrs = part_ptr + go[:, None] * BLOCK_E + eo[None, :]
+        c = tl.load(ptrs, mask=msk, other=0)
+        tl.store(ptrs, tl.cumsum(c, axis=0) - c + run[None, :], mask=msk)
+        run += tl.sum(c, axis=0)
+
+
+@triton.jit
+def _align_grid_place_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, BLOCK: tl.constexpr,
+                             BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid path, 3 of 3, program g: each local pair of its slice to part[g, e] + its rank among the slice's pairs
+    of e (one-hot cumsum): ascending pair order within an expert, as moe_align's stable sort. No atomics."""
+    wait_and_release(PDL)
+    g = tl.program_id(0)
+    eo = tl.arange(0, BLOCK_E)
+    base = tl.load(part_ptr + g * BLOCK_E + eo)
+    po = g * BLOCK + tl.arange(0, BLOCK)
+    pm = po < P
+    loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
+    ok = pm & (loc >= 0) & (loc < E)
+    oh = (tl.where(ok, loc, E)[:, None] == eo[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
+    dest = tl.sum(oh * (tl.cumsum(oh, axis=0) - 1 + base[None, :]), axis=1)
+    tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
+
+
 def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int):
     T, k = topk_ids.shape
     P = T * k
@@ -686,8 +773,10 @@ def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offse
     return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None)
 
 
-def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program: bool | None):
-    """moe_align_fused with the path forced (one_program True / False; None: by T*k). Tests and the benchmark."""
+def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program: bool | None,
+               grid: bool | None = None):
+    """moe_align_fused with the path forced (grid True: the grid path; else one_program True / False; None for both:
+    by T*k). Tests and the benchmark."""
     P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m)
     E = num_local_experts
     dev = topk_ids.device
@@ -697,6 +786,19 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
     num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
     BLOCK_E = triton.next_power_of_2(E + 1)
     BLOCK_B = max(16, min(128, 8192 // BLOCK_E))
+    if grid or (grid is None and one_program is None and P >= ALIGN_GRID_MIN_P):
+        BLOCK = ALIGN_GRID_BLOCK
+        G = max(1, triton.cdiv(P, BLOCK))
+        part = torch.empty((G, BLOCK_E), dtype=torch.int32, device=dev)  # partial histograms, then bases
+        fill_per = triton.cdiv(cap, G)
+        kw = launch_kwargs(dev)
+        _align_grid_count_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, cap, fill_per, BLOCK=BLOCK,
+                                       BLOCK_E=BLOCK_E, num_warps=4, **kw)
+        _align_grid_offsets_kernel[(1,)](part, G, E, block_m, max_blocks, block_expert, num_padded, BLOCK_G=64,
+                                         BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8, **kw)
+        _align_grid_place_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, BLOCK=BLOCK, BLOCK_E=BLOCK_E,
+                                       num_warps=4, **kw)
+        return sorted_ids, block_expert, num_padded, max_blocks
     if (P <= ALIGN_ONE_PROGRAM_MAX_P) if one_program is None else one_program:
         BLOCK_C = max(16, min(triton.next_power_of_2(max(P, 1)), 8192 // BLOCK_E, 256))  # [C, BLOCK_E] int32
         _align_one_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, block_expert, num_padded,

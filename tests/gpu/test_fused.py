@@ -3,8 +3,8 @@
 Fresh random inputs per test, outputs (and the KV cache) poisoned with NaN before the run, bf16 relative error
 ||out - ref|| / ||ref|| <= 1e-2; router ids and align outputs compared exactly (align: identical to moe_align on
 the single-program path, as sets per row block on the two-kernel path). Both paths of router_topk (one fused
-kernel / two kernels) and moe_align_fused (one program / two kernels) are tested forced and by their default
-dispatch at small and large T, the fused router also replayed in a CUDA graph (arrival counters reset).
+kernel / two kernels) and moe_align_fused (one program / two kernels / the grid path, which must equal moe_align
+exactly; the two kernels' pairs per expert as sets) are tested forced and by their default dispatch at small and large T (up to 131k pairs), the fused router also replayed in a CUDA graph (arrival counters reset).
 Shapes: the real Kimi-K2.6 ones (D 7168, q_lora 1536, latent 512 + 64, 64 heads, 384 experts top-8, 48 local).
 CPU interpreter versions: tests/unit/test_fused_cpu.py.
 """
@@ -106,7 +106,7 @@ def _check_router(w, ids, rw, rids):
 
 
 @pytest.mark.parametrize("path", [None, True, False])  # default dispatch, one fused kernel, two kernels
-@pytest.mark.parametrize("T", [1, 8, 64, 256, 300])
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 300, 2048])  # 2048: the large-T launch (prefill)
 def test_router_topk(T, path):
     from kimi.ops import fused
 
@@ -174,18 +174,25 @@ def test_silu_mul_rows(T, bm):
     assert torch.equal(out2[loc], out[loc]) and out2[unlisted].isnan().all()
 
 
-@pytest.mark.parametrize("one", [None, True, False])  # default dispatch, one program, two kernels
-@pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (512, 64), (2048, 64)])
+@pytest.mark.parametrize("one", [None, True, False, "grid"])  # default dispatch, one program, two kernels, grid
+@pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (512, 64), (2048, 64),
+                                  (16384, 96)])
 def test_moe_align_fused(T, bm, one):
     from kimi.ops import fused
     from kimi.ops.moe_int4_triton import moe_align
 
     g = torch.Generator(device=DEV).manual_seed(300 + T)
     ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, 1).indices.to(torch.int64)
-    s, be, npd, mb = fused.moe_align_fused(ids, 48, 96, bm) if one is None else fused._moe_align(ids, 48, 96, bm, one)
+    if one is None:
+        s, be, npd, mb = fused.moe_align_fused(ids, 48, 96, bm)
+    else:
+        s, be, npd, mb = fused._moe_align(ids, 48, 96, bm, None if one == "grid" else one, grid=one == "grid")
     rs, rbe, rn, rmb = moe_align(ids, 48, 96, bm)
     assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn)
-    if one or (one is None and T * 8 <= fused.ALIGN_ONE_PROGRAM_MAX_P):
-        assert torch.equal(s, rs)  # the single program keeps moe_align's (stable sort) order
-    s, rs = s.view(-1, bm).sort(1).values, rs.view(-1, bm).sort(1).values
-    assert torch.equal(s, rs)
+    grid = one == "grid" or (one is None and T * 8 >= fused.ALIGN_GRID_MIN_P)
+    if one is True or grid or (one is None and T * 8 <= fused.ALIGN_ONE_PROGRAM_MAX_P):
+        assert torch.equal(s, rs)  # the single program and the grid path keep moe_align's (stable sort) order
+    # the two-kernel path's atomic slots: each expert's padded range holds the same pairs (and pads), in any order
+    # and so possibly in other blocks of that expert
+    key = be.repeat_interleave(bm).long() * (T * 8 + 1)
+    assert torch.equal((key + s.long()).sort().values, (key + rs.long()).sort().values)

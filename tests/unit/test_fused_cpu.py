@@ -7,8 +7,8 @@ Covered: rms_norm / add_rms_norm (odd D, strided rows, out=); mla_rope_kv_write 
 and L, nothing but the mapped cache slots written); router_topk on both paths (one fused kernel with arrival
 counters, and the two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several
 row tiles, counters back at zero, bitwise run-to-run determinism, exact ties; moe_align_fused on both paths
-(the single program's output equals moe_align's exactly; the two-kernel path's as sets per row block) and the
-P threshold dispatch; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
+(the single program's and the grid path's outputs equal moe_align's exactly; the two-kernel path's as sets per
+expert) and the P threshold dispatch; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
 """
 
 import textwrap
@@ -92,6 +92,14 @@ _ROUTER = textwrap.dedent("""
             assert torch.equal(w, w2) and torch.equal(ids, ids2)  # deterministic
         w3, ids3 = fused.router_topk(x, gw, bias, k, 2.5, norm)  # default dispatch
         assert torch.equal(ids3, rids)
+        # the large-T launch of the two-kernel path (unsplit K, bigger tiles), forced from 1 row on
+        big = fused.LAUNCH["router_logits_large"]
+        fused.LAUNCH["router_logits_large"] = dict(big, min_t=1, bt=16, be=32, bk=64)
+        try:
+            w4, ids4 = fused._router_topk(x, gw, bias, k, 2.5, norm, False)
+        finally:
+            fused.LAUNCH["router_logits_large"] = big
+        assert torch.equal(ids4, rids) and ((w4 - rw).abs() / rw.abs()).max().item() <= 1e-5, (T, E, D, "large")
     # many calls: the counter regions wrap around and every counter is back at 0 after each call
     x = torch.randn(20, 1100).half()
     gw = (torch.randn(64, 1100) * 0.03).half()
@@ -126,15 +134,29 @@ _ALIGN = textwrap.dedent("""
             assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn), (T, bm, one)
             if one:
                 assert torch.equal(s, rs), (T, bm)  # same order as moe_align's stable sort
-            else:
-                assert torch.equal(s.view(-1, bm).sort(1).values, rs.view(-1, bm).sort(1).values), (T, bm)
+            else:  # atomic slots: the same pairs (and pads) in each expert's padded range, in any order
+                key = be.repeat_interleave(bm).long() * (T * k + 1)
+                assert torch.equal((key + s.long()).sort().values, (key + rs.long()).sort().values), (T, bm)
+        # the grid path: several programs (256 pairs each), moe_align's exact output and order
+        s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, None, grid=True)
+        assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn) and torch.equal(s, rs), (T, bm, "grid")
+    # dispatch: from ALIGN_GRID_MIN_P pairs on, the grid path (exact order)
+    fused.ALIGN_GRID_MIN_P, saved = 512, fused.ALIGN_GRID_MIN_P
+    try:
+        ids = torch.rand(70, 32).topk(8, 1).indices.to(torch.int64)  # 560 pairs, 3 programs
+        s, be, npd, mb = fused.moe_align_fused(ids, 12, 8, 16)
+        rs, rbe, rn, rmb = moe_align(ids, 12, 8, 16)
+        assert torch.equal(s, rs) and torch.equal(be, rbe) and torch.equal(npd, rn)
+    finally:
+        fused.ALIGN_GRID_MIN_P = saved
     # dispatch: P above the threshold takes the two-kernel path, still correct
     T = fused.ALIGN_ONE_PROGRAM_MAX_P // 8 + 3
     ids = torch.rand(T, 32).topk(8, 1).indices.to(torch.int64)
     s, be, npd, mb = fused.moe_align_fused(ids, 12, 8, 64)
     rs, rbe, rn, rmb = moe_align(ids, 12, 8, 64)
     assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn)
-    assert torch.equal(s.view(-1, 64).sort(1).values, rs.view(-1, 64).sort(1).values)
+    key = be.repeat_interleave(64).long() * (T * 8 + 1)
+    assert torch.equal((key + s.long()).sort().values, (key + rs.long()).sort().values)
     print("OK align")
 """)
 

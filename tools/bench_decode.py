@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from bench_util import copy_bandwidth  # tools/, this script's folder
+from bench_util import copy_bandwidth, run_header  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
 
 
@@ -465,13 +465,7 @@ def main() -> None:
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args), "gpu": torch.cuda.get_device_name(),
-                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for mod in ("flashinfer", "humming", "triton"):
-        try:
-            res[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            res[mod] = None
+    res = run_header(__doc__.split("\n")[0], args)
     res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]  # 4 GiB copy
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
 

@@ -38,21 +38,21 @@ import time
 
 import torch
 
-from bench_decode import breakdown  # tools/, this script's folder
-from kimi.ops.moe import DispatchResult
+from bench_decode import EmulatedEP, breakdown  # tools/, this script's folder
+from bench_util import run_header
 
 
-class PrefillEP:
-    """All-to-all stand-in for a prefill step of `tokens` local rows: dispatch -> this rank's rows + (ep_size - 1) *
-    tokens fixed random rows standing for the other ranks', routed by fixed random top-k per layer; combine -> this
-    rank's rows. Routing is drawn one layer at a time (the whole [layers, T, E] score tensor of a long chunk would
-    not fit next to the model)."""
+class PrefillEP(EmulatedEP):
+    """All-to-all stand-in for a prefill step of `tokens` local rows (tools/bench_decode.py's EmulatedEP: dispatch ->
+    this rank's rows + (ep_size - 1) * tokens fixed random rows standing for the other ranks', routed by fixed random
+    top-k per layer; combine -> this rank's rows). Routing is drawn one layer at a time (the whole [layers, T, E]
+    score tensor of a long chunk would not fit next to the model)."""
 
     def __init__(self, num_moe_layers: int, tokens: int, ep_size: int, hidden: int, n_experts: int, top_k: int,
                  scale: float, device, seed: int = 0):
         g = torch.Generator(device=device).manual_seed(seed)
         T = tokens * ep_size
-        self.tokens, self.n_layers, self.i = tokens, num_moe_layers, 0
+        self.batch, self.n_layers, self.i = tokens, num_moe_layers, 0
         self.foreign = torch.randn((T - tokens, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-t, D]
         ids, wts = [], []
         for _ in range(num_moe_layers):
@@ -63,16 +63,6 @@ class PrefillEP:
             del scores
         self.ids = torch.stack(ids)  # [layers, T, k]
         self.weights = torch.stack(wts)  # [layers, T, k]
-
-    def dispatch(self, hidden, topk_weights, topk_ids) -> DispatchResult:
-        if hidden.shape[0] != self.tokens:
-            raise ValueError(f"PrefillEP built for {self.tokens} local rows, got {hidden.shape[0]}")
-        i = self.i
-        self.i = (self.i + 1) % self.n_layers
-        return DispatchResult(torch.cat([hidden, self.foreign], 0), self.weights[i], self.ids[i])
-
-    def combine(self, expert_out, dispatched):
-        return expert_out[: self.tokens]
 
     def local_pairs(self, offset: int, n_local: int) -> int:
         """(token, expert) pairs on experts [offset, offset + n_local), summed over layers."""
@@ -139,13 +129,7 @@ def main() -> None:
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args), "gpu": torch.cuda.get_device_name(),
-                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for mod in ("flashinfer", "humming", "triton"):
-        try:
-            res[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            res[mod] = None
+    res = run_header(__doc__.split("\n")[0], args)
     res["matmul_tflops"] = peak = matmul_tflops(dev)
     print(f"bf16 matmul {peak:.0f} TFLOPS", flush=True)
 

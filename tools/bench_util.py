@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
+
+
+def run_header(what: str, args) -> dict:
+    """The common head of a benchmark's JSON: what, its arguments, GPU name, the versions of torch / FlashInfer /
+    humming / Triton (None where not importable) and the date."""
+    res: dict = {"what": what, "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for mod in ("flashinfer", "humming", "triton"):
+        try:
+            res[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing or broken package: recorded as None
+            res[mod] = None
+    return res
 
 
 def copy_bandwidth(nbytes: int, device="cuda", iters: int = 20, warmup: int = 3) -> dict:

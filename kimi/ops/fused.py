@@ -767,8 +767,9 @@ def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offse
     topk_ids [T, k] integer global expert ids (contiguous or reshapeable to [T*k]); experts
     [expert_offset, expert_offset + E) are local. Returns (sorted_ids [max_blocks * block_m] int32 with sentinel
     T*k in pads, block_expert [max_blocks] int32, num_padded [1] int32, max_blocks). For T*k <=
-    ALIGN_ONE_PROGRAM_MAX_P one program (pairs in moe_align's order: identical outputs, deterministic), above two
-    kernels (pairs within an expert in arbitrary order).
+    ALIGN_ONE_PROGRAM_MAX_P one program (pairs in moe_align's order: identical outputs, deterministic); from
+    ALIGN_GRID_MIN_P on the grid path (three kernels, identical outputs too); between, two kernels (pairs within an
+    expert in arbitrary order, possibly in another of its blocks).
     """
     return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None)
 

@@ -48,18 +48,31 @@ from kimi.ops.moe import DispatchResult
 
 
 class EmulatedEP:
-    """All-to-all stand-in: dispatch -> all ranks' tokens with fixed routing; combine -> this rank's rows."""
+    """All-to-all stand-in: dispatch -> all ranks' tokens with fixed routing; combine -> this rank's rows.
+
+    per_layer: draw the routing one layer at a time (prefill chunks: the whole [layers, T, E] score tensor would not
+    fit next to the model; other random draws than the default's, which the decode measurements used)."""
 
     def __init__(self, num_moe_layers: int, batch: int, ep_size: int, hidden: int, n_experts: int, top_k: int,
-                 scale: float, device, seed: int = 0):
+                 scale: float, device, seed: int = 0, per_layer: bool = False):
         g = torch.Generator(device=device).manual_seed(seed)
         T = batch * ep_size
         self.batch, self.n_layers, self.i = batch, num_moe_layers, 0
         self.foreign = torch.randn((T - batch, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-B, D]
-        scores = torch.rand((num_moe_layers, T, n_experts), generator=g, device=device)
-        self.ids = scores.topk(top_k, dim=-1).indices.to(torch.int64)  # [layers, T, k] distinct per token
-        w = torch.rand((num_moe_layers, T, top_k), generator=g, device=device) + 0.1
-        self.weights = (w / w.sum(-1, keepdim=True) * scale).float()  # [layers, T, k]
+        n = 1 if per_layer else num_moe_layers
+        ids, wts = [], []
+        for _ in range(num_moe_layers // n):
+            scores = torch.rand((n, T, n_experts), generator=g, device=device)
+            ids.append(scores.topk(top_k, dim=-1).indices.to(torch.int64))  # [n, T, k] distinct per token
+            del scores
+            w = torch.rand((n, T, top_k), generator=g, device=device) + 0.1
+            wts.append((w / w.sum(-1, keepdim=True) * scale).float())
+        self.ids = torch.cat(ids)  # [layers, T, k]
+        self.weights = torch.cat(wts)  # [layers, T, k]
+
+    def local_pairs(self, offset: int, n_local: int) -> int:
+        """(token, expert) pairs on experts [offset, offset + n_local), summed over layers."""
+        return int(((self.ids >= offset) & (self.ids < offset + n_local)).sum())
 
     def dispatch(self, hidden, topk_weights, topk_ids) -> DispatchResult:
         i = self.i

@@ -4,7 +4,7 @@ The rank is the decode benchmark's (tools/bench_decode.py): the real K2.6 text c
 random weights generated on the GPU (`--load-format dummy`), EP rank 0 of 8 with its 48 local INT4 experts per MoE
 layer. Each step prefills --chunk new tokens on this rank (the server's --token-budget, default 2048), and every
 other rank does the same: the MoE of each layer sees 8 x chunk tokens, routed to top-8 of 384 experts by fixed random
-routing drawn per layer (PrefillEP, the emulated all-to-all), and computes the pairs that land on the 48 local
+routing drawn per layer (bench_decode's EmulatedEP, per_layer), and computes the pairs that land on the 48 local
 experts. No communication is timed (single GPU).
 
 Cases (`--cases`, comma list):
@@ -40,33 +40,6 @@ import torch
 
 from bench_decode import EmulatedEP, breakdown  # tools/, this script's folder
 from bench_util import run_header
-
-
-class PrefillEP(EmulatedEP):
-    """All-to-all stand-in for a prefill step of `tokens` local rows (tools/bench_decode.py's EmulatedEP: dispatch ->
-    this rank's rows + (ep_size - 1) * tokens fixed random rows standing for the other ranks', routed by fixed random
-    top-k per layer; combine -> this rank's rows). Routing is drawn one layer at a time (the whole [layers, T, E]
-    score tensor of a long chunk would not fit next to the model)."""
-
-    def __init__(self, num_moe_layers: int, tokens: int, ep_size: int, hidden: int, n_experts: int, top_k: int,
-                 scale: float, device, seed: int = 0):
-        g = torch.Generator(device=device).manual_seed(seed)
-        T = tokens * ep_size
-        self.batch, self.n_layers, self.i = tokens, num_moe_layers, 0
-        self.foreign = torch.randn((T - tokens, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-t, D]
-        ids, wts = [], []
-        for _ in range(num_moe_layers):
-            scores = torch.rand((T, n_experts), generator=g, device=device)
-            ids.append(scores.topk(top_k, dim=-1).indices.to(torch.int64))  # [T, k] distinct per token
-            w = torch.rand((T, top_k), generator=g, device=device) + 0.1
-            wts.append((w / w.sum(-1, keepdim=True) * scale).float())
-            del scores
-        self.ids = torch.stack(ids)  # [layers, T, k]
-        self.weights = torch.stack(wts)  # [layers, T, k]
-
-    def local_pairs(self, offset: int, n_local: int) -> int:
-        """(token, expert) pairs on experts [offset, offset + n_local), summed over layers."""
-        return int(((self.ids >= offset) & (self.ids < offset + n_local)).sum())
 
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
@@ -137,8 +110,8 @@ def main() -> None:
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     n_local = cfg.n_routed_experts // args.ep_size
     offset = 0  # EP rank 0's experts
-    ep = PrefillEP(n_moe, args.chunk, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                   cfg.routed_scaling_factor, dev)
+    ep = EmulatedEP(n_moe, args.chunk, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                    cfg.routed_scaling_factor, dev, per_layer=True)
     max_len = max(max(c["prompts"]) for c in cases)
     t0 = time.time()
     model = load_gpu_model("", cfg, ep_rank=0, ep_size=args.ep_size, a2a=ep, dtype=torch.bfloat16, device=dev,

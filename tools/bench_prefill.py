@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
-from bench_decode import EmulatedEP, breakdown  # tools/, this script's folder
+from bench_decode import EmulatedEP, breakdown, time_ms  # tools/, this script's folder
 from bench_util import run_header
 
 
@@ -165,18 +164,8 @@ def main() -> None:
                         return model.compute_logits(h[last]).argmax(-1)
                     return h
 
-                for _ in range(2):
-                    step()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(args.iters):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    step()
-                    e.record()
-                    e.synchronize()
-                    ts.append(s.elapsed_time(e))
-                ms = statistics.median(ts)
+                t = time_ms(step, args.iters, warmup=2)
+                ms, ts = t["median_ms"], t["samples"]
                 kv_pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(qlens, ctx))  # causal (query, key) pairs
                 f_dense = 2 * dense_elems * T + 2 * lm_head.numel() * len(ends)
                 f_exp = expert_flops_per_pair * pairs

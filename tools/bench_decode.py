@@ -441,7 +441,7 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="kimi-k2.6")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
@@ -468,6 +468,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the graph variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{ap.prog}: needs a CUDA GPU (torch sees none)")
     _LPG[0] = args.layers_per_graph
 
     from kimi.config import ModelConfig

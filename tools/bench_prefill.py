@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{ap.prog}: needs a CUDA GPU (torch sees none)")
     cases = parse_cases(args.cases, args.chunk)
 
     from kimi.config import ModelConfig

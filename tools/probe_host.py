@@ -24,6 +24,8 @@ def med(fn, n: int = 200) -> float:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_host.py: needs a CUDA GPU (torch sees none)")
     B, blk, nb = 32, 64, 33  # 32 sequences of 2k tokens in 64-token blocks
     perm = list(range(1, B * nb + 1))
     random.shuffle(perm)

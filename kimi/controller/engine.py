@@ -193,18 +193,20 @@ class Engine:
             raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         if stop.max_tokens < 1:
             raise AdmissionError(f"max_tokens must be at least 1, got {stop.max_tokens}", "max_tokens")
+        if n >= self.max_model_len:
+            raise AdmissionError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                                 f"{n} tokens, which leaves no room for a generated token", "prompt")
         if n + stop.max_tokens > self.max_model_len:
             raise AdmissionError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
-                f"tokens and asks for {stop.max_tokens} more",
-                "max_tokens" if n < self.max_model_len else "prompt",
-            )
+                f"tokens and asks for {stop.max_tokens} more", "max_tokens")
+        if n >= self.kv_capacity_tokens:
+            raise AdmissionError(f"the prompt ({n} tokens) fills the KV cache capacity of {self.kv_capacity_tokens} "
+                                 "tokens, which leaves no room for a generated token", "prompt")
         if n + stop.max_tokens > self.kv_capacity_tokens:
             raise AdmissionError(
                 f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the KV cache capacity of "
-                f"{self.kv_capacity_tokens} tokens",
-                "max_tokens" if n < self.kv_capacity_tokens else "prompt",
-            )
+                f"{self.kv_capacity_tokens} tokens", "max_tokens")
         try:  # the sampling parameters go to every worker in the next plan: they must encode
             protocol.encode(sampling)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -637,8 +637,9 @@ class OpenAIServer:
             logprobs=logprobs,
         )
 
-    async def _start(self, request_id: str, g: GenerationArgs) -> _Siblings:
-        """Admit the n siblings (all or none: a failure aborts those already admitted).
+    async def _start(self, request_id: str, g: GenerationArgs, prompt_field: str = "prompt") -> _Siblings:
+        """Admit the n siblings (all or none: a failure aborts those already admitted). prompt_field: the request
+        field the prompt came from, named in errors about it ("messages" for chat).
 
         n siblings wait in the queue together, so n > max_waiting could never be admitted: that is a 400 (not
         the retryable 503 of a full queue, which a client following Retry-After would retry forever)."""
@@ -663,9 +664,10 @@ class OpenAIServer:
             for rid in ids:
                 self.engine.abort(rid)
             retry = getattr(e, "retry_after_s", None)
+            param = prompt_field if e.param == "prompt" else e.param
             if retry is not None:
-                raise BadRequest(str(e), e.param, status=503) from None
-            raise BadRequest(str(e), e.param) from None
+                raise BadRequest(str(e), param, status=503) from None
+            raise BadRequest(str(e), param) from None
         except EngineDead as e:
             for rid in ids:
                 self.engine.abort(rid)
@@ -958,7 +960,7 @@ class OpenAIServer:
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
             pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            sib = await self._start(rid, g)
+            sib = await self._start(rid, g, prompt_field="messages")
         except BadRequest as e:
             return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
         created = int(time.time())

@@ -108,7 +108,11 @@ def test_explicit_max_tokens_beyond_the_kv_cache_is_still_a_400(srv):
     msg = _bad(_post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 900}), "max_tokens")
     assert "KV cache capacity of 304" in msg
     msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": [7] * 400}), "prompt")  # default: no room at all
-    assert "KV cache capacity" in msg
+    assert "KV cache capacity" in msg and "no room for a generated token" in msg
+    # a chat prompt that leaves no room names the chat field, messages
+    long_msgs = [{"role": "user", "content": "word " * 400}]
+    msg = _bad(_post(srv, "chat/completions", {"model": "tiny", "messages": long_msgs}), "messages")
+    assert "no room for a generated token" in msg
 
 
 # ---- 3. integers only --------------------------------------------------------------------------------------------

@@ -158,6 +158,13 @@ def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> N
     _drop_humming_schedules(m)
 
 
+def _humming_alt(m, gemm: str, i: int) -> None:
+    """humming_{gate_up,down}_alt{i}: entry i of the JSON list $KIMI_HUMMING_{GATE_UP,DOWN}_ALTS over that GEMM's
+    chosen schedule."""
+    fields = json.loads(os.environ[f"KIMI_HUMMING_{gemm.upper()}_ALTS"])[i]
+    _humming_override(m, fields if gemm == "gate_up" else None, fields if gemm == "down" else None, True)
+
+
 def _set_module_attr(module: str, attr: str, value) -> None:
     import importlib
 
@@ -242,16 +249,11 @@ AB_VARIANTS = {
                          lambda m: _humming_pdl(m, None, True, True), lambda m: _humming_pdl(m, None, None, False)),
     "humming_gate_up_nopdl": ("humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
                               lambda m: _humming_pdl(m, False, None, True), lambda m: _humming_pdl(m, None, None, False)),
-    **{f"humming_gate_up_alt{i}": (f"humming's gate_up GEMM with the fields of entry {i} of the JSON list "
-                                    f"$KIMI_HUMMING_GATE_UP_ALTS over its chosen schedule",
-                                    lambda m, i=i: _humming_override(
-                                        m, json.loads(os.environ["KIMI_HUMMING_GATE_UP_ALTS"])[i], None, True),
-                                    lambda m: _humming_override(m, None, None, False)) for i in range(8)},
-    **{f"humming_down_alt{i}": (f"humming's down GEMM with the fields of entry {i} of the JSON list "
-                                f"$KIMI_HUMMING_DOWN_ALTS over its chosen schedule",
-                                lambda m, i=i: _humming_override(
-                                    m, None, json.loads(os.environ["KIMI_HUMMING_DOWN_ALTS"])[i], True),
-                                lambda m: _humming_override(m, None, None, False)) for i in range(8)},
+    **{f"humming_{gemm}_alt{i}": (f"humming's {gemm} GEMM with the fields of entry {i} of the JSON list "
+                                  f"$KIMI_HUMMING_{gemm.upper()}_ALTS over its chosen schedule",
+                                  lambda m, gemm=gemm, i=i: _humming_alt(m, gemm, i),
+                                  lambda m: _humming_override(m, None, None, False))
+       for gemm in ("gate_up", "down") for i in range(8)},
     **{f"control{i}": ("the headline again, nothing changed (the spread between identical captures: the A/B noise)",
                        lambda m: None, lambda m: None) for i in range(4)},
     "plan_ahead_off": ("FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",

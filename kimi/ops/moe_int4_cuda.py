@@ -41,18 +41,12 @@ csrc/moe_w4a16_binding.cpp, sm_90a) and cached under $KIMI_CSRC_CACHE (default ~
 from __future__ import annotations
 
 import os
-import threading
-from pathlib import Path
 
 import torch
 
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
 __all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "CONFIGS", "TABLE", "load_extension"]
-
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_ext = None
-_lock = threading.Lock()
 
 # (NT, KW, S) launch configurations compiled into the extension: NT 16-row N tiles per CTA, KW warps splitting K,
 # S k64 chunks per warp in its shared-memory ring (S - 1 in flight).
@@ -146,30 +140,12 @@ def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def load_extension():
-    """Build (first use) and import the extension. The sources are read from the checkout (csrc/ beside the kimi
-    package: an editable install, as the README's). The build is cached per torch / CUDA / Python version. Raises
-    what torch's extension loader raises when it cannot build here (OSError without a CUDA toolkit, RuntimeError on
-    a compile error or without ninja)."""
-    global _ext
-    with _lock:
-        if _ext is None:
-            from torch.utils.cpp_extension import load
+    """Build (first use) and import the extension (kimi.ops.cuda_ext.load: sources csrc/moe_w4a16_binding.cpp and
+    csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension loader raises when it
+    cannot build here (OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja)."""
+    from kimi.ops.cuda_ext import load
 
-            import sys
-
-            tag = f"torch{torch.__version__}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
-            root = Path(os.environ.get("KIMI_CSRC_CACHE", Path.home() / ".cache" / "kimi" / "csrc"))
-            build = root / f"moe_w4a16-{tag.replace('+', '_')}"
-            build.mkdir(parents=True, exist_ok=True)
-            _ext = load(
-                name="kimi_moe_w4a16",
-                sources=[str(CSRC / "moe_w4a16_binding.cpp"), str(CSRC / "moe_w4a16.cu")],
-                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-lineinfo"],
-                extra_cflags=["-O3", "-std=c++17"],
-                build_directory=str(build),
-                verbose=False,
-            )
-    return _ext
+    return load("moe_w4a16", ["moe_w4a16_binding.cpp", "moe_w4a16.cu"])
 
 
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,

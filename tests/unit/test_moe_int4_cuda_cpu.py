@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kimi.ops import moe_int4_cuda as mc
+from kimi.ops.cuda_ext import CSRC
 from kimi.ops.quant import dequant_int4, pack_int4
 
 
@@ -55,7 +56,7 @@ def test_indexed_gemm_refuses_wrong_dtypes():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (compile check of csrc/)")
 def test_kernel_compiles_for_sm90a(tmp_path):
     r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c",
-                        str(mc.CSRC / "moe_w4a16.cu"), "-o", str(tmp_path / "moe_w4a16.o"), "-Xptxas", "-v"],
+                        str(CSRC / "moe_w4a16.cu"), "-o", str(tmp_path / "moe_w4a16.o"), "-Xptxas", "-v"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "spill stores" in r.stderr and " 0 bytes spill stores" in r.stderr

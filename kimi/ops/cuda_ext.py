@@ -1,0 +1,40 @@
+"""Build and import kimi's CUDA extensions (csrc/) with torch's extension loader, once per process and source set.
+
+`load(name, sources)`: compiled for sm_90a at first use, cached under $KIMI_CSRC_CACHE (default
+~/.cache/kimi/csrc) per torch / CUDA / Python version. Raises what torch's loader raises when it cannot build here
+(OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"  # the checkout's csrc/ (an editable install, as the README's)
+_built: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def load(name: str, sources: list[str]):
+    """The extension `name` built from csrc/`sources` (file names), imported; built on the first call."""
+    with _lock:
+        if name not in _built:
+            from torch.utils.cpp_extension import load as torch_load
+
+            tag = f"torch{torch.__version__}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+            root = Path(os.environ.get("KIMI_CSRC_CACHE", Path.home() / ".cache" / "kimi" / "csrc"))
+            build = root / f"{name}-{tag.replace('+', '_')}"
+            build.mkdir(parents=True, exist_ok=True)
+            _built[name] = torch_load(
+                name=f"kimi_{name}",
+                sources=[str(CSRC / s) for s in sources],
+                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-lineinfo"],
+                extra_cflags=["-O3", "-std=c++17"],
+                build_directory=str(build),
+                verbose=False,
+            )
+    return _built[name]

@@ -79,6 +79,7 @@ class ServeArgs:
     moe_backend: str = "humming"
     load_format: str = "auto"
     enforce_eager: bool = False
+    no_async_scheduling: bool = False
 
 
 # Every numeric `kimi serve` flag: (type, lowest, highest, inclusive lowest). Checked by argparse (`kimi serve`
@@ -212,6 +213,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU")
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="plan each step only after the last one's results are applied (default: the next step is "
+                        "planned and sent while one runs, so workers never wait for the controller)")
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
@@ -418,6 +422,7 @@ async def serve(a: ServeArgs) -> int:
             step_timeout_s=a.worker_timeout,
             enable_prefix_caching=not a.no_prefix_cache,
             max_waiting=a.max_waiting,
+            async_scheduling=not a.no_async_scheduling,
         )
         what = f"the ZeroMQ submit API on {submit_addr}"
         submit = SubmitServer(engine, tokenizer, submit_addr, cfg.vocab_size)

@@ -2,7 +2,13 @@
 """Controller + HTTP cost per engine step at 64 / 256 / 1024 running streaming requests (no model).
 
     python tools/bench_controller.py [--running 64 256 1024] [--output-len 256] [--input-len 64]
+                                     [--step-ms MS] [--async-scheduling on,off] [--rounds R]
                                      [--out bench/controller_cpu_DATE.json] [--profile DIR]
+
+`--step-ms MS [--token-us US]` makes every fake step last at least MS milliseconds plus US microseconds per token
+it computes (a stand-in for the model's time on a GPU; the worker sleeps, leaving the CPU to the controller);
+`--requests R` sends R requests at concurrency N (a new one as one ends) instead of N at once; `--async-scheduling on,off --rounds R` runs each N in
+both engine modes, interleaved, R times (async scheduling: kimi.controller.engine).
 
 For each N: starts `kimi serve --fake-workers` (real controller, real HTTP, real ZeroMQ step plans, a real
 torchrun worker that runs kimi.worker.fake instead of a model) with max-num-seqs N and a token budget that
@@ -86,10 +92,10 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(f[11]) / tck, int(f[12]) / tck
 
 
-def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
+def run_one(n: int, args, model_dir: str, tmp: str, async_scheduling: bool = True, tag: str = "") -> dict:
     """Serve with fake workers at N running requests, drive it, return the measurements."""
     port = free_tcp_port()
-    stats_path = os.path.join(tmp, f"fake_steps_{n}.json")
+    stats_path = os.path.join(tmp, f"fake_steps_{n}{tag}.json")
     total_tokens = args.input_len + args.output_len
     num_blocks = n * (-(-total_tokens // 64)) + 64
     server = [sys.executable]
@@ -100,14 +106,17 @@ def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
                "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", "--fake-workers",
                "--max-num-seqs", str(n), "--max-waiting", str(4 * n), "--token-budget", str(max(2048, 2 * n)),
                "--num-blocks", str(num_blocks), "--max-model-len", str(total_tokens + 64), "--log-level", "warning"]
+    if not async_scheduling:
+        server.append("--no-async-scheduling")
     client = [sys.executable, os.path.join(REPO, "tools", "bench_serving.py"), "--base-url", f"http://127.0.0.1:{port}",
-              "--model", "fake", "--num-requests", str(n), "--concurrency", str(n), "--input-len", str(args.input_len),
-              "--output-len", str(args.output_len), "--no-progress", "--out", os.path.join(tmp, f"client_{n}.json")]
+              "--model", "fake", "--num-requests", str(args.requests or n), "--concurrency", str(n), "--input-len", str(args.input_len),
+              "--output-len", str(args.output_len), "--no-progress", "--out", os.path.join(tmp, f"client_{n}{tag}.json")]
     if args.pin:
         server = ["taskset", "-c", "0"] + server
         client = ["taskset", "-c", "1"] + client
-    env = dict(os.environ, KIMI_FAKE_STATS=stats_path)
-    log = open(os.path.join(tmp, f"server_{n}.log"), "w")
+    env = dict(os.environ, KIMI_FAKE_STATS=stats_path, KIMI_FAKE_STEP_MS=str(args.step_ms),
+               KIMI_FAKE_TOKEN_US=str(args.token_us))
+    log = open(os.path.join(tmp, f"server_{n}{tag}.log"), "w")
     proc = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
@@ -150,7 +159,7 @@ def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
     while not os.path.exists(stats_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     steps = json.load(open(stats_path))["steps"]
-    rep = json.load(open(os.path.join(tmp, f"client_{n}.json")))
+    rep = json.load(open(os.path.join(tmp, f"client_{n}{tag}.json")))
     # steady state: n requests in the step, one token each (all decoding)
     idx = [i for i in range(len(steps) - 1) if steps[i][2] == n and steps[i][3] == n and steps[i + 1][2] == n]
     period = [steps[i + 1][0] - steps[i][0] for i in idx]
@@ -158,6 +167,7 @@ def run_one(n: int, args, model_dir: str, tmp: str) -> dict:
     work = [steps[i][1] - steps[i][0] for i in idx]
     out = {
         "running": n,
+        "async_scheduling": async_scheduling,
         "steady_steps": len(idx),
         "total_steps": len(steps),
         "steps_per_s": 1.0 / statistics.median(period) if period else None,
@@ -215,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample the controller with py-spy (from the venv, on CPU 1) during the client run; "
                         "collapsed stacks go to DIR/controller_N.txt (--summarise-py-spy FILE prints the top functions)")
     p.add_argument("--summarise-py-spy", default=None, metavar="FILE", help="print a --py-spy file's top functions and exit")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="each fake step lasts at least this long ($KIMI_FAKE_STEP_MS: a stand-in for the GPU's time)")
+    p.add_argument("--token-us", type=float, default=0.0,
+                   help="and this many microseconds more per token computed ($KIMI_FAKE_TOKEN_US: prefill is longer)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per run (default: N, all started at once); more than N keeps N running, "
+                        "a new one starting as one ends")
+    p.add_argument("--async-scheduling", default="on", help="on, off, or on,off: each N runs once per mode per round")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the modes, interleaved, this many times")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.summarise_py_spy:
@@ -223,10 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(os.path.join(tmp, "tiny-config"))
+        modes = [m.strip() == "on" for m in args.async_scheduling.split(",") if m.strip()]
         for n in args.running:
-            r = run_one(n, args, model_dir, tmp)
-            print(json.dumps(r), flush=True)
-            results.append(r)
+            for k in range(args.rounds):
+                for mode in modes:
+                    r = run_one(n, args, model_dir, tmp, mode, tag=f"_{k}_{'async' if mode else 'sync'}")
+                    r["round"] = k
+                    print(json.dumps(r), flush=True)
+                    results.append(r)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     doc = {
         "benchmark": "tools/bench_controller.py",
@@ -238,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             "pinning": "server (controller + fake worker) on CPU 0, load generator on CPU 1" if args.pin else "none",
             "workload": f"N concurrent streaming /v1/completions, {args.input_len} random prompt token ids, "
                         f"{args.output_len} output tokens, ignore_eos, greedy; kimi serve --fake-workers",
+            "fake_step_ms": args.step_ms,
+            "fake_token_us": args.token_us,
+            "requests": args.requests,
             "note": "shared machine: other processes ran at the same time (see loadavg_before_after)",
         },
         "command": "python tools/bench_controller.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -6,6 +6,15 @@ continuing requests, dropped rids), the plan is broadcast to all workers, the en
 Steps run back to back while there is work; when idle the engine pings the workers once a second so they
 know the controller is alive.
 
+Async scheduling (`async_scheduling`, on by default; `kimi serve --no-async-scheduling` turns it off): while
+step N runs, the engine already plans and sends step N+1 (kimi.controller.scheduler counts step N's tokens as
+in flight), then applies N's results and plans N+2 while N+1 runs. Workers run plans in order and hold the
+tokens they sampled, so a continuing request needs nothing from the controller; the workers never wait for
+the controller's per-step work (applying tokens, detokenizing, streaming, scheduling). The cost: a request
+that ends on a token only the applied result shows (EOS, a stop string or stop id) has one more token
+computed in the step already sent, which is dropped (never streamed, never counted); its KV blocks are freed
+when the stop is applied and may be reused from the plan after, which the workers run after that step.
+
 Failure: a `WorkerError`, a worker process that exits, a rank whose heartbeat stops (no `Pong` and no
 other message for `heartbeat_timeout_s`: dead, SIGSTOPped, wedged; pings go out every `heartbeat_s`, also
 between and during steps), or a step that takes longer than `step_timeout_s` makes the engine fail every
@@ -15,6 +24,7 @@ in-flight request with an error and stop (`fatal_error` is set; the server then 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -64,6 +74,7 @@ class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    steps_ahead: int = 0  # plans sent while another step was in flight (async scheduling)
 
 
 class Engine:
@@ -85,8 +96,11 @@ class Engine:
         heartbeat_s: float = 1.0,
         enable_prefix_caching: bool = True,
         max_waiting: int = 1024,
+        async_scheduling: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.async_scheduling = async_scheduling
+        self._early: dict[int, dict[int, list[protocol.TokenOutput]]] = {}  # step -> rank -> outputs, arrived early
         self.eos_token_ids = eos_token_ids
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -351,8 +365,14 @@ class Engine:
         return protocol.StepPlan(step=self._step, new=new, cont=cont, finished=drops), outs
 
     async def _collect(self, step: int) -> dict[int, protocol.TokenOutput]:
+        """Every rank's StepResult of `step` -> sampled tokens by rid. Results of the later step already sent
+        (async scheduling) that arrive first are kept for its own _collect."""
         tokens: dict[int, protocol.TokenOutput] = {}
         answered: set[int] = set()
+        for rank, outputs in self._early.pop(step, {}).items():
+            answered.add(rank)
+            for t in outputs:
+                tokens[t.rid] = t
         deadline = time.monotonic() + self.step_timeout_s
         while len(answered) < self.world_size:
             left = deadline - time.monotonic()
@@ -368,7 +388,13 @@ class Engine:
             if isinstance(msg, protocol.WorkerError):
                 raise RuntimeError(f"worker rank {msg.rank} failed: {msg.message}")
             if isinstance(msg, protocol.StepResult):
-                if msg.step != step:
+                if step < msg.step <= self._step:  # a step sent after this one, answered by a faster rank
+                    early = self._early.setdefault(msg.step, {})
+                    if msg.rank in early:
+                        raise RuntimeError(f"rank {msg.rank} answered step {msg.step} twice")
+                    early[msg.rank] = msg.outputs
+                    continue
+                if msg.step != step or msg.rank in answered:
                     raise RuntimeError(f"rank {msg.rank} answered step {msg.step} while step {step} ran")
                 answered.add(msg.rank)
                 for t in msg.outputs:
@@ -419,8 +445,8 @@ class Engine:
                 req = sr.request
                 if req.status is finished or req.rid not in by_rid:
                     continue  # aborted while the step ran
-                if not req.sent_to_workers:
-                    continue  # preempted later in this same plan (not possible today, kept safe)
+                if not req.sent_to_workers or sr.epoch != req.num_preemptions:
+                    continue  # preempted after this step was sent: it is recomputed from its tokens later
                 nct = req.num_computed_tokens + sr.num_new_tokens
                 req.num_computed_tokens = nct
                 if nct >= (req.num_cached_blocks + 1) * bs:  # a block may have filled up: commit (cheap test)
@@ -434,6 +460,7 @@ class Engine:
                     observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:
                     req.first_token_time = now
+                req.num_inflight_samples -= 1
                 delta = append(req, tok)
                 n_out += 1
                 req.outputs.put(delta)
@@ -442,10 +469,15 @@ class Engine:
         self.stats.generation_tokens += n_out
 
     async def run(self) -> None:
-        """Step until `stop()`; on a worker failure fail every request, set fatal_error and return."""
+        """Step until `stop()`; on a worker failure fail every request, set fatal_error and return.
+
+        At most two steps are in flight with async scheduling (one without): the next plan is built and sent
+        before the running step's results are collected and applied."""
+        inflight: collections.deque[tuple[int, list[SchedulerOutput]]] = collections.deque()
+        depth = 2 if self.async_scheduling else 1
         try:
             while not self.stopped.is_set():
-                if not self._has_work():
+                if not inflight and not self._has_work():
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
@@ -453,14 +485,23 @@ class Engine:
                         self._check_liveness()
                         await self._maybe_ping()
                     continue
-                plan, outs = self._build_plan()
-                if not plan.new and not plan.cont and not plan.finished:
-                    self._step -= 1
-                    await asyncio.sleep(0.005)
-                    continue
-                await self._maybe_ping()
-                await self.transport.send(plan)
-                tokens = await self._collect(plan.step)
+                if len(inflight) < depth and self._has_work():
+                    plan, outs = self._build_plan()
+                    if plan.new or plan.cont or plan.finished:
+                        await self._maybe_ping()
+                        await self.transport.send(plan)
+                        if inflight:
+                            self.stats.steps_ahead += 1
+                        inflight.append((plan.step, outs))
+                        if len(inflight) < depth:
+                            continue  # plan the next step too, before waiting for this one
+                    else:  # nothing to run (or nothing more until the step in flight is applied)
+                        self._step -= 1
+                        if not inflight:
+                            await asyncio.sleep(0.005)
+                            continue
+                step, outs = inflight.popleft()
+                tokens = await self._collect(step)
                 self.stats.steps += 1
                 self._apply(outs, tokens)
                 await asyncio.sleep(0)  # let front-ends read outputs / add requests between steps

@@ -97,7 +97,10 @@ class Request:
     """One generation request inside the controller.
 
     `token_ids` is the prompt followed by the generated tokens. `num_computed_tokens` counts tokens whose KV
-    the workers hold; `block_table` lists the KV blocks (append-only while the request runs). `outputs` is
+    the workers hold (as of the last applied step); `num_scheduled_tokens` also counts the tokens of steps sent
+    and not applied yet (async scheduling: the next plan goes out while a step runs), and
+    `num_inflight_samples` the tokens those steps will sample (both equal num_computed_tokens / 0 between
+    steps without async scheduling); `block_table` lists the KV blocks (append-only while the request runs). `outputs` is
     the stream of `RequestOutput` deltas that front-ends (HTTP, ZeroMQ) read.
     """
 
@@ -111,6 +114,8 @@ class Request:
     dp_rank: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    num_inflight_samples: int = 0
     block_table: list[int] = field(default_factory=list)
     sent_to_workers: bool = False
     num_sent_blocks: int = 0

@@ -15,6 +15,17 @@ Each step (`schedule`):
    of the rest that fits the remaining budget.
 After each step the engine calls `commit(req)`, which registers the request's newly completed full blocks
 in the prefix cache (only then is their KV known to be written).
+
+Async scheduling (the engine plans step N+1 while step N runs): `schedule` counts what earlier, unapplied
+steps will do. A request's known tokens are `len(token_ids) + num_inflight_samples` (the in-flight steps'
+sampled tokens exist on the workers, which run plans in order, though not here yet) and its tokens still to
+compute start at `num_scheduled_tokens`; scheduling advances both counters, applying a step (engine) advances
+num_computed_tokens and appends the sampled token. A request whose in-flight tokens already reach max_tokens or
+max_model_len is not scheduled ahead (it ends when they are applied); one that ends on a stop condition only
+the applied token shows (EOS, a stop string) has one extra token computed, which is dropped. Preemption resets
+the counters and bumps `num_preemptions`, the epoch that `ScheduledRequest.epoch` records, so the results of
+steps sent before it are ignored. Without async scheduling the counters equal num_computed_tokens / 0
+between steps and everything above reduces to the synchronous rules.
 The controller never schedules work for a request it cannot hold: admission (`engine`) rejects requests
 whose prompt + max_tokens exceed what the whole cache holds.
 """
@@ -38,12 +49,14 @@ class ScheduledRequest:
 
     is_new: the workers do not hold this request yet (first schedule, or after preemption); its
     `num_computed_tokens` then counts the prefix-cache hit the workers must not recompute.
+    epoch: the request's num_preemptions when scheduled (a result for an older epoch is ignored).
     """
 
     request: Request
     num_new_tokens: int
     new_blocks: list[int]
     is_new: bool
+    epoch: int = 0
 
 
 @dataclass
@@ -62,7 +75,7 @@ class Scheduler:
     """Waiting queue, running list and BlockPool of one DP rank.
 
     Not thread-safe; the engine's event loop owns it. Invariants: a running request's block table holds
-    exactly blocks_needed(num_computed_tokens) blocks between steps; its first `num_cached_blocks` blocks
+    exactly blocks_needed(num_scheduled_tokens) blocks between steps; its first `num_cached_blocks` blocks
     are registered in the prefix cache; waiting requests hold no blocks.
     """
 
@@ -102,6 +115,8 @@ class Scheduler:
         req.num_cached_blocks = 0
         req.num_sent_blocks = 0
         req.sent_to_workers = False
+        req.num_scheduled_tokens = req.num_computed_tokens
+        req.num_inflight_samples = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -139,8 +154,8 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------
     def _grow(self, req: Request, num_new: int) -> list[int] | None:
-        """Blocks to append so that req holds num_computed + num_new tokens; None if not enough are free."""
-        need = self.block_pool.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_table)
+        """Blocks to append so that req holds num_scheduled + num_new tokens; None if not enough are free."""
+        need = self.block_pool.blocks_needed(req.num_scheduled_tokens + num_new) - len(req.block_table)
         if need <= 0:
             return []
         if need > self.block_pool.num_free_blocks:
@@ -152,8 +167,8 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         held = victim.sent_to_workers
-        self._release(victim)
         victim.num_computed_tokens = 0
+        self._release(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         victim.status = RequestStatus.WAITING
@@ -178,7 +193,8 @@ class Scheduler:
         pool.record_query(len(req.token_ids), num_computed)
         req.block_table = hits + blocks
         req.num_cached_blocks = len(hits)
-        req.num_computed_tokens = num_computed
+        req.num_computed_tokens = req.num_scheduled_tokens = num_computed
+        req.num_inflight_samples = 0
         if not req.was_scheduled:
             req.num_cached_tokens = num_computed
             req.was_scheduled = True
@@ -191,27 +207,35 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         if self.running:
-            decodes = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
+            # tokens still to compute: known (applied + in-flight samples) minus scheduled (applied + in flight)
+            decodes = [r for r in self.running
+                       if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1]
             if len(decodes) < len(self.running):
-                order = decodes + [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]
+                order = decodes + [r for r in self.running
+                                   if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens != 1]
             else:
                 order = decodes
             bs = self.block_pool.block_size
             running = RequestStatus.RUNNING
             scheduled = out.scheduled
+            max_len = self.config.max_model_len
             for req in order:
                 if budget <= 0:
                     break
                 if req.status is not running:
                     continue  # preempted earlier in this step
-                num_new = len(req.token_ids) - req.num_computed_tokens
+                inflight = req.num_inflight_samples
+                if inflight and (len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
+                                 or len(req.token_ids) + inflight >= max_len):
+                    continue  # its in-flight token ends it ("length"): nothing more to compute
+                num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
                 if num_new > budget:
                     num_new = budget
                 if num_new <= 0:
                     continue
-                if req.num_computed_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
+                if req.num_scheduled_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
                     # fast path (most decode steps): the tokens fit the blocks it holds
-                    scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False))
+                    scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions))
                     scheduled_ids.add(req.rid)
                     budget -= num_new
                     continue
@@ -226,7 +250,8 @@ class Scheduler:
                     # Even after preempting everything newer, this request does not fit: preempt it too.
                     self._preempt(req, out)
                     continue
-                out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers))
+                out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers,
+                                                      req.num_preemptions))
                 scheduled_ids.add(req.rid)
                 budget -= num_new
 
@@ -243,9 +268,15 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True))
+            out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True, req.num_preemptions))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
+        for sr in out.scheduled:  # the step's tokens are now in flight (see the module docstring)
+            req = sr.request
+            n = req.num_scheduled_tokens + sr.num_new_tokens
+            req.num_scheduled_tokens = n
+            if n == len(req.token_ids) + req.num_inflight_samples:
+                req.num_inflight_samples += 1  # this step samples the request's next token
         return out
 
 

@@ -18,6 +18,11 @@ continuing request's last computed position must still hold its token; otherwise
 a block with the wrong content (or let someone overwrite a shared one) and the step fails loudly
 (RuntimeError -> WorkerError -> every request fails). Cost: one array store per token.
 
+Simulated model time: with `$KIMI_FAKE_STEP_MS` (and `$KIMI_FAKE_TOKEN_US`) set, each step that computes tokens
+lasts at least STEP_MS + TOKEN_US * its tokens / 1000 milliseconds (the runner sleeps the rest, leaving the CPU
+to the controller as a GPU step would), so a benchmark can show how much of the controller's per-step work
+overlaps the model's (async scheduling), prefill steps being longer than decode steps.
+
 Timing. `step_times` records (t_start, t_end, num_requests, num_tokens) per executed step (time.perf_counter
 seconds); with `$KIMI_FAKE_STATS` set, they are written there as JSON at exit (rank 0 only), so a benchmark
 can compute the controller's share of each step (the gap between one step's end and the next's start).
@@ -88,6 +93,8 @@ class FakeRunner:
         self.step_times: list[tuple[float, float, int, int]] = []
         path = os.environ.get("KIMI_FAKE_STATS")
         self._record = bool(path) and rank == 0
+        self.step_s = float(os.environ.get("KIMI_FAKE_STEP_MS", "0") or 0) / 1000.0
+        self.token_s = float(os.environ.get("KIMI_FAKE_TOKEN_US", "0") or 0) / 1e6
         if self._record:
             atexit.register(self._dump, path)
 
@@ -160,6 +167,10 @@ class FakeRunner:
                 top_ids = [tok] * sp.num_logprobs if sp.num_logprobs > 0 else None
                 top_lps = [-1.0] * sp.num_logprobs if sp.num_logprobs > 0 else None
                 outputs.append(protocol.TokenOutput(rid, tok, lp, top_ids, top_lps))
+        if (self.step_s > 0 or self.token_s > 0) and batch:
+            left = self.step_s + self.token_s * num_tokens - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
         if self._record:
             self.step_times.append((t0, time.perf_counter(), len(batch), num_tokens))
         return outputs

@@ -3,13 +3,16 @@
 # config with dummy weights cut to $LAYERS layers is started once per value in $VALUES of the variable $VAR, and
 # tools/bench_serving.py drives each over HTTP; JSON and logs under $OUT (one subfolder per value).
 # Usage (device tool, carry .whl .whl_e2e .jitcache): VAR=KIMI_PLAN_AHEAD VALUES="0 1" LAYERS=4 bash tests/gpu/serve_ab.sh
+# VAR=flag: each value is a `kimi serve` flag instead (none = no flag), e.g. VALUES="none --no-async-scheduling".
 set -u
 source tests/gpu/device_env.sh || exit 1
 LAYERS=${LAYERS:-4}
+i=0
 for v in $VALUES; do
-  d=$OUT/${VAR}_$v; mkdir -p $d
-  env $VAR=$v python3 -m kimi serve --device cuda --model preset:kimi-k2.6 --load-format dummy \
-    --num-hidden-layers $LAYERS --max-num-seqs 64 --port 8000 --served-model-name k26 > $d/serve.log 2>&1 &
+  i=$((i + 1)); d=$OUT/${i}_${VAR}_${v#--}; mkdir -p $d
+  if [ "$VAR" = flag ]; then envv=(); flag=(); [ "$v" != none ] && flag=("$v"); else envv=("$VAR=$v"); flag=(); fi
+  env "${envv[@]}" python3 -m kimi serve --device cuda --model preset:kimi-k2.6 --load-format dummy \
+    --num-hidden-layers $LAYERS --max-num-seqs ${MAX_SEQS:-64} --port 8000 --served-model-name k26 "${flag[@]}" > $d/serve.log 2>&1 &
   pid=$!
   t0=$(date +%s)
   until curl -sf localhost:8000/health | grep -q ok; do

@@ -50,6 +50,7 @@ def step(s: Scheduler, kv: dict[int, int] | None = None):
         s.commit(req)
         if req.num_computed_tokens == len(req.token_ids):
             req.token_ids.append((sum(req.token_ids) * 31 + len(req.token_ids)) % 1000)
+            req.num_inflight_samples -= 1
             if req.num_output_tokens >= req.stop.max_tokens:
                 s.remove(req)
     return out

@@ -25,6 +25,10 @@ non-expert weights (all but the embedding, of which B rows), distinct local expe
 KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 1152 bytes).
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
+graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
+(ModelRunner.launch): step i + 1's host work, replay, logits and argmax are queued before the host waits for step
+i's ids (copied to pinned memory), step i + 1's input ids taken from step i's argmax on the device; ms per step over
+--iters steps, median of 3 rounds. With the host's work hidden this is the step time a server sees.
 host_forward_decode_us: host time of the whole graph decode call (forward_decode, plan ahead included);
 host_until_replay_us: its part before the replay is launched (the GPU idles through it when each step waits
 for the previous one, as a server's steps do).
@@ -306,6 +310,36 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
         e.synchronize()
         ts.append(s.elapsed_time(e))
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters, "samples": ts}
+
+
+def time_pipelined(launch, iters: int = 20, warmup: int = 3, rounds: int = 3, restart=None) -> dict:
+    """Steps issued the way the worker issues them under async scheduling (kimi.worker.runner.ModelRunner.launch):
+    step i + 1 is launched, its host work included, before the host waits for step i's sampled ids. `launch(prev)`
+    starts one step (prev: the last step's handle or None) and returns (handle, event after its device->host
+    copy). Per round (each after `restart()` when given: the same steps every round): wall time from before the
+    first timed launch to the last step's copy / iters (events on the stream); the median over rounds and each
+    round's value, in ms per step."""
+    per = []
+    for _ in range(rounds):
+        if restart is not None:
+            restart()
+        prev = None
+        for _ in range(warmup):
+            prev = launch(prev)[0]
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        prev, ev_prev = None, None
+        for _ in range(iters):
+            cur, ev = launch(prev)
+            if ev_prev is not None:
+                ev_prev.synchronize()  # the host waits for step i's tokens only once step i + 1 is queued
+            prev, ev_prev = cur, ev
+        ev_prev.synchronize()
+        e.record()
+        e.synchronize()
+        per.append(s.elapsed_time(e) / iters)
+    return {"median_ms": statistics.median(per), "round_ms": per, "iters": iters, "rounds": rounds}
 
 
 def host_profile(call, steps, iters: int) -> str:
@@ -652,6 +686,26 @@ def main() -> None:
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)
             case["graph_forward_only"] = time_ms(lambda: runner.replay(B), args.iters)
+            # the worker's pipelined decode (async scheduling): the next step's host work and replay are queued
+            # before the host waits for this step's tokens; its input ids come from this step's argmax on the device
+            rows = torch.arange(B, device=dev)
+
+            def launch(prev, steps=steps, tabs=tabs, ids_l=ids_l, rows=rows):
+                lens = steps.next()
+                fill = None if prev is None else (rows, prev, rows)
+                h = model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv, fill=fill)
+                nxt = model.compute_logits(h).argmax(-1)
+                host = torch.empty(nxt.shape, dtype=nxt.dtype, pin_memory=True)
+                host.copy_(nxt, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                return nxt, ev
+
+            case["graph_pipelined"] = time_pipelined(launch, args.iters, _WARMUP, restart=steps.restart)
+            case["graph_pipelined_over_floor"] = case["graph_pipelined"]["median_ms"] / floor
+            print(f"B={B}: graph pipelined {case['graph_pipelined']['median_ms']:.2f} ms per step "
+                  f"({case['graph_pipelined_over_floor']:.3f}x floor; rounds {case['graph_pipelined']['round_ms']})",
+                  flush=True)
             if args.graph_timeline:
                 case["graph_timeline"] = graph_timeline(lambda: runner.replay(B))
                 print(f"B={B}: graph timeline {json.dumps(case['graph_timeline'])}", flush=True)
@@ -684,10 +738,11 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
-    print("\nB_local  moe_tok  floor_ms  eager_ms  graph_ms  graph/floor  replay_ms")
+    print("\nB_local  moe_tok  floor_ms  eager_ms  graph_ms  graph/floor  replay_ms  pipelined_ms  pipelined/floor")
     for c in res["cases"]:
         print(f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
               f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
+              f"  {c['graph_pipelined']['median_ms']:12.2f}  {c['graph_pipelined_over_floor']:15.3f}"
               f"  host {c['host_until_replay_us']:.0f} us before the replay ({c['host_forward_decode_us']:.0f} us in all)")
         print(f"    host marks (us from the call's start) {c['host_marks_us']}")
         if "breakdown_eager" in c:

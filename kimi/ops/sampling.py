@@ -28,8 +28,9 @@ p_i = 0 scores 0 and never wins (E is clamped away from 0, and the top token's s
 Two implementations of the same semantics:
 
 - `sample` / `process_logits`: batched tensor ops over the rows, for the GPU. No device->host
-  synchronisation per row: the only device->host copy is one packed float64 tensor at the end
-  (`_to_host`: token ids, chosen logprobs, top-k ids and logprobs). Host->device inputs (row indices,
+  synchronisation per row: the only device->host copy is one packed float64 tensor at the end (token ids,
+  chosen logprobs, top-k ids and logprobs), started by `sample_launch` (`_start_host_copy`: non-blocking, into pinned memory)
+  and waited for by `SampleLaunch.result()`, so a caller can queue more device work before it waits. Host->device inputs (row indices,
   per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
   non-blocking copies from pinned memory (`_h2d`), which do not make the host wait either.
 - `sample_ref` / `process_logits_ref`: one row at a time in plain PyTorch, the reference the batched path
@@ -251,11 +252,6 @@ def _h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return t.to(device, non_blocking=True)
 
 
-def _to_host(t: torch.Tensor) -> list[float]:
-    """The one device->host copy of a `sample` call: a flat float64 tensor -> Python floats."""
-    return t.cpu().tolist()
-
-
 def process_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -370,21 +366,22 @@ def filter_logits(
     return torch.empty_like(x).scatter_(1, si, sv)
 
 
-def sample(
+def sample_launch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
-) -> SampleOutput:
+) -> "SampleLaunch":
     """Sample one token per row (module docstring for the steps and their order), batched.
 
     logits: [B, V] float32 (other float dtypes are upcast), on any device. params[b].temperature == 0 means
     argmax of the processed logits (lowest id on ties). generators[b]: a torch.Generator for a seeded row
     (best on logits' device; see `_draw_exponential`) or None for the global RNG. token_ids /
     num_prompt_tokens: see `process_logits` (needed only for min_tokens and penalties; ValueError /
-    IndexError as there). Returns token ids and, where params[b].num_logprobs >= 0, the sampled token's raw
-    logprob and the top num_logprobs alternatives (ids, raw logprobs), highest first. The controller keeps
+    IndexError as there). Returns a SampleLaunch: the sampled ids on the device now, and from `result()` the
+    token ids and, where params[b].num_logprobs >= 0, the sampled token's raw logprob and the top
+    num_logprobs alternatives (ids, raw logprobs), highest first. The controller keeps
     at least one token sampleable (min_tokens bans at most the EOS and stop ids; biases are finite).
 
     Device work: one argmax over the greedy rows; for the random rows one temperature division, one
@@ -437,20 +434,73 @@ def sample(
         if K > 0:
             tv, ti = torch.topk(logp, K, dim=-1)
             parts += [ti.to(torch.float64).flatten(), tv.to(torch.float64).flatten()]
-    host = _to_host(torch.cat(parts) if len(parts) > 1 else parts[0])  # the one device->host copy
-    token_out = [int(v) for v in host[:B]]
-    lps: list[float | None] = [None] * B
-    tids: list[list[int] | None] = [None] * B
-    tlps: list[list[float] | None] = [None] * B
-    W = len(want)
-    for j, b in enumerate(want):
-        lps[b] = host[B + j]
-        k = min(params[b].num_logprobs, V)
-        if k > 0:
-            o = B + W + j * K
-            tids[b] = [int(v) for v in host[o : o + k]]
-            tlps[b] = host[o + W * K : o + W * K + k]
-    return SampleOutput(token_out, lps, tids, tlps)
+    host, event = _start_host_copy(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return SampleLaunch(ids, host, event, B, want, K, [p.num_logprobs for p in params], V)
+
+
+def _start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The one device->host copy of a `sample_launch`: on CUDA started non-blocking into pinned memory, with an
+    event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor itself, no event."""
+    if packed.device.type != "cuda":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(packed.device))
+    return host, event
+
+
+@dataclass
+class SampleLaunch:
+    """A `sample_launch` in flight: every device op is queued and the packed results are being copied to the host.
+
+    ids: [B] int64 on the logits' device, the sampled token ids (a later step may read them on the device before
+    the host has them). `result()` waits for the copy (an event, not a device-wide sync) and unpacks it."""
+
+    ids: torch.Tensor
+    _host: torch.Tensor
+    _event: object
+    _B: int
+    _want: list
+    _K: int
+    _num_logprobs: list
+    _V: int
+
+    def done(self) -> bool:
+        """Whether the copy to the host has finished (never blocks)."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> SampleOutput:
+        """The SampleOutput (waits for the copy)."""
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host.tolist()
+        B, want, K, V = self._B, self._want, self._K, self._V
+        token_out = [int(v) for v in host[:B]]
+        lps: list[float | None] = [None] * B
+        tids: list[list[int] | None] = [None] * B
+        tlps: list[list[float] | None] = [None] * B
+        W = len(want)
+        for j, b in enumerate(want):
+            lps[b] = host[B + j]
+            k = min(self._num_logprobs[b], V)
+            if k > 0:
+                o = B + W + j * K
+                tids[b] = [int(v) for v in host[o : o + k]]
+                tlps[b] = host[o + W * K : o + W * K + k]
+        return SampleOutput(token_out, lps, tids, tlps)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    token_ids: Sequence[Sequence[int]] | None = None,
+    num_prompt_tokens: Sequence[int] | None = None,
+) -> SampleOutput:
+    """`sample_launch(...).result()`: one token per row (module docstring for the steps and their order),
+    batched; see sample_launch for the arguments and errors."""
+    return sample_launch(logits, params, generators, token_ids, num_prompt_tokens).result()
 
 
 def prompt_logprobs(

@@ -239,7 +239,7 @@ class CudaGraphRunner:
                 and -(-max(seq_lens) // block_size) <= self.max_blocks_per_seq)
 
     def run_host(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
-                 block_tables: list[list[int]]) -> torch.Tensor:
+                 block_tables: list[list[int]], fill=None) -> torch.Tensor:
         """Replay a decode batch given as host lists (the worker's fast path: no AttentionMetadata, no device
         kernels before the replay): token id, position (= seq_len - 1), context length and block ids per
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
@@ -249,8 +249,9 @@ class CudaGraphRunner:
         ONE pinned non-blocking copy; then either the lengths and tables go to theirs (Triton attention: two more
         pinned copies, no plan) or FlashInfer's schedule is planned (`FlashInferMLA.plan_decode_schedule`: nothing
         to do when the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the
-        bucket's next step (same batch, every length + 1) is planned while the GPU works. Raises ValueError when
-        the batch exceeds the largest bucket or a table is too short.
+        bucket's next step (same batch, every length + 1) is planned while the GPU works. fill: see
+        GPUKimiForCausalLM.forward_decode (applied to the static token ids after the staging copy, on the device).
+        Raises ValueError when the batch exceeds the largest bucket or a table is too short.
         """
         t0 = time.perf_counter()
         B = len(input_ids)
@@ -289,6 +290,8 @@ class CudaGraphRunner:
         if views is None:
             views = self._copy_views[n_in] = (self.dev_in[:n_in], self.host_in[:n_in])
         views[0].copy_(views[1], non_blocking=True)
+        if fill is not None:  # tokens the previous step sampled, still on the device
+            self.input_ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
         t1 = time.perf_counter()
         if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
             mb, mx = self.max_blocks_per_seq, self.max_batch

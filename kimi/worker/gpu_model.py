@@ -306,19 +306,25 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         return self._forward_fused(input_ids, positions, attn, kv_caches)
 
     def forward_decode(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
-                       block_tables: list[list[int]], block_size: int, kv_caches) -> torch.Tensor:
+                       block_tables: list[list[int]], block_size: int, kv_caches, fill=None) -> torch.Tensor:
         """One decode step from host lists (one new token per sequence: positions[b] = seq_lens[b] - 1) ->
         hidden [B, D] after the final norm. Replays a CUDA graph through `CudaGraphRunner.run_host` when one
-        fits (no AttentionMetadata is built), else builds the metadata and runs `forward`."""
+        fits (no AttentionMetadata is built), else builds the metadata and runs `forward`.
+
+        fill: None, or (rows [P] int64, values [M] int64, value rows [P] int64) on the device: input_ids[rows[i]]
+        is replaced by values[value rows[i]] on the device before the forward reads it (tokens the previous step
+        sampled that the host does not have yet: ModelRunner.launch)."""
         g = self.graphs
         if g is not None and g.can_run_host(seq_lens, block_size):
-            return g.run_host(input_ids, positions, seq_lens, block_tables)
+            return g.run_host(input_ids, positions, seq_lens, block_tables, fill=fill)
         from kimi.ops.attention import build_attention_metadata
 
         dev = self.norm.device
         attn = build_attention_metadata([1] * len(input_ids), seq_lens, block_tables, block_size, dev)
-        return self(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                    torch.tensor(positions, dtype=torch.int64, device=dev), attn, kv_caches)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        if fill is not None:
+            ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
+        return self(ids, torch.tensor(positions, dtype=torch.int64, device=dev), attn, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, vocab] float32, the lm_head GEMM through kimi.ops.linear_small_m.linear."""

@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -119,9 +120,29 @@ def main(argv: list[str] | None = None) -> int:
 
     ready = False
     last_step = 0
+    # A launched step whose result is not sent yet (ModelRunner.launch / finish). While it runs, the worker
+    # waits for whichever comes first: the next plan (launched right away, its forward queued behind this step;
+    # the controller sends it early with async scheduling), or the step's end (then its result goes out).
+    pending = None
+    pipelined = hasattr(runner, "launch")
+
+    def send_result(h) -> None:
+        transport.send(protocol.StepResult(h.step, rank, runner.finish(h)))
+        heartbeat.step = h.step
+
     try:
         while True:
-            msg = transport.recv(args.controller_timeout)
+            if pending is not None:
+                msg = transport.recv(0)
+                while msg is None and not pending.done():
+                    time.sleep(50e-6)
+                    msg = transport.recv(0)
+                if msg is None:
+                    send_result(pending)
+                    pending = None
+                    continue
+            else:
+                msg = transport.recv(args.controller_timeout)
             if msg is None:
                 log.error("no message from the controller for %.0f s; exiting", args.controller_timeout)
                 return 1
@@ -137,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             if msg.step != last_step + 1:
                 raise RuntimeError(f"step plan gap: expected step {last_step + 1}, got {msg.step}")
             last_step = msg.step
-            outputs = runner.execute(msg)
-            transport.send(protocol.StepResult(msg.step, rank, outputs))
-            heartbeat.step = msg.step
+            if pipelined:
+                pending = runner.launch(msg, pending, on_prev=send_result)  # sends pending's result when it is done
+            else:
+                transport.send(protocol.StepResult(msg.step, rank, runner.execute(msg)))
+                heartbeat.step = msg.step
     except Exception as e:
         traceback.print_exc()
         transport.send(protocol.WorkerError(rank, f"{type(e).__name__}: {e}"))

@@ -23,7 +23,7 @@ from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
 from kimi.ops.all_to_all import step_mode
 from kimi.ops.attention import build_attention_metadata
-from kimi.ops.sampling import prompt_logprobs, sample
+from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
 from kimi.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
 
@@ -45,6 +45,29 @@ class WorkerRequest:
     prompt_lp: list[float | None] | None = None
     prompt_top_ids: list[list[int] | None] | None = None
     prompt_top_lps: list[list[float] | None] | None = None
+    # a step launched and not finished sampled this request's next token: it is on the device (that step's
+    # StepHandle.launch.ids), not in token_ids yet
+    pending: bool = False
+
+
+@dataclass
+class StepHandle:
+    """A step `ModelRunner.launch` started: its sampled tokens may still be on their way to the host.
+
+    sampled: (rid, request) per sampled row, in row order; launch: the sampling in flight (None: nothing
+    sampled); plp: per sampled row, the prompt logprobs it sends with its first token (or Nones); row_of: rid ->
+    row of launch.ids; outputs: set by `ModelRunner.finish`."""
+
+    step: int
+    sampled: list[tuple[int, WorkerRequest]]
+    launch: SampleLaunch | None
+    plp: list[tuple]
+    row_of: dict[int, int]
+    outputs: list[protocol.TokenOutput] | None = None
+
+    def done(self) -> bool:
+        """Whether finish() would return without waiting."""
+        return self.outputs is not None or self.launch is None or self.launch.done()
 
 
 class ModelRunner:
@@ -56,7 +79,8 @@ class ModelRunner:
     low-latency mode (DeepEP); others use its normal mode.
     Counters (logged at exit, read by tests): num_requests (NewRequest entries this rank ran; a preempted and
     re-sent request counts again), num_sampled (tokens it
-    sampled), num_idle_steps (steps it ran with no local tokens).
+    sampled), num_idle_steps (steps it ran with no local tokens), num_overlapped (steps launched while the
+    previous one's tokens were still on their way to the host: `launch`).
     Raises CheckpointError / ConfigError while loading, RuntimeError on plan inconsistencies.
     """
 
@@ -82,6 +106,8 @@ class ModelRunner:
         self.num_requests = 0
         self.num_sampled = 0
         self.num_idle_steps = 0
+        self.num_overlapped = 0  # steps launched before the previous step's tokens reached the host (`launch`)
+        self.overlap_cpu = False  # overlap on a CPU device too (tests: there it gains nothing but runs the same path)
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
@@ -149,6 +175,45 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: protocol.StepPlan) -> list[protocol.TokenOutput]:
         """Apply the plan's diff, run one forward over this rank's scheduled tokens, sample, return tokens."""
+        return self.finish(self.launch(plan))
+
+    def finish(self, handle: StepHandle) -> list[protocol.TokenOutput]:
+        """Wait for a launched step's sampled tokens (one event), append them to their requests, return the step's
+        TokenOutputs (the same list on every call)."""
+        if handle.outputs is not None:
+            return handle.outputs
+        outputs: list[protocol.TokenOutput] = []
+        if handle.launch is not None:
+            res = handle.launch.result()
+            for j, (rid, wr) in enumerate(handle.sampled):
+                tok = res.token_ids[j]
+                wr.token_ids.append(tok)
+                wr.pending = False
+                self.num_sampled += 1
+                outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j],
+                                                    *handle.plp[j]))
+        handle.outputs = outputs
+        return outputs
+
+    def _finish_prev(self, prev: StepHandle | None, on_prev) -> None:
+        if prev is not None and prev.outputs is None:
+            self.finish(prev)
+            if on_prev is not None:
+                on_prev(prev)
+
+    @torch.inference_mode()
+    def launch(self, plan: protocol.StepPlan, prev: StepHandle | None = None, on_prev=None) -> StepHandle:
+        """Start a step: apply the plan's diff, launch the forward over this rank's scheduled tokens and the
+        sampling; returns its StepHandle (`finish` waits for the tokens).
+
+        prev: the step launched before this one, not finished yet (None: every earlier step is finished). On CUDA,
+        when the plan asks no prompt logprobs, this step's forward is queued before prev is finished: a request
+        whose input is the token prev sampled gets it on the device (prev's sampled ids, one gather into the
+        step's inputs), so the GPU runs the two steps back to back while the host waits for prev's tokens. prev is
+        finished before this step's sampling is launched (seeded draws, penalties and min_tokens read the token
+        histories), and `on_prev(prev)` is called as soon as it is, so its result can go out first. Otherwise prev
+        is finished first. Raises RuntimeError on plan inconsistencies.
+        """
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self.rank_of.pop(rid, None)
@@ -184,9 +249,15 @@ class ModelRunner:
             wr.block_table.extend(c.new_block_ids)
             batch.append((c.rid, wr, c.num_new_tokens))
         if not batch:
+            self._finish_prev(prev, on_prev)
             if self.world_size > 1:
                 self._idle_step()
-            return []
+            return StepHandle(plan.step, [], None, [], {})
+        if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None or any(
+                wr.prompt_lp is not None and wr.num_computed_tokens < wr.num_prompt_tokens - 1 for _, wr, _ in batch)):
+            self._finish_prev(prev, on_prev)  # nothing to overlap (or prompt logprobs, which read logits on the host)
+        overlap = prev is not None and prev.outputs is None
+        self.num_overlapped += overlap
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -195,16 +266,22 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_idx: list[int] = []
+        fills: list[tuple[int, int]] = []  # (input row, row of prev's sampled ids): tokens still on the device
         plp_rows: list[tuple[int, int, int]] = []  # (batch index, first flat row, prompt position of that row)
         row = 0
         for i, (rid, wr, n) in enumerate(batch):
             start = wr.num_computed_tokens
             end = start + n
-            if n <= 0 or end > len(wr.token_ids):
-                raise RuntimeError(f"plan asks rid {rid} for tokens [{start}, {end}) of {len(wr.token_ids)}")
+            known = len(wr.token_ids) + wr.pending
+            if n <= 0 or end > known:
+                raise RuntimeError(f"plan asks rid {rid} for tokens [{start}, {end}) of {known}")
             if len(wr.block_table) * self.block_size < end:
                 raise RuntimeError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
-            input_ids.extend(wr.token_ids[start:end])
+            if wr.pending:  # its input is the token prev sampled (start == len(token_ids), n == 1)
+                fills.append((row, prev.row_of[rid]))  # type: ignore[union-attr]
+                input_ids.append(0)
+            else:
+                input_ids.extend(wr.token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
@@ -213,23 +290,29 @@ class ModelRunner:
                 # rows predicting prompt tokens start+1 .. min(end, n_prompt - 1)
                 plp_rows.append((i, row, start))
             row += n
-            if end == len(wr.token_ids):
+            if end == known:
                 sample_rows.append(row - 1)
                 sample_idx.append(i)
 
         dev = self.device
+        fill = None
+        if fills:  # (input rows, prev's sampled ids, their rows): applied on the device before the forward reads
+            idx = torch.tensor(fills, dtype=torch.long)  # [P, 2]
+            if dev.type == "cuda":
+                idx = idx.pin_memory().to(dev, non_blocking=True)
+            fill = (idx[:, 0], prev.launch.ids, idx[:, 1])  # type: ignore[union-attr]
         fast = getattr(self.model, "forward_decode", None)
         if fast is not None and not plp_rows and all(q == 1 for q in query_lens):
             # pure decode on the GPU model: host lists straight into a CUDA graph replay (kimi/worker/cuda_graph.py)
-            hidden = fast(input_ids, positions, seq_lens, tables, self.block_size, self.kv_caches)  # [T, hidden]
+            hidden = fast(input_ids, positions, seq_lens, tables, self.block_size, self.kv_caches, fill=fill)  # [T, D]
         else:
             attn = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
-            hidden = self.model(  # [T, hidden]
-                torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                attn,
-                self.kv_caches,
-            )
+            ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+            if fill is not None:
+                ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
+            hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_caches)
+        if overlap:
+            self._finish_prev(prev, on_prev)  # the GPU has this step queued; the host now waits for prev's tokens
         for _, wr, n in batch:
             wr.num_computed_tokens += n
         for i, first_row, start in plp_rows:
@@ -245,7 +328,7 @@ class ModelRunner:
                     wr.prompt_top_ids[start + 1 + j] = tids[j]  # type: ignore[index]
                     wr.prompt_top_lps[start + 1 + j] = tlps[j]  # type: ignore[index]
         if not sample_rows:
-            return []
+            return StepHandle(plan.step, [], None, [], {})
         if len(sample_rows) == hidden.shape[0]:  # every row is sampled (decode): no gather
             logits = self.model.compute_logits(hidden)  # [S, vocab] f32
         else:
@@ -258,20 +341,20 @@ class ModelRunner:
                 # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
                 wr = batch[i][1]
                 g.manual_seed((wr.sampling.seed * 1_000_003 + len(wr.token_ids)) % (1 << 63))
-        res = sample(  # batched on the logits' device; one device->host copy for the whole step
+        res = sample_launch(  # batched on the logits' device; one device->host copy for the whole step
             logits, params, gens, [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],
         )
-        outputs = []
+        sampled, plp, row_of = [], [], {}
         for j, i in enumerate(sample_idx):
             rid, wr, _ = batch[i]
-            tok = res.token_ids[j]
-            wr.token_ids.append(tok)
-            self.num_sampled += 1
-            plp = (wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None else (None, None, None)
+            wr.pending = True
+            sampled.append((rid, wr))
+            row_of[rid] = j
+            plp.append((wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None
+                       else (None, None, None))
             wr.prompt_lp = wr.prompt_top_ids = wr.prompt_top_lps = None  # sent once
-            outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j], *plp))
-        return outputs
+        return StepHandle(plan.step, sampled, res, plp, row_of)
 
     def _idle_step(self) -> None:
         """No local tokens this step: run every MoE layer's dispatch / combine on a [0, hidden] batch, in layer

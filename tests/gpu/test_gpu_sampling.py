@@ -9,9 +9,9 @@
   and the same counts must reject a wrong distribution (p^2 renormalised) at p < 1e-12;
 - seeded rows: the same token whatever else is in the batch, and the same as sample_ref with the same
   CUDA generator;
-- host syncs: under torch.cuda.set_sync_debug_mode("error") a whole `sample` call (penalties, bias,
-  min_tokens, seeded rows, logprobs) runs with no synchronising op except its one `_to_host` copy (which
-  the test lets through and counts); the old per-row sampler (sample_ref, one .item() a row) raises there.
+- host syncs: under torch.cuda.set_sync_debug_mode("error") a whole `sample_launch` call (penalties, bias,
+  min_tokens, seeded rows, logprobs) runs with no synchronising op and starts exactly one device->host copy
+  (`_start_host_copy`, counted); the old per-row sampler (sample_ref, one .item() a row) raises there.
 
 Run on a CUDA machine: python -m pytest -q tests/gpu/test_gpu_sampling.py
 """
@@ -156,6 +156,8 @@ def test_seeded_rows_reproducible_across_batches_and_equal_to_reference():
 
 
 def test_one_device_to_host_copy_per_call(monkeypatch):
+    """sample_launch queues everything without one host synchronisation (CUDA sync debug mode "error" raises on
+    any) and starts exactly one device->host copy; SampleLaunch.result then waits for it."""
     B, V = 32, 163840
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(B, V, generator=g) * 3).to(DEV)
@@ -167,25 +169,24 @@ def test_one_device_to_host_copy_per_call(monkeypatch):
 
     S.sample(x, params, gens(), toks, n_prompt)  # warm-up (allocator, pinned host blocks)
     copies: list[int] = []
-    real = S._to_host
+    real = S._start_host_copy
 
     def counted(t):
         copies.append(t.numel())
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real(t)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
+        return real(t)
 
-    monkeypatch.setattr(S, "_to_host", counted)
+    monkeypatch.setattr(S, "_start_host_copy", counted)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        res = S.sample(x, params, gens(), toks, n_prompt)
+        launch = S.sample_launch(x, params, gens(), toks, n_prompt)
         with pytest.raises(RuntimeError):  # the check has teeth: a per-row .item() is caught
             S.sample_ref(x, params, gens(), toks, n_prompt)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    res = launch.result()
     assert len(copies) == 1
     assert len(res.token_ids) == B and all(0 <= t < V for t in res.token_ids)
     assert res.top_ids[4] is not None and len(res.top_ids[4]) == 20
+    # the sampled ids are on the device too, equal to what the host got
+    assert launch.ids.is_cuda and launch.ids.tolist() == res.token_ids

@@ -90,6 +90,8 @@ class FakeRunner:
             self.num_blocks = max(2, int(gib * (1 << 30) // kv_cache_bytes_per_block(cfg, self.block_size, _bf16())))
         self.kv = array("q", [-1]) * (self.num_blocks * self.block_size)
         self.requests: dict[int, FakeRequest] = {}
+        self.num_requests = 0  # NewRequest entries this rank ran (the worker logs them at exit)
+        self.num_sampled = 0
         self.step_times: list[tuple[float, float, int, int]] = []
         path = os.environ.get("KIMI_FAKE_STATS")
         self._record = bool(path) and rank == 0
@@ -132,6 +134,7 @@ class FakeRunner:
                         f"token is {fr.token_ids[p]}"
                     )
             self.requests[nr.rid] = fr
+            self.num_requests += 1
             batch.append((nr.rid, fr, nr.num_new_tokens))
         for c in plan.cont:
             fr = self.requests.get(c.rid)
@@ -163,6 +166,7 @@ class FakeRunner:
                 else:
                     tok = random.randrange(FAKE_VOCAB)
                 toks.append(tok)
+                self.num_sampled += 1
                 lp = None if sp.num_logprobs < 0 else -1.0
                 top_ids = [tok] * sp.num_logprobs if sp.num_logprobs > 0 else None
                 top_lps = [-1.0] * sp.num_logprobs if sp.num_logprobs > 0 else None

@@ -30,6 +30,15 @@ from kimi.worker.model import KimiForCausalLM
 log = logging.getLogger("kimi.worker")
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at `position` (the index of the token drawn): a function of
+    (seed, position) only, so a request recomputed after preemption draws what it would have drawn. seed: any
+    signed 64-bit integer (the API's range). Returns an int in [0, 2^64), torch.Generator.manual_seed's range; it
+    is injective in seed for a fixed position (1_000_003 is odd, so multiplying by it permutes the residues mod
+    2^64), so distinct API seeds never share a stream at the same position."""
+    return (seed * 1_000_003 + position) % (1 << 64)
+
+
 @dataclass
 class WorkerRequest:
     """A request as one worker sees it: its tokens, how many have KV in the cache, and its block table."""
@@ -340,7 +349,7 @@ class ModelRunner:
                 # A seeded draw depends only on (seed, position), so a request recomputed after preemption
                 # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
                 wr = batch[i][1]
-                g.manual_seed((wr.sampling.seed * 1_000_003 + len(wr.token_ids)) % (1 << 63))
+                g.manual_seed(position_seed(wr.sampling.seed, len(wr.token_ids)))
         res = sample_launch(  # batched on the logits' device; one device->host copy for the whole step
             logits, params, gens, [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],

@@ -134,3 +134,16 @@ def test_overlap_off_on_cpu_by_default(ckpt):
         pending = runner.launch(p, pending)
     runner.finish(pending)
     assert runner.num_overlapped == 0
+
+
+def test_position_seed_keeps_every_int64_seed_distinct():
+    from kimi.worker.runner import position_seed
+
+    edge = [-(1 << 63), -1, 0, 1, (1 << 63) - 1, 12345, 12345 - (1 << 63)]
+    for pos in (0, 1, 17, 4095):
+        vals = [position_seed(s, pos) for s in edge]
+        assert len(set(vals)) == len(vals)  # -1 and 2^63 - 1 (equal mod 2^63) no longer collide
+        for v in vals:
+            assert 0 <= v < (1 << 64)
+            torch.Generator().manual_seed(v)  # within manual_seed's range
+    assert position_seed(7, 3) == position_seed(7, 3) != position_seed(7, 4)

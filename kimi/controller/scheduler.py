@@ -208,13 +208,11 @@ class Scheduler:
 
         if self.running:
             # tokens still to compute: known (applied + in-flight samples) minus scheduled (applied + in flight)
-            decodes = [r for r in self.running
-                       if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1]
-            if len(decodes) < len(self.running):
-                order = decodes + [r for r in self.running
-                                   if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens != 1]
-            else:
-                order = decodes
+            decodes: list[Request] = []
+            others: list[Request] = []
+            for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
+                (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(r)
+            order = decodes + others if others else decodes
             bs = self.block_pool.block_size
             running = RequestStatus.RUNNING
             scheduled = out.scheduled

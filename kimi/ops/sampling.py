@@ -29,7 +29,7 @@ Two implementations of the same semantics:
 
 - `sample` / `process_logits`: batched tensor ops over the rows, for the GPU. No device->host
   synchronisation per row: the only device->host copy is one packed float64 tensor at the end (token ids,
-  chosen logprobs, top-k ids and logprobs), started by `sample_launch` (`_start_host_copy`: non-blocking, into pinned memory)
+  chosen logprobs, top-k ids and logprobs), started by `sample_launch` (`start_host_copy`: non-blocking, into pinned memory)
   and waited for by `SampleLaunch.result()`, so a caller can queue more device work before it waits. Host->device inputs (row indices,
   per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
   non-blocking copies from pinned memory (`_h2d`), which do not make the host wait either.
@@ -434,12 +434,12 @@ def sample_launch(
         if K > 0:
             tv, ti = torch.topk(logp, K, dim=-1)
             parts += [ti.to(torch.float64).flatten(), tv.to(torch.float64).flatten()]
-    host, event = _start_host_copy(torch.cat(parts) if len(parts) > 1 else parts[0])
+    host, event = start_host_copy(torch.cat(parts) if len(parts) > 1 else parts[0])
     return SampleLaunch(ids, host, event, B, want, K, [p.num_logprobs for p in params], V)
 
 
-def _start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """The one device->host copy of a `sample_launch`: on CUDA started non-blocking into pinned memory, with an
+def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The one device->host copy of a `sample_launch` (also the decode benchmark's): on CUDA started non-blocking into pinned memory, with an
     event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor itself, no event."""
     if packed.device.type != "cuda":
         return packed, None

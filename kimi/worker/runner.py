@@ -216,12 +216,12 @@ class ModelRunner:
         sampling; returns its StepHandle (`finish` waits for the tokens).
 
         prev: the step launched before this one, not finished yet (None: every earlier step is finished). On CUDA,
-        when the plan asks no prompt logprobs, this step's forward is queued before prev is finished: a request
+        when prev sampled anything, this step's forward is queued before prev is finished: a request
         whose input is the token prev sampled gets it on the device (prev's sampled ids, one gather into the
         step's inputs), so the GPU runs the two steps back to back while the host waits for prev's tokens. prev is
         finished before this step's sampling is launched (seeded draws, penalties and min_tokens read the token
-        histories), and `on_prev(prev)` is called as soon as it is, so its result can go out first. Otherwise prev
-        is finished first. Raises RuntimeError on plan inconsistencies.
+        histories) and before prompt logprobs are read back, and `on_prev(prev)` is called as soon as it is, so its
+        result can go out first. Otherwise prev is finished first. Raises RuntimeError on plan inconsistencies.
         """
         for rid in plan.finished:
             self.requests.pop(rid, None)
@@ -262,9 +262,8 @@ class ModelRunner:
             if self.world_size > 1:
                 self._idle_step()
             return StepHandle(plan.step, [], None, [], {})
-        if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None or any(
-                wr.prompt_lp is not None and wr.num_computed_tokens < wr.num_prompt_tokens - 1 for _, wr, _ in batch)):
-            self._finish_prev(prev, on_prev)  # nothing to overlap (or prompt logprobs, which read logits on the host)
+        if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None):
+            self._finish_prev(prev, on_prev)  # nothing to overlap
         overlap = prev is not None and prev.outputs is None
         self.num_overlapped += overlap
 

@@ -11,7 +11,7 @@
   CUDA generator;
 - host syncs: under torch.cuda.set_sync_debug_mode("error") a whole `sample_launch` call (penalties, bias,
   min_tokens, seeded rows, logprobs) runs with no synchronising op and starts exactly one device->host copy
-  (`_start_host_copy`, counted); the old per-row sampler (sample_ref, one .item() a row) raises there.
+  (`start_host_copy`, counted); the old per-row sampler (sample_ref, one .item() a row) raises there.
 
 Run on a CUDA machine: python -m pytest -q tests/gpu/test_gpu_sampling.py
 """
@@ -169,13 +169,13 @@ def test_one_device_to_host_copy_per_call(monkeypatch):
 
     S.sample(x, params, gens(), toks, n_prompt)  # warm-up (allocator, pinned host blocks)
     copies: list[int] = []
-    real = S._start_host_copy
+    real = S.start_host_copy
 
     def counted(t):
         copies.append(t.numel())
         return real(t)
 
-    monkeypatch.setattr(S, "_start_host_copy", counted)
+    monkeypatch.setattr(S, "start_host_copy", counted)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

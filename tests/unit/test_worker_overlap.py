@@ -7,7 +7,7 @@ device, the previous step is finished after this step's forward is queued and be
 are made the way async scheduling makes them: each step is planned before the previous one's tokens are known
 (continuing requests carry no token ids), with chunked prefills, new requests arriving mid-stream, requests
 dropped after their last token, and sampling settings that read the token history (penalties, min_tokens,
-seeded draws at a position) and prompt logprobs (which take the non-overlapped path).
+seeded draws at a position) and prompt logprobs (read back after the previous step is finished).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt):
     assert runner.num_overlapped >= 15, runner.num_overlapped  # of 60 steps, some empty or not after a sampling one
     for p in plans:
         assert got[p.step] == ref[p.step], f"step {p.step}"
-    # prompt logprobs came back (that plan took the non-overlapped path)
+    # prompt logprobs came back
     assert any(t.prompt_logprobs is not None for outs in got.values() for t in outs)
 
 

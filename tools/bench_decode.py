@@ -87,6 +87,15 @@ class EmulatedEP:
     def combine(self, expert_out, dispatched):
         return expert_out[: self.batch]
 
+    def row_blocks(self, offset: int, n_local: int, block_m: int) -> list[int]:
+        """Per layer: align blocks of block_m rows over the local experts (sum of ceil(rows / block_m)); a GEMM
+        that streams an expert's weights once per block reads them that many times."""
+        out = []
+        for l in range(self.n_layers):
+            ids = self.ids[l][(self.ids[l] >= offset) & (self.ids[l] < offset + n_local)] - offset
+            out.append(int(((torch.bincount(ids, minlength=n_local) + block_m - 1) // block_m).sum()))
+        return out
+
     def experts_hit(self, offset: int, n_local: int) -> list[int]:
         loc = (self.ids >= offset) & (self.ids < offset + n_local)
         return [int(torch.unique(self.ids[l][loc[l]]).numel()) for l in range(self.n_layers)]
@@ -268,10 +277,36 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
+    "align_expert_order": ("MoE align blocks in expert order (kimi.ops.moe_int4_triton.ALIGN_MULTI_FIRST False) instead "
+                           "of experts with more than one block first",
+                           lambda m: _set_module_attr("kimi.ops.moe_int4_triton", "ALIGN_MULTI_FIRST", False),
+                           lambda m: _restore_module_attr("kimi.ops.moe_int4_triton", "ALIGN_MULTI_FIRST")),
+    "moe_cuda_grid_full": ("--moe-backend cuda: one CTA row per possible align block (kimi.ops.moe_int4_cuda.TIGHT_GRID "
+                           "False) instead of expected_blocks",
+                           lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "TIGHT_GRID", False),
+                           lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "TIGHT_GRID")),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
 }
+
+
+def ab_variant(name: str):
+    """(what, apply, undo) of --ab variant `name`: AB_VARIANTS' entries, and `l2pf_o<C>_q<C>_<policy>`: the decode
+    graph's L2 prefetch (kimi.ops.l2_prefetch.PLAN) of o_proj's first C columns (+ W_UV) during the attention and
+    of the next layer's q_a + kv_a weight's first C columns after the MoE GEMMs (C = 0: that part off), with the
+    eviction policy evict_last / evict_normal (`last` / `normal`), e.g. l2pf_o2048_q0_last. Raises KeyError for
+    an unknown name."""
+    if name in AB_VARIANTS:
+        return AB_VARIANTS[name]
+    m = re.fullmatch(r"l2pf_o(\d+)_q(\d+)_(last|normal)", name)
+    if m is None:
+        raise KeyError(f"unknown --ab variant {name!r}; known: {', '.join(AB_VARIANTS)}, l2pf_o<C>_q<C>_<last|normal>")
+    plan = {"o_proj_cols": int(m[1]), "qkv_a_cols": int(m[2]), "policy": f"evict_{m[3]}"}
+    what = (f"L2 prefetch in the decode graph: o_proj first {plan['o_proj_cols']} columns + W_UV during the attention, "
+            f"next layer's q_a + kv_a first {plan['qkv_a_cols']} columns after the MoE GEMMs, {plan['policy']}")
+    return (what, lambda model: _set_module_attr("kimi.ops.l2_prefetch", "PLAN", plan),
+            lambda model: _restore_module_attr("kimi.ops.l2_prefetch", "PLAN"))
 
 
 _WARMUP = 3  # untimed steps before each timing (time_ms's warmup)
@@ -376,7 +411,7 @@ _CLASSES = [
     ("fused_rope_kv_write", r"_mla_rope_kv_kernel"),
     ("fused_router", r"_router_logits_kernel|_router_topk_kernel"),
     ("fused_align", r"_align_count_kernel|_align_scatter_kernel|_align_grid"),
-    ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel"),
+    ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel|w4a16_indexed"),
     ("moe_combine", r"_combine_kernel"),
     ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),
     ("dense_gemm_triton", r"_linear_small_m"),
@@ -498,7 +533,7 @@ def main() -> None:
                     help="decode attention of the headline (default: the model's decode_attention)")
     ap.add_argument("--ab", default="prologue_on",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
-                         + ", ".join(AB_VARIANTS))
+                         + ", ".join(AB_VARIANTS) + ", l2pf_o<C>_q<C>_<last|normal> (see ab_variant)")
     ap.add_argument("--layers-per-graph", type=int, default=None,
                     help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
                          "0: one graph)")
@@ -585,6 +620,9 @@ def main() -> None:
         timed = [args.ctx - args.iters // 2 + j for j in range(args.iters)]  # DecodeSteps' timed context lengths
         kv_bytes = int(B * statistics.mean(timed) * cfg.num_hidden_layers * cfg.kv_cache_dim * 2)
         wbytes = dense_bytes + sum(hit) * expert_bytes + B * cfg.hidden_size * 2
+        # weight streams of a GEMM in 8- / 16-row align blocks (one per block): > experts hit where an expert has more
+        # rows than a block (the floor counts each expert once)
+        case["row_blocks_mean"] = {bm: statistics.mean(ep.row_blocks(0, n_local, bm)) for bm in (8, 16)}
         case.update(experts_hit_mean=sum(hit) / len(hit), expert_bytes=sum(hit) * expert_bytes,
                     dense_bytes=dense_bytes, kv_bytes=kv_bytes, total_bytes=wbytes + kv_bytes)
         case["floor_ms"] = floor = (wbytes + kv_bytes) / (bw * 1e9) * 1e3
@@ -629,7 +667,7 @@ def main() -> None:
             for mode in modes[1:]:
                 variants.append((f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on"), nop, nop))
             for name in [a for a in args.ab.split(",") if a]:
-                what, apply, undo = AB_VARIANTS[name]
+                what, apply, undo = ab_variant(name)
                 apply(model)
                 variants.append((f"graph_{name}", what, capture(modes[0] == "on"), apply, undo))
                 undo(model)

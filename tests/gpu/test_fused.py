@@ -175,7 +175,7 @@ def test_silu_mul_rows(T, bm):
 
 
 @pytest.mark.parametrize("one", [None, True, False, "grid"])  # default dispatch, one program, two kernels, grid
-@pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (512, 64), (2048, 64),
+@pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (256, 8), (512, 64), (2048, 64),
                                   (16384, 96)])
 def test_moe_align_fused(T, bm, one):
     from kimi.ops import fused

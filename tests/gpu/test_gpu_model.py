@@ -292,3 +292,66 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     for k, (a, b) in enumerate(zip(fresh, ahead)):
         assert torch.isfinite(a).all(), k
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("policy", ["evict_last", "evict_normal"])
+def test_l2_prefetch_graph_equals_plain_graph(ckpts, policy):
+    """Decode graphs captured with kimi.ops.l2_prefetch.PLAN on (o_proj + W_UV during the attention, the next
+    layer's q_a + kv_a after the MoE GEMMs) replay bit-equal to graphs captured without it, over several buckets;
+    the capture did issue prefetches (the hooks fired) and left no hook installed."""
+    from kimi.config import ModelConfig
+    from kimi.ops import l2_prefetch
+    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.worker.kv_cache import allocate_kv_caches
+
+    path = ckpts["tiny-mla"]
+    cfg = ModelConfig.from_dir(path)
+    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend="humming", progress=False)
+    gm.decode_attention = "flashinfer"
+    bs, nb, width = 16, 200, 8
+    kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    for c in kv:
+        c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
+    initial = [c.clone() for c in kv]
+    g = torch.Generator().manual_seed(13)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    tabs = [perm[width * i : width * (i + 1)] for i in range(8)]
+    cases = [[5], [9, 30], [17, 33, 64, 70, 100], [3, 8, 19, 40, 41, 77, 90, 120]]
+
+    def run(plan: dict) -> list[torch.Tensor]:
+        saved = dict(l2_prefetch.PLAN)
+        l2_prefetch.PLAN.update(plan)
+        try:
+            gm.graphs = None
+            gm.capture_cuda_graphs(kv, bs, 8, width)
+        finally:
+            l2_prefetch.PLAN.clear()
+            l2_prefetch.PLAN.update(saved)
+        outs = []
+        with torch.inference_mode():
+            for k, slens in enumerate(cases):
+                for c, c0 in zip(kv, initial):
+                    c.copy_(c0)
+                ids = torch.randint(0, 163000, (len(slens),), generator=torch.Generator().manual_seed(k)).tolist()
+                for o in gm.graphs.outputs.values():
+                    o.fill_(float("nan"))
+                n0 = gm.graphs.num_replays
+                h = gm.forward_decode(ids, [n - 1 for n in slens], slens, tabs[: len(slens)], bs, kv)
+                assert gm.graphs.num_replays == n0 + 1
+                outs.append(h.clone())
+        torch.cuda.synchronize()
+        return outs
+
+    plain = run({"o_proj_cols": 0, "qkv_a_cols": 0})
+    assert gm._l2pf is None or gm._l2pf.bytes_issued == 0
+    pre = run({"o_proj_cols": 64, "qkv_a_cols": 10**6, "policy": policy})
+    assert gm._l2pf is not None and gm._l2pf.bytes_issued > 0
+    n_moe = sum(1 for layer in gm.layers if getattr(layer.mlp, "experts_impl", None) is not None)
+    assert n_moe > 0
+    for layer in gm.layers:
+        assert layer.self_attn.l2pf is None
+        assert getattr(getattr(layer.mlp, "experts_impl", None), "after_down", None) is None
+    for k, (a, b) in enumerate(zip(plain, pre)):
+        assert torch.isfinite(a).all(), k
+        assert torch.equal(a, b), k

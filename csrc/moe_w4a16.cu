@@ -89,18 +89,26 @@ struct alignas(16) Slot {
   uint4 x[2][2][32];
 };
 
-// One align block b of the CTA's NT tiles (the body of w4a16_indexed_kernel).
 template <int NT, int KW, int S>
-__device__ __forceinline__ void block_body(
+__global__ void __launch_bounds__(32 * KW) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint2* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-    __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out, int top_k, int n_tiles, int k_chunks,
-    int b, unsigned char* smem_raw) {
+    const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
+    int top_k, int n_tiles, int k_chunks, int trigger_late) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int b = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   Slot<NT>* ring = reinterpret_cast<Slot<NT>*>(smem_raw) + warp * S;
   // partial sums reuse the rings after the loop: [KW][NT * 16][17] floats
   float* partial = reinterpret_cast<float*>(smem_raw);
+
+  grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
+  if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
+  if (b * kBlockRows >= num_padded[0]) {
+    if (trigger_late) launch_dependents();
+    return;
+  }
   const int e = block_expert[b];
   const int id0 = sorted_ids[b * kBlockRows + g];
   const int id1 = sorted_ids[b * kBlockRows + 8 + g];
@@ -192,6 +200,7 @@ __device__ __forceinline__ void block_body(
     }
   }
   cp_async_wait<0>();
+  if (trigger_late) launch_dependents();
   __syncthreads();  // every warp is done with its ring: reuse it for the partial sums
 
   // C fragment: c0, c1 = (n g, rows 2t, 2t+1), c2, c3 = (n g + 8, rows 2t, 2t+1); half h adds 8 to the row
@@ -225,31 +234,6 @@ __device__ __forceinline__ void block_body(
 }
 
 template <int NT, int KW, int S>
-__global__ void __launch_bounds__(32 * KW) w4a16_indexed_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
-    const uint2* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-    const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n_tiles, int k_chunks, int trigger_late) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int b = blockIdx.y;
-
-  grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
-  if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
-  const int blocks_used = (num_padded[0] + kBlockRows - 1) / kBlockRows;
-  if (b >= blocks_used) {
-    if (trigger_late) launch_dependents();
-    return;
-  }
-  // blocks b, b + gridDim.y, ... (the grid's y extent is sized for the expected blocks, not for every possible one)
-  for (int bb = b; bb < blocks_used; bb += gridDim.y) {
-    if (bb != b) __syncthreads();  // the last block's partial sums (in the rings) are read: refill after that
-    block_body<NT, KW, S>(x, x_stride, wq, wsc, sorted_ids, block_expert, out, out_stride, num_rows_out, top_k,
-                          n_tiles, k_chunks, bb, smem_raw);
-  }
-  if (trigger_late) launch_dependents();
-}
-
-template <int NT, int KW, int S>
 constexpr size_t smem_bytes() {
   constexpr size_t ring = sizeof(Slot<NT>) * KW * S;
   constexpr size_t part = sizeof(float) * KW * NT * 16 * (kBlockRows + 1);
@@ -259,7 +243,7 @@ constexpr size_t smem_bytes() {
 template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int grid_blocks, int pdl, cudaStream_t stream) {
+                   int top_k, int n, int k, int num_blocks, int pdl, cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
@@ -276,7 +260,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
     attr_set.fetch_or(bit);
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n_tiles / NT, grid_blocks > 0 && grid_blocks < num_blocks ? grid_blocks : num_blocks, 1);
+  cfg.gridDim = dim3(n_tiles / NT, num_blocks, 1);
   cfg.blockDim = dim3(32 * KW, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -297,21 +281,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // scales; sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
 // out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written). (nt, kw, stages) must be an instantiated
 // configuration with nt dividing n / 16; n % 16 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
-// grid's y dimension). grid_blocks: CTAs along the blocks (each takes blocks y, y + grid_blocks, ... of those the
-// align used); <= 0 or >= num_blocks: num_blocks (one block per CTA). pdl: 0 off, 1 on, 2 on with
+// grid's y dimension). pdl: 0 off, 1 on, 2 on with
 // the next kernel released after the main loop. Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
-                                               int k, int num_blocks, int grid_blocks, int nt, int kw, int stages,
-                                               int pdl, cudaStream_t stream) {
+                                               int k, int num_blocks, int nt, int kw, int stages, int pdl,
+                                               cudaStream_t stream) {
   if (n % 16 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, grid_blocks, pdl, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

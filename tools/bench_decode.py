@@ -277,36 +277,10 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
-    "align_expert_order": ("MoE align blocks in expert order (kimi.ops.moe_int4_triton.ALIGN_MULTI_FIRST False) instead "
-                           "of experts with more than one block first",
-                           lambda m: _set_module_attr("kimi.ops.moe_int4_triton", "ALIGN_MULTI_FIRST", False),
-                           lambda m: _restore_module_attr("kimi.ops.moe_int4_triton", "ALIGN_MULTI_FIRST")),
-    "moe_cuda_grid_full": ("--moe-backend cuda: one CTA row per possible align block (kimi.ops.moe_int4_cuda.TIGHT_GRID "
-                           "False) instead of expected_blocks",
-                           lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "TIGHT_GRID", False),
-                           lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "TIGHT_GRID")),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
 }
-
-
-def ab_variant(name: str):
-    """(what, apply, undo) of --ab variant `name`: AB_VARIANTS' entries, and `l2pf_o<C>_q<C>_<policy>`: the decode
-    graph's L2 prefetch (kimi.ops.l2_prefetch.PLAN) of o_proj's first C columns (+ W_UV) during the attention and
-    of the next layer's q_a + kv_a weight's first C columns after the MoE GEMMs (C = 0: that part off), with the
-    eviction policy evict_last / evict_normal (`last` / `normal`), e.g. l2pf_o2048_q0_last. Raises KeyError for
-    an unknown name."""
-    if name in AB_VARIANTS:
-        return AB_VARIANTS[name]
-    m = re.fullmatch(r"l2pf_o(\d+)_q(\d+)_(last|normal)", name)
-    if m is None:
-        raise KeyError(f"unknown --ab variant {name!r}; known: {', '.join(AB_VARIANTS)}, l2pf_o<C>_q<C>_<last|normal>")
-    plan = {"o_proj_cols": int(m[1]), "qkv_a_cols": int(m[2]), "policy": f"evict_{m[3]}"}
-    what = (f"L2 prefetch in the decode graph: o_proj first {plan['o_proj_cols']} columns + W_UV during the attention, "
-            f"next layer's q_a + kv_a first {plan['qkv_a_cols']} columns after the MoE GEMMs, {plan['policy']}")
-    return (what, lambda model: _set_module_attr("kimi.ops.l2_prefetch", "PLAN", plan),
-            lambda model: _restore_module_attr("kimi.ops.l2_prefetch", "PLAN"))
 
 
 _WARMUP = 3  # untimed steps before each timing (time_ms's warmup)
@@ -533,7 +507,7 @@ def main() -> None:
                     help="decode attention of the headline (default: the model's decode_attention)")
     ap.add_argument("--ab", default="prologue_on",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
-                         + ", ".join(AB_VARIANTS) + ", l2pf_o<C>_q<C>_<last|normal> (see ab_variant)")
+                         + ", ".join(AB_VARIANTS))
     ap.add_argument("--layers-per-graph", type=int, default=None,
                     help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
                          "0: one graph)")
@@ -667,7 +641,7 @@ def main() -> None:
             for mode in modes[1:]:
                 variants.append((f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on"), nop, nop))
             for name in [a for a in args.ab.split(",") if a]:
-                what, apply, undo = ab_variant(name)
+                what, apply, undo = AB_VARIANTS[name]
                 apply(model)
                 variants.append((f"graph_{name}", what, capture(modes[0] == "on"), apply, undo))
                 undo(model)

@@ -604,41 +604,21 @@ def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):
 
 
 @triton.jit
-def _align_offsets(counts, E, bm, BLOCK_E: tl.constexpr, MULTI_FIRST: tl.constexpr):
-    """(padded, pad_start) [BLOCK_E] int32 of the experts' padded runs (0 past E), in the block order of
-    kimi.ops.moe_int4_triton.align_block_order (MULTI_FIRST: experts with more than one block first)."""
-    eo = tl.arange(0, BLOCK_E)
-    counts = tl.where(eo < E, counts, 0)
-    padded = (counts + bm - 1) // bm * bm
-    if MULTI_FIRST:
-        pm = tl.where(padded > bm, padded, 0)
-        ps = padded - pm
-        pad_start = tl.where(padded > bm, tl.cumsum(pm, axis=0) - pm, tl.sum(pm, axis=0) + tl.cumsum(ps, axis=0) - ps)
-    else:
-        pad_start = tl.cumsum(padded, axis=0) - padded
-    return padded, pad_start
-
-
-@triton.jit
-def _align_block_experts(pad_start, padded, E, bm, max_blocks, bexp_ptr, BLOCK_E: tl.constexpr,
-                         BLOCK_B: tl.constexpr):
-    """block_expert[b] = the expert whose padded run [pad_start, pad_start + padded) holds row b * bm ([BLOCK_E]
-    int32, 0 past E; blocks past every run get E - 1: num_padded bounds what the GEMMs read)."""
+def _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """block_expert[b] = the expert whose padded range holds row b * bm (pad_end [BLOCK_E] int32, 0 past E;
+    blocks past the last expert's range get E - 1: num_padded bounds what the GEMMs read)."""
     eo = tl.arange(0, BLOCK_E)
     for b0 in range(0, max_blocks, BLOCK_B):
         bo = b0 + tl.arange(0, BLOCK_B)
         bstart = bo * bm
-        inside = ((pad_start[None, :] <= bstart[:, None]) & (bstart[:, None] < (pad_start + padded)[None, :])
-                  & (eo[None, :] < E))
-        hit = tl.sum(inside.to(tl.int32), axis=1)
-        be = tl.where(hit > 0, tl.sum(tl.where(inside, eo[None, :], 0), axis=1), E - 1)
+        ge = (pad_end[None, :] <= bstart[:, None]) & (eo[None, :] < E)
+        be = tl.minimum(tl.sum(ge.to(tl.int32), axis=1), E - 1)
         tl.store(bexp_ptr + bo, be, mask=bo < max_blocks)
 
 
 @triton.jit
 def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr,
-                  MULTI_FIRST: tl.constexpr):
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     """Histogram of local experts, padded offsets, num_padded, block experts, sentinel fill of sorted_ids[:cap].
     Returns pad_start [BLOCK_E] int32 (0 past E)."""
     eo = tl.arange(0, BLOCK_E)
@@ -649,9 +629,13 @@ def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, n
         loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
         key = tl.where(pm & (loc >= 0) & (loc < E), loc, E)
         counts += tl.histogram(key, BLOCK_E)
-    padded, pad_start = _align_offsets(counts, E, bm, BLOCK_E, MULTI_FIRST)
-    tl.store(npad_ptr, tl.sum(padded, axis=0))
-    _align_block_experts(pad_start, padded, E, bm, max_blocks, bexp_ptr, BLOCK_E, BLOCK_B)
+    counts = tl.where(eo < E, counts, 0)
+    padded = (counts + bm - 1) // bm * bm
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(npad_ptr, total)
+    _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E, BLOCK_B)
     for c0 in range(0, cap, BLOCK_F):
         co = c0 + tl.arange(0, BLOCK_F)
         tl.store(sorted_ptr + co, tl.zeros((BLOCK_F,), dtype=tl.int32) + P, mask=co < cap)
@@ -660,12 +644,11 @@ def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, n
 
 @triton.jit
 def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, cursor_ptr, bexp_ptr, npad_ptr, cap,
-                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-                        MULTI_FIRST: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
     wait_and_release(PDL)
     # one program: histogram of local experts, padded offsets, cursors, block experts, sentinel fill
     pad_start = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                              BLOCK_P, BLOCK_E, BLOCK_B, BLOCK_P, MULTI_FIRST)
+                              BLOCK_P, BLOCK_E, BLOCK_B, BLOCK_P)
     eo = tl.arange(0, BLOCK_E)
     tl.store(cursor_ptr + eo, pad_start, mask=eo < E)
 
@@ -684,14 +667,13 @@ def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: 
 
 @triton.jit
 def _align_one_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr,
-                      MULTI_FIRST: tl.constexpr):
+                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     """One program: _align_header, then the pairs in chunks of BLOCK_C: one-hot [BLOCK_C, BLOCK_E] of each
     pair's local expert, inclusive cumsum down the chunk = rank of the pair among its expert's pairs in the chunk
     (+1); slot = pad_start[e] + pairs of e in earlier chunks + rank. Pairs keep ascending id order within an
     expert (what moe_align's stable sort gives). No atomics."""
     base = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                         BLOCK_C, BLOCK_E, BLOCK_B, BLOCK_F, MULTI_FIRST)
+                         BLOCK_C, BLOCK_E, BLOCK_B, BLOCK_F)
     tl.debug_barrier()  # the sentinel fill is done (by all threads) before any pair's slot is written
     eo = tl.arange(0, BLOCK_E)
     for p0 in range(0, P, BLOCK_C):
@@ -728,8 +710,7 @@ def _align_grid_count_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, cap, f
 
 @triton.jit
 def _align_grid_offsets_kernel(part_ptr, G, E, bm, max_blocks, bexp_ptr, npad_ptr, BLOCK_G: tl.constexpr,
-                               BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, MULTI_FIRST: tl.constexpr,
-                               PDL: tl.constexpr = False):
+                               BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
     """Grid path, 2 of 3, one program: totals over the G partial histograms, padded offsets, num_padded, block
     experts; then part[g, e] <- padded start of expert e + its pairs in programs < g (each program's first slot
     per expert)."""
@@ -740,9 +721,12 @@ def _align_grid_offsets_kernel(part_ptr, G, E, bm, max_blocks, bexp_ptr, npad_pt
         go = g0 + tl.arange(0, BLOCK_G)
         c = tl.load(part_ptr + go[:, None] * BLOCK_E + eo[None, :], mask=(go < G)[:, None], other=0)
         counts += tl.sum(c, axis=0)
-    padded, run = _align_offsets(counts, E, bm, BLOCK_E, MULTI_FIRST)
+    counts = tl.where(eo < E, counts, 0)
+    padded = (counts + bm - 1) // bm * bm
+    pad_end = tl.cumsum(padded, axis=0)
     tl.store(npad_ptr, tl.sum(padded, axis=0))
-    _align_block_experts(run, padded, E, bm, max_blocks, bexp_ptr, BLOCK_E, BLOCK_B)
+    _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E, BLOCK_B)
+    run = pad_end - padded
     for g0 in range(0, G, BLOCK_G):
         go = g0 + tl.arange(0, BLOCK_G)
         msk = (go < G)[:, None]
@@ -794,12 +778,9 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
                grid: bool | None = None):
     """moe_align_fused with the path forced (grid True: the grid path; else one_program True / False; None for both:
     by T*k). Tests and the benchmark."""
-    from kimi.ops import moe_int4_triton
-
     P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m)
     E = num_local_experts
     dev = topk_ids.device
-    multi = bool(moe_int4_triton.ALIGN_MULTI_FIRST)  # the block order (moe_int4_triton.align_block_order)
     ids = topk_ids.reshape(-1)
     sorted_ids = torch.empty((cap,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
@@ -815,19 +796,18 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
         _align_grid_count_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, cap, fill_per, BLOCK=BLOCK,
                                        BLOCK_E=BLOCK_E, num_warps=4, **kw)
         _align_grid_offsets_kernel[(1,)](part, G, E, block_m, max_blocks, block_expert, num_padded, BLOCK_G=64,
-                                         BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, MULTI_FIRST=multi, num_warps=8, **kw)
+                                         BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8, **kw)
         _align_grid_place_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, BLOCK=BLOCK, BLOCK_E=BLOCK_E,
                                        num_warps=4, **kw)
         return sorted_ids, block_expert, num_padded, max_blocks
     if (P <= ALIGN_ONE_PROGRAM_MAX_P) if one_program is None else one_program:
         BLOCK_C = max(16, min(triton.next_power_of_2(max(P, 1)), 8192 // BLOCK_E, 256))  # [C, BLOCK_E] int32
         _align_one_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, block_expert, num_padded,
-                                cap, BLOCK_C=BLOCK_C, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, BLOCK_F=1024,
-                                MULTI_FIRST=multi, num_warps=8)
+                                cap, BLOCK_C=BLOCK_C, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, BLOCK_F=1024, num_warps=8)
         return sorted_ids, block_expert, num_padded, max_blocks
     cursor = torch.empty((E,), dtype=torch.int32, device=dev)
     _align_count_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, cursor, block_expert,
-                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, MULTI_FIRST=multi,
+                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B,
                               num_warps=LAUNCH["align_count_warps"],
                               **launch_kwargs(dev))
     if P:

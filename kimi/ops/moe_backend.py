@@ -145,12 +145,9 @@ class HummingInt4Experts(nn.Module):
 
     Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
     copies; the caller should drop its references). Raises ImportError when humming is not installed.
-    `after_down`: None or a callable run right after the down GEMM is queued, before the combine (the decode
-    graph's L2 prefetch hook, kimi.ops.l2_prefetch).
     """
 
     graph_safe = True
-    after_down = None
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
@@ -217,8 +214,6 @@ class HummingInt4Experts(nn.Module):
             act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
                      compute_config=cc, tuning_config=c2)  # [T*k, D]
-        if self.after_down is not None:  # e.g. the decode graph's L2 prefetch of the next layer's weights
-            self.after_down()
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
         return out
 
@@ -232,11 +227,9 @@ class CudaInt4Experts(nn.Module):
     shapes the kernel cannot take (N % 16, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
     built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension` raises when it cannot be built; all of them
     here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can fall back to the reference).
-    `after_down`: as HummingInt4Experts'.
     """
 
     graph_safe = True
-    after_down = None
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
@@ -271,15 +264,12 @@ class CudaInt4Experts(nn.Module):
         sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, self.E, self.expert_offset, 16)
         P = T * k
         y1 = torch.empty((P, 2 * self.inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        gb = mc.expected_blocks(T, k, self.E, self.num_experts_total) if mc.TIGHT_GRID else None
         mc.indexed_gemm(x.contiguous(), self.w13, self.w13_scale, sorted_ids, block_expert, num_padded, k, y1,
-                        config=self.config13, grid_blocks=gb)
+                        config=self.config13)
         act = silu_mul_rows(y1, sorted_ids, num_padded, self.inter)  # [P, I], listed rows only
         y2 = torch.empty((P, self.D), dtype=x.dtype, device=x.device)
         mc.indexed_gemm(act, self.w2, self.w2_scale, sorted_ids, block_expert, num_padded, 1, y2,
-                        config=self.config2, grid_blocks=gb)
-        if self.after_down is not None:  # e.g. the decode graph's L2 prefetch of the next layer's weights
-            self.after_down()
+                        config=self.config2)
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
         return out
 

@@ -46,15 +46,12 @@ import torch
 
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
-__all__ = ["repack", "unrepack", "indexed_gemm", "expected_blocks", "config_for", "config_valid", "CONFIGS", "TABLE", "load_extension"]
+__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "CONFIGS", "TABLE", "load_extension"]
 
 # (NT, KW, S) launch configurations compiled into the extension: NT 16-row N tiles per CTA, KW warps splitting K,
 # S k64 chunks per warp in its shared-memory ring (S - 1 in flight).
 CONFIGS = ((4, 4, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (4, 4, 3), (4, 2, 3), (8, 2, 3), (8, 4, 3), (8, 1, 3), (4, 4, 2), (8, 2, 2))
 DEFAULT_CONFIG = (4, 4, 4)
-# CTAs along the align blocks: `expected_blocks` (TIGHT_GRID) or one per possible block (tools/bench_decode.py A/Bs
-# them: moe_cuda_grid_full)
-TIGHT_GRID = os.environ.get("KIMI_MOE_CUDA_TIGHT_GRID", "1") != "0"
 # Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
 PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
@@ -142,16 +139,6 @@ def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out.permute(0, 1, 3, 2, 4).reshape(E, N, K)
 
 
-def expected_blocks(num_tokens: int, top_k: int, num_local_experts: int, num_experts_total: int,
-                    margin: float = 1.0) -> int:
-    """A grid size along the align blocks for `indexed_gemm(grid_blocks=...)`: the 16-row blocks a uniform routing
-    of num_tokens x top_k pairs over num_experts_total experts puts on the num_local_experts local ones (at most one
-    partial block per local expert), the local pairs scaled by `margin`. More blocks than this still run (CTAs take
-    several); fewer only save CTAs that would exit at once."""
-    local = num_tokens * top_k * num_local_experts / max(num_experts_total, num_local_experts)
-    return max(1, int(margin * local) // 16 + num_local_experts)
-
-
 def load_extension():
     """Build (first use) and import the extension (kimi.ops.cuda_ext.load: sources csrc/moe_w4a16_binding.cpp and
     csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension loader raises when it
@@ -163,8 +150,7 @@ def load_extension():
 
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
-                 config: tuple[int, int, int] | None = None, pdl: str | None = None,
-                 grid_blocks: int | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int] | None = None, pdl: str | None = None) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, N/16, K/64, 32, 4] int32,
@@ -172,10 +158,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
     num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
     they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`). pdl: "early",
-    "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). grid_blocks: CTAs along the align
-    blocks, each taking blocks y, y + grid_blocks, ... of those num_padded says are used (None or >= the blocks: one
-    CTA per block; e.g. `expected_blocks`: CTAs launched for blocks past num_padded only exit, and a decode align has
-    several times more possible blocks than used ones). No host synchronisation: graph-capturable.
+    "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
@@ -191,8 +174,6 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
         raise ValueError("indexed_gemm: sorted_ids, block_expert and num_padded must be int32")
     if sorted_ids.numel() != 16 * block_expert.numel():
         raise ValueError(f"indexed_gemm: {sorted_ids.numel()} sorted ids for {block_expert.numel()} blocks of 16")
-    if grid_blocks is not None and grid_blocks < 1:
-        raise ValueError(f"indexed_gemm: grid_blocks {grid_blocks} < 1")
     cfg = tuple(config) if config is not None else config_for(N, K)
     if not config_valid(cfg, N, K):
         raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
@@ -207,5 +188,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], int(grid_blocks or 0))
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl])
     return out

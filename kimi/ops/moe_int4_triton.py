@@ -91,29 +91,7 @@ def default_config(num_tokens: int, top_k: int, num_experts_total: int) -> MoeTi
     return MoeTileConfig(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3)
 
 
-# Block order of moe_align (and kimi.ops.fused.moe_align_fused): experts with more than one block of rows first,
-# then the others, each group in expert order. Any order is correct (the GEMMs read each block's expert from
-# block_expert). Why this one: a GEMM in 8-row blocks streams an expert's weights once per block, so an expert with
-# 9..16 rows (about 9% of them at 32 local sequences under EP8: 52.3 blocks for 47.8 experts per layer) is read
-# twice unless the second read hits L2. humming's schedule runs its first full wave of tiles data-parallel (CTAs
-# over consecutive tiles, in step) and only the remainder stream-K, where the two reads of one expert fall ~16 us
-# apart (more than L2 holds at full bandwidth); blocks listed first land in that first wave, side by side.
-ALIGN_MULTI_FIRST = True
-
-
-def align_block_order(padded: torch.Tensor, block_m: int, multi_first: bool) -> torch.Tensor:
-    """pad_start [E] of each expert's padded run: experts in expert order, or (multi_first) those with
-    padded > block_m first, then the rest, each group in expert order. padded: [E] multiples of block_m."""
-    if not multi_first:
-        return torch.cumsum(padded, 0) - padded
-    multi = padded > block_m
-    pm = torch.where(multi, padded, torch.zeros_like(padded))
-    ps = padded - pm
-    return torch.where(multi, torch.cumsum(pm, 0) - pm, pm.sum() + torch.cumsum(ps, 0) - ps)
-
-
-def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int,
-              multi_first: bool | None = None):
+def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int):
     """Sort (token, slot) pairs by local expert, padding each expert's run to a multiple of block_m.
 
     Args:
@@ -121,11 +99,9 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
         num_local_experts: E, experts [expert_offset, expert_offset + E) are local.
         expert_offset: first local global expert id.
         block_m: padding multiple.
-        multi_first: the block order (`align_block_order`); None: ALIGN_MULTI_FIRST.
 
     Returns:
-        sorted_ids: [max_blocks * block_m] int32 pair indices t*k + j grouped by expert (experts' runs in the block
-            order, pairs in ascending id within a run), sentinel T*k in pads.
+        sorted_ids: [max_blocks * block_m] int32 pair indices t*k + j grouped by expert, sentinel T*k in pads.
         block_expert: [max_blocks] int32 local expert of each row block (clamped to E-1 past the end).
         num_padded: [1] int32 number of valid padded rows (a multiple of block_m).
         max_blocks: the static grid bound cdiv(T*k, block_m) + min(E, T*k).
@@ -144,7 +120,8 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
     counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))  # [E+1]
     cnt = counts[:E]
     padded = (cnt + block_m - 1) // block_m * block_m  # [E]
-    pad_start = align_block_order(padded, block_m, ALIGN_MULTI_FIRST if multi_first is None else multi_first)  # [E]
+    pad_end = torch.cumsum(padded, 0)  # [E]
+    pad_start = pad_end - padded  # [E]
     cnt_start = torch.cumsum(cnt, 0) - cnt  # [E]
     skey = key[order]  # [P] sorted keys
     is_local = skey < E
@@ -155,11 +132,8 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     sorted_ids = sorted_ids[:cap]
     block_start = torch.arange(max_blocks, device=dev, dtype=torch.int64) * block_m  # [max_blocks]
-    inside = (pad_start[None, :] <= block_start[:, None]) & (block_start[:, None] < (pad_start + padded)[None, :])
-    eids = torch.arange(E, device=dev, dtype=torch.int64)
-    block_expert = torch.where(inside.any(1), (inside * eids[None, :]).sum(1), torch.full_like(block_start, E - 1))
-    block_expert = block_expert.to(torch.int32)  # [max_blocks]; E - 1 past the used blocks
-    num_padded = padded.sum().reshape(1).to(torch.int32)  # [1]
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=E - 1).to(torch.int32)
+    num_padded = pad_end[-1:].to(torch.int32)  # [1]
     return sorted_ids, block_expert, num_padded, max_blocks
 
 

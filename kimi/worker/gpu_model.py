@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops import l2_prefetch
 from kimi.ops.linear_small_m import linear as dense_linear
 from kimi.ops.linear_small_m import linear_small_m, prologue_config
 from kimi.ops.bmm_small_m import bmm_heads
@@ -149,11 +148,7 @@ class GPUMLAAttention(MLAAttention):
         self.w_uk_t = w[:, :N, :].transpose(1, 2).contiguous()  # [H, L, N]: q_lat[h] = q_nope[h] @ w_uk_t[h]^T
         self.w_uv = w[:, N:, :].contiguous()  # [H, V, L]: o[h] = o_lat[h] @ w_uv[h]^T
 
-    # None, or (kimi.ops.l2_prefetch.L2Prefetcher, regions, policy): set by GPUKimiForCausalLM.layers_fused for one
-    # captured call; the regions are prefetched after the q_b GEMM and joined before the FlashInfer kernel
-    l2pf = None
-
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi, pf=None) -> torch.Tensor:
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi) -> torch.Tensor:
         """Every row through FlashInfer: q_nope [T, H, N] (any row / head strides), q_pe [T, H, R] (model dtype,
         bf16) -> o [T, H * V] (bf16, contiguous: o_proj's input).
 
@@ -168,8 +163,6 @@ class GPUMLAAttention(MLAAttention):
             raise ValueError(f"FlashInfer plan has {n} rows, the batch {T}")
         q_lat = bmm_heads(q_nope, self.w_uk_t)  # [T, H, L] contiguous
         q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()  # [T, H, R]
-        if pf is not None:
-            pf.join()
         if n == T:
             o_lat = fi.run(q_lat, q_pe, kv_cache)  # [T, H, L]
         else:
@@ -214,9 +207,6 @@ class GPUMLAAttention(MLAAttention):
             kv_a = F.linear(hidden, self.kv_a_proj_with_mqa)  # [T, L + R]
         q = q.view(T, H, N + R)
         q_nope = q[..., :N]  # [T, H, N]
-        pf = self.l2pf if plan.fi is not None else None
-        if pf is not None:
-            pf[0].fork(pf[1], pf[2])
         if hidden.is_cuda:
             q_pe = fused.mla_rope_kv_write(q, kv_a, self.kv_a_layernorm, LATENT_NORM_EPS, rope.cos_cache,
                                            rope.sin_cache, positions, plan.slot_mapping, kv_cache, N)  # [T, H, R]
@@ -226,7 +216,7 @@ class GPUMLAAttention(MLAAttention):
             flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
             flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
         if plan.fi is not None:  # decode + prefill rows: one causal FlashInfer run
-            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.fi, pf and pf[0]), self.o_proj)  # [T, D]
+            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.fi), self.o_proj)  # [T, D]
         if plan.all_decode:
             o = self._decode_ref(q_nope, q_pe, kv_cache, attn, plan)  # [T, H, V] float32
         else:
@@ -253,7 +243,6 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     decode_attention = "flashinfer"
     overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     _side = None
-    _l2pf = None
 
     def _side_stream(self):
         """The side CUDA stream for the shared expert (created on first use; None off CUDA)."""
@@ -367,54 +356,15 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         # the side stream only inside CUDA-graph capture, where its gain was measured (bench/decode_2026-11-29_v4.json);
         # eager steps (prefill, mixed) keep the inline shared expert: eager decode got slower and noisier after the
         # side stream came in (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
-        capturing = torch.cuda.is_current_stream_capturing()
-        side = self._side_stream() if self.overlap_shared and capturing else None
-        pf = self._l2_prefetcher() if capturing else None  # L2 prefetch of weights (kimi.ops.l2_prefetch.PLAN)
+        side = self._side_stream() if self.overlap_shared and torch.cuda.is_current_stream_capturing() else None
         for i in range(start, end):
             layer = self.layers[i]
-            if pf is not None:
-                self._l2_hooks(pf, i, True)
             a = layer.self_attn(x, positions, attn, kv_caches[i], self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
             d1, d2 = _mlp_fused(layer.mlp, x, side)
-            if pf is not None:
-                self._l2_hooks(pf, i, False)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
-        if pf is not None:
-            pf.join()  # every fork joined inside the captured segment
         return h, x
-
-    def _l2_prefetcher(self):
-        """The L2Prefetcher (created on first use) when kimi.ops.l2_prefetch.PLAN asks for any prefetch and the
-        device can issue them; else None."""
-        plan = l2_prefetch.PLAN
-        if not (plan["o_proj_cols"] or plan["qkv_a_cols"]) or not l2_prefetch.active(self.norm.device):
-            return None
-        if self._l2pf is None:
-            self._l2pf = l2_prefetch.L2Prefetcher(self.norm.device)
-        return self._l2pf
-
-    def _l2_hooks(self, pf, i: int, install: bool) -> None:
-        """Install (before layer i's forward) or remove (after it) PLAN's prefetch hooks: layer i's attention
-        prefetches W_UV and o_proj's first columns; layer i's routed experts, once their down GEMM is queued, the
-        next layer's merged q_a + kv_a weight's first columns."""
-        plan = l2_prefetch.PLAN
-        attn_mod = self.layers[i].self_attn
-        ex = getattr(self.layers[i].mlp, "experts_impl", None)
-        if not install:
-            attn_mod.l2pf = None
-            if ex is not None:
-                ex.after_down = None
-            return
-        if plan["o_proj_cols"] and getattr(attn_mod, "w_uv", None) is not None:
-            w_uv = attn_mod.w_uv
-            attn_mod.l2pf = (pf, [(w_uv.view(-1, w_uv.shape[-1]), None), (attn_mod.o_proj, plan["o_proj_cols"])],
-                             plan["policy"])
-        nxt = self.layers[i + 1].self_attn if i + 1 < len(self.layers) else None
-        w_next = getattr(nxt, "w_qkv_a", None)
-        if plan["qkv_a_cols"] and ex is not None and w_next is not None:
-            ex.after_down = lambda: pf.fork([(w_next, plan["qkv_a_cols"])], plan["policy"])
 
     def capture_cuda_graphs(self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int,
                             layers_per_graph: int | None = None) -> None:

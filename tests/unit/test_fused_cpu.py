@@ -124,11 +124,9 @@ _ROUTER = textwrap.dedent("""
 """)
 
 _ALIGN = textwrap.dedent("""
-    from kimi.ops import moe_int4_triton
     from kimi.ops.moe_int4_triton import moe_align
-    cases = [(0, 8, 16), (1, 8, 8), (8, 8, 16), (33, 4, 16), (200, 8, 64), (200, 8, 16), (40, 8, 8), (24, 8, 8)]
-    for multi_first, T, k, bm in [(m, *c) for m in (True, False) for c in cases]:
-        moe_int4_triton.ALIGN_MULTI_FIRST = multi_first  # both block orders; (40, 8, 8) / (24, 8, 8) mix 1 and 2 blocks
+    # (40, 8, 8) / (24, 8, 8): experts with one and with two blocks in one align
+    for T, k, bm in [(0, 8, 16), (1, 8, 8), (8, 8, 16), (33, 4, 16), (200, 8, 64), (200, 8, 16), (40, 8, 8), (24, 8, 8)]:
         ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
         rs, rbe, rn, rmb = moe_align(ids, 12, 8, bm)
         for one in (True, False):
@@ -143,7 +141,6 @@ _ALIGN = textwrap.dedent("""
         # the grid path: several programs (256 pairs each), moe_align's exact output and order
         s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, None, grid=True)
         assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn) and torch.equal(s, rs), (T, bm, "grid")
-    moe_int4_triton.ALIGN_MULTI_FIRST = True
     # dispatch: from ALIGN_GRID_MIN_P pairs on, the grid path (exact order)
     fused.ALIGN_GRID_MIN_P, saved = 512, fused.ALIGN_GRID_MIN_P
     try:

@@ -112,25 +112,3 @@ def test_config_for_picks_a_configuration_that_runs_the_shape():
         assert mc.config_valid(mc.config_for(n, k), n, k)
     with pytest.raises(ValueError, match="no configuration"):
         mc.config_for(48, 192)  # N / 16 = 3: no NT of CONFIGS divides it
-
-
-def test_expected_blocks_covers_a_uniform_routing():
-    # 256 tokens x top-8 over 384 experts, 48 local: 256 local pairs expected -> 16 full blocks + one partial per expert
-    assert mc.expected_blocks(256, 8, 48, 384) == 16 + 48
-    assert mc.expected_blocks(64, 8, 48, 384) == 4 + 48
-    assert mc.expected_blocks(1, 1, 1, 1) >= 1
-    g = torch.Generator().manual_seed(0)
-    for T in (1, 8, 64, 256):
-        ids = torch.rand((T, 384), generator=g).topk(8, dim=-1).indices
-        counts = torch.bincount(ids[ids < 48], minlength=48)
-        used = int(((counts + 15) // 16).sum())
-        assert used <= mc.expected_blocks(T, 8, 48, 384)
-
-
-def test_indexed_gemm_refuses_a_grid_below_one():
-    wq = torch.zeros((1, 1, 1, 32, 4), dtype=torch.int32)
-    ws = torch.zeros((1, 1, 1, 8, 4), dtype=torch.bfloat16)
-    ids = torch.zeros(16, dtype=torch.int32)
-    x = torch.zeros((2, 64), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="grid_blocks"):
-        mc.indexed_gemm(x, wq, ws, ids, ids[:1], ids[:1], 1, torch.zeros((2, 16), dtype=torch.bfloat16), grid_blocks=0)

@@ -116,7 +116,28 @@ def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]
         msg = protocol.SubmitRequest(request_id=request_id, prompt=prompt, **params)
     else:
         msg = protocol.SubmitRequest(request_id=request_id, prompt_token_ids=_prompt_token_ids(prompt), **params)
-    return protocol.encode(msg)
+    try:
+        return protocol.encode(msg)
+    except OverflowError:  # msgpack carries integers in [-2**63, 2**64): name the field holding one outside
+        fields = {"prompt": prompt, **params}
+        bad = next((name for name, v in fields.items() if _int_out_of_range(v)), None)
+        if bad is None:
+            raise
+        raise KimiError(f"'{bad}' holds an integer outside the 64-bit range the ZeroMQ API carries "
+                        "[-2**63, 2**64)") from None
+
+
+def _int_out_of_range(v: Any) -> bool:
+    """Whether v (or an item, key or value in it) is an int outside [-2**63, 2**64)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return not -(2**63) <= v < 2**64
+    if isinstance(v, Mapping):
+        return any(_int_out_of_range(k) or _int_out_of_range(x) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return any(_int_out_of_range(x) for x in v)
+    return False
 
 
 class KimiClient:

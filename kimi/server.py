@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+from pathlib import Path
 import sys
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ import zmq
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
-from kimi.controller.parsers import THINK_START_ID
+from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
 from kimi.controller.submit import SubmitServer
 from kimi.controller.transport import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
@@ -251,8 +252,42 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a Linux process from /proc/<pid>/stat; None if it is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ... (comm may hold spaces)
+    return int(fields[1]), int(fields[19])
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """{pid: start time} of every live descendant of `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for e in entries:
+        if e.isdigit():
+            st = _proc_stat(int(e))
+            if st is not None:
+                children.setdefault(st[0], []).append(int(e))
+                starts[int(e)] = st[1]
+    out: dict[int, int] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out[p] = starts[p]
+            todo += children.get(p, [])
+    return out
+
+
 class WorkerProcess:
-    """The torchrun child and its process group."""
+    """The torchrun child, its process group, and the worker processes under it."""
 
     def __init__(self, cmd: list[str]) -> None:
         self.proc = subprocess.Popen(cmd, start_new_session=True)
@@ -262,21 +297,36 @@ class WorkerProcess:
         return None if rc is None else f"worker process exited with code {rc} (torchrun: a worker rank died or failed)"
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Let torchrun end within grace_s, then SIGTERM / SIGKILL its group; then SIGKILL any worker that outlived
+        it. torchrun starts each rank in a session of its own (torch.distributed.elastic's subprocess handler), so
+        signals to torchrun's group do not reach the ranks: torchrun forwards its SIGTERM, which a rank that cannot
+        run (SIGSTOPped, wedged in the kernel) does not act on before torchrun itself is killed."""
+        ranks = _descendants(self.proc.pid)
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             pass
+        ranks.update(_descendants(self.proc.pid))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.proc.wait(3)
                 # torchrun's children share its group; make sure none outlives it
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
+        for pid, start in ranks.items():
+            st = _proc_stat(pid)
+            if st is None or st[1] != start:  # gone (or the pid now belongs to another process)
+                continue
+            for kill in (os.killpg, os.kill):  # a rank leads its own group: take its children with it
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 def _cuda_unavailable() -> str | None:
@@ -367,9 +417,14 @@ async def serve(a: ServeArgs) -> int:
         return 2
     try:
         cfg, tokenizer = load_model_meta(a)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # e.g. a model folder without its tokenizer files: one line, not a traceback
         log.error("%s", e)
         return 2
+    if a.reasoning == "on" and tokenizer.decode([THINK_START_ID]) != "<think>":
+        log.warning("--reasoning on: this vocabulary has no <think> token (id %d is %r); chat output is still split "
+                    "at ids %d / %d, so a model that never emits them answers entirely in reasoning_content "
+                    "(--reasoning auto or off for such a model)", THINK_START_ID, tokenizer.decode([THINK_START_ID]),
+                    THINK_START_ID, THINK_END_ID)
     if a.num_hidden_layers is not None:
         if a.num_hidden_layers > cfg.num_hidden_layers:
             log.error("--num-hidden-layers %d: the model has only %d layers (give 1..%d)", a.num_hidden_layers,

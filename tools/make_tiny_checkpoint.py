@@ -247,15 +247,23 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike[str], layout: str = "k2.6", 
     (`tokenizer_source` defaults to `kimi.tokenizer.default_tokenizer_source()`; None = the built-in
     byte-level vocabulary).
 
-    Raises ValueError for an unknown layout.
+    config.json is written last: a build that fails leaves no config.json (the Makefile's target), so the next
+    `make tiny` / `make serve` builds again instead of serving a half-written folder.
+
+    Raises ValueError for an unknown layout, FileNotFoundError when the tokenizer folder (given, or
+    $KIMI_TOKENIZER_DIR) has no tiktoken.model; both before anything is written.
     """
     from safetensors.torch import save_file
 
     from kimi import tokenizer as kimi_tokenizer
 
+    src = kimi_tokenizer.default_tokenizer_source() if tokenizer_source is _DEFAULT else tokenizer_source
+    if src is not None and not os.path.isfile(os.path.join(os.fspath(src), "tiktoken.model")):
+        why = " ($KIMI_TOKENIZER_DIR)" if tokenizer_source is _DEFAULT and os.environ.get("KIMI_TOKENIZER_DIR") else ""
+        raise FileNotFoundError(f"no tiktoken.model in the tokenizer folder {src}{why}")
+    cfg_json, gen = tiny_config(layout)  # ValueError for an unknown layout
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
-    cfg_json, gen = tiny_config(layout)
     stored, _ = generate_tiny_weights(layout, seed)
     n_shards = 3
     shards: list[dict[str, Tensor]] = [{} for _ in range(n_shards)]
@@ -271,12 +279,13 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike[str], layout: str = "k2.6", 
             total += t.numel() * t.element_size()
     with open(os.path.join(out, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg_json, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
-    src = kimi_tokenizer.default_tokenizer_source() if tokenizer_source is _DEFAULT else tokenizer_source
     kimi_tokenizer.write_tokenizer_files(out, src)
+    tmp = os.path.join(out, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg_json, f, indent=2)
+    os.replace(tmp, os.path.join(out, "config.json"))  # last, atomically: the checkpoint is complete
     return out
 
 
@@ -292,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     source: Any = None if a.builtin_tokenizer else (a.tokenizer_dir if a.tokenizer_dir else _DEFAULT)
-    out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source)
+    try:
+        out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source)
+    except (OSError, ValueError) as e:
+        print(f"make_tiny_checkpoint: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {a.layout} tiny checkpoint to {out} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return 0
 

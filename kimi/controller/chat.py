@@ -54,7 +54,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         elif isinstance(c, list):
             for j, part in enumerate(c):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"'{p}.content[{j}]' must be {{'type': 'text', 'text': str}} (only text is supported)", f"{p}.content")
+                    raise BadRequest(f"'{p}.content[{j}]' must be {{'type': 'text', 'text': str}} (only text is supported)",
+                                     f"{p}.content[{j}]")
         elif not isinstance(c, str):
             raise BadRequest(f"'{p}.content' must be a string or a list of text parts", f"{p}.content")
         if "name" in m and m["name"] is not None and not isinstance(m["name"], str):

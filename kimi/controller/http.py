@@ -559,7 +559,8 @@ class OpenAIServer:
             raise BadRequest(f"the request body is not valid UTF-8: {e}", None) from None
         try:
             body = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError) as e:  # ValueError: JSONDecodeError, and an integer literal over
+            # Python's int-conversion digit limit (4300 digits by default), which json.loads refuses to parse
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
         except RecursionError:
             raise BadRequest("the request body is nested too deeply", None) from None
@@ -595,12 +596,13 @@ class OpenAIServer:
             if not stream:
                 raise BadRequest("'stream_options' is only allowed with stream=true", "stream_options")
             sof = Fields(so, "stream_options")
-            include_usage = sof.bool("include_usage", False)
-            sof.noop("continuous_usage_stats", (False,), "is not supported")
-            try:
+            try:  # errors name the nested field, e.g. stream_options.include_usage
+                include_usage = sof.bool("include_usage", False)
+                sof.noop("continuous_usage_stats", (False,), "is not supported")
                 sof.reject_unknown()
             except BadRequest as e:
-                raise BadRequest(e.message, f"stream_options.{e.param}") from None
+                raise BadRequest(e.message.replace(f"'{e.param}'", f"'stream_options.{e.param}'"),
+                                 f"stream_options.{e.param}") from None
         stop_ids = read_stop_token_ids(f, self.vocab_size)
         ignore_eos = f.bool("ignore_eos", False)
         skip_special = f.bool("skip_special_tokens", True)

@@ -7,7 +7,8 @@ Names follow vLLM's where one exists, under the `kimi:` prefix (vLLM uses `vllm:
 - counters, read from the engine at scrape time: `kimi:prompt_tokens_total` (prompt tokens of admitted
   requests), `kimi:generation_tokens_total` (tokens sampled), `kimi:prefix_cache_queries_total` /
   `kimi:prefix_cache_hits_total` (prompt tokens looked up in / found in the prefix cache; 0 when the
-  engine has no prefix cache), `kimi:request_success_total{finished_reason}` (requests that ended, by
+  engine has no prefix cache), `kimi:num_preemptions_total` (requests preempted because KV blocks ran out,
+  summed over DP ranks), `kimi:request_success_total{finished_reason}` (requests that ended, by
   finish reason: stop, length, abort, error);
 - histograms, observed by the engine's hooks (`Engine.observer`), in seconds:
   `kimi:time_to_first_token_seconds` (arrival to the first sampled token),
@@ -97,6 +98,9 @@ class _EngineCollector(Collector):
         hits = int(pc.get("hits", 0)) if isinstance(pc, dict) else 0
         yield CounterMetricFamily("kimi:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries)
         yield CounterMetricFamily("kimi:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits)
+        preempted = int(pc.get("preemptions", 0)) if isinstance(pc, dict) else 0
+        yield CounterMetricFamily("kimi:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later).",
+                                  value=preempted)
         done = CounterMetricFamily("kimi:request_success", "Requests that ended, by finish reason.",
                                    labels=["finished_reason"])
         for reason, n in sorted(self.m.finished.items()):

@@ -88,7 +88,11 @@ class Fields:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise BadRequest(f"'{name}' must be a number", name)
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:  # an integer beyond the float range (JSON allows any number of digits)
+            raise BadRequest(f"'{name}' must be {what or 'a finite number'}, got an integer too large for a float "
+                             f"({v.bit_length()} bits)", name) from None
         if not math.isfinite(v) or (check is not None and not check(v)):
             raise BadRequest(f"'{name}' must be {what}, got {v}", name)
         return v
@@ -204,7 +208,8 @@ def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]
                              "sign, spaces or leading zeros)", "logit_bias")
         if not 0 <= tid < vocab_size:
             raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+        # the range test also refuses NaN and the infinities, and compares integers of any size without a float
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise BadRequest(f"'logit_bias' value for {tid} must be a number in [-100, 100]", "logit_bias")
         ids.append(tid)
         vals.append(float(v))

@@ -81,12 +81,14 @@ def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str) -> tuple[li
         rc = srv.proc.wait(30)
         took = time.monotonic() - sent_at
     finally:
-        if srv.proc.poll() is None:
+        if srv.proc.poll() is None:  # the run itself failed: release the victim so the cleanup below works
             srv.proc.kill()
-        try:
-            os.kill(victim, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+            try:
+                os.kill(victim, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    # a SIGSTOPped victim is NOT continued here: the server's exit must not leave it behind (it cannot act on
+    # torchrun's SIGTERM)
     deadline = time.monotonic() + 15
     while worker_pids(model_dir) and time.monotonic() < deadline:
         time.sleep(0.2)

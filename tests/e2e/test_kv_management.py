@@ -214,6 +214,13 @@ def test_kv_pressure_preempts_and_everyone_finishes_with_their_alone_tokens(live
     together = live.generate_many(reqs)  # 6 x 4 blocks needed, 19 usable
     assert [t["tokens"] for t in together] == alone
     assert live.engine.schedulers[0].num_preemptions > pre
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kimi.controller.metrics import Metrics
+
+    fams = {f.name: f for f in text_string_to_metric_families(Metrics(live.engine).render().decode())}
+    exported = fams["kimi:num_preemptions"].samples[0].value  # /metrics shows it (kimi:num_preemptions_total)
+    assert exported == live.engine.schedulers[0].num_preemptions > 0
     rids = {t["rid"] for t in together}
     dropped = [r for p in live.plans[n0:] for r in p.finished if r in rids]
     resent = [nr for p in live.plans[n0:] for nr in p.new if nr.rid in rids and len(nr.token_ids) > 0]

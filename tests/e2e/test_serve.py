@@ -171,6 +171,14 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "top_k": 2**70}, "top_k"),  # would not fit the 64-bit wire format
     ({"model": "tiny", "prompt": "hi", "seed": -(2**64)}, "seed"),
     ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    # integers beyond the float range in float fields (JSON numbers have no size limit)
+    ({"model": "tiny", "prompt": "hi", "temperature": 10**400}, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "presence_penalty": -(10**400)}, "presence_penalty"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10**400}}, "logit_bias"),
+    # nested fields are named with their path
+    ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"foo": True}}, "stream_options.foo"),
 ]
 
 
@@ -187,6 +195,8 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages[0].content[0]"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
      "max_completion_tokens"),
@@ -233,6 +243,17 @@ def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server
     r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_integer_literal_over_the_parse_limit_is_400(server, client):
+    """A JSON integer of more digits than Python parses (4300 by default) in any field, known or not: a 400
+    saying the body is not valid JSON (not a 500), and the server keeps serving."""
+    for field in (b'"max_tokens"', b'"foo"'):
+        body = b'{"model": "tiny", "prompt": "hi", ' + field + b": " + b"9" * 4301 + b"}"
+        r = httpx.post(f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "not valid JSON" in r.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
 
 

@@ -107,3 +107,20 @@ def test_worker_start_up_failure_stops_every_worker(model):
                      "--kv-cache-memory-gib", "1e-9", "--worker-timeout", "60", timeout_s=120)
     assert rc == 1, out
     assert "start-up failed" in out, out
+
+
+def test_model_folder_without_its_tokenizer(tiny_k26, tmp_path):
+    """A checkpoint folder whose tiktoken.model is missing (e.g. a half-written copy): one error line naming the
+    file, exit 2, no traceback, no workers launched."""
+    import shutil
+
+    broken = tmp_path / f"ckpt-{uuid.uuid4().hex}"
+    shutil.copytree(tiny_k26, broken)
+    (broken / "tiktoken.model").unlink()
+    rc, out = _serve(str(broken), "--port", str(free_tcp_port()), "--zmq-submit-addr",
+                     f"tcp://127.0.0.1:{free_tcp_port()}")
+    assert rc == 2, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "tiktoken.model" in errors[0], out
+    assert "torch.distributed.run" not in out and "rank0" not in out, "workers were launched"
+

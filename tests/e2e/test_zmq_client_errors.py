@@ -158,6 +158,24 @@ def test_unknown_parameter_is_a_clear_error_before_sending(fake):
         assert fake.finish_one().request_id == rid
 
 
+@pytest.mark.parametrize("params,field", [({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
+                                          ({"stop_token_ids": [1, 2**70]}, "stop_token_ids"),
+                                          ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
+                                          ({"max_tokens": 10**30}, "max_tokens")])
+def test_int_outside_the_wire_range_names_the_field_before_sending(fake, params, field):
+    """msgpack carries integers in [-2**63, 2**64): one outside is a KimiError naming its field (not msgspec's
+    OverflowError), nothing is sent, and the client keeps working."""
+    with KimiClient(fake.addr, timeout_s=5) as c:
+        with pytest.raises(KimiError, match=rf"^'{field}' holds an integer outside the 64-bit range"):
+            c.submit(PROMPT, **params)
+        assert c._pending == {}
+        rid = c.submit(PROMPT, max_tokens=1)
+        assert fake.finish_one().request_id == rid
+    with KimiClient(fake.addr, timeout_s=5) as c:
+        with pytest.raises(KimiError, match="'prompt' holds an integer outside"):
+            c.submit([1, 2**64], max_tokens=1)
+
+
 # ---- logit_bias ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lb,msg", BAD_LOGIT_BIAS, ids=lambda x: repr(x)[:30])
 def test_bad_logit_bias_names_the_field_before_sending(fake, lb, msg):

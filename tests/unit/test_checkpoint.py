@@ -371,3 +371,23 @@ def test_generator_is_deterministic_and_seeded() -> None:
     # The same float weights underlie every layout (only the storage format differs).
     _, t6 = generate_tiny_weights("k2.6", seed=0)
     assert all(torch.equal(t6[k], ta[k]) for k in ta)
+
+
+def test_tiny_checkpoint_with_a_missing_tokenizer_folder_writes_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """A tokenizer folder without tiktoken.model (given, or $KIMI_TOKENIZER_DIR) is a one-line error before anything
+    is written: no config.json (the Makefile's target) is left to make the next build look done."""
+    from make_tiny_checkpoint import main
+
+    out = tmp_path / "tiny"
+    with pytest.raises(FileNotFoundError, match="no tiktoken.model"):
+        make_tiny_checkpoint(out, tokenizer_source=str(tmp_path / "nowhere"))
+    assert not (out / "config.json").exists()
+    monkeypatch.setenv("KIMI_TOKENIZER_DIR", str(tmp_path / "nowhere"))
+    assert main([str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "KIMI_TOKENIZER_DIR" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (out / "config.json").exists()
+    monkeypatch.delenv("KIMI_TOKENIZER_DIR")
+    assert main([str(out), "--builtin-tokenizer"]) == 0  # the next build completes
+    assert (out / "config.json").exists() and (out / "tiktoken.model").exists()
+    assert not (out / "config.json.tmp").exists()

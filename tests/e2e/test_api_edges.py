@@ -138,7 +138,7 @@ def test_integer_fields_refuse_floats_and_booleans(srv, path, value):
 def test_boolean_noop_fields_refuse_integers(srv):
     r = _post(srv, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "stream": True,
                                    "stream_options": {"continuous_usage_stats": 0}})
-    _bad(r, "continuous_usage_stats")
+    _bad(r, "stream_options.continuous_usage_stats")  # nested fields are named by their path
 
 
 def test_zmq_integer_fields_refuse_floats_and_booleans(srv):

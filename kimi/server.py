@@ -27,9 +27,9 @@ import signal
 import socket
 import subprocess
 import tempfile
-from pathlib import Path
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 import zmq

@@ -179,6 +179,35 @@ def _humming_alt(m, gemm: str, i: int) -> None:
     _humming_override(m, fields if gemm == "gate_up" else None, fields if gemm == "down" else None, True)
 
 
+def _moe_split(m, on: bool, alt: int | None = None) -> None:
+    """moe_split / moe_split_alt{i}: the split align (HummingInt4Experts.split_min_pairs 0: on wherever both schedules
+    take 8-row blocks), with entry i of the JSON list $KIMI_MOE_SPLIT_ALTS ({"gate_up": fields, "down": fields})
+    over list B's 16-row schedules; on=False restores. The experts' cached schedules are dropped."""
+    from kimi.ops.moe_backend import HummingInt4Experts as H
+
+    if on:
+        _saved["moe_split"] = (H.split_min_pairs, H.split_fields)
+        H.split_min_pairs = 0.0
+        if alt is not None:
+            over = json.loads(os.environ["KIMI_MOE_SPLIT_ALTS"])[alt]
+            H.split_fields = {g: {**f, **over.get(g, {})} for g, f in H.split_fields.items()}
+    else:
+        H.split_min_pairs, H.split_fields = _saved["moe_split"]
+    _drop_humming_schedules(m)
+
+
+def _moe_split_off(m, on: bool) -> None:
+    """moe_split_off: no split align (HummingInt4Experts.split_min_pairs inf); on=False restores."""
+    from kimi.ops.moe_backend import HummingInt4Experts as H
+
+    if on:
+        _saved["moe_split_off"] = H.split_min_pairs
+        H.split_min_pairs = float("inf")
+    else:
+        H.split_min_pairs = _saved["moe_split_off"]
+    _drop_humming_schedules(m)
+
+
 def _set_module_attr(module: str, attr: str, value) -> None:
     import importlib
 
@@ -277,6 +306,13 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
+    "moe_split": ("split align: experts with > 8 local pairs in 16-row blocks by a second launch of each expert GEMM",
+                  lambda m: _moe_split(m, True), lambda m: _moe_split(m, False)),
+    **{f"moe_split_alt{i}": (f"moe_split with entry {i} of $KIMI_MOE_SPLIT_ALTS over list B's schedules",
+                             lambda m, i=i: _moe_split(m, True, i), lambda m: _moe_split(m, False))
+       for i in range(8)},
+    "moe_split_off": ("no split align (one 8-row block list)", lambda m: _moe_split_off(m, True),
+                      lambda m: _moe_split_off(m, False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -424,6 +460,45 @@ def breakdown(step, steps: int = 3) -> dict:
             "top_kernels_ms": [(n[:120], round(t, 4)) for n, t in top]}
 
 
+def pipelined_timeline(launch, restart, steps: int = 8, warmup: int = 3, top: int = 12) -> dict:
+    """GPU activity (kernels and copies, torch.profiler / CUPTI) of `steps` pipelined steps issued as
+    time_pipelined issues them: the span from the first activity's start to the last one's end, per step; the
+    time no activity runs (idle), per step; and the largest idle gaps with the activities on either side (name
+    prefixes), to find where the pipelined step loses time beyond the replay and the logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    restart()
+    prev = None
+    for _ in range(warmup):
+        prev = launch(prev)[0]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prev, ev_prev = None, None
+        for _ in range(steps):
+            cur, ev = launch(prev)
+            if ev_prev is not None:
+                ev_prev.synchronize()
+            prev, ev_prev = cur, ev
+        ev_prev.synchronize()
+        torch.cuda.synchronize()
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not evs:
+        return {"error": "no CUDA activity recorded"}
+    gaps, end, end_name, idle = [], evs[0][1], evs[0][2], 0.0
+    for s0, e0, name in evs[1:]:
+        if s0 > end:
+            idle += s0 - end
+            gaps.append((s0 - end, end_name[:60], name[:60]))
+        if e0 > end:
+            end, end_name = e0, name
+    gaps.sort(reverse=True)
+    span = end - evs[0][0]
+    return {"steps": steps, "span_per_step_ms": round(span / steps / 1000.0, 4),
+            "idle_per_step_ms": round(idle / steps / 1000.0, 4), "activities": len(evs),
+            "top_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
+
+
 def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     """Kernel timeline of `reps` replays of a captured graph (torch.profiler: CUPTI records each kernel a graph
     launches), per replay (medians): the span from the first kernel's start to the last one's end, the time some
@@ -497,6 +572,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--pipelined-timeline", action="store_true",
+                    help="also the GPU activity of the pipelined steps (pipelined_timeline): idle time and largest gaps")
     ap.add_argument("--graph-timeline", action="store_true",
                     help="also a kernel timeline of the headline graph's replays (graph_timeline) at the end of each "
                          "case; a profiler session slows later graph launches in the process: use one --seqs value")
@@ -715,6 +792,9 @@ def main() -> None:
             print(f"B={B}: graph pipelined {case['graph_pipelined']['median_ms']:.2f} ms per step "
                   f"({case['graph_pipelined_over_floor']:.3f}x floor; rounds {case['graph_pipelined']['round_ms']})",
                   flush=True)
+            if args.pipelined_timeline:
+                case["pipelined_timeline"] = pipelined_timeline(launch, steps.restart)
+                print(f"B={B}: pipelined timeline {json.dumps(case['pipelined_timeline'])}", flush=True)
             if args.graph_timeline:
                 case["graph_timeline"] = graph_timeline(lambda: runner.replay(B))
                 print(f"B={B}: graph timeline {json.dumps(case['graph_timeline'])}", flush=True)

@@ -54,7 +54,7 @@ PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
 _COPY_ROUND = 256
 
 # CudaGraphRunner.host_marks: host times of the last run_host, us from its start, at these points
-HOST_MARKS = ("staging_free", "inputs_staged", "copy_launched", "attention_planned", "replay_launched")
+HOST_MARKS = ("tables_built", "staging_free", "inputs_staged", "copy_launched", "attention_planned", "replay_launched")
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -272,6 +272,7 @@ class CudaGraphRunner:
             for t, k in zip(block_tables, ks):
                 flat += t[:k]
             flat += [0] * pad
+        t_built = time.perf_counter()
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
         t_free = time.perf_counter()
@@ -312,7 +313,7 @@ class CudaGraphRunner:
             self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk)
         t2 = time.perf_counter()
         self.replay(bs)
-        self.host_marks = tuple((t - t0) * 1e6 for t in (t_free, t_staged, t1, t2, time.perf_counter()))
+        self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
         self.num_replays += 1
         if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses

@@ -179,35 +179,6 @@ def _humming_alt(m, gemm: str, i: int) -> None:
     _humming_override(m, fields if gemm == "gate_up" else None, fields if gemm == "down" else None, True)
 
 
-def _moe_split(m, on: bool, alt: int | None = None) -> None:
-    """moe_split / moe_split_alt{i}: the split align (HummingInt4Experts.split_min_pairs 0: on wherever both schedules
-    take 8-row blocks), with entry i of the JSON list $KIMI_MOE_SPLIT_ALTS ({"gate_up": fields, "down": fields})
-    over list B's 16-row schedules; on=False restores. The experts' cached schedules are dropped."""
-    from kimi.ops.moe_backend import HummingInt4Experts as H
-
-    if on:
-        _saved["moe_split"] = (H.split_min_pairs, H.split_fields)
-        H.split_min_pairs = 0.0
-        if alt is not None:
-            over = json.loads(os.environ["KIMI_MOE_SPLIT_ALTS"])[alt]
-            H.split_fields = {g: {**f, **over.get(g, {})} for g, f in H.split_fields.items()}
-    else:
-        H.split_min_pairs, H.split_fields = _saved["moe_split"]
-    _drop_humming_schedules(m)
-
-
-def _moe_split_off(m, on: bool) -> None:
-    """moe_split_off: no split align (HummingInt4Experts.split_min_pairs inf); on=False restores."""
-    from kimi.ops.moe_backend import HummingInt4Experts as H
-
-    if on:
-        _saved["moe_split_off"] = H.split_min_pairs
-        H.split_min_pairs = float("inf")
-    else:
-        H.split_min_pairs = _saved["moe_split_off"]
-    _drop_humming_schedules(m)
-
-
 def _set_module_attr(module: str, attr: str, value) -> None:
     import importlib
 
@@ -306,13 +277,6 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
-    "moe_split": ("split align: experts with > 8 local pairs in 16-row blocks by a second launch of each expert GEMM",
-                  lambda m: _moe_split(m, True), lambda m: _moe_split(m, False)),
-    **{f"moe_split_alt{i}": (f"moe_split with entry {i} of $KIMI_MOE_SPLIT_ALTS over list B's schedules",
-                             lambda m, i=i: _moe_split(m, True, i), lambda m: _moe_split(m, False))
-       for i in range(8)},
-    "moe_split_off": ("no split align (one 8-row block list)", lambda m: _moe_split_off(m, True),
-                      lambda m: _moe_split_off(m, False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

@@ -27,10 +27,6 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
   arbitrary order, which the GEMMs and the combine do not depend on). From P >= ALIGN_GRID_MIN_P (prefill) the
   grid path: per-program histograms of ALIGN_GRID_BLOCK pairs, one program for the offsets and block experts,
   then every program places its pairs by one-hot rank: moe_align's order again, no atomics.
-- `moe_align_split_fused`: kimi.ops.moe_int4_triton.moe_align_split's outputs (two block lists: experts with at
-  most small_m pairs in blocks of small_m, the others in blocks of big_m), in two kernels: one histogram program
-  (both lists' offsets, block experts, sentinel fill) and moe_align_fused's atomic scatter (pairs within one
-  expert in arbitrary order).
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 __all__ = [
     "rms_norm", "add_rms_norm", "silu_mul", "silu_mul_rows", "mla_rope_kv_write", "router_topk", "moe_align_fused",
-    "moe_align_split_fused",
     "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
     "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P", "ALIGN_GRID_MIN_P", "LAUNCH",
 ]
@@ -658,43 +653,6 @@ def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, curso
     tl.store(cursor_ptr + eo, pad_start, mask=eo < E)
 
 
-
-@triton.jit
-def _align_split_count_kernel(ids_ptr, P, E, offset, sm, bmb, cap_a, max_blocks_b, sorted_ptr, cursor_ptr, bexp_a_ptr,
-                              bexp_b_ptr, npad_ptr, cap, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                              BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
-    """moe_align_split_fused, 1 of 2, one program: histogram of the local experts; experts with 1..sm pairs get one
-    block of sm rows in list A (rows [0, cap_a)), the others ceil(pairs / bmb) blocks of bmb rows in list B (rows
-    from cap_a); num_padded = (rows of A, rows of B, cap_a + rows of B); block experts of both lists; each
-    expert's first row -> cursor; sentinel P in sorted_ids[:cap]."""
-    wait_and_release(PDL)
-    eo = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        po = p0 + tl.arange(0, BLOCK_P)
-        pm = po < P
-        loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
-        counts += tl.histogram(tl.where(pm & (loc >= 0) & (loc < E), loc, E), BLOCK_E)
-    counts = tl.where(eo < E, counts, 0)
-    small = (counts > 0) & (counts <= sm)
-    big = counts > sm
-    pad_a = tl.where(small, sm, 0)
-    pad_b = tl.where(big, (counts + bmb - 1) // bmb * bmb, 0)
-    end_a = tl.cumsum(pad_a, axis=0)
-    end_b = tl.cumsum(pad_b, axis=0)
-    rows_a = tl.sum(pad_a, axis=0)
-    rows_b = tl.sum(pad_b, axis=0)
-    tl.store(npad_ptr, rows_a)
-    tl.store(npad_ptr + 1, rows_b)
-    tl.store(npad_ptr + 2, rows_b + cap_a)
-    _align_block_experts(end_a, E, sm, E, bexp_a_ptr, BLOCK_E, BLOCK_B)
-    _align_block_experts(end_b, E, bmb, max_blocks_b, bexp_b_ptr, BLOCK_E, BLOCK_B)
-    for c0 in range(0, cap, BLOCK_P):
-        co = c0 + tl.arange(0, BLOCK_P)
-        tl.store(sorted_ptr + co, tl.zeros((BLOCK_P,), dtype=tl.int32) + P, mask=co < cap)
-    start = tl.where(small, end_a - pad_a, cap_a + end_b - pad_b)
-    tl.store(cursor_ptr + eo, start, mask=eo < E)
-
 @triton.jit
 def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: tl.constexpr,
                           PDL: tl.constexpr = False):
@@ -858,39 +816,3 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
                                                               BLOCK=sc["block"], num_warps=sc["warps"],
                                                               **launch_kwargs(dev))
     return sorted_ids, block_expert, num_padded, max_blocks
-
-
-def moe_align_split_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, small_m: int = 8,
-                          big_m: int = 16):
-    """kimi.ops.moe_int4_triton.moe_align_split on the GPU: the same outputs and contract, except that pairs within
-    one expert's run are in arbitrary order (atomic slot claims), possibly in another of its blocks.
-
-    topk_ids [T, k] integer global expert ids; experts [expert_offset, expert_offset + E) are local. Returns
-    (sorted_ids [cap] int32, block_expert_a [E] int32, block_expert_b [max_blocks_b] int32, num_padded [3] int32,
-    max_blocks_b); cap, max_blocks_b from moe_int4_triton.split_sizes. Two kernels, no host synchronisation
-    (CUDA-graph capturable). Raises ValueError unless 0 < small_m < big_m."""
-    from kimi.ops.moe_int4_triton import split_sizes
-
-    if not 0 < small_m < big_m:
-        raise ValueError(f"moe_align_split_fused: want 0 < small_m < big_m, got {small_m}, {big_m}")
-    T, k = topk_ids.shape
-    P, E = T * k, num_local_experts
-    cap_a, max_blocks_b, cap = split_sizes(P, E, small_m, big_m)
-    dev = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    sorted_ids = torch.empty((cap,), dtype=torch.int32, device=dev)
-    bexp_a = torch.empty((E,), dtype=torch.int32, device=dev)
-    bexp_b = torch.empty((max_blocks_b,), dtype=torch.int32, device=dev)
-    num_padded = torch.empty((3,), dtype=torch.int32, device=dev)
-    cursor = torch.empty((E,), dtype=torch.int32, device=dev)
-    BLOCK_E = triton.next_power_of_2(E + 1)
-    BLOCK_B = max(16, min(128, 8192 // BLOCK_E))
-    _align_split_count_kernel[(1,)](ids, P, E, expert_offset, small_m, big_m, cap_a, max_blocks_b, sorted_ids, cursor,
-                                    bexp_a, bexp_b, num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B,
-                                    num_warps=LAUNCH["align_count_warps"], **launch_kwargs(dev))
-    if P:
-        sc = LAUNCH["align_scatter"]
-        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](ids, P, E, expert_offset, sorted_ids, cursor,
-                                                              BLOCK=sc["block"], num_warps=sc["warps"],
-                                                              **launch_kwargs(dev))
-    return sorted_ids, bexp_a, bexp_b, num_padded, max_blocks_b

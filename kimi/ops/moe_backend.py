@@ -148,19 +148,6 @@ class HummingInt4Experts(nn.Module):
     """
 
     graph_safe = True
-    # Split align (kimi.ops.moe_int4_triton.moe_align_split): when both chosen schedules take 8-row blocks and the
-    # expected local pairs per local expert (T * k / total experts) are at least `split_min_pairs`, the experts with
-    # more than 8 pairs run in a second launch of each GEMM with 16-row blocks, under the schedules `split_fields`
-    # (full humming tuning configs; `use_pdl` follows the 8-row schedule's), so no expert's weights are streamed
-    # twice. inf: never; $KIMI_MOE_SPLIT_MIN_PAIRS sets it at import. The 16-row schedules are the fastest 16-row ones of the isolated sweep at 256 MoE tokens
-    # (bench/humming_sweep_2026-11-29_v4_m16.json), with stream-K on since list B holds only a few experts.
-    split_min_pairs: float = float(os.environ.get("KIMI_MOE_SPLIT_MIN_PAIRS", "inf"))
-    split_fields: dict = {
-        gemm: {"block_shape": [16, 128, 128], "warp_shape": [16, 64, 64], "mma_type": "mma", "use_stream_k": True,
-               "num_stages": 4, "num_ctas_per_sm": 4, "use_warp_spec": False, "use_tma": False, "use_tma_a": False,
-               "use_tma_c": False, "use_tma_as": False, "use_tma_as2": False}
-        for gemm in ("gate_up", "down")
-    }
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
@@ -201,138 +188,6 @@ class HummingInt4Experts(nn.Module):
                 h = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
                 cs.append(humming_table_config(n, kk, m_local, gpu, h) or h)
             self._tuning[key] = (cs[0], cs[1])
-        return self._tuning[key]
-
-    def _split_configs(self, T: int, k: int) -> tuple[dict, dict] | None:
-        """List B's 16-row schedules (gate_up, down) when the split align applies at T tokens, else None."""
-        key = (T, k, "split")
-        if key not in self._tuning:
-            c1, c2 = self._configs(T, k)
-            per_expert = T * k / max(self.num_experts_total, self.E)
-            if c1["block_shape"][0] != 8 or c2["block_shape"][0] != 8 or per_expert < self.split_min_pairs:
-                self._tuning[key] = None
-            else:
-                cs = []
-                for c, gemm in ((c1, "gate_up"), (c2, "down")):
-                    cb = copy.deepcopy(self.split_fields[gemm])
-                    if "use_pdl" in c:
-                        cb.setdefault("use_pdl", c["use_pdl"])
-                    cs.append(cb)
-                self._tuning[key] = (cs[0], cs[1])
-        return self._tuning[key]
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts_ref(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset)
-
-
-class TritonInt4Experts(nn.Module):
-    """Packed INT4 experts run by `kimi.ops.moe_int4_triton.fused_experts_int4`.
-
-    w13_packed int32 [E, 2I, D/8] (gate rows then up rows), w13_scale [E, 2I, D/32], w2_packed [E, D, I/8],
-    w2_scale [E, D, I/32]; num_experts_total: the model's routed experts (tile heuristic).
-    """
-
-    graph_safe = True
-
-    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
-        super().__init__()
-        self.register_buffer("w13_packed", w13_packed)
-        self.register_buffer("w13_scale", w13_scale)
-        self.register_buffer("w2_packed", w2_packed)
-        self.register_buffer("w2_scale", w2_scale)
-        self.expert_offset = expert_offset
-        self.num_experts_total = num_experts_total
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        from kimi.ops.moe_int4_triton import fused_experts_int4
-
-        return fused_experts_int4(
-            x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, topk_weights, topk_ids,
-            self.expert_offset, num_experts_total=self.num_experts_total,
-        )
-
-
-class HummingInt4Experts(nn.Module):
-    """Packed INT4 experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load).
-
-    Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
-    copies; the caller should drop its references). Raises ImportError when humming is not installed.
-    """
-
-    graph_safe = True
-    # Split align (kimi.ops.moe_int4_triton.moe_align_split): when both chosen schedules take 8-row blocks and the
-    # expected local pairs per local expert (T * k / total experts) are at least `split_min_pairs`, the experts with
-    # more than 8 pairs run in a second launch of each GEMM with 16-row blocks, under the schedules `split_fields`
-    # (full humming tuning configs; `use_pdl` follows the 8-row schedule's), so no expert's weights are streamed
-    # twice. inf: never; $KIMI_MOE_SPLIT_MIN_PAIRS sets it at import. The 16-row schedules are the fastest 16-row ones of the isolated sweep at 256 MoE tokens
-    # (bench/humming_sweep_2026-11-29_v4_m16.json), with stream-K on since list B holds only a few experts.
-    split_min_pairs: float = float(os.environ.get("KIMI_MOE_SPLIT_MIN_PAIRS", "inf"))
-    split_fields: dict = {
-        gemm: {"block_shape": [16, 128, 128], "warp_shape": [16, 64, 64], "mma_type": "mma", "use_stream_k": True,
-               "num_stages": 4, "num_ctas_per_sm": 4, "use_warp_spec": False, "use_tma": False, "use_tma_a": False,
-               "use_tma_c": False, "use_tma_as": False, "use_tma_as2": False}
-        for gemm in ("gate_up", "down")
-    }
-
-    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
-        super().__init__()
-        from humming.layer import HummingLayer
-
-        E, two_i, d8 = w13_packed.shape
-        D, inter = d8 * 8, two_i // 2
-        dev = w13_packed.device
-        wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
-                    strategy="group", group_size=32, symmetric=True)
-        dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
-        with torch.cuda.device(dev):
-            self.l1 = HummingLayer(shape_n=two_i, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
-            self.l2 = HummingLayer(shape_n=D, shape_k=inter, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
-            self.l1.to(dev)
-            self.l2.to(dev)
-            shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
-            shp2 = torch.tensor([[D, inter]] * E, dtype=torch.int64)
-            self.l1.load_from_tensors({"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13})
-            self.l2.load_from_tensors({"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2})
-            self.l1.transform()
-            self.l2.transform()
-        self.E, self.D, self.inter = E, D, inter
-        self.device = dev
-        self.expert_offset = expert_offset
-        self.num_experts_total = num_experts_total
-        self._tuning: dict[tuple[int, int], tuple[dict, dict]] = {}
-
-    def _configs(self, T: int, k: int) -> tuple[dict, dict]:
-        key = (T, k)
-        if key not in self._tuning:
-            from humming.tune import get_heuristics_config
-
-            m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
-            gpu = torch.cuda.get_device_name(self.device)
-            cs = []
-            for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
-                h = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
-                cs.append(humming_table_config(n, kk, m_local, gpu, h) or h)
-            self._tuning[key] = (cs[0], cs[1])
-        return self._tuning[key]
-
-    def _split_configs(self, T: int, k: int) -> tuple[dict, dict] | None:
-        """The 16-row schedules of list B (gate_up, down) when the split align applies at T tokens, else None."""
-        key = (T, k, "split")
-        if key not in self._tuning:
-            c1, c2 = self._configs(T, k)
-            per_expert = T * k / max(self.num_experts_total, self.E)
-            if c1["block_shape"][0] != 8 or c2["block_shape"][0] != 8 or per_expert < self.split_min_pairs:
-                self._tuning[key] = None
-            else:
-                from humming.tune import get_heuristics_config
-
-                m_b = max(16, int(per_expert * 0.2 * self.E))  # list B's expected pairs, roughly: its schedule's size
-                cs = []
-                for layer, gemm in ((self.l1, "gate_up"), (self.l2, "down")):
-                    h = dict(get_heuristics_config(layer.humming_config, shape_m=m_b, gemm_type="indexed"))
-                    h.update(copy.deepcopy(self.split_fields[gemm]))
-                    cs.append(h)
-                self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -343,9 +198,6 @@ class HummingInt4Experts(nn.Module):
         if T == 0:
             return out
         c1, c2 = self._configs(T, k)
-        split = self._split_configs(T, k) if x.is_cuda else None
-        if split is not None:
-            return self._forward_split(x, topk_weights, topk_ids, c1, c2, *split, out)
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
             from kimi.ops.fused import moe_align_fused as moe_align, silu_mul_rows
@@ -362,35 +214,6 @@ class HummingInt4Experts(nn.Module):
             act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
                      compute_config=cc, tuning_config=c2)  # [T*k, D]
-        combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
-        return out
-
-    def _forward_split(self, x, topk_weights, topk_ids, c1a, c2a, c1b, c2b, out):
-        """forward with the split align (CUDA): list A (experts with <= 8 pairs, 8-row blocks) by schedules c1a / c2a,
-        list B (the others, 16-row blocks) by c1b / c2b; each GEMM's two launches write disjoint rows of one output,
-        one SiLU * up over both lists' rows, one combine."""
-        from kimi.ops.fused import moe_align_split_fused, silu_mul_rows
-        from kimi.ops.moe_int4_triton import combine_into
-
-        T, k = topk_ids.shape
-        sm, bm = c1a["block_shape"][0], c1b["block_shape"][0]
-        s, be_a, be_b, npad, _ = moe_align_split_fused(topk_ids, self.E, self.expert_offset, sm, bm)
-        cap_a = self.E * sm
-        s_a, s_b = s[:cap_a], s[cap_a:]
-        n_a, n_b = npad[0:1].view(()), npad[1:2].view(())
-        cc = {"gemm_type": "indexed"}
-        xc = x.contiguous()
-        y1 = torch.empty((T * k, 2 * self.inter), dtype=x.dtype, device=x.device)  # rows = pair ids; local ones written
-        self.l1(xc, outputs=y1, sorted_ids=s_a, expert_ids=be_a, num_tokens_padded=n_a, top_k=k, compute_config=cc,
-                tuning_config=c1a)
-        self.l1(xc, outputs=y1, sorted_ids=s_b, expert_ids=be_b, num_tokens_padded=n_b, top_k=k, compute_config=cc,
-                tuning_config=c1b)
-        act = silu_mul_rows(y1, s, npad[2:3], self.inter)  # [T*k, I]: both lists' rows (A's unused rows are pads)
-        y2 = torch.empty((T * k, self.D), dtype=x.dtype, device=x.device)
-        self.l2(act, outputs=y2, sorted_ids=s_a, expert_ids=be_a, num_tokens_padded=n_a, top_k=1, compute_config=cc,
-                tuning_config=c2a)
-        self.l2(act, outputs=y2, sorted_ids=s_b, expert_ids=be_b, num_tokens_padded=n_b, top_k=1, compute_config=cc,
-                tuning_config=c2b)
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
         return out
 

@@ -52,8 +52,7 @@ except ImportError:  # pragma: no cover
 
 GROUP_SIZE = 32
 
-__all__ = ["MoeTileConfig", "moe_align", "moe_align_split", "split_sizes", "fused_experts_int4", "default_config",
-           "HAS_TRITON"]
+__all__ = ["MoeTileConfig", "moe_align", "fused_experts_int4", "default_config", "HAS_TRITON"]
 
 
 @dataclass(frozen=True)
@@ -136,76 +135,6 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
     block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=E - 1).to(torch.int32)
     num_padded = pad_end[-1:].to(torch.int32)  # [1]
     return sorted_ids, block_expert, num_padded, max_blocks
-
-
-def split_sizes(num_pairs: int, num_local_experts: int, small_m: int, big_m: int) -> tuple[int, int, int]:
-    """Static sizes of `moe_align_split`'s outputs for P = num_pairs (token, slot) pairs over E local experts:
-    (cap_a, max_blocks_b, cap) = (E * small_m rows of list A, the bound cdiv(P, big_m) + min(E, P // (small_m + 1))
-    on list B's blocks (each expert in B has more than small_m pairs), cap_a + max_blocks_b * big_m)."""
-    E = num_local_experts
-    cap_a = E * small_m
-    max_blocks_b = (num_pairs + big_m - 1) // big_m + min(E, num_pairs // (small_m + 1))
-    return cap_a, max_blocks_b, cap_a + max_blocks_b * big_m
-
-
-def moe_align_split(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, small_m: int = 8,
-                    big_m: int = 16):
-    """moe_align into TWO block lists of different block sizes, so that no expert's weights are streamed twice
-    at decode: an expert with 1..small_m local pairs gets one block of small_m rows in list A; an expert with
-    more gets ceil(pairs / big_m) blocks of big_m rows in list B. Experts with no pair get no block.
-
-    Why: with one block size of 8 rows (humming's fastest decode tile), an expert with 9-16 pairs takes two blocks
-    and each block streams the expert's weights (about 9% of the experts hit at 256 MoE tokens under EP8,
-    docs/benchmarks.md "Session 9"); 16-row tiles for every expert cost more per weight. The two lists are run by
-    two GEMM launches (small_m tiles over list A, big_m tiles over list B) writing the same output rows.
-
-    Args:
-        topk_ids: [T, k] integer global expert ids (any device).
-        num_local_experts: E; experts [expert_offset, expert_offset + E) are local.
-        small_m, big_m: the two block sizes (small_m < big_m).
-
-    Returns (cap_a, max_blocks_b, cap = split_sizes(T * k, E, small_m, big_m)):
-        sorted_ids: [cap] int32 pair ids t * k + j, sentinel T * k in pads. List A is sorted_ids[:cap_a] (its used
-            rows first), list B is sorted_ids[cap_a:]. Within a list, blocks in ascending expert order, pairs in
-            ascending id within an expert (as moe_align's stable sort).
-        block_expert_a: [E] int32, block_expert_b: [max_blocks_b] int32: local expert of each block (E - 1 past
-            the used blocks, as moe_align).
-        num_padded: [3] int32 on topk_ids' device: (rows used in A, rows used in B, cap_a + rows used in B); the
-            third bounds a walk over the whole sorted_ids (the unused rows of A hold sentinels).
-        max_blocks_b: int.
-    Pure torch, no host synchronisation (graph-capturable). Raises ValueError unless 0 < small_m < big_m.
-    """
-    if not 0 < small_m < big_m:
-        raise ValueError(f"moe_align_split: want 0 < small_m < big_m, got {small_m}, {big_m}")
-    T, k = topk_ids.shape
-    P = T * k
-    E = num_local_experts
-    dev = topk_ids.device
-    cap_a, max_blocks_b, cap = split_sizes(P, E, small_m, big_m)
-    local = topk_ids.reshape(-1).to(torch.int64) - expert_offset  # [P]
-    valid = (local >= 0) & (local < E)
-    key = torch.where(valid, local, torch.full_like(local, E))  # [P]; non-local pairs sort last
-    order = torch.sort(key, stable=True).indices  # [P]
-    cnt = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]  # [E]
-    small = (cnt > 0) & (cnt <= small_m)
-    big = cnt > small_m
-    pad_a = torch.where(small, small_m, 0)  # [E]
-    pad_b = torch.where(big, (cnt + big_m - 1) // big_m * big_m, 0)  # [E]
-    end_a, end_b = torch.cumsum(pad_a, 0), torch.cumsum(pad_b, 0)
-    start = torch.where(small, end_a - pad_a, cap_a + end_b - pad_b)  # [E] first row of each expert's run
-    cnt_start = torch.cumsum(cnt, 0) - cnt
-    skey = key[order]
-    skey_c = skey.clamp(max=E - 1)
-    rank = torch.arange(P, device=dev) - cnt_start[skey_c]
-    dest = torch.where(skey < E, start[skey_c] + rank, torch.full_like(rank, cap))  # [P]
-    sorted_ids = torch.full((cap + 1,), P, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    ba = torch.arange(E, device=dev, dtype=torch.int64) * small_m
-    bb = torch.arange(max_blocks_b, device=dev, dtype=torch.int64) * big_m
-    block_expert_a = torch.searchsorted(end_a, ba, right=True).clamp_(max=E - 1).to(torch.int32)
-    block_expert_b = torch.searchsorted(end_b, bb, right=True).clamp_(max=E - 1).to(torch.int32)
-    num_padded = torch.stack([end_a[-1], end_b[-1], end_b[-1] + cap_a]).to(torch.int32)  # [3]
-    return sorted_ids[:cap], block_expert_a, block_expert_b, num_padded, max_blocks_b
 
 
 if HAS_TRITON:

@@ -174,36 +174,6 @@ def test_silu_mul_rows(T, bm):
     assert torch.equal(out2[loc], out[loc]) and out2[unlisted].isnan().all()
 
 
-@pytest.mark.parametrize("T,skew,sm,bm", [(256, 0.0, 8, 16), (256, 3.0, 8, 16), (384, 0.0, 8, 16), (8, 0.0, 8, 16),
-                                          (1, 0.0, 8, 16), (2048, 0.0, 16, 64)])
-def test_moe_align_split_fused(T, skew, sm, bm):
-    """moe_align_split_fused (K2.6 routing: 48 local of 384, top-8) against moe_align_split's contract and its
-    block experts / counts exactly; skew 3.0: experts with several 16-row blocks. Also inside a CUDA graph."""
-    from kimi.ops import fused
-    from kimi.ops.moe_int4_triton import moe_align_split
-    from tests.unit.align_checks import check_split_align
-
-    g = torch.Generator(device=DEV).manual_seed(900 + T)
-    sc = torch.rand(T, 384, generator=g, device=DEV)
-    sc[:, 96:100] += skew
-    ids = sc.topk(8, 1).indices.to(torch.int64)
-    out = fused.moe_align_split_fused(ids, 48, 96, sm, bm)
-    check_split_align(ids.cpu(), 48, 96, sm, bm, *[t.cpu() if torch.is_tensor(t) else t for t in out],
-                      exact_order=False)
-    ref = moe_align_split(ids, 48, 96, sm, bm)
-    assert all(torch.equal(a, b) for a, b in zip(out[1:4], ref[1:4])) and out[4] == ref[4]
-    bufs = [torch.full_like(t, -7) for t in out[:4]]
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        o = fused.moe_align_split_fused(ids, 48, 96, sm, bm)
-        for b, t in zip(bufs, o[:4]):
-            b.copy_(t)
-    gr.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(bufs[1:4], out[1:4]))
-    check_split_align(ids.cpu(), 48, 96, sm, bm, *[t.cpu() for t in bufs], out[4], exact_order=False)
-
-
 @pytest.mark.parametrize("one", [None, True, False, "grid"])  # default dispatch, one program, two kernels, grid
 @pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (256, 8), (512, 64), (2048, 64),
                                   (16384, 96)])

@@ -161,25 +161,6 @@ _ALIGN = textwrap.dedent("""
     print("OK align")
 """)
 
-_ALIGN_SPLIT = textwrap.dedent("""
-    from kimi.ops.moe_int4_triton import moe_align_split
-    from tests.unit.align_checks import check_split_align
-    # 32 global experts, 12 local from 8; skew: experts with several big blocks
-    for T, k, sm, bm, skew in [(0, 8, 8, 16, 0.0), (1, 8, 8, 16, 0.0), (40, 8, 8, 16, 0.0), (40, 8, 8, 16, 3.0),
-                               (33, 4, 4, 16, 0.0), (64, 8, 16, 64, 0.0)]:
-        sc = torch.rand(T, 32)
-        sc[:, 8:12] += skew
-        ids = sc.topk(k, 1).indices.to(torch.int64)
-        out = fused.moe_align_split_fused(ids, 12, 8, sm, bm)
-        check_split_align(ids, 12, 8, sm, bm, *out, exact_order=False)  # atomic slots: any order within a run
-        ref = moe_align_split(ids, 12, 8, sm, bm)
-        assert all(torch.equal(a, b) for a, b in zip(out[1:4], ref[1:4])) and out[4] == ref[4], (T, sm, bm)
-        if T == 40 and skew:
-            cnt = torch.bincount((ids[(ids >= 8) & (ids < 20)] - 8).flatten(), minlength=12)
-            assert int((cnt > bm).sum()) >= 1  # the case holds several 16-row blocks of one expert
-    print("OK align_split")
-""")
-
 _SILU_ROWS = textwrap.dedent("""
     from kimi.ops.moe_int4_triton import moe_align
     for T, k, bm, I, R in [(1, 8, 8, 40, 4), (9, 8, 16, 100, 8), (33, 4, 16, 64, 3), (20, 8, 8, 48, 1), (0, 8, 8, 16, 4)]:
@@ -226,10 +207,6 @@ def test_router_topk_interpreter():
 
 def test_moe_align_interpreter():
     _run(_ALIGN, "align")
-
-
-def test_moe_align_split_interpreter():
-    _run(_ALIGN_SPLIT, "align_split")
 
 
 def test_silu_mul_rows_interpreter():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kimi.ops.moe_int4_triton import moe_align
-from tests.unit.align_checks import check_split_align
 
 
 @pytest.mark.parametrize("T,k,E_total,E,offset,bm", [(40, 8, 32, 12, 8, 8),  # experts with 1 and with 2 blocks
@@ -37,31 +36,3 @@ def test_moe_align_lists_each_local_pair_once(T, k, E_total, E, offset, bm):
     runs = [e for i, e in enumerate(order) if i == 0 or order[i - 1] != e]
     assert runs == sorted(set(runs)) and len(runs) == int((counts > 0).sum())  # contiguous runs, expert order
     assert all(order.count(e) == int(blocks[e]) for e in runs)
-
-
-@pytest.mark.parametrize("T,k,E_total,E,offset,sm,bm,skew", [
-    (256, 8, 384, 48, 96, 8, 16, 0.0),  # 32 local seqs under EP8: a few experts with 9-16 pairs
-    (256, 8, 384, 48, 96, 8, 16, 3.0),  # experts with 17+ pairs: several 16-row blocks
-    (40, 8, 32, 12, 8, 8, 16, 0.0), (5, 4, 16, 8, 4, 4, 16, 0.0), (0, 8, 32, 12, 8, 8, 16, 0.0),
-    (64, 8, 32, 12, 8, 16, 64, 0.0)])
-def test_moe_align_split(T, k, E_total, E, offset, sm, bm, skew):
-    from kimi.ops.moe_int4_triton import moe_align_split
-
-    g = torch.Generator().manual_seed(T + 7 * sm)
-    scores = torch.rand((T, E_total), generator=g)
-    scores[:, offset : offset + 4] += skew
-    ids = scores.topk(k, dim=-1).indices
-    out = moe_align_split(ids, E, offset, sm, bm)
-    check_split_align(ids, E, offset, sm, bm, *out)
-    counts = torch.bincount((ids[(ids >= offset) & (ids < offset + E)] - offset).flatten(), minlength=E)
-    if T == 256:  # the case holds what it is for
-        assert int((counts > sm).sum()) >= 1 and (skew == 0 or int((counts > bm).sum()) >= 1)
-
-
-def test_moe_align_split_rejects_bad_sizes():
-    from kimi.ops.moe_int4_triton import moe_align_split
-
-    ids = torch.zeros((2, 2), dtype=torch.int64)
-    for sm, bm in ((8, 8), (16, 8), (0, 8)):
-        with pytest.raises(ValueError, match="small_m < big_m"):
-            moe_align_split(ids, 4, 0, sm, bm)

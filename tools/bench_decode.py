@@ -1,8 +1,9 @@
 """One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
 
 The rank: the real K2.6 text config (kimi/presets/kimi-k2.6.json), all 61 layers at full width, random weights
-generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales), EP rank 0 of 8
-(its 48 local experts per MoE layer, packed, run by the chosen MoE backend), B local sequences at CTX tokens
+generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales; with `--quant fp8`
+K2-Instruct's FP8 128 x 128 experts instead, kept FP8 by humming), EP rank 0 of 8 (--ep-size: its 384 / ep_size
+local experts per MoE layer, packed, run by the chosen MoE backend), B local sequences at CTX tokens
 of context (FlashInfer MLA decode over the paged [num_blocks, 64, 576] cache, blocks randomly permuted).
 
 EP emulation (`EmulatedEP`, the all-to-all seam of kimi.ops.moe): the MoE of every layer sees the 8 * B tokens
@@ -528,6 +529,8 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="kimi-k2.6")
+    ap.add_argument("--quant", default=None, choices=["fp8"],
+                    help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming)")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
     ap.add_argument("--ctx", type=int, default=2048)
@@ -572,6 +575,10 @@ def main() -> None:
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
 
     cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
+    if args.quant == "fp8":
+        from kimi.config import QuantConfig
+
+        cfg = cfg.with_overrides(quant=QuantConfig(method="fp8", block=(128, 128)))
     seqs = [int(s) for s in args.seqs.split(",")]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     t0 = time.time()

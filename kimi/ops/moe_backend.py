@@ -1,5 +1,5 @@
 """Routed-expert backends for the GPU path: the same function as `kimi.ops.moe.fused_experts_ref`, over the
-experts this rank owns, with the INT4 weights kept PACKED on the device.
+experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept in FP8) on the device.
 
 - `HummingInt4Experts` (default on CUDA): humming-kernels' indexed W4A16 MoE GEMM (humming 0.1.20, API read from
   its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors `weight_packed` / `weight_scale` /
@@ -9,13 +9,15 @@ experts this rank owns, with the INT4 weights kept PACKED on the device.
   kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   Measured 2-3x faster than kimi's Triton kernel at decode, and faster than kimi's CUDA kernel in the decode step
   (docs/benchmarks.md).
+- `HummingFp8Experts` (humming backend, FP8 checkpoints: K2-Instruct): the same steps over humming's W8A16 indexed
+  GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
 - `CudaInt4Experts`: kimi's CUDA W4A16 indexed GEMM (csrc/moe_w4a16.cu via kimi.ops.moe_int4_cuda; weights
   repacked once at load into its fragment layout), in the same steps as humming's (align in 16-row blocks).
   Measured against humming in docs/benchmarks.md; bf16 models only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
-  expert counts on the host). Used for `--moe-backend ref` and for FP8 (K2-Instruct) experts, which are
-  dequantised to bf16 on load as a first step.
+  expert counts on the host). Used for `--moe-backend ref`, and for FP8 experts under the backends without an FP8
+  kernel (triton, cuda) or shapes humming's FP8 path does not take (dequantised to bf16 on load).
 
 Every backend: `forward(x [T, D] bf16, topk_weights [T, k] f32, topk_ids [T, k] int64 global ids) -> [T, D]`;
 pairs whose expert is not in [expert_offset, expert_offset + E_local) contribute nothing; rows with no local
@@ -41,25 +43,28 @@ BACKENDS = ("humming", "cuda", "triton", "ref")
 # (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
 # ("" or "off": none), and used only on the GPU it was measured on. Format (JSON): {"gpu": name, "entries": [{"n": N,
 # "k": K, "m_min": A, "m_max": B, "config": {humming tuning fields}}, ...]}: for a GEMM [N, K] at m expected local
-# pairs, the first entry with A <= m <= B applies; none: humming's heuristic.
+# pairs, the first entry with A <= m <= B applies; none: humming's heuristic. Optional entry fields: "weight" ("int4",
+# the default, or "fp8": the layers the entry was measured on) and "e_local" (applies only with that many local
+# experts: the same m spreads over fewer experts under a larger EP).
 HUMMING_TABLE_PATH = Path(__file__).with_name("humming_table.json")
 _humming_table: dict | None = None
 
 
 def load_humming_table(path: str | os.PathLike | None = None) -> dict:
-    """{"gpu": name or None, "entries": {(n, k): [(m_min, m_max, config, over_heuristic), ...]}}. An entry with
-    "over_heuristic": true holds only the fields it replaces in humming's heuristic schedule (what was measured);
-    others are whole schedules. A missing file (or $KIMI_HUMMING_TABLE "" / "off") gives no entries; a malformed
-    file raises ValueError."""
+    """{"gpu": name or None, "entries": {(n, k): [(m_min, m_max, config, over_heuristic), ...]}, "scope": {(n, k):
+    [(weight, e_local or None), ...]}} (scope: parallel to entries). An entry with "over_heuristic": true holds only
+    the fields it replaces in humming's heuristic schedule (what was measured); others are whole schedules. A missing
+    file (or $KIMI_HUMMING_TABLE "" / "off") gives no entries; a malformed file raises ValueError."""
     env = os.environ.get("KIMI_HUMMING_TABLE")
     if path is None and env is not None and env.strip().lower() in ("", "off"):
-        return {"gpu": None, "entries": {}}
+        return {"gpu": None, "entries": {}, "scope": {}}
     p = Path(path) if path is not None else Path(env or HUMMING_TABLE_PATH)
     if not p.exists():
-        return {"gpu": None, "entries": {}}
+        return {"gpu": None, "entries": {}, "scope": {}}
     try:
         raw = json.loads(p.read_text())
         entries: dict[tuple[int, int], list[tuple[int, int, dict, bool]]] = {}
+        scope: dict[tuple[int, int], list[tuple[str, int | None]]] = {}
         for e in raw["entries"]:
             lo, hi = int(e["m_min"]), int(e["m_max"])
             if not 1 <= lo <= hi:
@@ -67,23 +72,34 @@ def load_humming_table(path: str | os.PathLike | None = None) -> dict:
             over = e.get("over_heuristic", False)
             if not isinstance(over, bool):
                 raise ValueError(f"over_heuristic {over!r} (want true or false)")
-            entries.setdefault((int(e["n"]), int(e["k"])), []).append((lo, hi, dict(e["config"]), over))
-        return {"gpu": str(raw["gpu"]), "entries": entries}
+            weight = e.get("weight", "int4")
+            if weight not in ("int4", "fp8"):
+                raise ValueError(f"weight {weight!r} (want int4 or fp8)")
+            e_local = None if e.get("e_local") is None else int(e["e_local"])
+            key = (int(e["n"]), int(e["k"]))
+            entries.setdefault(key, []).append((lo, hi, dict(e["config"]), over))
+            scope.setdefault(key, []).append((weight, e_local))
+        return {"gpu": str(raw["gpu"]), "entries": entries, "scope": scope}
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"bad humming table {p}: {e!r}") from e
 
 
-def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict | None = None) -> dict | None:
-    """The measured config for a humming GEMM [n, k] at m_local expected pairs on GPU `gpu`, or None (no entry).
-    An over-heuristic entry is its fields over a copy of `heuristic` (humming's own schedule for the GEMM; raises
-    ValueError when it is not given)."""
+def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict | None = None, weight: str = "int4",
+                         e_local: int | None = None) -> dict | None:
+    """The measured config for a humming GEMM [n, k] of `weight` layers ("int4" / "fp8") at m_local expected pairs
+    over e_local local experts on GPU `gpu`, or None (no entry). An over-heuristic entry is its fields over a copy of
+    `heuristic` (humming's own schedule for the GEMM; raises ValueError when it is not given)."""
     global _humming_table
     if _humming_table is None:
         _humming_table = load_humming_table()
     t = _humming_table
     if t["gpu"] != gpu:
         return None
-    for lo, hi, cfg, over in t["entries"].get((n, k), []):
+    key = (n, k)
+    scope = t.get("scope", {}).get(key) or [("int4", None)] * len(t["entries"].get(key, []))
+    for (lo, hi, cfg, over), (w, el) in zip(t["entries"].get(key, []), scope):
+        if w != weight or (el is not None and el != e_local):
+            continue
         if lo <= m_local <= hi:
             if not over:
                 return copy.deepcopy(cfg)
@@ -94,8 +110,8 @@ def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict
     return None
 
 
-__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingInt4Experts", "CudaInt4Experts",
-           "TritonInt4Experts", "RefExperts", "make_experts"]
+__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingInt4Experts", "HummingFp8Experts",
+           "CudaInt4Experts", "TritonInt4Experts", "RefExperts", "make_experts", "dequant_fp8_parts"]
 
 
 class RefExperts(nn.Module):
@@ -149,25 +165,34 @@ class HummingInt4Experts(nn.Module):
 
     graph_safe = True
 
+    weight_kind = "int4"  # which humming_table.json entries apply
+
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
-        from humming.layer import HummingLayer
-
         E, two_i, d8 = w13_packed.shape
-        D, inter = d8 * 8, two_i // 2
-        dev = w13_packed.device
+        D = d8 * 8
         wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
                     strategy="group", group_size=32, symmetric=True)
         dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
+        shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
+        shp2 = torch.tensor([[D, two_i // 2]] * E, dtype=torch.int64)
+        self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
+                    {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
+                    E, D, two_i // 2, w13_packed.device, expert_offset, num_experts_total)
+
+    def _setup(self, wcfg: dict, dtype, t13: dict, t2: dict, E: int, D: int, inter: int, dev, expert_offset: int,
+               num_experts_total: int) -> None:
+        """The two HummingLayers (gate_up [2I, D], down [D, I] per expert) from the checkpoint-format tensors t13 / t2
+        under humming weight config wcfg, transformed into humming's layout."""
+        from humming.layer import HummingLayer
+
         with torch.cuda.device(dev):
-            self.l1 = HummingLayer(shape_n=two_i, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
+            self.l1 = HummingLayer(shape_n=2 * inter, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
             self.l2 = HummingLayer(shape_n=D, shape_k=inter, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
             self.l1.to(dev)
             self.l2.to(dev)
-            shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
-            shp2 = torch.tensor([[D, inter]] * E, dtype=torch.int64)
-            self.l1.load_from_tensors({"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13})
-            self.l2.load_from_tensors({"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2})
+            self.l1.load_from_tensors(t13)
+            self.l2.load_from_tensors(t2)
             self.l1.transform()
             self.l2.transform()
         self.E, self.D, self.inter = E, D, inter
@@ -186,7 +211,7 @@ class HummingInt4Experts(nn.Module):
             cs = []
             for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
                 h = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")
-                cs.append(humming_table_config(n, kk, m_local, gpu, h) or h)
+                cs.append(humming_table_config(n, kk, m_local, gpu, h, self.weight_kind, self.E) or h)
             self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 
@@ -216,6 +241,44 @@ class HummingInt4Experts(nn.Module):
                      compute_config=cc, tuning_config=c2)  # [T*k, D]
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
         return out
+
+
+class HummingFp8Experts(HummingInt4Experts):
+    """FP8 block-quantised experts (K2-Instruct: float8_e4m3fn weights, one float32 `weight_scale_inv` per
+    block_n x block_k tile, DeepSeek-V3's format) kept in FP8 on the device and run by humming-kernels' indexed
+    MoE GEMMs (W8A16: bf16 activations, fp32 accumulation), in the same steps as HummingInt4Experts.
+
+    humming's fp8 schema turns the tile scales into per-row group scales along K (group block_k) in the model
+    dtype, so W[n, k] = float(w[n, k]) * bf16(scale_inv[n // block_n, k // block_k]): the scale is rounded to bf16
+    (relative 2^-9) where `kimi.ops.quant.dequant_fp8_block` keeps it in float32; tests compare both against the
+    fp32 reference at 1e-2. Half the bytes of bf16 experts (dequantised on load, the `ref` path), and CUDA-graph
+    capturable. Schedules: humming_table.json's "fp8" entries, else humming's heuristic.
+
+    Args: w13 [E, 2I, D] float8_e4m3fn (gate rows then up rows), w13_scale_inv [E, 2I / block_n, D / block_k]
+    float32, w2 [E, D, I] float8_e4m3fn, w2_scale_inv [E, D / block_n, I / block_k] float32, all on the device;
+    block (block_n, block_k); dtype: the model dtype (bf16 / fp16). Raises ValueError when 2I, D or I is not a
+    multiple of the block edges (the gate / up tiles must not straddle); ImportError without humming.
+    """
+
+    weight_kind = "fp8"
+
+    def __init__(self, w13, w13_scale_inv, w2, w2_scale_inv, expert_offset: int, num_experts_total: int,
+                 block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.bfloat16):
+        nn.Module.__init__(self)
+        E, two_i, D = w13.shape
+        inter = two_i // 2
+        bn, bk = block
+        if inter % bn or D % bn or D % bk or inter % bk:
+            raise ValueError(f"FP8 experts: I {inter} and D {D} must be multiples of the {bn} x {bk} scale tiles")
+        for name, t, want in (("w13", w13, (E, 2 * inter, D)), ("w2", w2, (E, D, inter)),
+                              ("w13_scale_inv", w13_scale_inv, (E, 2 * inter // bn, D // bk)),
+                              ("w2_scale_inv", w2_scale_inv, (E, D // bn, inter // bk))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"FP8 experts: {name} is {tuple(t.shape)}, want {want}")
+        wcfg = dict(quant_method="fp8", weight_block_size=[bn, bk])
+        self._setup(wcfg, dtype, {"weight": w13, "weight_scale_inv": w13_scale_inv.float()},
+                    {"weight": w2, "weight_scale_inv": w2_scale_inv.float()}, E, D, inter, w13.device,
+                    expert_offset, num_experts_total)
 
 
 class CudaInt4Experts(nn.Module):
@@ -274,23 +337,43 @@ class CudaInt4Experts(nn.Module):
         return out
 
 
+def dequant_fp8_parts(parts: dict, block: tuple[int, int], dtype: torch.dtype) -> dict:
+    """FP8 parts (`w13_fp8`, `w13_scale_inv`, `w2_fp8`, `w2_scale_inv`) -> dequantised {`w13`, `w2`} in dtype, one
+    expert at a time (kimi.ops.quant.dequant_fp8_block)."""
+    from kimi.ops.quant import dequant_fp8_block
+
+    def deq(w, s):
+        return torch.stack([dequant_fp8_block(w[e], s[e], block, torch.float32).to(dtype) for e in range(w.shape[0])])
+
+    return {"w13": deq(parts["w13_fp8"], parts["w13_scale_inv"]), "w2": deq(parts["w2_fp8"], parts["w2_scale_inv"])}
+
+
 def make_experts(
     backend: str,
     parts: dict[str, torch.Tensor],
     expert_offset: int,
     num_experts_total: int,
     dtype: torch.dtype,
+    fp8_block: tuple[int, int] = (128, 128),
 ) -> nn.Module:
     """Build one MoE layer's local experts.
 
-    parts: either packed INT4 (`w13_packed`, `w13_scale`, `w2_packed`, `w2_scale`, stacked over local experts, on
-    the device) or dequantised (`w13` [E, 2I, D], `w2` [E, D, I]). Packed parts with backend "ref" are
-    dequantised here (bf16); dequantised parts always give RefExperts (no INT4 kernel applies).
+    parts (stacked over the local experts, on the device), one of:
+    - packed INT4 (`w13_packed`, `w13_scale`, `w2_packed`, `w2_scale`): the named backend; "ref" dequantises (dtype);
+    - FP8 blocks (`w13_fp8` [E, 2I, D], `w13_scale_inv`, `w2_fp8` [E, D, I], `w2_scale_inv`; K2-Instruct, tiles of
+      fp8_block): HummingFp8Experts for "humming"; every other backend has no FP8 kernel and gets them
+      dequantised (dtype) into RefExperts;
+    - dequantised (`w13` [E, 2I, D], `w2` [E, D, I]): always RefExperts (no quantised kernel applies).
     Raises ValueError for an unknown backend, or backend "cuda" with a dtype other than bf16; the backends' own
-    errors (CudaInt4Experts, HummingInt4Experts) pass through.
+    errors (CudaInt4Experts, HummingInt4Experts, HummingFp8Experts) pass through.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if "w13_fp8" in parts:
+        if backend == "humming":
+            return HummingFp8Experts(parts["w13_fp8"], parts["w13_scale_inv"], parts["w2_fp8"], parts["w2_scale_inv"],
+                                     expert_offset, num_experts_total, fp8_block, dtype)
+        parts = dequant_fp8_parts(parts, fp8_block, dtype)
     if "w13" in parts:
         return RefExperts(parts["w13"].to(dtype), parts["w2"].to(dtype), expert_offset)
     if backend == "ref":

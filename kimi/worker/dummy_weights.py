@@ -5,7 +5,10 @@ Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k
   N(0, 1/in_features) in the model dtype (so activations stay O(1) over 61 layers);
 - INT4 routed experts (humming / triton backends): random int32 words (uniform bytes, i.e. uniform nibbles)
   and bf16 scales 1 / (4.6 * sqrt(in_features)) * U(0.5, 1.5), stacked per layer over the local experts,
-  exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead.
+  exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead;
+- FP8 routed experts (configs with FP8 quantisation, K2-Instruct; humming and ref backends): float8_e4m3fn
+  N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128
+  tile, as the checkpoint tensors; humming keeps them FP8, ref dequantises them (kimi.ops.moe_backend.make_experts).
 Deterministic for a given seed on a given device.
 """
 
@@ -24,6 +27,17 @@ def random_packed_experts(E: int, N: int, K: int, gen: torch.Generator, device, 
     packed.view(torch.uint8).random_(0, 256, generator=gen)
     scale = (torch.rand((E, N, K // 32), generator=gen, device=device) + 0.5) / (4.6 * K**0.5)
     return packed, scale.to(scale_dtype)
+
+
+def random_fp8_experts(E: int, N: int, K: int, gen: torch.Generator, device, block: tuple[int, int] = (128, 128)):
+    """(weight float8_e4m3fn [E, N, K], weight_scale_inv float32 [E, ceil(N / bn), ceil(K / bk)]): N(0, 1) values
+    clamped to the e4m3 range, tile scales (1 / sqrt(K)) * U(0.5, 1.5). Generated one expert at a time."""
+    bn, bk = block
+    w = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=device)
+    for e in range(E):
+        w[e] = torch.randn((N, K), generator=gen, device=device).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    s = (torch.rand((E, -(-N // bn), -(-K // bk)), generator=gen, device=device) + 0.5) * K**-0.5
+    return w, s
 
 
 @torch.no_grad()
@@ -49,7 +63,12 @@ def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype,
         if not isinstance(mlp, MoELayer):
             continue
         E = mlp.num_local_experts
-        if moe_backend == "ref":
+        fp8 = cfg.quant is not None and cfg.quant.method == "fp8"
+        if fp8 and moe_backend in ("humming", "ref"):
+            w13, s13 = random_fp8_experts(E, 2 * inter, D, gen, dev, cfg.quant.block)
+            w2, s2 = random_fp8_experts(E, D, inter, gen, dev, cfg.quant.block)
+            parts = {"w13_fp8": w13, "w13_scale_inv": s13, "w2_fp8": w2, "w2_scale_inv": s2}
+        elif moe_backend == "ref":
             parts = {
                 "w13": torch.randn((E, 2 * inter, D), generator=gen, device=dev, dtype=dtype) * D**-0.5,
                 "w2": torch.randn((E, D, inter), generator=gen, device=dev, dtype=dtype) * inter**-0.5,
@@ -58,5 +77,6 @@ def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype,
             p13, s13 = random_packed_experts(E, 2 * inter, D, gen, dev)
             p2, s2 = random_packed_experts(E, D, inter, gen, dev)
             parts = {"w13_packed": p13, "w13_scale": s13, "w2_packed": p2, "w2_scale": s2}
-        mlp.experts_impl = make_experts(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype)
+        block = cfg.quant.block if fp8 else (128, 128)
+        mlp.experts_impl = make_experts(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype, block)
         del parts

@@ -4,7 +4,8 @@
   parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4
   compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
   through a kimi.ops.moe_backend module (`humming` default, `triton`, `ref`) set as `MoELayer.experts_impl`.
-  FP8 (K2-Instruct) tensors are dequantised to the model dtype on load (experts too, which then run `ref`).
+  FP8 (K2-Instruct) tensors are dequantised to the model dtype on load, except the routed experts under the
+  humming backend, which stay FP8 (kimi.ops.moe_backend.HummingFp8Experts) when I is a multiple of the scale tile.
 - Attention (`GPUMLAAttention`): the same projections as the reference, then the absorbed form for EVERY row,
   decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer paged MLA run per layer
   over the one [num_blocks, bs, 576] cache buffer with a causal plan (a sequence's query rows are the last
@@ -441,9 +442,18 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor
     return out, shared
 
 
-def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_total: int, dtype) -> nn.Module:
-    """make_experts, falling back to the dequantised reference (with a warning naming the error) when the INT4
-    kernel rejects the shapes (e.g. tiny test models: Triton tiles need D % 128 == 0 and I % 128 == 0)."""
+def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_total: int, dtype,
+                        fp8_block: tuple[int, int] = (128, 128)) -> nn.Module:
+    """make_experts, falling back to the dequantised reference (with a warning naming the error) when the INT4 or
+    FP8 kernel rejects the shapes (e.g. tiny test models: Triton tiles need D % 128 == 0 and I % 128 == 0)."""
+    if "w13_fp8" in parts:
+        if backend == "humming":
+            try:
+                return make_experts(backend, parts, expert_offset, num_experts_total, dtype, fp8_block)
+            except Exception as e:  # noqa: BLE001 - any kernel set-up failure: say so, run the reference
+                log.warning("FP8 experts on humming failed to set up (%s: %s); dequantised, using ref",
+                            type(e).__name__, e)
+        return make_experts("ref", parts, expert_offset, num_experts_total, dtype, fp8_block)
     if backend != "ref" and "w13_packed" in parts:
         D, inter = parts["w2_packed"].shape[1], parts["w2_packed"].shape[2] * 8
         if backend == "triton" and (D % 128 or inter % 128):
@@ -582,6 +592,18 @@ def load_gpu_model(
                 "w2_packed": stack(("down_proj",), "weight_packed"),
                 "w2_scale": stack(("down_proj",), "weight_scale"),
             }
+        elif (moe_backend == "humming" and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
+              and cfg.moe_intermediate_size % block[0] == 0):
+            # FP8 experts stay FP8 (HummingFp8Experts); gate and up tiles stack along N (I a multiple of the tile)
+            def stack(proj_parts, suffix):
+                return torch.stack([torch.cat([ws[n + p + suffix] for p in proj_parts], 0) for n in names]).to(device)
+
+            parts = {
+                "w13_fp8": stack(("gate_proj", "up_proj"), ".weight"),
+                "w13_scale_inv": stack(("gate_proj", "up_proj"), ".weight_scale_inv"),
+                "w2_fp8": stack(("down_proj",), ".weight"),
+                "w2_scale_inv": stack(("down_proj",), ".weight_scale_inv"),
+            }
         else:
             parts = {
                 "w13": torch.stack([torch.cat([dense(n + "gate_proj.weight"), dense(n + "up_proj.weight")], 0).to(device, dtype)
@@ -591,7 +613,8 @@ def load_gpu_model(
         for n in names:
             for k in [k for k in ws if k.startswith(n)]:
                 del ws[k]
-        mlp.experts_impl = make_experts_or_ref(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype)
+        mlp.experts_impl = make_experts_or_ref(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype,
+                                               fp8_block=block)
         del parts
     del ws
     return _finish(model)

@@ -65,10 +65,37 @@ def test_over_heuristic_entry(tmp_path, monkeypatch):
         mb.humming_table_config(10, 20, 256, "GPU-A")
 
 
+def test_weight_and_e_local_scope(tmp_path, monkeypatch):
+    """An entry applies only to its weight kind (int4 when not named) and, when it names e_local, to layers with that
+    many local experts; the first entry in scope wins."""
+    p = _write(tmp_path, [
+        {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "weight": "fp8", "e_local": 24, "config": {"block_shape": [16, 1, 1]}},
+        {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "weight": "fp8", "config": {"block_shape": [8, 2, 2]}},
+        {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "config": {"block_shape": [8, 3, 3]}},
+    ])
+    monkeypatch.setenv("KIMI_HUMMING_TABLE", str(p))
+    assert mb.humming_table_config(10, 20, 256, "GPU-A", weight="fp8", e_local=24) == {"block_shape": [16, 1, 1]}
+    assert mb.humming_table_config(10, 20, 256, "GPU-A", weight="fp8", e_local=48) == {"block_shape": [8, 2, 2]}
+    assert mb.humming_table_config(10, 20, 256, "GPU-A", weight="fp8") == {"block_shape": [8, 2, 2]}
+    assert mb.humming_table_config(10, 20, 256, "GPU-A") == {"block_shape": [8, 3, 3]}  # int4
+    assert mb.humming_table_config(10, 20, 256, "GPU-A", weight="int4", e_local=24) == {"block_shape": [8, 3, 3]}
+
+
+def test_shipped_fp8_entry_is_scoped():
+    """The shipped table's FP8 gate_up entry (measured at EP16) applies to FP8 layers with 24 local experts only; the
+    INT4 entries are unchanged for INT4 layers."""
+    mb._humming_table = mb.load_humming_table(mb.HUMMING_TABLE_PATH)
+    h = {"block_shape": [8, 128, 64], "mma_type": "wgmma", "num_ctas_per_sm": 4}
+    fp8 = mb.humming_table_config(4096, 7168, 256, "NVIDIA H200", h, "fp8", 24)
+    assert fp8["block_shape"] == [16, 256, 64] and fp8["mma_type"] == "mma"
+    assert mb.humming_table_config(4096, 7168, 256, "NVIDIA H200", h, "fp8", 48) is None
+    assert mb.humming_table_config(4096, 7168, 256, "NVIDIA H200", h)["block_shape"] == [8, 512, 64]
+
+
 @pytest.mark.parametrize("value", ["", "off", "OFF"])
 def test_env_off(value, monkeypatch):
     monkeypatch.setenv("KIMI_HUMMING_TABLE", value)
-    assert mb.load_humming_table() == {"gpu": None, "entries": {}}
+    assert mb.load_humming_table() == {"gpu": None, "entries": {}, "scope": {}}
 
 
 def test_missing_file(tmp_path):
@@ -80,6 +107,7 @@ def test_missing_file(tmp_path):
     [{"n": 1, "k": 1, "m_min": 0, "m_max": 4, "config": {}}],  # m_min < 1
     [{"n": 1, "k": 1, "m_max": 4, "config": {}}],  # no m_min
     [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "over_heuristic": "yes", "config": {}}],  # not a bool
+    [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "weight": "int8", "config": {}}],  # unknown weight kind
     "not a list",
 ])
 def test_malformed(tmp_path, entries):

@@ -152,3 +152,31 @@ def test_fp8_errors_and_zero_tile() -> None:
     assert torch.equal(dequant_fp8_block(q, s)[128:], torch.zeros(2, 20))
     with pytest.raises(ValueError):
         dequant_fp8_block(q, s[:1])
+
+
+def test_make_experts_dequantises_fp8_parts_without_an_fp8_kernel():
+    """FP8 expert parts (K2-Instruct tiles) under backends without an FP8 kernel ("ref", "triton") become RefExperts
+    over dequant_fp8_block's weights: the same outputs as RefExperts built from those weights directly."""
+    from kimi.ops.moe_backend import RefExperts, dequant_fp8_parts, make_experts
+    from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+
+    g = torch.Generator().manual_seed(3)
+    E, D, inter = 3, 256, 128
+    w13 = torch.randn((E, 2 * inter, D), generator=g) / 16
+    w2 = torch.randn((E, D, inter), generator=g) / 11
+    q13 = [quant_fp8_block(w13[e]) for e in range(E)]
+    q2 = [quant_fp8_block(w2[e]) for e in range(E)]
+    parts = {"w13_fp8": torch.stack([q for q, _ in q13]), "w13_scale_inv": torch.stack([s for _, s in q13]),
+             "w2_fp8": torch.stack([q for q, _ in q2]), "w2_scale_inv": torch.stack([s for _, s in q2])}
+    want13 = torch.stack([dequant_fp8_block(q, s) for q, s in q13])
+    assert torch.equal(dequant_fp8_parts(parts, (128, 128), torch.float32)["w13"], want13)
+    x = torch.randn((5, D), generator=g)
+    ids = torch.tensor([[0, 1], [2, 5], [1, 2], [7, 0], [2, 2]])
+    w = torch.rand((5, 2), generator=g)
+    direct = RefExperts(want13, torch.stack([dequant_fp8_block(q, s) for q, s in q2]), 0)(x, w, ids)
+    for backend in ("ref", "triton"):
+        m = make_experts(backend, dict(parts), 0, 8, torch.float32)
+        assert isinstance(m, RefExperts)
+        assert torch.equal(m(x, w, ids), direct)
+    exact = RefExperts(w13, w2, 0)(x, w, ids)
+    assert (direct - exact).norm() < 0.05 * exact.norm()  # e4m3's own rounding (3 mantissa bits) only

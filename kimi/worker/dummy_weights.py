@@ -6,9 +6,9 @@ Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k
 - INT4 routed experts (humming / triton backends): random int32 words (uniform bytes, i.e. uniform nibbles)
   and bf16 scales 1 / (4.6 * sqrt(in_features)) * U(0.5, 1.5), stacked per layer over the local experts,
   exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead;
-- FP8 routed experts (configs with FP8 quantisation, K2-Instruct; humming and ref backends): float8_e4m3fn
+- FP8 routed experts (configs with FP8 quantisation, K2-Instruct; every backend): float8_e4m3fn
   N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128
-  tile, as the checkpoint tensors; humming keeps them FP8, ref dequantises them (kimi.ops.moe_backend.make_experts).
+  tile, as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts).
 Deterministic for a given seed on a given device.
 """
 
@@ -18,7 +18,6 @@ import torch
 
 from kimi.config import ModelConfig
 from kimi.ops.moe import MoELayer
-from kimi.ops.moe_backend import make_experts
 
 
 def random_packed_experts(E: int, N: int, K: int, gen: torch.Generator, device, scale_dtype=torch.bfloat16):
@@ -42,7 +41,10 @@ def random_fp8_experts(E: int, N: int, K: int, gen: torch.Generator, device, blo
 
 @torch.no_grad()
 def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype, seed: int = 0) -> None:
-    """Fill every parameter of a build_gpu_model() model and set each MoE layer's experts_impl."""
+    """Fill every parameter of a build_gpu_model() model and set each MoE layer's experts_impl (through
+    kimi.worker.gpu_model.make_experts_or_ref: shapes a kernel rejects fall back to the dequantised reference, with a
+    warning, as when loading a checkpoint)."""
+    from kimi.worker.gpu_model import make_experts_or_ref
     dev = model.embed_tokens.device
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
@@ -64,7 +66,7 @@ def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype,
             continue
         E = mlp.num_local_experts
         fp8 = cfg.quant is not None and cfg.quant.method == "fp8"
-        if fp8 and moe_backend in ("humming", "ref"):
+        if fp8:  # humming keeps them FP8; the other backends dequantise them (make_experts), as from a checkpoint
             w13, s13 = random_fp8_experts(E, 2 * inter, D, gen, dev, cfg.quant.block)
             w2, s2 = random_fp8_experts(E, D, inter, gen, dev, cfg.quant.block)
             parts = {"w13_fp8": w13, "w13_scale_inv": s13, "w2_fp8": w2, "w2_scale_inv": s2}
@@ -78,5 +80,6 @@ def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype,
             p2, s2 = random_packed_experts(E, D, inter, gen, dev)
             parts = {"w13_packed": p13, "w13_scale": s13, "w2_packed": p2, "w2_scale": s2}
         block = cfg.quant.block if fp8 else (128, 128)
-        mlp.experts_impl = make_experts(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype, block)
+        mlp.experts_impl = make_experts_or_ref(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype,
+                                               fp8_block=block)
         del parts

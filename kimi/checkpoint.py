@@ -12,6 +12,8 @@ Formats (../shared/KIMI.md sections 1-2):
 
 Nested K2.5/K2.6 checkpoints prefix the text model with `language_model.` (`cfg.weight_prefix`); canonical
 names drop it. Every tensor is read lazily through `safe_open`, so an EP rank reads only its own experts.
+Loading stops with a CheckpointError naming the tensor when one is missing, misshapen, of the wrong dtype,
+unexpected, or a quantisation scale (`.weight_scale_inv`, `.weight_scale`) holds a NaN or infinity.
 """
 
 from __future__ import annotations
@@ -358,6 +360,9 @@ def load_checkpoint(
                 out[module + ".weight"] = parts["weight"].to(device)
                 out[module + ".weight_scale_inv"] = parts["weight_scale_inv"].to(device)
 
+    def part_is_scale(name: str) -> bool:
+        return name.endswith((".weight_scale_inv", ".weight_scale"))
+
     bar = tqdm(total=len(to_read), desc="Loading checkpoint", unit="tensor", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     try:
@@ -382,6 +387,9 @@ def load_checkpoint(
                             f"tensor {fname!r} in {fpath} has dtype {sl.get_dtype()}, expected {want_dtype}"
                         )
                     t = f.get_tensor(fname)
+                    if part_is_scale(name) and not bool(torch.isfinite(t).all()):
+                        # a NaN / inf scale would silently turn every output of the module into garbage
+                        raise CheckpointError(f"tensor {fname!r} in {fpath} holds NaN or infinite scales")
                     module, _, part = name.rpartition(".")
                     quantised = (method == "int4" and part in parts_needed["int4"] and ".mlp.experts." in name) or (
                         method == "fp8" and module + ".weight_scale_inv" in local and part in parts_needed["fp8"]

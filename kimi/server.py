@@ -570,8 +570,10 @@ async def serve(a: ServeArgs) -> int:
                     sock.close()
             if workers is not None:
                 # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and
-                # never see Shutdown: give them 1 s instead of 5 before the process group is terminated
-                await asyncio.to_thread(workers.stop, 1.0 if engine.fatal_error is not None or rc else 5.0)
+                # never see Shutdown; ranks still loading do not read it either: give them 1 s instead of 5
+                # before the process group is terminated
+                quick = engine.fatal_error is not None or rc or not engine.ready
+                await asyncio.to_thread(workers.stop, 1.0 if quick else 5.0)
             transport.close()
     return rc
 

@@ -35,11 +35,25 @@ import sys
 import traceback
 
 import torch
-import triton
-import triton.language as tl
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kimi.ops import fused  # noqa: E402
+from bench_util import require_gpu  # noqa: E402
+
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+_MISSING = None
+try:
+    import triton
+    import triton.language as tl
+
+    from kimi.ops import fused
+except ImportError as _e:
+    _MISSING = _e
+
+    class triton:  # noqa: N801 - stands in for the module so that the @triton.jit definitions below still load
+        jit = staticmethod(lambda fn: fn)
+
+    tl = None
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -142,7 +156,8 @@ def old_mla_rope_kv_write(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 # ---- timing --------------------------------------------------------------------------------------------------
 
 
-from bench_gemm import Timer  # noqa: E402  (tools/, this script's folder: CUDA-graph replay timer)
+if _MISSING is None:
+    from bench_gemm import Timer  # noqa: E402  (tools/, this script's folder: CUDA-graph replay timer)
 
 
 # ---- cases ---------------------------------------------------------------------------------------------------
@@ -283,6 +298,7 @@ def main():
     ap.add_argument("--ops", default=",".join(CASES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     date = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
     out_path = args.out or os.path.join(out_dir, f"bench_fused_{date}.json")

@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_moe import E, E_TOTAL, H, I, OFFSET, TOPK, Humming, bench, copy_bandwidth, cycle, make_sets, make_weights, touched, versions  # noqa: E402
+from bench_moe import _MISSING, E, E_TOTAL, H, I, OFFSET, TOPK, Humming, bench, copy_bandwidth, cycle, make_sets, make_weights, touched, versions  # noqa: E402
+from bench_util import require_gpu  # noqa: E402
 from kimi.ops.moe_int4_triton import moe_align  # noqa: E402
 
 
@@ -120,6 +121,7 @@ def main():
     ap.add_argument("--min-gain", type=float, default=0.02)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "humming_sweep.json"))
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     from humming.tune import get_heuristics_config
 
     t_start = time.time()

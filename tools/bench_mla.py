@@ -20,10 +20,19 @@ import time
 import traceback
 
 import torch
-import triton.testing
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from kimi.ops.attention_flashinfer import FlashInferMLADecode  # noqa: E402
+from bench_util import require_gpu  # noqa: E402
+
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+_MISSING = None
+try:
+    import triton.testing
+
+    from kimi.ops.attention_flashinfer import FlashInferMLADecode
+except ImportError as _e:
+    _MISSING = _e
 
 HEADS, L, R, BS = 64, 512, 64, 64
 SCALE = 0.130861
@@ -40,6 +49,7 @@ def main():
     ap.add_argument("--backend", default="fa3", help="FlashInfer MLA backend: fa3 (kimi's default), fa2, auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     date = datetime.date.today().isoformat()
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), f"mla_flashinfer_{date}.json")
     import flashinfer

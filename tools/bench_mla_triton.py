@@ -23,12 +23,20 @@ import time
 import traceback
 
 import torch
-import triton
-import triton.testing
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_util import require_gpu  # noqa: E402
 from kimi.ops import mla_decode_triton as mdt  # noqa: E402
 from kimi.ops.attention import mla_decode_ref  # noqa: E402
+
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+_MISSING = None
+try:
+    import triton
+    import triton.testing
+except ImportError as _e:
+    _MISSING = _e
 
 HEADS, L, R, BS = 64, 512, 64, 64
 SCALE = 0.130861
@@ -163,6 +171,7 @@ def main():
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     t_start = time.perf_counter()
     date = datetime.date.today().isoformat()
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), f"mla_triton_{date}.json")

@@ -25,11 +25,19 @@ import time
 import traceback
 
 import torch
-import triton
-import triton.testing
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_util import require_gpu  # noqa: E402
 from kimi.ops.moe_int4_triton import MoeTileConfig, combine_into, default_config, fused_experts_int4, moe_align  # noqa: E402
+
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+_MISSING = None
+try:
+    import triton
+    import triton.testing
+except ImportError as _e:
+    _MISSING = _e
 
 H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 NSETS = 4
@@ -189,6 +197,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-humming", action="store_true")
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     date = datetime.date.today().isoformat()
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), f"moe_int4_{date}.json")
     torch.manual_seed(0)

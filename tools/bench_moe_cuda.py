@@ -26,7 +26,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import copy_bandwidth  # noqa: E402  (tools/, the script's folder)
+from bench_util import copy_bandwidth, require_gpu  # noqa: E402  (tools/, the script's folder)
+
+_MISSING = None  # its imports need no GPU package; main() still exits with one line without a CUDA device
 from kimi.ops import moe_int4_cuda as mc  # noqa: E402
 from kimi.ops.quant import dequant_int4  # noqa: E402
 from kimi.worker.dummy_weights import random_packed_experts  # noqa: E402
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--gemms", default="gate_up,down")
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     from humming.layer import HummingLayer  # noqa: F401  (fails loudly when humming is absent)
 
     from kimi.ops.fused import moe_align_fused

@@ -26,13 +26,19 @@ import sys
 import time
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import copy_bandwidth, run_header  # noqa: E402
+from bench_util import copy_bandwidth, require_gpu, run_header  # noqa: E402
 
 from kimi.ops.moe_backend import make_experts  # noqa: E402
 from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts  # noqa: E402
+
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+_MISSING = None
+try:
+    import triton.testing
+except ImportError as _e:
+    _MISSING = _e
 
 D, INTER, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 NSETS = 4
@@ -49,6 +55,7 @@ def main() -> None:
     ap.add_argument("--no-ref", action="store_true", help="skip the dequantised bf16 RefExperts timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     dev = torch.device("cuda")
     res = run_header(__doc__.split("\n")[0], args)
     res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]

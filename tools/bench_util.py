@@ -8,6 +8,15 @@ import time
 import torch
 
 
+def require_gpu(prog: str, missing: BaseException | None = None) -> None:
+    """Exit with one line when a GPU tool cannot run here: a GPU package failed to import (`missing`, caught at the
+    tool's import so that its --help still works), or torch sees no CUDA device."""
+    if missing is not None:
+        raise SystemExit(f"{prog}: needs the GPU packages ({type(missing).__name__}: {missing})")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{prog}: needs a CUDA GPU (torch sees none)")
+
+
 def run_header(what: str, args) -> dict:
     """The common head of a benchmark's JSON: what, its arguments, GPU name, the versions of torch / FlashInfer /
     humming / Triton (None where not importable) and the date."""

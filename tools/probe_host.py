@@ -4,6 +4,7 @@ host, median us over 200 repeats each (the parts of CudaGraphRunner.run_host's s
 Usage: python tools/probe_host.py   (prints one JSON line; needs a CUDA device)
 """
 
+import argparse
 import json
 import os
 import random
@@ -24,6 +25,7 @@ def med(fn, n: int = 200) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_host.py: needs a CUDA GPU (torch sees none)")
     B, blk, nb = 32, 64, 33  # 32 sequences of 2k tokens in 64-token blocks

@@ -36,9 +36,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_gemm import Timer  # noqa: E402  (tools/, this script's folder: CUDA-graph replay timer)
-from kimi.ops import fused  # noqa: E402
+from bench_util import require_gpu  # noqa: E402
 from kimi.ops import moe_int4_triton as mi  # noqa: E402
+
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+_MISSING = None
+try:
+    from bench_gemm import Timer  # tools/, this script's folder: CUDA-graph replay timer
+    from kimi.ops import fused
+except ImportError as _e:
+    _MISSING = _e
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -138,6 +145,7 @@ def main() -> None:
     ap.add_argument("--ops", default="combine,silu_rows,align,router,rmsnorm")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "small_kernels.json"))
     args = ap.parse_args()
+    require_gpu(ap.prog, _MISSING)
     import triton
 
     from kimi.ops import pdl

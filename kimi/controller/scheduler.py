@@ -9,6 +9,10 @@ Each step (`schedule`):
    yet scheduled this step (its blocks are freed but stay in the prefix cache; it goes back to the front of
    the waiting queue and is recomputed later from its prompt and outputs so far, which then mostly hits
    the cache).
+   While requests wait (and one could start: `max_num_seqs` not reached, the head of the queue not waiting for
+   its leader), those prompt chunks leave `waiting_reserve` tokens of the budget to the waiting requests, so a
+   short request that arrives behind a long prompt starts within a step rather than after the whole prompt.
+   Decodes are never held back.
 2. Waiting requests, first come first served, start while budget, `max_num_seqs` and free blocks allow; a
    new request first takes the longest cached prefix of its tokens (BlockPool.lookup; whole blocks, never
    its last token, so at least one token is computed and the last position yields logits), then a chunk
@@ -213,15 +217,26 @@ class Scheduler:
             for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
                 (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(r)
             order = decodes + others if others else decodes
+            n_dec = len(decodes)
+            # tokens the prompt chunks of running requests leave to waiting requests (see the module docstring)
+            reserve, held = 0, False
+            if others and self.waiting and len(self.running) < self.config.max_num_seqs \
+                    and not _waits_for_leader(self.waiting[0]):
+                reserve = min(self.config.waiting_reserve, self.config.token_budget // 2)
             bs = self.block_pool.block_size
             running = RequestStatus.RUNNING
             scheduled = out.scheduled
             max_len = self.config.max_model_len
-            for req in order:
+            for i, req in enumerate(order):
                 if budget <= 0:
                     break
                 if req.status is not running:
                     continue  # preempted earlier in this step
+                if i == n_dec and reserve:
+                    budget -= reserve  # held back from the prompt chunks below, given back before admission
+                    held = True
+                    if budget <= 0:
+                        break
                 inflight = req.num_inflight_samples
                 if inflight and (len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
                                  or len(req.token_ids) + inflight >= max_len):
@@ -253,6 +268,8 @@ class Scheduler:
                 scheduled_ids.add(req.rid)
                 budget -= num_new
 
+            if held:
+                budget += reserve
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]

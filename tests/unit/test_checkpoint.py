@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import os
 import shutil
 import sys
@@ -290,6 +291,26 @@ def test_misshapen_tensor(tiny: dict[str, str], tmp_path) -> None:
     d = _rewrite(tiny["k2.6"], tmp_path, edit)
     with pytest.raises(CheckpointError, match=r"layers\.2\.self_attn\.o_proj\.weight.*model-0000\d-of-00003.*shape"):
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
+
+
+@pytest.mark.parametrize("layout,name", [
+    ("k2-instruct", "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"),
+    ("k2-instruct", "model.layers.0.self_attn.o_proj.weight_scale_inv"),
+    ("k2.6", P + "model.layers.2.mlp.experts.5.gate_proj.weight_scale"),
+])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_scale_is_refused(tiny: dict[str, str], tmp_path, layout: str, name: str, bad: float) -> None:
+    """A NaN / inf quantisation scale (FP8 weight_scale_inv, INT4 weight_scale) stops loading with an error naming
+    the tensor, raw or dequantised, rather than loading and answering garbage."""
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name].view(-1)[-1] = bad
+
+    d = _rewrite(tiny[layout], tmp_path, edit)
+    cfg = ModelConfig.from_dir(d)
+    for dq in (False, True):
+        with pytest.raises(CheckpointError, match=re.escape(name) + ".*NaN or infinite"):
+            load_checkpoint(d, cfg, dequantize=dq, progress=False)
 
 
 def test_wrong_dtype(tiny: dict[str, str], tmp_path) -> None:

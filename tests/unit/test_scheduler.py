@@ -202,3 +202,36 @@ def test_engine_routes_a_shared_prefix_to_the_rank_that_caches_it(tmp_path):
     assert r_shared.dp_rank == 1
     (sr,) = [x for x in step(eng.schedulers[1]).scheduled if x.request is r_shared]
     assert r_shared.num_cached_tokens == 64 * BS and sr.num_new_tokens == 2
+
+
+def test_short_request_behind_a_long_prompt_starts_within_a_step():
+    """A long prompt being prefilled in chunks leaves `waiting_reserve` tokens of each step to waiting requests:
+    a short request arriving behind it starts (whole prompt) in the next step and finishes long before the long
+    prompt does; the long prompt's chunks shrink only while something waits. With waiting_reserve 0 the short
+    request waits for the whole long prompt (the former rule)."""
+    def run(reserve: int) -> tuple[int, int, list[int]]:
+        cfg = SchedulerConfig(max_num_seqs=8, token_budget=64, max_model_len=4096, waiting_reserve=reserve)
+        s = Scheduler(cfg, BlockPool(512, BS, enable_caching=True))
+        long_req = make(1, list(range(1000, 1000 + 600)), max_tokens=2)
+        s.add(long_req)
+        step(s)  # the long prompt's first chunk, nothing waiting: the whole budget
+        short = make(2, [5, 6, 7, 8, 9], max_tokens=2)
+        s.add(short)
+        chunks, first_short, n = [], None, 1
+        while s.has_work():
+            out = step(s)
+            n += 1
+            for sr in out.scheduled:
+                if sr.request is long_req and long_req.num_computed_tokens <= long_req.num_prompt_tokens:
+                    chunks.append(sr.num_new_tokens)
+                if sr.request is short and first_short is None:
+                    first_short = n
+            assert n < 200
+        return first_short, n, chunks
+
+    first, steps, chunks = run(16)
+    assert first == 2  # the step right after it arrived
+    assert chunks[0] == 64 - 16 and max(chunks[1:]) == 64  # reserve only while it waits
+    old_first, old_steps, old_chunks = run(0)
+    assert old_first > 8 and set(old_chunks[:-1]) == {64}  # behind the whole 600-token prompt
+    assert steps - old_steps <= 1  # the long prompt lost at most one step

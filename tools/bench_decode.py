@@ -156,10 +156,10 @@ def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
 def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> None:
     """The expert GEMMs' schedules as chosen (table or heuristic) with the given fields replaced for gate_up / down
     (None: left as chosen); on=False restores. The experts' cached schedules are dropped."""
-    from kimi.ops.moe_backend import HummingInt4Experts
+    from kimi.ops.moe_backend import HummingExperts
 
     if on:
-        orig = _saved["humming_configs"] = HummingInt4Experts._configs
+        orig = _saved["humming_configs"] = HummingExperts._configs
 
         def forced(self, T, k, orig=orig):
             c1, c2 = (dict(c) for c in orig(self, T, k))
@@ -167,9 +167,9 @@ def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> N
             c2.update(down or {})
             return c1, c2
 
-        HummingInt4Experts._configs = forced
+        HummingExperts._configs = forced
     else:
-        HummingInt4Experts._configs = _saved["humming_configs"]
+        HummingExperts._configs = _saved["humming_configs"]
     _drop_humming_schedules(m)
 
 

@@ -26,17 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import require_gpu  # noqa: E402
+from bench_util import import_gpu_module, require_gpu  # noqa: E402
 from kimi.ops import mla_decode_triton as mdt  # noqa: E402
 from kimi.ops.attention import mla_decode_ref  # noqa: E402
 
-# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
-_MISSING = None
-try:
-    import triton
-    import triton.testing
-except ImportError as _e:
-    _MISSING = _e
+triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
 HEADS, L, R, BS = 64, 512, 64, 64
 SCALE = 0.130861

@@ -28,16 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import require_gpu  # noqa: E402
+from bench_util import import_gpu_module, require_gpu  # noqa: E402
 from kimi.ops.moe_int4_triton import MoeTileConfig, combine_into, default_config, fused_experts_int4, moe_align  # noqa: E402
 
-# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
-_MISSING = None
-try:
-    import triton
-    import triton.testing
-except ImportError as _e:
-    _MISSING = _e
+triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
 H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 NSETS = 4

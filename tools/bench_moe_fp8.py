@@ -28,17 +28,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import copy_bandwidth, require_gpu, run_header  # noqa: E402
+from bench_util import copy_bandwidth, import_gpu_module, require_gpu, run_header  # noqa: E402
 
 from kimi.ops.moe_backend import make_experts  # noqa: E402
 from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts  # noqa: E402
 
-# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
-_MISSING = None
-try:
-    import triton.testing
-except ImportError as _e:
-    _MISSING = _e
+triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
 D, INTER, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 NSETS = 4

@@ -8,6 +8,19 @@ import time
 import torch
 
 
+def import_gpu_module(name: str):
+    """(the top-level package, having imported `name` with it, e.g. "triton.testing" -> triton; None) or (None, the
+    ImportError). GPU tools import their GPU packages through it (or a try block of their own) so that their --help
+    works on a CPU-only install; main() then passes the error to require_gpu."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        return None, e
+    return importlib.import_module(name.partition(".")[0]), None
+
+
 def require_gpu(prog: str, missing: BaseException | None = None) -> None:
     """Exit with one line when a GPU tool cannot run here: a GPU package failed to import (`missing`, caught at the
     tool's import so that its --help still works), or torch sees no CUDA device."""

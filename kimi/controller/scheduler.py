@@ -228,15 +228,13 @@ class Scheduler:
             scheduled = out.scheduled
             max_len = self.config.max_model_len
             for i, req in enumerate(order):
+                if reserve and not held and i >= n_dec:
+                    budget -= reserve  # held back from the prompt chunks, given back before admission
+                    held = True
                 if budget <= 0:
                     break
                 if req.status is not running:
                     continue  # preempted earlier in this step
-                if i == n_dec and reserve:
-                    budget -= reserve  # held back from the prompt chunks below, given back before admission
-                    held = True
-                    if budget <= 0:
-                        break
                 inflight = req.num_inflight_samples
                 if inflight and (len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
                                  or len(req.token_ids) + inflight >= max_len):

@@ -110,8 +110,8 @@ def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict
     return None
 
 
-__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingInt4Experts", "HummingFp8Experts",
-           "CudaInt4Experts", "TritonInt4Experts", "RefExperts", "make_experts", "dequant_fp8_parts"]
+__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingExperts", "HummingInt4Experts",
+           "HummingFp8Experts", "CudaInt4Experts", "TritonInt4Experts", "RefExperts", "make_experts", "dequant_fp8_parts"]
 
 
 class RefExperts(nn.Module):
@@ -156,29 +156,13 @@ class TritonInt4Experts(nn.Module):
         )
 
 
-class HummingInt4Experts(nn.Module):
-    """Packed INT4 experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load).
-
-    Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
-    copies; the caller should drop its references). Raises ImportError when humming is not installed.
-    """
+class HummingExperts(nn.Module):
+    """Routed experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load): the steps and
+    schedule choice shared by HummingInt4Experts and HummingFp8Experts, which load their weight format (`_setup`).
+    `weight_kind` picks the humming_table.json entries that apply."""
 
     graph_safe = True
-
-    weight_kind = "int4"  # which humming_table.json entries apply
-
-    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
-        super().__init__()
-        E, two_i, d8 = w13_packed.shape
-        D = d8 * 8
-        wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
-                    strategy="group", group_size=32, symmetric=True)
-        dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
-        shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
-        shp2 = torch.tensor([[D, two_i // 2]] * E, dtype=torch.int64)
-        self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
-                    {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
-                    E, D, two_i // 2, w13_packed.device, expert_offset, num_experts_total)
+    weight_kind = "int4"
 
     def _setup(self, wcfg: dict, dtype, t13: dict, t2: dict, E: int, D: int, inter: int, dev, expert_offset: int,
                num_experts_total: int) -> None:
@@ -243,7 +227,30 @@ class HummingInt4Experts(nn.Module):
         return out
 
 
-class HummingFp8Experts(HummingInt4Experts):
+class HummingInt4Experts(HummingExperts):
+    """Packed INT4 experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load).
+
+    Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
+    copies; the caller should drop its references). Raises ImportError when humming is not installed.
+    """
+
+    weight_kind = "int4"
+
+    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
+        super().__init__()
+        E, two_i, d8 = w13_packed.shape
+        D = d8 * 8
+        wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
+                    strategy="group", group_size=32, symmetric=True)
+        dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
+        shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
+        shp2 = torch.tensor([[D, two_i // 2]] * E, dtype=torch.int64)
+        self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
+                    {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
+                    E, D, two_i // 2, w13_packed.device, expert_offset, num_experts_total)
+
+
+class HummingFp8Experts(HummingExperts):
     """FP8 block-quantised experts (K2-Instruct: float8_e4m3fn weights, one float32 `weight_scale_inv` per
     block_n x block_k tile, DeepSeek-V3's format) kept in FP8 on the device and run by humming-kernels' indexed
     MoE GEMMs (W8A16: bf16 activations, fp32 accumulation), in the same steps as HummingInt4Experts.
@@ -264,7 +271,7 @@ class HummingFp8Experts(HummingInt4Experts):
 
     def __init__(self, w13, w13_scale_inv, w2, w2_scale_inv, expert_offset: int, num_experts_total: int,
                  block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.bfloat16):
-        nn.Module.__init__(self)
+        super().__init__()
         E, two_i, D = w13.shape
         inter = two_i // 2
         bn, bk = block

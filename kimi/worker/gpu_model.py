@@ -582,22 +582,21 @@ def load_gpu_model(
         if not isinstance(mlp, MoELayer):
             continue
         names = [f"model.layers.{i}.mlp.experts.{mlp.expert_offset + j}." for j in range(mlp.num_local_experts)]
-        if names[0] + "gate_proj.weight_packed" in ws:
-            def stack(proj_parts, part):
-                return torch.stack([torch.cat([ws[n + p + "." + part] for p in proj_parts], 0) for n in names]).to(device)
 
+        def stack(proj_parts, suffix, names=names):
+            """The local experts' tensors `proj + suffix`, projections concatenated along N, stacked: [E, N, ...]."""
+            return torch.stack([torch.cat([ws[n + p + suffix] for p in proj_parts], 0) for n in names]).to(device)
+
+        if names[0] + "gate_proj.weight_packed" in ws:
             parts = {
-                "w13_packed": stack(("gate_proj", "up_proj"), "weight_packed"),
-                "w13_scale": stack(("gate_proj", "up_proj"), "weight_scale"),
-                "w2_packed": stack(("down_proj",), "weight_packed"),
-                "w2_scale": stack(("down_proj",), "weight_scale"),
+                "w13_packed": stack(("gate_proj", "up_proj"), ".weight_packed"),
+                "w13_scale": stack(("gate_proj", "up_proj"), ".weight_scale"),
+                "w2_packed": stack(("down_proj",), ".weight_packed"),
+                "w2_scale": stack(("down_proj",), ".weight_scale"),
             }
         elif (moe_backend == "humming" and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
               and cfg.moe_intermediate_size % block[0] == 0):
             # FP8 experts stay FP8 (HummingFp8Experts); gate and up tiles stack along N (I a multiple of the tile)
-            def stack(proj_parts, suffix):
-                return torch.stack([torch.cat([ws[n + p + suffix] for p in proj_parts], 0) for n in names]).to(device)
-
             parts = {
                 "w13_fp8": stack(("gate_proj", "up_proj"), ".weight"),
                 "w13_scale_inv": stack(("gate_proj", "up_proj"), ".weight_scale_inv"),

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_gemm import MIN_POOL_BYTES, Timer  # noqa: E402  (tools/, this script's folder)
-from bench_util import copy_bandwidth  # noqa: E402
+from bench_util import copy_bandwidth, require_gpu  # noqa: E402
 from kimi.ops import bmm_small_m as bmm  # noqa: E402
 from kimi.ops import linear_small_m as lsm  # noqa: E402
 
@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--table-out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog)
     import triton
 
     t0 = time.time()

@@ -48,7 +48,7 @@ import time
 
 import torch
 
-from bench_util import copy_bandwidth, run_header  # tools/, this script's folder
+from bench_util import copy_bandwidth, require_gpu, run_header  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
 from kimi.ops.sampling import start_host_copy
 
@@ -558,8 +558,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the graph variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{ap.prog}: needs a CUDA GPU (torch sees none)")
+    require_gpu(ap.prog)
     _LPG[0] = args.layers_per_graph
 
     from kimi.config import ModelConfig

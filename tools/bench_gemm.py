@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import copy_bandwidth  # noqa: E402  (tools/, this script's folder)
+from bench_util import copy_bandwidth, require_gpu  # noqa: E402  (tools/, this script's folder)
 from kimi.ops import linear_small_m as lsm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -129,9 +129,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--table-out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available() or not lsm.HAS_TRITON:
-        log("needs a CUDA device and Triton")
-        return 2
+    require_gpu(ap.prog, None if lsm.HAS_TRITON else ImportError("Triton is not installed"))
     import triton
 
     t0 = time.time()

@@ -38,7 +38,7 @@ import time
 import torch
 
 from bench_decode import EmulatedEP, breakdown, time_ms  # tools/, this script's folder
-from bench_util import run_header
+from bench_util import require_gpu, run_header
 
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
@@ -92,8 +92,7 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{ap.prog}: needs a CUDA GPU (torch sees none)")
+    require_gpu(ap.prog)
     cases = parse_cases(args.cases, args.chunk)
 
     from kimi.config import ModelConfig

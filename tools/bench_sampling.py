@@ -18,6 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
 from kimi.ops.sampling import sample, sample_ref  # noqa: E402
 from kimi.protocol import SamplingParams  # noqa: E402
 
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "sampling.json"))
     args = ap.parse_args()
+    require_gpu(ap.prog)
     res = {"what": __doc__.split("\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "vocab": V, "cases": []}
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -9,10 +9,14 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
 
 
 def med(fn, n: int = 200) -> float:
@@ -25,9 +29,9 @@ def med(fn, n: int = 200) -> float:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("probe_host.py: needs a CUDA GPU (torch sees none)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.parse_args()
+    require_gpu(ap.prog)
     B, blk, nb = 32, 64, 33  # 32 sequences of 2k tokens in 64-token blocks
     perm = list(range(1, B * nb + 1))
     random.shuffle(perm)

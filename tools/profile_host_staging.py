@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
 
 
 def timed(fn, iters: int) -> float:
@@ -36,6 +41,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog)
     dev = torch.device("cuda")
     blk = 64
     res = {"what": __doc__.split("\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

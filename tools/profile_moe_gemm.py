@@ -19,6 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
 from kimi.ops import moe_int4_cuda as mc  # noqa: E402
 from kimi.worker.dummy_weights import random_packed_experts  # noqa: E402
 
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
+    require_gpu(ap.prog)
     from kimi.ops.fused import moe_align_fused
     from kimi.ops.moe_backend import HummingInt4Experts
 

@@ -14,9 +14,13 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
 
 
 def main() -> None:
@@ -26,6 +30,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_gpu(ap.prog)
     from kimi.ops.attention_flashinfer import FlashInferMLADecode
 
     res = {"gpu": torch.cuda.get_device_name(), "ctx": args.ctx, "cases": []}

@@ -26,7 +26,8 @@ import traceback
 import torch
 
 from kimi import protocol
-from kimi.config import CacheConfig, ModelConfig
+from kimi.checkpoint import CheckpointError
+from kimi.config import CacheConfig, ConfigError, ModelConfig
 from kimi.controller.transport import Heartbeat, WorkerTransport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                                  cuda_graph_max_bs=args.cuda_graph_max_bs),
             )
     except Exception as e:
-        traceback.print_exc()
+        if not isinstance(e, (CheckpointError, ConfigError)):  # those name the file / tensor / field: no traceback
+            traceback.print_exc()
         transport.send(protocol.WorkerError(rank, f"start-up failed: {type(e).__name__}: {e}"))
         heartbeat.stop()
         transport.close()

@@ -1,22 +1,45 @@
 """Every script in tools/ answers --help (exit 0, argparse usage) on a CPU-only install without Triton, humming or
 FlashInfer: the GPU tools import those packages guardedly and refuse a run with one line (bench_util.require_gpu),
-not a traceback at import. The runs are started together and waited for (about 2 s of imports each)."""
+not a traceback at import; on a machine without CUDA, running one of those GPU tools (with no arguments) exits 1 with
+one line naming the script. The runs are started together and waited for (about 2 s of imports each)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def _run_all(scripts, args) -> dict[str, tuple[int, str, str]]:
+    """{script name: (exit code, stdout, stderr)} of every script run with args, all started at once."""
+    procs = {p.name: subprocess.Popen([sys.executable, str(p), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for p in scripts}
+    res = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        res[name] = (proc.returncode, out, err)
+    return res
 
 
 def test_every_tool_prints_help_without_gpu_packages():
     scripts = sorted(p for p in TOOLS.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
     assert len(scripts) >= 15
-    procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for p in scripts}
+    bad = [f"{name}: rc {rc}, stderr {err.strip()[-300:]!r}" for name, (rc, out, err) in _run_all(scripts, ["--help"]).items()
+           if rc != 0 or "usage:" not in out or "Traceback" in err]
+    assert not bad, "\n".join(bad)
+
+
+def test_gpu_tools_refuse_a_cpu_run_in_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the GPU tools would run for real")
+    scripts = sorted(p for p in TOOLS.glob("*.py") if "require_gpu(ap.prog" in p.read_text())
+    assert len(scripts) >= 17
     bad = []
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        if proc.returncode != 0 or "usage:" not in out or "Traceback" in err:
-            bad.append(f"{name}: rc {proc.returncode}, stderr {err.strip()[-300:]!r}")
+    for name, (rc, _, err) in _run_all(scripts, []).items():
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        if rc != 1 or "Traceback" in err or not lines or not lines[-1].startswith(f"{name}: needs "):
+            bad.append(f"{name}: rc {rc}, stderr {err.strip()[-300:]!r}")
     assert not bad, "\n".join(bad)

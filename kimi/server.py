@@ -80,6 +80,7 @@ class ServeArgs:
     moe_backend: str = "humming"
     load_format: str = "auto"
     enforce_eager: bool = False
+    fp8_dense: str = "off"
     no_async_scheduling: bool = False
 
 
@@ -140,7 +141,7 @@ def cuda_only_flags_set(a: ServeArgs) -> list[str]:
     if a.device == "cuda":
         return []
     d = ServeArgs(model=a.model)
-    return [f"--{name.replace('_', '-')}" for name in ("moe_backend", "load_format", "enforce_eager")
+    return [f"--{name.replace('_', '-')}" for name in ("moe_backend", "load_format", "enforce_eager", "fp8_dense")
             if getattr(a, name) != getattr(d, name)]
 
 
@@ -214,6 +215,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU")
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
+    p.add_argument("--fp8-dense", default="off", choices=["off", "triton", "humming"],
+                   help="--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
+                        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
+                        "decode (default off)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the last one's results are applied (default: the next step is "
                         "planned and sent while one runs, so workers never wait for the controller)")
@@ -238,7 +243,7 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     if a.a2a_backend is not None:
         cmd += ["--a2a-backend", a.a2a_backend]
     if a.device == "cuda":
-        cmd += ["--moe-backend", a.moe_backend, "--load-format", a.load_format,
+        cmd += ["--moe-backend", a.moe_backend, "--load-format", a.load_format, "--fp8-dense", a.fp8_dense,
                 "--cuda-graph-max-bs", str(0 if a.enforce_eager else a.max_num_seqs)]
     return cmd
 

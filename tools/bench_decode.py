@@ -2,7 +2,8 @@
 
 The rank: the real K2.6 text config (kimi/presets/kimi-k2.6.json), all 61 layers at full width, random weights
 generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales; with `--quant fp8`
-K2-Instruct's FP8 128 x 128 experts instead, kept FP8 by humming), EP rank 0 of 8 (--ep-size: its 384 / ep_size
+K2-Instruct's FP8 128 x 128 experts instead, kept FP8 by humming, and with --fp8-dense its FP8 dense projections,
+kept FP8 by kimi.ops.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size
 local experts per MoE layer, packed, run by the chosen MoE backend), B local sequences at CTX tokens
 of context (FlashInfer MLA decode over the paged [num_blocks, 64, 576] cache, blocks randomly permuted).
 
@@ -530,7 +531,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="kimi-k2.6")
     ap.add_argument("--quant", default=None, choices=["fp8"],
-                    help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming)")
+                    help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming) "
+                         "with --fp8-dense, its FP8 dense projections too")
+    ap.add_argument("--fp8-dense", default="off", choices=["off", "triton", "humming"],
+                    help="--quant fp8: the dense projections kept FP8 on kimi's Triton kernel / humming, or bf16 (off)")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
     ap.add_argument("--ctx", type=int, default=2048)
@@ -584,7 +588,8 @@ def main() -> None:
     a2a = EmulatedEP(n_moe, seqs[0], args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
                      cfg.routed_scaling_factor, dev)
     model = load_gpu_model("", cfg, ep_rank=0, ep_size=args.ep_size, a2a=a2a, dtype=torch.bfloat16, device=dev,
-                           moe_backend=args.moe_backend, load_format="dummy", max_positions=args.ctx + 64)
+                           moe_backend=args.moe_backend, load_format="dummy", max_positions=args.ctx + 64,
+                           fp8_dense=args.fp8_dense)
     torch.cuda.synchronize()
     res["load_s"] = time.time() - t0
     if args.attn:
@@ -595,6 +600,10 @@ def main() -> None:
     res["layers_per_graph"] = _cg.LAYERS_PER_GRAPH if _LPG[0] is None else _LPG[0]
     impl = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
     res["experts_impl"] = impl
+    fp8_layers = [m for m in model.modules() if type(m).__name__ == "Fp8Linear"]
+    # FP8 dense layers kept FP8 (--quant fp8 with --fp8-dense triton / humming), and how many of them run on humming
+    res["dense_fp8_layers"] = {"layers": len(fp8_layers), "humming": sum(m.hl is not None for m in fp8_layers),
+                               "fp8_dense": args.fp8_dense}
     from kimi.ops import moe_backend
 
     from kimi.ops import linear_small_m as _lsm

@@ -8,7 +8,9 @@ Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k
   exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead;
 - FP8 routed experts (configs with FP8 quantisation, K2-Instruct; every backend): float8_e4m3fn
   N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128
-  tile, as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts).
+  tile, as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts);
+  with fp8_dense "triton" / "humming", the dense weights a checkpoint load keeps FP8 (kimi.worker.gpu_model.
+  fp8_dense_names, on CUDA) are the random bf16 ones above quantised to FP8 128 x 128 tiles (quant_fp8_block).
 Deterministic for a given seed on a given device.
 """
 
@@ -40,7 +42,8 @@ def random_fp8_experts(E: int, N: int, K: int, gen: torch.Generator, device, blo
 
 
 @torch.no_grad()
-def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype, seed: int = 0) -> None:
+def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype, seed: int = 0,
+               fp8_dense: str = "off") -> None:
     """Fill every parameter of a build_gpu_model() model and set each MoE layer's experts_impl (through
     kimi.worker.gpu_model.make_experts_or_ref: shapes a kernel rejects fall back to the dequantised reference, with a
     warning, as when loading a checkpoint)."""
@@ -59,13 +62,23 @@ def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype,
             p.copy_(torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32).to(p.dtype))
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    fp8 = cfg.quant is not None and cfg.quant.method == "fp8"
+    if fp8 and fp8_dense != "off" and dev.type == "cuda":  # the dense weights a checkpoint load keeps FP8
+        from kimi.ops.quant import quant_fp8_block
+        from kimi.worker.gpu_model import fp8_dense_names, install_fp8
+
+        targets = model._weight_targets()
+        names = fp8_dense_names(model, cfg.quant.block, lambda n: n in targets)
+        for n in sorted(names):
+            q, s = quant_fp8_block(targets.pop(n).detach(), cfg.quant.block)  # pop: the bf16 tensor is freed
+            install_fp8(model, n, q, s, cfg.quant.block)
+            del q, s
     inter, D = cfg.moe_intermediate_size, cfg.hidden_size
     for layer in model.layers:
         mlp = layer.mlp
         if not isinstance(mlp, MoELayer):
             continue
         E = mlp.num_local_experts
-        fp8 = cfg.quant is not None and cfg.quant.method == "fp8"
         if fp8:  # humming keeps them FP8; the other backends dequantise them (make_experts), as from a checkpoint
             w13, s13 = random_fp8_experts(E, 2 * inter, D, gen, dev, cfg.quant.block)
             w2, s2 = random_fp8_experts(E, D, inter, gen, dev, cfg.quant.block)

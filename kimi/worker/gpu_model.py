@@ -4,8 +4,11 @@
   parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4
   compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
   through a kimi.ops.moe_backend module (`humming` default, `triton`, `ref`) set as `MoELayer.experts_impl`.
-  FP8 (K2-Instruct) tensors are dequantised to the model dtype on load, except the routed experts under the
-  humming backend, which stay FP8 (kimi.ops.moe_backend.HummingFp8Experts) when I is a multiple of the scale tile.
+  FP8 (K2-Instruct) tensors: the routed experts stay FP8 under the humming backend
+  (kimi.ops.moe_backend.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections
+  (q_a + kv_a, q_b, o_proj, the gate/up/down of the shared experts and layer 0; `fp8_dense_names`) stay FP8 as
+  kimi.ops.linear_fp8.Fp8Linear layers with fp8_dense "triton" or "humming" (FP8_DENSE_CHOICES; default "off":
+  dequantised); the rest is dequantised to the model dtype.
 - Attention (`GPUMLAAttention`): the same projections as the reference, then the absorbed form for EVERY row,
   decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer paged MLA run per layer
   over the one [num_blocks, bs, 576] cache buffer with a causal plan (a sequence's query rows are the last
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops.linear_small_m import linear as dense_linear
+from kimi.ops.linear_fp8 import Fp8Linear
+from kimi.ops.linear_small_m import linear as _bf16_linear
 from kimi.ops.linear_small_m import linear_small_m, prologue_config
 from kimi.ops.bmm_small_m import bmm_heads
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
@@ -48,6 +52,20 @@ except ImportError:  # pragma: no cover
     fused = None
 
 log = logging.getLogger("kimi.worker")
+
+
+def dense_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x [T, K] @ W^T -> [T, N]: kimi.ops.linear_small_m.linear for a bf16 weight tensor [N, K], the FP8 kernel
+    (kimi.ops.linear_fp8) for an Fp8Linear (K2-Instruct's dense weights, kept FP8 by load_gpu_model)."""
+    if isinstance(w, Fp8Linear):
+        return w(x)
+    return _bf16_linear(x, w)
+
+
+def _prologue_config(x: torch.Tensor, w, silu_mul: bool = False):
+    """prologue_config for bf16 weights; None (no fused prologue) for an Fp8Linear."""
+    return None if isinstance(w, Fp8Linear) else prologue_config(x, w, silu_mul=silu_mul)
+
 
 __all__ = ["GPUAttnPlan", "GPUMLAAttention", "GPUKimiForCausalLM", "build_gpu_model", "load_gpu_model"]
 
@@ -137,8 +155,13 @@ class GPUMLAAttention(MLAAttention):
 
     def prepare(self) -> None:
         """Also merges q_a_proj and kv_a_proj_with_mqa into one [q_lora + L + R, D] weight `w_qkv_a` (the two
-        parameters become views of it, no extra memory) so the GPU forward runs one GEMM for both."""
-        if self.cfg.q_lora_rank is not None and self.q_a_proj.is_cuda:
+        parameters become views of it, no extra memory) so the GPU forward runs one GEMM for both; FP8 layers
+        (Fp8Linear) merge into one Fp8Linear `w_qkv_a` and the two attributes become None."""
+        if isinstance(self.q_a_proj, Fp8Linear):  # FP8 (load_gpu_model keeps both FP8 or neither): one FP8 layer
+            # zero rows up to a whole scale tile (humming takes whole tiles only); forward slices the real columns
+            self.w_qkv_a = Fp8Linear.cat([self.q_a_proj, self.kv_a_proj_with_mqa], pad_rows_to=self.q_a_proj.block[0])
+            self.q_a_proj = self.kv_a_proj_with_mqa = None
+        elif self.cfg.q_lora_rank is not None and self.q_a_proj.is_cuda:
             ql = self.cfg.q_lora_rank
             w = torch.cat([self.q_a_proj.detach(), self.kv_a_proj_with_mqa.detach()], 0)
             self.q_a_proj = nn.Parameter(w[:ql], requires_grad=False)
@@ -193,12 +216,12 @@ class GPUMLAAttention(MLAAttention):
             ql = self.cfg.q_lora_rank
             qkv_a = dense_linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
             q_a = qkv_a[:, :ql]  # [T, q_lora]
-            cfg = prologue_config(q_a, self.q_b_proj)
+            cfg = _prologue_config(q_a, self.q_b_proj)
             if cfg is not None:  # q_a_layernorm fused into the q_b GEMM's x loads
                 q = linear_small_m(q_a, self.q_b_proj, config=cfg, norm_weight=self.q_a_layernorm, eps=LATENT_NORM_EPS)
             else:
                 q = dense_linear(fused.rms_norm(q_a, self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
-            kv_a = qkv_a[:, ql:]  # [T, L + R]
+            kv_a = qkv_a[:, ql : ql + L + R]  # [T, L + R] (an FP8 merge has zero columns after them)
         elif self.cfg.q_lora_rank is not None:
             q_lat_in = rms_norm(F.linear(hidden, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
             q = F.linear(q_lat_in, self.q_b_proj)  # [T, H * (N + R)]
@@ -398,7 +421,7 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     if w13 is None:
         return m(x)
     y13 = dense_linear(x, w13)  # [T, 2I]
-    cfg = prologue_config(y13, m.down_proj, silu_mul=True)
+    cfg = _prologue_config(y13, m.down_proj, silu_mul=True)
     if cfg is not None:  # SiLU * up fused into the down GEMM's x loads
         return linear_small_m(y13, m.down_proj, config=cfg, silu_mul=True)
     return dense_linear(fused.silu_mul(y13), m.down_proj)
@@ -497,7 +520,12 @@ def build_gpu_model(
 
 
 def _merge_gate_up(m: DenseMLP) -> None:
-    """One [2I, D] gate/up weight `m.w13`; gate_proj / up_proj become views of it (no extra memory)."""
+    """One [2I, D] gate/up weight `m.w13`; gate_proj / up_proj become views of it (no extra memory). FP8 (an
+    Fp8Linear pair): `m.w13` is their concatenation and gate_proj / up_proj are dropped."""
+    if isinstance(m.gate_proj, Fp8Linear):
+        m.w13 = Fp8Linear.cat([m.gate_proj, m.up_proj])
+        m.gate_proj = m.up_proj = None
+        return
     if not m.gate_proj.is_cuda:
         return
     inter = m.gate_proj.shape[0]
@@ -507,7 +535,66 @@ def _merge_gate_up(m: DenseMLP) -> None:
     m.w13 = w
 
 
-def _finish(model: GPUKimiForCausalLM) -> GPUKimiForCausalLM:
+FP8_DENSE_CHOICES = ("off", "triton", "humming")
+"""`load_gpu_model(fp8_dense=...)` / `kimi serve --fp8-dense`: what happens to K2-Instruct's FP8 dense projections
+on CUDA. "off" (default): dequantised to the model dtype on load (the fastest decode measured: bf16 GEMMs with the
+q_a norm and SiLU*up fused in). "triton": kept FP8 (half their memory, ~8.7 GB less per rank at K2-Instruct's
+shapes) and run by kimi's Triton FP8 kernel (kimi.ops.linear_fp8), deterministic. "humming": kept FP8 and run by
+humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
+GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured in bench/fp8_linear_2026-11-30*.json and
+bench/decode_2026-11-30_s11_fp8_dense*.json."""
+
+
+def fp8_dense_names(model: GPUKimiForCausalLM, block: tuple[int, int], is_fp8) -> set[str]:
+    """The canonical names of the dense FP8 weights that can stay FP8 (Fp8Linear), given is_fp8(name) -> bool
+    (whether the checkpoint holds that tensor in FP8): q_b_proj, o_proj, every down_proj; q_a_proj with
+    kv_a_proj_with_mqa (merged into one layer) when both are FP8 and q_lora_rank is a multiple of the block's rows;
+    gate_proj with up_proj (merged) when both are FP8 and the intermediate size is a multiple of the block's rows.
+    kv_b_proj (absorbed into per-head bf16 matrices), the router, embeddings and lm_head are never FP8 here."""
+    bn = block[0]
+    ql = model.cfg.q_lora_rank
+    keep: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        keep.update(n for n in (a + "q_b_proj.weight", a + "o_proj.weight") if is_fp8(n))
+        qa, kva = a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"
+        if ql is not None and ql % bn == 0 and is_fp8(qa) and is_fp8(kva):
+            keep.update((qa, kva))
+        mlp = layer.mlp
+        m, pre = (mlp.shared_experts, p + "mlp.shared_experts.") if isinstance(mlp, MoELayer) else (mlp, p + "mlp.")
+        if m is None:
+            continue
+        g, u, d = (pre + f"{n}_proj.weight" for n in ("gate", "up", "down"))
+        if m.gate_proj.shape[0] % bn == 0 and is_fp8(g) and is_fp8(u):
+            keep.update((g, u))
+        if is_fp8(d):
+            keep.add(d)
+    return keep
+
+
+def check_fp8_dense(fp8_dense: str) -> None:
+    """ValueError unless fp8_dense is one of FP8_DENSE_CHOICES."""
+    if fp8_dense not in FP8_DENSE_CHOICES:
+        raise ValueError(f"fp8_dense {fp8_dense!r}: want one of {', '.join(FP8_DENSE_CHOICES)}")
+
+
+def install_fp8(model: GPUKimiForCausalLM, name: str, w: torch.Tensor, scale_inv: torch.Tensor,
+                block: tuple[int, int]) -> None:
+    """Replace the bf16 parameter of canonical `name` (e.g. model.layers.3.self_attn.o_proj.weight) by an Fp8Linear
+    of w [N, K] float8_e4m3fn and scale_inv (on the parameter's device); the bf16 parameter is freed. Raises
+    ValueError when the shape differs from the parameter's."""
+    owner_path, attr, _ = name.removeprefix("model.").rsplit(".", 2)
+    owner = model.get_submodule(owner_path)
+    old = getattr(owner, attr)
+    if tuple(w.shape) != tuple(old.shape):
+        raise ValueError(f"{name}: got {tuple(w.shape)}, want {tuple(old.shape)}")
+    dev = old.device
+    delattr(owner, attr)
+    setattr(owner, attr, Fp8Linear(w.to(dev), scale_inv.to(dev), block))
+
+
+def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCausalLM:
     for layer in model.layers:
         layer.self_attn.prepare()
         mlp = layer.mlp
@@ -515,6 +602,11 @@ def _finish(model: GPUKimiForCausalLM) -> GPUKimiForCausalLM:
             _merge_gate_up(mlp)
         elif isinstance(mlp, MoELayer) and mlp.shared_experts is not None:
             _merge_gate_up(mlp.shared_experts)
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    # humming after the merges (its layout cannot be concatenated)
+    taken = sum(m.to_humming(model.embed_tokens.dtype) for m in fp8) if fp8_dense == "humming" else 0
+    if fp8:
+        log.info("FP8 dense layers kept FP8: %d on humming, %d on kimi's Triton kernel", taken, len(fp8) - taken)
     model.eval()
     return model
 
@@ -534,12 +626,14 @@ def load_gpu_model(
     progress: bool = True,
     max_positions: int | None = None,
     seed: int = 0,
+    fp8_dense: str = "off",
 ) -> GPUKimiForCausalLM:
     """Build the GPU model and fill it from the checkpoint in model_dir (load_format "auto") or with random
-    weights of the real shapes (load_format "dummy"; model_dir unused).
+    weights of the real shapes (load_format "dummy"; model_dir unused). fp8_dense: FP8_DENSE_CHOICES.
 
-    Raises ValueError naming missing / misshapen tensors, CheckpointError from the loader.
+    Raises ValueError naming missing / misshapen tensors or a bad fp8_dense, CheckpointError from the loader.
     """
+    check_fp8_dense(fp8_dense)
     from kimi.checkpoint import load_checkpoint
     from kimi.ops.quant import dequant_fp8_block
 
@@ -548,8 +642,8 @@ def load_gpu_model(
     if load_format == "dummy":
         from kimi.worker.dummy_weights import fill_dummy
 
-        fill_dummy(model, cfg, moe_backend=moe_backend, dtype=dtype, seed=seed)
-        return _finish(model)
+        fill_dummy(model, cfg, moe_backend=moe_backend, dtype=dtype, seed=seed, fp8_dense=fp8_dense)
+        return _finish(model, fp8_dense)
     if load_format != "auto":
         raise ValueError(f"unknown load format {load_format!r} (auto, dummy)")
     ws = load_checkpoint(model_dir, cfg, ep_rank=ep_rank, ep_size=ep_size, dequantize=False, dtype=dtype,
@@ -564,12 +658,19 @@ def load_gpu_model(
         return t
 
     targets = model._weight_targets()
+    keep_fp8 = set()
+    if fp8_dense != "off" and torch.device(device).type == "cuda":
+        keep_fp8 = fp8_dense_names(model, block, lambda n: n in ws and ws[n].dtype == torch.float8_e4m3fn)
     missing = []
-    for name, dst in targets.items():
+    for name in list(targets):
+        dst = targets.pop(name)  # (a bf16 parameter replaced by an Fp8Linear is freed once dst moves on)
         if ".mlp.experts." in name:
             continue
         if name not in ws:
             missing.append(name)
+            continue
+        if name in keep_fp8:
+            install_fp8(model, name, ws[name], ws[name + "_scale_inv"], block)
             continue
         src = dense(name)
         if tuple(src.shape) != tuple(dst.shape):
@@ -616,4 +717,4 @@ def load_gpu_model(
                                                fp8_block=block)
         del parts
     del ws
-    return _finish(model)
+    return _finish(model, fp8_dense)

@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="cuda: largest decode CUDA graph bucket (0 = eager)")
+    p.add_argument("--fp8-dense", default="off", choices=["off", "triton", "humming"],
+                   help="cuda: FP8 dense projections kept FP8 (kimi.worker.gpu_model.FP8_DENSE_CHOICES)")
     return p.parse_args(argv)
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
                 progress=not args.no_progress and rank == 0, a2a=a2a, ll_max_tokens_per_rank=args.ll_max_tokens,
                 gpu_options=dict(moe_backend=args.moe_backend, load_format=args.load_format,
-                                 cuda_graph_max_bs=args.cuda_graph_max_bs),
+                                 cuda_graph_max_bs=args.cuda_graph_max_bs, fp8_dense=args.fp8_dense),
             )
     except Exception as e:
         if not isinstance(e, (CheckpointError, ConfigError)):  # those name the file / tensor / field: no traceback

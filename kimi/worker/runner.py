@@ -123,7 +123,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
-        # gpu_options (cuda only, kimi/worker/gpu_model.py): moe_backend, load_format, cuda_graph_max_bs (0 = eager)
+        # gpu_options (cuda only, kimi/worker/gpu_model.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
+        # (0 = eager)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
         if self.device.type == "cuda":

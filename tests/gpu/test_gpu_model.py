@@ -52,8 +52,9 @@ def make_ckpt(root: Path, name: str) -> str:
     try:
         if name == "tiny-mla":
             mtc.TINY_DIMS.update(MLA_DIMS)
-        if name == "tiny-k2-instruct-i128":  # expert I a multiple of the FP8 tile: humming keeps the experts FP8
-            mtc.TINY_DIMS.update(moe_intermediate_size=128)
+        if name == "tiny-k2-instruct-i128":  # expert I and q_lora a multiple of the FP8 tile: humming keeps the
+            # experts FP8, and the merged q_a + kv_a and shared gate_up stay FP8 too (kimi.ops.linear_fp8)
+            mtc.TINY_DIMS.update(moe_intermediate_size=128, q_lora_rank=128)
         layout = "k2-instruct" if name.startswith("tiny-k2-instruct") else "k2.6"
         mtc.make_tiny_checkpoint(str(d), layout=layout, seed=0)
     finally:
@@ -137,25 +138,38 @@ def ref_bf16_on_gpu(path, cfg):
     return m.eval()
 
 
-@pytest.mark.parametrize("name,backend,attn", [
-    ("tiny-mla", "humming", None), ("tiny-mla", "triton", None), ("tiny-mla", "ref", None),
-    ("tiny-mla", "humming", "triton"), ("tiny-mla", "humming", "flashinfer"),
-    ("tiny-k2.6", "humming", None), ("tiny-k2-instruct", "humming", None), ("tiny-k2-instruct-i128", "humming", None)])
-def test_gpu_model_matches_cpu(ckpts, name, backend, attn):
+@pytest.mark.parametrize("name,backend,attn,fp8_dense", [
+    ("tiny-mla", "humming", None, "off"), ("tiny-mla", "triton", None, "off"), ("tiny-mla", "ref", None, "off"),
+    ("tiny-mla", "humming", "triton", "off"), ("tiny-mla", "humming", "flashinfer", "off"),
+    ("tiny-k2.6", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "off"),
+    ("tiny-k2-instruct-i128", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "triton"),
+    ("tiny-k2-instruct-i128", "humming", None, "triton"), ("tiny-k2-instruct-i128", "humming", None, "humming")])
+def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
     """Bound per logits row: |GPU - CPU f32| <= max(0.25, |R16 - CPU f32| + 0.1) nats, where R16 is the reference
     model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
     showed 1.5-nat misses that the bf16 reference shares (bf16 rounding flipping near-tied routing on a random
     model), which a fixed 0.25 bound cannot tell from a bug; a GPU kernel bug exceeds bf16's own error."""
+    from kimi.ops.linear_fp8 import Fp8Linear
     from kimi.worker.gpu_model import load_gpu_model
 
     path = ckpts[name]
     cfg, ref = cpu_model(path)
-    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False)
+    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False,
+                        fp8_dense=fp8_dense)
     if attn:  # decode attention backend (None: the model's default)
         gm.decode_attention = attn
     impl = type(gm.layers[1].mlp.experts_impl).__name__
     if name == "tiny-k2-instruct-i128":  # FP8 experts kept FP8 (not dequantised to the ref path)
         assert impl == "HummingFp8Experts", impl
+    fp8_layers = [m for m in gm.modules() if isinstance(m, Fp8Linear)]
+    if fp8_dense != "off":  # dense FP8 weights kept FP8: o_proj / q_b of every layer at least
+        assert isinstance(gm.layers[0].self_attn.o_proj, Fp8Linear) and isinstance(gm.layers[-1].self_attn.q_b_proj, Fp8Linear)
+        assert isinstance(gm.layers[0].self_attn.w_qkv_a, Fp8Linear) == (name == "tiny-k2-instruct-i128")
+        assert isinstance(gm.layers[1].mlp.shared_experts.w13, Fp8Linear) == (name == "tiny-k2-instruct-i128")
+        # humming takes the whole-tile layers (the i128 checkpoint's o_proj: 128 x 128); kimi's kernel the rest
+        assert (gm.layers[0].self_attn.o_proj.hl is not None) == (fp8_dense == "humming")
+    else:
+        assert not fp8_layers
     want = run_steps(ref, cfg, "cpu", torch.float32, poison=False)
     got = run_steps(gm, cfg, "cuda", torch.bfloat16, poison=True)
     r16 = run_steps(ref_bf16_on_gpu(path, cfg), cfg, "cuda", torch.bfloat16, poison=False)
@@ -164,7 +178,7 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn):
     agree, rows, diffs = _rows(want, got)
     agree16, _, diffs16 = _rows(want, r16)
     report(dict(test="gpu_model_vs_cpu", checkpoint=name, moe_backend=backend, experts_impl=impl,
-                decode_attention=gm.decode_attention,
+                decode_attention=gm.decode_attention, fp8_dense=fp8_dense, fp8_dense_layers=len(fp8_layers),
                 flashinfer=gm.flashinfer_ok, top1_agree=f"{agree}/{rows}", max_logprob_diff=round(max(diffs), 4),
                 ref_bf16_top1_agree=f"{agree16}/{rows}", ref_bf16_max_logprob_diff=round(max(diffs16), 4)))
     assert agree >= min(0.9 * rows, agree16 - 1)

@@ -82,3 +82,22 @@ def test_cuda_only_flags_are_named_when_the_device_is_cpu():
     assert cuda_only_flags_set(ServeArgs(model="/x", device="cuda", moe_backend="cuda", enforce_eager=True)) == []
     assert cuda_only_flags_set(ServeArgs(model="/x", moe_backend="cuda", enforce_eager=True)) == [
         "--moe-backend", "--enforce-eager"]
+    assert cuda_only_flags_set(ServeArgs(model="/x", fp8_dense="triton")) == ["--fp8-dense"]
+
+
+def test_fp8_dense_reaches_the_worker():
+    """`kimi serve --fp8-dense triton --device cuda` puts the flag on the worker command line, which the worker's
+    parser reads back (default off); a bad value is refused by argparse."""
+    from kimi.server import worker_command
+    from kimi.worker.main import parse_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args(["--model", "/x"]).fp8_dense == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "/x", "--fp8-dense", "on"])
+    cmd = worker_command(ServeArgs(model="/x", device="cuda", fp8_dense="triton"), "tcp://a", "tcp://b")
+    worker_argv = cmd[cmd.index("kimi.worker.main") + 1:]
+    assert parse_args(worker_argv).fp8_dense == "triton"
+    cmd = worker_command(ServeArgs(model="/x"), "tcp://a", "tcp://b")
+    assert parse_args(cmd[cmd.index("kimi.worker.main") + 1:]).fp8_dense == "off"

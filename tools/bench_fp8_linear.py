@@ -1,0 +1,204 @@
+"""Benchmark the FP8 block-weight GEMM (kimi.ops.linear_fp8) against the bf16 GEMM of the dequantised weight on
+K2-Instruct's dense shapes, sweep its launch configs, and write the dispatch table.
+
+For each dense FP8 shape N x K of a K2-Instruct decode step (attention q_a+kv_a merged and padded to 2176 rows,
+q_b, o_proj; shared expert gate_up, down; dense layer-0 gate_up, down) and each M in --ms:
+  - bf16: kimi's dense GEMM (`kimi.ops.linear_small_m.linear`, its table's pick or cuBLAS) on the weight
+    dequantised to bf16, what the model ran before FP8 weights stayed FP8;
+  - fp8: kimi.ops.linear_fp8.fp8_linear_small_m for every config of --configs;
+  - humming: humming-kernels' dense W8A16 GEMM (Fp8Linear.to_humming, its heuristic schedule without Stream-K, as
+    Fp8Linear runs it, and with Stream-K, humming's default: "humming_streamk");
+and for each M in --prefill-ms (prefill chunks): humming against the dequantise + F.linear path (`fp8_linear_ref`).
+Every output is checked against the float32 reference (max err <= 1e-2 * max |ref|, else dropped).
+Timing: tools/bench_gemm.py's method (CUDA-graph replay of R calls cycling through >= 512 MiB of weight copies, so
+every call streams its weights from HBM; median of --samples). GB/s = (weight bytes incl. scales + x + y) / time;
+"of copy" against a 2 GiB device copy measured in the same run.
+
+Output: a table on stdout; JSON to --out (GPU, versions, copy bandwidth, every measurement) and the dispatch table
+to --table-out (kimi.ops.linear_fp8.load_table format; copy it to kimi/ops/linear_fp8_table.json). Defaults: $OUT/
+if set, else bench/.
+
+Usage: python tools/bench_fp8_linear.py [--ms 1,8,16,32,64] [--shapes qkv_a,o_proj] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import copy_bandwidth, require_gpu  # noqa: E402
+from kimi.ops import linear_fp8 as lf  # noqa: E402
+
+SHAPES = {  # name: (N, K)
+    "qkv_a": (2176, 7168),  # q_a 1536 + kv_a 576 rows, zero-padded to whole 128-row tiles (Fp8Linear.cat)
+    "q_b": (12288, 1536),
+    "o_proj": (7168, 8192),
+    "shared_gate_up": (4096, 7168),
+    "shared_down": (7168, 2048),
+    "dense_gate_up": (36864, 7168),
+    "dense_down": (7168, 18432),
+}
+CONFIGS = ("n64_w4_st3_u2_s0,n64_w4_st4_u2_s0,n64_w4_st3_u4_s0,n128_w4_st3_u2_s0,n128_w8_st3_u2_s0,n128_w4_st2_u4_s0,"
+           "n64_w4_st3_u2_s1,n128_w4_st3_u2_s1,n32_w4_st4_u4_s0,n64_w4_st3_u1_s0")
+MIN_POOL_BYTES = 512 << 20
+
+
+def parse_config(name: str) -> lf.Fp8Config:
+    """n{block_n}_w{num_warps}_st{num_stages}_u{k_unroll}_s{split_k} (Fp8Config.name)."""
+    n, w, st, u, sp = name.split("_")
+    return lf.Fp8Config(block_n=int(n[1:]), num_warps=int(w[1:]), num_stages=int(st[2:]), k_unroll=int(u[1:]),
+                        split_k=int(sp[1:]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ms", default="1,8,16,32,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--configs", default=CONFIGS, help="comma-separated n{block_n}_w{warps}_st{stages}_u{unroll}_s{split}")
+    ap.add_argument("--prefill-ms", default="2048,8192")
+    ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--table-out", default=None)
+    args = ap.parse_args()
+    require_gpu(ap.prog, None if lf.HAS_TRITON else ImportError("Triton is not installed"))
+    import triton
+
+    from bench_gemm import Timer
+    from kimi.ops import linear_small_m as lsm
+    from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+
+    t0 = time.time()
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    date = datetime.date.today().isoformat()
+    out_path = args.out or os.path.join(out_dir, f"fp8_linear_{date}.json")
+    table_path = args.table_out or os.path.join(out_dir, "linear_fp8_table.json")
+    ms_list = [int(v) for v in args.ms.split(",") if v] + [int(v) for v in args.prefill_ms.split(",") if v]
+    cfgs = [parse_config(c) for c in args.configs.split(",") if c]
+    names = [s for s in args.shapes.split(",") if s]
+    for n in names:
+        if n not in SHAPES:
+            raise SystemExit(f"unknown shape {n!r}; known: {', '.join(SHAPES)}")
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    gpu = torch.cuda.get_device_name(dev)
+    timer = Timer(max(50, args.samples))
+    copy = copy_bandwidth(2 << 30)
+    copy_gbps = copy["GBps_read_plus_write"]
+    print(f"{gpu}  SMs={props.multi_processor_count}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"copy {copy_gbps:.0f} GB/s", flush=True)
+    results, table, fatal = [], {}, None
+    torch.manual_seed(0)
+    try:
+        for name in names:
+            N, K = SHAPES[name]
+            sbytes = math.ceil(N / 128) * math.ceil(K / 128) * 4
+            fbytes = N * K + sbytes
+            copies = max(1, math.ceil(MIN_POOL_BYTES / fbytes))
+            qs = [quant_fp8_block(torch.randn(N, K, device="cuda") / K**0.5) for _ in range(copies)]
+            b_copies = max(1, math.ceil(MIN_POOL_BYTES / (2 * N * K)))
+            wb = [dequant_fp8_block(*qs[i % copies]).to(torch.bfloat16) for i in range(b_copies)]
+            reps = max(4, copies, b_copies)
+            hum = []
+            for q, sc in qs:
+                layer = lf.Fp8Linear(q, sc)
+                if not layer.to_humming():
+                    hum = None
+                    break
+                hum.append(layer)
+            for M in ms_list:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ dequant_fp8_block(*qs[0]).T
+                tol = 1e-2 * ref.abs().max().item()
+                io = (M * K + M * N) * 2
+                row = {"shape": name, "N": N, "K": K, "M": M, "fp8_bytes": fbytes + io, "bf16_bytes": 2 * N * K + io}
+                r = max(1, reps if M <= lf.MAX_M else 4)
+                for key, sk in (("humming", False), ("humming_streamk", True)) if hum else ():
+                    # humming's heuristic schedule without Stream-K (what Fp8Linear runs) and with it (its default)
+                    lf.HUMMING_STREAM_K = sk
+                    for h in hum:
+                        h._tuning.clear()
+                    try:
+                        err = (hum[0](x).float() - ref).abs().max().item()
+                        row[f"{key}_max_err_rel"] = err / ref.abs().max().item()
+                        if err <= tol:
+                            row[f"{key}_us"] = timer.time_calls([lambda i=i: hum[i % copies](x) for i in range(r)])
+                            row[f"{key}_GBps"] = row["fp8_bytes"] / row[f"{key}_us"] / 1e3
+                    except Exception as e:  # noqa: BLE001 - recorded
+                        row[f"{key}_error"] = repr(e)[:300]
+                lf.HUMMING_STREAM_K = False
+                if M > lf.MAX_M:  # prefill: humming vs dequantise + F.linear
+                    row["dequant_us"] = timer.time_calls([lambda i=i: lf.fp8_linear_ref(x, *qs[i % copies]) for i in range(r)])
+                    results.append(row)
+                    print(f"{name:15s} {N:6d}x{K:5d} M={M:5d} dequant+F.linear {row['dequant_us']:8.1f} us | humming "
+                          f"{row.get('humming_us', float('nan')):8.1f} us (Stream-K {row.get('humming_streamk_us', float('nan')):8.1f})"
+                          f"  [{time.time() - t0:.0f}s]", flush=True)
+                    continue
+                us_b = timer.time_calls([lambda i=i: lsm.linear(x, wb[i % b_copies]) for i in range(reps)])
+                row["bf16_us"] = us_b
+                row["bf16_GBps"] = row["bf16_bytes"] / us_b / 1e3
+                recs = []
+                for cfg in cfgs:
+                    rec = {"config": lf.table_entry(cfg), "name": cfg.name()}
+                    try:
+                        y = lf.fp8_linear_small_m(x, *qs[0], config=cfg)
+                        torch.cuda.synchronize()
+                        err = (y.float() - ref).abs().max().item()
+                        rec["max_err_rel"] = err / ref.abs().max().item()
+                        if not err <= tol:
+                            rec["error"] = f"max err {err:.3g} > tol {tol:.3g}"
+                        else:
+                            t = timer.time_calls([lambda i=i, c=cfg: lf.fp8_linear_small_m(x, *qs[i % copies], config=c)
+                                                  for i in range(reps)])
+                            rec["us"] = t
+                            rec["GBps"] = row["fp8_bytes"] / t / 1e3
+                    except Exception as e:  # noqa: BLE001 - a config failing (e.g. shared memory) is data
+                        rec["error"] = repr(e)[:300]
+                    recs.append(rec)
+                ok = [r for r in recs if "us" in r]
+                best = min(ok, key=lambda r: r["us"]) if ok else None
+                row["fp8"] = recs
+                row["best"] = best and {k: best[k] for k in ("name", "config", "us", "GBps", "max_err_rel")}
+                if best:
+                    table[f"{M},{N},{K}"] = best["config"]
+                results.append(row)
+                bt = (f"{best['us']:7.1f} us {best['GBps']:5.0f} GB/s {best['GBps'] / copy_gbps:5.1%} {best['name']:14s}"
+                      f" x{us_b / best['us']:.2f} vs bf16" if best else "none")
+                hu = "".join(f" | {k} {row[k + '_us']:7.1f} us {row[k + '_GBps'] / copy_gbps:5.1%} x{us_b / row[k + '_us']:.2f}"
+                             if k + "_us" in row else f" | {k} {row.get(k + '_error', 'n/a')}"
+                             for k in ("humming", "humming_streamk"))
+                print(f"{name:15s} {N:6d}x{K:5d} M={M:2d} bf16 {us_b:7.1f} us {row['bf16_GBps']:5.0f} GB/s | fp8 {bt}{hu}"
+                      f"  [{time.time() - t0:.0f}s]", flush=True)
+            qs = wb = hum = None
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - keep what was measured
+        fatal = traceback.format_exc()
+        print(f"FATAL, writing partial results:\n{fatal}", flush=True)
+    report = {
+        "what": "FP8 block-weight small-M GEMM (kimi.ops.linear_fp8) vs kimi's bf16 GEMM on the dequantised weight",
+        "gpu": gpu, "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "copy": copy,
+        "method": "CUDA-graph replay of R calls cycling >= 512 MiB of weight copies, median of samples, per call; "
+                  "GB/s = (weight + scales + x + y bytes) / time",
+        "samples": timer.samples, "results": results, "wall_s": round(time.time() - t0, 1), "fatal": fatal,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    with open(table_path, "w") as f:
+        json.dump({"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1)
+    print(f"wrote {out_path} and {table_path}", flush=True)
+    return 1 if fatal else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

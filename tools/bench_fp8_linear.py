@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import copy_bandwidth, require_gpu  # noqa: E402
+from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu  # noqa: E402
 from kimi.ops import linear_fp8 as lf  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -78,16 +78,10 @@ def main() -> int:
     from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
 
     t0 = time.time()
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
-    date = datetime.date.today().isoformat()
-    out_path = args.out or os.path.join(out_dir, f"fp8_linear_{date}.json")
-    table_path = args.table_out or os.path.join(out_dir, "linear_fp8_table.json")
+    out_path, table_path = out_paths(args.out, args.table_out, "fp8_linear", "linear_fp8_table.json")
     ms_list = [int(v) for v in args.ms.split(",") if v] + [int(v) for v in args.prefill_ms.split(",") if v]
     cfgs = [parse_config(c) for c in args.configs.split(",") if c]
-    names = [s for s in args.shapes.split(",") if s]
-    for n in names:
-        if n not in SHAPES:
-            raise SystemExit(f"unknown shape {n!r}; known: {', '.join(SHAPES)}")
+    names = pick_shapes(args.shapes, SHAPES)
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     gpu = torch.cuda.get_device_name(dev)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import copy_bandwidth, require_gpu  # noqa: E402  (tools/, this script's folder)
+from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu  # noqa: E402  (tools/, this script's folder)
 from kimi.ops import linear_small_m as lsm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -133,15 +133,9 @@ def main() -> int:
     import triton
 
     t0 = time.time()
-    date = datetime.date.today().isoformat()
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
-    out_path = args.out or os.path.join(out_dir, f"gemm_small_m_{date}.json")
-    table_path = args.table_out or os.path.join(out_dir, "linear_small_m_table.json")
+    out_path, table_path = out_paths(args.out, args.table_out, "gemm_small_m", "linear_small_m_table.json")
     ms_list = [int(v) for v in args.ms.split(",")]
-    names = [s for s in args.shapes.split(",") if s]
-    for n in names:
-        if n not in SHAPES:
-            raise SystemExit(f"unknown shape {n!r}; known: {', '.join(SHAPES)}")
+    names = pick_shapes(args.shapes, SHAPES)
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     gpu = torch.cuda.get_device_name(dev)

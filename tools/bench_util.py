@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import statistics
 import time
 
@@ -66,3 +68,20 @@ def copy_bandwidth(nbytes: int, device="cuda", iters: int = 20, warmup: int = 3)
     del a, b
     torch.cuda.empty_cache()
     return {"bytes_per_copy": nbytes, "median_ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}
+
+
+def out_paths(out: str | None, table_out: str | None, stem: str, table_name: str) -> tuple[str, str]:
+    """(JSON path, table path) of a sweep: the given ones, else {stem}_{date}.json and table_name under $OUT if set,
+    else under the repository's bench/."""
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    date = datetime.date.today().isoformat()
+    return out or os.path.join(out_dir, f"{stem}_{date}.json"), table_out or os.path.join(out_dir, table_name)
+
+
+def pick_shapes(spec: str, shapes: dict) -> list[str]:
+    """The shape names of a comma-separated list, in order; SystemExit naming the first unknown one."""
+    names = [s for s in spec.split(",") if s]
+    for n in names:
+        if n not in shapes:
+            raise SystemExit(f"unknown shape {n!r}; known: {', '.join(shapes)}")
+    return names

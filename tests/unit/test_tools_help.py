@@ -43,3 +43,17 @@ def test_gpu_tools_refuse_a_cpu_run_in_one_line():
         if rc != 1 or "Traceback" in err or not lines or not lines[-1].startswith(f"{name}: needs "):
             bad.append(f"{name}: rc {rc}, stderr {err.strip()[-300:]!r}")
     assert not bad, "\n".join(bad)
+
+
+def test_bench_util_paths_and_shapes(tmp_path, monkeypatch):
+    sys.path.insert(0, str(TOOLS))
+    import bench_util
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    out, table = bench_util.out_paths(None, None, "fp8_linear", "linear_fp8_table.json")
+    assert out.startswith(str(tmp_path)) and out.endswith(".json") and "fp8_linear_" in out
+    assert table == str(tmp_path / "linear_fp8_table.json")
+    assert bench_util.out_paths("a.json", "t.json", "x", "y") == ("a.json", "t.json")
+    assert bench_util.pick_shapes("q_b,,o_proj", {"o_proj": 1, "q_b": 2}) == ["q_b", "o_proj"]
+    with pytest.raises(SystemExit, match="unknown shape 'x'"):
+        bench_util.pick_shapes("q_b,x", {"q_b": 2})

@@ -573,7 +573,7 @@ def main() -> None:
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    res = run_header(__doc__.split("\n")[0], args)
+    res = run_header(__doc__.split("\n")[0].replace("DP8 x EP8", f"DP{args.ep_size} x EP{args.ep_size}"), args)
     res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]  # 4 GiB copy
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
 
@@ -613,7 +613,8 @@ def main() -> None:
     ht = moe_backend.load_humming_table()
     res["humming_table"] = {"path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
                             "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()}}
-    print(f"model built in {res['load_s']:.1f} s ({impl}); mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    res["mem_allocated_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+    print(f"model built in {res['load_s']:.1f} s ({impl}); mem {res['mem_allocated_after_load_GiB']:.1f} GiB", flush=True)
 
     n_local = cfg.n_routed_experts // args.ep_size
     expert_bytes = 0

@@ -1,5 +1,6 @@
-"""Benchmark the FP8 block-weight GEMM (kimi.ops.linear_fp8) against the bf16 GEMM of the dequantised weight on
-K2-Instruct's dense shapes, sweep its launch configs, and write the dispatch table.
+"""Benchmark kimi's FP8 block-weight GEMM and humming's against the bf16 GEMM (K2-Instruct dense shapes).
+
+Sweeps kimi.ops.linear_fp8's launch configs and writes its dispatch table.
 
 For each dense FP8 shape N x K of a K2-Instruct decode step (attention q_a+kv_a merged and padded to 2176 rows,
 q_b, o_proj; shared expert gate_up, down; dense layer-0 gate_up, down) and each M in --ms:
@@ -62,13 +63,13 @@ def parse_config(name: str) -> lf.Fp8Config:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ms", default="1,8,16,32,64")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default="1,8,16,32,64", help="decode row counts (each a table bucket)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     ap.add_argument("--configs", default=CONFIGS, help="comma-separated n{block_n}_w{warps}_st{stages}_u{unroll}_s{split}")
-    ap.add_argument("--prefill-ms", default="2048,8192")
-    ap.add_argument("--samples", type=int, default=50)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--table-out", default=None)
+    ap.add_argument("--prefill-ms", default="2048,8192", help="prefill row counts: humming vs dequantise + F.linear")
+    ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement (at least 50)")
+    ap.add_argument("--out", default=None, help="JSON of every measurement (default $OUT or bench/, dated)")
+    ap.add_argument("--table-out", default=None, help="the dispatch table (default $OUT or bench/linear_fp8_table.json)")
     args = ap.parse_args()
     require_gpu(ap.prog, None if lf.HAS_TRITON else ImportError("Triton is not installed"))
     import triton

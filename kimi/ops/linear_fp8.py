@@ -14,7 +14,7 @@ F.linear; the two differ by that rounding of W*s to bf16 (the kernel keeps the p
 bf16 GEMM's own rounding.
 
 Why: in FP8 K2-Instruct's dense weights take half the memory of the bf16 copy the loader makes otherwise
-(attention 202 -> 101 MB per layer, shared expert 88 -> 44 MB). A decode step reads half the bytes, but at these
+(attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half the bytes, but at these
 sizes (15-60 MB per GEMM) the kernel does not turn that into time: measured 1-2% slower per step than the bf16 path
 (docs/benchmarks.md, session 11), so kimi.worker.gpu_model keeps them FP8 only on request (`fp8_dense`).
 

@@ -607,6 +607,9 @@ def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCaus
     taken = sum(m.to_humming(model.embed_tokens.dtype) for m in fp8) if fp8_dense == "humming" else 0
     if fp8:
         log.info("FP8 dense layers kept FP8: %d on humming, %d on kimi's Triton kernel", taken, len(fp8) - taken)
+    elif fp8_dense != "off":
+        log.warning("fp8_dense %s: no dense weight was kept FP8 (the checkpoint has no FP8 dense weights, or the "
+                    "device is not CUDA); they run as bf16", fp8_dense)
     model.eval()
     return model
 

@@ -207,3 +207,17 @@ def test_kernel_interpreted():
     r = run_interpreted(_INTERP_SCRIPT, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok") == 6
+
+
+def test_fp8_dense_without_fp8_weights_warns(caplog):
+    """fp8_dense asked for where nothing can stay FP8 (a bf16 / INT4 checkpoint, or not CUDA): said, not silent."""
+    from kimi.worker.gpu_model import _finish, build_gpu_model
+
+    model = build_gpu_model(_tiny_cfg(), dtype=torch.float32, device="cpu")
+    with caplog.at_level("WARNING", logger="kimi.worker"):
+        _finish(model, "triton")
+    assert "no dense weight was kept FP8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kimi.worker"):
+        _finish(build_gpu_model(_tiny_cfg(), dtype=torch.float32, device="cpu"), "off")
+    assert "kept FP8" not in caplog.text

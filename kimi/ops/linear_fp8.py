@@ -24,8 +24,8 @@ Paths (`fp8_linear`):
   kimi.ops.linear_small_m), k_unroll W tiles [BLOCK_N, bk] per iteration software-pipelined (`num_stages`), the
   activation tiles [BLOCK_M, bk] alongside; programmatic dependent launch (kimi.ops.pdl) with an L2 prefetch of
   the first W tiles before the wait, as kimi.ops.linear_small_m.
-- More rows (prefill) or no Triton / CPU: W is dequantised to the activation dtype (a transient [N, K] buffer)
-  and multiplied by F.linear (cuBLAS).
+- More rows (prefill) or no Triton / CPU: W is dequantised to the activation dtype, a chunk of rows at a time
+  (`fp8_linear_dequant`: at most DEQUANT_CHUNK_BYTES of transient weights), and multiplied by F.linear (cuBLAS).
 - `Fp8Linear` layers handed to humming-kernels (`Fp8Linear.to_humming`; kimi.worker.gpu_model's fp8_dense "humming",
   for whole-tile shapes) run humming's dense W8A16 GEMM for every M instead.
 
@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
     HAS_TRITON = False
 
-__all__ = ["Fp8Config", "Fp8Linear", "fp8_linear", "fp8_linear_ref", "fp8_linear_small_m", "default_config",
+__all__ = ["Fp8Config", "Fp8Linear", "fp8_linear", "fp8_linear_ref", "fp8_linear_dequant", "fp8_linear_small_m", "default_config",
            "lookup", "load_table", "MAX_M", "HAS_TRITON"]
 
 MAX_M = 64
@@ -109,6 +109,30 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     ValueError for mismatched shapes / dtypes."""
     _check_args(x, w, scale_inv, block)
     return F.linear(x, dequant_fp8_block(w, scale_inv, block, torch.float32).to(x.dtype))
+
+
+DEQUANT_CHUNK_BYTES = 128 << 20  # transient float32 + x-dtype weight bytes per chunk of fp8_linear_dequant
+
+
+def fp8_linear_dequant(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                       block: tuple[int, int] = (128, 128), chunk_bytes: int | None = None) -> torch.Tensor:
+    """fp8_linear_ref computed over chunks of W's rows (whole scale tiles; the last one ragged), so the transient
+    dequantised weight stays under chunk_bytes (default DEQUANT_CHUNK_BYTES) instead of N x K x 6 bytes (1.5 GB
+    for layer 0's gate_up): each chunk's output columns are F.linear over that chunk. The same products as the
+    reference; the last bits may differ from it where the GEMM library picks another algorithm for the narrower N.
+    Same arguments, result and errors as fp8_linear_ref."""
+    _check_args(x, w, scale_inv, block)
+    N, K = w.shape
+    bn = block[0]
+    rows = max(bn, (chunk_bytes or DEQUANT_CHUNK_BYTES) // (K * (4 + x.element_size())) // bn * bn)
+    if rows >= N:
+        return fp8_linear_ref(x, w, scale_inv, block)
+    y = x.new_empty(*x.shape[:-1], N)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        wc = dequant_fp8_block(w[n0:n1], scale_inv[n0 // bn: -(-n1 // bn)], block, torch.float32).to(x.dtype)
+        y[..., n0:n1] = F.linear(x, wc)
+    return y
 
 
 if HAS_TRITON:
@@ -310,7 +334,7 @@ def fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """y = x @ W^T for FP8 block weights: x [..., K] (bf16 / fp16 / fp32) -> [..., N] in x's dtype. Dispatch: the
-    Triton kernel for 1..64 rows of bf16 / fp16 on CUDA, else the reference (dequantise + F.linear). Raises
+    Triton kernel for 1..64 rows of bf16 / fp16 on CUDA, else fp8_linear_dequant (the reference by row chunks). Raises
     ValueError for mismatched shapes / dtypes."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -324,7 +348,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     if M == 0:
         _check_args(x, w, scale_inv, block)
         return x.new_empty(*lead, w.shape[0])
-    return fp8_linear_ref(x, w, scale_inv, block)
+    return fp8_linear_dequant(x, w, scale_inv, block)
 
 
 class Fp8Linear(nn.Module):

@@ -71,11 +71,13 @@ def test_strided_rows_and_fp16():
 
 
 def test_large_m_is_the_dequantised_linear():
+    """Above 64 rows: the dequantised weight by row chunks (fp8_linear_dequant; 4096 rows x 7168 -> 2 chunks)."""
     q, s = _weights(4096, 7168, 2)
     x = torch.randn(300, 7168, device="cuda", dtype=torch.bfloat16)
     y = lf.fp8_linear(x, q, s)
     want = torch.nn.functional.linear(x, dequant_fp8_block(q, s, (128, 128), torch.float32).to(torch.bfloat16))
-    assert torch.equal(y, want)
+    err = (y.float() - want.float()).abs().max().item()
+    assert err <= 2e-3 * want.float().abs().max().item(), err
     _check(x, q, s, y)
 
 

@@ -41,6 +41,16 @@ def test_reference_is_dequantised_linear_by_hand():
     assert lf.fp8_linear(torch.zeros(0, 300), q, s).shape == (0, 200)
 
 
+def test_dequant_by_row_chunks_matches_the_reference():
+    q, s = _fp8(1000, 300, 5)  # ragged last row tile and K tile
+    x = torch.randn(4, 3, 300)
+    ref = lf.fp8_linear_ref(x, q, s)
+    for chunk in (1, 128 * 300 * 8, 700 * 300 * 8, None):  # one tile per chunk, 128 rows, 640 rows, one chunk
+        torch.testing.assert_close(lf.fp8_linear_dequant(x, q, s, chunk_bytes=chunk), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="scale_inv"):
+        lf.fp8_linear_dequant(x, q, s[:2], chunk_bytes=1)
+
+
 def test_bad_arguments():
     q, s = _fp8(256, 256)
     x = torch.randn(2, 256)

@@ -214,8 +214,8 @@ def _splits(cfg: Fp8Config, n_tiles: int, n_kb: int, num_sms: int) -> int:
 
 def load_table(path: str | os.PathLike | None = None) -> dict:
     """{"gpu": name or None, "entries": {(M bucket, N, K): Fp8Config}} from a table JSON ({"gpu": ..., "table":
-    {"M,N,K": {block_n, num_warps, num_stages}}}); a missing file gives no entries. Raises ValueError on a malformed
-    key or entry."""
+    {"M,N,K": {block_n, num_warps, num_stages, k_unroll, split_k}}}; the fields of Fp8Config, any left out at their
+    defaults); a missing file gives no entries. Raises ValueError on a malformed key or entry."""
     p = Path(path) if path is not None else Path(os.environ.get("KIMI_LINEAR_FP8_TABLE", TABLE_PATH))
     if not p.exists():
         return {"gpu": None, "entries": {}}

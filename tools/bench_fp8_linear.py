@@ -37,18 +37,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemm import SHAPES as BF16_SHAPES, Timer  # noqa: E402
 from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu  # noqa: E402
 from kimi.ops import linear_fp8 as lf  # noqa: E402
 
-SHAPES = {  # name: (N, K)
-    "qkv_a": (2176, 7168),  # q_a 1536 + kv_a 576 rows, zero-padded to whole 128-row tiles (Fp8Linear.cat)
-    "q_b": (12288, 1536),
-    "o_proj": (7168, 8192),
-    "shared_gate_up": (4096, 7168),
-    "shared_down": (7168, 2048),
-    "dense_gate_up": (36864, 7168),
-    "dense_down": (7168, 18432),
-}
+# bench_gemm's K2 shapes without lm_head (never FP8); q_a + kv_a as the FP8 merge holds it: 1536 + 576 rows
+# zero-padded to whole 128-row tiles (Fp8Linear.cat)
+SHAPES = {name: (2176, 7168) if name == "qkv_a" else nk for name, nk in BF16_SHAPES.items() if name != "lm_head"}
 CONFIGS = ("n64_w4_st3_u2_s0,n64_w4_st4_u2_s0,n64_w4_st3_u4_s0,n128_w4_st3_u2_s0,n128_w8_st3_u2_s0,n128_w4_st2_u4_s0,"
            "n64_w4_st3_u2_s1,n128_w4_st3_u2_s1,n32_w4_st4_u4_s0,n64_w4_st3_u1_s0")
 MIN_POOL_BYTES = 512 << 20
@@ -74,7 +69,6 @@ def main() -> int:
     require_gpu(ap.prog, None if lf.HAS_TRITON else ImportError("Triton is not installed"))
     import triton
 
-    from bench_gemm import Timer
     from kimi.ops import linear_small_m as lsm
     from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
 

@@ -35,6 +35,7 @@ named in it), else `default_config`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -85,7 +86,8 @@ class Fp8Config:
         return f"n{self.block_n}_w{self.num_warps}_st{self.num_stages}_u{self.k_unroll}_s{self.split_k}"
 
 
-def _check_args(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+def _check_weight(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """ValueError unless w is [N, K] float8_e4m3fn and scale_inv its ceil-divided (bn, bk) tile grid."""
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
         raise ValueError(f"fp8_linear: w must be a 2-D float8_e4m3fn tensor, got {w.dtype} {tuple(w.shape)}")
     N, K = w.shape
@@ -96,6 +98,12 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block
     if tuple(scale_inv.shape) != grid:
         raise ValueError(f"fp8_linear: scale_inv is {tuple(scale_inv.shape)}, want {grid} for w {tuple(w.shape)} "
                          f"and block {block}")
+
+
+def _check_args(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """_check_weight, and x [..., K] floating."""
+    _check_weight(w, scale_inv, block)
+    K = w.shape[1]
     if x.shape[-1] != K:
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} columns, w {K}")
     if not x.is_floating_point() or x.dtype == torch.float8_e4m3fn:
@@ -245,6 +253,12 @@ def _m_bucket(m: int) -> int:
 _CHOSEN: dict[tuple, Fp8Config] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 off CUDA: the interpreter's stand-in), queried once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def lookup(M: int, N: int, K: int, device: torch.device) -> Fp8Config:
     """The table's config for (M bucket, N, K) when the table was measured on this GPU, else default_config
     (memoised per device and shape: no device queries on later calls)."""
@@ -259,8 +273,7 @@ def lookup(M: int, N: int, K: int, device: torch.device) -> Fp8Config:
     if _TABLE["gpu"] is not None and device.type == "cuda" and torch.cuda.get_device_name(device) == _TABLE["gpu"]:
         cfg = _TABLE["entries"].get((_m_bucket(M), N, K))
     if cfg is None:
-        n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        cfg = default_config(N, K, n_sm)
+        cfg = default_config(N, K, _num_sms(device))
     _CHOSEN[key] = cfg
     return cfg
 
@@ -309,8 +322,7 @@ def fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor
     n_kb = triton.cdiv(K, bk)
     bm, bn_p, ku = _block_m(M), config.block_n, max(1, config.k_unroll)
     n_tiles = triton.cdiv(N, bn_p)
-    n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    split = _splits(config, n_tiles, n_kb, n_sm) if n_tiles <= COUNTER_REGION else 1
+    split = _splits(config, n_tiles, n_kb, _num_sms(x.device)) if n_tiles <= COUNTER_REGION else 1
     kb_per = triton.cdiv(n_kb, split)
     split = triton.cdiv(n_kb, kb_per)  # no empty splits
     ws = cnt = out  # unused without split-K; any pointer
@@ -360,7 +372,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)):
         super().__init__()
-        _check_args(torch.empty(0, weight.shape[-1]), weight, weight_scale_inv, block)
+        _check_weight(weight, weight_scale_inv, block)
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(weight_scale_inv.float().contiguous(), requires_grad=False)
         self.block = (int(block[0]), int(block[1]))

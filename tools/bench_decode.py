@@ -232,23 +232,7 @@ def _small_tuned(on: bool) -> None:
         mi.COMBINE_LAUNCH.update(_saved["small"][1])
 
 
-def _moe_split(m, on: bool) -> None:
-    """moe_split: every humming MoE layer with the two-list align (kimi.ops.moe_backend.HummingExperts.split) set
-    to the JSON dict in $KIMI_MOE_SPLIT (a file path or the JSON itself); on=False restores the class default."""
-    from kimi.ops.moe_backend import HummingExperts
-
-    if on:
-        v = os.environ["KIMI_MOE_SPLIT"]
-        _saved["moe_split"] = HummingExperts.split
-        HummingExperts.split = json.load(open(v)) if os.path.exists(v) else json.loads(v)
-        print(f"moe_split: {json.dumps(HummingExperts.split)}", flush=True)
-    else:
-        HummingExperts.split = _saved["moe_split"]
-
-
 AB_VARIANTS = {
-    "moe_split": ("humming MoE with the two-list align ($KIMI_MOE_SPLIT): experts with more pairs than the row tile "
-                  "in a second launch with 16-row tiles", lambda m: _moe_split(m, True), lambda m: _moe_split(m, False)),
     "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
                      lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
     "prologue_on": ("RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m prologues)",
@@ -481,43 +465,12 @@ def pipelined_timeline(launch, restart, steps: int = 8, warmup: int = 3, top: in
             "top_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
 
 
-def _cls(name: str) -> str:
-    return next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
-
-
-def _run_stats(run: list) -> dict:
-    """One run of (start_us, end_us, name) kernel events, sorted by start: its span, the time some kernel runs
-    (intervals merged), the idle time between kernels, the kernel count, kernel time by class (not merged), idle
-    time by transition (class of the kernel that ended -> class of the next one to start)."""
-    end, end_name = run[0][1], run[0][2]
-    busy, idle = end - run[0][0], 0.0
-    trans: dict[str, float] = {}
-    by_cls: dict[str, float] = {}
-    for s0, e0, name in run:
-        by_cls[_cls(name)] = by_cls.get(_cls(name), 0.0) + (e0 - s0)
-    for s0, e0, name in run[1:]:
-        if s0 > end:
-            idle += s0 - end
-            key = f"{_cls(end_name)} -> {_cls(name)}"
-            trans[key] = trans.get(key, 0.0) + (s0 - end)
-            busy += e0 - s0
-            end, end_name = e0, name
-        elif e0 > end:
-            busy += e0 - end
-            end, end_name = e0, name
-    return {"span_us": end - run[0][0], "busy_us": busy, "idle_us": idle, "kernels": len(run), "trans": trans,
-            "by_cls": by_cls}
-
-
-def _cuda_events(prof) -> list:
-    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     """Kernel timeline of `reps` replays of a captured graph (torch.profiler: CUPTI records each kernel a graph
-    launches), per replay (medians) as _run_stats gives it, idle transitions largest first. Replays are told apart
-    by idle gaps > split_us."""
+    launches), per replay (medians): the span from the first kernel's start to the last one's end, the time some
+    kernel runs (intervals merged: side-stream kernels overlap the main stream's), the idle time between kernels,
+    the kernel count, kernel time by class (not merged), and idle time by transition (class of the kernel that
+    ended -> class of the next one to start), largest first. Replays are told apart by idle gaps > split_us."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -526,7 +479,12 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
         for _ in range(reps):
             replay()
             torch.cuda.synchronize()
-    evs = _cuda_events(prof)
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    def cls(name: str) -> str:
+        return next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
+
     runs, cur = [], []
     for ev in evs:
         if cur and ev[0] - max(e[1] for e in cur[-8:]) > split_us:
@@ -535,7 +493,27 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
         cur.append(ev)
     if cur:
         runs.append(cur)
-    stats = [_run_stats(run) for run in runs]
+    stats = []
+    for run in runs:
+        busy = idle = 0.0
+        end, end_name = run[0][1], run[0][2]
+        busy = end - run[0][0]
+        trans: dict[str, float] = {}
+        by_cls: dict[str, float] = {}
+        for s0, e0, name in run:
+            by_cls[cls(name)] = by_cls.get(cls(name), 0.0) + (e0 - s0)
+        for s0, e0, name in run[1:]:
+            if s0 > end:
+                idle += s0 - end
+                key = f"{cls(end_name)} -> {cls(name)}"
+                trans[key] = trans.get(key, 0.0) + (s0 - end)
+                busy += e0 - s0
+                end, end_name = e0, name
+            elif e0 > end:
+                busy += e0 - end
+                end, end_name = e0, name
+        stats.append({"span_us": end - run[0][0], "busy_us": busy, "idle_us": idle, "kernels": len(run),
+                      "trans": trans, "by_cls": by_cls})
     if not stats:
         return {"error": "no CUDA kernel events recorded"}
     med = lambda k: round(statistics.median(x[k] for x in stats) / 1000.0, 4)  # noqa: E731
@@ -547,44 +525,6 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
             "kernels": int(statistics.median(x["kernels"] for x in stats)),
             "kernel_ms_by_class": {k: round(v, 4) for k, v in sorted(by_cls.items(), key=lambda kv: -kv[1])},
             "idle_ms_by_transition": {k: round(v, 4) for k, v in sorted(trans.items(), key=lambda kv: -kv[1])[:15]}}
-
-
-def pipeline_timeline(launch, restart, steps: int = 6) -> dict:
-    """Kernel timeline of `steps` decode steps issued as time_pipelined issues them (launch / restart as there),
-    after 3 untimed steps, all in one torch.profiler window: per step, the span from the first kernel's start to the
-    last one's end, the time some kernel runs, the idle time, kernel time by class, idle time by transition (15
-    largest), and the 20 kernels (or copies) with the most time, with their count per step. Where the pipelined
-    step's time goes beyond the graph replay (lm_head, argmax, input copies, gaps)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    restart()
-    prev = None
-    for _ in range(3):
-        prev = launch(prev)[0]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        prev, ev_prev = None, None
-        for _ in range(steps):
-            cur, ev = launch(prev)
-            if ev_prev is not None:
-                ev_prev.synchronize()
-            prev, ev_prev = cur, ev
-        ev_prev.synchronize()
-    evs = _cuda_events(prof)
-    if not evs:
-        return {"error": "no CUDA kernel events recorded"}
-    st = _run_stats(evs)
-    names: dict[str, list] = {}
-    for s0, e0, name in evs:
-        v = names.setdefault(name[:120], [0, 0.0])
-        v[0] += 1
-        v[1] += e0 - s0
-    per = lambda us: round(us / steps / 1000.0, 4)  # noqa: E731
-    return {"steps": steps, "span_ms_per_step": per(st["span_us"]), "busy_ms_per_step": per(st["busy_us"]),
-            "idle_ms_per_step": per(st["idle_us"]), "kernels_per_step": st["kernels"] / steps,
-            "kernel_ms_by_class": {k: per(v) for k, v in sorted(st["by_cls"].items(), key=lambda kv: -kv[1])},
-            "idle_ms_by_transition": {k: per(v) for k, v in sorted(st["trans"].items(), key=lambda kv: -kv[1])[:15]},
-            "top": [(n, c / steps, per(t)) for n, (c, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[:20]]}
 
 
 def main() -> None:
@@ -605,9 +545,6 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--pipelined-timeline", action="store_true",
                     help="also the GPU activity of the pipelined steps (pipelined_timeline): idle time and largest gaps")
-    ap.add_argument("--pipeline-timeline", action="store_true",
-                    help="also a kernel timeline of pipelined decode steps (pipeline_timeline): where the step's time "
-                         "goes beyond the graph replay")
     ap.add_argument("--graph-timeline", action="store_true",
                     help="also a kernel timeline of the headline graph's replays (graph_timeline) at the end of each "
                          "case; a profiler session slows later graph launches in the process: use one --seqs value")
@@ -831,9 +768,6 @@ def main() -> None:
                 return nxt, start_host_copy(nxt)[1]  # the sampler's one copy to pinned memory, and its event
 
             case["graph_pipelined"] = time_pipelined(launch, args.iters, _WARMUP, restart=steps.restart)
-            if args.pipeline_timeline:
-                case["pipeline_timeline"] = pipeline_timeline(launch, steps.restart)
-                print(f"B={B}: pipeline timeline {json.dumps(case['pipeline_timeline'])}", flush=True)
             case["graph_pipelined_over_floor"] = case["graph_pipelined"]["median_ms"] / floor
             print(f"B={B}: graph pipelined {case['graph_pipelined']['median_ms']:.2f} ms per step "
                   f"({case['graph_pipelined_over_floor']:.3f}x floor; rounds {case['graph_pipelined']['round_ms']})",

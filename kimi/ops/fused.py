@@ -41,14 +41,12 @@ import triton.language as tl
 
 from kimi.ops.linear_small_m import COUNTER_REGION as _COUNTER_REGION
 from kimi.ops.linear_small_m import _counter_region
-from kimi.ops.moe_int4_triton import SplitAlign
 from kimi.ops.pdl import launch_kwargs, wait_and_release
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 __all__ = [
     "rms_norm", "add_rms_norm", "silu_mul", "silu_mul_rows", "mla_rope_kv_write", "router_topk", "moe_align_fused",
-    "moe_align_split_fused",
     "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
     "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P", "ALIGN_GRID_MIN_P", "LAUNCH",
 ]
@@ -756,41 +754,6 @@ def _align_grid_place_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, BLOCK:
     tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
 
 
-@triton.jit
-def _align_split_count_kernel(ids_ptr, P, E, offset, max_small, bm_s, bm_b, max_s, max_b, sorted_ptr, cursor_ptr,
-                              bexp_s_ptr, bexp_b_ptr, npad_ptr, cap_s, cap, BLOCK_P: tl.constexpr,
-                              BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
-    """moe_align_split_fused, 1 of 2, one program: histogram of local experts; experts with <= max_small pairs
-    padded to bm_s in the small list (sorted_ids[0:cap_s]), the others to bm_b in the big list (sorted_ids[cap_s:
-    cap]); num_padded [small total, big total, cap_s + big total]; both lists' block experts; sentinel P into
-    sorted_ids[:cap]; cursor[e] = the first slot of expert e (in its list)."""
-    wait_and_release(PDL)
-    eo = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        po = p0 + tl.arange(0, BLOCK_P)
-        pm = po < P
-        loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
-        key = tl.where(pm & (loc >= 0) & (loc < E), loc, E)
-        counts += tl.histogram(key, BLOCK_E)
-    counts = tl.where(eo < E, counts, 0)
-    small = counts <= max_small
-    pad_s = tl.where(small, (counts + bm_s - 1) // bm_s * bm_s, 0)
-    pad_b = tl.where(small, 0, (counts + bm_b - 1) // bm_b * bm_b)
-    end_s = tl.cumsum(pad_s, axis=0)
-    end_b = tl.cumsum(pad_b, axis=0)
-    total_b = tl.sum(pad_b, axis=0)
-    tl.store(npad_ptr, tl.sum(pad_s, axis=0))
-    tl.store(npad_ptr + 1, total_b)
-    tl.store(npad_ptr + 2, cap_s + total_b)
-    _align_block_experts(end_s, E, bm_s, max_s, bexp_s_ptr, BLOCK_E, BLOCK_B)
-    _align_block_experts(end_b, E, bm_b, max_b, bexp_b_ptr, BLOCK_E, BLOCK_B)
-    for c0 in range(0, cap, BLOCK_P):
-        co = c0 + tl.arange(0, BLOCK_P)
-        tl.store(sorted_ptr + co, tl.zeros((BLOCK_P,), dtype=tl.int32) + P, mask=co < cap)
-    tl.store(cursor_ptr + eo, tl.where(small, end_s - pad_s, cap_s + end_b - pad_b), mask=eo < E)
-
-
 def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int):
     T, k = topk_ids.shape
     P = T * k
@@ -809,35 +772,6 @@ def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offse
     expert in arbitrary order, possibly in another of its blocks).
     """
     return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None)
-
-
-def moe_align_split_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_small: int,
-                          block_big: int, max_small: int) -> SplitAlign:
-    """kimi.ops.moe_int4_triton.moe_align_split on the GPU: same outputs and contract, in two kernels (a histogram
-    program, then atomic slot claims: pairs within one expert in arbitrary order, which the GEMMs, the SiLU and the
-    combine do not depend on). No host synchronisation; CUDA-graph capturable."""
-    from kimi.ops.moe_int4_triton import split_align_sizes
-
-    E = num_local_experts
-    P, max_s, cap_s, max_b, cap = split_align_sizes(topk_ids, E, block_small, block_big)
-    dev = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    sorted_ids = torch.empty((cap,), dtype=torch.int32, device=dev)
-    block_expert = torch.empty((max_s + max_b,), dtype=torch.int32, device=dev)
-    num_padded = torch.empty((3,), dtype=torch.int32, device=dev)
-    cursor = torch.empty((E,), dtype=torch.int32, device=dev)
-    BLOCK_E = triton.next_power_of_2(E + 1)
-    BLOCK_B = max(16, min(128, 8192 // BLOCK_E))
-    _align_split_count_kernel[(1,)](ids, P, E, expert_offset, max_small, block_small, block_big, max_s, max_b,
-                                    sorted_ids, cursor, block_expert, block_expert[max_s:], num_padded, cap_s, cap,
-                                    BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B,
-                                    num_warps=LAUNCH["align_count_warps"], **launch_kwargs(dev))
-    if P:
-        sc = LAUNCH["align_scatter"]
-        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](ids, P, E, expert_offset, sorted_ids, cursor,
-                                                              BLOCK=sc["block"], num_warps=sc["warps"],
-                                                              **launch_kwargs(dev))
-    return SplitAlign(sorted_ids, block_expert, num_padded, cap_s, max_s, block_small, block_big)
 
 
 def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program: bool | None,

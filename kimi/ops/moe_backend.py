@@ -163,7 +163,6 @@ class HummingExperts(nn.Module):
 
     graph_safe = True
     weight_kind = "int4"
-    split: dict | None = None  # the two-list align (_split_configs); None: one list
 
     def _setup(self, wcfg: dict, dtype, t13: dict, t2: dict, E: int, D: int, inter: int, dev, expert_offset: int,
                num_experts_total: int) -> None:
@@ -200,67 +199,6 @@ class HummingExperts(nn.Module):
             self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 
-    def _split_configs(self, T: int, k: int, c1: dict, c2: dict) -> tuple[dict, dict] | None:
-        """The big list's schedules (gate_up, down) when the two-list align applies at (T, k), else None.
-
-        `split` (instance or class attribute, None: off): {"max_small": S, "block_big": B, "min_mean": m,
-        "gate_up": fields, "down": fields}. It applies when both GEMMs' row tile is S and the expected local pairs
-        per local expert reach m; the big list's schedules are the chosen ones with the given fields over them,
-        row tile B."""
-        sp = self.split
-        if sp is None or c1["block_shape"][0] != sp["max_small"] or c2["block_shape"][0] != sp["max_small"]:
-            return None
-        m_local = T * k * self.E / max(self.num_experts_total, self.E)
-        if m_local / self.E < sp["min_mean"]:
-            return None
-        b1, b2 = copy.deepcopy(c1) | copy.deepcopy(sp["gate_up"]), copy.deepcopy(c2) | copy.deepcopy(sp["down"])
-        if b1["block_shape"][0] != sp["block_big"] or b2["block_shape"][0] != sp["block_big"]:
-            raise ValueError(f"split schedules must have row tile {sp['block_big']}: {b1['block_shape']}, "
-                             f"{b2['block_shape']}")
-        return b1, b2
-
-    def _forward_split(self, x, topk_weights, topk_ids, c1, c2, b1, b2, out):
-        """forward over two align lists (kimi.ops.moe_int4_triton.moe_align_split): the experts with at most
-        split["max_small"] pairs through schedules c1 / c2, the others through b1 / b2 (row tile block_big), into
-        the same per-pair outputs; one SiLU pass over both lists."""
-        from kimi.ops.fused import moe_align_split_fused, silu_mul_rows
-        from kimi.ops.moe_int4_triton import combine_into
-
-        T, k = topk_ids.shape
-        sa = moe_align_split_fused(topk_ids, self.E, self.expert_offset, c1["block_shape"][0], b1["block_shape"][0],
-                                   self.split["max_small"])
-        cc = {"gemm_type": "indexed"}
-        y1 = x.new_empty((T * k, 2 * self.inter))  # rows = pair ids (local pairs written)
-        xc = x.contiguous()
-        side = None
-        if self.split.get("concurrent"):  # the big list's launches on a side stream, beside the small list's
-            if getattr(self, "_split_side", None) is None:
-                self._split_side = torch.cuda.Stream(device=x.device)
-            side = self._split_side
-
-        def both(layer, inp, out, cfg_s, cfg_b, top_k):
-            lists = ((sa.small(), cfg_s), (sa.big(), cfg_b))
-            if side is not None:
-                main = torch.cuda.current_stream(x.device)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    (ids, bexp, npad), cfg = lists[1]
-                    layer(inp, outputs=out, sorted_ids=ids, expert_ids=bexp, num_tokens_padded=npad.view(()),
-                          top_k=top_k, compute_config=cc, tuning_config=cfg)
-                lists = lists[:1]
-            for (ids, bexp, npad), cfg in lists:
-                layer(inp, outputs=out, sorted_ids=ids, expert_ids=bexp, num_tokens_padded=npad.view(()),
-                      top_k=top_k, compute_config=cc, tuning_config=cfg)
-            if side is not None:
-                torch.cuda.current_stream(x.device).wait_stream(side)
-
-        both(self.l1, xc, y1, c1, b1, k)
-        act = silu_mul_rows(y1, sa.sorted_ids, sa.num_padded[2:3], self.inter)  # both lists' rows
-        y2 = x.new_empty((T * k, self.D))
-        both(self.l2, act, y2, c2, b2, 1)
-        combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
-        return out
-
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         from kimi.ops.moe_int4_triton import combine_into, moe_align
 
@@ -269,10 +207,6 @@ class HummingExperts(nn.Module):
         if T == 0:
             return out
         c1, c2 = self._configs(T, k)
-        if x.is_cuda:
-            big = self._split_configs(T, k, c1, c2)
-            if big is not None:
-                return self._forward_split(x, topk_weights, topk_ids, c1, c2, *big, out)
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
             from kimi.ops.fused import moe_align_fused as moe_align, silu_mul_rows

@@ -37,7 +37,6 @@ activation dtype (as in bf16 inference engines), so results match the fp32 refer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -53,8 +52,7 @@ except ImportError:  # pragma: no cover
 
 GROUP_SIZE = 32
 
-__all__ = ["MoeTileConfig", "moe_align", "moe_align_split", "SplitAlign", "split_align_sizes", "fused_experts_int4",
-           "default_config", "HAS_TRITON"]
+__all__ = ["MoeTileConfig", "moe_align", "fused_experts_int4", "default_config", "HAS_TRITON"]
 
 
 @dataclass(frozen=True)
@@ -137,72 +135,6 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
     block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=E - 1).to(torch.int32)
     num_padded = pad_end[-1:].to(torch.int32)  # [1]
     return sorted_ids, block_expert, num_padded, max_blocks
-
-
-class SplitAlign(NamedTuple):
-    """Two align lists in one set of buffers (moe_align_split): experts with at most max_small local pairs in the
-    SMALL list (rows padded to block_small), the others in the BIG list (rows padded to block_big), so an expert's
-    pairs fit one GEMM row block more often and its weights are streamed once.
-
-    sorted_ids: [cap] int32; sorted_ids[:cap_small] is the small list, sorted_ids[cap_small:] the big one; pads
-        and unused slots hold the sentinel T*k.
-    block_expert: [max_small + max_big] int32; [:max_small] the small list's block experts, [max_small:] the big's.
-    num_padded: [3] int32 on the device: rows in use of the small list, of the big list, and cap_small + the big
-        list's rows (the bound for a pass over both lists at once: kimi.ops.fused.silu_mul_rows skips sentinels).
-    """
-
-    sorted_ids: torch.Tensor
-    block_expert: torch.Tensor
-    num_padded: torch.Tensor
-    cap_small: int
-    max_small: int
-    block_small: int
-    block_big: int
-
-    def small(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sorted_ids, block_expert, num_padded [1]) of the small list, as moe_align returns them."""
-        return self.sorted_ids[: self.cap_small], self.block_expert[: self.max_small], self.num_padded[0:1]
-
-    def big(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sorted_ids, block_expert, num_padded [1]) of the big list."""
-        return self.sorted_ids[self.cap_small :], self.block_expert[self.max_small :], self.num_padded[1:2]
-
-
-def split_align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_small: int, block_big: int):
-    """(P, max_small, cap_small, max_big, cap) of moe_align_split: each list sized by moe_align's static bound."""
-    T, k = topk_ids.shape
-    P = T * k
-    E = num_local_experts
-    max_s = (P + block_small - 1) // block_small + min(E, P)
-    max_b = (P + block_big - 1) // block_big + min(E, P)
-    return P, max_s, max_s * block_small, max_b, max_s * block_small + max_b * block_big
-
-
-def moe_align_split(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_small: int,
-                    block_big: int, max_small: int) -> SplitAlign:
-    """moe_align in two lists by expert load (reference, pure torch, graph-capturable).
-
-    An expert with at most `max_small` local pairs goes to the small list (rows padded to `block_small`), one with
-    more to the big list (padded to `block_big`). Why: an indexed MoE GEMM streams an expert's weights once per row
-    block, so at decode an expert with block_small < pairs <= block_big is read twice in block_small blocks; run
-    the big list with block_big-row tiles instead (kimi.ops.moe_backend.HummingExperts). Each list is exactly what
-    moe_align gives for the pairs of its experts (the other pairs treated as non-local). Returns SplitAlign.
-    """
-    E = num_local_experts
-    local = topk_ids.to(torch.int64) - expert_offset  # [T, k]
-    valid = (local >= 0) & (local < E)
-    key = torch.where(valid, local, torch.full_like(local, E)).reshape(-1)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=topk_ids.device).scatter_add_(0, key, torch.ones_like(key))
-    big_expert = counts > max_small
-    big_expert[E] = False
-    pair_big = big_expert[key].reshape(local.shape)  # [T, k]
-    outside = torch.full_like(topk_ids, expert_offset + E)  # a non-local id
-    s = moe_align(torch.where(pair_big, outside, topk_ids), E, expert_offset, block_small)
-    b = moe_align(torch.where(valid & ~pair_big, outside, topk_ids), E, expert_offset, block_big)
-    cap_s = s[0].numel()
-    num_padded = torch.cat([s[2], b[2], b[2] + cap_s])
-    return SplitAlign(torch.cat([s[0], b[0]]), torch.cat([s[1], b[1]]), num_padded, cap_s, s[3], block_small,
-                      block_big)
 
 
 if HAS_TRITON:

@@ -196,26 +196,3 @@ def test_moe_align_fused(T, bm, one):
     # and so possibly in other blocks of that expert
     key = be.repeat_interleave(bm).long() * (T * 8 + 1)
     assert torch.equal((key + s.long()).sort().values, (key + rs.long()).sort().values)
-
-
-@pytest.mark.parametrize("T,skew", [(8, False), (256, False), (256, True), (384, False)])
-def test_moe_align_split_fused(T, skew):
-    """moe_align_split_fused (K2.6 routing: 48 local of 384 experts, top-8) equals moe_align_split: the same block
-    experts and num_padded, and each expert's padded range in each list holds the same pairs, in any order."""
-    from kimi.ops import fused
-    from kimi.ops.moe_int4_triton import moe_align_split
-
-    g = torch.Generator(device=DEV).manual_seed(700 + T + skew)
-    scores = torch.rand(T, 384, generator=g, device=DEV)
-    if skew:
-        scores = scores ** 3 * torch.rand(384, generator=g, device=DEV)
-    ids = scores.topk(8, 1).indices.to(torch.int64)
-    f = fused.moe_align_split_fused(ids, 48, 96, 8, 16, 8)
-    r = moe_align_split(ids, 48, 96, 8, 16, 8)
-    assert (f.cap_small, f.max_small) == (r.cap_small, r.max_small)
-    assert torch.equal(f.block_expert, r.block_expert) and torch.equal(f.num_padded, r.num_padded)
-    for (fs, fbe, _), (rs, _, _), bm in ((f.small(), r.small(), 8), (f.big(), r.big(), 16)):
-        key = fbe.repeat_interleave(bm).long() * (T * 8 + 1)
-        assert torch.equal((key + fs.long()).sort().values, (key + rs.long()).sort().values), bm
-    if T >= 256:
-        assert int(r.num_padded[1]) > 0  # the big list in use

@@ -3,7 +3,8 @@
 Reference: x.float() @ dequant_fp8_block(w, scale_inv).T in float32, on fresh random inputs (W quantised from
 N(0, 1/K), 128 x 128 tiles); outputs are poisoned with NaN before the kernel runs; tolerance max |y - ref| <=
 1e-2 * max |ref| (bf16 output rounding is ~4e-3 relative). Also: the production dispatch (fp8_linear) for >64 rows
-equals the dequantise-then-F.linear path bit for bit, and a CUDA-graph replay equals the eager call bit for bit.
+is the dequantise-then-F.linear path (by row chunks: within one bf16 rounding step of it), and a CUDA-graph replay equals
+the eager call bit for bit.
 """
 
 import pytest
@@ -68,13 +69,18 @@ def test_strided_rows_and_fp16():
 
 
 def test_large_m_is_the_dequantised_linear():
-    """Above 64 rows: the dequantised weight by row chunks (fp8_linear_dequant; 4096 rows x 7168 -> 2 chunks)."""
+    """Above 64 rows: the dequantised weight by row chunks (fp8_linear_dequant; 4096 rows x 7168 -> 2 chunks). Within
+    1e-2 of the float32 reference (_check), and within 2^-7 of max |y| (the bf16 rounding step at that magnitude) of
+    F.linear over the whole dequantised weight: cuBLAS may pick another algorithm (summation order) for the narrower
+    chunks, so a bf16 output can land one rounding step away (measured on the H200: a bound of 2e-3 failed)."""
     q, s = _weights(4096, 7168, 2)
     x = torch.randn(300, 7168, device="cuda", dtype=torch.bfloat16)
     y = lf.fp8_linear(x, q, s)
     want = torch.nn.functional.linear(x, dequant_fp8_block(q, s, (128, 128), torch.float32).to(torch.bfloat16))
     err = (y.float() - want.float()).abs().max().item()
-    assert err <= 2e-3 * want.float().abs().max().item(), err
+    scale = want.float().abs().max().item()
+    print(f"chunked vs whole F.linear: max |diff| {err:.3g} = {err / scale:.2e} of max |y|")
+    assert err <= 2**-7 * scale, (err, scale)
     _check(x, q, s, y)
 
 

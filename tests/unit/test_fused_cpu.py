@@ -161,25 +161,6 @@ _ALIGN = textwrap.dedent("""
     print("OK align")
 """)
 
-_ALIGN_SPLIT = textwrap.dedent("""
-    from kimi.ops.moe_int4_triton import moe_align_split
-    # loads skewed (a few experts take many pairs): both lists in use, and the empty cases
-    for T, k, bs, bb, ms in [(0, 8, 8, 16, 8), (2, 8, 8, 16, 8), (40, 8, 8, 16, 8), (90, 8, 8, 16, 8), (60, 8, 8, 32, 4)]:
-        ids = (torch.rand(T, 32) ** 3 * torch.rand(32)).topk(k, 1).indices.to(torch.int64)  # 12 local from 8
-        r = moe_align_split(ids, 12, 8, bs, bb, ms)
-        f = fused.moe_align_split_fused(ids, 12, 8, bs, bb, ms)
-        assert f.sorted_ids.dtype == f.block_expert.dtype == f.num_padded.dtype == torch.int32
-        assert (f.cap_small, f.max_small) == (r.cap_small, r.max_small), T
-        assert torch.equal(f.block_expert, r.block_expert) and torch.equal(f.num_padded, r.num_padded), T
-        # atomic slots: the same pairs (and pads) in each expert's padded range of each list, in any order
-        for (fs, fbe, _), (rs, _, _), bm in ((f.small(), r.small(), bs), (f.big(), r.big(), bb)):
-            key = fbe.repeat_interleave(bm).long() * (T * k + 1)
-            assert torch.equal((key + fs.long()).sort().values, (key + rs.long()).sort().values), (T, bm)
-        if T >= 40:
-            assert int(r.num_padded[1]) > 0 and int(r.num_padded[0]) > 0, T
-    print("OK align_split")
-""")
-
 _SILU_ROWS = textwrap.dedent("""
     from kimi.ops.moe_int4_triton import moe_align
     for T, k, bm, I, R in [(1, 8, 8, 40, 4), (9, 8, 16, 100, 8), (33, 4, 16, 64, 3), (20, 8, 8, 48, 1), (0, 8, 8, 16, 4)]:
@@ -226,10 +207,6 @@ def test_router_topk_interpreter():
 
 def test_moe_align_interpreter():
     _run(_ALIGN, "align")
-
-
-def test_moe_align_split_interpreter():
-    _run(_ALIGN_SPLIT, "align_split")
 
 
 def test_silu_mul_rows_interpreter():

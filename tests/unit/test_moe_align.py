@@ -36,37 +36,3 @@ def test_moe_align_lists_each_local_pair_once(T, k, E_total, E, offset, bm):
     runs = [e for i, e in enumerate(order) if i == 0 or order[i - 1] != e]
     assert runs == sorted(set(runs)) and len(runs) == int((counts > 0).sum())  # contiguous runs, expert order
     assert all(order.count(e) == int(blocks[e]) for e in runs)
-
-
-@pytest.mark.parametrize("T,k,E_total,E,offset,bs,bb,ms", [(256, 8, 384, 48, 96, 8, 16, 8),  # 32 local seqs, EP8
-                                                           (40, 8, 32, 12, 8, 8, 16, 8),  # loads 1 .. ~40
-                                                           (60, 8, 32, 12, 0, 8, 32, 4),  # offset 0, big > max
-                                                           (3, 8, 32, 12, 8, 8, 16, 8),  # no big expert
-                                                           (0, 8, 32, 12, 8, 8, 16, 8)])
-def test_moe_align_split_is_two_aligns_by_expert_load(T, k, E_total, E, offset, bs, bb, ms):
-    """moe_align_split: experts with <= ms pairs in the small list (padded to bs), the others in the big list
-    (padded to bb); each list is moe_align of its experts' pairs; num_padded [small, big, cap_small + big]."""
-    from kimi.ops.moe_int4_triton import moe_align_split, split_align_sizes
-
-    g = torch.Generator().manual_seed(T + E)
-    ids = (torch.rand((T, E_total), generator=g) ** 3 * torch.rand(E_total, generator=g)).topk(k, dim=-1).indices
-    sa = moe_align_split(ids, E, offset, bs, bb, ms)
-    P, max_s, cap_s, max_b, cap = split_align_sizes(ids, E, bs, bb)
-    assert sa.sorted_ids.numel() == cap and sa.block_expert.numel() == max_s + max_b and sa.cap_small == cap_s
-    assert sa.num_padded.dtype == torch.int32 and sa.num_padded.shape == (3,)
-    flat = ids.reshape(-1)
-    loc = flat - offset
-    is_local = (loc >= 0) & (loc < E)
-    counts = torch.bincount(loc[is_local], minlength=E)
-    big = counts > ms
-    pair_big = is_local & big[loc.clamp(0, E - 1)]
-    for part, lst, bm, pairs in (("small", sa.small(), bs, is_local & ~pair_big), ("big", sa.big(), bb, pair_big)):
-        s, be, npd = lst
-        want = moe_align(torch.where(pairs.reshape(ids.shape), ids, offset + E), E, offset, bm)
-        assert torch.equal(s, want[0]) and torch.equal(be, want[1]) and torch.equal(npd, want[2]), part
-        assert sorted(int(r) for r in s[: int(npd)] if r < P) == pairs.nonzero().flatten().tolist(), part
-    n_big = int(sa.num_padded[1])
-    assert n_big == int(((counts[big] + bb - 1) // bb).sum()) * bb
-    assert int(sa.num_padded[2]) == cap_s + n_big
-    if T:
-        assert bool(big.any()) == (T >= 40)  # the cases above exercise both lists where they say so

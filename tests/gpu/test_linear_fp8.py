@@ -3,8 +3,8 @@
 Reference: x.float() @ dequant_fp8_block(w, scale_inv).T in float32, on fresh random inputs (W quantised from
 N(0, 1/K), 128 x 128 tiles); outputs are poisoned with NaN before the kernel runs; tolerance max |y - ref| <=
 1e-2 * max |ref| (bf16 output rounding is ~4e-3 relative). Also: the production dispatch (fp8_linear) for >64 rows
-is the dequantise-then-F.linear path (by row chunks: within one bf16 rounding step of it), and a CUDA-graph replay equals
-the eager call bit for bit.
+is the dequantise-then-F.linear path (by row chunks: within one bf16 rounding step of it), and a CUDA-graph replay
+equals the eager call bit for bit.
 """
 
 import pytest

@@ -77,7 +77,10 @@ DEFAULT_SPECIAL_TOKENS: dict[int, tuple[str, bool]] = {  # id -> (content, speci
 }
 
 _TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
-_RUN_RE = re.compile(r"\s+|\S+")
+# the maximal whitespace / non-whitespace runs longer than MAX_RUN_CHARS (the only ones _split_for_encode cuts): a
+# match may start only where a run starts (the lookbehinds), so shorter runs cost one failed attempt each and no
+# Python-level iteration
+_LONG_RUN_RE = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
 
 
 def _reserved_name(token_id: int) -> str:
@@ -111,7 +114,7 @@ def _split_for_encode(text: str) -> Iterator[str]:
             yield chunk
             continue
         last = 0
-        for m in _RUN_RE.finditer(chunk):
+        for m in _LONG_RUN_RE.finditer(chunk):
             for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
                 yield chunk[last:cut]
                 last = cut

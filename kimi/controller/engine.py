@@ -202,14 +202,14 @@ class Engine:
         n = len(prompt_token_ids)
         if n == 0:
             raise AdmissionError("the prompt is empty", "prompt")
+        if n >= self.max_model_len:  # before the per-id scan below: a huge prompt is refused in O(1) (the loop waits)
+            raise AdmissionError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                                 f"{n} tokens, which leaves no room for a generated token", "prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         if stop.max_tokens < 1:
             raise AdmissionError(f"max_tokens must be at least 1, got {stop.max_tokens}", "max_tokens")
-        if n >= self.max_model_len:
-            raise AdmissionError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                                 f"{n} tokens, which leaves no room for a generated token", "prompt")
         if n + stop.max_tokens > self.max_model_len:
             raise AdmissionError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "

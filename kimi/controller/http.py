@@ -37,6 +37,7 @@ from starlette.routing import Route
 from kimi.controller.chat import encode_chat, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
+from kimi.controller.offload import run_sized
 from kimi.controller.parsers import OutputParser, ParserConfig
 from kimi.controller.request import OutputStream, StopParams
 from kimi.controller.validation import (
@@ -573,6 +574,7 @@ class OpenAIServer:
         if bad is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning) or the template
             raise BadRequest(f"'{bad or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)", bad or None)
         f = Fields(body)
+        f.body_bytes = len(raw)
         model = f.str("model", required=True)
         if model != self.model_name:
             raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model", code="model_not_found")
@@ -793,7 +795,7 @@ class OpenAIServer:
             if isinstance(prompt, str):
                 if prompt == "":
                     raise BadRequest("'prompt' must not be empty", "prompt")
-                ids = self.tokenizer.encode(prompt)
+                ids = await run_sized(len(prompt), self.tokenizer.encode, prompt)  # large: off the event loop
                 prompt_text = prompt
             elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
                 ids = list(prompt)
@@ -956,7 +958,7 @@ class OpenAIServer:
             if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
                 raise BadRequest("'chat_template_kwargs.thinking' must be a boolean", "chat_template_kwargs.thinking")
 
-            ids = encode_chat(self.tokenizer, messages, tools, kwargs)
+            ids = await run_sized(f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs)
             g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
             f.reject_unknown()
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from kimi import protocol
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
+from kimi.controller.offload import run_sized
 from kimi.controller.request import StopParams
 from kimi.controller.validation import (
     MAX_LOGPROBS,
@@ -63,8 +64,10 @@ class SubmitServer:
     def _error(self, request_id: str, msg: str) -> RequestOutput:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
 
-    def _validate(self, r: protocol.SubmitRequest) -> tuple[list[int], SamplingParams, StopParams]:
+    def _validate(self, r: protocol.SubmitRequest, prompt_ids: list[int] | None = None
+                  ) -> tuple[list[int], SamplingParams, StopParams]:
         """The request's prompt ids, SamplingParams and StopParams; raises BadRequest naming the bad field.
+        prompt_ids: r.prompt already tokenized (by _admit, off the event loop for a large prompt).
 
         The fields go through the HTTP API's own rules (kimi.controller.validation: the same checks, in the
         same order, with the same messages) and become SamplingParams / StopParams the way the HTTP routes
@@ -76,7 +79,7 @@ class SubmitServer:
         if r.prompt is not None:
             if not r.prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
-            ids = self.tokenizer.encode(r.prompt)
+            ids = self.tokenizer.encode(r.prompt) if prompt_ids is None else prompt_ids
         else:
             ids = list(r.prompt_token_ids)
             if not ids:
@@ -106,9 +109,14 @@ class SubmitServer:
     async def _admit(self, ident: bytes, r: protocol.SubmitRequest) -> AsyncIterator[RequestOutput] | None:
         """Validate and admit a submission, in the receive loop itself (`Engine.generate` admits without
         suspending), so an AbortRequest that follows it on the socket always finds it admitted. Returns its
-        output stream, or None after answering it with its error."""
+        output stream, or None after answering it with its error. A large prompt is tokenized in a worker thread
+        (kimi.controller.offload): the receive loop waits for it, so the order with a following abort holds, while
+        the rest of the server goes on."""
         try:
-            ids, sp, st = self._validate(r)
+            pre = None
+            if isinstance(r.prompt, str) and r.prompt:
+                pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt)
+            ids, sp, st = self._validate(r, pre)
             return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))

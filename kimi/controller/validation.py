@@ -40,6 +40,7 @@ class Fields:
             raise BadRequest(f"the request {where} must be a JSON object", None)
         self.body = body
         self.seen: set[str] = set()
+        self.body_bytes = 0  # the HTTP body's size, when the server sets it (kimi.controller.offload)
 
     def _get(self, name: str) -> Any:
         self.seen.add(name)

@@ -452,3 +452,57 @@ def test_sigterm_ends_in_flight_non_streaming_requests_with_a_503(tiny_k26, tmp_
         assert s.proc.wait(30) == 0, s.log()
     finally:
         stop_server(s)
+
+
+# ---- huge prompts are tokenized off the event loop ------------------------------------------------------------------
+def _health_latency_while(srv, work) -> tuple[float, float]:
+    """Run work() in a thread; poll /health until it returns. -> (work's seconds, the slowest /health answer)."""
+    took: list[float] = []
+
+    def run() -> None:
+        t0 = time.monotonic()
+        work()
+        took.append(time.monotonic() - t0)
+
+    th = threading.Thread(target=run)
+    th.start()
+    worst = 0.0
+    while th.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(f"{srv.base_url}/health", timeout=60).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.02)
+    th.join()
+    return took[0], worst
+
+
+@pytest.mark.parametrize("api", ["completions", "chat/completions", "zmq"])
+def test_a_huge_prompt_does_not_stall_the_server(srv, api):
+    """A 24 MB prompt (about 4M tokens) is tokenized in a worker thread (kimi.controller.offload), then refused
+    (longer than --max-model-len, before the engine's per-id check) naming the prompt; /health answers meanwhile.
+    Before, the loop was held for the tokenization and that check: with a 12 MB prompt /health waited 1.03-1.08 s
+    of a 1.08-1.12 s request. The check needs the request to take long enough to mean something."""
+    text = "hello world " * 2_000_000
+    out: dict = {}
+
+    def work() -> None:
+        if api == "completions":
+            out["r"] = _post(srv, "completions", {"model": "tiny", "prompt": text, "max_tokens": 1})
+        elif api == "chat/completions":
+            out["r"] = _post(srv, "chat/completions", {"model": "tiny", "max_tokens": 1,
+                                                        "messages": [{"role": "user", "content": text}]})
+        else:
+            with KimiClient(srv.zmq_addr, timeout_s=120) as c:
+                try:
+                    list(c.generate(text, max_tokens=1))
+                except KimiError as e:
+                    out["e"] = str(e)
+
+    took, worst = _health_latency_while(srv, work)
+    print(f"{api}: request {took:.2f} s, slowest /health {worst:.3f} s")
+    if api == "zmq":
+        assert "prompt" in out.get("e", ""), out
+    else:
+        _bad(out["r"], "messages" if api == "chat/completions" else "prompt")
+    assert took >= 0.5, f"the request took {took:.2f} s: too short for the latency check to mean anything"
+    assert worst < max(0.3, 0.25 * took), f"/health waited {worst:.2f} s while a {took:.2f} s request was tokenized"

@@ -12,6 +12,7 @@ import pytest
 
 from kimi import tokenizer as tk_mod
 from kimi.tokenizer import (
+    MAX_ENCODE_CHARS,
     MAX_RUN_CHARS,
     IncrementalDetokenizer,
     KimiTokenizer,
@@ -186,6 +187,38 @@ def test_split_for_encode_cut_points():
     one = "x" * 900_000  # 400,000-character chunks first, then 25,000-character runs inside each
     lens = [len(p) for p in _split_for_encode(one)]
     assert sum(lens) == 900_000 and max(lens) == MAX_RUN_CHARS and len(lens) == 16 + 16 + 4
+
+
+def _split_by_every_run(text: str):
+    """The cut points stated plainly (what _split_for_encode must give): MAX_ENCODE_CHARS chunks, and in each, every
+    maximal whitespace / non-whitespace run cut every MAX_RUN_CHARS from its start."""
+    import re
+
+    for start in range(0, len(text), MAX_ENCODE_CHARS):
+        chunk = text[start : start + MAX_ENCODE_CHARS]
+        last = 0
+        for m in re.finditer(r"\s+|\S+", chunk):
+            for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
+                yield chunk[last:cut]
+                last = cut
+        yield chunk[last:]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_for_encode_equals_cutting_every_run(seed):
+    """Random mixes of short and long runs (exactly MAX_RUN_CHARS, one more, several times it; Unicode spaces;
+    runs across the 400,000-character chunk edges): the same pieces as cutting every run."""
+    rng = random.Random(seed)
+    n = MAX_RUN_CHARS
+    parts = []
+    while sum(map(len, parts)) < 1_300_000:
+        c = rng.choice([" ", "\n", "\u3000", "\x1c", "x", "\u00e9", "ab"])
+        k = rng.choice([1, 7, n - 1, n, n + 1, 2 * n + 3, rng.randrange(1, 3 * n)])
+        parts.append((c * k)[:k])
+    text = "".join(parts)
+    want = list(_split_by_every_run(text))
+    got = list(_split_for_encode(text))
+    assert "".join(got) == text and got == want
 
 
 def test_megabyte_whitespace_heavy_input(any_tok):

@@ -64,10 +64,11 @@ class SubmitServer:
     def _error(self, request_id: str, msg: str) -> RequestOutput:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
 
-    def _validate(self, r: protocol.SubmitRequest, prompt_ids: list[int] | None = None
+    def _validate(self, r: protocol.SubmitRequest, prompt_ids: list[int] | None
                   ) -> tuple[list[int], SamplingParams, StopParams]:
         """The request's prompt ids, SamplingParams and StopParams; raises BadRequest naming the bad field.
-        prompt_ids: r.prompt already tokenized (by _admit, off the event loop for a large prompt).
+        prompt_ids: r.prompt tokenized (by _admit, off the event loop for a large prompt) when it is a non-empty
+        string, else unused.
 
         The fields go through the HTTP API's own rules (kimi.controller.validation: the same checks, in the
         same order, with the same messages) and become SamplingParams / StopParams the way the HTTP routes
@@ -79,7 +80,7 @@ class SubmitServer:
         if r.prompt is not None:
             if not r.prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
-            ids = self.tokenizer.encode(r.prompt) if prompt_ids is None else prompt_ids
+            ids = prompt_ids
         else:
             ids = list(r.prompt_token_ids)
             if not ids:
@@ -113,9 +114,7 @@ class SubmitServer:
         (kimi.controller.offload): the receive loop waits for it, so the order with a following abort holds, while
         the rest of the server goes on."""
         try:
-            pre = None
-            if isinstance(r.prompt, str) and r.prompt:
-                pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt)
+            pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt) if r.prompt else None
             ids, sp, st = self._validate(r, pre)
             return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
         except BadRequest as e:

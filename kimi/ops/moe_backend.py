@@ -162,7 +162,7 @@ class HummingExperts(nn.Module):
     `weight_kind` picks the humming_table.json entries that apply."""
 
     graph_safe = True
-    weight_kind = "int4"
+    weight_kind = "int4"  # which humming_table.json entries apply (HummingFp8Experts: "fp8")
 
     def _setup(self, wcfg: dict, dtype, t13: dict, t2: dict, E: int, D: int, inter: int, dev, expert_offset: int,
                num_experts_total: int) -> None:
@@ -233,8 +233,6 @@ class HummingInt4Experts(HummingExperts):
     Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
     copies; the caller should drop its references). Raises ImportError when humming is not installed.
     """
-
-    weight_kind = "int4"
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()

@@ -239,8 +239,6 @@ AB_VARIANTS = {
                     lambda m: _set_prologue(True), lambda m: _set_prologue(False)),
     "attn_triton": ("decode attention by kimi.ops.mla_decode_triton (no host plan)",
                     lambda m: _set_attn(m, "triton"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
-    "attn_cuda": ("decode attention by kimi.ops.mla_decode_cuda (csrc/mla_decode.cu: wgmma + TMA, no host plan)",
-                  lambda m: _set_attn(m, "cuda"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
     "one_graph": ("the whole forward as ONE CUDA graph (no layer segments)",
                   lambda m: _set_lpg(0), lambda m: _LPG.__setitem__(0, _saved["lpg"])),
     **{f"lpg{n}": (f"CUDA graph segments of {n} layers", lambda m, n=n: _set_lpg(n),
@@ -553,7 +551,7 @@ def main() -> None:
     ap.add_argument("--overlap", default="on,off",
                     help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
                          "others are timed as graph replays too (A/B in one run)")
-    ap.add_argument("--attn", default=None, choices=["triton", "cuda", "flashinfer"],
+    ap.add_argument("--attn", default=None, choices=["triton", "flashinfer"],
                     help="decode attention of the headline (default: the model's decode_attention)")
     ap.add_argument("--ab", default="prologue_on",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
@@ -709,7 +707,7 @@ def main() -> None:
             runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
             variants.append(("graph", None, runner, nop, nop))
-            hits0 = runner.fi[B].ahead_hits if not runner.planfree_attn else 0
+            hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
             runs: dict[str, list] = {v[0]: [] for v in variants}
             for _ in range(args.rounds):
                 for k, _, r, apply, undo in variants:
@@ -727,7 +725,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             assert runner.num_replays > 0
             case["plan_ahead"] = runner.plan_ahead
-            if not runner.planfree_attn:
+            if not runner.triton_attn:
                 # of rounds x (_WARMUP + iters) steps; the first of each timing follows a restart (a miss)
                 case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0
             gm = case["graph"]["median_ms"]

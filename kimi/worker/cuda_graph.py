@@ -12,8 +12,7 @@ of the null block 0 (their cache writes land there), and attend over that block 
 routing is real (they cost the bucket's extra rows), their outputs are dropped.
 
 Attention, by the model's `decode_attention`:
-- "triton" (kimi.ops.mla_decode_triton) or "cuda" (kimi.ops.mla_decode_cuda, where it supports the shapes and the
-  block size): no planning. Context lengths and block tables go, with the ids /
+- "triton" (kimi.ops.mla_decode_triton): no planning. Context lengths and block tables go, with the ids /
   positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
   then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
 - "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
@@ -98,16 +97,13 @@ class CudaGraphRunner:
         dev = model.embed_tokens.device
         self.device = dev
         cfg = model.cfg
-        from kimi.worker.gpu_model import planfree_attention
-
-        self.planfree = planfree_attention(model, block_size)  # "triton" / "cuda": no host plan; None: FlashInfer
-        self.planfree_attn = self.planfree is not None
+        self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
         # static inputs: one int64 device buffer holding [3, max_batch] (token ids, positions, cache slots) and,
         # for FlashInfer, the page ids of every bucket's plan (int32, the wrappers' shared kv_indices buffer: one
         # bucket runs at a time and each step writes its own before its replay), so the host fast path (run_host)
         # sends a step's inputs in ONE pinned, non-blocking copy
         mb, nb = self.max_batch, 3 * self.max_batch
-        kv_words = 0 if self.planfree_attn else -(-self.max_batch * max_blocks_per_seq // 2)
+        kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
         self.dev_in = torch.zeros(nb + kv_words, dtype=torch.int64, device=dev)
         self.static_in = self.dev_in[:nb].view(3, mb)
         self.input_ids = self.static_in[0]  # [max_batch]
@@ -119,8 +115,8 @@ class CudaGraphRunner:
         self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
-        if self.planfree_attn:
-            from kimi.worker.gpu_model import planfree_decode_run
+        if self.triton_attn:
+            from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
 
             mb, n = max_blocks_per_seq, self.max_batch * (1 + max_blocks_per_seq)
             self.attn_in = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch] seq_lens, then tables
@@ -128,8 +124,9 @@ class CudaGraphRunner:
             self.seq_lens = self.attn_in[: self.max_batch]  # [max_batch]
             self.block_tables = self.attn_in[self.max_batch:].view(self.max_batch, mb)  # [max_batch, mb]
             self.fi = {
-                bs: planfree_decode_run(self.planfree, self.seq_lens[:bs], self.block_tables[:bs], cfg, dev,
-                                        max_ctx=mb * block_size)
+                bs: TritonMLADecodeRun(self.seq_lens[:bs], self.block_tables[:bs], cfg.softmax_scale,
+                                       triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev,
+                                                         max_ctx=mb * block_size))
                 for bs in self.buckets
             }
         else:
@@ -149,7 +146,7 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
-        self.plan_ahead = PLAN_AHEAD and not self.planfree_attn
+        self.plan_ahead = PLAN_AHEAD and not self.triton_attn
         self._ahead_failed = False  # a plan-ahead error was logged (once)
         # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
         self.host_marks = (0.0,) * len(HOST_MARKS)
@@ -174,7 +171,7 @@ class CudaGraphRunner:
     def _plan(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor):
         """Plan bucket bs with rows past len(seq_lens_cpu) padded (seq_len 1 over the null block 0)."""
         B = len(seq_lens_cpu)
-        if self.planfree_attn:  # device writes into the static buffers (eager, outside any graph)
+        if self.triton_attn:  # device writes into the static buffers (eager, outside any graph)
             self.seq_lens[:bs] = torch.tensor(list(seq_lens_cpu) + [1] * (bs - B), dtype=torch.int32)
             self.block_tables[:bs].zero_()
             if B:
@@ -265,7 +262,7 @@ class CudaGraphRunner:
         blk = self.block_size
         pad = bs - B
         flat: list[int] = []  # FlashInfer: the plan's page ids, request by request, [0] per padded row
-        if not self.planfree_attn:
+        if not self.triton_attn:
             ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
             if max(ks) > self.max_blocks_per_seq or any(map(operator.gt, ks, map(len, block_tables))):
                 b = next(b for b, (t, k) in enumerate(zip(block_tables, ks))
@@ -297,7 +294,7 @@ class CudaGraphRunner:
         if fill is not None:  # tokens the previous step sampled, still on the device
             self.input_ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
         t1 = time.perf_counter()
-        if self.planfree_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
+        if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
             mb, mx = self.max_blocks_per_seq, self.max_batch
             a = self.attn_host.numpy()
             a[:B] = seq_lens
@@ -312,13 +309,13 @@ class CudaGraphRunner:
         if self._host_in_free is None:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
-        if not self.planfree_attn:  # the schedule: planned ahead by the previous call, or now
+        if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
             self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk)
         t2 = time.perf_counter()
         self.replay(bs)
         self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
         self.num_replays += 1
-        if self.plan_ahead and not self.planfree_attn:
+        if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
             # it when its lengths are exactly these, any other plan of the bucket discards it
             if -(-(max(seq_lens) + 1) // blk) <= self.max_blocks_per_seq:

@@ -116,62 +116,6 @@ class TritonMLADecodeRun:
                           num_splits=self.num_splits, config=self.config)
 
 
-class CudaMLADecodeRun:
-    """The `GPUAttnPlan.fi` of a pure decode batch run by kimi.ops.mla_decode_cuda.mla_decode (csrc/mla_decode.cu):
-    no host plan, the kernel reads the lengths and tables from device tensors. Same interface as
-    TritonMLADecodeRun.
-
-    seq_lens: [B] int32 / int64 device tensor; block_tables: [B, W] int32 / int64 device tensor; scale: softmax
-    scale; num_splits: KV splits per request (host int).
-    """
-
-    def __init__(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int):
-        self.seq_lens = seq_lens
-        self.block_tables = block_tables
-        self.scale = float(scale)
-        self.num_splits = num_splits
-        self.num_rows = seq_lens.shape[0]
-
-    def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
-        """q_lat [B, 64, 512], q_pe [B, 64, 64] -> o_lat [B, 64, 512] (see mla_decode; ValueError on other shapes)."""
-        from kimi.ops.mla_decode_cuda import mla_decode
-
-        return mla_decode(q_lat, q_pe, kv_cache, self.block_tables, self.seq_lens, self.scale, out=out,
-                          num_splits=self.num_splits)
-
-
-def planfree_attention(model, block_size: int) -> str | None:
-    """The plan-free decode attention kernel `model.decode_attention` names, if it runs the model's shapes at this
-    block size: "triton" (kimi.ops.mla_decode_triton), "cuda" (kimi.ops.mla_decode_cuda: 64 heads, bf16, block_size
-    a multiple of 64), else None (FlashInfer plans the step)."""
-    kind = getattr(model, "decode_attention", "flashinfer")
-    if kind == "triton":
-        return kind
-    if kind == "cuda":
-        from kimi.ops.mla_decode_cuda import supports
-
-        cfg = model.cfg
-        if supports(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, block_size, model.dtype):
-            return kind
-    return None
-
-
-def planfree_decode_run(kind: str, seq_lens: torch.Tensor, block_tables: torch.Tensor, cfg, device,
-                        max_ctx: int | None = None):
-    """A TritonMLADecodeRun ("triton") or CudaMLADecodeRun ("cuda") over these device lengths / tables of B rows,
-    with its kernel's KV split count for B requests (capped by the longest context max_ctx when given)."""
-    batch = seq_lens.shape[0]
-    if kind == "triton":
-        return TritonMLADecodeRun(seq_lens, block_tables, cfg.softmax_scale,
-                                  triton_mla_splits(batch, cfg.num_attention_heads, cfg.kv_lora_rank, device,
-                                                    max_ctx=max_ctx))
-    from kimi.ops import mla_decode_cuda as mdc
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    splits = mdc.choose_num_splits(batch, torch.cuda.get_device_properties(idx).multi_processor_count, max_ctx)
-    return CudaMLADecodeRun(seq_lens, block_tables, cfg.softmax_scale, splits)
-
-
 def triton_mla_config():
     """The launch config of the Triton decode attention: $KIMI_MLA_DECODE_CONFIG as "block_h,block_n,block_dv,
     num_warps,num_stages" (benchmarks), else kimi.ops.mla_decode_triton.DEFAULT_CONFIG. Raises ValueError on a
@@ -318,9 +262,8 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
     fi_eager = None
     graphs = None
-    # pure decode attention: "flashinfer", or a plan-free kernel: "triton" (kimi.ops.mla_decode_triton) or "cuda"
-    # (kimi.ops.mla_decode_cuda, where it supports the shapes: planfree_attention); prefill and mixed batches always
-    # run FlashInfer
+    # pure decode attention: "triton" (kimi.ops.mla_decode_triton, no host plan) or "flashinfer"; prefill and mixed
+    # batches always run FlashInfer
     decode_attention = "flashinfer"
     overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     _side = None
@@ -340,17 +283,17 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     def plan_eager(self, attn: AttentionMetadata) -> GPUAttnPlan:
         """Attach a GPUAttnPlan for an unpadded batch (host work, once per step for all layers).
 
-        Pure decode with a plan-free decode_attention ("triton", or "cuda" where it supports the shapes;
-        flashinfer_ok shapes, CUDA tensors): that kernel over attn's device lengths / tables. Else with FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every
+        Pure decode with decode_attention "triton" (flashinfer_ok shapes, CUDA tensors): the plan-free Triton kernel
+        over attn's device lengths / tables. Else with FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every
         sequence, qo_len = query_len (decode rows are qo_len-1 requests), causal unless the batch is pure decode
         (where causal == non-causal). Otherwise the torch fallback's row / sequence indices."""
         qlens = attn.query_lens_cpu
         all_decode = all(q == 1 for q in qlens)
         dev = attn.slot_mapping.device
-        kind = planfree_attention(self, attn.block_size) if all_decode else None
-        if self.flashinfer_ok and attn.slot_mapping.is_cuda and kind is not None:
-            run = planfree_decode_run(kind, attn.seq_lens, attn.block_tables, self.cfg, dev,
-                                      max_ctx=max(attn.seq_lens_cpu))
+        if self.flashinfer_ok and attn.slot_mapping.is_cuda and all_decode and self.decode_attention == "triton":
+            splits = triton_mla_splits(len(qlens), self.cfg.num_attention_heads, self.cfg.kv_lora_rank, dev,
+                                       max_ctx=max(attn.seq_lens_cpu))
+            run = TritonMLADecodeRun(attn.seq_lens, attn.block_tables, self.cfg.softmax_scale, splits)
             plan = GPUAttnPlan(run, attn.slot_mapping, True)
         elif self.flashinfer_ok and attn.slot_mapping.is_cuda:
             from kimi.ops.attention_flashinfer import FlashInferMLA

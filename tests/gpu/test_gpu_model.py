@@ -50,10 +50,8 @@ def make_ckpt(root: Path, name: str) -> str:
         return str(d)
     saved = dict(mtc.TINY_DIMS)
     try:
-        if name.startswith("tiny-mla"):
+        if name == "tiny-mla":
             mtc.TINY_DIMS.update(MLA_DIMS)
-        if name == "tiny-mla64":  # Kimi's 64 heads per rank: kimi.ops.mla_decode_cuda runs it
-            mtc.TINY_DIMS.update(num_attention_heads=64, num_key_value_heads=64)
         if name == "tiny-k2-instruct-i128":  # expert I and q_lora a multiple of the FP8 tile: humming keeps the
             # experts FP8, and the merged q_a + kv_a and shared gate_up stay FP8 too (kimi.ops.linear_fp8)
             mtc.TINY_DIMS.update(moe_intermediate_size=128, q_lora_rank=128)
@@ -68,8 +66,7 @@ def make_ckpt(root: Path, name: str) -> str:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_ckpt")
-    return {n: make_ckpt(root, n)
-            for n in ("tiny-k2.6", "tiny-k2-instruct", "tiny-k2-instruct-i128", "tiny-mla", "tiny-mla64")}
+    return {n: make_ckpt(root, n) for n in ("tiny-k2.6", "tiny-k2-instruct", "tiny-k2-instruct-i128", "tiny-mla")}
 
 
 _CPU = {}
@@ -88,12 +85,12 @@ def cpu_model(path):
     return _CPU[path]
 
 
-def run_steps(model, cfg, device, dtype, poison: bool, bs: int = 16):
-    """Prefill 2 sequences (21 and 37 tokens), then 4 decode steps of both (block_size bs); returns logits per step
-    (CPU f32)."""
+def run_steps(model, cfg, device, dtype, poison: bool):
+    """Prefill 2 sequences (21 and 37 tokens), then 4 decode steps of both; returns logits per step (CPU f32)."""
     from kimi.ops.attention import build_attention_metadata
     from kimi.worker.kv_cache import allocate_kv_caches
 
+    bs = 16
     kv = allocate_kv_caches(cfg, 16, bs, dtype, device)
     if poison:
         for c in kv:
@@ -144,7 +141,6 @@ def ref_bf16_on_gpu(path, cfg):
 @pytest.mark.parametrize("name,backend,attn,fp8_dense", [
     ("tiny-mla", "humming", None, "off"), ("tiny-mla", "triton", None, "off"), ("tiny-mla", "ref", None, "off"),
     ("tiny-mla", "humming", "triton", "off"), ("tiny-mla", "humming", "flashinfer", "off"),
-    ("tiny-mla64", "humming", "cuda", "off"), ("tiny-mla64", "humming", "flashinfer", "off"),
     ("tiny-k2.6", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "off"),
     ("tiny-k2-instruct-i128", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "triton"),
     ("tiny-k2-instruct-i128", "humming", None, "triton"), ("tiny-k2-instruct-i128", "humming", None, "humming")])
@@ -174,14 +170,9 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
         assert (gm.layers[0].self_attn.o_proj.hl is not None) == (fp8_dense == "humming")
     else:
         assert not fp8_layers
-    bs = 64 if attn == "cuda" else 16  # kimi.ops.mla_decode_cuda takes blocks of multiples of 64 tokens
-    if attn == "cuda":  # the decode steps do run it
-        from kimi.worker.gpu_model import planfree_attention
-
-        assert planfree_attention(gm, bs) == "cuda"
-    want = run_steps(ref, cfg, "cpu", torch.float32, poison=False, bs=bs)
-    got = run_steps(gm, cfg, "cuda", torch.bfloat16, poison=True, bs=bs)
-    r16 = run_steps(ref_bf16_on_gpu(path, cfg), cfg, "cuda", torch.bfloat16, poison=False, bs=bs)
+    want = run_steps(ref, cfg, "cpu", torch.float32, poison=False)
+    got = run_steps(gm, cfg, "cuda", torch.bfloat16, poison=True)
+    r16 = run_steps(ref_bf16_on_gpu(path, cfg), cfg, "cuda", torch.bfloat16, poison=False)
     for o in got:
         assert torch.isfinite(o).all()
     agree, rows, diffs = _rows(want, got)
@@ -196,7 +187,7 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
 
 
 @pytest.mark.parametrize("backend,attn,lpg", [("humming", "flashinfer", None), ("triton", "flashinfer", 0),
-                                              ("humming", "triton", 1), ("humming", "cuda", None)])
+                                              ("humming", "triton", 1)])
 def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
@@ -206,18 +197,17 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
-    path = ckpts["tiny-mla64" if attn == "cuda" else "tiny-mla"]  # the CUDA kernel: 64 heads, blocks of 64
+    path = ckpts["tiny-mla"]
     cfg = ModelConfig.from_dir(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False)
     gm.decode_attention = attn
-    bs, nb = (64 if attn == "cuda" else 16), 200
+    bs, nb = 16, 200
     kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
     for c in kv:
         c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
     gm.capture_cuda_graphs(kv, bs, 16, 8, layers_per_graph=lpg)  # lpg 1: a chain of one-layer graphs; 0: one graph
     assert gm.graphs is not None and gm.graphs.buckets == [1, 2, 4, 8, 16]
-    assert gm.graphs.planfree == (attn if attn != "flashinfer" else None)
     from kimi.worker.cuda_graph import LAYERS_PER_GRAPH
 
     per = LAYERS_PER_GRAPH if lpg is None else lpg

@@ -68,10 +68,16 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 raise BadRequest(f"'{p}.tool_calls' must be a list", f"{p}.tool_calls")
             for j, call in enumerate(calls):
                 q = f"{p}.tool_calls[{j}]"
-                if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]:
+                if not isinstance(call, dict):
+                    raise BadRequest(f"'{q}' must be an object", q)
+                if not isinstance(call.get("id"), str) or not call["id"]:
                     raise BadRequest(f"'{q}.id' must be a non-empty string", f"{q}.id")
+                if call.get("type") is not None and call["type"] != "function":  # absent: taken as "function"
+                    raise BadRequest(f"'{q}.type' must be 'function', got {call['type']!r}", f"{q}.type")
                 fn = call.get("function")
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                if not isinstance(fn, dict):
+                    raise BadRequest(f"'{q}.function' must be an object", f"{q}.function")
+                if not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise BadRequest(f"'{q}.function.name' must be a non-empty string", f"{q}.function.name")
                 args = fn.get("arguments")
                 if args is not None and not isinstance(args, (str, dict)):

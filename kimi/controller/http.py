@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -559,12 +560,19 @@ class OpenAIServer:
         except UnicodeDecodeError as e:
             raise BadRequest(f"the request body is not valid UTF-8: {e}", None) from None
         try:
-            body = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:  # ValueError: JSONDecodeError, and an integer literal over
-            # Python's int-conversion digit limit (4300 digits by default), which json.loads refuses to parse
+            long_ints: list[bool] = []
+            body = json.loads(text, parse_int=lambda lit: _parse_int(lit, long_ints))
+        except (ValueError, UnicodeDecodeError) as e:  # ValueError: JSONDecodeError
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
         except RecursionError:
             raise BadRequest("the request body is nested too deeply", None) from None
+        if long_ints:  # reported by field (the walk runs only for bodies holding one)
+            try:
+                path = _path_of(body, _LONG_INT, "")
+            except RecursionError:
+                raise BadRequest("the request body is nested too deeply", None) from None
+            raise BadRequest(f"'{path or 'body'}' is an integer of more than {sys.get_int_max_str_digits()} digits",
+                             path or None)
         bad = None
         if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
             try:
@@ -597,7 +605,7 @@ class OpenAIServer:
         if so is not None:
             if not stream:
                 raise BadRequest("'stream_options' is only allowed with stream=true", "stream_options")
-            sof = Fields(so, "stream_options")
+            sof = Fields(so, "stream_options", "stream_options")
             try:  # errors name the nested field, e.g. stream_options.include_usage
                 include_usage = sof.bool("include_usage", False)
                 sof.noop("continuous_usage_stats", (False,), "is not supported")
@@ -1064,6 +1072,43 @@ class OpenAIServer:
                                                                 "logprobs": None, "finish_reason": None}]})
                          for c in choices)
         return _SSE(sib, render, first, usage)  # type: ignore[return-value]
+
+
+class _LongInt:
+    """What the body's JSON parser returns for an integer literal longer than Python's int-conversion limit
+    (sys.get_int_max_str_digits(), 4300 digits by default), which int() and so json.loads refuse: the request is
+    then refused naming that field instead of as malformed JSON."""
+
+    __slots__ = ()
+
+
+_LONG_INT = _LongInt()
+
+
+def _parse_int(literal: str, long_ints: list[bool]) -> Any:
+    """json.loads's parse_int: the literal's int, or _LONG_INT (recorded in long_ints) past the digit limit."""
+    limit = sys.get_int_max_str_digits()
+    if limit and len(literal) - literal.startswith("-") > limit:
+        long_ints.append(True)
+        return _LONG_INT
+    return int(literal)
+
+
+def _path_of(v: Any, target: Any, path: str) -> str | None:
+    """The JSON path (`messages[0].content`) of the first value in v that is `target`, else None."""
+    if v is target:
+        return path
+    if isinstance(v, dict):
+        for k, x in v.items():
+            found = _path_of(x, target, f"{path}.{k}" if path else k)
+            if found is not None:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _path_of(x, target, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _lone_surrogate(v: Any, path: str) -> str | None:

@@ -33,11 +33,14 @@ class BadRequest(Exception):
 
 
 class Fields:
-    """Typed access to a JSON object's fields; records which were read so the rest can be rejected."""
+    """Typed access to a JSON object's fields; records which were read so the rest can be rejected.
 
-    def __init__(self, body: Any, where: str = "body") -> None:
+    body: the decoded object; where: what it is, for the message when it is not an object; param: the field that
+    holds it (None for the request body itself), named by that error."""
+
+    def __init__(self, body: Any, where: str = "body", param: str | None = None) -> None:
         if not isinstance(body, dict):
-            raise BadRequest(f"the request {where} must be a JSON object", None)
+            raise BadRequest(f"the request {where} must be a JSON object", param)
         self.body = body
         self.seen: set[str] = set()
         self.body_bytes = 0  # the HTTP body's size, when the server sets it (kimi.controller.offload)
@@ -111,13 +114,14 @@ class Fields:
 
     def noop(self, name: str, allowed: tuple[Any, ...], why: str = "is not supported") -> None:
         """Accept the field only at one of its no-op values (None always allowed), of the same JSON type: 1.0 and
-        true are not the integer 1, 0 is not false."""
+        true are not the integer 1, 0 is not false. A value of another JSON type is refused as such."""
         v = self._get(name)
         if v is None:
             return
-        if isinstance(v, bool) and not any(isinstance(a, bool) for a in allowed):
-            raise BadRequest(f"'{name}' {why}", name)
-        if not any(v == a and _json_type(v) == _json_type(a) for a in allowed):
+        types = {_json_type(a) for a in allowed}
+        if _json_type(v) not in types:
+            raise BadRequest(f"'{name}' must be {' or '.join(sorted(types))}, got {_json_type(v)}", name)
+        if not any(v == a for a in allowed):
             raise BadRequest(f"'{name}'={v!r} {why}; only {', '.join(repr(a) for a in allowed)} is accepted", name)
 
     def accept(self, *names: str) -> None:

@@ -129,7 +129,7 @@ def test_integer_fields_refuse_floats_and_booleans(srv, path, value):
                                                                               "logprobs": True}
     for name in INT_FIELDS[path]:
         msg = _bad(_post(srv, path, {**base, name: value}), name)
-        assert "integer" in msg or "best_of" in msg
+        assert "integer" in msg, msg
     # the same values as integers are accepted
     ok = _post(srv, path, {**base, **{k: 1 for k in INT_FIELDS[path] if k != "max_completion_tokens"}})
     assert ok.status_code == 200, ok.text

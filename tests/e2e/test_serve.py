@@ -179,6 +179,9 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
     ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"foo": True}}, "stream_options.foo"),
+    # a field that must be an object, given something else
+    ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
+    ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": "x"}, "stream_options"),
 ]
 
 
@@ -200,6 +203,13 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
      "max_completion_tokens"),
+    # an assistant message's tool calls in the history: each must be an object, its function an object, its type
+    # "function"
+    ({"model": "tiny", "messages": [{"role": "assistant", "tool_calls": ["x"]}]}, "messages[0].tool_calls[0]"),
+    ({"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": "x"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "xx", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].type"),
 ]
 
 
@@ -247,13 +257,21 @@ def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server
 
 
 def test_integer_literal_over_the_parse_limit_is_400(server, client):
-    """A JSON integer of more digits than Python parses (4300 by default) in any field, known or not: a 400
-    saying the body is not valid JSON (not a 500), and the server keeps serving."""
-    for field in (b'"max_tokens"', b'"foo"'):
-        body = b'{"model": "tiny", "prompt": "hi", ' + field + b": " + b"9" * 4301 + b"}"
+    """A JSON integer of more digits than Python parses (4300 by default) in any field, known or not, top-level or
+    nested: a 400 naming that field (not a 500, not "malformed JSON"), and the server keeps serving. One digit
+    fewer parses and meets the field's own range check."""
+    cases = [(b'"max_tokens": ' + b"1" + b"0" * 4300, "max_tokens"), (b'"foo": -' + b"9" * 4301, "foo"),
+             (b'"logit_bias": {"5": ' + b"9" * 5000 + b"}", "logit_bias.5"),
+             (b'"prompt": [1, ' + b"2" * 4301 + b"]", "prompt[1]")]
+    for fields, param in cases:
+        body = b'{"model": "tiny", "prompt": "hi", ' + fields + b"}"
         r = httpx.post(f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
-        assert "not valid JSON" in r.json()["error"]["message"]
+        err = r.json()["error"]
+        assert err["param"] == param and "more than 4300 digits" in err["message"], err
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 4300 + b"}"
+    r = httpx.post(f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
 
 

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for every str (C)
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
@@ -559,28 +559,36 @@ class OpenAIServer:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise BadRequest(f"the request body is not valid UTF-8: {e}", None) from None
+        long_int = False
         try:
-            long_ints: list[bool] = []
-            body = json.loads(text, parse_int=lambda lit: _parse_int(lit, long_ints))
-        except (ValueError, UnicodeDecodeError) as e:  # ValueError: JSONDecodeError
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
             raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
+        except ValueError:  # an integer literal over Python's int-conversion digit limit: parsed again (rarely, and
+            # only then with a Python callback per integer) with a stand-in for it, to name its field below
+            long_int = True
+            try:
+                body = json.loads(text, parse_int=_parse_int)
+            except ValueError as e:  # JSONDecodeError: malformed after the long integer
+                raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
+            except RecursionError:
+                raise BadRequest("the request body is nested too deeply", None) from None
         except RecursionError:
             raise BadRequest("the request body is nested too deeply", None) from None
-        if long_ints:  # reported by field (the walk runs only for bodies holding one)
-            try:
-                path = _path_of(body, _LONG_INT, "")
-            except RecursionError:
-                raise BadRequest("the request body is nested too deeply", None) from None
-            raise BadRequest(f"'{path or 'body'}' is an integer of more than {sys.get_int_max_str_digits()} digits",
-                             path or None)
-        bad = None
-        if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
-            try:
-                bad = _lone_surrogate(body, "")
-            except RecursionError:
-                raise BadRequest("the request body is nested too deeply", None) from None
-        if bad is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning) or the template
-            raise BadRequest(f"'{bad or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)", bad or None)
+        try:
+            if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
+                parts = _lone_surrogate(body)
+                if parts is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning), the template
+                    path = _json_path(parts)
+                    raise BadRequest(f"'{path or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)",
+                                     path or None)
+            parts = _long_int(body) if long_int else None
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply", None) from None
+        if parts:  # (None when a later duplicate key replaced it: the body as parsed is fine; [] when the body itself
+            # is one: Fields says it must be an object)
+            path = _json_path(parts)
+            raise BadRequest(f"'{path}' is an integer of more than {sys.get_int_max_str_digits()} digits", path)
         f = Fields(body)
         f.body_bytes = len(raw)
         model = f.str("model", required=True)
@@ -1085,51 +1093,67 @@ class _LongInt:
 _LONG_INT = _LongInt()
 
 
-def _parse_int(literal: str, long_ints: list[bool]) -> Any:
-    """json.loads's parse_int: the literal's int, or _LONG_INT (recorded in long_ints) past the digit limit."""
+def _parse_int(literal: str) -> Any:
+    """json.loads's parse_int for a body holding an over-long integer: the literal's int, or _LONG_INT."""
     limit = sys.get_int_max_str_digits()
     if limit and len(literal) - literal.startswith("-") > limit:
-        long_ints.append(True)
         return _LONG_INT
     return int(literal)
 
 
-def _path_of(v: Any, target: Any, path: str) -> str | None:
-    """The JSON path (`messages[0].content`) of the first value in v that is `target`, else None."""
-    if v is target:
-        return path
+# The walks below collect a found value's path on the way back out (keys / indices, innermost first), so a body of
+# many elements under long keys costs one visit per element, not one path string per element.
+
+def _long_int(v: Any) -> list[str | int] | None:
+    """The path of the first _LONG_INT in v (innermost part first; [] for v itself), else None."""
+    if v is _LONG_INT:
+        return []
     if isinstance(v, dict):
-        for k, x in v.items():
-            found = _path_of(x, target, f"{path}.{k}" if path else k)
-            if found is not None:
-                return found
+        items: Iterable = v.items()
     elif isinstance(v, list):
-        for i, x in enumerate(v):
-            found = _path_of(x, target, f"{path}[{i}]")
+        items = enumerate(v)
+    else:
+        return None
+    for k, x in items:
+        if x is _LONG_INT:
+            return [k]
+        if isinstance(x, (dict, list)):
+            found = _long_int(x)
             if found is not None:
+                found.append(k)
                 return found
     return None
 
 
-def _lone_surrogate(v: Any, path: str) -> str | None:
-    """The JSON path (`messages[0].content`) of the first string in v holding a lone surrogate, else None.
-
-    A key holding one is reported at the path of its object (the key itself cannot be echoed back)."""
+def _lone_surrogate(v: Any) -> list[str | int] | None:
+    """The path of the first string in v holding a lone surrogate (innermost part first), else None. A key holding
+    one is reported at the path of its object (the key itself cannot be echoed back)."""
     if isinstance(v, str):
-        return path if _SURROGATE_RE.search(v) else None
+        return [] if _SURROGATE_RE.search(v) else None
     if isinstance(v, dict):
         for k, x in v.items():
             if _SURROGATE_RE.search(k):
-                return path
-            bad = _lone_surrogate(x, f"{path}.{k}" if path else k)
-            if bad is not None:
-                return bad
+                return []
+            found = _lone_surrogate(x)
+            if found is not None:
+                found.append(k)
+                return found
     elif isinstance(v, list):
         for i, x in enumerate(v):
-            bad = _lone_surrogate(x, f"{path}[{i}]")
-            if bad is not None:
-                return bad
+            if isinstance(x, (str, dict, list)):
+                found = _lone_surrogate(x)
+                if found is not None:
+                    found.append(i)
+                    return found
     return None
+
+
+def _json_path(parts: list[str | int]) -> str:
+    """Innermost-first path parts -> `messages[1].content` ("" for the body itself)."""
+    out = ""
+    for p in reversed(parts):
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
 
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")

@@ -272,6 +272,24 @@ def test_integer_literal_over_the_parse_limit_is_400(server, client):
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 4300 + b"}"
     r = httpx.post(f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+    def post(body: bytes) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/v1/completions", content=body,
+                          headers={"content-type": "application/json"})
+
+    # a duplicate key keeps its last value, so a replaced long literal is no error
+    r = post(b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 4301 + b', "max_tokens": 1}')
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    # under a key holding a lone surrogate: the surrogate is reported (at its object's path), not a 500
+    r = post(b'{"model": "tiny", "prompt": "hi", "logit_bias": {"\\udc00": ' + b"9" * 4301 + b"}}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert "surrogate" in r.json()["error"]["message"]
+    # malformed after the long literal: malformed JSON
+    r = post(b'{"model": "tiny", "prompt": "hi", "foo": ' + b"9" * 4301 + b", }")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    # the empty key is named as such
+    r = post(b'{"model": "tiny", "prompt": "hi", "": ' + b"9" * 4301 + b"}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "", r.text
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
 
 

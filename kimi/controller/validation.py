@@ -121,7 +121,7 @@ class Fields:
         types = {_json_type(a) for a in allowed}
         if _json_type(v) not in types:
             raise BadRequest(f"'{name}' must be {' or '.join(sorted(types))}, got {_json_type(v)}", name)
-        if not any(v == a for a in allowed):
+        if not any(v == a and _json_type(v) == _json_type(a) for a in allowed):  # False == 0 in Python
             raise BadRequest(f"'{name}'={v!r} {why}; only {', '.join(repr(a) for a in allowed)} is accepted", name)
 
     def accept(self, *names: str) -> None:

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for every str (C)
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
@@ -559,36 +559,7 @@ class OpenAIServer:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise BadRequest(f"the request body is not valid UTF-8: {e}", None) from None
-        long_int = False
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
-        except ValueError:  # an integer literal over Python's int-conversion digit limit: parsed again (rarely, and
-            # only then with a Python callback per integer) with a stand-in for it, to name its field below
-            long_int = True
-            try:
-                body = json.loads(text, parse_int=_parse_int)
-            except ValueError as e:  # JSONDecodeError: malformed after the long integer
-                raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
-            except RecursionError:
-                raise BadRequest("the request body is nested too deeply", None) from None
-        except RecursionError:
-            raise BadRequest("the request body is nested too deeply", None) from None
-        try:
-            if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
-                parts = _lone_surrogate(body)
-                if parts is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning), the template
-                    path = _json_path(parts)
-                    raise BadRequest(f"'{path or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)",
-                                     path or None)
-            parts = _long_int(body) if long_int else None
-        except RecursionError:
-            raise BadRequest("the request body is nested too deeply", None) from None
-        if parts:  # (None when a later duplicate key replaced it: the body as parsed is fine; [] when the body itself
-            # is one: Fields says it must be an object)
-            path = _json_path(parts)
-            raise BadRequest(f"'{path}' is an integer of more than {sys.get_int_max_str_digits()} digits", path)
+        body = _decode_body(text)
         f = Fields(body)
         f.body_bytes = len(raw)
         model = f.str("model", required=True)
@@ -1082,10 +1053,42 @@ class OpenAIServer:
         return _SSE(sib, render, first, usage)  # type: ignore[return-value]
 
 
+def _decode_body(text: str) -> Any:
+    """A request body's JSON -> its value (Python's json module: a duplicate key keeps its last value).
+
+    Raises BadRequest: malformed JSON; nesting too deep; a string holding a lone UTF-16 surrogate (a key holding one
+    at the path of its object: the key itself cannot be echoed back); an integer literal longer than Python's
+    int-conversion limit (sys.get_int_max_str_digits(), 4300 digits by default), which json.loads refuses for the
+    whole body: the body is then parsed again, with a stand-in for such literals, to name the field. The plain parse
+    runs first, so only that rare body pays a Python callback per integer; each walk runs only for a body that can
+    hold what it looks for."""
+    long_int = False
+    try:
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # the digit limit
+            long_int = True
+            body = json.loads(text, parse_int=_parse_int)
+        if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
+            parts = _first_path(body, _holds_surrogate, _SURROGATE_RE.search)
+            if parts is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning), the template
+                path = _json_path(parts)
+                raise BadRequest(f"'{path or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)", path or None)
+        parts = _first_path(body, _is_long_int) if long_int else None
+    except ValueError as e:  # JSONDecodeError, here or after a long literal
+        raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply", None) from None
+    if parts:  # (None when a later duplicate key replaced it; [] when the body is one: Fields says it must be an object)
+        path = _json_path(parts)
+        raise BadRequest(f"'{path}' is an integer of more than {sys.get_int_max_str_digits()} digits", path)
+    return body
+
+
 class _LongInt:
-    """What the body's JSON parser returns for an integer literal longer than Python's int-conversion limit
-    (sys.get_int_max_str_digits(), 4300 digits by default), which int() and so json.loads refuse: the request is
-    then refused naming that field instead of as malformed JSON."""
+    """_decode_body's stand-in for an integer literal over Python's int-conversion limit."""
 
     __slots__ = ()
 
@@ -1101,50 +1104,35 @@ def _parse_int(literal: str) -> Any:
     return int(literal)
 
 
-# The walks below collect a found value's path on the way back out (keys / indices, innermost first), so a body of
-# many elements under long keys costs one visit per element, not one path string per element.
+def _is_long_int(v: Any) -> bool:
+    return v is _LONG_INT
 
-def _long_int(v: Any) -> list[str | int] | None:
-    """The path of the first _LONG_INT in v (innermost part first; [] for v itself), else None."""
-    if v is _LONG_INT:
+
+def _holds_surrogate(v: Any) -> bool:
+    return isinstance(v, str) and _SURROGATE_RE.search(v) is not None
+
+
+def _first_path(v: Any, leaf: Callable[[Any], bool],
+                key: Callable[[str], Any] | None = None) -> list[str | int] | None:
+    """The path (keys / indices, innermost first; [] for v itself) of the first value in v for which leaf(value) is
+    true, or of the object holding the first key for which key(k) is; None if there is none. The path is collected
+    on the way back out, so a body of many elements under long keys costs one visit per element."""
+    if leaf(v):
         return []
     if isinstance(v, dict):
-        items: Iterable = v.items()
-    elif isinstance(v, list):
-        items = enumerate(v)
-    else:
-        return None
-    for k, x in items:
-        if x is _LONG_INT:
-            return [k]
-        if isinstance(x, (dict, list)):
-            found = _long_int(x)
-            if found is not None:
-                found.append(k)
-                return found
-    return None
-
-
-def _lone_surrogate(v: Any) -> list[str | int] | None:
-    """The path of the first string in v holding a lone surrogate (innermost part first), else None. A key holding
-    one is reported at the path of its object (the key itself cannot be echoed back)."""
-    if isinstance(v, str):
-        return [] if _SURROGATE_RE.search(v) else None
-    if isinstance(v, dict):
         for k, x in v.items():
-            if _SURROGATE_RE.search(k):
+            if key is not None and key(k):
                 return []
-            found = _lone_surrogate(x)
+            found = _first_path(x, leaf, key)
             if found is not None:
                 found.append(k)
                 return found
     elif isinstance(v, list):
         for i, x in enumerate(v):
-            if isinstance(x, (str, dict, list)):
-                found = _lone_surrogate(x)
-                if found is not None:
-                    found.append(i)
-                    return found
+            found = _first_path(x, leaf, key)
+            if found is not None:
+                found.append(i)
+                return found
     return None
 
 

@@ -7,9 +7,12 @@
 //
 // Work split: CTA (blockIdx.x = group of NT 16-row tiles of N, blockIdx.y = align block b) has KW warps; warp w
 // takes k64 chunks [w*C/KW, (w+1)*C/KW) of the C = K/64 chunks, for all NT tiles, through a ring of S shared-memory
-// slots filled by cp.async (per chunk: one coalesced 512-byte read per tile, 64 bytes of scales per tile, the
-// lanes' activation fragments), S - 1 chunks in flight. Partials are summed across warps in shared memory (the
-// rings' space, after the loop) and written as bf16.
+// slots filled by cp.async (per chunk: NT x 512 contiguous bytes of weights, NT x 64 of scales, the lanes'
+// activation fragments), S - 1 chunks in flight. The weights are chunk-major (all tiles of a chunk together), so a
+// warp's loads of a chunk are constant offsets from one pointer that steps once per chunk, and the chunk loop is
+// unrolled by S so the slot addresses are constants too: the instructions per weight are the dequantisation and
+// the MMAs, little else (the decode step runs at the H200's power cap, where issued instructions cost clock).
+// Partials are summed across warps in shared memory (the rings' space, after the loop) and written as bf16.
 //
 // C entry point: kimi_w4a16_indexed_gemm (host launcher; returns a cudaError_t).
 
@@ -18,6 +21,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 namespace {
 
@@ -42,23 +46,19 @@ __device__ __forceinline__ uint32_t nibbles_to_bf16x2(uint32_t w) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t bf162_as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __nv_bfloat162 u32_as_bf162(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
-
-// ((128 + n) - 136) * s, each rounded to bf16: (n - 8) exactly, then one rounding of the product (= dequant_int4).
-__device__ __forceinline__ uint32_t dequant_pair(uint32_t w_shifted, __nv_bfloat162 s) {
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
-  __nv_bfloat162 v = __hsub2(u32_as_bf162(nibbles_to_bf16x2(w_shifted)), bias);
-  return bf162_as_u32(__hmul2(v, s));
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// D = A B + C: mma.sync m16n8k16, bf16 inputs, fp32 accumulation (C and D may be the same registers).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                               const float (&c)[4]) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      "{%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
+
+// bf16 halves of a 32-bit word as floats (exact)
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -73,6 +73,10 @@ __device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
+__device__ __forceinline__ void cp_async8_l1(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
@@ -81,7 +85,8 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // One warp's ring slot: NT tiles x 32 lanes x 16 bytes of weights, NT x 8 x 8 bytes of scales, the lanes' B
-// fragments (2 halves x 2 x 16 bytes x 32 lanes: a lane's 16 inputs of its row, k permuted as in repack).
+// fragments (x[h][p][lane]: half h, steps 2p and 2p + 1: the lane's inputs 16 j + 4 t .. + 3 of step j, 8 bytes
+// each, of its row; 16-byte reads at a 16-byte lane stride, free of bank conflicts).
 template <int NT>
 struct alignas(16) Slot {
   uint4 w[NT][32];
@@ -90,7 +95,7 @@ struct alignas(16) Slot {
 };
 
 template <int NT, int KW, int S>
-__global__ void __launch_bounds__(32 * KW) w4a16_indexed_kernel(
+__global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint2* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
@@ -112,33 +117,41 @@ __global__ void __launch_bounds__(32 * KW) w4a16_indexed_kernel(
   const int e = block_expert[b];
   const int id0 = sorted_ids[b * kBlockRows + g];
   const int id1 = sorted_ids[b * kBlockRows + 8 + g];
-  const bool v0 = id0 < num_rows_out, v1 = id1 < num_rows_out;
-  const bool half1 = __any_sync(0xffffffffu, v1);  // rows 8..15 of the block hold pairs: second n8 MMA
-  // the lane's 16 inputs of row (token) g per chunk; pad rows are not loaded (zero B fragments)
-  const __nv_bfloat16* x0 = x + (int64_t)(v0 ? id0 / top_k : 0) * x_stride + 16 * t;
-  const __nv_bfloat16* x1 = x + (int64_t)(v1 ? id1 / top_k : 0) * x_stride + 16 * t;
+  const bool half1 = __any_sync(0xffffffffu, id1 < num_rows_out);  // rows 8..15 hold pairs: second n8 MMA
+  // The lane's 16 inputs of row (token) g per chunk. A pad row reads token 0 instead: its MMA column is never
+  // stored, so what it holds does not matter, and the loop needs no per-row branch.
+  const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
+  const int c_begin = warp * n_chunks;
+  const __nv_bfloat16* x0 =
+      x + (int64_t)(id0 < num_rows_out ? id0 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
+  const __nv_bfloat16* x1 =
+      x + (int64_t)(id1 < num_rows_out ? id1 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
 
+  // Chunk-major layout: chunk c of expert e holds all N/16 tiles, so this CTA's NT tiles of a chunk are
+  // NT x 512 contiguous bytes of weights (tile i at + i * 512) and NT x 64 of scales; each chunk is one
+  // pointer step further (n_tiles * 512 and n_tiles * 64 bytes).
   const int tile0 = blockIdx.x * NT;
-  const int c_begin = (k_chunks * warp) / KW, c_end = (k_chunks * (warp + 1)) / KW;  // this warp's k64 chunks
-  const size_t base = ((size_t)e * n_tiles + tile0) * (size_t)k_chunks;
-  const uint4* wp = wq + base * 32 + lane;  // + (i * k_chunks + c) * 32
-  const uint4* sp = reinterpret_cast<const uint4*>(wsc + base * 8) + lane;  // lanes 0..3: 16 of a tile's 64 bytes
+  const size_t first = ((size_t)e * k_chunks + c_begin) * n_tiles + tile0;  // tile index of (c_begin, tile0)
+  const uint4* wp = wq + first * 32 + lane;
+  const uint4* sp = reinterpret_cast<const uint4*>(wsc) + first * 4 + lane;  // lanes < 4 NT: 16 of the NT x 64 bytes
+  const size_t w_step = (size_t)n_tiles * 32, s_step = (size_t)n_tiles * 4;  // uint4 per chunk
 
-  auto issue = [&](int c, Slot<NT>& sl) {
+  // h1: std::true_type when rows 8..15 hold pairs (the second n8 half is loaded and multiplied), else false_type
+  auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      cp_async16(&sl.w[i][lane], wp + ((size_t)i * k_chunks + c) * 32);
-      if (lane < 4) cp_async16(reinterpret_cast<uint4*>(&sl.s[i][0]) + lane, sp + ((size_t)i * k_chunks + c) * 4);
+    for (int i = 0; i < NT; ++i) cp_async16(&sl.w[i][lane], wp + i * 32);
+    if (lane < 4 * NT) cp_async16(reinterpret_cast<uint4*>(&sl.s[0][0]) + lane, sp);
+    // the lane's inputs 16 j + 4 t .. + 3 of k16 step j (8 bytes each; see Slot)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async8_l1(reinterpret_cast<uint2*>(&sl.x[0][j >> 1][lane]) + (j & 1), x0 + 16 * j);
+    if constexpr (decltype(h1)::value) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cp_async8_l1(reinterpret_cast<uint2*>(&sl.x[1][j >> 1][lane]) + (j & 1), x1 + 16 * j);
     }
-    const int k0 = c * 64;
-    if (v0) {
-      cp_async16_l1(&sl.x[0][0][lane], x0 + k0);
-      cp_async16_l1(&sl.x[0][1][lane], x0 + k0 + 8);
-    }
-    if (half1 && v1) {
-      cp_async16_l1(&sl.x[1][0][lane], x1 + k0);
-      cp_async16_l1(&sl.x[1][1][lane], x1 + k0 + 8);
-    }
+    wp += w_step;
+    sp += s_step;
+    x0 += 64;
+    x1 += 64;
   };
 
   float acc[NT][2][4];
@@ -149,56 +162,93 @@ __global__ void __launch_bounds__(32 * KW) w4a16_indexed_kernel(
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][h][r] = 0.0f;
 
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (c_begin + s < c_end) issue(c_begin + s, ring[s]);
-    cp_async_commit();
-  }
-  for (int c = c_begin; c < c_end; ++c) {
-    cp_async_wait<S - 2>();  // chunk c has landed (this lane's copies)
-    __syncwarp();            // ... and every lane's; every lane is done with slot (c - 1) % S
-    const int cn = c + S - 1;
-    if (cn < c_end) issue(cn, ring[(cn - c_begin) % S]);
-    cp_async_commit();
-    const Slot<NT>& sl = ring[(c - c_begin) % S];
-    // B fragments: step j, register r = inputs 16 t + 4 j + 2 r (+1) = word 2 j + r of the lane's 32 bytes
+  // A fragments of the constant -136 (bf16, exact): an MMA with them adds -136 * (sum of the step's inputs) per
+  // token, which turns the products with the raw bf16 values 128 + nibble into products with nibble - 8
+  const uint32_t m136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
+  const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto compute = [&](const Slot<NT>& sl, auto h1) {
+    constexpr bool H1 = decltype(h1)::value;
+    // B fragments: step j, register q = inputs 16 j + 4 t + 2 q (+1) = word 2 j + q of the lane's 32 bytes
     uint32_t b0[8], b1[8];
-    if (v0) {
+    {
       const uint4 lo = sl.x[0][0][lane], hi = sl.x[0][1][lane];
       b0[0] = lo.x; b0[1] = lo.y; b0[2] = lo.z; b0[3] = lo.w; b0[4] = hi.x; b0[5] = hi.y; b0[6] = hi.z; b0[7] = hi.w;
-    } else {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) b0[r] = 0u;
     }
-    if (half1 && v1) {
+    if constexpr (H1) {
       const uint4 lo = sl.x[1][0][lane], hi = sl.x[1][1][lane];
       b1[0] = lo.x; b1[1] = lo.y; b1[2] = lo.z; b1[3] = lo.w; b1[4] = hi.x; b1[5] = hi.y; b1[6] = hi.z; b1[7] = hi.w;
-    } else {
+    }
+    // off[grp][h]: -136 * (sum of group grp's 32 inputs) of each token column, in the C fragment's layout; every
+    // tile's group sum starts from it (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1)
+    float off[2][2][4];
 #pragma unroll
-      for (int r = 0; r < 8; ++r) b1[r] = 0u;
+    for (int grp = 0; grp < 2; ++grp) {
+      mma_bf16_16816(off[grp][0], m136, b0[4 * grp], b0[4 * grp + 1], zero);
+      mma_bf16_16816(off[grp][0], m136, b0[4 * grp + 2], b0[4 * grp + 3], off[grp][0]);
+      if constexpr (H1) {
+        mma_bf16_16816(off[grp][1], m136, b1[4 * grp], b1[4 * grp + 1], zero);
+        mma_bf16_16816(off[grp][1], m136, b1[4 * grp + 2], b1[4 * grp + 3], off[grp][1]);
+      }
     }
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
       const uint4 wv = sl.w[i][lane];
-      const uint2 sc = sl.s[i][g];
+      const uint2 sc = sl.s[i][g];  // bf16 (group 2c row g, row g + 8, group 2c+1 row g, row g + 8)
+      const float sg[2] = {bf16_lo(sc.x), bf16_lo(sc.y)}, sg8[2] = {bf16_hi(sc.x), bf16_hi(sc.y)};
       const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-      // sc.x = (group 2c row g, group 2c row g+8), sc.y = (group 2c+1 row g, group 2c+1 row g+8); the lane's
-      // inputs 16 t .. 16 t + 15 lie in group 2c + t / 2
-      const __nv_bfloat162 pair = u32_as_bf162(t < 2 ? sc.x : sc.y);
-      const __nv_bfloat162 sg = __bfloat162bfloat162(pair.x), sg8 = __bfloat162bfloat162(pair.y);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t w = words[j];
-        uint32_t a[4];
-        a[0] = dequant_pair(w, sg);         // row g,     fragment columns 2t, 2t+1
-        a[1] = dequant_pair(w >> 4, sg8);   // row g + 8, columns 2t, 2t+1
-        a[2] = dequant_pair(w >> 8, sg);    // row g,     columns 2t+8, 2t+9
-        a[3] = dequant_pair(w >> 12, sg8);  // row g + 8, columns 2t+8, 2t+9
-        mma_bf16_16816(acc[i][0], a, b0[2 * j], b0[2 * j + 1]);
-        if (half1) mma_bf16_16816(acc[i][1], a, b1[2 * j], b1[2 * j + 1]);
+      for (int grp = 0; grp < 2; ++grp) {
+        float part[2][4];  // sum over the group of (nibble - 8) * input, exact in fp32 up to the MMA's rounding
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const uint32_t w = words[2 * grp + jj];
+          uint32_t a[4];
+          a[0] = nibbles_to_bf16x2(w);        // row g,     fragment columns 2t, 2t+1: 128 + nibble
+          a[1] = nibbles_to_bf16x2(w >> 4);   // row g + 8, columns 2t, 2t+1
+          a[2] = nibbles_to_bf16x2(w >> 8);   // row g,     columns 2t+8, 2t+9
+          a[3] = nibbles_to_bf16x2(w >> 12);  // row g + 8, columns 2t+8, 2t+9
+          const int j = 2 * grp + jj;
+          mma_bf16_16816(part[0], a, b0[2 * j], b0[2 * j + 1], jj == 0 ? off[grp][0] : part[0]);
+          if constexpr (H1) mma_bf16_16816(part[1], a, b1[2 * j], b1[2 * j + 1], jj == 0 ? off[grp][1] : part[1]);
+        }
+        // the group's scale, in fp32: C fragment registers 0, 1 are row g, 2, 3 row g + 8
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h == 1 && !H1) break;
+          acc[i][h][0] = fmaf(sg[grp], part[h][0], acc[i][h][0]);
+          acc[i][h][1] = fmaf(sg[grp], part[h][1], acc[i][h][1]);
+          acc[i][h][2] = fmaf(sg8[grp], part[h][2], acc[i][h][2]);
+          acc[i][h][3] = fmaf(sg8[grp], part[h][3], acc[i][h][3]);
+        }
       }
     }
-  }
+  };
+
+  // S - 1 chunks in flight; the loop is unrolled by S so every slot index is a constant. Compiled twice, with and
+  // without the second half: predicated-off MMAs would still take issue slots.
+  auto main_loop = [&](auto h1) {
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (s < n_chunks) issue(ring[s], h1);
+      cp_async_commit();
+    }
+    for (int c0 = 0; c0 < n_chunks; c0 += S) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        if (c0 + s < n_chunks) {
+          cp_async_wait<S - 2>();  // chunk c0 + s has landed (this lane's copies)
+          __syncwarp();            // ... and every lane's; every lane is done with the slot read last
+          if (c0 + s + S - 1 < n_chunks) issue(ring[(s + S - 1) % S], h1);
+          cp_async_commit();
+          compute(ring[s], h1);
+        }
+      }
+    }
+  };
+  if (half1)
+    main_loop(std::true_type{});
+  else
+    main_loop(std::false_type{});
   cp_async_wait<0>();
   if (trigger_late) launch_dependents();
   __syncthreads();  // every warp is done with its ring: reuse it for the partial sums

@@ -51,6 +51,7 @@ import torch
 
 from bench_util import copy_bandwidth, require_gpu, run_header  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
+from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
 from kimi.ops.sampling import start_host_copy
 
 
@@ -195,6 +196,22 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
+def _moe_cuda_config(m, attr: str, cfg) -> None:
+    """moe_cuda_{gate_up,down}_c{NT}{KW}{S}: --moe-backend cuda's launch configuration of one GEMM (attribute attr of
+    every CudaInt4Experts: config13 / config2) set to cfg; cfg None restores the saved ones."""
+    from kimi.ops.moe_backend import CudaInt4Experts
+
+    impls = [layer.mlp.experts_impl for layer in m.layers
+             if isinstance(getattr(getattr(layer, "mlp", None), "experts_impl", None), CudaInt4Experts)]
+    if cfg is not None:
+        _saved[attr] = [getattr(x, attr) for x in impls]
+        for x in impls:
+            setattr(x, attr, cfg)
+    else:
+        for x, old in zip(impls, _saved[attr]):
+            setattr(x, attr, old)
+
+
 def _qb_cublas(on: bool) -> None:
     """qb_cublas: q_b ([12288, 1536]) at M buckets 32 / 64 through F.linear (cuBLAS) as before session 4's table entries."""
     from kimi.ops import linear_small_m as lsm
@@ -279,6 +296,11 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
+    **{f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (f"--moe-backend cuda: its {gemm} GEMM with launch configuration {c}",
+                                                lambda m, attr=attr, c=c: _moe_cuda_config(m, attr, c),
+                                                lambda m, attr=attr: _moe_cuda_config(m, attr, None))
+       for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
+       for c in MOE_CUDA_CONFIGS},
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

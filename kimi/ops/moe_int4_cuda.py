@@ -1,28 +1,35 @@
 """kimi's CUDA W4A16 indexed expert GEMM (csrc/moe_w4a16.cu): the routed experts' GEMMs at decode sizes.
 
 What: y[r] = W_e @ x[r // top_k] for every row r that a MoE align lists (r = a (token, slot) pair id; e the expert
-of the 16-row block holding r), with W_e the expert's INT4 group-32 weights, dequantised exactly as
-`kimi.ops.quant.dequant_int4` does (W = (nibble - 8) * scale, rounded once to bf16; exact for bf16 scales, as Kimi's
-checkpoints store them: other scale dtypes are rounded to bf16 first), products summed in fp32 on the
-tensor cores (mma.sync m16n8k16), the result rounded once to bf16. Rows not listed are not written.
+of the 16-row block holding r), with W_e the expert's INT4 group-32 weights, W = (nibble - 8) * scale (bf16 scales,
+as Kimi's checkpoints store them; other scale dtypes are rounded to bf16 first). Per group of 32 inputs the
+products (nibble - 8) * x are summed in fp32 on the tensor cores (mma.sync m16n8k16, exact products), the group's
+scale multiplies that sum in fp32, and the result is rounded once to bf16. So the weights are never rounded:
+`kimi.ops.quant.dequant_int4` rounds (nibble - 8) * scale to bf16, and the two differ by that rounding (relative
+2^-9 per weight). Rows not listed are not written.
 
 Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read
-of the packed weights; the kernel is written to keep HBM busy: each warp loads 16 bytes per lane per tile (one
-coalesced 512-byte read per warp), several tiles in flight, and dequantises in registers with two bf16x2
-operations per pair of weights.
+of the packed weights, and the decode step runs at the H200's 700 W power cap (bench/decode_2026-11-30_s14_*.json:
+SM clocks 1.4-1.9 GHz in the step), where each instruction issued per weight costs clock. Per weight the kernel
+issues little beyond the conversion: each warp loads 16 bytes per lane per tile (one coalesced 512-byte read per
+warp) into shared memory, several chunks in flight, and a LOP3 (plus a shift for three of every four) turns two
+nibbles into the bf16 pair (128 + nibble); the MMA multiplies those raw values, an MMA with the constant -136 adds
+-136 * (the group's input sum) once per chunk for all tiles, and one FFMA per accumulator applies the scale per
+group.
 
 Layout (`repack`, once at load; the design is this project's, from the PTX ISA's mma.m16n8k16 fragment tables):
-- inputs are permuted inside each k64 chunk (a dot product does not depend on the order of its terms): MMA k16 step
-  j, fragment column c = 2 t' + 8 q + e (PTX numbering, t' = the lane's t) reads input k0 + 16 t + 4 j + 2 q + e, so
-  a lane's B fragments for the whole chunk are the 16 consecutive inputs k0 + 16 t .. + 15 of its row: two 16-byte
-  loads instead of eight 4-byte ones;
-- weights [E, N/16, K/64, 32, 4] int32: for a 16 x 64 tile (16 output rows n, 64 inputs k) lane L (g = L // 4,
-  t = L % 4) holds 4 words, word j for k16 step j. A word's 8 nibbles are the 8 A-fragment values that lane needs:
-  nibble p (bits 4p..4p+3) = stored nibble of W[n0 + g + 8 (p & 1), k0 + 16 t + 4 j + 2 ((p >> 1) & 1) + (p >> 2)].
-  So (word >> 4i) & 0x000F000F holds fragment register i's two values at the low nibble of each 16-bit half, and
-  OR-ing 0x43004300 makes them the bf16 numbers 128 + nibble (exact), from which 136 is subtracted. A lane's inputs
-  lie in one scale group (group 2c + t // 2).
-- scales [E, N/16, K/64, 8, 4] bf16: for lane group g, (group 2c row g, group 2c row g + 8, group 2c+1 row g,
+- inputs are permuted inside each k16 step (a dot product does not depend on the order of its terms): MMA k16
+  step j of a k64 chunk, fragment column c = 2 t' + 8 q + e (PTX numbering, t' = the lane's t) reads input
+  k0 + 16 j + 4 t + 2 q + e, so steps 0, 1 lie in scale group 2c and steps 2, 3 in group 2c + 1 (the scale can
+  multiply a step's MMA result), and a lane's B fragment of step j is 4 consecutive inputs (one 8-byte load);
+- weights [E, K/64, N/16, 32, 4] int32 (chunk-major: the N/16 tiles of k64 chunk c are contiguous, so a CTA's
+  tiles of a chunk are one contiguous read and its next chunk one pointer step away): for a 16 x 64 tile (16 output
+  rows n, 64 inputs k) lane L (g = L // 4, t = L % 4) holds 4 words, word j for k16 step j. A word's 8 nibbles are
+  the 8 A-fragment values that lane needs: nibble p (bits 4p..4p+3) = stored nibble of
+  W[n0 + g + 8 (p & 1), k0 + 16 j + 4 t + 2 ((p >> 1) & 1) + (p >> 2)]. So (word >> 4i) & 0x000F000F holds
+  fragment register i's two values at the low nibble of each 16-bit half, and OR-ing 0x43004300 makes them the
+  bf16 numbers 128 + nibble (exact).
+- scales [E, K/64, N/16, 8, 4] bf16: for lane group g, (group 2c row g, group 2c row g + 8, group 2c+1 row g,
   group 2c+1 row g + 8) of k64 chunk c: one 8-byte load per lane per chunk.
 Requires N % 16 == 0 and K % 64 == 0 (Kimi's experts: 7168 and 2048).
 
@@ -88,7 +95,7 @@ def _pos_index(device) -> tuple[torch.Tensor, torch.Tensor]:
     j = torch.arange(4, device=device).view(4, 1, 1)
     g, t = lane // 4, lane % 4
     row = g + 8 * (p & 1)
-    k = 16 * t + 4 * j + 2 * ((p >> 1) & 1) + (p >> 2)
+    k = 16 * j + 4 * t + 2 * ((p >> 1) & 1) + (p >> 2)
     return row, k
 
 
@@ -96,7 +103,7 @@ def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     """compressed-tensors INT4 -> this kernel's layout (module docstring).
 
     packed: [E, N, K/8] int32 (nibble j of word w is input 8w + j; value = nibble - 8); scale: [E, N, K/32].
-    Returns (weights [E, N/16, K/64, 32, 4] int32, scales [E, N/16, K/64, 8, 4] bf16), on packed's device.
+    Returns (weights [E, K/64, N/16, 32, 4] int32, scales [E, K/64, N/16, 8, 4] bf16), on packed's device.
     Raises ValueError for other shapes or N % 16, K % 64 != 0.
     """
     if packed.dim() != 3 or packed.dtype != torch.int32:
@@ -108,25 +115,26 @@ def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     if tuple(scale.shape) != (E, N, K // 32):
         raise ValueError(f"repack: scale {tuple(scale.shape)} does not match [E, N, K/32] = {(E, N, K // 32)}")
     dev = packed.device
-    out_w = torch.empty((E, N // 16, K // 64, 32, 4), dtype=torch.int32, device=dev)
+    out_w = torch.empty((E, K // 64, N // 16, 32, 4), dtype=torch.int32, device=dev)
     row, k = _pos_index(dev)  # [1, 32, 8], [4, 32, 8]
     row = row.expand(4, 32, 8)
     for e in range(E):  # one expert at a time: the unpacked values of all experts would be 2x the packed bytes
         q = unpack_int4(packed[e]).reshape(N // 16, 16, K // 64, 64).permute(0, 2, 1, 3)  # [nt, kc, 16 rows, 64 k]
         sel = q[:, :, row, k]  # [nt, kc, 4 words, 32 lanes, 8 nibbles] values in [-8, 7]
         words = pack_nibbles(sel.reshape(-1, 8)).view(N // 16, K // 64, 4, 32)  # nibble p at bits 4p
-        out_w[e] = words.transpose(2, 3)  # [nt, kc, 32 lanes, 4 words]
+        out_w[e] = words.permute(1, 0, 3, 2)  # [kc, nt, 32 lanes, 4 words]
     s = scale.to(torch.bfloat16).reshape(E, N // 16, 2, 8, K // 64, 2)  # [E, nt, half, g, kc, grp]
-    out_s = s.permute(0, 1, 4, 3, 5, 2).reshape(E, N // 16, K // 64, 8, 4).contiguous()  # (grp, half) order
+    out_s = s.permute(0, 4, 1, 3, 5, 2).reshape(E, K // 64, N // 16, 8, 4).contiguous()  # (grp, half) order
     return out_w.contiguous(), out_s
 
 
 def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The dequantised [E, N, K] float32 matrix a (weights, scales) pair from `repack` encodes, read back through
     the fragment layout the kernel uses (the inverse of `repack`, for tests)."""
-    E, nt, kc = weights.shape[:3]
+    E, kc, nt = weights.shape[:3]
     N, K = nt * 16, kc * 64
     dev = weights.device
+    weights, scales = weights.transpose(1, 2), scales.transpose(1, 2)  # [E, nt, kc, ...]
     row, k = _pos_index(dev)
     row = row.expand(4, 32, 8)
     w = weights.transpose(3, 4)  # [E, nt, kc, 4 words, 32 lanes]
@@ -153,8 +161,8 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
                  config: tuple[int, int, int] | None = None, pdl: str | None = None) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
-    x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, N/16, K/64, 32, 4] int32,
-    [E, N/16, K/64, 8, 4] bf16); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
+    x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/64, N/16, 32, 4] int32,
+    [E, K/64, N/16, 8, 4] bf16); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
     (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
     num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
     they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`). pdl: "early",
@@ -162,7 +170,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
-    E, nt, kc = weights.shape[:3]
+    E, kc, nt = weights.shape[:3]
     N, K = nt * 16, kc * 64
     if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[-1] != K or x.stride(-1) != 1:
         raise ValueError(f"indexed_gemm: x {tuple(x.shape)} {x.dtype} (want [R, {K}] bf16, unit stride)")

@@ -2,8 +2,9 @@
 backend built on it.
 
 Reference: every listed row y[r] = x[r // top_k] @ W_e^T in float32, W_e = `dequant_int4` of the expert's packed
-weights rounded to bf16 (the kernel's dequantisation is exact to that). Fresh random inputs per case; outputs poisoned
-with NaN before the kernel runs; tolerance max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is ~4e-3).
+weights (rounded to bf16; the kernel applies the scales in fp32 to unrounded products, so the two differ by that
+rounding). Fresh random inputs per case; outputs poisoned with NaN before the kernel runs; tolerance
+max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is ~4e-3).
 Rows not listed must keep their poison (the kernel writes listed rows only).
 """
 

@@ -10,7 +10,7 @@ import torch
 
 from kimi.ops import moe_int4_cuda as mc
 from kimi.ops.cuda_ext import CSRC
-from kimi.ops.quant import dequant_int4, pack_int4
+from kimi.ops.quant import dequant_int4, pack_int4, unpack_int4
 
 
 @pytest.mark.parametrize("E,N,K", [(1, 16, 64), (3, 48, 192), (2, 64, 512)])
@@ -21,8 +21,8 @@ def test_repack_reads_back_as_dequant_int4(E, N, K):
     packed = torch.stack([p[0] for p in packs])
     scale = torch.stack([p[1] for p in packs])
     wq, ws = mc.repack(packed, scale)
-    assert wq.shape == (E, N // 16, K // 64, 32, 4) and wq.dtype == torch.int32
-    assert ws.shape == (E, N // 16, K // 64, 8, 4) and ws.dtype == torch.bfloat16
+    assert wq.shape == (E, K // 64, N // 16, 32, 4) and wq.dtype == torch.int32
+    assert ws.shape == (E, K // 64, N // 16, 8, 4) and ws.dtype == torch.bfloat16
     ref = torch.stack([dequant_int4(packed[e], scale[e], 32, torch.bfloat16).float() for e in range(E)])
     assert torch.equal(mc.unrepack(wq, ws), ref)
 
@@ -31,10 +31,12 @@ def test_fragment_layout_covers_each_weight_once():
     row, k = mc._pos_index("cpu")
     flat = (row.expand(4, 32, 8) * 64 + k).flatten()
     assert sorted(flat.tolist()) == list(range(16 * 64))
-    # a lane's 16 inputs are consecutive (two 16-byte loads) and lie in one scale group of 32
-    for lane in range(32):
-        ks = sorted(set(k[:, lane, :].flatten().tolist()))
-        assert ks == list(range(16 * (lane % 4), 16 * (lane % 4) + 16))
+    for j in range(4):
+        # k16 step j lies in scale group j // 2 (its MMA result can take the group's scale) ...
+        assert set((k[j] // 32).flatten().tolist()) == {j // 2}
+        # ... and a lane's inputs of it are 4 consecutive ones (one 8-byte load)
+        for lane in range(32):
+            assert sorted(set(k[j, lane].tolist())) == list(range(16 * j + 4 * (lane % 4), 16 * j + 4 * (lane % 4) + 4))
 
 
 @pytest.mark.parametrize("shape,err", [((1, 20, 8), "N % 16"), ((1, 16, 4), "K % 64")])
@@ -66,43 +68,48 @@ def test_kernel_compiles_for_sm90a(tmp_path):
 def _mma_emulation(wq, ws, x):
     """y = W @ x^T for one expert, computed the way the kernel does, from the PTX ISA's mma.m16n8k16 (.bf16) fragment
     tables and the kernel's register decoding only (not from repack's index tables): A register r of lane (g, t) is
-    (row g + 8 (r & 1), columns 2t + 8 (r >> 1) + {0, 1}); B register q is (rows 2t + 8q + {0, 1}, column g);
-    the kernel fills A register r from nibbles 4r and 16 + 4r of word j (x scale of group 2c + t // 2, row g or
-    g + 8) and B register q of step j from the lane's input words 2j + q, i.e. inputs 16t + 4j + 2q + {0, 1}.
-    wq [nt, kc, 32, 4] int32, ws [nt, kc, 8, 4] bf16, x [M, K] float -> [nt * 16, M] float."""
-    nt, kc = wq.shape[:2]
+    (row g + 8 (r & 1), columns 2t + 8 (r >> 1) + {0, 1}); B register q is (rows 2t + 8q + {0, 1}, column g). The
+    kernel fills A register r from nibbles 4r and 16 + 4r of word j as the bf16 values 128 + nibble, and B register q
+    of step j from inputs 16j + 4t + 2q + {0, 1}; an MMA of the constant -136 over the same inputs starts each scale
+    group's sum (steps 2 grp, 2 grp + 1 are group 2c + grp), and the group's scale of the row (row g: ws[.., g, 2 grp],
+    row g + 8: ws[.., g, 2 grp + 1]) multiplies the group's sum.
+    wq [kc, nt, 32, 4] int32, ws [kc, nt, 8, 4] bf16 (one expert of repack's chunk-major layout), x [M, K] float
+    -> [nt * 16, M] float64."""
+    kc, nt = wq.shape[:2]
     M = x.shape[0]
     y = torch.zeros(nt * 16, M, dtype=torch.float64)
     for tile in range(nt):
         for c in range(kc):
-            for j in range(4):
-                A = torch.zeros(16, 16, dtype=torch.float64)
-                Bm = torch.zeros(16, M, dtype=torch.float64)
-                for lane in range(32):
-                    g, t = lane // 4, lane % 4
-                    w = int(wq[tile, c, lane, j]) & 0xFFFFFFFF
-                    sc = ws[tile, c, g].float()  # (grp0 row g, grp0 row g+8, grp1 row g, grp1 row g+8)
-                    for r in range(4):
-                        row = g + 8 * (r & 1)
-                        s = float(sc[2 * (t // 2) + (r & 1)])
-                        for e in range(2):
-                            nib = (w >> (4 * r + 16 * e)) & 0xF
-                            val = torch.tensor((nib - 8) * s).to(torch.bfloat16).double()
-                            A[row, 2 * t + 8 * (r >> 1) + e] = val
-                    for q in range(2):
-                        for e in range(2):
-                            Bm[2 * t + 8 * q + e, :] = x[:, c * 64 + 16 * t + 4 * j + 2 * q + e].double()
-                y[tile * 16 : tile * 16 + 16] += A @ Bm
+            for grp in range(2):
+                part = torch.zeros(16, M, dtype=torch.float64)
+                for j in (2 * grp, 2 * grp + 1):
+                    A = torch.zeros(16, 16, dtype=torch.float64)
+                    Bm = torch.zeros(16, M, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        w = int(wq[c, tile, lane, j]) & 0xFFFFFFFF
+                        for r in range(4):
+                            for e in range(2):
+                                A[g + 8 * (r & 1), 2 * t + 8 * (r >> 1) + e] = 128 + ((w >> (4 * r + 16 * e)) & 0xF)
+                        for q in range(2):
+                            for e in range(2):
+                                Bm[2 * t + 8 * q + e, :] = x[:, c * 64 + 16 * j + 4 * t + 2 * q + e].double()
+                    part += A @ Bm - 136 * Bm.sum(0, keepdim=True)
+                sc = ws[c, tile].double()  # [8 g, 4]
+                scale = torch.cat([sc[:, 2 * grp], sc[:, 2 * grp + 1]])  # rows 0..7, 8..15
+                y[tile * 16 : tile * 16 + 16] += scale[:, None] * part
     return y
 
 
-def test_kernel_fragment_decoding_computes_the_dequantised_product():
+def test_kernel_fragment_decoding_computes_the_quantised_product():
     torch.manual_seed(5)
     N, K, M = 32, 128, 3
     packed, scale = pack_int4(torch.randn(N, K))
     wq, ws = mc.repack(packed.unsqueeze(0), scale.unsqueeze(0))
-    x = torch.randn(M, K)
-    ref = dequant_int4(packed, scale, 32, torch.bfloat16).double() @ x.double().T
+    x = torch.randn(M, K).to(torch.bfloat16).float()
+    # the unrounded weights (nibble - 8) * scale, in float64: what the kernel sums (dequant_int4 rounds them to bf16)
+    w = (unpack_int4(packed).double()) * scale.double().repeat_interleave(32, dim=1)
+    ref = w @ x.double().T
     assert torch.allclose(_mma_emulation(wq[0], ws[0], x), ref, rtol=0, atol=1e-9)
 
 

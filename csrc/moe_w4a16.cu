@@ -1,7 +1,9 @@
 // kimi: W4A16 indexed expert GEMM for decode-sized batches (Hopper, sm_90a).
 //
 // out[r, :] = W_e @ x[r / top_k, :] for every pair row r listed by a MoE align (16-row blocks, one expert each),
-// W_e dequantised as (nibble - 8) * scale (group 32) in bf16, products summed in fp32 by mma.sync m16n8k16.
+// W_e = (nibble - 8) * scale (group 32). mma.sync m16n8k16 multiplies the bf16 values 128 + nibble (exact) with the
+// inputs in fp32; an MMA of the constant -136 starts each group's sum, so it is that of (nibble - 8) * input; and
+// the group's scale multiplies the sum in fp32 (the weights are never rounded to bf16).
 // The weight layout is built by kimi/ops/moe_int4_cuda.py:repack (its docstring describes it); the fragment
 // positions follow the PTX ISA's tables for mma.m16n8k16 with .bf16 inputs (A row-major, B column-major).
 //
@@ -69,10 +71,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 
 // Activations are read by every CTA of their block: keep them in L1 (.ca).
-__device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
 __device__ __forceinline__ void cp_async8_l1(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }

@@ -13,7 +13,8 @@ experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept 
   GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
 - `CudaInt4Experts`: kimi's CUDA W4A16 indexed GEMM (csrc/moe_w4a16.cu via kimi.ops.moe_int4_cuda; weights
   repacked once at load into its fragment layout), in the same steps as humming's (align in 16-row blocks).
-  Measured against humming in docs/benchmarks.md; bf16 models only.
+  Faster than humming at decode sizes, about 2x slower at prefill sizes (it streams an expert's weights once per
+  16-row block): docs/benchmarks.md, session 14. bf16 models only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
   expert counts on the host). Used for `--moe-backend ref`, and for FP8 experts under the backends without an FP8

@@ -27,6 +27,8 @@ non-expert weights (all but the embedding, of which B rows), distinct local expe
 KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 1152 bytes).
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
+gpu_clock (every graph timing and graph_pipelined): nvidia-smi's SM clock / power samples during it (bench_util
+.GpuSampler; the H200 runs this step at its 700 W power cap, and the clock there differs by machine).
 graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
 (ModelRunner.launch): step i + 1's host work, replay, logits and argmax are queued before the host waits for step
 i's ids (copied to pinned memory), step i + 1's input ids taken from step i's argmax on the device; ms per step over
@@ -49,7 +51,7 @@ import time
 
 import torch
 
-from bench_util import copy_bandwidth, require_gpu, run_header  # tools/, this script's folder
+from bench_util import GpuSampler, copy_bandwidth, require_gpu, run_header  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
 from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
 from kimi.ops.sampling import start_host_copy
@@ -637,6 +639,8 @@ def main() -> None:
                             "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()}}
     res["mem_allocated_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     print(f"model built in {res['load_s']:.1f} s ({impl}); mem {res['mem_allocated_after_load_GiB']:.1f} GiB", flush=True)
+    # the SM clock / power of every graph timing (each variant's "gpu_clock"): the H200 runs the step at its power cap
+    sampler = GpuSampler(dev).start()
 
     n_local = cfg.n_routed_experts // args.ep_size
     expert_bytes = 0
@@ -731,15 +735,18 @@ def main() -> None:
             variants.append(("graph", None, runner, nop, nop))
             hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
             runs: dict[str, list] = {v[0]: [] for v in variants}
+            spans: dict[str, list] = {v[0]: [] for v in variants}  # time.time() spans of each variant's timings
             for _ in range(args.rounds):
                 for k, _, r, apply, undo in variants:
                     model.graphs = r
                     apply(model)
                     steps.restart()
+                    t_0 = time.time()
                     runs[k].append(time_ms(step, args.iters, _WARMUP))
+                    spans[k].append((t_0, time.time()))
                     undo(model)
             for k, what, *_ in variants:
-                case[k] = pooled(runs[k]) | ({"what": what} if what else {})
+                case[k] = pooled(runs[k]) | ({"what": what} if what else {}) | {"gpu_clock": sampler.windows(spans[k])}
                 if k != "graph":
                     print(f"B={B}: {k} {case[k]['median_ms']:.2f} ms (rounds {case[k]['round_medians_ms']})", flush=True)
             model.graphs = runner
@@ -789,7 +796,9 @@ def main() -> None:
                 nxt = model.compute_logits(h).argmax(-1)
                 return nxt, start_host_copy(nxt)[1]  # the sampler's one copy to pinned memory, and its event
 
+            t_0 = time.time()
             case["graph_pipelined"] = time_pipelined(launch, args.iters, _WARMUP, restart=steps.restart)
+            case["graph_pipelined"]["gpu_clock"] = sampler.windows([(t_0, time.time())])
             case["graph_pipelined_over_floor"] = case["graph_pipelined"]["median_ms"] / floor
             print(f"B={B}: graph pipelined {case['graph_pipelined']['median_ms']:.2f} ms per step "
                   f"({case['graph_pipelined_over_floor']:.3f}x floor; rounds {case['graph_pipelined']['round_ms']})",
@@ -800,8 +809,11 @@ def main() -> None:
             if args.graph_timeline:
                 case["graph_timeline"] = graph_timeline(lambda: runner.replay(B))
                 print(f"B={B}: graph timeline {json.dumps(case['graph_timeline'])}", flush=True)
+            clock = case["graph"]["gpu_clock"]
             print(f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
-                  f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}",
+                  f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}"
+                  + (f"; SM clock median {clock['sm_clock_MHz']['median']:.0f} MHz, power-capped "
+                     f"{100 * clock['power_capped_fraction']:.0f}% of {clock['samples']} samples" if clock else ""),
                   flush=True)
             model.graphs = None
             del runner
@@ -818,6 +830,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
+    sampler.stop()
     if not args.no_profile:
         with torch.inference_mode():
             for case, install, step in profiles:

@@ -6,11 +6,11 @@ as Kimi's checkpoints store them; other scale dtypes are rounded to bf16 first).
 products (nibble - 8) * x are summed in fp32 on the tensor cores (mma.sync m16n8k16, exact products), the group's
 scale multiplies that sum in fp32, and the result is rounded once to bf16. So the weights are never rounded:
 `kimi.ops.quant.dequant_int4` rounds (nibble - 8) * scale to bf16, and the two differ by that rounding (relative
-2^-9 per weight). Rows not listed are not written.
+at most 2^-9 per weight). Rows not listed are not written.
 
 Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read
-of the packed weights, and the decode step runs at the H200's 700 W power cap (bench/decode_2026-11-30_s14_*.json:
-SM clocks 1.4-1.9 GHz in the step), where each instruction issued per weight costs clock. Per weight the kernel
+of the packed weights, and the decode step runs at the H200's 700 W power cap (bench/power_2026-11-30_s14.json:
+SM clocks 1.3-2.0 GHz in the step), where each instruction issued per weight costs clock. Per weight the kernel
 issues little beyond the conversion: each warp loads 16 bytes per lane per tile (one coalesced 512-byte read per
 warp) into shared memory, several chunks in flight, and a LOP3 (plus a shift for three of every four) turns two
 nibbles into the bf16 pair (128 + nibble); the MMA multiplies those raw values, an MMA with the constant -136 adds

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const int id0 = sorted_ids[b * kBlockRows + g];
   const int id1 = sorted_ids[b * kBlockRows + 8 + g];
   const bool half1 = __any_sync(0xffffffffu, id1 < num_rows_out);  // rows 8..15 hold pairs: second n8 MMA
-  // The lane's 16 inputs of row (token) g per chunk. A pad row reads token 0 instead: its MMA column is never
-  // stored, so what it holds does not matter, and the loop needs no per-row branch.
+  // The lane's inputs of row (token) g: 16 j + 4 t .. + 3 of each k16 step j of a chunk. A pad row reads token 0
+  // instead: its MMA column is never stored, so what it holds does not matter, and the loop needs no per-row branch.
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
   const int c_begin = warp * n_chunks;
   const __nv_bfloat16* x0 =

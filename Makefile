@@ -11,6 +11,11 @@ PORT       ?= 8000
 ARGS       ?=
 # A CPU build of torch on machines without a GPU; on a GPU host install your CUDA torch first (it is kept).
 TORCH_SPEC ?= torch==2.13.0
+# pyproject extras installed: dev (tests, the openai client); EXTRAS=dev,gpu adds the GPU kernels (FlashInfer,
+# humming-kernels, DeepEP) on a GPU host with a package index
+EXTRAS     ?= dev
+comma      := ,
+STAMP      := $(BIN)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
 
 # Triton's CPU interpreter runs the kernel tests (tests/unit/triton_interp.py) from a side venv: it needs a numpy
@@ -20,16 +25,16 @@ TRITON_SPEC ?= triton==3.6.0
 
 .PHONY: install serve test test-gpu tiny wheelhouse clean triton-venv
 
-$(BIN)/.installed: pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-install: $(BIN)/.installed
+install: $(STAMP)
 
-$(TINY)/config.json: $(BIN)/.installed tools/make_tiny_checkpoint.py
+$(TINY)/config.json: $(STAMP) tools/make_tiny_checkpoint.py
 	$(BIN)/python tools/make_tiny_checkpoint.py $(TINY)
 
 tiny: $(TINY)/config.json

@@ -552,7 +552,7 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="kimi-k2.6")
     ap.add_argument("--quant", default=None, choices=["fp8"],
                     help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming) "
@@ -563,7 +563,8 @@ def main() -> None:
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--ep-size", type=int, default=8)
-    ap.add_argument("--moe-backend", default="humming")
+    ap.add_argument("--moe-backend", default="humming", choices=["humming", "cuda", "triton", "ref"],
+                    help="routed-expert backend, as kimi serve's flag (default humming)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")

@@ -166,7 +166,10 @@ class GpuSampler:
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait(timeout=10)
+            try:
+                self._proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - it did not stop: kill it (nothing raises from the sampler)
+                self._proc.kill()
             self._reader.join(timeout=10)
             self._proc = None
 

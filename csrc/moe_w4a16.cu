@@ -120,10 +120,9 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   // instead: its MMA column is never stored, so what it holds does not matter, and the loop needs no per-row branch.
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
   const int c_begin = warp * n_chunks;
-  const __nv_bfloat16* x0 =
-      x + (int64_t)(id0 < num_rows_out ? id0 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
-  const __nv_bfloat16* x1 =
-      x + (int64_t)(id1 < num_rows_out ? id1 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
+  const __nv_bfloat16* xr[2];  // per half
+  xr[0] = x + (int64_t)(id0 < num_rows_out ? id0 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
+  xr[1] = x + (int64_t)(id1 < num_rows_out ? id1 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
 
   // Chunk-major layout: chunk c of expert e holds all N/16 tiles, so this CTA's NT tiles of a chunk are
   // NT x 512 contiguous bytes of weights (tile i at + i * 512) and NT x 64 of scales; each chunk is one
@@ -139,17 +138,16 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
 #pragma unroll
     for (int i = 0; i < NT; ++i) cp_async16(&sl.w[i][lane], wp + i * 32);
     if (lane < 4 * NT) cp_async16(reinterpret_cast<uint4*>(&sl.s[0][0]) + lane, sp);
-    // the lane's inputs 16 j + 4 t .. + 3 of k16 step j (8 bytes each; see Slot)
+    // the lane's inputs 16 j + 4 t .. + 3 of k16 step j (8 bytes each; see Slot), of each half in use
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async8_l1(reinterpret_cast<uint2*>(&sl.x[0][j >> 1][lane]) + (j & 1), x0 + 16 * j);
-    if constexpr (decltype(h1)::value) {
+    for (int h = 0; h < (decltype(h1)::value ? 2 : 1); ++h)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async8_l1(reinterpret_cast<uint2*>(&sl.x[1][j >> 1][lane]) + (j & 1), x1 + 16 * j);
-    }
+      for (int j = 0; j < 4; ++j)
+        cp_async8_l1(reinterpret_cast<uint2*>(&sl.x[h][j >> 1][lane]) + (j & 1), xr[h] + 16 * j);
     wp += w_step;
     sp += s_step;
-    x0 += 64;
-    x1 += 64;
+    xr[0] += 64;
+    xr[1] += 64;
   };
 
   float acc[NT][2][4];
@@ -165,29 +163,25 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const uint32_t m136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
   const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto compute = [&](const Slot<NT>& sl, auto h1) {
-    constexpr bool H1 = decltype(h1)::value;
-    // B fragments: step j, register q = inputs 16 j + 4 t + 2 q (+1) = word 2 j + q of the lane's 32 bytes
-    uint32_t b0[8], b1[8];
-    {
-      const uint4 lo = sl.x[0][0][lane], hi = sl.x[0][1][lane];
-      b0[0] = lo.x; b0[1] = lo.y; b0[2] = lo.z; b0[3] = lo.w; b0[4] = hi.x; b0[5] = hi.y; b0[6] = hi.z; b0[7] = hi.w;
-    }
-    if constexpr (H1) {
-      const uint4 lo = sl.x[1][0][lane], hi = sl.x[1][1][lane];
-      b1[0] = lo.x; b1[1] = lo.y; b1[2] = lo.z; b1[3] = lo.w; b1[4] = hi.x; b1[5] = hi.y; b1[6] = hi.z; b1[7] = hi.w;
+    constexpr int NH = decltype(h1)::value ? 2 : 1;  // n8 halves in use
+    // B fragments of half h: step j, register q = inputs 16 j + 4 t + 2 q (+1) = word 2 j + q of the lane's 32 bytes
+    uint32_t b[2][8];
+#pragma unroll
+    for (int h = 0; h < NH; ++h) {
+      const uint4 lo = sl.x[h][0][lane], hi = sl.x[h][1][lane];
+      b[h][0] = lo.x; b[h][1] = lo.y; b[h][2] = lo.z; b[h][3] = lo.w;
+      b[h][4] = hi.x; b[h][5] = hi.y; b[h][6] = hi.z; b[h][7] = hi.w;
     }
     // off[grp][h]: -136 * (sum of group grp's 32 inputs) of each token column, in the C fragment's layout; every
     // tile's group sum starts from it (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1)
     float off[2][2][4];
 #pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-      mma_bf16_16816(off[grp][0], m136, b0[4 * grp], b0[4 * grp + 1], zero);
-      mma_bf16_16816(off[grp][0], m136, b0[4 * grp + 2], b0[4 * grp + 3], off[grp][0]);
-      if constexpr (H1) {
-        mma_bf16_16816(off[grp][1], m136, b1[4 * grp], b1[4 * grp + 1], zero);
-        mma_bf16_16816(off[grp][1], m136, b1[4 * grp + 2], b1[4 * grp + 3], off[grp][1]);
+    for (int grp = 0; grp < 2; ++grp)
+#pragma unroll
+      for (int h = 0; h < NH; ++h) {
+        mma_bf16_16816(off[grp][h], m136, b[h][4 * grp], b[h][4 * grp + 1], zero);
+        mma_bf16_16816(off[grp][h], m136, b[h][4 * grp + 2], b[h][4 * grp + 3], off[grp][h]);
       }
-    }
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
       const uint4 wv = sl.w[i][lane];
@@ -206,13 +200,13 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
           a[2] = nibbles_to_bf16x2(w >> 8);   // row g,     columns 2t+8, 2t+9
           a[3] = nibbles_to_bf16x2(w >> 12);  // row g + 8, columns 2t+8, 2t+9
           const int j = 2 * grp + jj;
-          mma_bf16_16816(part[0], a, b0[2 * j], b0[2 * j + 1], jj == 0 ? off[grp][0] : part[0]);
-          if constexpr (H1) mma_bf16_16816(part[1], a, b1[2 * j], b1[2 * j + 1], jj == 0 ? off[grp][1] : part[1]);
+#pragma unroll
+          for (int h = 0; h < NH; ++h)
+            mma_bf16_16816(part[h], a, b[h][2 * j], b[h][2 * j + 1], jj == 0 ? off[grp][h] : part[h]);
         }
         // the group's scale, in fp32: C fragment registers 0, 1 are row g, 2, 3 row g + 8
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (h == 1 && !H1) break;
+        for (int h = 0; h < NH; ++h) {
           acc[i][h][0] = fmaf(sg[grp], part[h][0], acc[i][h][0]);
           acc[i][h][1] = fmaf(sg[grp], part[h][1], acc[i][h][1]);
           acc[i][h][2] = fmaf(sg8[grp], part[h][2], acc[i][h][2]);

@@ -53,6 +53,7 @@ import torch
 
 from bench_util import GpuSampler, copy_bandwidth, require_gpu, run_header  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
+from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
 from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
 from kimi.ops.sampling import start_host_copy
 
@@ -563,7 +564,7 @@ def main() -> None:
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--ep-size", type=int, default=8)
-    ap.add_argument("--moe-backend", default="humming", choices=["humming", "cuda", "triton", "ref"],
+    ap.add_argument("--moe-backend", default="humming", choices=MOE_BACKENDS,
                     help="routed-expert backend, as kimi serve's flag (default humming)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)

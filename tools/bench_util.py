@@ -95,13 +95,11 @@ def parse_smi_sample(line: str) -> dict | None:
     """One line of GpuSampler's nvidia-smi query ("timestamp, clocks.sm, power.draw, power.limit, throttle reasons",
     csv, noheader, nounits) -> {"t": seconds since the epoch (local time, as time.time()), "sm_MHz", "power_W",
     "limit_W", "reasons": int}; None for a line that is not a sample ([N/A] fields, a header, an error)."""
-    import datetime as _dt
-
     parts = [p.strip() for p in line.split(",")]
     if len(parts) != 5:
         return None
     try:
-        t = _dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
         return {"t": t, "sm_MHz": float(parts[1]), "power_W": float(parts[2]), "limit_W": float(parts[3]),
                 "reasons": int(parts[4], 16)}
     except ValueError:

@@ -4,17 +4,19 @@
 // W_e = (nibble - 8) * scale (group 32). mma.sync m16n8k16 multiplies the bf16 values 128 + nibble (exact) with the
 // inputs in fp32; an MMA of the constant -136 starts each group's sum, so it is that of (nibble - 8) * input; and
 // the group's scale multiplies the sum in fp32 (the weights are never rounded to bf16).
-// The weight layout is built by kimi/ops/moe_int4_cuda.py:repack (its docstring describes it); the fragment
-// positions follow the PTX ISA's tables for mma.m16n8k16 with .bf16 inputs (A row-major, B column-major).
+// The weight layout is built by kimi/ops/moe_int4_cuda.py:repack (its docstring describes it): the layout of
+// humming-kernels' W4A16 GEMM for 16-bit inputs, so one copy of the experts in device memory serves both (humming at
+// prefill sizes, this kernel at decode sizes); its fragment positions follow the PTX ISA's tables for mma.m16n8k16
+// with .bf16 inputs (A row-major, B column-major), the weights being the A operand (16 rows of N) and the tokens B.
 //
-// Work split: CTA (blockIdx.x = group of NT 16-row tiles of N, blockIdx.y = align block b) has KW warps; warp w
-// takes k64 chunks [w*C/KW, (w+1)*C/KW) of the C = K/64 chunks, for all NT tiles, through a ring of S shared-memory
-// slots filled by cp.async (per chunk: NT x 512 contiguous bytes of weights, NT x 64 of scales, the lanes'
-// activation fragments), S - 1 chunks in flight. The weights are chunk-major (all tiles of a chunk together), so a
-// warp's loads of a chunk are constant offsets from one pointer that steps once per chunk, and the chunk loop is
-// unrolled by S so the slot addresses are constants too: the instructions per weight are the dequantisation and
-// the MMAs, little else (the decode step runs at the H200's power cap, where issued instructions cost clock).
-// Partials are summed across warps in shared memory (the rings' space, after the loop) and written as bf16.
+// Work split: CTA (blockIdx.x = group of NT 16-row tiles of N, NT / 4 n64 blocks; blockIdx.y = align block b) has
+// KW warps; warp w takes k64 chunks [w*C/KW, (w+1)*C/KW) of the C = K/64 chunks, for all NT tiles, through a ring of
+// S shared-memory slots filled by cp.async (per chunk: per n64 block 4 x 512 contiguous bytes of weights and 2 x 128
+// of scales; the block's 16 input rows, 128 bytes each), S - 1 chunks in flight. A warp's loads of a chunk are
+// offsets from pointers that step once per chunk, and the chunk loop is unrolled by S so the slot addresses are
+// constants: the instructions per weight are the dequantisation and the MMAs, little else (the decode step runs at
+// the H200's power cap, where issued instructions cost clock). The inputs' B fragments come from shared memory by
+// ldmatrix. Partials are summed across warps in shared memory (the rings' space, after the loop) and written as bf16.
 //
 // C entry point: kimi_w4a16_indexed_gemm (host launcher; returns a cudaError_t).
 
@@ -70,9 +72,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
-// Activations are read by every CTA of their block: keep them in L1 (.ca).
-__device__ __forceinline__ void cp_async8_l1(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+// Activations are read by every CTA of their block (N / (16 NT) of them): keep them in L1 (.ca).
+__device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -82,22 +84,32 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// One warp's ring slot: NT tiles x 32 lanes x 16 bytes of weights, NT x 8 x 8 bytes of scales, the lanes' B
-// fragments (x[h][p][lane]: half h, steps 2p and 2p + 1: the lane's inputs 16 j + 4 t .. + 3 of step j, 8 bytes
-// each, of its row; 16-byte reads at a 16-byte lane stride, free of bank conflicts).
+// ldmatrix.x4: four 8 x 8 bf16 matrices; lane L supplies the shared address of row L % 8 of matrix L / 8 and gets
+// (row L / 4, columns 2 (L % 4), +1) of each matrix: for rows = tokens and columns = inputs, the mma B fragment.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// One warp's ring slot for a k64 chunk: the weights of its NT / 4 n64 blocks (4 k16 steps x 32 lanes x 16 bytes
+// each), their scales (2 groups x 8 lane groups x 16 bytes: rows g + 8 i, i = 0..7), and the 16 token rows' 64
+// inputs (16-byte piece q of row r stored at q ^ (r & 7): ldmatrix reads 8 rows' pieces from 8 distinct bank groups).
 template <int NT>
 struct alignas(16) Slot {
-  uint4 w[NT][32];
-  uint2 s[NT][8];
-  uint4 x[2][2][32];
+  uint4 w[NT / 4][4][32];
+  uint4 s[NT / 4][2][8];
+  uint4 x[16][8];
 };
 
 template <int NT, int KW, int S>
 __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
-    const uint2* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
+    const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n_tiles, int k_chunks, int trigger_late) {
+    int top_k, int n, int k_chunks, int trigger_late) {
+  static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
+  constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int b = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -113,39 +125,58 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     return;
   }
   const int e = block_expert[b];
-  const int id0 = sorted_ids[b * kBlockRows + g];
-  const int id1 = sorted_ids[b * kBlockRows + 8 + g];
-  const bool half1 = __any_sync(0xffffffffu, id1 < num_rows_out);  // rows 8..15 hold pairs: second n8 MMA
-  // The lane's inputs of row (token) g: 16 j + 4 t .. + 3 of each k16 step j of a chunk. A pad row reads token 0
-  // instead: its MMA column is never stored, so what it holds does not matter, and the loop needs no per-row branch.
+  const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
   const int c_begin = warp * n_chunks;
-  const __nv_bfloat16* xr[2];  // per half
-  xr[0] = x + (int64_t)(id0 < num_rows_out ? id0 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
-  xr[1] = x + (int64_t)(id1 < num_rows_out ? id1 / top_k : 0) * x_stride + 4 * t + (int64_t)c_begin * 64;
 
-  // Chunk-major layout: chunk c of expert e holds all N/16 tiles, so this CTA's NT tiles of a chunk are
-  // NT x 512 contiguous bytes of weights (tile i at + i * 512) and NT x 64 of scales; each chunk is one
-  // pointer step further (n_tiles * 512 and n_tiles * 64 bytes).
-  const int tile0 = blockIdx.x * NT;
-  const size_t first = ((size_t)e * k_chunks + c_begin) * n_tiles + tile0;  // tile index of (c_begin, tile0)
-  const uint4* wp = wq + first * 32 + lane;
-  const uint4* sp = reinterpret_cast<const uint4*>(wsc) + first * 4 + lane;  // lanes < 4 NT: 16 of the NT x 64 bytes
-  const size_t w_step = (size_t)n_tiles * 32, s_step = (size_t)n_tiles * 4;  // uint4 per chunk
+  // Input rows. With both halves in use lane L copies pieces 4 (L & 1) .. + 3 of block row L / 2; with one, pieces
+  // 2 (L & 3), + 1 of row L / 4. A pad row reads token 0 instead: its MMA column is never stored, so what it holds
+  // does not matter, and the loop needs no per-row branch.
+  const __nv_bfloat16* xr[2];
+  int xrow[2], xq[2];
+#pragma unroll
+  for (int h1 = 0; h1 < 2; ++h1) {
+    xrow[h1] = h1 ? lane >> 1 : lane >> 2;
+    xq[h1] = h1 ? 4 * (lane & 1) : 2 * (lane & 3);
+    const int id = sorted_ids[b * kBlockRows + xrow[h1]];
+    xr[h1] = x + (int64_t)(id < num_rows_out ? id / top_k : 0) * x_stride + 8 * xq[h1] + (int64_t)c_begin * 64;
+  }
+  // ldmatrix addresses (bytes in a slot's x) of this lane for half h, k16 steps 0, 1: row 8 h + L % 8, piece
+  // (L / 8) ^ (L % 8); steps 2, 3 are pieces 4 higher, i.e. the address ^ 64
+  const uint32_t x_off = (uint32_t)((lane & 7) * 128 + (((lane >> 3) ^ (lane & 7)) << 4));
+  const uint32_t x_off_hi = x_off ^ 64u;
+
+  // Layout (kimi/ops/moe_int4_cuda.py: repack): weights [E, K/16, N/64, 32 lanes, 4 words] (word c of n64 block
+  // nb, k16 step s: the lane's A fragment of rows 64 nb + 16 c .. + 15), scales [E, K/32, N] bf16 with each run of
+  // 64 rows stored as (g, i) -> row 8 i + g. A chunk of this CTA: per n64 block and k16 step 512 contiguous bytes
+  // of weights; per block and group 128 contiguous bytes of scales.
+  const int nb0 = blockIdx.x * NB;
+  const int n64 = n >> 6;
+  const size_t w_row = (size_t)n64 * 32;  // uint4 per k16 step
+  // lane L copies the 16-byte pieces 8 q + L % 8 (q = 0..3) of k16 step L / 8 of each block: every copy
+  // instruction reads 4 x 128 contiguous bytes, at immediate offsets from one pointer per lane
+  const int wj = lane >> 3, wl = lane & 7;
+  const uint4* wp = wq + ((size_t)e * k_chunks * 4 + (size_t)c_begin * 4 + wj) * w_row + (size_t)nb0 * 32 + wl;
+  // scales: lane < 16 NB copies 16 bytes: block L / 16, group (L / 8) & 1, lane group L & 7
+  const size_t s_row = (size_t)n >> 3;  // uint4 per group
+  const uint4* sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
+                    (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
 
   // h1: std::true_type when rows 8..15 hold pairs (the second n8 half is loaded and multiplied), else false_type
   auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
+    constexpr int H = decltype(h1)::value ? 1 : 0;
 #pragma unroll
-    for (int i = 0; i < NT; ++i) cp_async16(&sl.w[i][lane], wp + i * 32);
-    if (lane < 4 * NT) cp_async16(reinterpret_cast<uint4*>(&sl.s[0][0]) + lane, sp);
-    // the lane's inputs 16 j + 4 t .. + 3 of k16 step j (8 bytes each; see Slot), of each half in use
+    for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-    for (int h = 0; h < (decltype(h1)::value ? 2 : 1); ++h)
+      for (int q = 0; q < 4; ++q) cp_async16(&sl.w[nb][wj][8 * q + wl], wp + nb * 32 + 8 * q);
+    if (lane < 16 * NB) cp_async16(&sl.s[lane >> 4][(lane >> 3) & 1][lane & 7], sp);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        cp_async8_l1(reinterpret_cast<uint2*>(&sl.x[h][j >> 1][lane]) + (j & 1), xr[h] + 16 * j);
-    wp += w_step;
-    sp += s_step;
+    for (int q = 0; q < (H ? 4 : 2); ++q) {
+      const int r = xrow[H], piece = xq[H] + q;
+      cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * q);
+    }
+    wp += 4 * w_row;
+    sp += 2 * s_row;
     xr[0] += 64;
     xr[1] += 64;
   };
@@ -164,13 +195,19 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto compute = [&](const Slot<NT>& sl, auto h1) {
     constexpr int NH = decltype(h1)::value ? 2 : 1;  // n8 halves in use
-    // B fragments of half h: step j, register q = inputs 16 j + 4 t + 2 q (+1) = word 2 j + q of the lane's 32 bytes
+    // B fragments of half h: b[h][2 j], b[h][2 j + 1] = step j's registers 0, 1 (inputs 16 j + 2 t (+1), + 8)
     uint32_t b[2][8];
+    const uint32_t xs = smem_addr(&sl.x[0][0]);
 #pragma unroll
     for (int h = 0; h < NH; ++h) {
-      const uint4 lo = sl.x[h][0][lane], hi = sl.x[h][1][lane];
-      b[h][0] = lo.x; b[h][1] = lo.y; b[h][2] = lo.z; b[h][3] = lo.w;
-      b[h][4] = hi.x; b[h][5] = hi.y; b[h][6] = hi.z; b[h][7] = hi.w;
+      uint32_t r0[4], r1[4];
+      ldmatrix_x4(r0, xs + h * 1024 + x_off);
+      ldmatrix_x4(r1, xs + h * 1024 + x_off_hi);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        b[h][m] = r0[m];
+        b[h][4 + m] = r1[m];
+      }
     }
     // off[grp][h]: -136 * (sum of group grp's 32 inputs) of each token column, in the C fragment's layout; every
     // tile's group sum starts from it (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1)
@@ -183,34 +220,39 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
         mma_bf16_16816(off[grp][h], m136, b[h][4 * grp + 2], b[h][4 * grp + 3], off[grp][h]);
       }
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      const uint4 wv = sl.w[i][lane];
-      const uint2 sc = sl.s[i][g];  // bf16 (group 2c row g, row g + 8, group 2c+1 row g, row g + 8)
-      const float sg[2] = {bf16_lo(sc.x), bf16_lo(sc.y)}, sg8[2] = {bf16_hi(sc.x), bf16_hi(sc.y)};
-      const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 wv[4] = {sl.w[nb][0][lane], sl.w[nb][1][lane], sl.w[nb][2][lane], sl.w[nb][3][lane]};
+      const uint4 sv[2] = {sl.s[nb][0][g], sl.s[nb][1][g]};  // word c: (row 16 c + g, row 16 c + 8 + g)
 #pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        float part[2][4];  // sum over the group of (nibble - 8) * input, exact in fp32 up to the MMA's rounding
+      for (int c = 0; c < 4; ++c) {
+        const int i = 4 * nb + c;  // the CTA's tile
+        const uint32_t words[4] = {(&wv[0].x)[c], (&wv[1].x)[c], (&wv[2].x)[c], (&wv[3].x)[c]};
 #pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const uint32_t w = words[2 * grp + jj];
-          uint32_t a[4];
-          a[0] = nibbles_to_bf16x2(w);        // row g,     fragment columns 2t, 2t+1: 128 + nibble
-          a[1] = nibbles_to_bf16x2(w >> 4);   // row g + 8, columns 2t, 2t+1
-          a[2] = nibbles_to_bf16x2(w >> 8);   // row g,     columns 2t+8, 2t+9
-          a[3] = nibbles_to_bf16x2(w >> 12);  // row g + 8, columns 2t+8, 2t+9
-          const int j = 2 * grp + jj;
+        for (int grp = 0; grp < 2; ++grp) {
+          const uint32_t sw = (&sv[grp].x)[c];
+          const float sg = bf16_lo(sw), sg8 = bf16_hi(sw);
+          float part[2][4];  // sum over the group of (nibble - 8) * input, exact in fp32 up to the MMA's rounding
 #pragma unroll
-          for (int h = 0; h < NH; ++h)
-            mma_bf16_16816(part[h], a, b[h][2 * j], b[h][2 * j + 1], jj == 0 ? off[grp][h] : part[h]);
-        }
-        // the group's scale, in fp32: C fragment registers 0, 1 are row g, 2, 3 row g + 8
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * grp + jj;
+            const uint32_t w = words[j];
+            uint32_t a[4];
+            a[0] = nibbles_to_bf16x2(w);        // row g,     fragment columns 2t, 2t+1: 128 + nibble
+            a[1] = nibbles_to_bf16x2(w >> 8);   // row g + 8, columns 2t, 2t+1
+            a[2] = nibbles_to_bf16x2(w >> 4);   // row g,     columns 2t+8, 2t+9
+            a[3] = nibbles_to_bf16x2(w >> 12);  // row g + 8, columns 2t+8, 2t+9
 #pragma unroll
-        for (int h = 0; h < NH; ++h) {
-          acc[i][h][0] = fmaf(sg[grp], part[h][0], acc[i][h][0]);
-          acc[i][h][1] = fmaf(sg[grp], part[h][1], acc[i][h][1]);
-          acc[i][h][2] = fmaf(sg8[grp], part[h][2], acc[i][h][2]);
-          acc[i][h][3] = fmaf(sg8[grp], part[h][3], acc[i][h][3]);
+            for (int h = 0; h < NH; ++h)
+              mma_bf16_16816(part[h], a, b[h][2 * j], b[h][2 * j + 1], jj == 0 ? off[grp][h] : part[h]);
+          }
+          // the group's scale, in fp32: C fragment registers 0, 1 are row g, 2, 3 row g + 8
+#pragma unroll
+          for (int h = 0; h < NH; ++h) {
+            acc[i][h][0] = fmaf(sg, part[h][0], acc[i][h][0]);
+            acc[i][h][1] = fmaf(sg, part[h][1], acc[i][h][1]);
+            acc[i][h][2] = fmaf(sg8, part[h][2], acc[i][h][2]);
+            acc[i][h][3] = fmaf(sg8, part[h][3], acc[i][h][3]);
+          }
         }
       }
     }
@@ -260,6 +302,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   __syncthreads();
   // sum over warps; thread -> (row r of the block, pair of n columns): bf16x2 stores along n
   constexpr int kPairs = NT * 8;
+  const int col0 = nb0 * 64;
   for (int idx = threadIdx.x; idx < kBlockRows * kPairs; idx += 32 * KW) {
     const int r = idx / kPairs, np = idx % kPairs;
     const int id = sorted_ids[b * kBlockRows + r];
@@ -270,7 +313,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       s0 += partial[((size_t)w * NT * 16 + 2 * np) * kP + r];
       s1 += partial[((size_t)w * NT * 16 + 2 * np + 1) * kP + r];
     }
-    *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + (int64_t)tile0 * 16 + 2 * np) =
+    *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + col0 + 2 * np) =
         __floats2bfloat162_rn(s0, s1);
   }
 }
@@ -312,25 +355,26 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
-                            static_cast<const uint4*>(wq), static_cast<const uint2*>(wsc), sorted_ids, block_expert,
+                            static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n_tiles, k_chunks, pdl == 2 ? 1 : 0);
+                            n, k_chunks, pdl == 2 ? 1 : 0);
 }
 
 }  // namespace
 
-// Host launcher. x: [R, k] bf16 (row stride x_stride elements, rows 16-byte aligned); wq / wsc: repacked weights and
-// scales; sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
+// Host launcher. x: [R, k] bf16 (row stride x_stride elements, rows 16-byte aligned); wq / wsc: weights
+// [E, k/16, n/64, 32, 4] int32 and scales [E, k/32, n] bf16 in the layout of kimi/ops/moe_int4_cuda.py:repack;
+// sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
 // out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written). (nt, kw, stages) must be an instantiated
-// configuration with nt dividing n / 16; n % 16 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
-// grid's y dimension). pdl: 0 off, 1 on, 2 on with
-// the next kernel released after the main loop. Returns cudaErrorInvalidValue for anything else.
+// configuration with nt dividing n / 16; n % 64 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
+// grid's y dimension). pdl: 0 off, 1 on, 2 on with the next kernel released after the main loop. Returns
+// cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
                                                cudaStream_t stream) {
-  if (n % 16 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
+  if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \

@@ -19,13 +19,11 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
               "x: [R, K] bf16 CUDA tensor with unit last stride");
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.stride(1) == 1,
               "out: [P, N] bf16 CUDA tensor with unit last stride");
-  TORCH_CHECK(wq.scalar_type() == torch::kInt32 && wq.dim() == 5 && wq.size(3) == 32 && wq.size(4) == 4 &&
-                  wq.is_contiguous(),
-              "wq: [E, K/64, N/16, 32, 4] int32, contiguous");
-  TORCH_CHECK(wsc.scalar_type() == torch::kBFloat16 && wsc.dim() == 5 && wsc.size(3) == 8 && wsc.size(4) == 4 &&
-                  wsc.is_contiguous() && wsc.size(0) == wq.size(0) && wsc.size(1) == wq.size(1) &&
-                  wsc.size(2) == wq.size(2),
-              "wsc: [E, K/64, N/16, 8, 4] bf16, contiguous, matching wq");
+  TORCH_CHECK(wsc.scalar_type() == torch::kBFloat16 && wsc.dim() == 3 && wsc.is_contiguous(),
+              "wsc: [E, K/32, N] bf16, contiguous");
+  TORCH_CHECK(wq.scalar_type() == torch::kInt32 && wq.dim() == 3 && wq.is_contiguous() && wq.size(0) == wsc.size(0) &&
+                  wq.size(1) == 2 * wsc.size(1) && wq.size(2) == 2 * wsc.size(2),
+              "wq: [E, K/16, 2N] int32, contiguous, matching wsc [E, K/32, N]");
   TORCH_CHECK(sorted_ids.scalar_type() == torch::kInt32 && block_expert.scalar_type() == torch::kInt32 &&
                   num_padded.scalar_type() == torch::kInt32 && sorted_ids.is_contiguous() &&
                   block_expert.is_contiguous(),
@@ -36,7 +34,7 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
   TORCH_CHECK(num_padded.numel() >= 1, "num_padded: [1] int32");
   TORCH_CHECK(top_k >= 1 && out.size(0) <= x.size(0) * top_k,
               "out has more rows than x rows x top_k (ids >= out.size(0) are the pads)");
-  const int64_t n = wq.size(2) * 16, k = wq.size(1) * 64;
+  const int64_t n = wsc.size(2), k = wsc.size(1) * 32;
   TORCH_CHECK(x.size(1) == k && out.size(1) == n, "x / out widths do not match the weights");
   TORCH_CHECK(sorted_ids.numel() == 16 * block_expert.numel(), "sorted_ids must hold 16 ids per block");
   const int num_blocks = static_cast<int>(block_expert.numel());

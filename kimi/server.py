@@ -35,6 +35,7 @@ import uvicorn
 import zmq
 
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
+from kimi.ops.moe_backend import BACKENDS
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
@@ -77,7 +78,7 @@ class ServeArgs:
     reasoning: str = "auto"
     a2a_backend: str | None = None
     heartbeat_timeout: float = 10.0
-    moe_backend: str = "humming"
+    moe_backend: str = "auto"
     load_format: str = "auto"
     enforce_eager: bool = False
     fp8_dense: str = "off"
@@ -209,9 +210,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
     p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
                    help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
-    p.add_argument("--moe-backend", default="humming", choices=["humming", "cuda", "triton", "ref"],
-                   help="--device cuda only: routed-expert kernels, INT4 kept packed (humming-kernels; cuda = kimi's "
-                        "csrc kernel, Hopper, bf16; triton) or dequantised (ref) (default humming)")
+    p.add_argument("--moe-backend", default="auto", choices=list(BACKENDS),
+                   help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
+                        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
+                        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref) (default auto)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU")
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")

@@ -199,20 +199,49 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
+def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
+    """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2)
+    and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
+    from kimi.ops.moe_backend import CudaInt4Experts, HummingInt4Experts
+
+    out = []
+    for layer in m.layers:
+        x = getattr(getattr(layer, "mlp", None), "experts_impl", None)
+        if isinstance(x, CudaInt4Experts):
+            out.append((x, attr))
+        elif isinstance(x, HummingInt4Experts) and x.cuda_max_pairs:
+            out.append((x, "cuda_" + attr))
+    return out
+
+
 def _moe_cuda_config(m, attr: str, cfg) -> None:
-    """moe_cuda_{gate_up,down}_c{NT}{KW}{S}: --moe-backend cuda's launch configuration of one GEMM (attribute attr of
-    every CudaInt4Experts: config13 / config2) set to cfg; cfg None restores the saved ones."""
-    from kimi.ops.moe_backend import CudaInt4Experts
+    """moe_cuda_{gate_up,down}_c{NT}{KW}{S}: the launch configuration of one of kimi's CUDA expert GEMMs (attr
+    config13 / config2, see _cuda_gemm_impls; None: kimi.ops.moe_int4_cuda.config_for's pick by step size) set to
+    cfg; cfg None restores the saved ones."""
+    impls = _cuda_gemm_impls(m, attr)
+    if cfg is not None:
+        _saved[attr] = [getattr(x, a) for x, a in impls]
+        for x, a in impls:
+            setattr(x, a, cfg)
+    else:
+        for (x, a), old in zip(impls, _saved[attr]):
+            setattr(x, a, old)
+
+
+def _auto_max_pairs(m, n: int | None) -> None:
+    """auto_humming / auto_max<n>: under --moe-backend auto, every HummingInt4Experts' cuda_max_pairs set to n (0:
+    humming's GEMM at every size); n None restores the saved ones."""
+    from kimi.ops.moe_backend import HummingInt4Experts
 
     impls = [layer.mlp.experts_impl for layer in m.layers
-             if isinstance(getattr(getattr(layer, "mlp", None), "experts_impl", None), CudaInt4Experts)]
-    if cfg is not None:
-        _saved[attr] = [getattr(x, attr) for x in impls]
+             if isinstance(getattr(getattr(layer, "mlp", None), "experts_impl", None), HummingInt4Experts)]
+    if n is not None:
+        _saved["cuda_max_pairs"] = [x.cuda_max_pairs for x in impls]
         for x in impls:
-            setattr(x, attr, cfg)
+            x.cuda_max_pairs = n
     else:
-        for x, old in zip(impls, _saved[attr]):
-            setattr(x, attr, old)
+        for x, old in zip(impls, _saved["cuda_max_pairs"]):
+            x.cuda_max_pairs = old
 
 
 def _qb_cublas(on: bool) -> None:
@@ -299,11 +328,14 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
-    **{f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (f"--moe-backend cuda: its {gemm} GEMM with launch configuration {c}",
+    **{f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (f"kimi's CUDA {gemm} GEMM (--moe-backend cuda / auto) with launch "
+                                                f"configuration {c}",
                                                 lambda m, attr=attr, c=c: _moe_cuda_config(m, attr, c),
                                                 lambda m, attr=attr: _moe_cuda_config(m, attr, None))
        for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
        for c in MOE_CUDA_CONFIGS},
+    "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
+                     "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -564,8 +596,8 @@ def main() -> None:
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--ep-size", type=int, default=8)
-    ap.add_argument("--moe-backend", default="humming", choices=MOE_BACKENDS,
-                    help="routed-expert backend, as kimi serve's flag (default humming)")
+    ap.add_argument("--moe-backend", default="auto", choices=MOE_BACKENDS,
+                    help="routed-expert backend, as kimi serve's flag (default auto)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")

@@ -10,7 +10,8 @@ random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - time: a CUDA graph of 20 back-to-back calls of the GEMM alone (align done once outside), replayed; median over
   replays of the per-call time (L2 not flushed: one call's weights, 0.4-0.8 GB, far exceed the 50 MB L2);
 - GB/s: bytes of the experts hit (packed words + scales) / time, against the copy bandwidth measured in the run.
-Writes JSON to --out.
+Also whether kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout
+--moe-backend auto shares). Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def main() -> None:
     res["extension_build_s"] = time.time() - ext_s
     hum = HummingInt4Experts(w13.clone(), s13.clone(), w2.clone(), s2.clone(), OFFSET, E_TOTAL)
     res["setup_s"] = time.time() - t_build
+    # kimi's repack builds humming's layout (so --moe-backend auto keeps one copy of the experts): bit for bit
+    res["repack_equals_humming"] = {
+        name: {"weights": torch.equal(ours[name][0], layer.weight), "scales": torch.equal(ours[name][1], layer.weight_scale)}
+        for name, layer in (("gate_up", hum.l1), ("down", hum.l2))}
+    print("repack == humming's transformed tensors:", res["repack_equals_humming"], flush=True)
     shapes = {"gate_up": (2 * I, H, w13, s13, hum.l1), "down": (H, I, w2, s2, hum.l2)}
     for T in [int(t) for t in args.tokens.split(",")]:
         ids = routing(T, seed=T)

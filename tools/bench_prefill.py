@@ -40,6 +40,8 @@ import torch
 from bench_decode import EmulatedEP, breakdown, time_ms  # tools/, this script's folder
 from bench_util import require_gpu, run_header
 
+from kimi.ops.moe_backend import BACKENDS
+
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
     """Best bf16 torch.matmul TFLOPS of an n x n x n product over `iters` timed calls."""
@@ -84,7 +86,8 @@ def main() -> None:
     ap.add_argument("--preset", default="kimi-k2.6")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--ep-size", type=int, default=8)
-    ap.add_argument("--moe-backend", default="humming")
+    ap.add_argument("--moe-backend", default="auto", choices=BACKENDS,
+                    help="routed-expert backend, as kimi serve's flag (default auto)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=2048, help="new tokens per step on this rank (--token-budget)")
     ap.add_argument("--cases", default="16x128,2048,8192")

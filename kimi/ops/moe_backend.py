@@ -1,20 +1,23 @@
 """Routed-expert backends for the GPU path: the same function as `kimi.ops.moe.fused_experts_ref`, over the
 experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept in FP8) on the device.
 
-- `HummingInt4Experts` (default on CUDA): humming-kernels' indexed W4A16 MoE GEMM (humming 0.1.20, API read from
-  its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors `weight_packed` / `weight_scale` /
-  `weight_shape`, `transform()`ed once into humming's layout, then called with moe_align's sorted pair ids).
+- `HummingInt4Experts` (`humming`, and `auto`, the default on CUDA): humming-kernels' indexed W4A16 MoE GEMM
+  (humming 0.1.20, API read from its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors
+  `weight_packed` / `weight_scale` / `weight_shape`, `transform()`ed once into humming's layout, then called with
+  moe_align's sorted pair ids).
   Steps: align (kimi.ops.moe_int4_triton.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
   pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul_rows over the local pairs' rows only; align:
   kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
-  Measured 2-3x faster than kimi's Triton kernel at decode, and faster than kimi's CUDA kernel in the decode step
-  (docs/benchmarks.md).
+  With `cuda_decode` (backend `auto`), steps of up to AUTO_CUDA_MAX_PAIRS expected local pairs run kimi's CUDA
+  GEMM instead (csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves both), larger steps
+  (prefill) humming's: the faster of the two at each size (docs/benchmarks.md, session 15).
 - `HummingFp8Experts` (humming backend, FP8 checkpoints: K2-Instruct): the same steps over humming's W8A16 indexed
   GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
-- `CudaInt4Experts`: kimi's CUDA W4A16 indexed GEMM (csrc/moe_w4a16.cu via kimi.ops.moe_int4_cuda; weights
-  repacked once at load into its fragment layout), in the same steps as humming's (align in 16-row blocks).
-  Faster than humming at decode sizes, about 2x slower at prefill sizes (it streams an expert's weights once per
-  16-row block): docs/benchmarks.md, session 14. bf16 models only.
+- `CudaInt4Experts` (`cuda`): kimi's CUDA W4A16 indexed GEMM at every size (csrc/moe_w4a16.cu via
+  kimi.ops.moe_int4_cuda; weights repacked once at load by kimi.ops.moe_int4_cuda.repack, no humming needed), in
+  the same steps as humming's (align in 16-row blocks). Faster than humming at decode sizes, about 2x slower at
+  prefill sizes (it streams an expert's weights once per 16-row block): docs/benchmarks.md, session 14. bf16 models
+  only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
   expert counts on the host). Used for `--moe-backend ref`, and for FP8 experts under the backends without an FP8
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -38,7 +42,12 @@ from torch import nn
 
 from kimi.ops.moe import fused_experts_ref
 
-BACKENDS = ("humming", "cuda", "triton", "ref")
+log = logging.getLogger("kimi.worker")
+
+BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
+# Backend "auto": the largest step, in expected local pairs (T * top_k * E_local / E_total), that runs kimi's CUDA
+# GEMM; larger ones run humming's. Measured: docs/benchmarks.md, session 15.
+AUTO_CUDA_MAX_PAIRS = 512
 
 # Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one
 # (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
@@ -186,12 +195,16 @@ class HummingExperts(nn.Module):
         self.num_experts_total = num_experts_total
         self._tuning: dict[tuple[int, int], tuple[dict, dict]] = {}
 
+    def _m_local(self, T: int, k: int) -> int:
+        """The expected local pairs of a step of T tokens, top-k (uniform routing over num_experts_total)."""
+        return max(1, T * k * self.E // max(self.num_experts_total, self.E))
+
     def _configs(self, T: int, k: int) -> tuple[dict, dict]:
         key = (T, k)
         if key not in self._tuning:
             from humming.tune import get_heuristics_config
 
-            m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
+            m_local = self._m_local(T, k)
             gpu = torch.cuda.get_device_name(self.device)
             cs = []
             for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
@@ -235,7 +248,8 @@ class HummingInt4Experts(HummingExperts):
     copies; the caller should drop its references). Raises ImportError when humming is not installed.
     """
 
-    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
+    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int,
+                 cuda_decode: bool = False):
         super().__init__()
         E, two_i, d8 = w13_packed.shape
         D = d8 * 8
@@ -247,6 +261,56 @@ class HummingInt4Experts(HummingExperts):
         self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
                     {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
                     E, D, two_i // 2, w13_packed.device, expert_offset, num_experts_total)
+        # kimi's CUDA GEMM over humming's tensors for steps of up to cuda_max_pairs expected local pairs (0: never);
+        # its launch configurations: kimi.ops.moe_int4_cuda.config_for's per step size, or these where set
+        self.cuda_max_pairs = 0
+        self.cuda_config13: tuple[int, int, int] | None = None
+        self.cuda_config2: tuple[int, int, int] | None = None
+        if cuda_decode:
+            why = self._cuda_unavailable(dtype)
+            if why:
+                log.warning("MoE backend auto: kimi's CUDA GEMM is not used (%s); humming's runs every step", why)
+            else:
+                self.cuda_max_pairs = AUTO_CUDA_MAX_PAIRS
+
+    def _cuda_unavailable(self, dtype) -> str | None:
+        """Why kimi's CUDA GEMM cannot run over this layer's humming tensors (None when it can): it needs a bf16
+        model on an sm_90 GPU, shapes it has a configuration for, humming's layout for 16-bit inputs with the
+        checkpoint's offset-binary codes (humming re-encodes a tensor without any code 0, i.e. no -8, as
+        sign-magnitude, which the kernel does not read), and its extension built."""
+        from humming import dtypes as hd
+
+        from kimi.ops import moe_int4_cuda as mc
+
+        if dtype != torch.bfloat16:
+            return f"the model dtype is {dtype}, not bf16"
+        if torch.cuda.get_device_capability(self.device)[0] != 9:
+            return "the GPU is not sm_90 (Hopper)"
+        try:  # a configuration runs both shapes (the one used is picked per step size)
+            mc.config_for(2 * self.inter, self.D), mc.config_for(self.D, self.inter)
+        except ValueError as e:
+            return str(e)
+        for layer, n, k in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
+            w, sc = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
+            if layer.humming_config.b_dtype != hd.uint4:
+                return f"humming stores the [{n}, {k}] weights as {layer.humming_config.b_dtype!r}, not uint4 codes"
+            E = self.E
+            if (w is None or sc is None or tuple(w.shape) != (E, k // 16, 2 * n) or tuple(sc.shape) != (E, k // 32, n)
+                    or w.dtype != torch.int32 or sc.dtype != torch.bfloat16 or not (w.is_contiguous() and sc.is_contiguous())):
+                return f"humming's [{n}, {k}] tensors are not in the layout the kernel reads"
+        try:
+            mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
+        except Exception as e:  # noqa: BLE001 - any build failure: say which, and run humming
+            return f"its extension did not build ({type(e).__name__}: {e})"
+        return None
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        T, k = topk_ids.shape
+        if T and self.cuda_max_pairs and self._m_local(T, k) <= self.cuda_max_pairs:
+            return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter,
+                                        self.l1.weight, self.l1.weight_scale, self.l2.weight, self.l2.weight_scale,
+                                        self._m_local(T, k), self.cuda_config13, self.cuda_config2)
+        return super().forward(x, topk_weights, topk_ids)
 
 
 class HummingFp8Experts(HummingExperts):
@@ -293,7 +357,7 @@ class CudaInt4Experts(nn.Module):
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows -> silu(gate) * up on those rows
     -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
-    shapes the kernel cannot take (N % 16, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
+    shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
     built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension` raises when it cannot be built; all of them
     here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can fall back to the reference).
     """
@@ -309,8 +373,10 @@ class CudaInt4Experts(nn.Module):
         dev = w13_packed.device
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
             raise RuntimeError(f"MoE backend cuda needs an sm_90 (Hopper) GPU; got {dev}")
-        # launch configurations, fixed per shape (ValueError when none runs one of them)
-        self.config13, self.config2 = mc.config_for(two_i, self.D), mc.config_for(self.D, self.inter)
+        mc.config_for(two_i, self.D), mc.config_for(self.D, self.inter)  # ValueError when no configuration runs one
+        # launch configurations: config_for's per step size, or these where set (benchmarks)
+        self.config13: tuple[int, int, int] | None = None
+        self.config2: tuple[int, int, int] | None = None
         w13, s13 = mc.repack(w13_packed, w13_scale)
         w2, s2 = mc.repack(w2_packed, w2_scale)
         self.register_buffer("w13", w13)
@@ -322,25 +388,42 @@ class CudaInt4Experts(nn.Module):
         mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        from kimi.ops import moe_int4_cuda as mc
-        from kimi.ops.fused import moe_align_fused, silu_mul_rows
-        from kimi.ops.moe_int4_triton import combine_into
-
         T, k = topk_ids.shape
-        out = torch.empty_like(x)  # [T, D]; combine writes every element
-        if T == 0:
-            return out
-        sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, self.E, self.expert_offset, 16)
-        P = T * k
-        y1 = torch.empty((P, 2 * self.inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        mc.indexed_gemm(x.contiguous(), self.w13, self.w13_scale, sorted_ids, block_expert, num_padded, k, y1,
-                        config=self.config13)
-        act = silu_mul_rows(y1, sorted_ids, num_padded, self.inter)  # [P, I], listed rows only
-        y2 = torch.empty((P, self.D), dtype=x.dtype, device=x.device)
-        mc.indexed_gemm(act, self.w2, self.w2_scale, sorted_ids, block_expert, num_padded, 1, y2,
-                        config=self.config2)
-        combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
+        m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
+        return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
+                                    self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2)
+
+
+def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,
+                         expert_offset: int, inter: int, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
+                         s2: torch.Tensor, m_local: int, config13: tuple[int, int, int] | None = None,
+                         config2: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The routed experts through kimi's CUDA GEMM (kimi.ops.moe_int4_cuda.indexed_gemm): align in 16-row blocks
+    (kimi.ops.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows -> down
+    -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
+    int32, [E, D/32, 2I] bf16) and w2 / s2 ([E, I/16, 2D], [E, I/32, D]) in the kernel's layout; m_local: the step's
+    expected local pairs, which picks the launch configurations (kimi.ops.moe_int4_cuda.config_for) unless config13
+    / config2 are given. Returns [T, D] (rows without a local pair are 0)."""
+    from kimi.ops import moe_int4_cuda as mc
+    from kimi.ops.fused import moe_align_fused, silu_mul_rows
+    from kimi.ops.moe_int4_triton import combine_into
+
+    T, k = topk_ids.shape
+    D = x.shape[-1]
+    out = torch.empty_like(x)  # [T, D]; combine writes every element
+    if T == 0:
         return out
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, E, expert_offset, 16)
+    P = T * k
+    y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
+    config13 = config13 or mc.config_for(2 * inter, D, m_local)
+    config2 = config2 or mc.config_for(D, inter, m_local)
+    mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
+    act = silu_mul_rows(y1, sorted_ids, num_padded, inter)  # [P, I], listed rows only
+    y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
+    mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2)
+    combine_into(y2, topk_weights, topk_ids, expert_offset, E, out)
+    return out
 
 
 def dequant_fp8_parts(parts: dict, block: tuple[int, int], dtype: torch.dtype) -> dict:
@@ -367,16 +450,18 @@ def make_experts(
     parts (stacked over the local experts, on the device), one of:
     - packed INT4 (`w13_packed`, `w13_scale`, `w2_packed`, `w2_scale`): the named backend; "ref" dequantises (dtype);
     - FP8 blocks (`w13_fp8` [E, 2I, D], `w13_scale_inv`, `w2_fp8` [E, D, I], `w2_scale_inv`; K2-Instruct, tiles of
-      fp8_block): HummingFp8Experts for "humming"; every other backend has no FP8 kernel and gets them
+      fp8_block): HummingFp8Experts for "humming" and "auto"; every other backend has no FP8 kernel and gets them
       dequantised (dtype) into RefExperts;
     - dequantised (`w13` [E, 2I, D], `w2` [E, D, I]): always RefExperts (no quantised kernel applies).
+    "auto" on INT4: HummingInt4Experts with cuda_decode (kimi's CUDA GEMM at decode sizes where it can run, see
+    HummingInt4Experts._cuda_unavailable); without humming-kernels, CudaInt4Experts at every size (with a warning).
     Raises ValueError for an unknown backend, or backend "cuda" with a dtype other than bf16; the backends' own
     errors (CudaInt4Experts, HummingInt4Experts, HummingFp8Experts) pass through.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if "w13_fp8" in parts:
-        if backend == "humming":
+        if backend in ("humming", "auto"):
             return HummingFp8Experts(parts["w13_fp8"], parts["w13_scale_inv"], parts["w2_fp8"], parts["w2_scale_inv"],
                                      expert_offset, num_experts_total, fp8_block, dtype)
         parts = dequant_fp8_parts(parts, fp8_block, dtype)
@@ -390,6 +475,15 @@ def make_experts(
 
         return RefExperts(deq(parts["w13_packed"], parts["w13_scale"]), deq(parts["w2_packed"], parts["w2_scale"]),
                           expert_offset)
+    args = (parts["w13_packed"], parts["w13_scale"], parts["w2_packed"], parts["w2_scale"], expert_offset,
+            num_experts_total)
+    if backend == "auto":
+        try:
+            return HummingInt4Experts(*args, cuda_decode=True)
+        except ImportError as e:
+            log.warning("MoE backend auto: humming-kernels is not installed (%s); kimi's CUDA GEMM runs every step "
+                        "(about 2x slower prefill than humming's)", e)
+            backend = "cuda"
     if backend == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"MoE backend cuda runs bf16 models only, not {dtype}")
     cls = {"humming": HummingInt4Experts, "cuda": CudaInt4Experts}.get(backend, TritonInt4Experts)

@@ -17,21 +17,20 @@ nibbles into the bf16 pair (128 + nibble); the MMA multiplies those raw values, 
 -136 * (the group's input sum) once per chunk for all tiles, and one FFMA per accumulator applies the scale per
 group.
 
-Layout (`repack`, once at load; the design is this project's, from the PTX ISA's mma.m16n8k16 fragment tables):
-- inputs are permuted inside each k16 step (a dot product does not depend on the order of its terms): MMA k16
-  step j of a k64 chunk, fragment column c = 2 t' + 8 q + e (PTX numbering, t' = the lane's t) reads input
-  k0 + 16 j + 4 t + 2 q + e, so steps 0, 1 lie in scale group 2c and steps 2, 3 in group 2c + 1 (the scale can
-  multiply a step's MMA result), and a lane's B fragment of step j is 4 consecutive inputs (one 8-byte load);
-- weights [E, K/64, N/16, 32, 4] int32 (chunk-major: the N/16 tiles of k64 chunk c are contiguous, so a CTA's
-  tiles of a chunk are one contiguous read and its next chunk one pointer step away): for a 16 x 64 tile (16 output
-  rows n, 64 inputs k) lane L (g = L // 4, t = L % 4) holds 4 words, word j for k16 step j. A word's 8 nibbles are
-  the 8 A-fragment values that lane needs: nibble p (bits 4p..4p+3) = stored nibble of
-  W[n0 + g + 8 (p & 1), k0 + 16 j + 4 t + 2 ((p >> 1) & 1) + (p >> 2)]. So (word >> 4i) & 0x000F000F holds
-  fragment register i's two values at the low nibble of each 16-bit half, and OR-ing 0x43004300 makes them the
-  bf16 numbers 128 + nibble (exact).
-- scales [E, K/64, N/16, 8, 4] bf16: for lane group g, (group 2c row g, group 2c row g + 8, group 2c+1 row g,
-  group 2c+1 row g + 8) of k64 chunk c: one 8-byte load per lane per chunk.
-Requires N % 16 == 0 and K % 64 == 0 (Kimi's experts: 7168 and 2048).
+Layout (`repack`, once at load): the layout humming-kernels' W4A16 GEMM uses for 16-bit inputs, so that with
+`--moe-backend auto` one copy of the experts serves humming's GEMM at prefill sizes and this kernel at decode sizes
+(kimi.ops.moe_backend.HummingInt4Experts). The tables below are this project's description of it, written from the
+PTX ISA's mma.m16n8k16 fragment tables; the GPU tests check that `repack` builds what humming's `transform()` builds.
+- weights [E, K/16, 2N] int32 = [E, K/16 k16 steps, N/64 blocks, 32 lanes, 4 words]: in k16 step s and n64 block nb,
+  lane L (g = L // 4, t = L % 4) holds word c for the 16 rows 64 nb + 16 c .. + 15 (the MMA's A operand: the weight
+  rows are its M, the tokens its N). A word's 8 nibbles are the 8 A-fragment values of that lane: nibble p (bits
+  4p..4p+3) = stored nibble (value + 8) of W[64 nb + 16 c + g + 8 ((p >> 1) & 1), 16 s + 2 t + 8 (p & 1) + (p >> 2)].
+  So (word >> 4i) & 0x000F000F holds two values of one fragment register (i = 0, 2, 1, 3 for registers 0..3) at the
+  low nibble of each 16-bit half, and OR-ing 0x43004300 makes them the bf16 numbers 128 + nibble (exact).
+- scales [E, K/32, N] bf16: group-major, and each run of 64 rows stored as (g, i) -> row 8 i + g, so lane group g
+  reads the scales of its rows g + 8 i of a block and group in one 16-byte load.
+A chunk of k64 inputs covers 4 k16 steps and 2 scale groups (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1).
+Requires N % 64 == 0 and K % 64 == 0 (Kimi's experts: N 4096 and 7168, K 7168 and 2048).
 
 Work split: a CTA of KW warps owns one 16-row block of the align (one expert; up to 16 pairs, one or two n8
 halves of the MMA) and NT 16-row tiles of N; its warps split K, each streaming its chunks through a ring of S
@@ -62,89 +61,95 @@ DEFAULT_CONFIG = (4, 4, 4)
 # Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
 PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
-# Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> config, at every batch size. From two sweeps
-# (bench/moe_cuda_2026-11-30.json, at 64 and 256 MoE tokens, and the sweep before it, in its notes): the
-# configurations within a few % of the best in both, at both sizes. (An (8, 1, 3) pick for gate_up above 64 pairs
-# was best in one sweep and 24% slower in the other.)
-TABLE: dict[tuple[int, int], tuple[int, int, int]] = {
-    (4096, 7168): (4, 4, 4),  # gate_up
-    (7168, 2048): (8, 2, 2),  # down
+# Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
+# no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
+# (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
+# MoE tokens) and session 15's (bench/moe_cuda_2026-11-30_s15_c2_v10.json: at 512 tokens gate_up (8, 2, 2) takes
+# 255.2 us, (4, 4, 4) 280.7, humming 262.5; at 256 (4, 4, 4) 190.0, (8, 2, 2) 205.6).
+TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
+    (4096, 7168): ((384, (4, 4, 4)), (None, (8, 2, 2))),  # gate_up
+    (7168, 2048): ((None, (8, 2, 2)),),  # down
 }
 
 
 def config_valid(cfg: tuple[int, int, int], n: int, k: int) -> bool:
-    """Whether configuration cfg = (NT, KW, S) can run a GEMM [n, k]: NT divides n / 16 and KW divides k / 64."""
-    return cfg in CONFIGS and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
+    """Whether configuration cfg = (NT, KW, S) can run a GEMM [n, k]: n % 64 == k % 64 == 0, NT divides n / 16 and
+    KW divides k / 64."""
+    return cfg in CONFIGS and n % 64 == 0 and k % 64 == 0 and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
 
 
-def config_for(n: int, k: int) -> tuple[int, int, int]:
-    """The launch configuration for a GEMM [n, k]: TABLE's pick, else DEFAULT_CONFIG, else the first of CONFIGS that
-    can run the shape (`config_valid`). Raises ValueError when none can."""
-    for cfg in [TABLE.get((n, k)), DEFAULT_CONFIG, *CONFIGS]:
-        if cfg is not None and n % 16 == 0 and k % 64 == 0 and config_valid(cfg, n, k):
+def config_for(n: int, k: int, m: int | None = None) -> tuple[int, int, int]:
+    """The launch configuration for a GEMM [n, k] at m expected local pairs (None: the smallest steps): TABLE's pick,
+    else DEFAULT_CONFIG, else the first of CONFIGS that can run the shape (`config_valid`). Raises ValueError when
+    none can."""
+    picks = TABLE.get((n, k), ())
+    pick = next((c for m_max, c in picks if m is None or m_max is None or m <= m_max), None)
+    for cfg in [pick, DEFAULT_CONFIG, *CONFIGS]:
+        if cfg is not None and config_valid(cfg, n, k):
             return cfg
-    raise ValueError(f"no configuration of kimi's CUDA W4A16 GEMM runs [{n}, {k}]: it needs N % 16 == 0, K % 64 == 0 "
+    raise ValueError(f"no configuration of kimi's CUDA W4A16 GEMM runs [{n}, {k}]: it needs N % 64 == 0, K % 64 == 0 "
                      f"and a config of {CONFIGS} whose NT divides N / 16 and KW divides K / 64")
 
 
 def _pos_index(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row [1, 32, 8], k [4, 32, 8]): the weight row (in a 16-row tile) and input k (in a k64 chunk) of nibble p of
-    lane L's word j (see the module docstring)."""
+    """(row [4, 32, 8], k [1, 32, 8]): the weight row (in an n64 block) and input k (in a k16 step) of nibble p of
+    lane L's word c (see the module docstring)."""
+    c = torch.arange(4, device=device).view(4, 1, 1)
     lane = torch.arange(32, device=device).view(1, 32, 1)
     p = torch.arange(8, device=device).view(1, 1, 8)
-    j = torch.arange(4, device=device).view(4, 1, 1)
     g, t = lane // 4, lane % 4
-    row = g + 8 * (p & 1)
-    k = 16 * j + 4 * t + 2 * ((p >> 1) & 1) + (p >> 2)
+    row = 16 * c + g + 8 * ((p >> 1) & 1)
+    k = 2 * t + 8 * (p & 1) + (p >> 2)
     return row, k
 
 
-def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors INT4 -> this kernel's layout (module docstring).
-
-    packed: [E, N, K/8] int32 (nibble j of word w is input 8w + j; value = nibble - 8); scale: [E, N, K/32].
-    Returns (weights [E, K/64, N/16, 32, 4] int32, scales [E, K/64, N/16, 8, 4] bf16), on packed's device.
-    Raises ValueError for other shapes or N % 16, K % 64 != 0.
-    """
+def _check_packed(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
     if packed.dim() != 3 or packed.dtype != torch.int32:
         raise ValueError(f"repack: packed must be [E, N, K/8] int32, got {tuple(packed.shape)} {packed.dtype}")
     E, N, k8 = packed.shape
     K = k8 * 8
-    if N % 16 or K % 64:
-        raise ValueError(f"repack: need N % 16 == 0 and K % 64 == 0, got N={N}, K={K}")
+    if N % 64 or K % 64:
+        raise ValueError(f"repack: need N % 64 == 0 and K % 64 == 0, got N={N}, K={K}")
     if tuple(scale.shape) != (E, N, K // 32):
         raise ValueError(f"repack: scale {tuple(scale.shape)} does not match [E, N, K/32] = {(E, N, K // 32)}")
+    return E, N, K
+
+
+def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors INT4 -> this kernel's layout (module docstring; humming-kernels' layout for 16-bit inputs).
+
+    packed: [E, N, K/8] int32 (nibble j of word w is input 8w + j; value = nibble - 8); scale: [E, N, K/32].
+    Returns (weights [E, K/16, 2N] int32, scales [E, K/32, N] bf16), on packed's device.
+    Raises ValueError for other shapes or N % 64, K % 64 != 0.
+    """
+    E, N, K = _check_packed(packed, scale)
     dev = packed.device
-    out_w = torch.empty((E, K // 64, N // 16, 32, 4), dtype=torch.int32, device=dev)
-    row, k = _pos_index(dev)  # [1, 32, 8], [4, 32, 8]
-    row = row.expand(4, 32, 8)
+    out_w = torch.empty((E, K // 16, N // 64, 32, 4), dtype=torch.int32, device=dev)
+    row, k = _pos_index(dev)  # [4, 32, 8], [1, 32, 8]
     for e in range(E):  # one expert at a time: the unpacked values of all experts would be 2x the packed bytes
-        q = unpack_int4(packed[e]).reshape(N // 16, 16, K // 64, 64).permute(0, 2, 1, 3)  # [nt, kc, 16 rows, 64 k]
-        sel = q[:, :, row, k]  # [nt, kc, 4 words, 32 lanes, 8 nibbles] values in [-8, 7]
-        words = pack_nibbles(sel.reshape(-1, 8)).view(N // 16, K // 64, 4, 32)  # nibble p at bits 4p
-        out_w[e] = words.permute(1, 0, 3, 2)  # [kc, nt, 32 lanes, 4 words]
-    s = scale.to(torch.bfloat16).reshape(E, N // 16, 2, 8, K // 64, 2)  # [E, nt, half, g, kc, grp]
-    out_s = s.permute(0, 4, 1, 3, 5, 2).reshape(E, K // 64, N // 16, 8, 4).contiguous()  # (grp, half) order
-    return out_w.contiguous(), out_s
+        q = unpack_int4(packed[e]).reshape(N // 64, 64, K // 16, 16).permute(2, 0, 1, 3)  # [ks, nb, 64 rows, 16 k]
+        sel = q[:, :, row, k]  # [ks, nb, 4 words, 32 lanes, 8 nibbles] values in [-8, 7]
+        words = pack_nibbles(sel.reshape(-1, 8)).view(K // 16, N // 64, 4, 32)  # nibble p at bits 4p
+        out_w[e] = words.transpose(2, 3)  # [ks, nb, 32 lanes, 4 words]
+    s = scale.to(torch.bfloat16).transpose(1, 2).reshape(E, K // 32, N // 64, 8, 8)  # [E, grp, nb, i, g]
+    out_s = s.transpose(3, 4).reshape(E, K // 32, N).contiguous()  # position 8 g + i = row 8 i + g
+    return out_w.view(E, K // 16, 2 * N), out_s
 
 
 def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The dequantised [E, N, K] float32 matrix a (weights, scales) pair from `repack` encodes, read back through
-    the fragment layout the kernel uses (the inverse of `repack`, for tests)."""
-    E, kc, nt = weights.shape[:3]
-    N, K = nt * 16, kc * 64
+    """The dequantised [E, N, K] float32 matrix (each weight rounded to bf16, as `dequant_int4`) that a (weights,
+    scales) pair from `repack` encodes, read back through the layout (the inverse of `repack`, for tests)."""
+    E, G, N = scales.shape
+    K = G * 32
     dev = weights.device
-    weights, scales = weights.transpose(1, 2), scales.transpose(1, 2)  # [E, nt, kc, ...]
-    row, k = _pos_index(dev)
-    row = row.expand(4, 32, 8)
-    w = weights.transpose(3, 4)  # [E, nt, kc, 4 words, 32 lanes]
+    w = weights.view(E, K // 16, N // 64, 32, 4).transpose(3, 4)  # [E, ks, nb, 4 words, 32 lanes]
     nib = ((w.unsqueeze(-1) >> (4 * torch.arange(8, device=dev, dtype=torch.int32))) & 0xF).float() - 8
-    s6 = scales.float().reshape(E, nt, kc, 8, 2, 2)  # [E, nt, kc, g, grp, half]
-    g = row % 8  # [4, 32, 8] lane group of the row
-    sv = s6[:, :, :, g, k // 32, row // 8]  # [E, nt, kc, 4, 32, 8]
-    out = torch.empty((E, nt, kc, 16, 64), dtype=torch.float32, device=dev)
-    out[:, :, :, row, k] = (nib * sv).to(torch.bfloat16).float()
-    return out.permute(0, 1, 3, 2, 4).reshape(E, N, K)
+    row, k = _pos_index(dev)  # [4, 32, 8], [1, 32, 8]
+    vals = torch.empty((E, K // 16, N // 64, 64, 16), dtype=torch.float32, device=dev)
+    vals[:, :, :, row, k] = nib
+    q = vals.permute(0, 2, 3, 1, 4).reshape(E, N, K)
+    s = scales.float().view(E, G, N // 64, 8, 8).transpose(3, 4).reshape(E, G, N).transpose(1, 2)  # [E, N, G]
+    return (q * s.repeat_interleave(32, dim=2)).to(torch.bfloat16).float()
 
 
 def load_extension():
@@ -161,17 +166,24 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
                  config: tuple[int, int, int] | None = None, pdl: str | None = None) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
-    x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/64, N/16, 32, 4] int32,
-    [E, K/64, N/16, 8, 4] bf16); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
+    x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
+    contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
     (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
     num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
-    they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`). pdl: "early",
+    they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`, TABLE's pick for the smallest steps).
+    pdl: "early",
     "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
-    E, kc, nt = weights.shape[:3]
-    N, K = nt * 16, kc * 64
+    if scales.dim() != 3 or weights.dim() != 3:
+        raise ValueError(f"indexed_gemm: weights {tuple(weights.shape)} / scales {tuple(scales.shape)} (want "
+                         "[E, K/16, 2N] and [E, K/32, N])")
+    E, G, N = scales.shape
+    K = G * 32
+    if tuple(weights.shape) != (E, K // 16, 2 * N) or weights.dtype != torch.int32 or scales.dtype != torch.bfloat16:
+        raise ValueError(f"indexed_gemm: weights {tuple(weights.shape)} {weights.dtype}, scales {tuple(scales.shape)} "
+                         f"{scales.dtype} (want [E, K/16, 2N] int32 and [E, K/32, N] bf16)")
     if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[-1] != K or x.stride(-1) != 1:
         raise ValueError(f"indexed_gemm: x {tuple(x.shape)} {x.dtype} (want [R, {K}] bf16, unit stride)")
     if x.data_ptr() % 16 or x.stride(0) % 8:

@@ -3,8 +3,8 @@
 - Weights on the GPU in the model dtype (bf16), built on the `meta` device first so the stacked bf16 expert
   parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4
   compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
-  through a kimi.ops.moe_backend module (`humming` default, `triton`, `ref`) set as `MoELayer.experts_impl`.
-  FP8 (K2-Instruct) tensors: the routed experts stay FP8 under the humming backend
+  through a kimi.ops.moe_backend module (`auto` default, `humming`, `cuda`, `triton`, `ref`) set as
+  `MoELayer.experts_impl`. FP8 (K2-Instruct) tensors: the routed experts stay FP8 under the auto and humming backends
   (kimi.ops.moe_backend.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections
   (q_a + kv_a, q_b, o_proj, the gate/up/down of the shared experts and layer 0; `fp8_dense_names`) stay FP8 as
   kimi.ops.linear_fp8.Fp8Linear layers with fp8_dense "triton" or "humming" (FP8_DENSE_CHOICES; default "off":
@@ -470,7 +470,7 @@ def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_tot
     """make_experts, falling back to the dequantised reference (with a warning naming the error) when the INT4 or
     FP8 kernel rejects the shapes (e.g. tiny test models: Triton tiles need D % 128 == 0 and I % 128 == 0)."""
     if "w13_fp8" in parts:
-        if backend == "humming":
+        if backend in ("humming", "auto"):
             try:
                 return make_experts(backend, parts, expert_offset, num_experts_total, dtype, fp8_block)
             except Exception as e:  # noqa: BLE001 - any kernel set-up failure: say so, run the reference
@@ -624,7 +624,7 @@ def load_gpu_model(
     a2a=None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cuda",
-    moe_backend: str = "humming",
+    moe_backend: str = "auto",
     load_format: str = "auto",
     progress: bool = True,
     max_positions: int | None = None,
@@ -698,7 +698,7 @@ def load_gpu_model(
                 "w2_packed": stack(("down_proj",), ".weight_packed"),
                 "w2_scale": stack(("down_proj",), ".weight_scale"),
             }
-        elif (moe_backend == "humming" and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
+        elif (moe_backend in ("humming", "auto") and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
               and cfg.moe_intermediate_size % block[0] == 0):
             # FP8 experts stay FP8 (HummingFp8Experts); gate and up tiles stack along N (I a multiple of the tile)
             parts = {

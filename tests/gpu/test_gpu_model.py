@@ -144,7 +144,8 @@ def ref_bf16_on_gpu(path, cfg):
     ("tiny-k2.6", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "off"),
     ("tiny-k2-instruct-i128", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "triton"),
     ("tiny-k2-instruct-i128", "humming", None, "triton"), ("tiny-k2-instruct-i128", "humming", None, "humming"),
-    ("tiny-mla", "cuda", None, "off"), ("tiny-k2.6", "cuda", None, "off")])
+    ("tiny-mla", "cuda", None, "off"), ("tiny-k2.6", "cuda", None, "off"), ("tiny-mla", "auto", None, "off"),
+    ("tiny-k2.6", "auto", None, "off")])
 def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
     """Bound per logits row: |GPU - CPU f32| <= max(0.25, |R16 - CPU f32| + 0.1) nats, where R16 is the reference
     model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
@@ -164,6 +165,8 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
         assert impl == "HummingFp8Experts", impl
     if backend == "cuda":  # kimi's kernel runs the tiny shapes (no fallback to the reference)
         assert impl == "CudaInt4Experts", impl
+    if backend == "auto":  # humming's layout, kimi's kernel at these (decode) sizes
+        assert impl == "HummingInt4Experts" and gm.layers[1].mlp.experts_impl.cuda_max_pairs > 0, impl
     fp8_layers = [m for m in gm.modules() if isinstance(m, Fp8Linear)]
     if fp8_dense != "off":  # dense FP8 weights kept FP8: o_proj / q_b of every layer at least
         assert isinstance(gm.layers[0].self_attn.o_proj, Fp8Linear) and isinstance(gm.layers[-1].self_attn.q_b_proj, Fp8Linear)
@@ -190,7 +193,8 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
 
 
 @pytest.mark.parametrize("backend,attn,lpg", [("humming", "flashinfer", None), ("triton", "flashinfer", 0),
-                                              ("humming", "triton", 1), ("cuda", "flashinfer", None)])
+                                              ("humming", "triton", 1), ("cuda", "flashinfer", None),
+                                              ("auto", "flashinfer", None)])
 def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
     graph's hidden output vs the eager forward over the same cache state, and the host-list path

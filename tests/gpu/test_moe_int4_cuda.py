@@ -113,3 +113,40 @@ def test_cuda_backend_matches_ref_backend():
     assert err <= 2e-2 * y_ref.abs().max().item(), f"max err {err:.3g}"
     with pytest.raises(ValueError, match="bf16"):
         make_experts("cuda", parts(), offset, E_total, torch.float16)
+
+
+def test_repack_builds_hummings_layout_and_auto_switches_by_size():
+    """kimi's repack equals humming's transformed tensors bit for bit (the layout the auto backend shares), and the
+    auto backend (HummingInt4Experts with cuda_decode) runs kimi's GEMM up to cuda_max_pairs expected local pairs and
+    humming's above, both matching the reference backend (2e-2 of max |ref|)."""
+    pytest.importorskip("humming")
+    from kimi.ops.moe_backend import HummingInt4Experts, make_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
+    p13, s13 = _experts(E, 2 * inter, D, gen)
+    p2, s2 = _experts(E, D, inter, gen)
+    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
+                     "w2_scale": s2.clone()}
+    auto = make_experts("auto", parts(), offset, E_total, torch.bfloat16)
+    assert isinstance(auto, HummingInt4Experts) and auto.cuda_max_pairs > 0
+    for layer, (p, s) in ((auto.l1, (p13, s13)), (auto.l2, (p2, s2))):
+        w, sc = mc.repack(p, s)
+        assert torch.equal(w, layer.weight) and torch.equal(sc, layer.weight_scale)
+    ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
+    calls = []
+    orig = mc.indexed_gemm
+    for T in (4, 64):  # 4 * 4 * 8 / 32 = 4 expected local pairs: kimi's GEMM; 64 tokens with max pairs set to 8: humming's
+        auto.cuda_max_pairs = 512 if T == 4 else 8
+        x = torch.randn((T, D), device="cuda", generator=gen).to(torch.bfloat16)
+        ids = _routing(T, E_total, k, gen)
+        wts = torch.rand((T, k), device="cuda", generator=gen)
+        mc.indexed_gemm = lambda *a, **kw: (calls.append(T), orig(*a, **kw))[1]
+        try:
+            y = auto(x, wts, ids).float()
+        finally:
+            mc.indexed_gemm = orig
+        y_ref = ref(x, wts, ids).float()
+        err = (y - y_ref).abs().max().item()
+        assert err <= 2e-2 * y_ref.abs().max().item(), f"T={T}: max err {err:.3g}"
+    assert calls == [4, 4], f"kimi's GEMM ran for steps {calls} (want both GEMMs of the T=4 step only)"

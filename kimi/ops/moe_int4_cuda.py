@@ -65,10 +65,12 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
 # (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
 # MoE tokens) and session 15's (bench/moe_cuda_2026-11-30_s15_c2_v10.json: at 512 tokens gate_up (8, 2, 2) takes
-# 255.2 us, (4, 4, 4) 280.7, humming 262.5; at 256 (4, 4, 4) 190.0, (8, 2, 2) 205.6).
+# 255.2 us, (4, 4, 4) 280.7, humming 262.5; at 256 (4, 4, 4) 190.0, (8, 2, 2) 205.6; at 64 down (4, 2, 4) 72.7,
+# (8, 2, 2) 79.4, as in session 14 (72.4 / 79.3), and in the 8-sequence decode step 21.85 against 22.27 ms:
+# bench/decode_2026-11-30_s15_c4_auto.json).
 TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     (4096, 7168): ((384, (4, 4, 4)), (None, (8, 2, 2))),  # gate_up
-    (7168, 2048): ((None, (8, 2, 2)),),  # down
+    (7168, 2048): ((128, (4, 2, 4)), (None, (8, 2, 2))),  # down
 }
 
 

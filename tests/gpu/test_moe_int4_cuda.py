@@ -150,3 +150,32 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
         err = (y - y_ref).abs().max().item()
         assert err <= 2e-2 * y_ref.abs().max().item(), f"T={T}: max err {err:.3g}"
     assert calls == [4, 4], f"kimi's GEMM ran for steps {calls} (want both GEMMs of the T=4 step only)"
+
+
+def test_auto_uses_hummings_gemm_where_humming_re_encodes_the_weights(caplog):
+    """A tensor without the code 0 (value -8) is re-encoded by humming as sign-magnitude, which kimi's kernel does not
+    read: the auto backend then says why (a warning) and runs humming's GEMM at every size, still matching the
+    reference backend (2e-2 of max |ref|)."""
+    pytest.importorskip("humming")
+    from kimi.ops.moe_backend import HummingInt4Experts, make_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
+    p13, s13 = _experts(E, 2 * inter, D, gen)
+    p2, s2 = _experts(E, D, inter, gen)
+    nib = p13.view(torch.uint8)  # two nibbles per byte: a 0 nibble becomes 1, so no weight is -8
+    lo, hi = nib & 0x0F, nib >> 4
+    nib.copy_(torch.where(lo == 0, 1, lo) | (torch.where(hi == 0, 1, hi) << 4))
+    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
+                     "w2_scale": s2.clone()}
+    with caplog.at_level("WARNING", logger="kimi.worker"):
+        auto = make_experts("auto", parts(), offset, E_total, torch.bfloat16)
+    assert isinstance(auto, HummingInt4Experts) and auto.cuda_max_pairs == 0
+    assert "not uint4 codes" in caplog.text, caplog.text
+    ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
+    x = torch.randn((6, D), device="cuda", generator=gen).to(torch.bfloat16)
+    ids = _routing(6, E_total, k, gen)
+    wts = torch.rand((6, k), device="cuda", generator=gen)
+    y, y_ref = auto(x, wts, ids).float(), ref(x, wts, ids).float()
+    err = (y - y_ref).abs().max().item()
+    assert err <= 2e-2 * y_ref.abs().max().item(), f"max err {err:.3g}"

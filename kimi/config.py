@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (KIMI.md section 1)
+# --moe-backend choices (kimi.ops.moe_backend: what each runs); here so the controller's CLI needs no torch import
+MOE_BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
 
 
 class ConfigError(ValueError):

@@ -34,8 +34,7 @@ from pathlib import Path
 import uvicorn
 import zmq
 
-from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
-from kimi.ops.moe_backend import BACKENDS
+from kimi.config import MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
@@ -210,7 +209,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
     p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
                    help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
-    p.add_argument("--moe-backend", default="auto", choices=list(BACKENDS),
+    p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKENDS),
                    help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
                         "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
                         "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref) (default auto)")

@@ -27,6 +27,8 @@ non-expert weights (all but the embedding, of which B rows), distinct local expe
 KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 1152 bytes).
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
+cuda_gemm_layers: how many MoE layers run kimi's CUDA expert GEMM at decode sizes (--moe-backend cuda: all; auto:
+those whose humming tensors it can read, see kimi.ops.moe_backend.HummingInt4Experts).
 gpu_clock (every graph timing and graph_pipelined): nvidia-smi's SM clock / power samples during it (bench_util
 .GpuSampler; the H200 runs this step at its 700 W power cap, and the clock there differs by machine).
 graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
@@ -658,6 +660,12 @@ def main() -> None:
     res["layers_per_graph"] = _cg.LAYERS_PER_GRAPH if _LPG[0] is None else _LPG[0]
     impl = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
     res["experts_impl"] = impl
+    # the MoE layers whose decode-sized steps run kimi's CUDA GEMM (--moe-backend cuda: all; auto: those where it can
+    # run, the rest humming's, with the reason logged at load)
+    moe_impls = [getattr(getattr(l, "mlp", None), "experts_impl", None) for l in model.layers]
+    res["cuda_gemm_layers"] = {"cuda": sum(type(x).__name__ == "CudaInt4Experts" or getattr(x, "cuda_max_pairs", 0) > 0
+                                           for x in moe_impls),
+                               "moe_layers": sum(x is not None for x in moe_impls)}
     fp8_layers = [m for m in model.modules() if type(m).__name__ == "Fp8Linear"]
     # FP8 dense layers kept FP8 (--quant fp8 with --fp8-dense triton / humming), and how many of them run on humming
     res["dense_fp8_layers"] = {"layers": len(fp8_layers), "humming": sum(m.hl is not None for m in fp8_layers),
@@ -672,7 +680,9 @@ def main() -> None:
     res["humming_table"] = {"path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
                             "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()}}
     res["mem_allocated_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    print(f"model built in {res['load_s']:.1f} s ({impl}); mem {res['mem_allocated_after_load_GiB']:.1f} GiB", flush=True)
+    print(f"model built in {res['load_s']:.1f} s ({impl}; kimi's CUDA GEMM at decode sizes in "
+          f"{res['cuda_gemm_layers']['cuda']} of {res['cuda_gemm_layers']['moe_layers']} MoE layers); "
+          f"mem {res['mem_allocated_after_load_GiB']:.1f} GiB", flush=True)
     # the SM clock / power of every graph timing (each variant's "gpu_clock"): the H200 runs the step at its power cap
     sampler = GpuSampler(dev).start()
 

@@ -2,7 +2,8 @@
 
 `load(name, sources)`: compiled for sm_90a at first use, cached under $KIMI_CSRC_CACHE (default
 ~/.cache/kimi/csrc) per torch / CUDA / Python version. Raises what torch's loader raises when it cannot build here
-(OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja).
+(OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja); a failed build is not retried
+in the process (later calls raise the same error at once: a model's layers each ask for the extension).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import torch
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"  # the checkout's csrc/ (an editable install, as the README's)
 _built: dict[str, object] = {}
+_failed: dict[str, BaseException] = {}
 _lock = threading.Lock()
 
 
 def load(name: str, sources: list[str]):
     """The extension `name` built from csrc/`sources` (file names), imported; built on the first call."""
     with _lock:
+        if name in _failed:
+            raise _failed[name]
         if name not in _built:
             from torch.utils.cpp_extension import load as torch_load
 
@@ -29,12 +33,16 @@ def load(name: str, sources: list[str]):
             root = Path(os.environ.get("KIMI_CSRC_CACHE", Path.home() / ".cache" / "kimi" / "csrc"))
             build = root / f"{name}-{tag.replace('+', '_')}"
             build.mkdir(parents=True, exist_ok=True)
-            _built[name] = torch_load(
-                name=f"kimi_{name}",
-                sources=[str(CSRC / s) for s in sources],
-                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-lineinfo"],
-                extra_cflags=["-O3", "-std=c++17"],
-                build_directory=str(build),
-                verbose=False,
-            )
+            try:
+                _built[name] = torch_load(
+                    name=f"kimi_{name}",
+                    sources=[str(CSRC / s) for s in sources],
+                    extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-lineinfo"],
+                    extra_cflags=["-O3", "-std=c++17"],
+                    build_directory=str(build),
+                    verbose=False,
+                )
+            except Exception as e:
+                _failed[name] = e
+                raise
     return _built[name]

@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi.config import MOE_BACKENDS as BACKENDS
 from kimi.ops.moe import fused_experts_ref
 
 log = logging.getLogger("kimi.worker")
 
-BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
 # Backend "auto": the largest step, in expected local pairs (T * top_k * E_local / E_total), that runs kimi's CUDA
 # GEMM; larger ones run humming's. Measured: docs/benchmarks.md, session 15.
 AUTO_CUDA_MAX_PAIRS = 512
@@ -258,6 +258,13 @@ class HummingInt4Experts(HummingExperts):
         dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
         shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
         shp2 = torch.tensor([[D, two_i // 2]] * E, dtype=torch.int64)
+        # kimi's layout of expert 0's first 64 inputs of each GEMM, to check humming's transform against at the end
+        probes = None
+        if cuda_decode and w13_packed.is_cuda and D % 64 == 0 and two_i % 128 == 0:
+            from kimi.ops import moe_int4_cuda as mc
+
+            probes = [mc.repack(p[:1, :, :8].contiguous(), sc[:1, :, :2].contiguous())
+                      for p, sc in ((w13_packed, w13_scale), (w2_packed, w2_scale))]
         self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
                     {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
                     E, D, two_i // 2, w13_packed.device, expert_offset, num_experts_total)
@@ -267,17 +274,18 @@ class HummingInt4Experts(HummingExperts):
         self.cuda_config13: tuple[int, int, int] | None = None
         self.cuda_config2: tuple[int, int, int] | None = None
         if cuda_decode:
-            why = self._cuda_unavailable(dtype)
+            why = self._cuda_unavailable(dtype, probes)
             if why:
                 log.warning("MoE backend auto: kimi's CUDA GEMM is not used (%s); humming's runs every step", why)
             else:
                 self.cuda_max_pairs = AUTO_CUDA_MAX_PAIRS
 
-    def _cuda_unavailable(self, dtype) -> str | None:
+    def _cuda_unavailable(self, dtype, probes) -> str | None:
         """Why kimi's CUDA GEMM cannot run over this layer's humming tensors (None when it can): it needs a bf16
         model on an sm_90 GPU, shapes it has a configuration for, humming's layout for 16-bit inputs with the
         checkpoint's offset-binary codes (humming re-encodes a tensor without any code 0, i.e. no -8, as
-        sign-magnitude, which the kernel does not read), and its extension built."""
+        sign-magnitude, which the kernel does not read; checked, with the layout itself, on expert 0's first 64
+        inputs against `probes`, kimi's repack of them), and its extension built."""
         from humming import dtypes as hd
 
         from kimi.ops import moe_int4_cuda as mc
@@ -298,6 +306,14 @@ class HummingInt4Experts(HummingExperts):
             if (w is None or sc is None or tuple(w.shape) != (E, k // 16, 2 * n) or tuple(sc.shape) != (E, k // 32, n)
                     or w.dtype != torch.int32 or sc.dtype != torch.bfloat16 or not (w.is_contiguous() and sc.is_contiguous())):
                 return f"humming's [{n}, {k}] tensors are not in the layout the kernel reads"
+        if probes is None:
+            return "the experts are not on a CUDA device or their shapes are not multiples of 64"
+        for layer, (pw, ps), name in ((self.l1, probes[0], "gate_up"), (self.l2, probes[1], "down")):
+            if not (torch.equal(layer.weight[:1, :4], pw) and torch.equal(layer.weight_scale[:1, :2], ps)):
+                import humming
+
+                return (f"humming {getattr(humming, '__version__', '?')}'s {name} tensors differ from kimi's layout "
+                        "(checked: humming-kernels 0.1.20)")
         try:
             mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
         except Exception as e:  # noqa: BLE001 - any build failure: say which, and run humming
@@ -481,6 +497,9 @@ def make_experts(
         try:
             return HummingInt4Experts(*args, cuda_decode=True)
         except ImportError as e:
+            if dtype != torch.bfloat16:
+                raise ValueError(f"MoE backend auto without humming-kernels ({e}) needs kimi's CUDA GEMM, which runs "
+                                 f"bf16 models only, not {dtype}") from e
             log.warning("MoE backend auto: humming-kernels is not installed (%s); kimi's CUDA GEMM runs every step "
                         "(about 2x slower prefill than humming's)", e)
             backend = "cuda"

@@ -27,9 +27,8 @@ import torch
 
 from kimi import protocol
 from kimi.checkpoint import CheckpointError
-from kimi.config import CacheConfig, ConfigError, ModelConfig
+from kimi.config import MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
 from kimi.controller.transport import Heartbeat, WorkerTransport
-from kimi.ops.moe_backend import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ll-max-tokens", type=int, default=128,
                    help="decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)")
     p.add_argument("--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)")
-    p.add_argument("--moe-backend", default="auto", choices=list(BACKENDS),
+    p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKENDS),
                    help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)")

@@ -108,7 +108,7 @@ _ROUTER = textwrap.dedent("""
     for _ in range(lsm.NUM_COUNTER_REGIONS + 3):
         w, ids = fused._router_topk(x, gw, bias, 8, 1.0, True, True)
         # same ids; weights to fp32 rounding (the two paths sum the logits in different orders)
-    assert torch.equal(ids, ref[1]) and ((w - ref[0]).abs() / ref[0].abs()).max().item() <= 1e-5
+        assert torch.equal(ids, ref[1]) and ((w - ref[0]).abs() / ref[0].abs()).max().item() <= 1e-5
     assert all(int(b.abs().sum()) == 0 for b in lsm._counters.values())
     # exact ties (duplicated gate rows): both paths pick the lower expert id first
     gw = (torch.randn(16, 64) * 0.1).half()

@@ -130,3 +130,25 @@ def test_config_for_picks_a_configuration_that_runs_the_shape():
         assert mc.config_valid(mc.config_for(n, k), n, k)
     with pytest.raises(ValueError, match="no configuration"):
         mc.config_for(48, 192)  # N % 64 != 0
+
+
+def test_a_failed_extension_build_is_not_retried(tmp_path, monkeypatch):
+    """kimi.ops.cuda_ext.load raises the first build's error again at once instead of rebuilding (each MoE layer asks
+    for the extension at model load)."""
+    import time
+
+    from kimi.ops import cuda_ext
+
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setenv("KIMI_CSRC_CACHE", str(tmp_path / "cache"))
+    name = "test_broken_build"
+    try:
+        with pytest.raises(Exception) as first:
+            cuda_ext.load(name, [str(bad)])
+        t0 = time.perf_counter()
+        with pytest.raises(Exception) as again:
+            cuda_ext.load(name, [str(bad)])
+        assert again.value is first.value and time.perf_counter() - t0 < 0.5
+    finally:
+        cuda_ext._failed.pop(name, None)

@@ -82,7 +82,7 @@ def parse_cases(spec: str, chunk: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="kimi-k2.6")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--ep-size", type=int, default=8)

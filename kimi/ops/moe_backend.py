@@ -49,6 +49,12 @@ log = logging.getLogger("kimi.worker")
 # GEMM; larger ones run humming's. Measured: docs/benchmarks.md, session 15.
 AUTO_CUDA_MAX_PAIRS = 512
 
+
+def expected_local_pairs(T: int, k: int, E: int, num_experts_total: int) -> int:
+    """The (token, expert) pairs a step of T tokens at top-k routes to E local experts of num_experts_total, in
+    expectation under uniform routing (at least 1): what the expert GEMMs' schedules are picked by."""
+    return max(1, T * k * E // max(num_experts_total, E))
+
 # Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one
 # (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
 # ("" or "off": none), and used only on the GPU it was measured on. Format (JSON): {"gpu": name, "entries": [{"n": N,
@@ -196,8 +202,8 @@ class HummingExperts(nn.Module):
         self._tuning: dict[tuple[int, int], tuple[dict, dict]] = {}
 
     def _m_local(self, T: int, k: int) -> int:
-        """The expected local pairs of a step of T tokens, top-k (uniform routing over num_experts_total)."""
-        return max(1, T * k * self.E // max(self.num_experts_total, self.E))
+        """The expected local pairs of a step of T tokens, top-k (`expected_local_pairs`)."""
+        return expected_local_pairs(T, k, self.E, self.num_experts_total)
 
     def _configs(self, T: int, k: int) -> tuple[dict, dict]:
         key = (T, k)
@@ -405,7 +411,7 @@ class CudaInt4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
-        m_local = max(1, T * k * self.E // max(self.num_experts_total, self.E))  # expected local pairs
+        m_local = expected_local_pairs(T, k, self.E, self.num_experts_total)
         return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
                                     self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2)
 

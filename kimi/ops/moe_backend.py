@@ -250,8 +250,11 @@ class HummingExperts(nn.Module):
 class HummingInt4Experts(HummingExperts):
     """Packed INT4 experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load).
 
-    Same arguments as TritonInt4Experts. The tensors passed in are consumed (humming keeps its own transformed
-    copies; the caller should drop its references). Raises ImportError when humming is not installed.
+    Same arguments as TritonInt4Experts, plus cuda_decode (backend `auto`): steps of up to cuda_max_pairs
+    (AUTO_CUDA_MAX_PAIRS) expected local pairs run kimi's CUDA GEMM over humming's transformed tensors, where
+    `_cuda_unavailable` finds nothing against it at load (else cuda_max_pairs is 0 and a warning says why). The
+    tensors passed in are consumed (humming keeps its own transformed copies; the caller should drop its
+    references). Raises ImportError when humming is not installed.
     """
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int,

@@ -145,10 +145,27 @@ def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
     _drop_humming_schedules(m)
 
 
+def _experts_impls(m) -> list:
+    """Every MoE layer's routed-expert module (kimi.ops.moe_backend), in layer order."""
+    impls = (getattr(getattr(layer, "mlp", None), "experts_impl", None) for layer in m.layers)
+    return [x for x in impls if x is not None]
+
+
+def _set_attrs(key: str, targets: list[tuple[object, str]], value) -> None:
+    """Set attribute a of every (module, a) in targets to value, saving the old values under _saved[key]; value None
+    puts the saved ones back."""
+    if value is not None:
+        _saved[key] = [getattr(x, a) for x, a in targets]
+        for x, a in targets:
+            setattr(x, a, value)
+    else:
+        for (x, a), old in zip(targets, _saved[key]):
+            setattr(x, a, old)
+
+
 def _drop_humming_schedules(m) -> None:
     """Forget every MoE layer's cached humming schedules (chosen again at the next capture)."""
-    for layer in m.layers:
-        impl = getattr(layer.mlp, "experts_impl", None)
+    for impl in _experts_impls(m):
         if hasattr(impl, "_tuning"):
             impl._tuning.clear()
 
@@ -206,44 +223,24 @@ def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
     and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
     from kimi.ops.moe_backend import CudaInt4Experts, HummingInt4Experts
 
-    out = []
-    for layer in m.layers:
-        x = getattr(getattr(layer, "mlp", None), "experts_impl", None)
-        if isinstance(x, CudaInt4Experts):
-            out.append((x, attr))
-        elif isinstance(x, HummingInt4Experts) and x.cuda_max_pairs:
-            out.append((x, "cuda_" + attr))
-    return out
+    return [(x, attr) if isinstance(x, CudaInt4Experts) else (x, "cuda_" + attr) for x in _experts_impls(m)
+            if isinstance(x, CudaInt4Experts) or (isinstance(x, HummingInt4Experts) and x.cuda_max_pairs)]
 
 
 def _moe_cuda_config(m, attr: str, cfg) -> None:
     """moe_cuda_{gate_up,down}_c{NT}{KW}{S}: the launch configuration of one of kimi's CUDA expert GEMMs (attr
     config13 / config2, see _cuda_gemm_impls; None: kimi.ops.moe_int4_cuda.config_for's pick by step size) set to
     cfg; cfg None restores the saved ones."""
-    impls = _cuda_gemm_impls(m, attr)
-    if cfg is not None:
-        _saved[attr] = [getattr(x, a) for x, a in impls]
-        for x, a in impls:
-            setattr(x, a, cfg)
-    else:
-        for (x, a), old in zip(impls, _saved[attr]):
-            setattr(x, a, old)
+    _set_attrs(attr, _cuda_gemm_impls(m, attr), cfg)
 
 
 def _auto_max_pairs(m, n: int | None) -> None:
-    """auto_humming / auto_max<n>: under --moe-backend auto, every HummingInt4Experts' cuda_max_pairs set to n (0:
-    humming's GEMM at every size); n None restores the saved ones."""
+    """auto_humming: under --moe-backend auto, every HummingInt4Experts' cuda_max_pairs set to n (0: humming's GEMM
+    at every size); n None restores the saved ones."""
     from kimi.ops.moe_backend import HummingInt4Experts
 
-    impls = [layer.mlp.experts_impl for layer in m.layers
-             if isinstance(getattr(getattr(layer, "mlp", None), "experts_impl", None), HummingInt4Experts)]
-    if n is not None:
-        _saved["cuda_max_pairs"] = [x.cuda_max_pairs for x in impls]
-        for x in impls:
-            x.cuda_max_pairs = n
-    else:
-        for x, old in zip(impls, _saved["cuda_max_pairs"]):
-            x.cuda_max_pairs = old
+    _set_attrs("cuda_max_pairs", [(x, "cuda_max_pairs") for x in _experts_impls(m) if isinstance(x, HummingInt4Experts)],
+               n)
 
 
 def _qb_cublas(on: bool) -> None:
@@ -662,10 +659,8 @@ def main() -> None:
     res["experts_impl"] = impl
     # the MoE layers whose decode-sized steps run kimi's CUDA GEMM (--moe-backend cuda: all; auto: those where it can
     # run, the rest humming's, with the reason logged at load)
-    moe_impls = [getattr(getattr(l, "mlp", None), "experts_impl", None) for l in model.layers]
-    res["cuda_gemm_layers"] = {"cuda": sum(type(x).__name__ == "CudaInt4Experts" or getattr(x, "cuda_max_pairs", 0) > 0
-                                           for x in moe_impls),
-                               "moe_layers": sum(x is not None for x in moe_impls)}
+    res["cuda_gemm_layers"] = {"cuda": len(_cuda_gemm_impls(model, "config13")),
+                               "moe_layers": len(_experts_impls(model))}
     fp8_layers = [m for m in model.modules() if type(m).__name__ == "Fp8Linear"]
     # FP8 dense layers kept FP8 (--quant fp8 with --fp8-dense triton / humming), and how many of them run on humming
     res["dense_fp8_layers"] = {"layers": len(fp8_layers), "humming": sum(m.hl is not None for m in fp8_layers),

@@ -331,10 +331,11 @@ class HummingInt4Experts(HummingExperts):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
-        if T and self.cuda_max_pairs and self._m_local(T, k) <= self.cuda_max_pairs:
+        m_local = self._m_local(T, k)
+        if T and m_local <= self.cuda_max_pairs:  # cuda_max_pairs 0: never (m_local >= 1)
             return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter,
                                         self.l1.weight, self.l1.weight_scale, self.l2.weight, self.l2.weight_scale,
-                                        self._m_local(T, k), self.cuda_config13, self.cuda_config2)
+                                        m_local, self.cuda_config13, self.cuda_config2)
         return super().forward(x, topk_weights, topk_ids)
 
 

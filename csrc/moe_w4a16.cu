@@ -16,7 +16,9 @@
 // offsets from pointers that step once per chunk, and the chunk loop is unrolled by S so the slot addresses are
 // constants: the instructions per weight are the dequantisation and the MMAs, little else (the decode step runs at
 // the H200's power cap, where issued instructions cost clock). The inputs' B fragments come from shared memory by
-// ldmatrix. Partials are summed across warps in shared memory (the rings' space, after the loop) and written as bf16.
+// ldmatrix. Partials are summed across warps in shared memory (the rings' space, after the loop) and written as bf16;
+// with glu the epilogue writes SiLU(gate) * up instead (weights with gate / up rows interleaved per n64 block by
+// kimi/ops/moe_int4_cuda.py:glu_interleave), so the gate_up GEMM hands the down GEMM its input directly.
 //
 // C entry point: kimi_w4a16_indexed_gemm (host launcher; returns a cudaError_t).
 
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late) {
+    int top_k, int n, int k_chunks, int trigger_late, int glu) {
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -300,9 +302,40 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       p[(g + 8) * kP + h * 8 + 2 * t + 1] = acc[i][h][3];
     }
   __syncthreads();
+  const int col0 = nb0 * 64;
+  if (glu) {
+    // SiLU(gate) * up (kimi.ops.moe_int4_cuda.glu_interleave): rows 0..31 of each n64 block are the gate rows of
+    // outputs 32 nb .. 32 nb + 31 and rows 32..63 the matching up rows. Rounded as the unfused path rounds: the
+    // GEMM's bf16 outputs, SiLU rounded to bf16 (kimi.ops.fused.silu_mul_rows), then the product.
+    constexpr int kOut = NT * 4;  // output column pairs of this CTA: 16 per n64 block
+    for (int idx = threadIdx.x; idx < kBlockRows * kOut; idx += 32 * KW) {
+      const int r = idx / kOut, op = idx % kOut;
+      const int id = sorted_ids[b * kBlockRows + r];
+      if (id >= num_rows_out) continue;
+      const int cg = (op >> 4) * 64 + 2 * (op & 15);  // the CTA's column of the gate pair; up: + 32
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // gate, gate + 1, up, up + 1
+#pragma unroll
+      for (int w = 0; w < KW; ++w) {
+        const float* pw = partial + (size_t)w * NT * 16 * kP + r;
+        v[0] += pw[(size_t)cg * kP];
+        v[1] += pw[(size_t)(cg + 1) * kP];
+        v[2] += pw[(size_t)(cg + 32) * kP];
+        v[3] += pw[(size_t)(cg + 33) * kP];
+      }
+      float a[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float gt = __bfloat162float(__float2bfloat16_rn(v[j]));
+        const float up = __bfloat162float(__float2bfloat16_rn(v[2 + j]));
+        a[j] = __bfloat162float(__float2bfloat16_rn(gt / (1.0f + __expf(-gt)))) * up;
+      }
+      *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + nb0 * 32 + (op >> 4) * 32 +
+                                         2 * (op & 15)) = __floats2bfloat162_rn(a[0], a[1]);
+    }
+    return;
+  }
   // sum over warps; thread -> (row r of the block, pair of n columns): bf16x2 stores along n
   constexpr int kPairs = NT * 8;
-  const int col0 = nb0 * 64;
   for (int idx = threadIdx.x; idx < kBlockRows * kPairs; idx += 32 * KW) {
     const int r = idx / kPairs, np = idx % kPairs;
     const int id = sorted_ids[b * kBlockRows + r];
@@ -328,7 +361,7 @@ constexpr size_t smem_bytes() {
 template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, cudaStream_t stream) {
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
@@ -357,7 +390,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n, k_chunks, pdl == 2 ? 1 : 0);
+                            n, k_chunks, pdl == 2 ? 1 : 0, glu);
 }
 
 }  // namespace
@@ -365,7 +398,8 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // Host launcher. x: [R, k] bf16 (row stride x_stride elements, rows 16-byte aligned); wq / wsc: weights
 // [E, k/16, n/64, 32, 4] int32 and scales [E, k/32, n] bf16 in the layout of kimi/ops/moe_int4_cuda.py:repack;
 // sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
-// out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written). (nt, kw, stages) must be an instantiated
+// out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written; with glu = 1: [num_rows_out, n / 2], SiLU of
+// rows 0..31 of each n64 block times rows 32..63, see the epilogue). (nt, kw, stages) must be an instantiated
 // configuration with nt dividing n / 16; n % 64 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
 // grid's y dimension). pdl: 0 off, 1 on, 2 on with the next kernel released after the main loop. Returns
 // cudaErrorInvalidValue for anything else.
@@ -373,14 +407,14 @@ extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, 
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               cudaStream_t stream) {
+                                               int glu, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
-      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2)
+      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

@@ -9,12 +9,12 @@ extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, 
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               cudaStream_t stream);
+                                               int glu, cudaStream_t stream);
 
 static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wsc,
                          const torch::Tensor& sorted_ids, const torch::Tensor& block_expert,
                          const torch::Tensor& num_padded, torch::Tensor& out, int64_t top_k, int64_t nt, int64_t kw,
-                         int64_t stages, int64_t pdl) {
+                         int64_t stages, int64_t pdl, bool glu) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x: [R, K] bf16 CUDA tensor with unit last stride");
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.stride(1) == 1,
@@ -35,7 +35,8 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
   TORCH_CHECK(top_k >= 1 && out.size(0) <= x.size(0) * top_k,
               "out has more rows than x rows x top_k (ids >= out.size(0) are the pads)");
   const int64_t n = wsc.size(2), k = wsc.size(1) * 32;
-  TORCH_CHECK(x.size(1) == k && out.size(1) == n, "x / out widths do not match the weights");
+  TORCH_CHECK(x.size(1) == k && out.size(1) == (glu ? n / 2 : n),
+              "x / out widths do not match the weights (out: N columns, N / 2 with glu)");
   TORCH_CHECK(sorted_ids.numel() == 16 * block_expert.numel(), "sorted_ids must hold 16 ids per block");
   const int num_blocks = static_cast<int>(block_expert.numel());
   if (num_blocks == 0 || out.size(0) == 0) return;
@@ -44,7 +45,8 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
       x.data_ptr(), x.stride(0), wq.data_ptr(), wsc.data_ptr(), sorted_ids.data_ptr<int>(),
       block_expert.data_ptr<int>(), num_padded.data_ptr<int>(), out.data_ptr(), out.stride(0),
       static_cast<int>(out.size(0)), static_cast<int>(top_k), static_cast<int>(n), static_cast<int>(k), num_blocks,
-      static_cast<int>(nt), static_cast<int>(kw), static_cast<int>(stages), static_cast<int>(pdl), at::cuda::getCurrentCUDAStream());
+      static_cast<int>(nt), static_cast<int>(kw), static_cast<int>(stages), static_cast<int>(pdl), glu ? 1 : 0,
+      at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) cudaGetLastError();  // clear it: a later, unrelated launch check must not see it
   TORCH_CHECK(err == cudaSuccess, "kimi_w4a16_indexed_gemm: ", cudaGetErrorString(err), " (nt=", nt, ", kw=", kw, ", stages=", stages,
               ", n=", n, ", k=", k, ")");

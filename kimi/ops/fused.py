@@ -196,43 +196,55 @@ def silu_mul_ref(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr, P, I, ROWS: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK: tl.constexpr, GROUP: tl.constexpr = 0, PDL: tl.constexpr = False):
     # program (slot block, column block): rows rows_ptr[slot] for the ROWS slots of the block, slots past
-    # *nrows_ptr and row ids >= P (the align's pad sentinel) skipped
+    # *nrows_ptr and row ids >= P (the align's pad sentinel) skipped; GROUP > 0: gate / up columns interleaved in
+    # groups of GROUP (kimi.ops.moe_int4_cuda.glu_interleave), else gate [0, I), up [I, 2I)
     wait_and_release(PDL)
     s0 = tl.program_id(0) * ROWS
     n = tl.load(nrows_ptr)
     if s0 < n:  # the ROWS rows of the block in one [ROWS, BLOCK] tile (one memory round trip, not ROWS)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        if GROUP > 0:
+            g_col = (offs // GROUP) * (2 * GROUP) + offs % GROUP
+            u_col = g_col + GROUP
+        else:
+            g_col = offs
+            u_col = offs + I
         sl = s0 + tl.arange(0, ROWS)
         r = tl.load(rows_ptr + sl, mask=sl < n, other=P)
         ok = r < P
         r64 = tl.where(ok, r, 0).to(tl.int64)
         mm = ok[:, None] & (offs < I)[None, :]
-        base = r64[:, None] * y_stride + offs[None, :]
-        g = tl.load(y_ptr + base, mask=mm, other=0.0).to(tl.float32)
-        u = tl.load(y_ptr + base + I, mask=mm, other=0.0).to(tl.float32)
+        base = r64[:, None] * y_stride
+        g = tl.load(y_ptr + base + g_col[None, :], mask=mm, other=0.0).to(tl.float32)
+        u = tl.load(y_ptr + base + u_col[None, :], mask=mm, other=0.0).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
         tl.store(o_ptr + r64[:, None] * o_stride + offs[None, :], (a * u).to(o_ptr.dtype.element_ty), mask=mm)
 
 
 def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, inter: int | None = None,
-                  rows_per_program: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  rows_per_program: int | None = None, out: torch.Tensor | None = None,
+                  interleave: int = 0) -> torch.Tensor:
     """silu_mul for the rows a MoE align lists only: y [P, 2I] (unit last-dim stride), rows [cap] int32 row ids
     (moe_align's sorted_ids: values >= P are pads, skipped), num_rows [1] int32 on the device (how many leading
     entries of rows are valid: moe_align's num_padded) -> o [P, I] (y.dtype) where o[r] = silu(y[r, :I]) * y[r, I:]
     for every listed row r; the other rows of o are left UNINITIALISED (the down GEMM reads only listed rows).
     out: optional [P, I] destination (unit last-dim stride), returned; its unlisted rows are not written.
     rows_per_program: listed rows per program, rounded up to a power of two (loaded as one [rows, block] tile);
-    default LAUNCH["silu_rows"]["rows"].
+    default LAUNCH["silu_rows"]["rows"]. interleave: 0, or G > 0 when y's columns are gate / up groups of G
+    (kimi.ops.moe_int4_cuda.glu_interleave: o[r, G j + i] = silu(y[r, 2 G j + i]) * y[r, 2 G j + G + i]).
 
     Why: the gate_up GEMM writes only the rows of local (token, expert) pairs, about 1/ep_size of the P = T * k
     rows; silu_mul over all P rows reads and writes ~ep_size x more than needed. Same math as `silu_mul`
     (silu rounded to y.dtype, then the product rounded). No host sync (num_rows stays on the device): the grid
-    covers all cap slots and programs past num_rows exit at once. CUDA-graph capturable."""
+    covers all cap slots and programs past num_rows exit at once. CUDA-graph capturable. Raises ValueError when
+    I is not a multiple of interleave."""
     P, two_i = y.shape
     inter = two_i // 2 if inter is None else inter
     assert y.stride(1) == 1 and rows.dtype == torch.int32 and num_rows.numel() == 1
+    if interleave < 0 or (interleave and inter % interleave):
+        raise ValueError(f"silu_mul_rows: interleave {interleave} does not divide I = {inter}")
     o = torch.empty((P, inter), dtype=y.dtype, device=y.device) if out is None else out
     assert o.shape == (P, inter) and o.stride(1) == 1
     cap = rows.numel()
@@ -242,9 +254,18 @@ def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, i
     BLOCK = min(lp["block"], triton.next_power_of_2(inter))
     R = triton.next_power_of_2(lp["rows"] if rows_per_program is None else rows_per_program)
     _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
-        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, num_warps=lp["warps"],
-        **launch_kwargs(y.device))
+        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, GROUP=int(interleave),
+        num_warps=lp["warps"], **launch_kwargs(y.device))
     return o
+
+
+def glu_split(y: torch.Tensor, inter: int, interleave: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate [M, I], up [M, I]) of a gate_up output y [M, 2I]: y[:, :I], y[:, I:], or with interleave G > 0 the
+    column groups `silu_mul_rows(..., interleave=G)` reads (copies)."""
+    if not interleave:
+        return y[:, :inter], y[:, inter:]
+    v = y.reshape(y.shape[0], inter // interleave, 2, interleave)
+    return v[:, :, 0].reshape(-1, inter), v[:, :, 1].reshape(-1, inter)
 
 
 # ---- MLA: q_pe rope, kv latent rmsnorm + k_pe rope, paged cache write -------------------------------------

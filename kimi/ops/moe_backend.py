@@ -179,6 +179,7 @@ class HummingExperts(nn.Module):
 
     graph_safe = True
     weight_kind = "int4"  # which humming_table.json entries apply (HummingFp8Experts: "fp8")
+    glu_group = 0  # > 0: the gate_up rows are in kimi.ops.moe_int4_cuda.glu_interleave's order with this group
 
     def _setup(self, wcfg: dict, dtype, t13: dict, t2: dict, E: int, D: int, inter: int, dev, expert_offset: int,
                num_experts_total: int) -> None:
@@ -228,6 +229,8 @@ class HummingExperts(nn.Module):
             return out
         c1, c2 = self._configs(T, k)
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
+        from kimi.ops.fused import glu_split
+
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
             from kimi.ops.fused import moe_align_fused as moe_align, silu_mul_rows
         else:
@@ -238,9 +241,10 @@ class HummingExperts(nn.Module):
         y1 = self.l1(x.contiguous(), sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=k,
                      compute_config=cc, tuning_config=c1)  # [T*k, 2I] rows = pair ids (local pairs written)
         if silu_mul_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
-            act = silu_mul_rows(y1, a1[0], a1[2], self.inter)  # [T*k, I]
+            act = silu_mul_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
         else:
-            act = F.silu(y1[:, : self.inter]) * y1[:, self.inter :]  # [T*k, I]
+            gate, up = glu_split(y1, self.inter, self.glu_group)
+            act = F.silu(gate) * up  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
                      compute_config=cc, tuning_config=c2)  # [T*k, D]
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
@@ -253,15 +257,24 @@ class HummingInt4Experts(HummingExperts):
     Same arguments as TritonInt4Experts, plus cuda_decode (backend `auto`): steps of up to cuda_max_pairs
     (AUTO_CUDA_MAX_PAIRS) expected local pairs run kimi's CUDA GEMM over humming's transformed tensors, where
     `_cuda_unavailable` finds nothing against it at load (else cuda_max_pairs is 0 and a warning says why). The
-    tensors passed in are consumed (humming keeps its own transformed copies; the caller should drop its
-    references). Raises ImportError when humming is not installed.
+    gate_up rows are stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order (when I is a multiple of its group),
+    so kimi's GEMM writes SiLU(gate) * up itself (`cuda_glu`; False: its plain outputs and the silu_mul_rows kernel,
+    for A/B runs) and humming's outputs go through silu_mul_rows with the same interleave. The tensors passed in
+    are consumed (humming keeps its own transformed copies; the caller should drop its references). Raises
+    ImportError when humming is not installed.
     """
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int,
                  cuda_decode: bool = False):
         super().__init__()
+        from kimi.ops import moe_int4_cuda as mc
+
         E, two_i, d8 = w13_packed.shape
         D = d8 * 8
+        if (two_i // 2) % mc.GLU_GROUP == 0:
+            w13_packed, w13_scale = mc.glu_interleave(w13_packed, w13_scale)
+            self.glu_group = mc.GLU_GROUP
+        self.cuda_glu = True
         wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
                     strategy="group", group_size=32, symmetric=True)
         dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
@@ -270,8 +283,6 @@ class HummingInt4Experts(HummingExperts):
         # kimi's layout of expert 0's first 64 inputs of each GEMM, to check humming's transform against at the end
         probes = None
         if cuda_decode and w13_packed.is_cuda and D % 64 == 0 and two_i % 128 == 0:
-            from kimi.ops import moe_int4_cuda as mc
-
             probes = [mc.repack(p[:1, :, :8].contiguous(), sc[:1, :, :2].contiguous())
                       for p, sc in ((w13_packed, w13_scale), (w2_packed, w2_scale))]
         self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
@@ -335,7 +346,7 @@ class HummingInt4Experts(HummingExperts):
         if T and m_local <= self.cuda_max_pairs:  # cuda_max_pairs 0: never (m_local >= 1)
             return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter,
                                         self.l1.weight, self.l1.weight_scale, self.l2.weight, self.l2.weight_scale,
-                                        m_local, self.cuda_config13, self.cuda_config2)
+                                        m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu)
         return super().forward(x, topk_weights, topk_ids)
 
 
@@ -381,8 +392,9 @@ class CudaInt4Experts(nn.Module):
     """Packed INT4 experts run by kimi's CUDA indexed GEMM (kimi.ops.moe_int4_cuda), weights repacked at load.
 
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
-    (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows -> silu(gate) * up on those rows
-    -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
+    (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows, its epilogue writing silu(gate) *
+    up (gate_up rows stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order; `glu` False: the plain GEMM and the
+    silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
     shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
     built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension` raises when it cannot be built; all of them
     here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can fall back to the reference).
@@ -403,7 +415,9 @@ class CudaInt4Experts(nn.Module):
         # launch configurations: config_for's per step size, or these where set (benchmarks)
         self.config13: tuple[int, int, int] | None = None
         self.config2: tuple[int, int, int] | None = None
-        w13, s13 = mc.repack(w13_packed, w13_scale)
+        self.glu = True
+        self.glu_group = mc.GLU_GROUP  # w13's rows in glu_interleave's order (config_for above: I % 32 == 0)
+        w13, s13 = mc.repack(*mc.glu_interleave(w13_packed, w13_scale))
         w2, s2 = mc.repack(w2_packed, w2_scale)
         self.register_buffer("w13", w13)
         self.register_buffer("w13_scale", s13)
@@ -417,19 +431,23 @@ class CudaInt4Experts(nn.Module):
         T, k = topk_ids.shape
         m_local = expected_local_pairs(T, k, self.E, self.num_experts_total)
         return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
-                                    self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2)
+                                    self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2,
+                                    self.glu_group, self.glu)
 
 
 def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,
                          expert_offset: int, inter: int, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
                          s2: torch.Tensor, m_local: int, config13: tuple[int, int, int] | None = None,
-                         config2: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         config2: tuple[int, int, int] | None = None, glu_group: int = 0,
+                         fuse_glu: bool = True) -> torch.Tensor:
     """The routed experts through kimi's CUDA GEMM (kimi.ops.moe_int4_cuda.indexed_gemm): align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows -> down
     -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
     int32, [E, D/32, 2I] bf16) and w2 / s2 ([E, I/16, 2D], [E, I/32, D]) in the kernel's layout; m_local: the step's
     expected local pairs, which picks the launch configurations (kimi.ops.moe_int4_cuda.config_for) unless config13
-    / config2 are given. Returns [T, D] (rows without a local pair are 0)."""
+    / config2 are given. glu_group: 0, or the group of `kimi.ops.moe_int4_cuda.glu_interleave` that w13's rows are
+    stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel).
+    Returns [T, D] (rows without a local pair are 0)."""
     from kimi.ops import moe_int4_cuda as mc
     from kimi.ops.fused import moe_align_fused, silu_mul_rows
     from kimi.ops.moe_int4_triton import combine_into
@@ -441,11 +459,15 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
         return out
     sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, E, expert_offset, 16)
     P = T * k
-    y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
     config13 = config13 or mc.config_for(2 * inter, D, m_local)
     config2 = config2 or mc.config_for(D, inter, m_local)
-    mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
-    act = silu_mul_rows(y1, sorted_ids, num_padded, inter)  # [P, I], listed rows only
+    if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
+        act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
+        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13, glu=True)
+    else:
+        y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
+        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
+        act = silu_mul_rows(y1, sorted_ids, num_padded, inter, interleave=glu_group)  # [P, I], listed rows only
     y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
     mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2)
     combine_into(y2, topk_weights, topk_ids, expert_offset, E, out)

@@ -52,7 +52,12 @@ import torch
 
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
-__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "CONFIGS", "TABLE", "load_extension"]
+__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "glu_interleave", "GLU_GROUP", "CONFIGS",
+           "TABLE", "load_extension"]
+
+# glu_interleave's group: the gate_up weights' rows are stored as [gate 32 j .. + 31, up 32 j .. + 31] per n64 block,
+# so a CTA of the GEMM holds both halves of its outputs and its epilogue writes SiLU(gate) * up (indexed_gemm's glu).
+GLU_GROUP = 32
 
 # (NT, KW, S) launch configurations compiled into the extension: NT 16-row N tiles per CTA, KW warps splitting K,
 # S k64 chunks per warp in its shared-memory ring (S - 1 in flight).
@@ -154,6 +159,30 @@ def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q * s.repeat_interleave(32, dim=2)).to(torch.bfloat16).float()
 
 
+def glu_interleave(packed: torch.Tensor, scale: torch.Tensor, group: int = GLU_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder the rows of a gate_up weight [E, 2I, ...] (rows [0, I) gate, [I, 2I) up, as the checkpoints store
+    them) to [gate 0 .. group-1, up 0 .. group-1, gate group .. 2 group-1, up group .. , ...]: packed [E, 2I, K/8]
+    int32 and scale [E, 2I, K/32] -> the same shapes, new tensors. The GEMM's outputs then come in the same order:
+    `kimi.ops.fused.silu_mul_rows(..., interleave=group)` reads them, and with group = GLU_GROUP (32, half an n64
+    block) kimi's kernel computes SiLU(gate) * up in its epilogue (`indexed_gemm(..., glu=True)`).
+    Raises ValueError when 2I is not a multiple of 2 group or the shapes disagree."""
+    if packed.dim() != 3 or scale.dim() != 3 or packed.shape[:2] != scale.shape[:2]:
+        raise ValueError(f"glu_interleave: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} (want [E, 2I, ...])")
+    two_i = packed.shape[1]
+    if group <= 0 or two_i % (2 * group):
+        raise ValueError(f"glu_interleave: {two_i} rows are not whole pairs of {group}-row gate / up groups")
+    rows = glu_rows(two_i // 2, group, packed.device)
+    return packed.index_select(1, rows), scale.index_select(1, rows)
+
+
+def glu_rows(inter: int, group: int, device=None) -> torch.Tensor:
+    """[2 inter] int64: the checkpoint row (gate r < inter, up inter + r) at each position of `glu_interleave`'s
+    order: position 2 group j + i is gate row group j + i, position 2 group j + group + i is up row group j + i."""
+    j = torch.arange(inter // group, device=device).view(-1, 1, 1) * group
+    half = torch.tensor([0, inter], device=device).view(1, 2, 1)
+    return (j + half + torch.arange(group, device=device).view(1, 1, -1)).reshape(-1)
+
+
 def load_extension():
     """Build (first use) and import the extension (kimi.ops.cuda_ext.load: sources csrc/moe_w4a16_binding.cpp and
     csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension loader raises when it
@@ -165,14 +194,17 @@ def load_extension():
 
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
-                 config: tuple[int, int, int] | None = None, pdl: str | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
     contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
     (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
     num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
-    they are). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`, TABLE's pick for the smallest steps).
+    they are). glu: the weights' rows are in `glu_interleave`'s order (group GLU_GROUP) and out is [P, N/2]:
+    out[r, 32 j + i] = silu(y[64 j + i]) * y[64 j + 32 + i] of the GEMM's y = W x (y and the SiLU rounded to bf16
+    first, as `kimi.ops.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`,
+    TABLE's pick for the smallest steps).
     pdl: "early",
     "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
@@ -190,8 +222,9 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
         raise ValueError(f"indexed_gemm: x {tuple(x.shape)} {x.dtype} (want [R, {K}] bf16, unit stride)")
     if x.data_ptr() % 16 or x.stride(0) % 8:
         raise ValueError("indexed_gemm: x rows must start at 16-byte boundaries (16-byte async copies)")
-    if out.shape[-1] != N or out.stride(-1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
-        raise ValueError(f"indexed_gemm: out {tuple(out.shape)} (want [P, {N}] bf16, unit stride)")
+    n_out = N // 2 if glu else N
+    if out.shape[-1] != n_out or out.stride(-1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
+        raise ValueError(f"indexed_gemm: out {tuple(out.shape)} (want [P, {n_out}] bf16, unit stride)")
     if sorted_ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or num_padded.dtype != torch.int32:
         raise ValueError("indexed_gemm: sorted_ids, block_expert and num_padded must be int32")
     if sorted_ids.numel() != 16 * block_expert.numel():
@@ -210,5 +243,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl])
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu))
     return out

@@ -93,6 +93,49 @@ def test_indexed_gemm_in_a_cuda_graph():
     assert not torch.equal(torch.nan_to_num(out, 1e9), torch.nan_to_num(eager, 1e9)), "the replay read stale inputs"
 
 
+@pytest.mark.parametrize("E,I,K,T,k,E_total,offset", [
+    (8, 128, 512, 9, 4, 16, 4),        # small: pads, blocks with > 8 rows
+    (48, 2048, 7168, 256, 8, 384, 96),  # Kimi gate_up at 32 local sequences under EP8
+])
+def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, offset):
+    """indexed_gemm(glu=True) over glu_interleave'd weights = silu_mul_rows(interleave=32) of the plain GEMM's output
+    on the same weights (both round the GEMM output and the SiLU to bf16; the SiLU's exp / division may differ in the
+    last bit: within 2 bf16 ulps), and = silu(gate) * up of the fp32 reference within 1e-2 of its max; rows not
+    listed keep their poison. Every configuration that runs the shape."""
+    from kimi.ops.fused import moe_align_fused, silu_mul_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(I + T)
+    packed, scale = _experts(E, 2 * I, K, gen)
+    w, s = mc.repack(*mc.glu_interleave(packed, scale))
+    ids = _routing(T, E_total, k, gen)
+    P = T * k
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+    rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
+    ex = ids.reshape(-1)[rows] - offset
+    x = (torch.randn((T, K), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    ref = torch.empty((len(rows), 2 * I), device="cuda")
+    for e in ex.unique().tolist():
+        sel = ex == e
+        ref[sel] = x[rows[sel] // k].float() @ dequant_int4(packed[e], scale[e], 32, torch.bfloat16).float().T
+    ref_act = torch.nn.functional.silu(ref[:, :I]) * ref[:, I:]
+    others = torch.ones(P, dtype=torch.bool, device="cuda")
+    others[rows] = False
+    for cfg in [c for c in mc.CONFIGS if mc.config_valid(c, 2 * I, K)]:
+        y = torch.full((P, 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, y, config=cfg)
+        unfused = silu_mul_rows(y, sorted_ids, num_padded, I, interleave=mc.GLU_GROUP)[rows].float()
+        act = torch.full((P, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, act, config=cfg, glu=True)
+        fused = act[rows].float()
+        ulps = ((fused - unfused).abs() / (unfused.abs() * 2.0 ** -7).clamp_min(1e-30)).max().item()
+        assert ulps <= 2.0, f"config {cfg}: fused vs unfused differ by {ulps:.2f} bf16 ulps"
+        err = (fused - ref_act).abs().max().item()
+        assert err <= 1e-2 * ref_act.abs().max().item(), f"config {cfg}: max err {err:.3g} against the reference"
+        assert torch.isnan(act[others]).all(), f"config {cfg}: a row that is not listed was written"
+    with pytest.raises(ValueError, match="want"):
+        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, y, glu=True)  # [P, 2I]: not [P, I]
+
+
 def test_cuda_backend_matches_ref_backend():
     from kimi.ops.moe_backend import make_experts
 
@@ -108,9 +151,11 @@ def test_cuda_backend_matches_ref_backend():
     ids = _routing(T, E_total, k, gen)
     wts = torch.rand((T, k), device="cuda", generator=gen)
     y_ref = ref(x, wts, ids).float()
-    y = ours(x, wts, ids).float()
-    err = (y - y_ref).abs().max().item()
-    assert err <= 2e-2 * y_ref.abs().max().item(), f"max err {err:.3g}"
+    for glu in (True, False):  # SiLU(gate) * up in the gate_up GEMM's epilogue / by the silu_mul_rows kernel
+        ours.glu = glu
+        y = ours(x, wts, ids).float()
+        err = (y - y_ref).abs().max().item()
+        assert err <= 2e-2 * y_ref.abs().max().item(), f"glu {glu}: max err {err:.3g}"
     with pytest.raises(ValueError, match="bf16"):
         make_experts("cuda", parts(), offset, E_total, torch.float16)
 
@@ -130,7 +175,8 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
                      "w2_scale": s2.clone()}
     auto = make_experts("auto", parts(), offset, E_total, torch.bfloat16)
     assert isinstance(auto, HummingInt4Experts) and auto.cuda_max_pairs > 0
-    for layer, (p, s) in ((auto.l1, (p13, s13)), (auto.l2, (p2, s2))):
+    assert auto.glu_group == mc.GLU_GROUP  # gate_up rows interleaved (kimi's GEMM writes SiLU(gate) * up)
+    for layer, (p, s) in ((auto.l1, mc.glu_interleave(p13, s13)), (auto.l2, (p2, s2))):
         w, sc = mc.repack(p, s)
         assert torch.equal(w, layer.weight) and torch.equal(sc, layer.weight_scale)
     ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)

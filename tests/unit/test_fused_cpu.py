@@ -184,6 +184,26 @@ _SILU_ROWS = textwrap.dedent("""
         o0 = torch.full((P, I), float("nan")).half()
         fused.silu_mul_rows(y, s, torch.zeros(1, dtype=torch.int32), I, out=o0)
         assert o0.isnan().all()
+    # gate / up interleaved in groups of G (kimi.ops.moe_int4_cuda.glu_interleave's order): the same result as the
+    # plain layout's on the columns permuted back
+    from kimi.ops.moe_int4_cuda import glu_rows
+    for T, I, G in [(5, 64, 32), (3, 48, 8)]:
+        ids = torch.rand(T, 32).topk(8, 1).indices.to(torch.int64)
+        s, be, npd, mb = fused._moe_align(ids, 12, 8, 16, False)
+        y = torch.randn(T * 8, 2 * I).half() * 3
+        yi = y[:, glu_rows(I, G)]  # column c of yi = column glu_rows[c] of y
+        o = fused.silu_mul_rows(yi, s, npd, I, interleave=G)
+        rows = sorted({int(r) for r in s[: int(npd)] if int(r) < T * 8})
+        if rows:
+            rows = torch.tensor(rows)
+            assert torch.equal(o[rows], fused.silu_mul_rows(y, s, npd, I)[rows]), (T, I, G)
+            g, u = fused.glu_split(yi[rows], I, G)
+            assert torch.equal(g, y[rows, :I]) and torch.equal(u, y[rows, I:])
+    try:
+        fused.silu_mul_rows(y, s, npd, I, interleave=7)
+        raise AssertionError("interleave 7 of I = 48 accepted")
+    except ValueError as e:
+        assert "interleave 7" in str(e)
     print("OK silu_rows")
 """)
 

@@ -152,3 +152,18 @@ def test_a_failed_extension_build_is_not_retried(tmp_path, monkeypatch):
         assert again.value is first.value and time.perf_counter() - t0 < 0.5
     finally:
         cuda_ext._failed.pop(name, None)
+
+
+def test_glu_interleave_orders_gate_and_up_rows_in_groups():
+    """glu_interleave: position 2 G j + i holds gate row G j + i, position 2 G j + G + i up row G j + i (packed words
+    and scales alike); a row count that is not whole pairs of groups is refused."""
+    torch.manual_seed(0)
+    E, I, K, G = 2, 96, 64, 32
+    packed = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, K // 8), dtype=torch.int32)
+    scale = torch.rand(E, 2 * I, K // 32).to(torch.bfloat16)
+    p, s = mc.glu_interleave(packed, scale, G)
+    for pos, src in [(0, 0), (31, 31), (32, I), (63, I + 31), (64, 32), (96, I + 32), (2 * I - 1, 2 * I - 1)]:
+        assert torch.equal(p[:, pos], packed[:, src]) and torch.equal(s[:, pos], scale[:, src]), (pos, src)
+    assert sorted(mc.glu_rows(I, G).tolist()) == list(range(2 * I))
+    with pytest.raises(ValueError, match="whole pairs"):
+        mc.glu_interleave(packed[:, :100], scale[:, :100], G)

@@ -243,6 +243,29 @@ def _auto_max_pairs(m, n: int | None) -> None:
                n)
 
 
+def _glu_unfused(m, on: bool) -> None:
+    """glu_unfused: kimi's CUDA gate_up GEMM writes its plain outputs and the silu_mul_rows kernel computes
+    SiLU(gate) * up (as before session 16), on the same interleaved weights; on False restores the saved flags."""
+    _set_attrs("glu", _cuda_gemm_impls(m, "glu"), False if on else None)
+
+
+def _pages_restaged(on: bool) -> None:
+    """pages_restaged: the graph runner writes and copies every row's page ids each step (CudaGraphRunner's row
+    cache forgotten before each _stage_pages, as if no row were kept on the device); off restores the method."""
+    from kimi.worker.cuda_graph import CudaGraphRunner
+
+    if on:
+        keep = _saved["stage_pages"] = CudaGraphRunner._stage_pages
+
+        def stage(self, *a):
+            self._forget_pages()
+            return keep(self, *a)
+
+        CudaGraphRunner._stage_pages = stage
+    else:
+        CudaGraphRunner._stage_pages = _saved["stage_pages"]
+
+
 def _qb_cublas(on: bool) -> None:
     """qb_cublas: q_b ([12288, 1536]) at M buckets 32 / 64 through F.linear (cuBLAS) as before session 4's table entries."""
     from kimi.ops import linear_small_m as lsm
@@ -335,6 +358,10 @@ AB_VARIANTS = {
        for c in MOE_CUDA_CONFIGS},
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
+    "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
+                    "(same weights)", lambda m: _glu_unfused(m, True), lambda m: _glu_unfused(m, False)),
+    "pages_restaged": ("every row's page ids written on the host and copied each step (run_host keeping none "
+                       "on the device)", lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

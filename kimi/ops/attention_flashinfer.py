@@ -41,7 +41,11 @@ csrc/batch_mla_sm90_run.cu:48-57), so two strided *views* of the one buffer are 
 Paging: FlashInfer's page = kimi's block (page_size = block_size); per request the pages are
 ``block_tables[b, :ceil(seq_len / block_size)]``, concatenated into `kv_indices` (int32) with `kv_indptr`
 offsets; ``kv_len_arr = seq_lens``; ``qo_indptr = [0, cumsum(qo_lens)]``: the query rows of request b are rows
-``qo_indptr[b] .. qo_indptr[b+1] - 1`` of q_lat / q_pe / o_lat (kimi's flat batch order).
+``qo_indptr[b] .. qo_indptr[b+1] - 1`` of q_lat / q_pe / o_lat (kimi's flat batch order). A decode plan may instead
+give each request a fixed slot of `page_stride` pages (``kv_indptr[b] = b * page_stride``, its pages at the slot's
+start): FlashInfer's MLA scheduler reads kv_indptr only as each request's first page (MLAPlan, scheduler.cuh
+1440-1600: the work split follows kv_len), so the CUDA-graph runner can keep each row's pages in place from step to
+step and write only the new ones (kimi.worker.cuda_graph.CudaGraphRunner.run_host).
 
 Usage: ``plan(...)`` once per step OUTSIDE CUDA graphs (host work: FlashInfer's scheduler runs on the host over
 the lengths), shared by every layer, then ``run(...)`` per layer (capturable when the wrapper was built with
@@ -65,11 +69,16 @@ __all__ = ["FlashInferMLA", "FlashInferMLADecode", "MAX_PLAN_WORKS"]
 MAX_PLAN_WORKS = 16384
 
 
-def _decode_indptr(seq_lens: list[int], block_size: int) -> list[int]:
-    """kv_indptr [B+1] of a decode plan, request b's ceil(seq_lens[b] / block_size) pages after those of requests
-    < b. Raises ValueError on a context length < 1."""
+def _decode_indptr(seq_lens: list[int], block_size: int, page_stride: int | None = None) -> list[int]:
+    """kv_indptr [B+1] of a decode plan: request b's ceil(seq_lens[b] / block_size) pages after those of requests
+    < b, or (page_stride) at b * page_stride. Raises ValueError on a context length < 1 or a request with more
+    pages than page_stride."""
     if min(seq_lens, default=0) < 1:
         raise ValueError(f"decode plan: context lengths must be >= 1, got {seq_lens}")
+    if page_stride is not None:
+        if max(seq_lens, default=1) > page_stride * block_size:
+            raise ValueError(f"decode plan: a context of {max(seq_lens)} tokens needs more than {page_stride} pages")
+        return list(range(0, (len(seq_lens) + 1) * page_stride, page_stride))
     indptr = [0] * (len(seq_lens) + 1)
     for b, s in enumerate(seq_lens):
         indptr[b + 1] = indptr[b] + (s + block_size - 1) // block_size
@@ -152,10 +161,10 @@ class FlashInferMLA:
         self._plan_done: torch.cuda.Event | None = None
         self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
         self._idx_done: torch.cuda.Event | None = None  # recorded after each `_copy_indices` (decode plan_pages)
-        # plan ahead (decode, CUDA-graph wrappers): (block_size, seq_lens) the wrapper's schedule was planned for
-        # by `plan_ahead` with no plan since, else None; `plan_decode_schedule` (also behind a decode `plan_pages`)
-        # of exactly those lengths then runs no scheduler (see plan_ahead)
-        self._ahead: tuple[int, tuple[int, ...]] | None = None
+        # plan ahead (decode, CUDA-graph wrappers): (block_size, page_stride, seq_lens) the wrapper's schedule was
+        # planned for by `plan_ahead` with no plan since, else None; `plan_decode_schedule` (also behind a decode
+        # `plan_pages`) of exactly those then runs no scheduler (see plan_ahead)
+        self._ahead: tuple[int, int | None, tuple[int, ...]] | None = None
         self.ahead_hits = 0  # plan_decode_schedule calls served by a plan made ahead (tests / benchmarks / logs)
         self.ahead_misses = 0  # plan_decode_schedule calls after a plan_ahead whose lengths did not match
 
@@ -263,32 +272,33 @@ class FlashInferMLA:
         kv_indices.numpy()[:] = flat
         self._plan_indices(qo_lens, seq_lens, indptr, kv_indices, block_size, causal)
 
-    def plan_decode_schedule(self, seq_lens: list[int], block_size: int) -> None:
+    def plan_decode_schedule(self, seq_lens: list[int], block_size: int, page_stride: int | None = None) -> None:
         """Plan a decode step (CUDA-graph wrappers only: one query row per request, non-causal, context lengths
         seq_lens >= 1) whose page ids the caller writes into the wrapper's kv_indices buffer itself, before the
-        run in stream order (request b's ceil(seq_lens[b] / block_size) pages after those of requests < b).
-        When `plan_ahead` planned exactly these lengths (and no plan came since) nothing is done on the host
-        (`ahead_hits` counts it); otherwise FlashInfer plans now. Raises ValueError as `plan` does."""
+        run in stream order (request b's ceil(seq_lens[b] / block_size) pages after those of requests < b, or with
+        page_stride from b * page_stride on: see the module docstring).
+        When `plan_ahead` planned exactly these lengths and stride (and no plan came since) nothing is done on the
+        host (`ahead_hits` counts it); otherwise FlashInfer plans now. Raises ValueError as `plan` does."""
         B = len(seq_lens)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            if ahead == (block_size, tuple(seq_lens)):
+            if ahead == (block_size, page_stride, tuple(seq_lens)):
                 self._ahead_state(block_size, B)
                 self.ahead_hits += 1
                 return
             self.ahead_misses += 1
         if not self.use_cuda_graph:
             raise ValueError("plan_decode_schedule needs a CUDA-graph wrapper (fixed kv_indices buffer)")
-        indptr = _decode_indptr(seq_lens, block_size)
+        indptr = _decode_indptr(seq_lens, block_size, page_stride)
         self._check_works([1] * B, B, indptr[-1])
         self._wait_staging()
         self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
 
-    def plan_ahead(self, seq_lens: list[int], block_size: int) -> bool:
+    def plan_ahead(self, seq_lens: list[int], block_size: int, page_stride: int | None = None) -> bool:
         """Plan the schedule of a decode step whose page ids are not known yet (CUDA-graph wrappers only): one
-        query row per request, non-causal, context lengths seq_lens. The next `plan_decode_schedule` (or decode
-        `plan_pages`) with exactly these lengths then skips FlashInfer's host scheduler; any other plan discards
-        this one.
+        query row per request, non-causal, context lengths seq_lens (pages laid out as page_stride says, see
+        `plan_decode_schedule`). The next `plan_decode_schedule` (or decode `plan_pages`) with exactly these lengths
+        and stride then skips FlashInfer's host scheduler; any other plan discards this one.
 
         Why this is exact: FlashInfer's MLA plan (the work split over SMs, written to the int workspace) is a
         function of qo_indptr, kv_indptr and kv_len only (with the fixed heads / dims / causal flag); the page ids
@@ -304,12 +314,14 @@ class FlashInferMLA:
         B = len(seq_lens)
         if not self.use_cuda_graph or B != self.max_batch or min(seq_lens, default=0) < 1:
             return False
-        indptr = _decode_indptr(seq_lens, block_size)
+        if page_stride is not None and max(seq_lens) > page_stride * block_size:
+            return False
+        indptr = _decode_indptr(seq_lens, block_size, page_stride)
         if indptr[-1] > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
             return False
         self._wait_staging()
         self._plan_indices([1] * B, list(seq_lens), indptr, self._pinned("kv_indices", 0), block_size, False)
-        self._ahead = (block_size, tuple(seq_lens))
+        self._ahead = (block_size, page_stride, tuple(seq_lens))
         return True
 
     def _copy_indices(self, flat: list[int]) -> None:

@@ -52,6 +52,8 @@ PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
 
 # run_host copies its staging buffer's used prefix rounded up to a multiple of this many int64 words
 _COPY_ROUND = 256
+# run_host's marker of a padded row's page table (the null block 0)
+_PAD_ROW = [0]
 
 # CudaGraphRunner.host_marks: host times of the last run_host, us from its start, at these points
 HOST_MARKS = ("tables_built", "staging_free", "inputs_staged", "copy_launched", "attention_planned", "replay_launched")
@@ -114,6 +116,8 @@ class CudaGraphRunner:
         self._host_np = self.host_in[:nb].numpy().reshape(3, mb)
         self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
+        self._forget_pages()  # run_host's page rows (FlashInfer): which table each row of kv_indices holds
+        self.page_rows_copied = 0  # rows of page ids the last run_host copied (0: none changed; tests, benchmarks)
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
         if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
@@ -182,6 +186,7 @@ class CudaGraphRunner:
         if B:
             bt[:B, : block_tables.shape[1]] = block_tables
         fi = self.fi[bs]
+        self._forget_pages()  # plan writes kv_indices in its own (concatenated) layout
         fi.plan(list(seq_lens_cpu) + [1] * (bs - B), bt, self.block_size)
         return fi
 
@@ -245,8 +250,9 @@ class CudaGraphRunner:
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
 
         The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
-        slot 0 of the null block) and, for FlashInfer, the page ids of the plan go to the static input buffer in
-        ONE pinned non-blocking copy; then either the lengths and tables go to theirs (Triton attention: two more
+        slot 0 of the null block) and, for FlashInfer, the page ids the device does not hold yet (row b's pages at
+        b * max_blocks_per_seq, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
+        to the static input buffer in ONE pinned non-blocking copy; then either the lengths and tables go to theirs (Triton attention: two more
         pinned copies, no plan) or FlashInfer's schedule is planned (`FlashInferMLA.plan_decode_schedule`: nothing
         to do when the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the
         bucket's next step (same batch, every length + 1) is planned while the GPU works. fill: see
@@ -261,32 +267,32 @@ class CudaGraphRunner:
         bs = self.bucket_for(B)
         blk = self.block_size
         pad = bs - B
-        flat: list[int] = []  # FlashInfer: the plan's page ids, request by request, [0] per padded row
+        W = self.max_blocks_per_seq
+        hi = -1  # FlashInfer: the last row whose page ids changed (rows [0, hi] are copied), -1: none
         if not self.triton_attn:
             ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
-            if max(ks) > self.max_blocks_per_seq or any(map(operator.gt, ks, map(len, block_tables))):
-                b = next(b for b, (t, k) in enumerate(zip(block_tables, ks))
-                         if k > len(t) or k > self.max_blocks_per_seq)
+            if max(ks) > W or any(map(operator.gt, ks, map(len, block_tables))):
+                b = next(b for b, (t, k) in enumerate(zip(block_tables, ks)) if k > len(t) or k > W)
                 raise ValueError(f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
-                                 f"{len(block_tables[b])}, the graphs at most {self.max_blocks_per_seq}")
-            for t, k in zip(block_tables, ks):
-                flat += t[:k]
-            flat += [0] * pad
+                                 f"{len(block_tables[b])}, the graphs at most {W}")
         t_built = time.perf_counter()
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
         t_free = time.perf_counter()
+        if not self.triton_attn:
+            hi = self._stage_pages(block_tables, ks, B, bs)
+            self.page_rows_copied = hi + 1
         h = self._host_np
         h[0, :B] = input_ids
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
         if pad:
             h[:, B:bs] = 0
-        self._host_kv[: len(flat)] = flat
         t_staged = time.perf_counter()
-        # the used prefix of the staging buffer, rounded up to _COPY_ROUND words (past the pages the kernels read:
-        # stale words) so that few (dst, src) views are ever made; one pinned non-blocking copy
-        n_in = min(self.host_in.numel(), -(-(3 * self.max_batch + (len(flat) + 1) // 2) // _COPY_ROUND) * _COPY_ROUND)
+        # the inputs and the page rows [0, hi] of the staging buffer, rounded up to _COPY_ROUND words (past them:
+        # rows the device holds already, or stale words no kernel reads) so that few (dst, src) views are ever
+        # made; one pinned non-blocking copy
+        n_in = min(self.host_in.numel(), -(-(3 * self.max_batch + ((hi + 1) * W + 1) // 2) // _COPY_ROUND) * _COPY_ROUND)
         views = self._copy_views.get(n_in)
         if views is None:
             views = self._copy_views[n_in] = (self.dev_in[:n_in], self.host_in[:n_in])
@@ -310,7 +316,7 @@ class CudaGraphRunner:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
         if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
-            self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk)
+            self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk, W)
         t2 = time.perf_counter()
         self.replay(bs)
         self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
@@ -318,9 +324,9 @@ class CudaGraphRunner:
         if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
             # it when its lengths are exactly these, any other plan of the bucket discards it
-            if -(-(max(seq_lens) + 1) // blk) <= self.max_blocks_per_seq:
+            if -(-(max(seq_lens) + 1) // blk) <= W:
                 try:
-                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk)
+                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk, W)
                 except Exception as e:  # noqa: BLE001 - the step has run; the next one then plans as usual
                     self.fi[bs]._ahead = None
                     if not self._ahead_failed:
@@ -328,6 +334,41 @@ class CudaGraphRunner:
                         log.warning("plan ahead failed (%s: %s); the next step plans before its replay",
                                     type(e).__name__, e)
         return self.outputs[bs][:B]
+
+    def _stage_pages(self, block_tables: list[list[int]], ks: list[int], B: int, bs: int) -> int:
+        """Write the page ids of rows [0, bs) that the device does not hold yet into the staging buffer, row b's
+        ks[b] pages at b * max_blocks_per_seq (padded rows: the null block 0); returns the last row written, -1 if
+        none. Row b's pages are known to be on the device when block_tables[b] is the list object staged there last
+        (a strong reference is kept): then only its pages past those staged are written. So a table passed again
+        must be the same list grown at its end only (the worker's WorkerRequest.block_table: extended by each step's
+        new block ids); a table that changes otherwise must come as a new list."""
+        W = self.max_blocks_per_seq
+        kv = self._host_kv
+        tabs, staged = self._row_tables, self._row_pages
+        hi = -1
+        for b in range(B):
+            t, k = block_tables[b], ks[b]
+            if t is tabs[b]:
+                s = staged[b]
+                if k <= s:
+                    continue
+                kv[b * W + s : b * W + k] = t[s:k]
+            else:
+                kv[b * W : b * W + k] = t[:k]
+                tabs[b] = t
+            staged[b] = k
+            hi = b
+        for b in range(B, bs):
+            if tabs[b] is not _PAD_ROW:
+                kv[b * W] = 0
+                tabs[b], staged[b] = _PAD_ROW, 1
+                hi = b
+        return hi
+
+    def _forget_pages(self) -> None:
+        """Mark every row's page ids unknown (after something else wrote the kv_indices buffer: `_plan`)."""
+        self._row_tables = [None] * self.max_batch  # per row: the table list staged there (_PAD_ROW: padding)
+        self._row_pages = [0] * self.max_batch  # per row: its pages staged
 
     def replay(self, bs: int) -> None:
         """Launch bucket bs's graphs (its layer segments, in order) on the current stream, with the attention

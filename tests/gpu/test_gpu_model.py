@@ -259,7 +259,9 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     its lengths are the predicted ones) gives bit-identical hidden states to planning every step afresh, over a
     run of decode steps with: lengths advancing one token per step across block boundaries, padded buckets, the
     batch shrinking (another bucket) and growing back, a jump in length (a miss), and a step whose lengths match
-    the prediction but whose block tables are other sequences' (the schedule depends on lengths only)."""
+    the prediction but whose block tables are other sequences' (the schedule depends on lengths only). The block
+    tables grow by appends as the worker's do, and the page rows run_host keeps on the device between steps
+    (`_stage_pages`) give the same hidden states as writing every row afresh each step."""
     from kimi.config import ModelConfig
     from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
@@ -278,7 +280,7 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     runner = gm.graphs
     g = torch.Generator().manual_seed(11)
     perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
-    tabs = [perm[width * i : width * (i + 1)] for i in range(8)]
+    full = [perm[width * i : width * (i + 1)] for i in range(8)]
     steps = []  # (sequence indices, lengths)
     lens = [14, 15, 16, 31, 47]
     for _ in range(5):  # 5 sequences in bucket 8, crossing the 16-token blocks
@@ -295,26 +297,38 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
         (_, prev), (_, cur) = steps[k - 1], steps[k]
         want_hits += runner.bucket_for(len(prev)) == runner.bucket_for(len(cur)) and cur == [n + 1 for n in prev]
 
-    def run(plan_ahead: bool) -> tuple[list[torch.Tensor], int]:
+    def run(plan_ahead: bool, restage: bool = False) -> tuple[list[torch.Tensor], int, list[int]]:
         for c, c0 in zip(kv, initial):
             c.copy_(c0)
         runner.plan_ahead = plan_ahead
         hits0 = sum(f.ahead_hits for f in runner.fi.values())
-        outs = []
+        tabs = [t[:1] for t in full]  # new lists, grown at their end as sequences need blocks (the worker's)
+        outs, rows = [], []
         with torch.inference_mode():
             for k, (seqs, slens) in enumerate(steps):
+                for i, n in zip(seqs, slens):
+                    tabs[i].extend(full[i][len(tabs[i]) : -(-n // bs)])
                 ids = torch.randint(0, 163000, (len(seqs),), generator=torch.Generator().manual_seed(k)).tolist()
                 for o in runner.outputs.values():
                     o.fill_(float("nan"))
+                if restage:
+                    runner._forget_pages()  # every row's page ids written and copied again
                 h = gm.forward_decode(ids, [n - 1 for n in slens], slens, [tabs[i] for i in seqs], bs, kv)
                 outs.append(h.clone())
+                rows.append(runner.page_rows_copied)
         torch.cuda.synchronize()
-        return outs, sum(f.ahead_hits for f in runner.fi.values()) - hits0
+        return outs, sum(f.ahead_hits for f in runner.fi.values()) - hits0, rows
 
-    fresh, hits_off = run(False)
-    ahead, hits_on = run(True)
+    fresh, hits_off, _ = run(False)
+    ahead, hits_on, rows = run(True)
+    restaged, _, rows_all = run(True, restage=True)
     assert hits_off == 0
     assert want_hits == 7 and hits_on == want_hits, (hits_on, want_hits)
-    for k, (a, b) in enumerate(zip(fresh, ahead)):
+    for k, (a, b, c) in enumerate(zip(fresh, ahead, restaged)):
         assert torch.isfinite(a).all(), k
         assert torch.equal(a, b), k
+        assert torch.equal(b, c), k
+    assert rows_all == [runner.bucket_for(len(seqs)) for seqs, _ in steps], rows_all
+    # rows copied: up to the last row whose table is new (rows 5..7 held padding from the run before), then up to
+    # the last sequence that entered a new block (none: 0)
+    assert rows[:5] == [5, 3, 5, 1, 0], rows

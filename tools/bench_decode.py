@@ -548,12 +548,20 @@ def pipelined_timeline(launch, restart, steps: int = 8, warmup: int = 3, top: in
             "top_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
 
 
+def _short(name: str) -> str:
+    """A kernel's name without its parameter list (and "void", "(anonymous namespace)::"), at most 80 characters."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    return re.sub(r"\(.*", "", name)[:80]
+
+
 def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     """Kernel timeline of `reps` replays of a captured graph (torch.profiler: CUPTI records each kernel a graph
     launches), per replay (medians): the span from the first kernel's start to the last one's end, the time some
     kernel runs (intervals merged: side-stream kernels overlap the main stream's), the idle time between kernels,
-    the kernel count, kernel time by class (not merged), and idle time by transition (class of the kernel that
-    ended -> class of the next one to start), largest first. Replays are told apart by idle gaps > split_us."""
+    the kernel count, kernel time by class (not merged), idle time by transition (class of the kernel that
+    ended -> class of the next one to start), largest first, and per kernel name how far its kernels pushed the end
+    of the timeline (span_ms_by_kernel, the 25 largest: summed over all names it is the span); and one layer's
+    kernels of the last replay (layer_30_us: name, start, end, push, us from the layer's attention kernel). Replays are told apart by idle gaps > split_us."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -595,8 +603,17 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
             elif e0 > end:
                 busy += e0 - end
                 end, end_name = e0, name
+        # how far each kernel pushed the end of the timeline (its end past every earlier-starting kernel's end;
+        # the contributions sum to the span): under PDL a kernel's recorded duration includes its wait, this does not
+        span_by: dict[str, float] = {}
+        reach = run[0][0]
+        for s0, e0, name in run:
+            if e0 > reach:
+                key = _short(name)
+                span_by[key] = span_by.get(key, 0.0) + (e0 - reach)
+                reach = e0
         stats.append({"span_us": end - run[0][0], "busy_us": busy, "idle_us": idle, "kernels": len(run),
-                      "trans": trans, "by_cls": by_cls})
+                      "trans": trans, "by_cls": by_cls, "span_by": span_by})
     if not stats:
         return {"error": "no CUDA kernel events recorded"}
     med = lambda k: round(statistics.median(x[k] for x in stats) / 1000.0, 4)  # noqa: E731
@@ -604,7 +621,22 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     trans = {k: statistics.median(x["trans"].get(k, 0.0) for x in stats) / 1000.0 for k in keys}
     ckeys = {k for x in stats for k in x["by_cls"]}
     by_cls = {k: statistics.median(x["by_cls"].get(k, 0.0) for x in stats) / 1000.0 for k in ckeys}
+    # one layer of the last replay, kernel by kernel: from the 30th MLA attention kernel to the 31st (start, end and
+    # how far it pushed the timeline, us from the first one's start)
+    run = runs[-1]
+    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|mla_decode", ev[2])]
+    layer = []
+    if len(mla) > 31:
+        t0 = run[mla[30]][0]
+        reach = max(e[1] for e in run[: mla[30]])
+        for s0, e0, name in run[mla[30] : mla[31]]:
+            layer.append((_short(name), round(s0 - t0, 1), round(e0 - t0, 1), round(max(0.0, e0 - reach), 1)))
+            reach = max(reach, e0)
+    skeys = {k for x in stats for k in x["span_by"]}
+    span_by = {k: statistics.median(x["span_by"].get(k, 0.0) for x in stats) / 1000.0 for k in skeys}
     return {"replays": len(stats), "span_ms": med("span_us"), "busy_ms": med("busy_us"), "idle_ms": med("idle_us"),
+            "span_ms_by_kernel": {k: round(v, 4) for k, v in sorted(span_by.items(), key=lambda kv: -kv[1])[:25]},
+            "layer_30_us": layer,
             "kernels": int(statistics.median(x["kernels"] for x in stats)),
             "kernel_ms_by_class": {k: round(v, 4) for k, v in sorted(by_cls.items(), key=lambda kv: -kv[1])},
             "idle_ms_by_transition": {k: round(v, 4) for k, v in sorted(trans.items(), key=lambda kv: -kv[1])[:15]}}

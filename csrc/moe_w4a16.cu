@@ -104,29 +104,12 @@ struct alignas(16) Slot {
   uint4 x[16][8];
 };
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// chain (nullable) and chain_wait: the gate_up -> down handoff per align block without waiting for the whole gate_up
-// grid (kimi/ops/moe_int4_cuda.py: indexed_gemm's chain). chain = [2, gridDim.y] int32 counters, zero between calls.
-// chain_wait == 0 (gate_up): each CTA adds 1 to chain[b] after its outputs are stored. chain_wait > 0 (down,
-// launched by PDL once every gate_up CTA has started, so the CTAs it waits for are running): instead of
-// griddepcontrol.wait a CTA waits until chain[b] reaches chain_wait (gate_up's CTAs per block), and the last of its
-// block's CTAs to pass (chain[gridDim.y + b] counts them) sets both counters back to 0. Memory order: gate_up's
-// stores, then a gpu-scope release (its red.release); here a gpu-scope acquire (ld.acquire) by thread 0 that reads
-// the count, then bar.sync; so every later load of the CTA, x's cp.async included, sees those stores (PTX memory
-// model: release -> acquire -> barrier). The align's outputs are read through L2 (ld.global.cg), before the wait:
-// they are final, since gate_up released this kernel only after its own griddepcontrol.wait (the align had
-// completed).
 template <int NT, int KW, int S>
 __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
-    const uint4* __restrict__ wsc, const int* sorted_ids, const int* block_expert,
-    const int* num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late, int glu, int* chain, int chain_wait) {
+    const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
+    const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
+    int top_k, int n, int k_chunks, int trigger_late, int glu) {
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -137,26 +120,14 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   // partial sums reuse the rings after the loop: [KW][NT * 16][17] floats
   float* partial = reinterpret_cast<float*>(smem_raw);
 
-  const bool wait_chain = chain != nullptr && chain_wait > 0;
-  if (!wait_chain) grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
+  grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
   if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
-  // the align's outputs through L2 (__ldcg): with wait_chain no griddepcontrol.wait has made them visible to L1
-  if (b * kBlockRows >= __ldcg(num_padded)) {
+  if (b * kBlockRows >= num_padded[0]) {
     if (trigger_late) launch_dependents();
     return;
   }
-  if (wait_chain) {
-    if (threadIdx.x == 0) {
-      while (ld_acquire(chain + b) < chain_wait) __nanosleep(256);
-      if (atomicAdd(chain + gridDim.y + b, 1) == (int)gridDim.x - 1) {  // the block's last CTA to pass: reset
-        chain[b] = 0;
-        chain[gridDim.y + b] = 0;
-      }
-    }
-    __syncthreads();
-  }
-  const int e = __ldcg(block_expert + b);
-  const bool half1 = __any_sync(0xffffffffu, __ldcg(sorted_ids + b * kBlockRows + 8 + g) < num_rows_out);  // rows 8..15 hold pairs
+  const int e = block_expert[b];
+  const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
   const int c_begin = warp * n_chunks;
 
@@ -169,7 +140,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   for (int h1 = 0; h1 < 2; ++h1) {
     xrow[h1] = h1 ? lane >> 1 : lane >> 2;
     xq[h1] = h1 ? 4 * (lane & 1) : 2 * (lane & 3);
-    const int id = __ldcg(sorted_ids + b * kBlockRows + xrow[h1]);
+    const int id = sorted_ids[b * kBlockRows + xrow[h1]];
     xr[h1] = x + (int64_t)(id < num_rows_out ? id / top_k : 0) * x_stride + 8 * xq[h1] + (int64_t)c_begin * 64;
   }
   // ldmatrix addresses (bytes in a slot's x) of this lane for half h, k16 steps 0, 1: row 8 h + L % 8, piece
@@ -339,7 +310,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     constexpr int kOut = NT * 4;  // output column pairs of this CTA: 16 per n64 block
     for (int idx = threadIdx.x; idx < kBlockRows * kOut; idx += 32 * KW) {
       const int r = idx / kOut, op = idx % kOut;
-      const int id = __ldcg(sorted_ids + b * kBlockRows + r);
+      const int id = sorted_ids[b * kBlockRows + r];
       if (id >= num_rows_out) continue;
       const int cg = (op >> 4) * 64 + 2 * (op & 15);  // the CTA's column of the gate pair; up: + 32
       float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // gate, gate + 1, up, up + 1
@@ -361,29 +332,22 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + nb0 * 32 + (op >> 4) * 32 +
                                          2 * (op & 15)) = __floats2bfloat162_rn(a[0], a[1]);
     }
-  } else {
-    // sum over warps; thread -> (row r of the block, pair of n columns): bf16x2 stores along n
-    constexpr int kPairs = NT * 8;
-    for (int idx = threadIdx.x; idx < kBlockRows * kPairs; idx += 32 * KW) {
-      const int r = idx / kPairs, np = idx % kPairs;
-      const int id = __ldcg(sorted_ids + b * kBlockRows + r);
-      if (id >= num_rows_out) continue;
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-      for (int w = 0; w < KW; ++w) {
-        s0 += partial[((size_t)w * NT * 16 + 2 * np) * kP + r];
-        s1 += partial[((size_t)w * NT * 16 + 2 * np + 1) * kP + r];
-      }
-      *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + col0 + 2 * np) =
-          __floats2bfloat162_rn(s0, s1);
-    }
+    return;
   }
-  if (chain != nullptr && chain_wait == 0) {  // gate_up of a chained pair: this CTA's outputs are stored
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(chain + b) : "memory");
+  // sum over warps; thread -> (row r of the block, pair of n columns): bf16x2 stores along n
+  constexpr int kPairs = NT * 8;
+  for (int idx = threadIdx.x; idx < kBlockRows * kPairs; idx += 32 * KW) {
+    const int r = idx / kPairs, np = idx % kPairs;
+    const int id = sorted_ids[b * kBlockRows + r];
+    if (id >= num_rows_out) continue;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+      s0 += partial[((size_t)w * NT * 16 + 2 * np) * kP + r];
+      s1 += partial[((size_t)w * NT * 16 + 2 * np + 1) * kP + r];
     }
+    *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + col0 + 2 * np) =
+        __floats2bfloat162_rn(s0, s1);
   }
 }
 
@@ -397,8 +361,7 @@ constexpr size_t smem_bytes() {
 template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int* chain, int chain_wait,
-                   cudaStream_t stream) {
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
@@ -427,7 +390,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n, k_chunks, pdl == 2 ? 1 : 0, glu, chain, chain_wait);
+                            n, k_chunks, pdl == 2 ? 1 : 0, glu);
 }
 
 }  // namespace
@@ -438,22 +401,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written; with glu = 1: [num_rows_out, n / 2], SiLU of
 // rows 0..31 of each n64 block times rows 32..63, see the epilogue). (nt, kw, stages) must be an instantiated
 // configuration with nt dividing n / 16; n % 64 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
-// grid's y dimension). pdl: 0 off, 1 on, 2 on with the next kernel released after the main loop. chain: null, or
-// [2, num_blocks] int32 counters at zero, with chain_wait 0 (a gate_up that signals per block) or > 0 (a down that
-// waits per block for that many signals; see the kernel's comment). Returns cudaErrorInvalidValue for anything else.
+// grid's y dimension). pdl: 0 off, 1 on, 2 on with the next kernel released after the main loop. Returns
+// cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int* chain, int chain_wait, cudaStream_t stream) {
+                                               int glu, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
-      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || chain_wait < 0 ||
-      (chain == nullptr && chain_wait != 0))
+      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, chain, chain_wait, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

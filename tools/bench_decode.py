@@ -249,12 +249,6 @@ def _glu_unfused(m, on: bool) -> None:
     _set_attrs("glu", _cuda_gemm_impls(m, "glu"), False if on else None)
 
 
-def _chain_off(m, on: bool) -> None:
-    """chain_off: kimi's CUDA down GEMM waits for the whole gate_up grid (griddepcontrol.wait) instead of starting
-    each align block once its gate_up outputs are stored; on False restores the saved flags."""
-    _set_attrs("chain", _cuda_gemm_impls(m, "chain"), False if on else None)
-
-
 def _pages_restaged(on: bool) -> None:
     """pages_restaged: the graph runner writes and copies every row's page ids each step (CudaGraphRunner's row
     cache forgotten before each _stage_pages, as if no row were kept on the device); off restores the method."""
@@ -366,8 +360,6 @@ AB_VARIANTS = {
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
                     "(same weights)", lambda m: _glu_unfused(m, True), lambda m: _glu_unfused(m, False)),
-    "chain_off": ("kimi's CUDA down GEMM after the whole gate_up grid, not chained to it per align block",
-                  lambda m: _chain_off(m, True), lambda m: _chain_off(m, False)),
     "pages_restaged": ("every row's page ids written on the host and copied each step (run_host keeping none "
                        "on the device)", lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",

@@ -259,9 +259,7 @@ class HummingInt4Experts(HummingExperts):
     `_cuda_unavailable` finds nothing against it at load (else cuda_max_pairs is 0 and a warning says why). The
     gate_up rows are stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order (when I is a multiple of its group),
     so kimi's GEMM writes SiLU(gate) * up itself (`cuda_glu`; False: its plain outputs and the silu_mul_rows kernel,
-    for A/B runs) and its down GEMM takes each align block as soon as that block's gate_up outputs are stored
-    (`cuda_chain`, see kimi.ops.moe_int4_cuda.indexed_gemm), and humming's outputs go through silu_mul_rows with the
-    same interleave. The tensors passed in
+    for A/B runs) and humming's outputs go through silu_mul_rows with the same interleave. The tensors passed in
     are consumed (humming keeps its own transformed copies; the caller should drop its references). Raises
     ImportError when humming is not installed.
     """
@@ -277,7 +275,6 @@ class HummingInt4Experts(HummingExperts):
             w13_packed, w13_scale = mc.glu_interleave(w13_packed, w13_scale)
             self.glu_group = mc.GLU_GROUP
         self.cuda_glu = True
-        self.cuda_chain = True  # with cuda_glu: the down GEMM chained to gate_up per align block (False: A/B runs)
         wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
                     strategy="group", group_size=32, symmetric=True)
         dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
@@ -349,8 +346,7 @@ class HummingInt4Experts(HummingExperts):
         if T and m_local <= self.cuda_max_pairs:  # cuda_max_pairs 0: never (m_local >= 1)
             return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter,
                                         self.l1.weight, self.l1.weight_scale, self.l2.weight, self.l2.weight_scale,
-                                        m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu,
-                                        self.cuda_chain)
+                                        m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu)
         return super().forward(x, topk_weights, topk_ids)
 
 
@@ -398,8 +394,7 @@ class CudaInt4Experts(nn.Module):
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows, its epilogue writing silu(gate) *
     up (gate_up rows stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order; `glu` False: the plain GEMM and the
-    silu_mul_rows kernel, for A/B runs) -> down GEMM, chained to gate_up per align block (`chain`) -> the Triton
-    combine (routing weights applied once). bf16 activations only. Raises ValueError for
+    silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
     shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
     built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension` raises when it cannot be built; all of them
     here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can fall back to the reference).
@@ -421,7 +416,6 @@ class CudaInt4Experts(nn.Module):
         self.config13: tuple[int, int, int] | None = None
         self.config2: tuple[int, int, int] | None = None
         self.glu = True
-        self.chain = True  # with glu: the down GEMM chained to gate_up per align block (False: A/B runs)
         self.glu_group = mc.GLU_GROUP  # w13's rows in glu_interleave's order (config_for above: I % 32 == 0)
         w13, s13 = mc.repack(*mc.glu_interleave(w13_packed, w13_scale))
         w2, s2 = mc.repack(w2_packed, w2_scale)
@@ -438,23 +432,22 @@ class CudaInt4Experts(nn.Module):
         m_local = expected_local_pairs(T, k, self.E, self.num_experts_total)
         return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
                                     self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2,
-                                    self.glu_group, self.glu, self.chain)
+                                    self.glu_group, self.glu)
 
 
 def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,
                          expert_offset: int, inter: int, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
                          s2: torch.Tensor, m_local: int, config13: tuple[int, int, int] | None = None,
                          config2: tuple[int, int, int] | None = None, glu_group: int = 0,
-                         fuse_glu: bool = True, chain: bool = True) -> torch.Tensor:
+                         fuse_glu: bool = True) -> torch.Tensor:
     """The routed experts through kimi's CUDA GEMM (kimi.ops.moe_int4_cuda.indexed_gemm): align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows -> down
     -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
     int32, [E, D/32, 2I] bf16) and w2 / s2 ([E, I/16, 2D], [E, I/32, D]) in the kernel's layout; m_local: the step's
     expected local pairs, which picks the launch configurations (kimi.ops.moe_int4_cuda.config_for) unless config13
     / config2 are given. glu_group: 0, or the group of `kimi.ops.moe_int4_cuda.glu_interleave` that w13's rows are
-    stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel), and
-    with chain as well the down GEMM takes each align block as soon as its gate_up outputs are stored
-    (`kimi.ops.moe_int4_cuda.indexed_gemm`'s chain). Returns [T, D] (rows without a local pair are 0)."""
+    stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel).
+    Returns [T, D] (rows without a local pair are 0)."""
     from kimi.ops import moe_int4_cuda as mc
     from kimi.ops.fused import moe_align_fused, silu_mul_rows
     from kimi.ops.moe_int4_triton import combine_into
@@ -468,24 +461,15 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     P = T * k
     config13 = config13 or mc.config_for(2 * inter, D, m_local)
     config2 = config2 or mc.config_for(D, inter, m_local)
-    y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
     if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
         act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        cnt = mc.chain_counters(block_expert.numel(), x.device) if chain else None
-        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13,
-                        glu=True, chain=cnt)
-        try:
-            mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2, chain=cnt,
-                            chain_wait=(2 * inter // 16) // config13[0] if chain else 0)
-        except Exception:
-            if cnt is not None:
-                cnt.zero_()  # the gate_up call's counts must not carry over to the next pair
-            raise
+        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13, glu=True)
     else:
         y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
         mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
         act = silu_mul_rows(y1, sorted_ids, num_padded, inter, interleave=glu_group)  # [P, I], listed rows only
-        mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2)
+    y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
+    mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2)
     combine_into(y2, topk_weights, topk_ids, expert_offset, E, out)
     return out
 

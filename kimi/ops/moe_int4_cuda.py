@@ -53,7 +53,7 @@ import torch
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
 __all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "glu_interleave", "GLU_GROUP", "CONFIGS",
-           "TABLE", "load_extension", "chain_counters"]
+           "TABLE", "load_extension"]
 
 # glu_interleave's group: the gate_up weights' rows are stored as [gate 32 j .. + 31, up 32 j .. + 31] per n64 block,
 # so a CTA of the GEMM holds both halves of its outputs and its epilogue writes SiLU(gate) * up (indexed_gemm's glu).
@@ -183,21 +183,6 @@ def glu_rows(inter: int, group: int, device=None) -> torch.Tensor:
     return (j + half + torch.arange(group, device=device).view(1, 1, -1)).reshape(-1)
 
 
-_chains: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def chain_counters(num_blocks: int, device) -> torch.Tensor:
-    """The [2, num_blocks] int32 counters (zero between calls) for `indexed_gemm`'s chain on device, one tensor per
-    (device, num_blocks), made at the first call (a CUDA-graph runner's warm-up steps make them before capture) and
-    shared by every chained pair: the pairs run one after another and each leaves them at zero."""
-    dev = torch.device(device)
-    key = (dev.index if dev.index is not None else torch.cuda.current_device(), int(num_blocks))
-    t = _chains.get(key)
-    if t is None:
-        t = _chains[key] = torch.zeros((2, num_blocks), dtype=torch.int32, device=dev)
-    return t
-
-
 def load_extension():
     """Build (first use) and import the extension (kimi.ops.cuda_ext.load: sources csrc/moe_w4a16_binding.cpp and
     csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension loader raises when it
@@ -209,8 +194,7 @@ def load_extension():
 
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
-                 config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
-                 chain: torch.Tensor | None = None, chain_wait: int = 0) -> torch.Tensor:
+                 config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -220,12 +204,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     they are). glu: the weights' rows are in `glu_interleave`'s order (group GLU_GROUP) and out is [P, N/2]:
     out[r, 32 j + i] = silu(y[64 j + i]) * y[64 j + 32 + i] of the GEMM's y = W x (y and the SiLU rounded to bf16
     first, as `kimi.ops.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`,
-    TABLE's pick for the smallest steps). chain / chain_wait: a gate_up -> down pair handed over per align block
-    (`chain_counters(num_blocks)`, at zero): the gate_up call (chain_wait 0) counts its finished CTAs per block in
-    chain[0]; the down call right after it (chain_wait = the gate_up's CTAs per block, N_gate_up / 16 / its NT) starts
-    a block as soon as that block's gate_up outputs are stored instead of after the whole gate_up grid (its CTAs
-    start while gate_up's last ones run, under PDL) and leaves the counters at zero. Nothing else may run between the
-    two (the down call reads what the gate_up call writes, x = gate_up's out).
+    TABLE's pick for the smallest steps).
     pdl: "early",
     "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
@@ -254,12 +233,6 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if not config_valid(cfg, N, K):
         raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
                          f"{N // 16}, KW must divide {K // 64})")
-    if chain is not None and (chain.dtype != torch.int32 or not chain.is_contiguous()
-                              or chain.numel() != 2 * block_expert.numel() or chain.device != x.device):
-        raise ValueError(f"indexed_gemm: chain {tuple(chain.shape)} {chain.dtype} (want [2, {block_expert.numel()}] "
-                         "int32 on x's device: chain_counters)")
-    if chain_wait < 0 or (chain_wait and chain is None):
-        raise ValueError(f"indexed_gemm: chain_wait {chain_wait} (want >= 0, and a chain when > 0)")
     if block_expert.numel() > 65535:
         raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
@@ -270,5 +243,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), chain, int(chain_wait))
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu))
     return out

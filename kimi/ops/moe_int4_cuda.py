@@ -35,7 +35,9 @@ Requires N % 64 == 0 and K % 64 == 0 (Kimi's experts: N 4096 and 7168, K 7168 an
 Work split: a CTA of KW warps owns one 16-row block of the align (one expert; up to 16 pairs, one or two n8
 halves of the MMA) and NT 16-row tiles of N; its warps split K, each streaming its chunks through a ring of S
 shared-memory slots filled by cp.async (S - 1 chunks of weights, scales and activation fragments in flight), and
-sum their partials in shared memory at the end. (Measured and not kept: split-K over CTAs, and persistent CTAs that
+sum their partials in shared memory at the end. With `glu` (the gate_up weights' rows in `glu_interleave`'s order:
+each n64 block holds 32 gate rows, then the 32 matching up rows) that final sum writes SiLU(gate) * up, the down
+GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept: split-K over CTAs, and persistent CTAs that
 stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's notes.)
 Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
 reads anything, then lets the next kernel launch).

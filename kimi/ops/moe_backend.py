@@ -394,10 +394,11 @@ class CudaInt4Experts(nn.Module):
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows, its epilogue writing silu(gate) *
     up (gate_up rows stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order; `glu` False: the plain GEMM and the
-    silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once). bf16 activations only. Raises ValueError for
-    shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU that is not sm_90 (Hopper: the kernel is
-    built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension` raises when it cannot be built; all of them
-    here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can fall back to the reference).
+    silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once). bf16
+    activations only. Raises ValueError for shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU
+    that is not sm_90 (Hopper: the kernel is built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension`
+    raises when it cannot be built; all of them here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can
+    fall back to the reference).
     """
 
     graph_safe = True
@@ -463,7 +464,8 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     config2 = config2 or mc.config_for(D, inter, m_local)
     if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
         act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13, glu=True)
+        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13,
+                        glu=True)
     else:
         y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
         mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)

@@ -252,12 +252,13 @@ class CudaGraphRunner:
         The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
         slot 0 of the null block) and, for FlashInfer, the page ids the device does not hold yet (row b's pages at
         b * max_blocks_per_seq, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
-        to the static input buffer in ONE pinned non-blocking copy; then either the lengths and tables go to theirs (Triton attention: two more
-        pinned copies, no plan) or FlashInfer's schedule is planned (`FlashInferMLA.plan_decode_schedule`: nothing
-        to do when the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the
-        bucket's next step (same batch, every length + 1) is planned while the GPU works. fill: see
-        GPUKimiForCausalLM.forward_decode (applied to the static token ids after the staging copy, on the device).
-        Raises ValueError when the batch exceeds the largest bucket or a table is too short.
+        to the static input buffer in ONE pinned non-blocking copy; then either the lengths and tables go to theirs
+        (Triton attention: two more pinned copies, no plan) or FlashInfer's schedule is planned
+        (`FlashInferMLA.plan_decode_schedule`: nothing to do when the previous call planned this step ahead). After
+        launching the replay, with `plan_ahead`, the bucket's next step (same batch, every length + 1) is planned
+        while the GPU works. fill: see GPUKimiForCausalLM.forward_decode (applied to the static token ids after the
+        staging copy, on the device). Raises ValueError when the batch exceeds the largest bucket or a table is too
+        short.
         """
         t0 = time.perf_counter()
         B = len(input_ids)
@@ -292,7 +293,8 @@ class CudaGraphRunner:
         # the inputs and the page rows [0, hi] of the staging buffer, rounded up to _COPY_ROUND words (past them:
         # rows the device holds already, or stale words no kernel reads) so that few (dst, src) views are ever
         # made; one pinned non-blocking copy
-        n_in = min(self.host_in.numel(), -(-(3 * self.max_batch + ((hi + 1) * W + 1) // 2) // _COPY_ROUND) * _COPY_ROUND)
+        words = 3 * self.max_batch + ((hi + 1) * W + 1) // 2
+        n_in = min(self.host_in.numel(), -(-words // _COPY_ROUND) * _COPY_ROUND)
         views = self._copy_views.get(n_in)
         if views is None:
             views = self._copy_views[n_in] = (self.dev_in[:n_in], self.host_in[:n_in])

@@ -360,8 +360,8 @@ AB_VARIANTS = {
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
                     "(same weights)", lambda m: _glu_unfused(m, True), lambda m: _glu_unfused(m, False)),
-    "pages_restaged": ("every row's page ids written on the host and copied each step (run_host keeping none "
-                       "on the device)", lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
+    "pages_restaged": ("every row's page ids written on the host and copied each step, in the same row layout "
+                       "(run_host keeping none on the device)", lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -624,7 +624,7 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     # one layer of the last replay, kernel by kernel: from the 30th MLA attention kernel to the 31st (start, end and
     # how far it pushed the timeline, us from the first one's start)
     run = runs[-1]
-    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|mla_decode", ev[2])]
+    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|_mla_decode_stage1", ev[2])]
     layer = []
     if len(mla) > 31:
         t0 = run[mla[30]][0]

@@ -794,9 +794,13 @@ class OpenAIServer:
                 raise BadRequest("'prompt' is required", "prompt")
             elif isinstance(prompt, list) and not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
-            elif isinstance(prompt, list):
+            elif isinstance(prompt, list) and any(isinstance(x, (str, list)) for x in prompt):
                 raise BadRequest("'prompt' must be a string or a list of token ids; batches of several prompts are "
                                  "not supported (send one request per prompt)", "prompt")
+            elif isinstance(prompt, list):
+                bad = next(x for x in prompt if not isinstance(x, int) or isinstance(x, bool))
+                raise BadRequest(f"'prompt' must be a string or a list of integer token ids; it holds {bad!r}",
+                                 "prompt")
             else:
                 raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
             echo = f.bool("echo", False)

@@ -10,7 +10,9 @@ experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept 
   kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   With `cuda_decode` (backend `auto`), steps of up to AUTO_CUDA_MAX_PAIRS expected local pairs run kimi's CUDA
   GEMM instead (csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves both), larger steps
-  (prefill) humming's: the faster of the two at each size (docs/benchmarks.md, session 15).
+  (prefill) humming's: the faster of the two at each size (docs/benchmarks.md, session 15). The gate_up rows are
+  stored interleaved (kimi.ops.moe_int4_cuda.glu_interleave), so kimi's gate_up GEMM writes silu(gate) * up from
+  its epilogue and silu_mul_rows reads humming's output in that order (docs/benchmarks.md, session 16).
 - `HummingFp8Experts` (humming backend, FP8 checkpoints: K2-Instruct): the same steps over humming's W8A16 indexed
   GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
 - `CudaInt4Experts` (`cuda`): kimi's CUDA W4A16 indexed GEMM at every size (csrc/moe_w4a16.cu via

@@ -54,8 +54,11 @@ PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
 _COPY_ROUND = 256
 # run_host's marker of a padded row's page table (the null block 0)
 _PAD_ROW = [0]
+# the fewest pages per row of run_host's page layout (CudaGraphRunner.page_stride)
+_MIN_PAGE_STRIDE = 16
 
-# CudaGraphRunner.host_marks: host times of the last run_host, us from its start, at these points
+# CudaGraphRunner.host_marks: host times of the last run_host, us from its start, at these points (tables_built: the
+# tables checked; inputs_staged: ids, positions, slots and the page rows written to the staging buffer)
 HOST_MARKS = ("tables_built", "staging_free", "inputs_staged", "copy_launched", "attention_planned", "replay_launched")
 
 
@@ -101,9 +104,9 @@ class CudaGraphRunner:
         cfg = model.cfg
         self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
         # static inputs: one int64 device buffer holding [3, max_batch] (token ids, positions, cache slots) and,
-        # for FlashInfer, the page ids of every bucket's plan (int32, the wrappers' shared kv_indices buffer: one
-        # bucket runs at a time and each step writes its own before its replay), so the host fast path (run_host)
-        # sends a step's inputs in ONE pinned, non-blocking copy
+        # for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time; row
+        # b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
+        # (run_host) sends a step's inputs in ONE pinned, non-blocking copy
         mb, nb = self.max_batch, 3 * self.max_batch
         kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
         self.dev_in = torch.zeros(nb + kv_words, dtype=torch.int64, device=dev)
@@ -116,8 +119,9 @@ class CudaGraphRunner:
         self._host_np = self.host_in[:nb].numpy().reshape(3, mb)
         self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
+        self.page_stride = _MIN_PAGE_STRIDE  # run_host's pages per row of kv_indices (`_page_stride`)
         self._forget_pages()  # run_host's page rows (FlashInfer): which table each row of kv_indices holds
-        self.page_rows_copied = 0  # rows of page ids the last run_host copied (0: none changed; tests, benchmarks)
+        self.page_rows_copied = 0  # the last run_host's copy covered page rows [0, this) (0: none changed; tests)
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
         if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
@@ -251,7 +255,7 @@ class CudaGraphRunner:
 
         The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
         slot 0 of the null block) and, for FlashInfer, the page ids the device does not hold yet (row b's pages at
-        b * max_blocks_per_seq, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
+        b * page_stride, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
         to the static input buffer in ONE pinned non-blocking copy; then either the lengths and tables go to theirs
         (Triton attention: two more pinned copies, no plan) or FlashInfer's schedule is planned
         (`FlashInferMLA.plan_decode_schedule`: nothing to do when the previous call planned this step ahead). After
@@ -268,27 +272,32 @@ class CudaGraphRunner:
         bs = self.bucket_for(B)
         blk = self.block_size
         pad = bs - B
-        W = self.max_blocks_per_seq
+        W = self.page_stride
         hi = -1  # FlashInfer: the last row whose page ids changed (rows [0, hi] are copied), -1: none
         if not self.triton_attn:
             ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
-            if max(ks) > W or any(map(operator.gt, ks, map(len, block_tables))):
-                b = next(b for b, (t, k) in enumerate(zip(block_tables, ks)) if k > len(t) or k > W)
+            mx = self.max_blocks_per_seq
+            if max(ks) > mx or any(map(operator.gt, ks, map(len, block_tables))):
+                b = next(b for b, (t, k) in enumerate(zip(block_tables, ks)) if k > len(t) or k > mx)
                 raise ValueError(f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
-                                 f"{len(block_tables[b])}, the graphs at most {W}")
+                                 f"{len(block_tables[b])}, the graphs at most {mx}")
+            W = self._page_stride(max(ks))
         t_built = time.perf_counter()
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
         t_free = time.perf_counter()
-        if not self.triton_attn:
-            hi = self._stage_pages(block_tables, ks, B, bs)
-            self.page_rows_copied = hi + 1
         h = self._host_np
         h[0, :B] = input_ids
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
         if pad:
             h[:, B:bs] = 0
+        if not self.triton_attn:
+            if W != self.page_stride:  # another layout: every row is written again
+                self._forget_pages()
+                self.page_stride = W
+            hi = self._stage_pages(block_tables, ks, B, bs)
+            self.page_rows_copied = hi + 1
         t_staged = time.perf_counter()
         # the inputs and the page rows [0, hi] of the staging buffer, rounded up to _COPY_ROUND words (past them:
         # rows the device holds already, or stale words no kernel reads) so that few (dst, src) views are ever
@@ -296,9 +305,13 @@ class CudaGraphRunner:
         words = 3 * self.max_batch + ((hi + 1) * W + 1) // 2
         n_in = min(self.host_in.numel(), -(-words // _COPY_ROUND) * _COPY_ROUND)
         views = self._copy_views.get(n_in)
-        if views is None:
-            views = self._copy_views[n_in] = (self.dev_in[:n_in], self.host_in[:n_in])
-        views[0].copy_(views[1], non_blocking=True)
+        try:
+            if views is None:
+                views = self._copy_views[n_in] = (self.dev_in[:n_in], self.host_in[:n_in])
+            views[0].copy_(views[1], non_blocking=True)
+        except BaseException:
+            self._forget_pages()  # the rows _stage_pages counted as staged did not reach the device
+            raise
         if fill is not None:  # tokens the previous step sampled, still on the device
             self.input_ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
         t1 = time.perf_counter()
@@ -326,9 +339,10 @@ class CudaGraphRunner:
         if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
             # it when its lengths are exactly these, any other plan of the bucket discards it
-            if -(-(max(seq_lens) + 1) // blk) <= W:
+            k_next = -(-(max(seq_lens) + 1) // blk)
+            if k_next <= self.max_blocks_per_seq:
                 try:
-                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk, W)
+                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk, self._page_stride(k_next))
                 except Exception as e:  # noqa: BLE001 - the step has run; the next one then plans as usual
                     self.fi[bs]._ahead = None
                     if not self._ahead_failed:
@@ -337,14 +351,21 @@ class CudaGraphRunner:
                                     type(e).__name__, e)
         return self.outputs[bs][:B]
 
+    def _page_stride(self, max_pages: int) -> int:
+        """Pages per row of run_host's kv_indices layout for a batch whose longest table needs max_pages: the next
+        power of two, at least _MIN_PAGE_STRIDE, at most max_blocks_per_seq. So a step's copy covers at most about
+        twice the rectangle of its tables, however long the longest context the graphs allow, and the layout
+        changes (every row written again) only when the longest table crosses a power of two."""
+        return min(self.max_blocks_per_seq, max(_MIN_PAGE_STRIDE, 1 << (max_pages - 1).bit_length()))
+
     def _stage_pages(self, block_tables: list[list[int]], ks: list[int], B: int, bs: int) -> int:
         """Write the page ids of rows [0, bs) that the device does not hold yet into the staging buffer, row b's
-        ks[b] pages at b * max_blocks_per_seq (padded rows: the null block 0); returns the last row written, -1 if
+        ks[b] pages at b * page_stride (padded rows: the null block 0); returns the last row written, -1 if
         none. Row b's pages are known to be on the device when block_tables[b] is the list object staged there last
         (a strong reference is kept): then only its pages past those staged are written. So a table passed again
         must be the same list grown at its end only (the worker's WorkerRequest.block_table: extended by each step's
         new block ids); a table that changes otherwise must come as a new list."""
-        W = self.max_blocks_per_seq
+        W = self.page_stride
         kv = self._host_kv
         tabs, staged = self._row_tables, self._row_pages
         hi = -1

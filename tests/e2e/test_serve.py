@@ -193,6 +193,16 @@ def test_bad_completion_requests_are_400(server, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
 
 
+def test_prompt_list_errors_say_what_is_wrong(server):
+    """A list prompt of non-integers is refused as such (not as a batch of prompts); strings in it are a batch."""
+    for prompt, words in (([1.0, 2], "integer token ids"), ([True, False], "integer token ids"),
+                          (["a", "b"], "batches of several prompts")):
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": prompt})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and words in err["message"], (prompt, err)
+
+
 BAD_CHAT = [
     ({"model": "tiny"}, "messages"),
     ({"model": "tiny", "messages": []}, "messages"),

@@ -261,7 +261,8 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     batch shrinking (another bucket) and growing back, a jump in length (a miss), and a step whose lengths match
     the prediction but whose block tables are other sequences' (the schedule depends on lengths only). The block
     tables grow by appends as the worker's do, and the page rows run_host keeps on the device between steps
-    (`_stage_pages`) give the same hidden states as writing every row afresh each step."""
+    (`_stage_pages`; the row stride grows and shrinks with the longest table) give the same hidden states as writing
+    every row afresh each step."""
     from kimi.config import ModelConfig
     from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
@@ -270,7 +271,7 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     cfg = ModelConfig.from_dir(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend="humming", progress=False)
     gm.decode_attention = "flashinfer"
-    bs, nb, width = 16, 200, 8
+    bs, nb, width = 16, 200, 24
     kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(5)
     for c in kv:
@@ -292,6 +293,9 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     steps.append(([5, 6, 7, 0, 1], [20, 21, 22, 23, 24]))  # bucket 8 again, other lengths: miss
     steps.append(([2, 3, 4, 5, 6], [21, 22, 23, 24, 25]))  # the predicted lengths, other sequences' tables: hit
     steps.append(([2, 3, 4, 5, 6], [22, 23, 24, 25, 26]))
+    steps.append(([0, 1], [300, 301]))  # 19-pages tables: page stride 16 -> 24 (a miss, every row written again)
+    steps.append(([0, 1], [301, 302]))  # a hit at the new stride
+    steps.append(([2, 3], [40, 41]))  # stride 16 again (a miss)
     want_hits = 0
     for k in range(1, len(steps)):
         (_, prev), (_, cur) = steps[k - 1], steps[k]
@@ -323,12 +327,13 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     ahead, hits_on, rows = run(True)
     restaged, _, rows_all = run(True, restage=True)
     assert hits_off == 0
-    assert want_hits == 7 and hits_on == want_hits, (hits_on, want_hits)
+    assert want_hits == 8 and hits_on == want_hits, (hits_on, want_hits)
     for k, (a, b, c) in enumerate(zip(fresh, ahead, restaged)):
         assert torch.isfinite(a).all(), k
         assert torch.equal(a, b), k
         assert torch.equal(b, c), k
     assert rows_all == [runner.bucket_for(len(seqs)) for seqs, _ in steps], rows_all
-    # rows copied: up to the last row whose table is new (rows 5..7 held padding from the run before), then up to
-    # the last sequence that entered a new block (none: 0)
-    assert rows[:5] == [5, 3, 5, 1, 0], rows
+    # rows copied: every row of the bucket first (the run before ended by changing the stride: no row is known), then
+    # up to the last sequence that entered a new block (none: 0); every row of the bucket when the stride changes
+    assert rows[:5] == [8, 3, 5, 1, 0], rows
+    assert rows[-3:] == [2, 0, 2] and runner.page_stride == 16, (rows, runner.page_stride)

@@ -100,8 +100,8 @@ def test_indexed_gemm_in_a_cuda_graph():
 def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, offset):
     """indexed_gemm(glu=True) over glu_interleave'd weights = silu_mul_rows(interleave=32) of the plain GEMM's output
     on the same weights (both round the GEMM output and the SiLU to bf16; the SiLU's exp / division may differ in the
-    last bit: within 2 bf16 ulps), and = silu(gate) * up of the fp32 reference within 1e-2 of its max; rows not
-    listed keep their poison. Every configuration that runs the shape."""
+    last bits: within 4 bf16 ulps of the unfused value), and = silu(gate) * up of the fp32 reference within 1e-2 of
+    its max; rows not listed keep their poison. Every configuration that runs the shape."""
     from kimi.ops.fused import moe_align_fused, silu_mul_rows
 
     gen = torch.Generator(device="cuda").manual_seed(I + T)
@@ -129,7 +129,7 @@ def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, off
         fused = act[rows].float()
         ulp = torch.exp2(torch.floor(torch.log2(unfused.abs().clamp_min(1e-30))) - 7)  # bf16 spacing at each value
         ulps = ((fused - unfused).abs() / ulp).max().item()
-        assert ulps <= 2.0, f"config {cfg}: fused vs unfused differ by {ulps:.2f} bf16 ulps"
+        assert ulps <= 4.0, f"config {cfg}: fused vs unfused differ by {ulps:.2f} bf16 ulps"
         err = (fused - ref_act).abs().max().item()
         assert err <= 1e-2 * ref_act.abs().max().item(), f"config {cfg}: max err {err:.3g} against the reference"
         assert torch.isnan(act[others]).all(), f"config {cfg}: a row that is not listed was written"

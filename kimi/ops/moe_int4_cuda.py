@@ -37,8 +37,9 @@ halves of the MMA) and NT 16-row tiles of N; its warps split K, each streaming i
 shared-memory slots filled by cp.async (S - 1 chunks of weights, scales and activation fragments in flight), and
 sum their partials in shared memory at the end. With `glu` (the gate_up weights' rows in `glu_interleave`'s order:
 each n64 block holds 32 gate rows, then the 32 matching up rows) that final sum writes SiLU(gate) * up, the down
-GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept: split-K over CTAs, and persistent CTAs that
-stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's notes.)
+GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept:
+split-K over CTAs, and persistent CTAs that stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's
+notes; the down GEMM chained to gate_up per align block: docs/benchmarks.md, session 16.)
 Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
 reads anything, then lets the next kernel launch).
 
@@ -161,7 +162,8 @@ def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q * s.repeat_interleave(32, dim=2)).to(torch.bfloat16).float()
 
 
-def glu_interleave(packed: torch.Tensor, scale: torch.Tensor, group: int = GLU_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def glu_interleave(packed: torch.Tensor, scale: torch.Tensor,
+                   group: int = GLU_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder the rows of a gate_up weight [E, 2I, ...] (rows [0, I) gate, [I, 2I) up, as the checkpoints store
     them) to [gate 0 .. group-1, up 0 .. group-1, gate group .. 2 group-1, up group .. , ...]: packed [E, 2I, K/8]
     int32 and scale [E, 2I, K/32] -> the same shapes, new tensors. The GEMM's outputs then come in the same order:
@@ -169,7 +171,8 @@ def glu_interleave(packed: torch.Tensor, scale: torch.Tensor, group: int = GLU_G
     block) kimi's kernel computes SiLU(gate) * up in its epilogue (`indexed_gemm(..., glu=True)`).
     Raises ValueError when 2I is not a multiple of 2 group or the shapes disagree."""
     if packed.dim() != 3 or scale.dim() != 3 or packed.shape[:2] != scale.shape[:2]:
-        raise ValueError(f"glu_interleave: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} (want [E, 2I, ...])")
+        raise ValueError(f"glu_interleave: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} "
+                         "(want [E, 2I, ...])")
     two_i = packed.shape[1]
     if group <= 0 or two_i % (2 * group):
         raise ValueError(f"glu_interleave: {two_i} rows are not whole pairs of {group}-row gate / up groups")

@@ -361,7 +361,8 @@ AB_VARIANTS = {
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
                     "(same weights)", lambda m: _glu_unfused(m, True), lambda m: _glu_unfused(m, False)),
     "pages_restaged": ("every row's page ids written on the host and copied each step, in the same row layout "
-                       "(run_host keeping none on the device)", lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
+                       "(run_host keeping none on the device)",
+                       lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -554,6 +555,15 @@ def _short(name: str) -> str:
     return re.sub(r"\(.*", "", name)[:80]
 
 
+def _pushes(events, reach: float):
+    """(start, end, name, push) of each (start, end, name) of events sorted by start: push = how far the kernel moved
+    the end of the timeline past reach and every earlier kernel's end (the pushes sum to the span past reach). Under
+    PDL a kernel's recorded duration includes its wait; its push does not."""
+    for s0, e0, name in events:
+        yield s0, e0, name, max(0.0, e0 - reach)
+        reach = max(reach, e0)
+
+
 def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     """Kernel timeline of `reps` replays of a captured graph (torch.profiler: CUPTI records each kernel a graph
     launches), per replay (medians): the span from the first kernel's start to the last one's end, the time some
@@ -561,7 +571,8 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     the kernel count, kernel time by class (not merged), idle time by transition (class of the kernel that
     ended -> class of the next one to start), largest first, and per kernel name how far its kernels pushed the end
     of the timeline (span_ms_by_kernel, the 25 largest: summed over all names it is the span); and one layer's
-    kernels of the last replay (layer_30_us: name, start, end, push, us from the layer's attention kernel). Replays are told apart by idle gaps > split_us."""
+    kernels of the last replay (layer_30_us: name, start, end, push, us from the layer's attention kernel). Replays
+    are told apart by idle gaps > split_us."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -603,24 +614,21 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
             elif e0 > end:
                 busy += e0 - end
                 end, end_name = e0, name
-        # how far each kernel pushed the end of the timeline (its end past every earlier-starting kernel's end;
-        # the contributions sum to the span): under PDL a kernel's recorded duration includes its wait, this does not
         span_by: dict[str, float] = {}
-        reach = run[0][0]
-        for s0, e0, name in run:
-            if e0 > reach:
-                key = _short(name)
-                span_by[key] = span_by.get(key, 0.0) + (e0 - reach)
-                reach = e0
+        for _, _, name, push in _pushes(run, run[0][0]):
+            span_by[_short(name)] = span_by.get(_short(name), 0.0) + push
         stats.append({"span_us": end - run[0][0], "busy_us": busy, "idle_us": idle, "kernels": len(run),
                       "trans": trans, "by_cls": by_cls, "span_by": span_by})
     if not stats:
         return {"error": "no CUDA kernel events recorded"}
     med = lambda k: round(statistics.median(x[k] for x in stats) / 1000.0, 4)  # noqa: E731
-    keys = {k for x in stats for k in x["trans"]}
-    trans = {k: statistics.median(x["trans"].get(k, 0.0) for x in stats) / 1000.0 for k in keys}
-    ckeys = {k for x in stats for k in x["by_cls"]}
-    by_cls = {k: statistics.median(x["by_cls"].get(k, 0.0) for x in stats) / 1000.0 for k in ckeys}
+
+    def med_by(field: str, top: int | None = None) -> dict[str, float]:
+        """ms per key of the per-replay dicts stats[*][field] (median over replays, a missing key 0), largest first"""
+        keys = {k for x in stats for k in x[field]}
+        m = {k: round(statistics.median(x[field].get(k, 0.0) for x in stats) / 1000.0, 4) for k in keys}
+        return dict(sorted(m.items(), key=lambda kv: -kv[1])[:top])
+
     # one layer of the last replay, kernel by kernel: from the 30th MLA attention kernel to the 31st (start, end and
     # how far it pushed the timeline, us from the first one's start)
     run = runs[-1]
@@ -628,18 +636,12 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     layer = []
     if len(mla) > 31:
         t0 = run[mla[30]][0]
-        reach = max(e[1] for e in run[: mla[30]])
-        for s0, e0, name in run[mla[30] : mla[31]]:
-            layer.append((_short(name), round(s0 - t0, 1), round(e0 - t0, 1), round(max(0.0, e0 - reach), 1)))
-            reach = max(reach, e0)
-    skeys = {k for x in stats for k in x["span_by"]}
-    span_by = {k: statistics.median(x["span_by"].get(k, 0.0) for x in stats) / 1000.0 for k in skeys}
+        layer = [(_short(name), round(s0 - t0, 1), round(e0 - t0, 1), round(push, 1))
+                 for s0, e0, name, push in _pushes(run[mla[30] : mla[31]], max(e[1] for e in run[: mla[30]]))]
     return {"replays": len(stats), "span_ms": med("span_us"), "busy_ms": med("busy_us"), "idle_ms": med("idle_us"),
-            "span_ms_by_kernel": {k: round(v, 4) for k, v in sorted(span_by.items(), key=lambda kv: -kv[1])[:25]},
-            "layer_30_us": layer,
+            "span_ms_by_kernel": med_by("span_by", 25), "layer_30_us": layer,
             "kernels": int(statistics.median(x["kernels"] for x in stats)),
-            "kernel_ms_by_class": {k: round(v, 4) for k, v in sorted(by_cls.items(), key=lambda kv: -kv[1])},
-            "idle_ms_by_transition": {k: round(v, 4) for k, v in sorted(trans.items(), key=lambda kv: -kv[1])[:15]}}
+            "kernel_ms_by_class": med_by("by_cls"), "idle_ms_by_transition": med_by("trans", 15)}
 
 
 def main() -> None:

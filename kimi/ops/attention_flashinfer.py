@@ -314,9 +314,10 @@ class FlashInferMLA:
         B = len(seq_lens)
         if not self.use_cuda_graph or B != self.max_batch or min(seq_lens, default=0) < 1:
             return False
-        if page_stride is not None and max(seq_lens) > page_stride * block_size:
+        try:
+            indptr = _decode_indptr(seq_lens, block_size, page_stride)
+        except ValueError:  # a request with more pages than page_stride
             return False
-        indptr = _decode_indptr(seq_lens, block_size, page_stride)
         if indptr[-1] > self.max_pages or self.max_works([1] * B) > MAX_PLAN_WORKS:
             return False
         self._wait_staging()

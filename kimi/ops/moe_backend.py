@@ -231,8 +231,6 @@ class HummingExperts(nn.Module):
             return out
         c1, c2 = self._configs(T, k)
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
-        from kimi.ops.fused import glu_split
-
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
             from kimi.ops.fused import moe_align_fused as moe_align, silu_mul_rows
         else:
@@ -245,6 +243,8 @@ class HummingExperts(nn.Module):
         if silu_mul_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
             act = silu_mul_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
         else:
+            from kimi.ops.fused import glu_split
+
             gate, up = glu_split(y1, self.inter, self.glu_group)
             act = F.silu(gate) * up  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,

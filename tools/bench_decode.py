@@ -218,6 +218,23 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
+def _lsm_alt(i: int, on: bool) -> None:
+    """lsm_alt{i}: entry i of the JSON list $KIMI_LSM_ALTS ({"key": "bucket,N,K", "config": {...}}) replaces that
+    key's linear_small_m table entry (read when a graph is captured)."""
+    from kimi.ops import linear_small_m as lsm
+
+    alt = json.loads(os.environ["KIMI_LSM_ALTS"])[i]
+    key = tuple(int(v) for v in alt["key"].split(","))
+    entries = lsm._get_table()["entries"]
+    if on:
+        _saved[("lsm", key)] = entries.get(key)
+        entries[key] = lsm.SmallMConfig(**alt["config"])
+    elif _saved[("lsm", key)] is None:
+        entries.pop(key, None)
+    else:
+        entries[key] = _saved[("lsm", key)]
+
+
 def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
     """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2)
     and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
@@ -363,6 +380,9 @@ AB_VARIANTS = {
     "pages_restaged": ("every row's page ids written on the host and copied each step, in the same row layout "
                        "(run_host keeping none on the device)",
                        lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
+    **{f"lsm_alt{i}": (f"linear_small_m's table entry named by entry {i} of the JSON list $KIMI_LSM_ALTS "
+                       "({'key': 'bucket,N,K', 'config': {SmallMConfig fields}}) in place of the table's",
+                       lambda m, i=i: _lsm_alt(i, True), lambda m, i=i: _lsm_alt(i, False)) for i in range(8)},
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -665,7 +685,8 @@ def main() -> None:
                     help="also the GPU activity of the pipelined steps (pipelined_timeline): idle time and largest gaps")
     ap.add_argument("--graph-timeline", action="store_true",
                     help="also a kernel timeline of the headline graph's replays (graph_timeline) at the end of each "
-                         "case; a profiler session slows later graph launches in the process: use one --seqs value")
+                         "case, then of each A/B variant's graph; a profiler session slows later graph launches in "
+                         "the process: use one --seqs value")
     ap.add_argument("--overlap", default="on,off",
                     help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
                          "others are timed as graph replays too (A/B in one run)")
@@ -850,8 +871,9 @@ def main() -> None:
                 if k != "graph":
                     print(f"B={B}: {k} {case[k]['median_ms']:.2f} ms (rounds {case[k]['round_medians_ms']})", flush=True)
             model.graphs = runner
-            variants.clear()  # the A/B variants' graphs are freed with their runners
-            torch.cuda.empty_cache()
+            if not args.graph_timeline:  # (else kept for their timelines, after the headline's measurements)
+                variants.clear()  # the A/B variants' graphs are freed with their runners
+                torch.cuda.empty_cache()
             assert runner.num_replays > 0
             case["plan_ahead"] = runner.plan_ahead
             if not runner.triton_attn:
@@ -909,6 +931,16 @@ def main() -> None:
             if args.graph_timeline:
                 case["graph_timeline"] = graph_timeline(lambda: runner.replay(B))
                 print(f"B={B}: graph timeline {json.dumps(case['graph_timeline'])}", flush=True)
+                for k, _, r, apply, undo in variants[:-1]:  # each A/B variant's timeline too (the headline is last)
+                    model.graphs = r
+                    apply(model)
+                    case[k]["graph_timeline"] = graph_timeline(lambda r=r: r.replay(B))
+                    undo(model)
+                    print(f"B={B}: {k} timeline layer_30_us {json.dumps(case[k]['graph_timeline']['layer_30_us'])}",
+                          flush=True)
+                model.graphs = runner
+                variants.clear()
+                torch.cuda.empty_cache()
             clock = case["graph"]["gpu_clock"]
             print(f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
                   f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}"

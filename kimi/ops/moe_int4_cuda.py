@@ -75,10 +75,13 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # MoE tokens) and session 15's (bench/moe_cuda_2026-11-30_s15_c2_v10.json: at 512 tokens gate_up (8, 2, 2) takes
 # 255.2 us, (4, 4, 4) 280.7, humming 262.5; at 256 (4, 4, 4) 190.0, (8, 2, 2) 205.6; at 64 down (4, 2, 4) 72.7,
 # (8, 2, 2) 79.4, as in session 14 (72.4 / 79.3), and in the 8-sequence decode step 21.85 against 22.27 ms:
-# bench/decode_2026-11-30_s15_c4_auto.json).
+# bench/decode_2026-11-30_s15_c4_auto.json). Session 17: down (8, 2, 3) from 129 to 384 pairs (32 local sequences:
+# 256), after the sweeps' 256-token rows ((8, 2, 3) 108.6 us, (8, 2, 2) 113.6-113.7 in s14_c4 / s15_c2) and the
+# decode step at 32 sequences, same-run paired rounds against (8, 2, 2): -0.49, -0.11, -0.14, -0.01 ms
+# (bench/decode_2026-11-30_s17_c{1,2,3,5}_*.json; docs/benchmarks.md, session 17).
 TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     (4096, 7168): ((384, (4, 4, 4)), (None, (8, 2, 2))),  # gate_up
-    (7168, 2048): ((128, (4, 2, 4)), (None, (8, 2, 2))),  # down
+    (7168, 2048): ((128, (4, 2, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # down
 }
 
 

@@ -21,7 +21,8 @@ so the graph runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as 
 timing (eager, each graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at
 contexts CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
 A/B variants (--ab, --overlap) are captured next to the headline graph and all are timed in --rounds interleaved
-rounds of --iters steps each; each reports the median over all its samples and the rounds' medians.
+rounds of --iters steps each, the order rotating by one each round; each reports the median over all its samples and
+the rounds' medians (compare variants by their per-round differences).
 Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
 KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 1152 bytes).
@@ -836,9 +837,9 @@ def main() -> None:
                 return r
 
             # every variant's graph is captured first, with the variant applied; then all are timed in --rounds
-            # interleaved rounds (A, B, C, headline, A, B, ...), each variant applied again while it is timed (for
-            # switches read at run time, e.g. by the eager lm_head), over the same steps (DecodeSteps.restart): slow
-            # drifts of the GPU's speed within the run fall on every variant alike
+            # interleaved rounds (A, B, C, headline; B, C, headline, A; ...), each variant applied again while it is
+            # timed (for switches read at run time, e.g. by the eager lm_head), over the same steps
+            # (DecodeSteps.restart): slow drifts of the GPU's speed within the run fall on every variant alike
             modes = args.overlap.split(",")
             nop = lambda m: None  # noqa: E731
             variants = []  # (key, what, runner, apply, undo); the headline last
@@ -857,8 +858,10 @@ def main() -> None:
             hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
             runs: dict[str, list] = {v[0]: [] for v in variants}
             spans: dict[str, list] = {v[0]: [] for v in variants}  # time.time() spans of each variant's timings
-            for _ in range(args.rounds):
-                for k, _, r, apply, undo in variants:
+            for rnd in range(args.rounds):
+                # the order rotates by one variant each round, so no variant (the headline included) is always
+                # timed last: session 17 saw the last-timed graph run up to 0.3 ms slower than an identical capture
+                for k, _, r, apply, undo in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                     model.graphs = r
                     apply(model)
                     steps.restart()

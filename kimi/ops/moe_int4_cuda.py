@@ -77,7 +77,7 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # (8, 2, 2) 79.4, as in session 14 (72.4 / 79.3), and in the 8-sequence decode step 21.85 against 22.27 ms:
 # bench/decode_2026-11-30_s15_c4_auto.json). Session 17: down (8, 2, 3) from 129 to 384 pairs (32 local sequences:
 # 256), after the sweeps' 256-token rows ((8, 2, 3) 108.6 us, (8, 2, 2) 113.6-113.7 in s14_c4 / s15_c2) and the
-# decode step at 32 sequences, same-run paired rounds against (8, 2, 2): -0.49, -0.14, -0.14 ms in three runs,
+# decode step at 32 sequences, same-run paired rounds against (8, 2, 2): -0.49, -0.14, -0.14, -0.22 ms in four runs,
 # -0.11 and -0.01 (within noise) in two (bench/decode_2026-11-30_s17_c*.json; docs/benchmarks.md, session 17).
 TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     (4096, 7168): ((384, (4, 4, 4)), (None, (8, 2, 2))),  # gate_up

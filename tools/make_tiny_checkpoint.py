@@ -306,7 +306,19 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"make_tiny_checkpoint: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {a.layout} tiny checkpoint to {out} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    if source is _DEFAULT:
+        from kimi.tokenizer import default_tokenizer_source
+
+        source = default_tokenizer_source()
+    if source is not None:
+        vocab = f"the Kimi vocabulary from {source}"
+    elif a.builtin_tokenizer:
+        vocab = "the built-in byte-level vocabulary (--builtin-tokenizer)"
+    else:
+        vocab = ("the built-in byte-level vocabulary (no $KIMI_TOKENIZER_DIR, no ../shared/kimi-tokenizer/ next to the "
+                 "repository folder)")
+    print(f"wrote {a.layout} tiny checkpoint to {out} with {vocab} in {time.perf_counter() - t0:.2f} s",
+          file=sys.stderr)
     return 0
 
 

@@ -412,3 +412,20 @@ def test_tiny_checkpoint_with_a_missing_tokenizer_folder_writes_nothing(tmp_path
     assert main([str(out), "--builtin-tokenizer"]) == 0  # the next build completes
     assert (out / "config.json").exists() and (out / "tiktoken.model").exists()
     assert not (out / "config.json.tmp").exists()
+
+
+def test_make_tiny_checkpoint_says_which_vocabulary(tmp_path, capsys, monkeypatch) -> None:
+    """The tool's last line names the vocabulary the checkpoint got (a newcomer's clone elsewhere silently got the
+    built-in one before)."""
+    from make_tiny_checkpoint import main
+
+    assert main([str(tmp_path / "a"), "--builtin-tokenizer"]) == 0
+    assert "with the built-in byte-level vocabulary (--builtin-tokenizer)" in capsys.readouterr().err
+    monkeypatch.setenv("KIMI_TOKENIZER_DIR", str(tmp_path / "missing"))
+    assert main([str(tmp_path / "b")]) == 1  # an explicit folder without tiktoken.model is an error, not a fallback
+    assert "no tiktoken.model in the tokenizer folder" in capsys.readouterr().err
+    monkeypatch.delenv("KIMI_TOKENIZER_DIR")
+    monkeypatch.setattr("kimi.tokenizer.default_tokenizer_source", lambda: None)  # no ../shared/kimi-tokenizer
+    assert main([str(tmp_path / "c")]) == 0
+    err = capsys.readouterr().err
+    assert "with the built-in byte-level vocabulary (no $KIMI_TOKENIZER_DIR" in err, err

@@ -219,21 +219,35 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
+def _lsm_entries(tag, entries: dict, on: bool) -> None:
+    """Replace kimi.ops.linear_small_m table entries {(bucket, N, K): SmallMConfig, or None: no entry, i.e.
+    F.linear} (on), or put back what `tag`'s replacement found (off). The table is read when a graph is captured."""
+    from kimi.ops import linear_small_m as lsm
+
+    table = lsm._get_table()["entries"]
+    if on:
+        _saved[("lsm", tag)] = {k: table.get(k) for k in entries}
+        for k, cfg in entries.items():
+            if cfg is None:
+                table.pop(k, None)
+            else:
+                table[k] = cfg
+        return
+    for k, cfg in _saved[("lsm", tag)].items():
+        if cfg is None:
+            table.pop(k, None)
+        else:
+            table[k] = cfg
+
+
 def _lsm_alt(i: int, on: bool) -> None:
     """lsm_alt{i}: entry i of the JSON list $KIMI_LSM_ALTS ({"key": "bucket,N,K", "config": {...}}) replaces that
-    key's linear_small_m table entry (read when a graph is captured)."""
-    from kimi.ops import linear_small_m as lsm
+    key's linear_small_m table entry."""
+    from kimi.ops.linear_small_m import SmallMConfig
 
     alt = json.loads(os.environ["KIMI_LSM_ALTS"])[i]
     key = tuple(int(v) for v in alt["key"].split(","))
-    entries = lsm._get_table()["entries"]
-    if on:
-        _saved[("lsm", key)] = entries.get(key)
-        entries[key] = lsm.SmallMConfig(**alt["config"])
-    elif _saved[("lsm", key)] is None:
-        entries.pop(key, None)
-    else:
-        entries[key] = _saved[("lsm", key)]
+    _lsm_entries(("alt", i), {key: SmallMConfig(**alt["config"])}, on)
 
 
 def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
@@ -286,14 +300,7 @@ def _pages_restaged(on: bool) -> None:
 
 def _qb_cublas(on: bool) -> None:
     """qb_cublas: q_b ([12288, 1536]) at M buckets 32 / 64 through F.linear (cuBLAS) as before session 4's table entries."""
-    from kimi.ops import linear_small_m as lsm
-
-    ent = lsm._get_table()["entries"]
-    keys = [(32, 12288, 1536), (64, 12288, 1536)]
-    if on:
-        _saved["qb"] = {k: ent.pop(k) for k in keys if k in ent}
-    else:
-        ent.update(_saved["qb"])
+    _lsm_entries("qb", {(32, 12288, 1536): None, (64, 12288, 1536): None}, on)
 
 
 def _small_tuned(on: bool) -> None:

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late, int glu) {
+    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights) {
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -120,16 +120,61 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   // partial sums reuse the rings after the loop: [KW][NT * 16][17] floats
   float* partial = reinterpret_cast<float*>(smem_raw);
 
-  grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
-  if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
-  if (b * kBlockRows >= num_padded[0]) {
-    if (trigger_late) launch_dependents();
-    return;
+  // early_weights: the align's outputs (num_padded, block_expert) were complete before this kernel could launch (see
+  // kimi_w4a16_indexed_gemm), so they are read before griddepcontrol.wait, through L2 (ld.global.cg: no L1 line of an
+  // earlier step can serve them), and the first S - 1 chunks' weights and scales are in flight before the wait. An
+  // empty block then exits without waiting.
+  int e;
+  if (early_weights) {
+    if (b * kBlockRows >= __ldcg(num_padded)) return;
+    e = __ldcg(block_expert + b);
+  } else {
+    grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
+    if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
+    if (b * kBlockRows >= num_padded[0]) {
+      if (trigger_late) launch_dependents();
+      return;
+    }
+    e = block_expert[b];
   }
-  const int e = block_expert[b];
-  const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
   const int c_begin = warp * n_chunks;
+
+  // Layout (kimi/ops/moe_int4_cuda.py: repack): weights [E, K/16, N/64, 32 lanes, 4 words] (word c of n64 block
+  // nb, k16 step s: the lane's A fragment of rows 64 nb + 16 c .. + 15), scales [E, K/32, N] bf16 with each run of
+  // 64 rows stored as (g, i) -> row 8 i + g. A chunk of this CTA: per n64 block and k16 step 512 contiguous bytes
+  // of weights; per block and group 128 contiguous bytes of scales.
+  const int nb0 = blockIdx.x * NB;
+  const int n64 = n >> 6;
+  const size_t w_row = (size_t)n64 * 32;  // uint4 per k16 step
+  // lane L copies the 16-byte pieces 8 q + L % 8 (q = 0..3) of k16 step L / 8 of each block: every copy
+  // instruction reads 4 x 128 contiguous bytes, at immediate offsets from one pointer per lane
+  const int wj = lane >> 3, wl = lane & 7;
+  const uint4* wp = wq + ((size_t)e * k_chunks * 4 + (size_t)c_begin * 4 + wj) * w_row + (size_t)nb0 * 32 + wl;
+  // scales: lane < 16 NB copies 16 bytes: block L / 16, group (L / 8) & 1, lane group L & 7
+  const size_t s_row = (size_t)n >> 3;  // uint4 per group
+  const uint4* sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
+                    (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
+
+  auto issue_w = [&](Slot<NT>& sl) {  // the weights and scales of this warp's next chunk into slot sl
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) cp_async16(&sl.w[nb][wj][8 * q + wl], wp + nb * 32 + 8 * q);
+    if (lane < 16 * NB) cp_async16(&sl.s[lane >> 4][(lane >> 3) & 1][lane & 7], sp);
+    wp += 4 * w_row;
+    sp += 2 * s_row;
+  };
+  if (early_weights) {  // one cp.async group per chunk, as in the main loop
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (s < n_chunks) issue_w(ring[s]);
+      cp_async_commit();
+    }
+    grid_dependency_wait();  // x comes from the kernel ahead
+    if (!trigger_late) launch_dependents();
+  }
+  const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
 
   // Input rows. With both halves in use lane L copies pieces 4 (L & 1) .. + 3 of block row L / 2; with one, pieces
   // 2 (L & 3), + 1 of row L / 4. A pad row reads token 0 instead: its MMA column is never stored, so what it holds
@@ -148,39 +193,20 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const uint32_t x_off = (uint32_t)((lane & 7) * 128 + (((lane >> 3) ^ (lane & 7)) << 4));
   const uint32_t x_off_hi = x_off ^ 64u;
 
-  // Layout (kimi/ops/moe_int4_cuda.py: repack): weights [E, K/16, N/64, 32 lanes, 4 words] (word c of n64 block
-  // nb, k16 step s: the lane's A fragment of rows 64 nb + 16 c .. + 15), scales [E, K/32, N] bf16 with each run of
-  // 64 rows stored as (g, i) -> row 8 i + g. A chunk of this CTA: per n64 block and k16 step 512 contiguous bytes
-  // of weights; per block and group 128 contiguous bytes of scales.
-  const int nb0 = blockIdx.x * NB;
-  const int n64 = n >> 6;
-  const size_t w_row = (size_t)n64 * 32;  // uint4 per k16 step
-  // lane L copies the 16-byte pieces 8 q + L % 8 (q = 0..3) of k16 step L / 8 of each block: every copy
-  // instruction reads 4 x 128 contiguous bytes, at immediate offsets from one pointer per lane
-  const int wj = lane >> 3, wl = lane & 7;
-  const uint4* wp = wq + ((size_t)e * k_chunks * 4 + (size_t)c_begin * 4 + wj) * w_row + (size_t)nb0 * 32 + wl;
-  // scales: lane < 16 NB copies 16 bytes: block L / 16, group (L / 8) & 1, lane group L & 7
-  const size_t s_row = (size_t)n >> 3;  // uint4 per group
-  const uint4* sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
-                    (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
-
   // h1: std::true_type when rows 8..15 hold pairs (the second n8 half is loaded and multiplied), else false_type
-  auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
+  auto issue_x = [&](Slot<NT>& sl, auto h1) {  // the inputs of this warp's next chunk into slot sl
     constexpr int H = decltype(h1)::value ? 1 : 0;
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) cp_async16(&sl.w[nb][wj][8 * q + wl], wp + nb * 32 + 8 * q);
-    if (lane < 16 * NB) cp_async16(&sl.s[lane >> 4][(lane >> 3) & 1][lane & 7], sp);
 #pragma unroll
     for (int q = 0; q < (H ? 4 : 2); ++q) {
       const int r = xrow[H], piece = xq[H] + q;
       cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * q);
     }
-    wp += 4 * w_row;
-    sp += 2 * s_row;
     xr[0] += 64;
     xr[1] += 64;
+  };
+  auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
+    issue_w(sl);
+    issue_x(sl, h1);
   };
 
   float acc[NT][2][4];
@@ -262,10 +288,17 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
 
   // S - 1 chunks in flight; the loop is unrolled by S so every slot index is a constant. Compiled twice, with and
   // without the second half: predicated-off MMAs would still take issue slots.
+  // With early_weights the first S - 1 chunks' inputs follow as S - 1 more groups: at chunk j < S - 1 the wait below
+  // (at most S - 2 groups pending) has completed weight group j and input group j.
   auto main_loop = [&](auto h1) {
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
-      if (s < n_chunks) issue(ring[s], h1);
+      if (s < n_chunks) {
+        if (early_weights)
+          issue_x(ring[s], h1);
+        else
+          issue(ring[s], h1);
+      }
       cp_async_commit();
     }
     for (int c0 = 0; c0 < n_chunks; c0 += S) {
@@ -361,7 +394,8 @@ constexpr size_t smem_bytes() {
 template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, int glu, cudaStream_t stream) {
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
+                   cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
@@ -390,7 +424,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n, k_chunks, pdl == 2 ? 1 : 0, glu);
+                            n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
 }
 
 }  // namespace
@@ -401,20 +435,24 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written; with glu = 1: [num_rows_out, n / 2], SiLU of
 // rows 0..31 of each n64 block times rows 32..63, see the epilogue). (nt, kw, stages) must be an instantiated
 // configuration with nt dividing n / 16; n % 64 == 0, k % 64 == 0, kw dividing k / 64; num_blocks <= 65535 (the
-// grid's y dimension). pdl: 0 off, 1 on, 2 on with the next kernel released after the main loop. Returns
-// cudaErrorInvalidValue for anything else.
+// grid's y dimension). pdl: 0 off, 1 on, 2 on with the next kernel released after the main loop. early_weights: 1
+// when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
+// not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
+// before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, cudaStream_t stream) {
+                                               int glu, int early_weights, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
-      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1)
+      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
+      early_weights > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

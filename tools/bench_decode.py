@@ -381,6 +381,10 @@ AB_VARIANTS = {
                                                 lambda m, attr=attr: _moe_cuda_config(m, attr, None))
        for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
        for c in MOE_CUDA_CONFIGS},
+    "down_waits_first": ("kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
+                         "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
+                         lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
+                         lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

@@ -69,6 +69,10 @@ DEFAULT_CONFIG = (4, 4, 4)
 # Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
 PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
+# The down GEMM's CTAs read their block's expert and start loading their first S - 1 chunks of weights before they
+# wait for the gate_up GEMM ahead (indexed_gemm's early_weights; cuda_experts_forward). Read at each call; CUDA graphs
+# keep the value of their capture (tools/bench_decode.py A/Bs it).
+EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
 # Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
 # no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
 # (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
@@ -202,7 +206,8 @@ def load_extension():
 
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
-                 config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False) -> torch.Tensor:
+                 config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
+                 early_weights: bool = False) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -214,7 +219,12 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     first, as `kimi.ops.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`,
     TABLE's pick for the smallest steps).
     pdl: "early",
-    "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). No host synchronisation: graph-capturable.
+    "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). early_weights: the caller guarantees that
+    the align which wrote sorted_ids / block_expert / num_padded is not the kernel directly ahead on the stream and that
+    every kernel between the two waits for its own predecessor before letting the next one launch (kimi.ops.pdl's
+    contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel starts. Each CTA then reads
+    its block's expert and issues its first S - 1 chunks of weights and scales before its griddepcontrol.wait, and an
+    empty block exits without waiting; the outputs are the same. No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
@@ -251,5 +261,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu))
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights))
     return out

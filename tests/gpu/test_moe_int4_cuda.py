@@ -193,6 +193,88 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
         assert torch.equal(out[rows], want[rows]), "a replay with early weights differs from a fresh waiting run"
 
 
+@pytest.mark.parametrize("E,N,K,T,k,E_total,offset", [
+    (8, 256, 512, 9, 4, 16, 4),          # small: fewer items than CTAs, blocks with > 8 rows
+    (8, 128, 1024, 64, 8, 8, 0),         # every pair local: many blocks with both n8 halves
+    (48, 7168, 2048, 256, 8, 384, 96),   # Kimi down at 32 local sequences
+    (48, 4096, 7168, 64, 8, 384, 96),    # Kimi gate_up at 8 local sequences
+])
+def test_persistent_kernel_equals_the_one_cta_per_item_kernel(E, N, K, T, k, E_total, offset):
+    """indexed_gemm(persistent=p) for p in (1, 3, 32): bit-equal to persistent=0 (the same sums in the same order), plain
+    and with glu, every configuration that runs the shape, PDL early and late, with and without early_weights; rows
+    not listed keep their poison. A routing with no local pair writes nothing."""
+    from kimi.ops.fused import moe_align_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(N + K + T + 2)
+    w, s = mc.repack(*_experts(E, N, K, gen))
+    ids = _routing(T, E_total, k, gen)
+    P = T * k
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+    rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
+    others = torch.ones(P, dtype=torch.bool, device="cuda")
+    others[rows] = False
+    x = (torch.randn((T, K), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    for cfg in [c for c in mc.CONFIGS if mc.config_valid(c, N, K)]:
+        for glu in (False, True):
+            width = N // 2 if glu else N
+
+            def run(pers, pdl="early", early=False):
+                out = torch.full((P, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+                mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, out, config=cfg, pdl=pdl, glu=glu,
+                                early_weights=early, persistent=pers)
+                return out
+
+            want = run(0)
+            assert not torch.isnan(want[rows]).any()
+            for pers, pdl, early in ((1, "early", False), (3, "late", False), (32, "early", False),
+                                     (32, "early", True), (3, "off", True)):
+                got = run(pers, pdl, early)
+                assert torch.equal(got[rows], want[rows]), f"{cfg} glu {glu} persistent {pers} pdl {pdl} early {early}"
+                assert torch.isnan(got[others]).all(), f"{cfg} glu {glu} persistent {pers}: an unlisted row was written"
+    none = torch.full_like(ids, offset + E)  # every pair on another rank's expert
+    a = moe_align_fused(none, E, offset, 16)
+    out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mc.indexed_gemm(x, w, s, a[0], a[1], a[2], k, out, persistent=32)
+    assert torch.isnan(out).all(), "a routing with no local pair wrote rows"
+
+
+def test_persistent_down_in_a_cuda_graph_behind_gate_up():
+    """cuda_experts_forward's pair with both GEMMs persistent and the down's early weights, captured in a CUDA graph:
+    each replay after new routing ids and inputs equals a fresh eager run of the one-CTA-per-item kernels."""
+    from kimi.ops.fused import moe_align_fused
+
+    E, I, D, T, k, E_total, offset = 48, 2048, 7168, 256, 8, 384, 96
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    w13, s13 = mc.repack(*mc.glu_interleave(*_experts(E, 2 * I, D, gen)))
+    w2, s2 = mc.repack(*_experts(E, D, I, gen))
+    ids = _routing(T, E_total, k, gen)
+    x = (torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    P = T * k
+    act = torch.empty((P, I), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def run(pers, early, y):
+        a = moe_align_fused(ids, E, offset, 16)
+        mc.indexed_gemm(x, w13, s13, a[0], a[1], a[2], k, act, config=mc.config_for(2 * I, D, P // 8), pdl="early",
+                        glu=True, persistent=pers)
+        mc.indexed_gemm(act, w2, s2, a[0], a[1], a[2], 1, y, config=mc.config_for(D, I, P // 8), pdl="early",
+                        early_weights=early, persistent=pers)
+
+    run(4, True, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(4, True, out)
+    for _ in range(3):
+        ids.copy_(_routing(T, E_total, k, gen))
+        x.copy_((torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        g.replay()
+        want = torch.full_like(out, float("nan"))
+        run(0, False, want)
+        rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
+        assert torch.equal(out[rows], want[rows]), "a persistent replay differs from the one-CTA-per-item kernels"
+
+
 def test_cuda_backend_matches_ref_backend():
     from kimi.ops.moe_backend import make_experts
 

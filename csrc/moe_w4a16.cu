@@ -104,81 +104,6 @@ struct alignas(16) Slot {
   uint4 x[16][8];
 };
 
-// One k64 chunk of a warp's MMAs: acc[i][h] += the chunk's contribution to 16-row tile i of N and n8 half h (of the
-// block's 16 token rows) for the NH halves in use, from ring slot sl. lane: the lane id; x_off / x_off_hi: this
-// lane's ldmatrix byte offsets in the slot's inputs (the kernels below).
-template <int NT, int NH>
-__device__ __forceinline__ void mma_chunk(float (&acc)[NT][2][4], const Slot<NT>& sl, int lane, uint32_t x_off,
-                                          uint32_t x_off_hi) {
-  constexpr int NB = NT / 4;
-  const int g = lane >> 2;
-  // A fragments of the constant -136 (bf16, exact): an MMA with them adds -136 * (sum of the step's inputs) per
-  // token, which turns the products with the raw bf16 values 128 + nibble into products with nibble - 8
-  const uint32_t m136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
-  const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // B fragments of half h: b[h][2 j], b[h][2 j + 1] = step j's registers 0, 1 (inputs 16 j + 2 t (+1), + 8)
-  uint32_t b[2][8];
-  const uint32_t xs = smem_addr(&sl.x[0][0]);
-#pragma unroll
-  for (int h = 0; h < NH; ++h) {
-    uint32_t r0[4], r1[4];
-    ldmatrix_x4(r0, xs + h * 1024 + x_off);
-    ldmatrix_x4(r1, xs + h * 1024 + x_off_hi);
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      b[h][m] = r0[m];
-      b[h][4 + m] = r1[m];
-    }
-  }
-  // off[grp][h]: -136 * (sum of group grp's 32 inputs) of each token column, in the C fragment's layout; every
-  // tile's group sum starts from it (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1)
-  float off[2][2][4];
-#pragma unroll
-  for (int grp = 0; grp < 2; ++grp)
-#pragma unroll
-    for (int h = 0; h < NH; ++h) {
-      mma_bf16_16816(off[grp][h], m136, b[h][4 * grp], b[h][4 * grp + 1], zero);
-      mma_bf16_16816(off[grp][h], m136, b[h][4 * grp + 2], b[h][4 * grp + 3], off[grp][h]);
-    }
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const uint4 wv[4] = {sl.w[nb][0][lane], sl.w[nb][1][lane], sl.w[nb][2][lane], sl.w[nb][3][lane]};
-    const uint4 sv[2] = {sl.s[nb][0][g], sl.s[nb][1][g]};  // word c: (row 16 c + g, row 16 c + 8 + g)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int i = 4 * nb + c;  // the CTA's tile
-      const uint32_t words[4] = {(&wv[0].x)[c], (&wv[1].x)[c], (&wv[2].x)[c], (&wv[3].x)[c]};
-#pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        const uint32_t sw = (&sv[grp].x)[c];
-        const float sg = bf16_lo(sw), sg8 = bf16_hi(sw);
-        float part[2][4];  // sum over the group of (nibble - 8) * input, exact in fp32 up to the MMA's rounding
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * grp + jj;
-          const uint32_t w = words[j];
-          uint32_t a[4];
-          a[0] = nibbles_to_bf16x2(w);        // row g,     fragment columns 2t, 2t+1: 128 + nibble
-          a[1] = nibbles_to_bf16x2(w >> 8);   // row g + 8, columns 2t, 2t+1
-          a[2] = nibbles_to_bf16x2(w >> 4);   // row g,     columns 2t+8, 2t+9
-          a[3] = nibbles_to_bf16x2(w >> 12);  // row g + 8, columns 2t+8, 2t+9
-#pragma unroll
-          for (int h = 0; h < NH; ++h)
-            mma_bf16_16816(part[h], a, b[h][2 * j], b[h][2 * j + 1], jj == 0 ? off[grp][h] : part[h]);
-        }
-        // the group's scale, in fp32: C fragment registers 0, 1 are row g, 2, 3 row g + 8
-#pragma unroll
-        for (int h = 0; h < NH; ++h) {
-          acc[i][h][0] = fmaf(sg, part[h][0], acc[i][h][0]);
-          acc[i][h][1] = fmaf(sg, part[h][1], acc[i][h][1]);
-          acc[i][h][2] = fmaf(sg8, part[h][2], acc[i][h][2]);
-          acc[i][h][3] = fmaf(sg8, part[h][3], acc[i][h][3]);
-        }
-      }
-    }
-  }
-}
-
 template <int NT, int KW, int S>
 __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
@@ -292,8 +217,73 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][h][r] = 0.0f;
 
+  // A fragments of the constant -136 (bf16, exact): an MMA with them adds -136 * (sum of the step's inputs) per
+  // token, which turns the products with the raw bf16 values 128 + nibble into products with nibble - 8
+  const uint32_t m136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
+  const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto compute = [&](const Slot<NT>& sl, auto h1) {
-    mma_chunk<NT, decltype(h1)::value ? 2 : 1>(acc, sl, lane, x_off, x_off_hi);
+    constexpr int NH = decltype(h1)::value ? 2 : 1;  // n8 halves in use
+    // B fragments of half h: b[h][2 j], b[h][2 j + 1] = step j's registers 0, 1 (inputs 16 j + 2 t (+1), + 8)
+    uint32_t b[2][8];
+    const uint32_t xs = smem_addr(&sl.x[0][0]);
+#pragma unroll
+    for (int h = 0; h < NH; ++h) {
+      uint32_t r0[4], r1[4];
+      ldmatrix_x4(r0, xs + h * 1024 + x_off);
+      ldmatrix_x4(r1, xs + h * 1024 + x_off_hi);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        b[h][m] = r0[m];
+        b[h][4 + m] = r1[m];
+      }
+    }
+    // off[grp][h]: -136 * (sum of group grp's 32 inputs) of each token column, in the C fragment's layout; every
+    // tile's group sum starts from it (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1)
+    float off[2][2][4];
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp)
+#pragma unroll
+      for (int h = 0; h < NH; ++h) {
+        mma_bf16_16816(off[grp][h], m136, b[h][4 * grp], b[h][4 * grp + 1], zero);
+        mma_bf16_16816(off[grp][h], m136, b[h][4 * grp + 2], b[h][4 * grp + 3], off[grp][h]);
+      }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 wv[4] = {sl.w[nb][0][lane], sl.w[nb][1][lane], sl.w[nb][2][lane], sl.w[nb][3][lane]};
+      const uint4 sv[2] = {sl.s[nb][0][g], sl.s[nb][1][g]};  // word c: (row 16 c + g, row 16 c + 8 + g)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int i = 4 * nb + c;  // the CTA's tile
+        const uint32_t words[4] = {(&wv[0].x)[c], (&wv[1].x)[c], (&wv[2].x)[c], (&wv[3].x)[c]};
+#pragma unroll
+        for (int grp = 0; grp < 2; ++grp) {
+          const uint32_t sw = (&sv[grp].x)[c];
+          const float sg = bf16_lo(sw), sg8 = bf16_hi(sw);
+          float part[2][4];  // sum over the group of (nibble - 8) * input, exact in fp32 up to the MMA's rounding
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * grp + jj;
+            const uint32_t w = words[j];
+            uint32_t a[4];
+            a[0] = nibbles_to_bf16x2(w);        // row g,     fragment columns 2t, 2t+1: 128 + nibble
+            a[1] = nibbles_to_bf16x2(w >> 8);   // row g + 8, columns 2t, 2t+1
+            a[2] = nibbles_to_bf16x2(w >> 4);   // row g,     columns 2t+8, 2t+9
+            a[3] = nibbles_to_bf16x2(w >> 12);  // row g + 8, columns 2t+8, 2t+9
+#pragma unroll
+            for (int h = 0; h < NH; ++h)
+              mma_bf16_16816(part[h], a, b[h][2 * j], b[h][2 * j + 1], jj == 0 ? off[grp][h] : part[h]);
+          }
+          // the group's scale, in fp32: C fragment registers 0, 1 are row g, 2, 3 row g + 8
+#pragma unroll
+          for (int h = 0; h < NH; ++h) {
+            acc[i][h][0] = fmaf(sg, part[h][0], acc[i][h][0]);
+            acc[i][h][1] = fmaf(sg, part[h][1], acc[i][h][1]);
+            acc[i][h][2] = fmaf(sg8, part[h][2], acc[i][h][2]);
+            acc[i][h][3] = fmaf(sg8, part[h][3], acc[i][h][3]);
+          }
+        }
+      }
+    }
   };
 
   // S - 1 chunks in flight; the loop is unrolled by S so every slot index is a constant. Compiled twice, with and
@@ -394,296 +384,6 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   }
 }
 
-// Persistent variant (kimi_w4a16_indexed_gemm's persistent > 0): a grid of at most the CTAs that fit on the GPU at
-// once. With I = (num_padded / 16) * (N / (16 NT)) work items (item = align block b * groups + N group, each what
-// one CTA of the kernel above computes) and G CTAs, per = ceil(I / G) and A = ceil(I / per) CTAs are active: CTA
-// c < A takes items c, c + A, c + 2 A, ... (per of them, the last few CTAs one fewer), so the CTAs running at a time
-// read neighbouring weight columns, as the kernel above's do, and no CTA runs a last item alone. Each warp streams
-// its k64 chunks item after item through its ring without draining it between items; the next item's expert and
-// row ids are loaded one item ahead. After an item's last chunk, warps 1..KW-1 put their accumulators in shared
-// memory (two buffers, alternating by item), the CTA synchronises, and warp 0 adds them in warp order (so the sums
-// equal the kernel above's) and stores the item's rows from its registers, neighbouring lanes' columns paired by a
-// shuffle into bf16x2 stores.
-template <int NT, int KW, int S>
-__global__ void __launch_bounds__(32 * KW, 1) w4a16_persistent_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
-    const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-    const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights) {
-  static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
-  constexpr int NB = NT / 4;  // n64 blocks per item
-  constexpr int kAcc = NT * 8;  // accumulators per lane
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  Slot<NT>* ring = reinterpret_cast<Slot<NT>*>(smem_raw) + warp * S;
-  // [2 buffers][KW - 1 warps][kAcc][32 lanes] floats after the rings
-  float* xch = reinterpret_cast<float*>(smem_raw + sizeof(Slot<NT>) * KW * S);
-
-  int np;
-  if (early_weights) {
-    np = __ldcg(num_padded);  // see the kernel above
-  } else {
-    grid_dependency_wait();
-    if (!trigger_late) launch_dependents();
-    np = num_padded[0];
-  }
-  const int groups = (n >> 4) / NT;
-  const int items = (np / kBlockRows) * groups;
-  const int per = (items + (int)gridDim.x - 1) / (int)gridDim.x;
-  const int active = per > 0 ? (items + per - 1) / per : 0;
-  if ((int)blockIdx.x >= active) {
-    if (!early_weights && trigger_late) launch_dependents();
-    return;
-  }
-  const int my_items = (items - 1 - (int)blockIdx.x) / active + 1;  // items blockIdx.x + m * active < items
-  const int n_chunks = k_chunks / KW;  // per item, this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
-  const int c_begin = warp * n_chunks;
-  const int n64 = n >> 6;
-  const size_t w_row = (size_t)n64 * 32;  // uint4 per k16 step
-  const size_t s_row = (size_t)n >> 3;    // uint4 per scale group
-  const int wj = lane >> 3, wl = lane & 7;
-  const int xrow[2] = {lane >> 2, lane >> 1}, xq[2] = {2 * (lane & 3), 4 * (lane & 1)};
-  const uint32_t x_off = (uint32_t)((lane & 7) * 128 + (((lane >> 3) ^ (lane & 7)) << 4));
-  const uint32_t x_off_hi = x_off ^ 64u;
-
-  // Block state of an item, loaded one item ahead: the expert, the id of block row 8 + g (is the second n8 half in
-  // use), and the ids of this lane's x rows in the one-half and two-half copy patterns.
-  struct BlockIds {
-    int e, id8, idx[2];
-  };
-  auto load_ids = [&](int item) {
-    BlockIds r;
-    const int b = item / groups;
-    r.e = early_weights ? __ldcg(block_expert + b) : block_expert[b];
-    r.id8 = sorted_ids[b * kBlockRows + 8 + g];
-    r.idx[0] = sorted_ids[b * kBlockRows + xrow[0]];
-    r.idx[1] = sorted_ids[b * kBlockRows + xrow[1]];
-    return r;
-  };
-
-  // issue side: the item and chunk of this warp's next copy and its pointers
-  int ii = blockIdx.x, im = 0, ic = 0;  // item, its index among this CTA's, chunk within it
-  BlockIds cur = load_ids(ii);
-  BlockIds nxt = cur;
-  if (my_items > 1) nxt = load_ids(ii + active);
-  const uint4* wp = nullptr;
-  const uint4* sp = nullptr;
-  const __nv_bfloat16* xr[2] = {x, x};
-  bool ih1 = false;  // the issue item's block uses both n8 halves
-  auto setup_w = [&](int item, int e) {
-    const int nb0 = (item % groups) * NB;
-    wp = wq + ((size_t)e * k_chunks * 4 + (size_t)c_begin * 4 + wj) * w_row + (size_t)nb0 * 32 + wl;
-    sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
-         (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
-  };
-  auto setup_x = [&](const BlockIds& bi) {
-    ih1 = __any_sync(0xffffffffu, bi.id8 < num_rows_out);
-#pragma unroll
-    for (int h1 = 0; h1 < 2; ++h1) {
-      const int id = bi.idx[h1];
-      xr[h1] = x + (int64_t)(id < num_rows_out ? id / top_k : 0) * x_stride + 8 * xq[h1] + (int64_t)c_begin * 64;
-    }
-  };
-  auto issue_w = [&](Slot<NT>& sl) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) cp_async16(&sl.w[nb][wj][8 * q + wl], wp + nb * 32 + 8 * q);
-    if (lane < 16 * NB) cp_async16(&sl.s[lane >> 4][(lane >> 3) & 1][lane & 7], sp);
-    wp += 4 * w_row;
-    sp += 2 * s_row;
-  };
-  auto issue_x = [&](Slot<NT>& sl) {
-    if (ih1) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = xrow[1], piece = xq[1] + q;
-        cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[1] + 8 * q);
-      }
-    } else {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int r = xrow[0], piece = xq[0] + q;
-        cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[0] + 8 * q);
-      }
-    }
-    xr[0] += 64;
-    xr[1] += 64;
-  };
-  uint32_t h1_bits = 0;  // bit s: the chunk in slot s uses both n8 halves
-  auto issue_next = [&](Slot<NT>& sl, int s) {  // the next chunk of the stream into slot s
-    if (ic == n_chunks) {
-      ii += active;
-      ++im;
-      ic = 0;
-      cur = nxt;
-      if (im + 1 < my_items) nxt = load_ids(ii + active);
-      setup_w(ii, cur.e);
-      setup_x(cur);
-    }
-    issue_w(sl);
-    issue_x(sl);
-    h1_bits = (h1_bits & ~(1u << s)) | ((ih1 ? 1u : 0u) << s);
-    ++ic;
-  };
-
-  const int J = my_items * n_chunks;  // chunks of this warp's stream
-  // the first S - 1 chunks: with early_weights and all of them in the first item, the weights before the wait (as in
-  // the kernel above: weight groups first, then input groups)
-  setup_w(ii, cur.e);
-  if (early_weights && n_chunks >= S - 1) {
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      issue_w(ring[s]);
-      cp_async_commit();
-    }
-    grid_dependency_wait();
-    if (!trigger_late) launch_dependents();
-    setup_x(cur);
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      issue_x(ring[s]);
-      h1_bits |= (ih1 ? 1u : 0u) << s;
-      cp_async_commit();
-    }
-    ic = S - 1;
-  } else {
-    if (early_weights) {
-      grid_dependency_wait();
-      if (!trigger_late) launch_dependents();
-    }
-    setup_x(cur);
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if (s < J) issue_next(ring[s], s);
-      cp_async_commit();
-    }
-  }
-
-  float acc[NT][2][4];
-  auto zero_acc = [&]() {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[i][h][r] = 0.0f;
-  };
-  zero_acc();
-
-  // warp 0 stores (row 8 h + 2 t + q, column col) for q = 0, 1 of this lane's values v0, v1: a lane with even g
-  // stores its q = 0 value and its right neighbour's (column col + 1, lane + 4), one with odd g its left
-  // neighbour's q = 1 value and its own, as bf16x2
-  auto store_pair = [&](float v0, float v1, int col, int id_even, int id_odd) {
-    const bool odd = g & 1;
-    const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-    const int id = odd ? id_odd : id_even;
-    if (id < num_rows_out)
-      *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + (odd ? col - 1 : col)) =
-          odd ? __floats2bfloat162_rn(recv, v1) : __floats2bfloat162_rn(v0, recv);
-  };
-  // the pair ids of block rows 8 h + 2 t + q of an item ([h][q]), for warp 0's stores; the next item's loaded ahead
-  int fin_ids[2][2], fin_nxt[2][2];
-  auto load_fin = [&](int item, int (&ids)[2][2]) {
-    const int b = item / groups;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) ids[h][q] = sorted_ids[b * kBlockRows + 8 * h + 2 * t + q];
-  };
-  if (warp == 0) {
-    load_fin(blockIdx.x, fin_ids);
-    if (my_items > 1) load_fin(blockIdx.x + active, fin_nxt);
-  }
-  auto finish_item = [&](int item, int m, int parity) {
-    if constexpr (KW > 1) {
-      float* buf = xch + (size_t)parity * (KW - 1) * kAcc * 32;
-      if (warp > 0) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) buf[((size_t)(warp - 1) * kAcc + i * 8 + h * 4 + r) * 32 + lane] = acc[i][h][r];
-      }
-      __syncthreads();
-      if (warp > 0) return;
-#pragma unroll
-      for (int w = 1; w < KW; ++w)
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[i][h][r] += buf[((size_t)(w - 1) * kAcc + i * 8 + h * 4 + r) * 32 + lane];
-    }
-    const int nb0 = (item % groups) * NB;
-    if (glu) {
-      // gate rows 16 c + g (+ 8) of n64 block nb (c = 0, 1) pair with up rows 32 higher: tile i + 2, same registers;
-      // output column 32 (nb0 + nb) + 16 c + g (+ 8). Rounded as the kernel above rounds.
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int k8 = 0; k8 < 2; ++k8) {
-              float a[2];
-#pragma unroll
-              for (int q = 0; q < 2; ++q) {
-                const float gt = __bfloat162float(__float2bfloat16_rn(acc[4 * nb + c][h][2 * k8 + q]));
-                const float up = __bfloat162float(__float2bfloat16_rn(acc[4 * nb + c + 2][h][2 * k8 + q]));
-                a[q] = __bfloat162float(__float2bfloat16_rn(gt / (1.0f + __expf(-gt)))) * up;
-              }
-              store_pair(a[0], a[1], (nb0 + nb) * 32 + 16 * c + g + 8 * k8, fin_ids[h][0], fin_ids[h][1]);
-            }
-    } else {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int k8 = 0; k8 < 2; ++k8)
-            store_pair(acc[i][h][2 * k8], acc[i][h][2 * k8 + 1], nb0 * 64 + 16 * i + g + 8 * k8, fin_ids[h][0],
-                       fin_ids[h][1]);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) fin_ids[h][q] = fin_nxt[h][q];
-    if (m + 2 < my_items) load_fin(item + 2 * active, fin_nxt);
-  };
-
-  int ci = blockIdx.x, cm = 0, cc = 0, parity = 0;  // compute side: item, its index, chunk
-  for (int j0 = 0; j0 < J; j0 += S) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if (j0 + s < J) {
-        cp_async_wait<S - 2>();  // chunk j0 + s has landed (this lane's copies)
-        __syncwarp();            // ... and every lane's; every lane is done with the slot read last
-        if (j0 + s + S - 1 < J) issue_next(ring[(s + S - 1) % S], (s + S - 1) % S);
-        cp_async_commit();
-        if ((h1_bits >> s) & 1u)
-          mma_chunk<NT, 2>(acc, ring[s], lane, x_off, x_off_hi);
-        else
-          mma_chunk<NT, 1>(acc, ring[s], lane, x_off, x_off_hi);
-        if (++cc == n_chunks) {
-          finish_item(ci, cm, parity);
-          zero_acc();
-          ci += active;
-          ++cm;
-          cc = 0;
-          parity ^= 1;
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
-  if (trigger_late) launch_dependents();
-}
-
 template <int NT, int KW, int S>
 constexpr size_t smem_bytes() {
   constexpr size_t ring = sizeof(Slot<NT>) * KW * S;
@@ -691,65 +391,28 @@ constexpr size_t smem_bytes() {
   return ring > part ? ring : part;
 }
 
-// the persistent kernel's: the rings, then two exchange buffers of KW - 1 warps' accumulators
 template <int NT, int KW, int S>
-constexpr size_t smem_bytes_persistent() {
-  return sizeof(Slot<NT>) * KW * S + (KW > 1 ? sizeof(float) * 2 * (KW - 1) * NT * 8 * 32 : 0);
-}
-
-// Per device (0..63) and kernel (the template arguments: one set of statics each): set the kernel's shared-memory
-// opt-in once, and with `occupancy` (persistent launches) return its resident CTAs per SM (low byte) and the SM count
-// (above), measured once.
-template <int NT, int KW, int S, bool P, typename Kernel>
-cudaError_t prepare(Kernel kernel, size_t smem, int threads, bool occupancy, int* slots) {
+cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
+                   const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
+                   cudaStream_t stream) {
+  const int n_tiles = n / 16, k_chunks = k / 64;
+  constexpr size_t smem = smem_bytes<NT, KW, S>();
+  // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
+  // 0..63) and configuration
   static std::atomic<uint64_t> attr_set{0};
-  static std::atomic<int> slot_count[64] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(attr_set.load() & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)smem);
     if (err != cudaSuccess) return err;
     attr_set.fetch_or(bit);
   }
-  if (!occupancy) return cudaSuccess;
-  int cached = bit ? slot_count[dev].load() : 0;
-  if (cached <= 0) {
-    int per_sm = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
-    if (err != cudaSuccess) return err;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return err;
-    if (per_sm <= 0) return cudaErrorInvalidConfiguration;
-    cached = per_sm | (sms << 8);  // CTAs per SM in the low byte, the SM count above
-    if (bit) slot_count[dev].store(cached);
-  }
-  *slots = cached;
-  return cudaSuccess;
-}
-
-template <int NT, int KW, int S>
-cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
-                   const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights, int persistent,
-                   cudaStream_t stream) {
-  const int n_tiles = n / 16, k_chunks = k / 64;
-  auto kernel = persistent ? w4a16_persistent_kernel<NT, KW, S> : w4a16_indexed_kernel<NT, KW, S>;
-  const size_t smem = persistent ? smem_bytes_persistent<NT, KW, S>() : smem_bytes<NT, KW, S>();
-  int slots = 0;
-  cudaError_t err = persistent ? prepare<NT, KW, S, true>(kernel, smem, 32 * KW, true, &slots)
-                               : prepare<NT, KW, S, false>(kernel, smem, 32 * KW, false, &slots);
-  if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
-  if (persistent) {  // at most `persistent` CTAs per SM, at most what fits, at most one per possible work item
-    const int per_sm = (slots & 0xFF) < persistent ? (slots & 0xFF) : persistent;
-    const int64_t items = (int64_t)num_blocks * (n_tiles / NT);
-    const int64_t grid = (int64_t)per_sm * (slots >> 8);
-    cfg.gridDim = dim3((unsigned)(grid < items ? grid : items), 1, 1);
-  } else {
-    cfg.gridDim = dim3(n_tiles / NT, num_blocks, 1);
-  }
+  cfg.gridDim = dim3(n_tiles / NT, num_blocks, 1);
   cfg.blockDim = dim3(32 * KW, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -758,7 +421,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<const __nv_bfloat16*>(x), x_stride,
+  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
                             n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
@@ -776,22 +439,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
 // not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
 // before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
-// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). persistent: 0, the kernel of one CTA per (align
-// block, N group); p > 0, w4a16_persistent_kernel with at most p CTAs per SM (and at most what fits). Returns
-// cudaErrorInvalidValue for anything else.
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int persistent, cudaStream_t stream) {
+                                               int glu, int early_weights, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
-      early_weights > 1 || persistent < 0 || persistent > 32)
+      early_weights > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, persistent, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

@@ -385,13 +385,6 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    **{f"{gemm}_persistent{p}": (f"kimi's CUDA {gemm} GEMM as the persistent kernel, at most {p} CTAs per SM "
-                                  f"(kimi.ops.moe_int4_cuda.PERSISTENT_{gemm.upper()})",
-                                  lambda m, gemm=gemm, p=p: _set_module_attr("kimi.ops.moe_int4_cuda",
-                                                                             f"PERSISTENT_{gemm.upper()}", p),
-                                  lambda m, gemm=gemm: _restore_module_attr("kimi.ops.moe_int4_cuda",
-                                                                            f"PERSISTENT_{gemm.upper()}"))
-       for gemm in ("gate_up", "down") for p in (0, 2, 3, 4, 32)},
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

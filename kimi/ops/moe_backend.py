@@ -467,17 +467,16 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
         act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
         mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13,
-                        glu=True, persistent=mc.PERSISTENT_GATE_UP)
+                        glu=True)
     else:
         y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13,
-                        persistent=mc.PERSISTENT_GATE_UP)
+        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
         act = silu_mul_rows(y1, sorted_ids, num_padded, inter, interleave=glu_group)  # [P, I], listed rows only
     y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
     # the align is two kernels back (gate_up, or gate_up + silu_mul_rows, each waiting before it releases): the down
     # GEMM may start loading its weights before it waits
     mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2,
-                    early_weights=mc.EARLY_WEIGHTS_DOWN, persistent=mc.PERSISTENT_DOWN)
+                    early_weights=mc.EARLY_WEIGHTS_DOWN)
     combine_into(y2, topk_weights, topk_ids, expert_offset, E, out)
     return out
 

@@ -104,10 +104,8 @@ struct alignas(16) Slot {
   uint4 x[16][8];
 };
 
-// CAP: at most 200 registers per thread for the 64-thread (NT 8, KW 2) CTAs, so 5 of them fit per SM (at 207-209
-// registers 4 do); the other configurations are not capped.
-template <int NT, int KW, int S, bool CAP>
-__global__ void __launch_bounds__(32 * KW) __maxnreg__((CAP && NT == 8 && KW == 2) ? 200 : 255) w4a16_indexed_kernel(
+template <int NT, int KW, int S>
+__global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
@@ -393,11 +391,12 @@ constexpr size_t smem_bytes() {
   return ring > part ? ring : part;
 }
 
-template <int NT, int KW, int S, bool CAP>
-cudaError_t launch_kernel(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
-                          const int* block_expert, const int* num_padded, void* out, int64_t out_stride,
-                          int num_rows_out, int top_k, int n, int n_tiles, int k_chunks, int num_blocks, int pdl,
-                          int glu, int early_weights, cudaStream_t stream) {
+template <int NT, int KW, int S>
+cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
+                   const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
+                   cudaStream_t stream) {
+  const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
   // 0..63) and configuration
@@ -407,7 +406,7 @@ cudaError_t launch_kernel(const void* x, int64_t x_stride, const void* wq, const
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(attr_set.load() & bit)) {
-    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)smem);
     if (err != cudaSuccess) return err;
     attr_set.fetch_or(bit);
@@ -422,27 +421,10 @@ cudaError_t launch_kernel(const void* x, int64_t x_stride, const void* wq, const
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
-  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S, CAP>, static_cast<const __nv_bfloat16*>(x), x_stride,
+  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
                             n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
-}
-
-template <int NT, int KW, int S>
-cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
-                   const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights, int reg_cap,
-                   cudaStream_t stream) {
-  const int n_tiles = n / 16, k_chunks = k / 64;
-  if constexpr (NT == 8 && KW == 2) {
-    if (reg_cap)
-      return launch_kernel<NT, KW, S, true>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out,
-                                            out_stride, num_rows_out, top_k, n, n_tiles, k_chunks, num_blocks, pdl,
-                                            glu, early_weights, stream);
-  }
-  return launch_kernel<NT, KW, S, false>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride,
-                                         num_rows_out, top_k, n, n_tiles, k_chunks, num_blocks, pdl, glu,
-                                         early_weights, stream);
 }
 
 }  // namespace
@@ -457,21 +439,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
 // not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
 // before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
-// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). reg_cap: 1, the (8, 2, S) configurations compiled
-// for at most 200 registers per thread (5 CTAs per SM), 0 uncapped. Returns cudaErrorInvalidValue for anything else.
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int reg_cap, cudaStream_t stream) {
+                                               int glu, int early_weights, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
-      early_weights > 1 || reg_cap < 0 || reg_cap > 1)
+      early_weights > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, reg_cap, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

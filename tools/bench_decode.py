@@ -385,10 +385,6 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    "moe_cuda_uncapped": ("kimi's CUDA expert GEMMs' (8, 2, S) configurations without the 200-register cap "
-                          "(kimi.ops.moe_int4_cuda.REG_CAP False: 4 CTAs per SM instead of 5)",
-                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "REG_CAP", False),
-                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "REG_CAP")),
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

@@ -75,10 +75,6 @@ def main() -> None:
     ap.add_argument("--tokens", default="64,256")
     ap.add_argument("--out", default=None)
     ap.add_argument("--gemms", default="gate_up,down")
-    ap.add_argument("--reg-cap", default="1",
-                    help="comma list of indexed_gemm reg_cap values (1: (8, 2, S) built for <= 200 registers, 0: not)")
-    ap.add_argument("--configs", default="",
-                    help="comma list of NTKWS digit triples (e.g. 444,823) to time; default every config of CONFIGS")
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
     from humming.layer import HummingLayer  # noqa: F401  (fails loudly when humming is absent)
@@ -137,22 +133,20 @@ def main() -> None:
                 d = (y[rows].float() - ref).abs()
                 return {"rel_err": (d.max() / scale_ref).item(), "nan": bool(torch.isnan(y[rows]).any())}
 
-            want = [tuple(int(d) for d in c) for c in args.configs.split(",") if c]
-            caps = [bool(int(v)) for v in args.reg_cap.split(",")]
-            runs = [(cfg, cap) for cfg in mc.CONFIGS for cap in (caps if cfg[:2] == (8, 2) else caps[:1])
-                    if not (n // 16) % cfg[0] and not (k // 64) % cfg[1] and (not want or cfg in want)]
-            for cfg, cap in runs:
+            for cfg in mc.CONFIGS:
+                if (n // 16) % cfg[0] or (k // 64) % cfg[1]:
+                    continue
                 out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                fn = lambda cfg=cfg, out=out, cap=cap: mc.indexed_gemm(  # noqa: E731
-                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg, reg_cap=cap)
+                fn = lambda cfg=cfg, out=out: mc.indexed_gemm(  # noqa: E731
+                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg)
                 y = fn()
                 torch.cuda.synchronize()
-                r = {"config": list(cfg), "reg_cap": cap} | err(y)
+                r = {"config": list(cfg)} | err(y)
                 r["ms"] = graph_time(fn)
                 r["GBps"] = bytes_hit / r["ms"] / 1e6
                 r["pct_copy"] = 100 * r["GBps"] / bw
                 case["ours"].append(r)
-                print(f"T={T} {name} ours {cfg} reg_cap {int(cap)}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
+                print(f"T={T} {name} ours {cfg}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
                       f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}", flush=True)
             out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             cc = {"gemm_type": "indexed"}

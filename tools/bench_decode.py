@@ -219,18 +219,6 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
-def _l2pf(i: int, on: bool) -> None:
-    """gate_up_l2pf{i}: kimi.ops.l2_prefetch.GATE_UP_PREFETCH updated with entry i of $KIMI_L2PF_ALTS (on), or put back."""
-    from kimi.ops import l2_prefetch
-
-    if on:
-        _saved[("l2pf", i)] = dict(l2_prefetch.GATE_UP_PREFETCH)
-        l2_prefetch.GATE_UP_PREFETCH.update(json.loads(os.environ["KIMI_L2PF_ALTS"])[i])
-    else:
-        l2_prefetch.GATE_UP_PREFETCH.clear()
-        l2_prefetch.GATE_UP_PREFETCH.update(_saved[("l2pf", i)])
-
-
 def _lsm_entries(tag, entries: dict, on: bool) -> None:
     """Replace kimi.ops.linear_small_m table entries {(bucket, N, K): SmallMConfig, or None: no entry, i.e.
     F.linear} (on), or put back what `tag`'s replacement found (off). The table is read when a graph is captured."""
@@ -397,9 +385,6 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    **{f"gate_up_l2pf{i}": (f"L2 prefetch of the first gate_up weights during the routing with entry {i} of the JSON "
-                           "list $KIMI_L2PF_ALTS (fields of kimi.ops.l2_prefetch.GATE_UP_PREFETCH)",
-                           lambda m, i=i: _l2pf(i, True), lambda m, i=i: _l2pf(i, False)) for i in range(4)},
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

@@ -351,27 +351,6 @@ class HummingInt4Experts(HummingExperts):
                                         m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu)
         return super().forward(x, topk_weights, topk_ids)
 
-    def prefetch_l2(self, T: int, k: int) -> None:
-        """`prefetch_gate_up` for a step of T tokens, top-k, when kimi's CUDA GEMM will run it."""
-        m_local = self._m_local(T, k)
-        if T and m_local <= self.cuda_max_pairs:
-            prefetch_gate_up(self.l1.weight, self.l1.weight_scale, self.cuda_config13, self.inter, self.D, m_local)
-
-
-def prefetch_gate_up(w13: torch.Tensor, s13: torch.Tensor, config13: tuple[int, int, int] | None, inter: int,
-                     D: int, m_local: int) -> None:
-    """kimi.ops.l2_prefetch of the first gate_up weights of a step of m_local expected local pairs that kimi's CUDA
-    GEMM runs (w13 / s13 in its layout; config13: its launch configuration, or None for config_for's), as
-    kimi.ops.l2_prefetch.GATE_UP_PREFETCH asks (nothing below its min_pairs, or with 0 experts)."""
-    from kimi.ops import l2_prefetch
-    from kimi.ops import moe_int4_cuda as mc
-
-    want = l2_prefetch.GATE_UP_PREFETCH
-    if want["experts"] <= 0 or m_local < want["min_pairs"]:
-        return
-    kw = (config13 or mc.config_for(2 * inter, D, m_local))[1]
-    l2_prefetch.prefetch_gate_up_l2(w13, s13, kw, want["experts"], want["frac"])
-
 
 class HummingFp8Experts(HummingExperts):
     """FP8 block-quantised experts (K2-Instruct: float8_e4m3fn weights, one float32 `weight_scale_inv` per
@@ -457,12 +436,6 @@ class CudaInt4Experts(nn.Module):
         return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
                                     self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2,
                                     self.glu_group, self.glu)
-
-    def prefetch_l2(self, T: int, k: int) -> None:
-        """`prefetch_gate_up` for a step of T tokens, top-k."""
-        if T:
-            prefetch_gate_up(self.w13, self.w13_scale, self.config13, self.inter, self.D,
-                             expected_local_pairs(T, k, self.E, self.num_experts_total))
 
 
 def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,

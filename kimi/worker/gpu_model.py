@@ -267,13 +267,11 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     decode_attention = "flashinfer"
     overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     _side = None
-    _prefetch = None
 
     def _side_stream(self):
         """The side CUDA stream for the shared expert (created on first use; None off CUDA)."""
         if self._side is None and torch.cuda.is_available() and self.norm.is_cuda:
             self._side = torch.cuda.Stream(device=self.norm.device)
-            self._prefetch = torch.cuda.Stream(device=self.norm.device)
         return self._side
 
     @property
@@ -387,7 +385,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             layer = self.layers[i]
             a = layer.self_attn(x, positions, attn, kv_caches[i], self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
-            d1, d2 = _mlp_fused(layer.mlp, x, side, self._prefetch if side is not None else None)
+            d1, d2 = _mlp_fused(layer.mlp, x, side)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
         return h, x
@@ -429,7 +427,7 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return dense_linear(fused.silu_mul(y13), m.down_proj)
 
 
-def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None, prefetch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
     adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
     as MoELayer.forward.
@@ -439,11 +437,7 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None, prefetch=None) -> tup
     expert GEMMs (also inside CUDA graph capture, where the fork / join become graph edges). Memory safety:
     x is produced on the main stream before the fork; the shared output is read on the main stream only after
     the join, and the side stream's next use of freed blocks comes after the next fork, i.e. after the main
-    stream's reads were enqueued.
-
-    prefetch: a torch.cuda.Stream or None. When given (with side), the routed experts' `prefetch_l2` (the L2 prefetch
-    of their first gate_up weights, kimi.ops.l2_prefetch) runs on it, forked with the side stream and joined at the
-    end; it reads no activation and writes nothing."""
+    stream's reads were enqueued."""
     if not isinstance(mlp, MoELayer):
         return _dense_mlp_fused(mlp, x), None
     a2a = mlp.a2a
@@ -454,13 +448,8 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None, prefetch=None) -> tup
     if mlp.experts_impl is None:
         return mlp(x), None
     shared = None
-    main = torch.cuda.current_stream(x.device) if side is not None else None
-    pf = getattr(mlp.experts_impl, "prefetch_l2", None) if prefetch is not None else None
-    if pf is not None:
-        prefetch.wait_stream(main)
-        with torch.cuda.stream(prefetch):
-            pf(x.shape[0] * mlp.ep_size, mlp.top_k)  # the tokens this rank's experts will see (EP: all ranks')
     if side is not None and mlp.shared_experts is not None:
+        main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = _dense_mlp_fused(mlp.shared_experts, x)
@@ -469,8 +458,6 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None, prefetch=None) -> tup
     recv = a2a.dispatch(x, topk_weights, topk_ids)
     y = mlp.experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)  # [T_recv, D]
     out = a2a.combine(y, recv)  # [T, D]
-    if pf is not None:
-        main.wait_stream(prefetch)
     if shared is not None:
         main.wait_stream(side)
     elif mlp.shared_experts is not None:

@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
 
   // early_weights: the align's outputs (num_padded, block_expert) were complete before this kernel could launch (see
   // kimi_w4a16_indexed_gemm), so they are read before griddepcontrol.wait, through L2 (ld.global.cg: no L1 line of an
-  // earlier step can serve them), and the first S - 1 chunks' weights and scales are in flight before the wait. An
-  // empty block then exits without waiting.
+  // earlier step can serve them; this relies on a completed kernel's writes being in L2, which PTX promises only to
+  // the grid that waited for it, here the kernel ahead), and the first S - 1 chunks' weights and scales are in flight
+  // before the wait. An empty block then exits without waiting.
   int e;
   if (early_weights) {
     if (b * kBlockRows >= __ldcg(num_padded)) return;

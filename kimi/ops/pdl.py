@@ -13,6 +13,11 @@ Contract of every kernel that takes `PDL: tl.constexpr` (see `wait_and_release`)
 - right after the wait it executes `launch_dependents`, so at most one kernel waits ahead of a running one.
 Kernels we do not own (FlashInfer, humming, cuBLAS, torch) never trigger early: a PDL kernel after them
 starts at their completion, as without PDL.
+One exception to the first rule, in kimi's CUDA expert GEMM (csrc/moe_w4a16.cu, `early_weights`): the down GEMM reads
+the align's outputs (num_padded, block_expert) before its wait. That align is two kernels back, and the kernels in
+between (the gate_up GEMM, silu_mul_rows) wait before they trigger, so it has completed before the down GEMM can
+launch; the reads go through L2 (ld.global.cg), where its writes are. Any kernel placed between the align and the
+down GEMM must keep that order: wait, then trigger.
 
 Switch: `ENABLED` (environment KIMI_PDL=0 turns it off at import; tests and benchmarks may set the attribute).
 Off under Triton's CPU interpreter (no griddepcontrol there) and on GPUs before sm_90.

@@ -143,11 +143,13 @@ def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, off
 ])
 def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offset):
     """The down GEMM with early_weights (expert and first weight chunks read before griddepcontrol.wait) behind a
-    gate_up GEMM, as cuda_experts_forward runs them: bit-equal to the down GEMM that waits first, at every
-    configuration that runs the shape and every PDL mode; rows not listed keep their poison. Then in a CUDA graph
-    (align, gate_up, early down): each replay after new routing ids and new inputs are written equals a fresh eager
-    waiting run, so no CTA used the previous step's expert or inputs."""
-    from kimi.ops.fused import moe_align_fused
+    gate_up GEMM, as cuda_experts_forward runs them (SiLU·up fused, and the plain gate_up + silu_mul_rows): bit-equal
+    to the down GEMM that waits first, at every configuration that runs the shape and every PDL mode, each pair on a
+    routing drawn afresh (the align's output buffers still hold the previous routing, so a read of them before it is
+    rewritten would show); rows not listed keep their poison. Then in CUDA graphs (align, gate_up, early down), one
+    per PDL mode: each replay after new routing ids and inputs are written equals a fresh eager waiting run, and
+    writes no other row."""
+    from kimi.ops.fused import moe_align_fused, silu_mul_rows
 
     gen = torch.Generator(device="cuda").manual_seed(I + T + 1)
     w13, s13 = mc.repack(*mc.glu_interleave(*_experts(E, 2 * I, D, gen)))
@@ -156,41 +158,56 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
     x = (torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     P = T * k
     act = torch.empty((P, I), dtype=torch.bfloat16, device="cuda")
+    y1 = torch.empty((P, 2 * I), dtype=torch.bfloat16, device="cuda")
     cfg13 = mc.config_for(2 * I, D)
 
-    def run(early, cfg2, pdl, out):
+    def run(early, cfg2, pdl, out, fused=True):
         sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
-        mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, act, config=cfg13, pdl=pdl, glu=True)
-        mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, out, config=cfg2, pdl=pdl,
+        if fused:
+            mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, act, config=cfg13, pdl=pdl,
+                            glu=True)
+            a = act
+        else:
+            mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=cfg13, pdl=pdl)
+            a = silu_mul_rows(y1, sorted_ids, num_padded, I, interleave=mc.GLU_GROUP)
+        mc.indexed_gemm(a, w2, s2, sorted_ids, block_expert, num_padded, 1, out, config=cfg2, pdl=pdl,
                         early_weights=early)
         return out
 
-    rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
-    others = torch.ones(P, dtype=torch.bool, device="cuda")
-    others[rows] = False
-    nan = lambda: torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
-    for cfg2 in [c for c in mc.CONFIGS if mc.config_valid(c, D, I)]:
-        for pdl in ("early", "late", "off"):
-            want = run(False, cfg2, pdl, nan())
-            got = run(True, cfg2, pdl, nan())
-            assert torch.equal(got[rows], want[rows]), f"config {cfg2}, pdl {pdl}: early weights changed the output"
-            assert torch.isnan(got[others]).all(), f"config {cfg2}, pdl {pdl}: a row that is not listed was written"
-            assert not torch.isnan(want[rows]).any()
-
-    cfg2 = mc.config_for(D, I, T * k // 8)
-    out = nan()
-    run(True, cfg2, "early", out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run(True, cfg2, "early", out)
-    for _ in range(3):
-        ids.copy_(_routing(T, E_total, k, gen))
-        x.copy_((torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16))
-        out.fill_(float("nan"))
-        g.replay()
-        want = run(False, cfg2, "early", nan())
+    def listed():
         rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
-        assert torch.equal(out[rows], want[rows]), "a replay with early weights differs from a fresh waiting run"
+        others = torch.ones(P, dtype=torch.bool, device="cuda")
+        others[rows] = False
+        return rows, others
+
+    nan = lambda: torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    cases = [(c, pdl, True) for c in mc.CONFIGS if mc.config_valid(c, D, I) for pdl in ("early", "late", "off")]
+    cases += [(mc.config_for(D, I, P // 8), pdl, False) for pdl in ("early", "off")]
+    for cfg2, pdl, fused in cases:
+        ids.copy_(_routing(T, E_total, k, gen))  # a new routing: the early run first, on the align's reused buffers
+        got = run(True, cfg2, pdl, nan(), fused)
+        want = run(False, cfg2, pdl, nan(), fused)
+        rows, others = listed()
+        assert not torch.isnan(want[rows]).any()
+        assert torch.equal(got[rows], want[rows]), f"config {cfg2}, pdl {pdl}, fused {fused}: early weights differ"
+        assert torch.isnan(got[others]).all(), f"config {cfg2}, pdl {pdl}: a row that is not listed was written"
+
+    cfg2 = mc.config_for(D, I, P // 8)
+    for pdl in ("early", "late", "off"):
+        out = nan()
+        run(True, cfg2, pdl, out)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run(True, cfg2, pdl, out)
+        for _ in range(3):
+            ids.copy_(_routing(T, E_total, k, gen))
+            x.copy_((torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16))
+            out.fill_(float("nan"))
+            g.replay()
+            want = run(False, cfg2, pdl, nan())
+            rows, others = listed()
+            assert torch.equal(out[rows], want[rows]), f"pdl {pdl}: a replay differs from a fresh waiting run"
+            assert torch.isnan(out[others]).all(), f"pdl {pdl}: a replay wrote a row that is not listed"
 
 
 def test_cuda_backend_matches_ref_backend():

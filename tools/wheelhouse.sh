@@ -9,6 +9,10 @@
 #   kernels, which kimi does not call; large), so `pip check` names that one. The ninja wheel's binary (bin/ninja)
 #   must be on PATH: FlashInfer and kimi's csrc/ kernels are compiled at first use with nvcc.
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "wheelhouse.sh: unknown option $1 (usage: bash tools/wheelhouse.sh [DIR])" >&2; exit 2 ;;
+esac
 dir=${1:-.whl}
 py=${PYTHON:-python3}
 mkdir -p "$dir"

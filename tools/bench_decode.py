@@ -227,13 +227,7 @@ def _lsm_entries(tag, entries: dict, on: bool) -> None:
     table = lsm._get_table()["entries"]
     if on:
         _saved[("lsm", tag)] = {k: table.get(k) for k in entries}
-        for k, cfg in entries.items():
-            if cfg is None:
-                table.pop(k, None)
-            else:
-                table[k] = cfg
-        return
-    for k, cfg in _saved[("lsm", tag)].items():
+    for k, cfg in (entries if on else _saved[("lsm", tag)]).items():
         if cfg is None:
             table.pop(k, None)
         else:

@@ -238,6 +238,19 @@ def _shard_of(name: str, num_layers: int) -> int:
     return 0
 
 
+def resolve_tokenizer_source(tokenizer_source: Any = _DEFAULT) -> Any:
+    """The tokenizer folder a build writes from: `tokenizer_source`, or `kimi.tokenizer.default_tokenizer_source()`
+    when it is left out; None = the built-in byte-level vocabulary. Raises FileNotFoundError when the folder has no
+    tiktoken.model (naming $KIMI_TOKENIZER_DIR when that is where the default came from)."""
+    from kimi import tokenizer as kimi_tokenizer
+
+    src = kimi_tokenizer.default_tokenizer_source() if tokenizer_source is _DEFAULT else tokenizer_source
+    if src is not None and not os.path.isfile(os.path.join(os.fspath(src), "tiktoken.model")):
+        why = " ($KIMI_TOKENIZER_DIR)" if tokenizer_source is _DEFAULT and os.environ.get("KIMI_TOKENIZER_DIR") else ""
+        raise FileNotFoundError(f"no tiktoken.model in the tokenizer folder {src}{why}")
+    return src
+
+
 def make_tiny_checkpoint(out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0,
                          tokenizer_source: Any = _DEFAULT) -> str:
     """Write the tiny checkpoint of `layout` into `out_dir` (created if needed); returns out_dir as a str.
@@ -257,10 +270,7 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike[str], layout: str = "k2.6", 
 
     from kimi import tokenizer as kimi_tokenizer
 
-    src = kimi_tokenizer.default_tokenizer_source() if tokenizer_source is _DEFAULT else tokenizer_source
-    if src is not None and not os.path.isfile(os.path.join(os.fspath(src), "tiktoken.model")):
-        why = " ($KIMI_TOKENIZER_DIR)" if tokenizer_source is _DEFAULT and os.environ.get("KIMI_TOKENIZER_DIR") else ""
-        raise FileNotFoundError(f"no tiktoken.model in the tokenizer folder {src}{why}")
+    src = resolve_tokenizer_source(tokenizer_source)
     cfg_json, gen = tiny_config(layout)  # ValueError for an unknown layout
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
@@ -302,14 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     source: Any = None if a.builtin_tokenizer else (a.tokenizer_dir if a.tokenizer_dir else _DEFAULT)
     try:
+        source = resolve_tokenizer_source(source)  # once: the build and the message below use the same folder
         out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source)
     except (OSError, ValueError) as e:
         print(f"make_tiny_checkpoint: {e}", file=sys.stderr)
         return 1
-    if source is _DEFAULT:
-        from kimi.tokenizer import default_tokenizer_source
-
-        source = default_tokenizer_source()
     if source is not None:
         vocab = f"the Kimi vocabulary from {source}"
     elif a.builtin_tokenizer:

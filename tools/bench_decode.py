@@ -661,7 +661,7 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     # one layer of the last replay, kernel by kernel: from the 30th MLA attention kernel to the 31st (start, end and
     # how far it pushed the timeline, us from the first one's start)
     run = runs[-1]
-    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|_mla_decode_stage1", ev[2])]
+    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|_mla_decode_stage1|splitkv_mla", ev[2])]
     layer = []
     if len(mla) > 31:
         t0 = run[mla[30]][0]

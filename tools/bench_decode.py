@@ -389,9 +389,6 @@ AB_VARIANTS = {
     **{f"lsm_alt{i}": (f"linear_small_m's table entry named by entry {i} of the JSON list $KIMI_LSM_ALTS "
                        '({"key": "bucket,N,K", "config": {SmallMConfig fields}}) in place of the table\'s',
                        lambda m, i=i: _lsm_alt(i, True), lambda m, i=i: _lsm_alt(i, False)) for i in range(8)},
-    "attn_flashmla": ("decode attention by FlashMLA (sglang-kernel's library, kimi.ops.attention_flashmla; no host "
-                      "plan)", lambda m: _set_attn(m, "flashmla"),
-                      lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
@@ -661,7 +658,7 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     # one layer of the last replay, kernel by kernel: from the 30th MLA attention kernel to the 31st (start, end and
     # how far it pushed the timeline, us from the first one's start)
     run = runs[-1]
-    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|_mla_decode_stage1|splitkv_mla", ev[2])]
+    mla = [i for i, ev in enumerate(run) if re.search(r"BatchMLA|_mla_decode_stage1", ev[2])]
     layer = []
     if len(mla) > 31:
         t0 = run[mla[30]][0]
@@ -699,7 +696,7 @@ def main() -> None:
     ap.add_argument("--overlap", default="on,off",
                     help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
                          "others are timed as graph replays too (A/B in one run)")
-    ap.add_argument("--attn", default=None, choices=["triton", "flashinfer", "flashmla"],
+    ap.add_argument("--attn", default=None, choices=["triton", "flashinfer"],
                     help="decode attention of the headline (default: the model's decode_attention)")
     ap.add_argument("--ab", default="prologue_on",
                     help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
@@ -863,7 +860,7 @@ def main() -> None:
             runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
             variants.append(("graph", None, runner, nop, nop))
-            hits0 = runner.fi[B].ahead_hits if not runner.plan_free else 0
+            hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
             runs: dict[str, list] = {v[0]: [] for v in variants}
             spans: dict[str, list] = {v[0]: [] for v in variants}  # time.time() spans of each variant's timings
             for rnd in range(args.rounds):
@@ -887,7 +884,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             assert runner.num_replays > 0
             case["plan_ahead"] = runner.plan_ahead
-            if not runner.plan_free:
+            if not runner.triton_attn:
                 # of rounds x (_WARMUP + iters) steps; the first of each timing follows a restart (a miss)
                 case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0
             gm = case["graph"]["median_ms"]

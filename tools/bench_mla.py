@@ -4,8 +4,7 @@ Per batch size B in --batch (all requests at --ctx tokens of context, 64 heads, 
 blocks scattered by a random permutation): time `run()` (plan excluded; plan's host time reported apart) with
   (a) kimi's one buffer [num_blocks, 64, 576] passed as two strided views ([..., :512], [..., 512:]),
   (b) two separate contiguous buffers (FlashInfer's native layout) with the same contents,
-  (c) (a) replayed from a CUDA graph (wrapper built with use_cuda_graph=True),
-  (d) with --flashmla, FlashMLA's schedule + attention (kimi.ops.attention_flashmla) as a CUDA graph.
+  (c) (a) replayed from a CUDA graph (wrapper built with use_cuda_graph=True).
 Median of triton.testing.do_bench (L2 cleared before each call). Also checks (a) against
 kimi.ops.attention.mla_decode_ref. Bytes = KV read (B * ctx * 576 * 2) + q + o.
 """
@@ -43,56 +42,11 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def _flashmla_case(case: dict, q_lat, q_pe, kv, bt, seq, ref) -> None:
-    """FlashMLA (kimi.ops.attention_flashmla) on the same inputs: the step's schedule kernel + the attention, eager
-    and as one CUDA graph (the decode step's shape: schedule once per step, attention per layer; here 1 layer, and
-    the attention alone replayed 8 times per graph to give its per-call time)."""
-    from kimi.ops.attention_flashmla import FlashMLADecode
-
-    B = q_lat.shape[0]
-    q = torch.cat([q_lat, q_pe], -1).contiguous()  # [B, H, L + R]
-    lens = torch.tensor(seq, dtype=torch.int32, device="cuda")
-    fm = FlashMLADecode(lens, bt.to(torch.int32), SCALE, HEADS)
-    out = torch.full((B, HEADS, L), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fm.begin_step()
-    fm.run_joint(q, kv, out=out)
-    torch.cuda.synchronize()
-    case["flashmla_rel_err"] = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-    case["flashmla_nan_in_out"] = bool(torch.isnan(out).any())
-
-    def step():
-        fm.begin_step()
-        return fm.run_joint(q, kv)
-
-    case["flashmla_eager_us"] = bench(step) * 1e3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        o = step()
-    g.replay()
-    torch.cuda.synchronize()
-    case["flashmla_graph_rel_err"] = ((o.double() - ref.double()).norm() / ref.double().norm()).item()
-    case["flashmla_graph_us"] = bench(g.replay) * 1e3  # schedule + attention
-    fm.begin_step()
-    g8 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g8):
-        for _ in range(8):
-            fm.run_joint(q, kv)
-    case["flashmla_graph_attention_only_us"] = bench(g8.replay) * 1e3 / 8  # L2 cleared once per 8 calls
-    case["flashmla_GBps"] = case["bytes"] / case["flashmla_graph_us"] / 1e3
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="8,64,128")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--backend", default="fa3", help="FlashInfer MLA backend: fa3 (kimi's default), fa2, auto")
-    ap.add_argument("--flashmla", action="store_true",
-                    help="also FlashMLA (sglang-kernel's library, kimi.ops.attention_flashmla) on the same inputs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
@@ -168,11 +122,6 @@ def main():
             except Exception as e:  # noqa: BLE001
                 case["graph_error"] = repr(e)[-1500:]
             case["views_GBps"] = case["bytes"] / case["views_us"] / 1e3
-            if args.flashmla:
-                try:
-                    _flashmla_case(case, q_lat, q_pe, kv, bt, seq, ref)
-                except Exception:  # noqa: BLE001
-                    case["flashmla_error"] = traceback.format_exc()[-2000:]
         except Exception:  # noqa: BLE001
             case["error"] = traceback.format_exc()[-3000:]
         print(json.dumps(case), flush=True)

@@ -283,7 +283,7 @@ def _rope_pairs(x, c, s, ROWS: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                        cache_ptr, qpe_ptr, qpe_s0, qpe_s1, H, N, L, eps, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                        cache_ptr, qpe_ptr, H, N, L, eps, R: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
     # grid (T, cdiv(H, BLOCK_H) + 1): programs 0.. of a row rope BLOCK_H heads of q_pe each; the last one does
     # the latent rmsnorm, the k_pe rope and the cache write of that row
@@ -321,16 +321,13 @@ def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_
         c = tl.load(cos_ptr + pos * R2 + tl.arange(0, R2))
         s = tl.load(sin_ptr + pos * R2 + tl.arange(0, R2))
         qr = _rope_pairs(qv, c, s, BLOCK_H, R)
-        tl.store(qpe_ptr + t * qpe_s0 + hh[:, None].to(tl.int64) * qpe_s1 + ri[None, :], qr.to(qpe_ptr.dtype.element_ty),
-                 mask=hm)
+        tl.store(qpe_ptr + t * H * R + hh[:, None] * R + ri[None, :], qr.to(qpe_ptr.dtype.element_ty), mask=hm)
 
 
 def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tensor, eps: float,
                       cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
-                      slot_mapping: torch.Tensor, kv_cache: torch.Tensor, nope: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, N + R] (last dim contiguous), kv_a [T, L + R] (row stride any) -> q_pe roped [T, H, R] contiguous,
-    or written into `out` ([T, H, R], any row / head strides, unit last-dim stride) and returned.
+                      slot_mapping: torch.Tensor, kv_cache: torch.Tensor, nope: int) -> torch.Tensor:
+    """q [T, H, N + R] (last dim contiguous), kv_a [T, L + R] (row stride any) -> q_pe roped [T, H, R] contiguous.
 
     Writes cache.view(-1, L + R)[slot_mapping[t]] = cat(rmsnorm(kv_a[t, :L]), rope(kv_a[t, L:])) for every t.
     cos_cache / sin_cache: [P, R/2] float32 contiguous (RotaryEmbedding's, mscale folded in); positions,
@@ -342,17 +339,13 @@ def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tens
     L = kv_a.shape[1] - R
     assert q.stride(2) == 1 and kv_a.stride(1) == 1 and kv_cache.is_contiguous() and kv_cache.shape[-1] == L + R
     assert R >= 2 and R & (R - 1) == 0
-    if out is None:
-        qpe = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
-    else:
-        assert out.shape == (T, H, R) and out.stride(2) == 1 and out.dtype == q.dtype, (out.shape, out.stride())
-        qpe = out
+    qpe = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
     if T == 0:
         return qpe
     BH = min(triton.next_power_of_2(H), 8 if T <= 64 else 32)  # small T: more programs per row
     _mla_rope_kv_kernel[(T, triton.cdiv(H, BH) + 1)](
         q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache, positions, slot_mapping,
-        kv_cache, qpe, qpe.stride(0), qpe.stride(1), H, nope, L, eps, R=R, BLOCK_H=BH, BLOCK_L=triton.next_power_of_2(L), num_warps=4,
+        kv_cache, qpe, H, nope, L, eps, R=R, BLOCK_H=BH, BLOCK_L=triton.next_power_of_2(L), num_warps=4,
         **launch_kwargs(q.device))
     return qpe
 

@@ -12,8 +12,7 @@ of the null block 0 (their cache writes land there), and attend over that block 
 routing is real (they cost the bucket's extra rows), their outputs are dropped.
 
 Attention, by the model's `decode_attention`:
-- "triton" (kimi.ops.mla_decode_triton) or "flashmla" (kimi.ops.attention_flashmla; its tile schedule is computed
-  on the device inside the graph, once per replay, from the static lengths): no planning. Context lengths and block tables go, with the ids /
+- "triton" (kimi.ops.mla_decode_triton): no planning. Context lengths and block tables go, with the ids /
   positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
   then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
 - "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
@@ -103,15 +102,13 @@ class CudaGraphRunner:
         dev = model.embed_tokens.device
         self.device = dev
         cfg = model.cfg
-        attn_kind = getattr(model, "decode_attention", "flashinfer")
-        # plan-free decode attention (Triton, FlashMLA): lengths and tables in static device buffers, no host plan
-        self.plan_free = attn_kind in ("triton", "flashmla")
+        self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
         # static inputs: one int64 device buffer holding [3, max_batch] (token ids, positions, cache slots) and,
         # for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time; row
         # b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
         # (run_host) sends a step's inputs in ONE pinned, non-blocking copy
         mb, nb = self.max_batch, 3 * self.max_batch
-        kv_words = 0 if self.plan_free else -(-self.max_batch * max_blocks_per_seq // 2)
+        kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
         self.dev_in = torch.zeros(nb + kv_words, dtype=torch.int64, device=dev)
         self.static_in = self.dev_in[:nb].view(3, mb)
         self.input_ids = self.static_in[0]  # [max_batch]
@@ -126,7 +123,7 @@ class CudaGraphRunner:
         self._forget_pages()  # run_host's page rows (FlashInfer): which table each row of kv_indices holds
         self.page_rows_copied = 0  # the last run_host's copy covered page rows [0, this) (0: none changed; tests)
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
-        if self.plan_free:
+        if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
 
             mb, n = max_blocks_per_seq, self.max_batch * (1 + max_blocks_per_seq)
@@ -134,19 +131,12 @@ class CudaGraphRunner:
             self.attn_host = torch.zeros(n, dtype=torch.int32, pin_memory=True)  # staging
             self.seq_lens = self.attn_in[: self.max_batch]  # [max_batch]
             self.block_tables = self.attn_in[self.max_batch:].view(self.max_batch, mb)  # [max_batch, mb]
-            if attn_kind == "flashmla":
-                from kimi.ops.attention_flashmla import FlashMLADecode
-
-                self.fi = {bs: FlashMLADecode(self.seq_lens[:bs], self.block_tables[:bs], cfg.softmax_scale,
-                                              cfg.num_attention_heads)
-                           for bs in self.buckets}
-            else:
-                self.fi = {
-                    bs: TritonMLADecodeRun(self.seq_lens[:bs], self.block_tables[:bs], cfg.softmax_scale,
-                                           triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev,
-                                                             max_ctx=mb * block_size))
-                    for bs in self.buckets
-                }
+            self.fi = {
+                bs: TritonMLADecodeRun(self.seq_lens[:bs], self.block_tables[:bs], cfg.softmax_scale,
+                                       triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev,
+                                                         max_ctx=mb * block_size))
+                for bs in self.buckets
+            }
         else:
             self.fi = {
                 bs: FlashInferMLADecode(
@@ -164,7 +154,7 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
-        self.plan_ahead = PLAN_AHEAD and not self.plan_free
+        self.plan_ahead = PLAN_AHEAD and not self.triton_attn
         self._ahead_failed = False  # a plan-ahead error was logged (once)
         # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
         self.host_marks = (0.0,) * len(HOST_MARKS)
@@ -189,7 +179,7 @@ class CudaGraphRunner:
     def _plan(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor):
         """Plan bucket bs with rows past len(seq_lens_cpu) padded (seq_len 1 over the null block 0)."""
         B = len(seq_lens_cpu)
-        if self.plan_free:  # device writes into the static buffers (eager, outside any graph)
+        if self.triton_attn:  # device writes into the static buffers (eager, outside any graph)
             self.seq_lens[:bs] = torch.tensor(list(seq_lens_cpu) + [1] * (bs - B), dtype=torch.int32)
             self.block_tables[:bs].zero_()
             if B:
@@ -267,7 +257,7 @@ class CudaGraphRunner:
         slot 0 of the null block) and, for FlashInfer, the page ids the device does not hold yet (row b's pages at
         b * page_stride, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
         to the static input buffer in ONE pinned non-blocking copy; then either the lengths and tables go to theirs
-        (Triton or FlashMLA attention: two more pinned copies, no plan) or FlashInfer's schedule is planned
+        (Triton attention: two more pinned copies, no plan) or FlashInfer's schedule is planned
         (`FlashInferMLA.plan_decode_schedule`: nothing to do when the previous call planned this step ahead). After
         launching the replay, with `plan_ahead`, the bucket's next step (same batch, every length + 1) is planned
         while the GPU works. fill: see GPUKimiForCausalLM.forward_decode (applied to the static token ids after the
@@ -284,7 +274,7 @@ class CudaGraphRunner:
         pad = bs - B
         W = self.page_stride
         hi = -1  # FlashInfer: the last row whose page ids changed (rows [0, hi] are copied), -1: none
-        if not self.plan_free:
+        if not self.triton_attn:
             ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
             mx = self.max_blocks_per_seq
             if max(ks) > mx or any(map(operator.gt, ks, map(len, block_tables))):
@@ -302,7 +292,7 @@ class CudaGraphRunner:
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
         if pad:
             h[:, B:bs] = 0
-        if not self.plan_free:
+        if not self.triton_attn:
             if W != self.page_stride:  # another layout: every row is written again
                 self._forget_pages()
                 self.page_stride = W
@@ -325,7 +315,7 @@ class CudaGraphRunner:
         if fill is not None:  # tokens the previous step sampled, still on the device
             self.input_ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
         t1 = time.perf_counter()
-        if self.plan_free:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
+        if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
             mb, mx = self.max_blocks_per_seq, self.max_batch
             a = self.attn_host.numpy()
             a[:B] = seq_lens
@@ -340,13 +330,13 @@ class CudaGraphRunner:
         if self._host_in_free is None:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
-        if not self.plan_free:  # the schedule: planned ahead by the previous call, or now
+        if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
             self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk, W)
         t2 = time.perf_counter()
         self.replay(bs)
         self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
         self.num_replays += 1
-        if self.plan_ahead and not self.plan_free:
+        if self.plan_ahead and not self.triton_attn:
             # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
             # it when its lengths are exactly these, any other plan of the bucket discards it
             k_next = -(-(max(seq_lens) + 1) // blk)

@@ -172,8 +172,7 @@ class GPUMLAAttention(MLAAttention):
         self.w_uk_t = w[:, :N, :].transpose(1, 2).contiguous()  # [H, L, N]: q_lat[h] = q_nope[h] @ w_uk_t[h]^T
         self.w_uv = w[:, N:, :].contiguous()  # [H, V, L]: o[h] = o_lat[h] @ w_uv[h]^T
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi,
-                  q_joint: torch.Tensor | None = None) -> torch.Tensor:
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, fi) -> torch.Tensor:
         """Every row through FlashInfer: q_nope [T, H, N] (any row / head strides), q_pe [T, H, R] (model dtype,
         bf16) -> o [T, H * V] (bf16, contiguous: o_proj's input).
 
@@ -181,21 +180,11 @@ class GPUMLAAttention(MLAAttention):
         over all planned rows (decode rows and the causal rows of prefill / chunked-prefill sequences alike; o_lat
         [T, H, L] bf16, float32 softmax inside the kernel), o = o_lat @ W_UV^T per head written straight into the
         [T, H * V] buffer. Rows past fi.num_rows (padding) get zeros. Raises ValueError when the plan has more
-        rows than the batch.
-
-        q_joint: for a `fi` with joint_q (FlashMLA), the [T, H, L + R] buffer whose last R columns hold q_pe
-        already; q_lat is written into its first L and `fi.run_joint` reads it whole (every row: no padding)."""
+        rows than the batch."""
         T, H = q_nope.shape[:2]
         n = fi.num_rows
-        if n > T or (q_joint is not None and n != T):
-            raise ValueError(f"attention plan has {n} rows, the batch {T}")
-        if q_joint is not None:
-            bmm_heads(q_nope, self.w_uk_t, out=q_joint[..., : self.w_uk_t.shape[1]])  # q_lat
-            o_lat = fi.run_joint(q_joint, kv_cache)  # [T, H, L]
-            V = self.w_uv.shape[1]
-            o = torch.empty((T, H * V), dtype=o_lat.dtype, device=o_lat.device)  # [T, H * V]
-            bmm_heads(o_lat, self.w_uv, out=o.view(T, H, V))
-            return o
+        if n > T:
+            raise ValueError(f"FlashInfer plan has {n} rows, the batch {T}")
         q_lat = bmm_heads(q_nope, self.w_uk_t)  # [T, H, L] contiguous
         q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()  # [T, H, R]
         if n == T:
@@ -242,20 +231,16 @@ class GPUMLAAttention(MLAAttention):
             kv_a = F.linear(hidden, self.kv_a_proj_with_mqa)  # [T, L + R]
         q = q.view(T, H, N + R)
         q_nope = q[..., :N]  # [T, H, N]
-        q_joint = None  # [T, H, L + R]: q_lat then q_pe per head, for kernels that read them as one row (FlashMLA)
         if hidden.is_cuda:
-            if getattr(plan.fi, "joint_q", False):
-                q_joint = torch.empty((T, H, L + R), dtype=q.dtype, device=q.device)
             q_pe = fused.mla_rope_kv_write(q, kv_a, self.kv_a_layernorm, LATENT_NORM_EPS, rope.cos_cache,
-                                           rope.sin_cache, positions, plan.slot_mapping, kv_cache, N,
-                                           out=None if q_joint is None else q_joint[..., L:])  # [T, H, R]
+                                           rope.sin_cache, positions, plan.slot_mapping, kv_cache, N)  # [T, H, R]
         else:
             ckv = rms_norm(kv_a[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)  # [T, L]
             q_pe, k_pe = rope(positions, q[..., N:], kv_a[:, L:])  # [T, H, R], [T, R]
             flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
             flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
         if plan.fi is not None:  # decode + prefill rows: one causal FlashInfer run
-            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.fi, q_joint), self.o_proj)  # [T, D]
+            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.fi), self.o_proj)  # [T, D]
         if plan.all_decode:
             o = self._decode_ref(q_nope, q_pe, kv_cache, attn, plan)  # [T, H, V] float32
         else:
@@ -277,9 +262,8 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
     fi_eager = None
     graphs = None
-    # pure decode attention: "flashinfer", "flashmla" (sglang-kernel's FlashMLA library: kimi.ops.attention_flashmla,
-    # no host plan) or "triton" (kimi.ops.mla_decode_triton, no host plan); prefill and mixed batches always run
-    # FlashInfer
+    # pure decode attention: "triton" (kimi.ops.mla_decode_triton, no host plan) or "flashinfer"; prefill and mixed
+    # batches always run FlashInfer
     decode_attention = "flashinfer"
     overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     _side = None
@@ -299,8 +283,8 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     def plan_eager(self, attn: AttentionMetadata) -> GPUAttnPlan:
         """Attach a GPUAttnPlan for an unpadded batch (host work, once per step for all layers).
 
-        Pure decode with decode_attention "triton" or "flashmla" (flashinfer_ok shapes, CUDA tensors): that
-        plan-free kernel over attn's device lengths / tables. Else with FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every
+        Pure decode with decode_attention "triton" (flashinfer_ok shapes, CUDA tensors): the plan-free Triton kernel
+        over attn's device lengths / tables. Else with FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every
         sequence, qo_len = query_len (decode rows are qo_len-1 requests), causal unless the batch is pure decode
         (where causal == non-causal). Otherwise the torch fallback's row / sequence indices."""
         qlens = attn.query_lens_cpu
@@ -310,12 +294,6 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             splits = triton_mla_splits(len(qlens), self.cfg.num_attention_heads, self.cfg.kv_lora_rank, dev,
                                        max_ctx=max(attn.seq_lens_cpu))
             run = TritonMLADecodeRun(attn.seq_lens, attn.block_tables, self.cfg.softmax_scale, splits)
-            plan = GPUAttnPlan(run, attn.slot_mapping, True)
-        elif self.flashinfer_ok and attn.slot_mapping.is_cuda and all_decode and self.decode_attention == "flashmla":
-            from kimi.ops.attention_flashmla import FlashMLADecode
-
-            run = FlashMLADecode(attn.seq_lens.to(torch.int32), attn.block_tables.to(torch.int32),
-                                 self.cfg.softmax_scale, self.cfg.num_attention_heads)
             plan = GPUAttnPlan(run, attn.slot_mapping, True)
         elif self.flashinfer_ok and attn.slot_mapping.is_cuda:
             from kimi.ops.attention_flashinfer import FlashInferMLA
@@ -403,9 +381,6 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         # eager steps (prefill, mixed) keep the inline shared expert: eager decode got slower and noisier after the
         # side stream came in (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
         side = self._side_stream() if self.overlap_shared and torch.cuda.is_current_stream_capturing() else None
-        begin = getattr(getattr(attn, "gpu", None), "fi", None)
-        if start == 0 and hasattr(begin, "begin_step"):  # the step's attention schedule, once for all layers
-            begin.begin_step()
         for i in range(start, end):
             layer = self.layers[i]
             a = layer.self_attn(x, positions, attn, kv_caches[i], self.rope)  # [T, D]

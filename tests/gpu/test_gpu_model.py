@@ -86,12 +86,11 @@ def cpu_model(path):
 
 
 def run_steps(model, cfg, device, dtype, poison: bool):
-    """Prefill 2 sequences (21 and 37 tokens), then 4 decode steps of both; returns logits per step (CPU f32).
-    Blocks of 16 tokens (64 for FlashMLA decode attention, its only page size)."""
+    """Prefill 2 sequences (21 and 37 tokens), then 4 decode steps of both; returns logits per step (CPU f32)."""
     from kimi.ops.attention import build_attention_metadata
     from kimi.worker.kv_cache import allocate_kv_caches
 
-    bs = 64 if getattr(model, "decode_attention", None) == "flashmla" else 16
+    bs = 16
     kv = allocate_kv_caches(cfg, 16, bs, dtype, device)
     if poison:
         for c in kv:
@@ -142,7 +141,6 @@ def ref_bf16_on_gpu(path, cfg):
 @pytest.mark.parametrize("name,backend,attn,fp8_dense", [
     ("tiny-mla", "humming", None, "off"), ("tiny-mla", "triton", None, "off"), ("tiny-mla", "ref", None, "off"),
     ("tiny-mla", "humming", "triton", "off"), ("tiny-mla", "humming", "flashinfer", "off"),
-    ("tiny-mla", "auto", "flashmla", "off"),
     ("tiny-k2.6", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "off"),
     ("tiny-k2-instruct-i128", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "triton"),
     ("tiny-k2-instruct-i128", "humming", None, "triton"), ("tiny-k2-instruct-i128", "humming", None, "humming"),
@@ -196,7 +194,7 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
 
 @pytest.mark.parametrize("backend,attn,lpg", [("humming", "flashinfer", None), ("triton", "flashinfer", 0),
                                               ("humming", "triton", 1), ("cuda", "flashinfer", None),
-                                              ("auto", "flashinfer", None), ("auto", "flashmla", None)])
+                                              ("auto", "flashinfer", None)])
 def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
@@ -210,7 +208,7 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     cfg = ModelConfig.from_dir(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False)
     gm.decode_attention = attn
-    bs, nb = (64, 200) if attn == "flashmla" else (16, 200)  # FlashMLA: 64-token pages only
+    bs, nb = 16, 200
     kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
     for c in kv:

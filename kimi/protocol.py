@@ -22,10 +22,16 @@ from typing import Union
 import msgspec
 
 
+# temperatures below this sample greedily (argmax), as in vLLM's sampler: dividing fp32 logits by a smaller one can
+# overflow to inf (temperature 1e-38 did: every token became id 0)
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True, tag=1):
     """What the worker needs to sample one request's tokens.
 
-    temperature: 0 = greedy (argmax). top_p in (0, 1]. top_k: 0 = off. seed: None = unseeded.
+    temperature: below GREEDY_TEMPERATURE (0 included) = greedy (argmax), see `greedy`. top_p in (0, 1]. top_k:
+    0 = off. seed: None = unseeded.
     num_logprobs: -1 = none; 0 = the sampled token's logprob; k > 0 = also the top-k alternatives.
     """
 
@@ -44,6 +50,11 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, tag=1):
     min_tokens: int = 0  # until this many tokens are generated, `min_tokens_block_ids` cannot be sampled
     min_tokens_block_ids: list[int] = []  # EOS + stop_token_ids (set by the controller)
     prompt_logprobs: int = -1  # -1 none; k >= 0: logprob of every prompt token (+ top-k) in TokenOutput
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request samples by argmax: temperature < GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 # ---- controller -> worker ------------------------------------------------------------------------------
@@ -159,7 +170,7 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
 
     The fields mean what the HTTP API's fields of the same name mean (docs/api.md) and are validated by the
     same rules (kimi.controller.validation; a bad value ends the request with an error naming the field):
-    max_tokens >= 1; temperature in [0, 2] (0 = greedy); top_p in (0, 1]; top_k >= -1 (-1 and 0 = off);
+    max_tokens >= 1; temperature in [0, 2] (below 1e-5 = greedy); top_p in (0, 1]; top_k >= -1 (-1 and 0 = off);
     seed: a signed 64-bit integer (None = unseeded); stop_token_ids: up to 256 token ids that end generation
     (stop_reason = the id); ignore_eos: keep going past EOS ids; logprobs: None, or 0..20 top alternatives;
     min_p in [0, 1] (0 = off); presence_penalty / frequency_penalty in [-2, 2]; repetition_penalty in (0, 10]

@@ -13,7 +13,8 @@ Per row b of a batch, in this order (the order vLLM's V1 sampler uses):
      token present in the prompt or the output, `logit / r` if `logit > 0` else `logit * r`;
    - frequency (OpenAI): `logit -= frequency_penalty * count_in_output(token)`;
    - presence (OpenAI): `logit -= presence_penalty * (count_in_output(token) > 0)`.
-5. temperature 0: argmax of the processed logits (ties: lowest id). Otherwise divide by the temperature,
+5. temperature below 1e-5, 0 included (`SamplingParams.greedy`, kimi.protocol.GREEDY_TEMPERATURE, as vLLM):
+   argmax of the processed logits (ties: lowest id). Otherwise divide by the temperature,
    then min_p (drop tokens whose probability is below `min_p * max probability`), top-k (keep the tokens
    whose logit is >= the k-th largest, so ties with the k-th are kept), top-p (keep the smallest set, in
    descending probability with ties in ascending id, whose mass reaches top_p; the most likely token is
@@ -126,8 +127,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         sorted_logits, idx = torch.sort(out, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         cum = torch.cumsum(probs, dim=-1)
-        # keep a token if the mass before it is < top_p (so the first token is always kept)
+        # keep a token if the mass before it is < top_p; the first is always kept (top_p may round to 0 in fp32)
         remove = (cum - probs) >= top_p
+        remove[0] = False
         sorted_logits[remove] = _NEG_INF
         out = torch.empty_like(out).scatter_(0, idx, sorted_logits)
     return out
@@ -207,11 +209,11 @@ def sample_ref(
     logits = logits.float()
     processed = process_logits_ref(logits, params, token_ids, num_prompt_tokens)
     ids = torch.empty(B, dtype=torch.long)
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         ids[greedy] = torch.argmax(processed[greedy], dim=-1).cpu()
     for i, p in enumerate(params):
-        if p.temperature == 0.0:
+        if p.greedy:
             continue
         row = processed[i] / p.temperature
         row = _filter_min_p(row, p.min_p)
@@ -346,8 +348,8 @@ def filter_logits(
     (`sample` maps the request's k <= 0 or >= V, and p >= 1, to these). None skips that filter for every row.
     Dropped tokens become -inf; returns a new tensor (or `logits` itself when all three are None).
     top-k and top-p share ONE stable descending sort of each row: top-k keeps the sorted values >= the k-th
-    (ties with it kept), top-p then drops a sorted position when the mass before it is >= p (so the first is
-    always kept, and ties go to the lower id). Same result as `_filter_min_p` + `_filter_top_k_top_p` per row.
+    (ties with it kept), top-p then drops a sorted position when the mass before it is >= p, except the first
+    (always kept), and ties go to the lower id. Same result as `_filter_min_p` + `_filter_top_k_top_p` per row.
     """
     x = logits
     if min_p is not None:
@@ -362,7 +364,9 @@ def filter_logits(
         sv = sv.masked_fill(sv < kth, _NEG_INF)
     if top_p is not None:
         sp = torch.softmax(sv, dim=-1)
-        sv = sv.masked_fill((torch.cumsum(sp, dim=-1) - sp) >= top_p.unsqueeze(1), _NEG_INF)
+        drop = (torch.cumsum(sp, dim=-1) - sp) >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token stays, also where top_p rounded to 0 in fp32 (1e-46)
+        sv = sv.masked_fill(drop, _NEG_INF)
     return torch.empty_like(x).scatter_(1, si, sv)
 
 
@@ -375,7 +379,7 @@ def sample_launch(
 ) -> "SampleLaunch":
     """Sample one token per row (module docstring for the steps and their order), batched.
 
-    logits: [B, V] float32 (other float dtypes are upcast), on any device. params[b].temperature == 0 means
+    logits: [B, V] float32 (other float dtypes are upcast), on any device. params[b].greedy (temperature < 1e-5) means
     argmax of the processed logits (lowest id on ties). generators[b]: a torch.Generator for a seeded row
     (best on logits' device; see `_draw_exponential`) or None for the global RNG. token_ids /
     num_prompt_tokens: see `process_logits` (needed only for min_tokens and penalties; ValueError /
@@ -395,8 +399,8 @@ def sample_launch(
         raise ValueError(f"{B} rows, {len(params)} params, {len(generators)} generators")
     logits = logits.float()
     processed = process_logits(logits, params, token_ids, num_prompt_tokens)
-    greedy = [b for b, p in enumerate(params) if p.temperature == 0.0]
-    rand = [b for b, p in enumerate(params) if p.temperature != 0.0]
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    rand = [b for b, p in enumerate(params) if not p.greedy]
     if not rand:
         ids = torch.argmax(processed, dim=-1)
     else:

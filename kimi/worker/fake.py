@@ -5,7 +5,7 @@ runner instead of `ModelRunner`. Everything else is real: the ZeroMQ step plans 
 numbering, DP rank ownership, the controller, HTTP. It exists to measure the controller + HTTP cost per
 step without a model (tools/bench_controller.py) and to check the controller's KV bookkeeping at scale.
 
-Tokens. Greedy (temperature 0) and seeded requests get a token that is a pure function of the request's
+Tokens. Greedy (SamplingParams.greedy) and seeded requests get a token that is a pure function of the request's
 context: a 64-bit mix (splitmix64 finaliser) of (previous token, position, seed), reduced modulo
 `FAKE_VOCAB` (100000, ordinary BPE ids well below Kimi's special tokens, so EOS never comes out). So a
 request yields the same tokens alone, batched, or after preemption and recompute. Unseeded sampling
@@ -161,8 +161,8 @@ class FakeRunner:
             num_tokens += n
             if end == len(toks):
                 sp = fr.sampling
-                if sp.temperature == 0.0 or sp.seed is not None:
-                    tok = fake_token(toks[-1], end, 0 if sp.temperature == 0.0 else sp.seed)
+                if sp.greedy or sp.seed is not None:
+                    tok = fake_token(toks[-1], end, 0 if sp.greedy else sp.seed)
                 else:
                     tok = random.randrange(FAKE_VOCAB)
                 toks.append(tok)

@@ -291,6 +291,20 @@ def test_seed_reproducible_and_n_siblings(client):
     assert greedy.usage.completion_tokens >= 1
 
 
+def test_tiny_temperature_and_top_p_sample_the_greedy_tokens(client):
+    """temperature 1e-38 (below 1e-5: greedy, as vLLM) and top_p 1e-300 (rounds to 0 in fp32; the most likely token
+    is always kept) give the greedy output; both used to give token id 0 at every step."""
+    ban = {str(t): -100 for t in CHAIN_TOKENS}
+    kw = dict(model="tiny", prompt=[11, 12, 13], max_tokens=6, logit_bias=ban, logprobs=0,
+              extra_body={"ignore_eos": True})
+    want = client.completions.create(**kw, temperature=0)
+    for extra in (dict(temperature=1e-38), dict(temperature=1e-300, seed=3), dict(temperature=1.0, top_p=1e-300),
+                  dict(temperature=0.7, top_p=1e-46, seed=9)):
+        got = client.completions.create(**kw, **extra)
+        assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens, extra
+        assert got.choices[0].text == want.choices[0].text, extra
+
+
 def test_n_siblings_share_the_prompt_kv(srv, client):
     """n = 4: the prompt is computed once; the 3 other choices reuse its 6 full 16-token blocks."""
     prompt = list(range(3000, 3100))  # 100 tokens: 6 full blocks

@@ -310,3 +310,38 @@ def test_seeded_rows_reproducible_across_batch_compositions_and_with_reference()
     assert all(s == seqs[0] for s in seqs) and len(set(seqs[0])) > 1
     ref = [sample_ref(x[[2]], [params_of[2]], [torch.Generator().manual_seed(1000 + pos)]).token_ids[0] for pos in range(15)]
     assert ref == seqs[0]
+
+
+@pytest.mark.parametrize("temp", [0.0, 1e-300, 1e-44, 1e-38, 1e-6, 9.9e-6])
+def test_temperatures_below_1e_5_are_greedy(temp):
+    """Below kimi.protocol.GREEDY_TEMPERATURE (vLLM's 1e-5) a row samples by argmax: dividing the fp32 logits by
+    1e-38 used to overflow to inf and every token came out as id 0. Batched and reference, unseeded and seeded,
+    with logit_bias pushing logits to +-100."""
+    B = 16
+    x = _logits(B, seed=12)
+    x[:, 3] = 100.0
+    x[::2, 7] = 101.0
+    greedy = sample(x, [SamplingParams(temperature=0.0)] * B, [None] * B).token_ids
+    assert greedy == [7 if b % 2 == 0 else 3 for b in range(B)]
+    for seed in (None, 5):
+        params = [SamplingParams(temperature=temp, seed=seed)] * B
+        gens = [None if seed is None else torch.Generator().manual_seed(seed) for _ in range(B)]
+        assert sample(x, params, gens).token_ids == greedy
+        assert sample_ref(x, params, [None] * B).token_ids == greedy
+    assert SamplingParams(temperature=temp).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-45, 1e-9])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """top_p so small it rounds to 0 in fp32 (1e-46) used to drop every token (then id 0 came out); the most
+    likely token always stays, so the draw is the argmax at any temperature, in both samplers."""
+    B = 16
+    x = _logits(B, seed=13)
+    greedy = sample(x, [SamplingParams(temperature=0.0)] * B, [None] * B).token_ids
+    for t in (1e-5, 0.5, 2.0):
+        params = [SamplingParams(temperature=t, top_p=top_p)] * B
+        assert sample(x, params, [None] * B).token_ids == greedy
+        assert sample_ref(x, params, [None] * B).token_ids == greedy
+    kept = filter_logits(x, None, None, torch.full((B,), top_p, dtype=torch.float32))
+    assert torch.equal(torch.isfinite(kept).sum(-1), torch.ones(B, dtype=torch.long))

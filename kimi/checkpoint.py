@@ -68,6 +68,17 @@ class CheckpointError(ValueError):
     """A checkpoint does not match its config: names the offending tensor and, where known, its file."""
 
 
+def _open_shard(path: str, **kw):
+    """safetensors' `safe_open(path, framework="pt", **kw)`; a file it cannot read (truncated, bad header, not
+    safetensors, unreadable) raises CheckpointError naming the file instead of safetensors' bare message."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", **kw)
+    except Exception as e:  # SafetensorError, OSError
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -196,8 +207,6 @@ def expected_tensors(
 
 def _file_map(model_dir: str) -> dict[str, str]:
     """File name of every tensor in the checkpoint: from the index's weight_map, else every *.safetensors."""
-    from safetensors import safe_open
-
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index):
         try:
@@ -214,7 +223,7 @@ def _file_map(model_dir: str) -> dict[str, str]:
         raise CheckpointError(f"{model_dir}: no {INDEX_FILE} and no *.safetensors files")
     out: dict[str, str] = {}
     for fname in files:
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+        with _open_shard(os.path.join(model_dir, fname)) as f:
             for key in f.keys():
                 if key in out:
                     raise CheckpointError(f"tensor {key!r} is in both {out[key]} and {fname}")
@@ -311,11 +320,11 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: a missing tensor, a tensor of the wrong shape or dtype, a `weight_shape` that
-            disagrees with the config, an unexpected text-model tensor, an index naming a missing file, or no
-            safetensors at all; the message names the tensor and its file.
+            disagrees with the config, an unexpected text-model tensor, an index naming a missing file, a file
+            safetensors cannot read (truncated, bad header), or no safetensors at all; the message names the
+            tensor and its file.
         ValueError: bad EP rank / size.
     """
-    from safetensors import safe_open
     from tqdm import tqdm
 
     model_dir = os.fspath(model_dir)
@@ -368,7 +377,7 @@ def load_checkpoint(
     try:
         for fpath, names in _iter_by_file(to_read, list(local)):
             path = os.path.join(model_dir, fpath)
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with _open_shard(path, device="cpu") as f:
                 for name in names:
                     fname = to_read[name][0]
                     want_shape, want_dtype = local[name]

@@ -382,6 +382,19 @@ def test_index_names_missing_file(tiny: dict[str, str], tmp_path) -> None:
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
 
 
+@pytest.mark.parametrize("index", [True, False], ids=["index", "no_index"])
+@pytest.mark.parametrize("keep", [1000, 0.9], ids=["header_cut", "data_cut"])
+def test_truncated_shard_names_its_file(tiny: dict[str, str], tmp_path, index: bool, keep) -> None:
+    """A shard cut short (inside its header, or inside its data) is a CheckpointError naming that file, with and
+    without the index (safetensors alone says only "invalid header length" / "file not fully covered")."""
+    d = _rewrite(tiny["k2.6"], tmp_path, lambda t: None, index=index)
+    path = os.path.join(d, "model-00002-of-00003.safetensors")
+    size = os.path.getsize(path)
+    os.truncate(path, keep if isinstance(keep, int) else int(size * keep))
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors: cannot be read as safetensors"):
+        load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
+
+
 def test_generator_is_deterministic_and_seeded() -> None:
     a, ta = _generate("k2-thinking", seed=0)  # a fresh run
     b, tb = generate_tiny_weights("k2-thinking", seed=0)  # cached from an earlier run (or computed now)

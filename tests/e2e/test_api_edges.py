@@ -245,6 +245,18 @@ def test_wrong_credentials_are_still_a_401(srv, value):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_model_may_be_left_out(srv, path):
+    """Without `model`, or with null, the request runs on the served model (as vLLM); another name is still a 400."""
+    base = {"prompt": "Hi"} if path == "completions" else {"messages": MSGS}
+    for extra in ({}, {"model": None}):
+        r = _post(srv, path, {**base, **extra, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny"
+    msg = _bad(_post(srv, path, {**base, "model": "gpt-4o", "max_tokens": 2}), "model")
+    assert "does not exist" in msg
+
+
 # ---- 6. GET /v1/models/{id} --------------------------------------------------------------------------------------------
 def test_models_retrieve(client, srv):
     m = client.models.retrieve("tiny")

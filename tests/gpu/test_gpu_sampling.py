@@ -190,3 +190,19 @@ def test_one_device_to_host_copy_per_call(monkeypatch):
     assert res.top_ids[4] is not None and len(res.top_ids[4]) == 20
     # the sampled ids are on the device too, equal to what the host got
     assert launch.ids.is_cuda and launch.ids.tolist() == res.token_ids
+
+
+def test_tiny_temperature_and_top_p_sample_the_argmax_on_the_gpu():
+    """temperature below 1e-5 (1e-38, 1e-300) is greedy and top_p that rounds to 0 in fp32 (1e-46, 1e-300) keeps the
+    most likely token, on the device as in the reference: every row draws the argmax (they gave token id 0)."""
+    B, V = 32, 32000
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(B, V, generator=g) * 4
+    x[:, 0] = -50.0  # id 0 is never the argmax
+    kinds = [dict(temperature=1e-38), dict(temperature=1e-300, seed=3), dict(temperature=1.0, top_p=1e-46),
+             dict(temperature=0.5, top_p=1e-300, seed=11)]
+    params = [SamplingParams(**kinds[b % len(kinds)]) for b in range(B)]
+    gens = [torch.Generator(device=DEV).manual_seed(p.seed) if p.seed is not None else None for p in params]
+    got = S.sample(x.to(DEV), params, gens).token_ids
+    assert got == x.argmax(-1).tolist()
+    assert S.sample_ref(x, params, [None] * B).token_ids == got

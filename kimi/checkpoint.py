@@ -13,7 +13,8 @@ Formats (../shared/KIMI.md sections 1-2):
 Nested K2.5/K2.6 checkpoints prefix the text model with `language_model.` (`cfg.weight_prefix`); canonical
 names drop it. Every tensor is read lazily through `safe_open`, so an EP rank reads only its own experts.
 Loading stops with a CheckpointError naming the tensor when one is missing, misshapen, of the wrong dtype,
-unexpected, or a quantisation scale (`.weight_scale_inv`, `.weight_scale`) holds a NaN or infinity.
+unexpected, or a quantisation scale (`.weight_scale_inv`, `.weight_scale`) holds a NaN or infinity, and naming
+the file when safetensors cannot read it (truncated, bad header).
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ class CheckpointError(ValueError):
 def _open_shard(path: str, **kw):
     """safetensors' `safe_open(path, framework="pt", **kw)`; a file it cannot read (truncated, bad header, not
     safetensors, unreadable) raises CheckpointError naming the file instead of safetensors' bare message."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         return safe_open(path, framework="pt", **kw)
-    except Exception as e:  # SafetensorError, OSError
+    except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
 
 
@@ -322,7 +323,7 @@ def load_checkpoint(
         CheckpointError: a missing tensor, a tensor of the wrong shape or dtype, a `weight_shape` that
             disagrees with the config, an unexpected text-model tensor, an index naming a missing file, a file
             safetensors cannot read (truncated, bad header), or no safetensors at all; the message names the
-            tensor and its file.
+            tensor and its file (the file alone for an unreadable one).
         ValueError: bad EP rank / size.
     """
     from tqdm import tqdm

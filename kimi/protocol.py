@@ -22,8 +22,9 @@ from typing import Union
 import msgspec
 
 
-# temperatures below this sample greedily (argmax), as in vLLM's sampler: dividing fp32 logits by a smaller one can
-# overflow to inf (temperature 1e-38 did: every token became id 0)
+# temperatures below this sample greedily (argmax: the tempered distribution's limit as T -> 0), vLLM's sampler
+# threshold (_SAMPLING_EPS; vLLM's API first raises 0 < T < 0.01 to 0.01); tiny temperatures must not reach the
+# division: fp32 logits over 1e-38 overflowed to inf and every token came out as id 0
 GREEDY_TEMPERATURE = 1e-5
 
 

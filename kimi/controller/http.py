@@ -562,7 +562,7 @@ class OpenAIServer:
         body = _decode_body(text)
         f = Fields(body)
         f.body_bytes = len(raw)
-        model = f.str("model", self.model_name)  # absent or null: the served model (as vLLM)
+        model = f.str("model") or self.model_name  # absent, null or "": the served model (as vLLM)
         if model != self.model_name:
             raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model", code="model_not_found")
         return f

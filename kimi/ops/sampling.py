@@ -13,7 +13,7 @@ Per row b of a batch, in this order (the order vLLM's V1 sampler uses):
      token present in the prompt or the output, `logit / r` if `logit > 0` else `logit * r`;
    - frequency (OpenAI): `logit -= frequency_penalty * count_in_output(token)`;
    - presence (OpenAI): `logit -= presence_penalty * (count_in_output(token) > 0)`.
-5. temperature below 1e-5, 0 included (`SamplingParams.greedy`, kimi.protocol.GREEDY_TEMPERATURE, as vLLM):
+5. temperature below 1e-5, 0 included (`SamplingParams.greedy`, kimi.protocol.GREEDY_TEMPERATURE):
    argmax of the processed logits (ties: lowest id). Otherwise divide by the temperature,
    then min_p (drop tokens whose probability is below `min_p * max probability`), top-k (keep the tokens
    whose logit is >= the k-th largest, so ties with the k-th are kept), top-p (keep the smallest set, in

@@ -9,7 +9,7 @@ Tokens. Greedy (SamplingParams.greedy) and seeded requests get a token that is a
 context: a 64-bit mix (splitmix64 finaliser) of (previous token, position, seed), reduced modulo
 `FAKE_VOCAB` (100000, ordinary BPE ids well below Kimi's special tokens, so EOS never comes out). So a
 request yields the same tokens alone, batched, or after preemption and recompute. Unseeded sampling
-(temperature > 0, no seed) draws from Python's `random`.
+(not greedy, no seed) draws from Python's `random`.
 
 KV bookkeeping check. The runner keeps a token-id "cache" with one int64 per KV slot. Every computed token
 is written at its slot (block_table[p // block_size] * block_size + p % block_size). A new request's

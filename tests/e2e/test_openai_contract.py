@@ -292,7 +292,7 @@ def test_seed_reproducible_and_n_siblings(client):
 
 
 def test_tiny_temperature_and_top_p_sample_the_greedy_tokens(client):
-    """temperature 1e-38 (below 1e-5: greedy, as vLLM) and top_p 1e-300 (rounds to 0 in fp32; the most likely token
+    """temperature 1e-38 (below 1e-5: greedy) and top_p 1e-300 (rounds to 0 in fp32; the most likely token
     is always kept) give the greedy output; both used to give token id 0 at every step."""
     ban = {str(t): -100 for t in CHAIN_TOKENS}
     kw = dict(model="tiny", prompt=[11, 12, 13], max_tokens=6, logit_bias=ban, logprobs=0,

@@ -167,7 +167,7 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "n": 0}, "n"),
     ({"model": "tiny", "prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi"}, "model"),
+    ({"model": 5, "prompt": "hi"}, "model"),  # absent / null / "": the served model (test_api_edges)
     ({"model": "tiny", "prompt": "hi", "top_k": 2**70}, "top_k"),  # would not fit the 64-bit wire format
     ({"model": "tiny", "prompt": "hi", "seed": -(2**64)}, "seed"),
     ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),

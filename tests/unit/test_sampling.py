@@ -314,13 +314,17 @@ def test_seeded_rows_reproducible_across_batch_compositions_and_with_reference()
 
 @pytest.mark.parametrize("temp", [0.0, 1e-300, 1e-44, 1e-38, 1e-6, 9.9e-6])
 def test_temperatures_below_1e_5_are_greedy(temp):
-    """Below kimi.protocol.GREEDY_TEMPERATURE (vLLM's 1e-5) a row samples by argmax: dividing the fp32 logits by
-    1e-38 used to overflow to inf and every token came out as id 0. Batched and reference, unseeded and seeded,
-    with logit_bias pushing logits to +-100."""
+    """Below kimi.protocol.GREEDY_TEMPERATURE (1e-5) a row samples by argmax, in both samplers, unseeded and seeded:
+    dividing the fp32 logits by 1e-38 used to overflow to inf and every token came out as id 0. The two top logits
+    differ by one fp32 ulp at 1.0 (1.2e-7), so at 1e-6 or 9.9e-6 a sampler that divided would draw the second one in
+    roughly half of the 16 rows."""
     B = 16
-    x = _logits(B, seed=12)
-    x[:, 3] = 100.0
-    x[::2, 7] = 101.0
+    ulp = float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))) - 1.0
+    x = torch.full((B, V), -50.0)
+    x[:, 3] = 1.0
+    x[:, 7] = 1.0
+    x[0::2, 7] += ulp  # even rows: 7 is the argmax
+    x[1::2, 3] += ulp  # odd rows: 3
     greedy = sample(x, [SamplingParams(temperature=0.0)] * B, [None] * B).token_ids
     assert greedy == [7 if b % 2 == 0 else 3 for b in range(B)]
     for seed in (None, 5):

@@ -123,13 +123,32 @@ def _special_strings(tokenizer: KimiTokenizer) -> list[str]:
     return cached
 
 
+def _special_ids(tokenizer: KimiTokenizer) -> tuple[re.Pattern, dict[str, int]]:
+    """(a regex matching any control-token string, longest first; string -> id), cached on the tokenizer."""
+    cached = getattr(tokenizer, "_kimi_special_ids", None)
+    if cached is None:
+        strings = _special_strings(tokenizer)
+        ids = {}
+        for s in strings:
+            got = tokenizer.encode(s, allow_special=True)
+            if len(got) == 1:
+                ids[s] = got[0]
+        alts = "|".join(re.escape(s) for s in sorted(ids, key=len, reverse=True))
+        cached = (re.compile(alts or r"(?!)"), ids)  # (?!) never matches: a vocabulary without control tokens
+        tokenizer._kimi_special_ids = cached  # type: ignore[attr-defined]
+    return cached
+
+
 def encode_chat(
     tokenizer: KimiTokenizer, messages: Any, tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]
 ) -> list[int]:
     """Prompt token ids for a chat request (generation prompt appended).
 
     Every user-controlled string that the template copies (content, names, tool-call ids and arguments,
-    tool_call_id) is encoded with special tokens disallowed. Tool declarations are rendered by the template
+    tool_call_id) is encoded with special tokens disallowed; otherwise the ids are those of
+    `tokenizer.encode(rendered prompt, allow_special=True)` (text runs between control tokens are encoded whole,
+    so a message's text merges with the template text next to it, as HF / vLLM tokenize). U+F0000 (the
+    placeholder marker) anywhere in the messages, tools or chat_template_kwargs is a 400. Tool declarations are rendered by the template
     as JSON; since they cannot be split out, a declaration that contains a control-token string (e.g.
     `<|im_end|>`) is rejected. Raises BadRequest for malformed messages or a template that fails on them.
     """
@@ -139,6 +158,9 @@ def encode_chat(
         for sp in _special_strings(tokenizer):
             if sp in blob:
                 raise BadRequest(f"'tools' contains the control-token string {sp!r}", "tools")
+        _check_text(blob, "tools")
+    if template_kwargs:
+        _check_text(json.dumps(template_kwargs, ensure_ascii=False), "chat_template_kwargs")
     pieces: list[str] = []
 
     def mark(s: str, param: str) -> str:
@@ -169,6 +191,7 @@ def encode_chat(
                 fn["name"] = mark(fn["name"], f"messages[{i}].tool_calls[{j}].function.name")
                 calls.append({**call, "id": mark(call["id"], f"messages[{i}].tool_calls[{j}].id"), "function": fn})
             m2["tool_calls"] = calls
+        _check_text(json.dumps(m, ensure_ascii=False), f"messages[{i}]")  # any other field the template may copy
         marked.append(m2)
     try:
         rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, **template_kwargs)
@@ -182,11 +205,33 @@ def encode_chat(
                 raise BadRequest(f"the chat template failed with these 'chat_template_kwargs' (it renders these "
                                  f"messages without them): {e}", "chat_template_kwargs") from None
         raise BadRequest(str(e), "messages") from None
+    # Tokenize as encode(rendered prompt, allow_special=True) would (HF / vLLM): the text between two control
+    # tokens is ONE ordinary run, whether it comes from the template or from the request, so a message's text
+    # merges with the template text around it as it does there (" functions" after "## Return of", "foo" + "bar"
+    # of two text parts). Control tokens are recognised only in the template's own text.
+    special = _special_ids(tokenizer)
     ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            ids.extend(tokenizer.encode("".join(run), allow_special=False))
+            run.clear()
+
+    def template_text(s: str) -> None:
+        at = 0
+        for sm in special[0].finditer(s):
+            run.append(s[at : sm.start()])
+            flush()
+            ids.append(special[1][sm.group(0)])
+            at = sm.end()
+        run.append(s[at:])
+
     pos = 0
     for mt in _MARK_RE.finditer(rendered):
-        ids.extend(tokenizer.encode(rendered[pos : mt.start()], allow_special=True))
-        ids.extend(tokenizer.encode(pieces[int(mt.group(1))], allow_special=False))
+        template_text(rendered[pos : mt.start()])
+        run.append(pieces[int(mt.group(1))])
         pos = mt.end()
-    ids.extend(tokenizer.encode(rendered[pos:], allow_special=True))
+    template_text(rendered[pos:])
+    flush()
     return ids

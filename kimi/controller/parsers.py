@@ -52,7 +52,7 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   dropped, never turned into content (raw markup in `content` breaks clients). In the default live mode
   the client may already have received the head and some argument fragments of the cut call; the parser
   then reports `partial_tool_call_emitted` and `finish_reason()` returns "length" so the client knows the
-  last call is truncated. Otherwise `finish_reason()` returns "tool_calls" when any complete call exists.
+  last call is truncated (or "stop" when a stop string or stop token ended the generation there). Otherwise `finish_reason()` returns "tool_calls" when any complete call exists.
 - Malformed sequences are repaired leniently: `<|tool_call_begin|>` or `<|tool_calls_section_end|>` while
   a call's arguments are open closes that call as complete; a call whose header is open when a section
   ends is dropped; markers that make no sense in the current state (`<|tool_call_end|>` in content, a
@@ -340,11 +340,12 @@ class OutputParser:
     def finish_reason(self, base: str) -> str:
         """The OpenAI finish_reason given the engine's own ("stop" or "length", or anything else).
 
-        "length" if a truncated call was partly streamed to the client; else "tool_calls" if any complete
-        call exists; else `base`.
+        `base` if the generation ended inside a call already partly streamed to the client ("length": cut by
+        max_tokens; "stop": a stop string or stop token ended it there), so the client never reads that call as
+        complete; else "tool_calls" if any complete call exists; else `base`.
         """
         if self.partial_tool_call_emitted:
-            return "length"
+            return base
         if self._tool_calls:
             return "tool_calls"
         return base

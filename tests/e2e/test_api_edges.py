@@ -260,6 +260,16 @@ def test_model_may_be_left_out(srv, path):
         assert "must be a string" in _bad(_post(srv, path, {**base, "model": bad, "max_tokens": 2}), "model")
 
 
+def test_placeholder_character_in_tools_is_a_400_not_a_500(srv, client):
+    """U+F0000 in a tool's description (the chat encoder's placeholder marker) was an IndexError and a plain-text
+    500; it is a 400 naming `tools`, and the server keeps serving."""
+    mark = "\U000f0000"
+    tools = [{"type": "function", "function": {"name": "f", "description": f"x{mark}99{mark}y"}}]
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 2, "tools": tools})
+    assert "U+F0000" in _bad(r, "tools")
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices[0].finish_reason in ("length", "stop")
+
+
 # ---- 6. GET /v1/models/{id} --------------------------------------------------------------------------------------------
 def test_models_retrieve(client, srv):
     m = client.models.retrieve("tiny")

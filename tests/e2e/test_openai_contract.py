@@ -150,6 +150,17 @@ def test_section_cut_by_max_tokens(client):
     assert reasons == ["length"] and content == "OK" and sorted(calls) == [0, 1]
 
 
+def test_stop_string_inside_a_call_is_stop_not_length(client):
+    """A stop string matching inside a call's arguments ends the generation with finish_reason "stop" (max_tokens
+    was not reached; it said "length"); the incomplete call is not returned, and the stream ends the same way."""
+    kw = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, stop=["Par"])
+    c = client.chat.completions.create(model="tiny", **kw).choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == "Par"
+    assert not c.message.tool_calls
+    _, content, calls, reasons, _ = _stream_chat(client, **kw)
+    assert reasons == ["stop"] and content == "OK" and sorted(calls) == [0]
+
+
 def test_section_closed_then_content_then_eos(client):
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
                                        logit_bias={str(CB): -10})

@@ -323,6 +323,17 @@ def test_cut_inside_arguments_live_mode():
     assert full(pairs, TOOLS) == ("x", None, [ToolCall("functions.a:0", "a", '{"k": 1}')])
 
 
+def test_stop_inside_arguments_reports_stop_not_length():
+    """A stop string or stop token that ends the generation inside a call already streamed gives "stop" (the
+    engine's reason), not "length": max_tokens was not reached, and a client reading "length" would retry with a
+    larger max_tokens. Still never "tool_calls" while that call is incomplete."""
+    pairs = toks("x", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"k": ', sizes=[3])
+    _, _, calls, p, _ = stream(pairs, TOOLS)
+    assert calls[1][:2] == ["functions.b:1", "b"] and p.partial_tool_call_emitted
+    assert p.finish_reason("stop") == "stop"
+    assert p.finish_reason("length") == "length"
+
+
 def test_cut_inside_header_emits_nothing_for_that_call():
     pairs = toks(SB, CB, "functions.a:0", AB, "{}", CE, CB, "functions.get_we", sizes=[1])
     c, _, calls, p, _ = stream(pairs, TOOLS)

@@ -92,7 +92,8 @@ class OutputProcessor:
         """Append `out.token_id` to `req`, check stops, and return the delta for the client.
 
         Stops, first match wins: a `stop_token_ids` id (finish "stop", stop_reason = the id); an EOS id
-        unless ignore_eos (finish "stop", stop_reason None, as vLLM); a stop string completing in the text
+        unless ignore_eos (finish "stop", stop_reason None, as vLLM) - either token's text is left out of the
+        output unless include_stop_str_in_output (vLLM's rule); a stop string completing in the text
         (finish "stop", stop_reason = the string; the text is cut before it, or after it with
         include_stop_str_in_output; text that may still begin a stop string is held back, never streamed);
         max_tokens or max_model_len (finish "length"). Stop strings are looked for only once the request
@@ -103,7 +104,6 @@ class OutputProcessor:
         token_ids = req.token_ids
         token_ids.append(tok)
         n_out = len(token_ids) - req.num_prompt_tokens
-        text = req.detokenizer.push(tok)
         stop = req.stop
         reason = None
         stop_reason: str | int | None = None
@@ -113,6 +113,9 @@ class OutputProcessor:
             reason = "stop"
         elif n_out >= stop.max_tokens or len(token_ids) >= self.max_model_len:
             reason = "length"
+        # a stop token's (stop_token_ids, EOS) text is not output unless include_stop_str_in_output, as vLLM's
+        # detokenizer leaves it out; its id still counts (token_ids, usage, logprobs)
+        text = "" if reason == "stop" and not stop.include_stop_str_in_output else req.detokenizer.push(tok)
         if reason is not None:
             text += req.detokenizer.flush()
         checker: StopChecker | None = req.stop_checker  # type: ignore[assignment]

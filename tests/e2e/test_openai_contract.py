@@ -232,6 +232,8 @@ def test_stop_strings_tokens_and_hold_back(client):
     assert r.choices[0].text.endswith('{"city":"Paris')
     r = client.completions.create(**kw, extra_body={"stop_token_ids": [OK]})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == OK
+    assert r.choices[0].text == " I think" and r.usage.completion_tokens == 5  # the stop token's text left out
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [OK], "include_stop_str_in_output": True})
     assert r.choices[0].text == " I thinkOK" and r.usage.completion_tokens == 5
     # "thinkOK" spans two generated tokens: " think" must be held back, never streamed.
     chunks = [ch.choices[0] for ch in client.completions.create(**kw, stop=["thinkOK"], stream=True)]
@@ -249,6 +251,11 @@ def test_min_tokens_and_ignore_eos(client):
     assert r.usage.completion_tokens >= 30
     r = client.completions.create(**kw, stop=["Done"], extra_body={"min_tokens": 30})
     assert r.usage.completion_tokens >= 30  # stop strings count only after min_tokens
+    # EOS's text, kept by skip_special_tokens: false, is left out as vLLM does, unless include_stop_str_in_output
+    r = client.completions.create(**kw, extra_body={"skip_special_tokens": False})
+    assert r.choices[0].text.endswith("Done") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(**kw, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True})
+    assert r.choices[0].text.endswith("Done<|im_end|>") and r.usage.completion_tokens == 23
 
 
 # ---- logprobs -------------------------------------------------------------------------------------------

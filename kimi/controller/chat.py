@@ -82,8 +82,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 args = fn.get("arguments")
                 if args is not None and not isinstance(args, (str, dict)):
                     raise BadRequest(f"'{q}.function.arguments' must be a JSON string or an object", f"{q}.function.arguments")
-        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise BadRequest(f"'{p}.tool_call_id' must be a string for role tool", f"{p}.tool_call_id")
+        if role == "tool" and (not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]):
+            raise BadRequest(f"'{p}.tool_call_id' must be a non-empty string for role tool", f"{p}.tool_call_id")
     return messages
 
 

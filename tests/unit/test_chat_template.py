@@ -248,3 +248,16 @@ def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
     with pytest.raises(BadRequest) as e:
         encode_chat(tok, msgs, tools, kwargs)
     assert e.value.param == param and "U+F0000" in e.value.message
+
+
+@pytest.mark.parametrize("tcid", ["", None, 5])
+def test_tool_message_needs_a_non_empty_tool_call_id(tok, tcid):
+    """An empty tool_call_id is a 400 naming messages[i].tool_call_id (it reached the template, whose error blamed
+    `messages`)."""
+    from kimi.controller.chat import encode_chat
+    from kimi.controller.validation import BadRequest
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x", "tool_call_id": tcid}]
+    with pytest.raises(BadRequest) as e:
+        encode_chat(tok, msgs, None, {})
+    assert e.value.param == "messages[1].tool_call_id"

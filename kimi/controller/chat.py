@@ -3,10 +3,11 @@ control tokens.
 
 Rendering the template and encoding the result with special tokens allowed would turn a user's literal
 `<|im_end|>` into the control token (a prompt-injection hole; KIMI.md section 4). Instead every piece of
-message text is replaced by a private-use marker before rendering; the rendered prompt is split at the
-markers; template text is encoded with special tokens allowed and message text with them disallowed.
-Message text sits between special tokens in the Kimi format, so the split does not change how ordinary
-text tokenizes.
+message text is replaced by a private-use marker (U+F0000, refused anywhere in a request) before rendering;
+the rendered prompt is then split at control tokens found in the template's own text only, and each run of
+text between two control tokens (template text and message text together) is encoded whole with special
+tokens disallowed: the ids HF's `tokenize()` and vLLM give the rendered prompt when the messages hold no
+control-token strings, and message text never becomes a control token.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 
     Assistant messages may carry `tool_calls` (`[{id, type: "function", function: {name, arguments}}]`,
     arguments a JSON string or an object); ids are kept as given (`functions.NAME:IDX`, `search:0`,
-    `call_<hex>` all render verbatim). Tool messages need a string `tool_call_id`.
+    `call_<hex>` all render verbatim). Tool messages need a non-empty string `tool_call_id`.
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -145,10 +146,12 @@ def encode_chat(
     """Prompt token ids for a chat request (generation prompt appended).
 
     Every user-controlled string that the template copies (content, names, tool-call ids and arguments,
-    tool_call_id) is encoded with special tokens disallowed; otherwise the ids are those of
-    `tokenizer.encode(rendered prompt, allow_special=True)` (text runs between control tokens are encoded whole,
-    so a message's text merges with the template text next to it, as HF / vLLM tokenize). U+F0000 (the
-    placeholder marker) anywhere in the messages, tools or chat_template_kwargs is a 400. Tool declarations are rendered by the template
+    tool_call_id) is encoded with special tokens disallowed. The prompt is split at the template's control tokens
+    and each text run between two of them is encoded whole, so a message's text merges with the template text
+    next to it, as HF's `tokenize()` / vLLM encode the rendered prompt (equal to `tokenizer.encode(rendered,
+    allow_special=True)` below `_split_for_encode`'s 400k-character / 25k-run limits, which that call applies
+    to the whole prompt rather than per run). U+F0000 (the placeholder marker) anywhere in the messages, tools
+    or chat_template_kwargs is a 400. Tool declarations are rendered by the template
     as JSON; since they cannot be split out, a declaration that contains a control-token string (e.g.
     `<|im_end|>`) is rejected. Raises BadRequest for malformed messages or a template that fails on them.
     """

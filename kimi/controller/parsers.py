@@ -31,8 +31,10 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   the output is content.
 - Tools not active (no `tools` in the request, or `tool_choice: "none"`). No call is ever parsed. Tool
   markers are treated like vLLM without a tool parser treats them (they are not "special" tokens, so they
-  survive `skip_special_tokens`): their marker strings are rendered verbatim into whichever field is
-  current (content or reasoning). Nothing is silently lost and nothing pretends to be a call.
+  survive `skip_special_tokens`): their detokenized text, the marker string, goes verbatim into whichever
+  field is current (content or reasoning), as any token's text does (so a marker that is the request's stop
+  token and whose text is left out of the output adds nothing, as in completions). Nothing is silently lost and
+  nothing pretends to be a call.
 - Tool call id / name. The id is the stripped header text between `<|tool_call_begin|>` and
   `<|tool_call_argument_begin|>` (`functions.get_weather:0`). The name is that text without an optional
   `functions.` prefix and without a trailing `:DIGITS` suffix (`functions.my.tool-v2:3` -> `my.tool-v2`,
@@ -52,14 +54,15 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   dropped, never turned into content (raw markup in `content` breaks clients). In the default live mode
   the client may already have received the head and some argument fragments of the cut call; the parser
   then reports `partial_tool_call_emitted` and `finish_reason()` returns "length" so the client knows the
-  last call is truncated (or "stop" when a stop string or stop token ended the generation there). Otherwise `finish_reason()` returns "tool_calls" when any complete call exists.
+  last call is truncated (or "stop" when a stop string or stop token ended the generation there).
+  Otherwise `finish_reason()` returns "tool_calls" when any complete call exists.
 - Malformed sequences are repaired leniently: `<|tool_call_begin|>` or `<|tool_calls_section_end|>` while
   a call's arguments are open closes that call as complete; a call whose header is open when a section
   ends is dropped; markers that make no sense in the current state (`<|tool_call_end|>` in content, a
   second section begin inside a section, ...) are dropped. Text inside a section but outside a call
   (whitespace between calls) is dropped. Text after `<|tool_calls_section_end|>` is content.
-- Marker text. The `text_delta` that comes with a marker token is not trusted: the marker string is known
-  from its id. If that text contains the marker string, the text before it is treated as ordinary text
+- Marker text (tools active). The `text_delta` that comes with a marker token is not trusted: the marker
+  string is known from its id. If that text contains the marker string, the text before it is treated as ordinary text
   that precedes the marker and the text after it as ordinary text that follows (an incremental
   detokenizer may release held bytes with the next token); any other non-empty text is treated as text
   that precedes the marker.
@@ -113,8 +116,8 @@ _FINISHED = "finished"
 class ParserConfig:
     """Which parsers are active for one chat request.
 
-    tools: parse tool calls (the request has `tools` and `tool_choice` is not "none"). When False, tool
-        markers are rendered verbatim into the current text field (see the module docstring).
+    tools: parse tool calls (the request has `tools` and `tool_choice` is not "none"). When False, a tool
+        marker's text (the marker string) goes verbatim into the current text field (see the module docstring).
     thinking: the model reasons first (a thinking model with thinking on). The output starts in
         reasoning; a leading `<think>` from the model is consumed.
     prompt_ends_in_think: the prompt's last token is `<think>` (K2.5/K2.6 templates). The output then
@@ -311,7 +314,9 @@ class OutputParser:
             raise RuntimeError("OutputParser.feed called after finish()")
         out = ParserDelta()
         marker = MARKER_TEXT.get(token_id)
-        if marker is None:
+        if marker is None or (not self.config.tools and token_id not in THINK_MARKER_IDS):
+            # without tools a tool marker is ordinary text: its detokenized text (the marker string, which
+            # skip_special_tokens keeps; "" when it is a stop token whose text is left out of the output)
             self._text(text_delta, out)
             return out
         before, after = _split_marker_text(text_delta, marker)
@@ -377,10 +382,7 @@ class OutputParser:
             if st == _REASONING:
                 self._state = _CONTENT
             return
-        # tool markers
-        if not self.config.tools:
-            self._text(MARKER_TEXT[tid], out)
-            return
+        # tool markers (with tools; without, `feed` passes their text on as ordinary text)
         if tid == TOOL_CALLS_SECTION_BEGIN_ID:
             if st in (_REASONING, _CONTENT):
                 self._state = _SECTION

@@ -161,6 +161,22 @@ def test_stop_string_inside_a_call_is_stop_not_length(client):
     assert reasons == ["stop"] and content == "OK" and sorted(calls) == [0]
 
 
+def test_tool_marker_as_stop_token_without_tools_leaves_its_text_out(client):
+    """Without tools a tool marker is ordinary text; as the request's stop token its text is left out of the chat
+    content like any stop token's (it came back as "OK<|tool_calls_section_begin|>"), kept with
+    include_stop_str_in_output; the same streamed."""
+    from kimi.controller.parsers import TOOL_CALLS_SECTION_BEGIN_ID as SECTION
+
+    kw = dict(model="tiny", messages=ASK, max_tokens=60, temperature=0, extra_body={"stop_token_ids": [SECTION]})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert (c.message.content, c.finish_reason, c.model_extra["stop_reason"]) == ("OK", "stop", SECTION)
+    _, content, _, reasons, _ = _stream_chat(client, **{k: v for k, v in kw.items() if k != "model"})
+    assert (content, reasons) == ("OK", ["stop"])
+    kw["extra_body"] = {"stop_token_ids": [SECTION], "include_stop_str_in_output": True}
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.message.content == "OK<|tool_calls_section_begin|>"
+
+
 def test_section_closed_then_content_then_eos(client):
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
                                        logit_bias={str(CB): -10})

@@ -422,7 +422,7 @@ def test_bare_call_begin_inside_think_ends_reasoning():
 
 def test_tool_markers_inside_think_are_reasoning_text_when_tools_off():
     cfg = ParserConfig(tools=False, thinking=True)
-    pairs = toks(TS, "r ", SB, CB, "functions.f:0", AB, "{}", CE, SE, TE, "answer", sizes=[2])
+    pairs = toks(TS, "r ", SB, CB, "functions.f:0", AB, "{}", CE, SE, TE, "answer", sizes=[2], marker_text=True)
     c, r, calls, p, _ = stream(pairs, cfg)
     assert r == ("r <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
                  "<|tool_call_end|><|tool_calls_section_end|>")
@@ -431,10 +431,12 @@ def test_tool_markers_inside_think_are_reasoning_text_when_tools_off():
 
 @pytest.mark.parametrize("marker_text", [False, True])
 def test_tools_off_renders_markers_verbatim_in_content(marker_text):
+    """Without tools a marker's detokenized text is ordinary text: the marker string, as the detokenizer gives it
+    (skip_special_tokens keeps these); an empty text (a stop token whose text is left out) adds nothing."""
     pairs = toks("x", SB, CB, "functions.f:0", AB, "{}", CE, SE, marker_text=marker_text)
     raw = ("x<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
            "<|tool_call_end|><|tool_calls_section_end|>")
-    assert full(pairs, ParserConfig()) == (raw, None, [])
+    assert full(pairs, ParserConfig()) == (raw if marker_text else "xfunctions.f:0{}", None, [])
 
 
 def test_think_markers_inside_arguments_are_dropped():

@@ -146,12 +146,17 @@ def test_custom_template_tojson_and_errors(tok):
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]).startswith(SYS)  # original untouched
 
 
-def test_real_vocabulary_prompt_ids():
+def _real_tokenizer():
     src = default_tokenizer_source()
     if src is None:
         pytest.skip("real Kimi vocabulary not available (set KIMI_TOKENIZER_DIR or provide ../shared/kimi-tokenizer)")
     real = KimiTokenizer.from_dir(src)
     real.chat_template = Path(tk_mod.__file__).with_name("chat_template.jinja").read_text()
+    return real
+
+
+def test_real_vocabulary_prompt_ids():
+    real = _real_tokenizer()
     prompt = real.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
                                       add_generation_prompt=False)
     assert real.encode(prompt, allow_special=True)[-5:] == [163587, 2482, 163601, 18699, 163586]
@@ -172,15 +177,6 @@ def test_encode_chat_blames_chat_template_kwargs_only_when_they_break_the_templa
     with pytest.raises(BadRequest) as e:  # fails with or without them: the messages are
         encode_chat(t, msgs, None, {"sep": 5})
     assert e.value.param == "messages" and "bad messages" in e.value.message
-
-
-def _real_tokenizer():
-    src = default_tokenizer_source()
-    if src is None:
-        pytest.skip("real Kimi vocabulary not available (set KIMI_TOKENIZER_DIR or provide ../shared/kimi-tokenizer)")
-    real = KimiTokenizer.from_dir(src)
-    real.chat_template = Path(tk_mod.__file__).with_name("chat_template.jinja").read_text()
-    return real
 
 
 JOINT_CASES = {

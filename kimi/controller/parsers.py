@@ -62,10 +62,10 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   second section begin inside a section, ...) are dropped. Text inside a section but outside a call
   (whitespace between calls) is dropped. Text after `<|tool_calls_section_end|>` is content.
 - Marker text (tools active). The `text_delta` that comes with a marker token is not trusted: the marker
-  string is known from its id. If that text contains the marker string, the text before it is treated as ordinary text
-  that precedes the marker and the text after it as ordinary text that follows (an incremental
-  detokenizer may release held bytes with the next token); any other non-empty text is treated as text
-  that precedes the marker.
+  string is known from its id. If that text contains the marker string, the text before it is treated as
+  ordinary text that precedes the marker and the text after it as ordinary text that follows (an incremental
+  detokenizer may release held bytes with the next token); any other non-empty text is treated as text that
+  precedes the marker.
 
 Public API: `ParserConfig`, `OutputParser`, `ParserDelta`, `ToolCallDelta`, `ToolCall`,
 `parse_tool_call_id`, `parse_output`, and the marker id constants.

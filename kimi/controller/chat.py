@@ -116,21 +116,13 @@ def validate_tools(tools: Any) -> list[str]:
     return names
 
 
-def _special_strings(tokenizer: KimiTokenizer) -> list[str]:
-    cached = getattr(tokenizer, "_kimi_special_strings", None)
-    if cached is None:
-        cached = sorted({tokenizer.decode([i]) for i in range(163584, tokenizer.vocab_size)} - {""})
-        tokenizer._kimi_special_strings = cached  # type: ignore[attr-defined]
-    return cached
-
-
 def _special_ids(tokenizer: KimiTokenizer) -> tuple[re.Pattern, dict[str, int]]:
-    """(a regex matching any control-token string, longest first; string -> id), cached on the tokenizer."""
+    """(a regex matching any control-token string, longest first; string -> id) for the ids from 163584 up,
+    built once and cached on the tokenizer."""
     cached = getattr(tokenizer, "_kimi_special_ids", None)
     if cached is None:
-        strings = _special_strings(tokenizer)
         ids = {}
-        for s in strings:
+        for s in {tokenizer.decode([i]) for i in range(163584, tokenizer.vocab_size)} - {""}:
             got = tokenizer.encode(s, allow_special=True)
             if len(got) == 1:
                 ids[s] = got[0]
@@ -158,9 +150,9 @@ def encode_chat(
     messages = validate_messages(messages)
     if tools:
         blob = json.dumps(tools, ensure_ascii=False)
-        for sp in _special_strings(tokenizer):
-            if sp in blob:
-                raise BadRequest(f"'tools' contains the control-token string {sp!r}", "tools")
+        found = _special_ids(tokenizer)[0].search(blob)  # one scan of the declarations
+        if found:
+            raise BadRequest(f"'tools' contains the control-token string {found.group(0)!r}", "tools")
         _check_text(blob, "tools")
     if template_kwargs:
         _check_text(json.dumps(template_kwargs, ensure_ascii=False), "chat_template_kwargs")

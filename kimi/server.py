@@ -450,7 +450,7 @@ async def serve(a: ServeArgs) -> int:
         from kimi.ops.all_to_all import check_backend
 
         try:
-            check_backend(a.a2a_backend, a.nproc, a.device)
+            check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts)
         except ValueError as e:
             log.error("%s", e)
             return 2

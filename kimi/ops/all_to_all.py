@@ -63,8 +63,28 @@ def default_backend(world_size: int, device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def check_backend(backend: str, world_size: int, device_type: str) -> None:
-    """Raise ValueError when `backend` cannot serve `world_size` ranks on `device_type` ("cpu" / "cuda")."""
+# DeepEP's normal-mode dispatch (intranode.cu, notify_dispatch) counts the tokens of each local expert with one
+# thread of a 128-thread block and asserts num_experts / num_ranks <= 128 at the first prefill step. Kimi-K2's
+# 384 experts therefore need at least 3 ranks (seen on 2 H200s: the assertion, on K2.6's config).
+DEEPEP_MAX_LOCAL_EXPERTS = 128
+
+
+def check_deepep_experts(num_experts: int, world_size: int) -> None:
+    """Raise ValueError when DeepEP cannot split `num_experts` routed experts over `world_size` ranks: they must
+    divide evenly and leave at most DEEPEP_MAX_LOCAL_EXPERTS per rank."""
+    if num_experts % world_size:
+        raise ValueError(f"--a2a-backend deepep: {num_experts} experts do not split evenly over {world_size} ranks")
+    if num_experts // world_size > DEEPEP_MAX_LOCAL_EXPERTS:
+        least = -(-num_experts // DEEPEP_MAX_LOCAL_EXPERTS)
+        raise ValueError(
+            f"--a2a-backend deepep: {num_experts} experts over {world_size} ranks is {num_experts // world_size} per "
+            f"rank, and DeepEP's dispatch takes at most {DEEPEP_MAX_LOCAL_EXPERTS} per rank; use at least {least} "
+            f"ranks (a divisor of {num_experts}), or --a2a-backend nccl")
+
+
+def check_backend(backend: str, world_size: int, device_type: str, num_experts: int | None = None) -> None:
+    """Raise ValueError when `backend` cannot serve `world_size` ranks on `device_type` ("cpu" / "cuda"), or,
+    given the model's `num_experts` (routed), when DeepEP cannot split them over the ranks (`check_deepep_experts`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown all-to-all backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "local" and world_size != 1:
@@ -73,6 +93,8 @@ def check_backend(backend: str, world_size: int, device_type: str) -> None:
         raise ValueError("the gloo all-to-all backend runs on CPU tensors; use nccl or deepep with --device cuda")
     if backend in ("nccl", "deepep") and device_type != "cuda":
         raise ValueError(f"the {backend} all-to-all backend needs --device cuda")
+    if backend == "deepep" and num_experts is not None:
+        check_deepep_experts(num_experts, world_size)
 
 
 def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.0) -> dist.ProcessGroup | None:
@@ -202,7 +224,7 @@ class DeepEPAllToAll:
     bytes (low-latency mode, `get_low_latency_rdma_size_hint`), `low_latency_mode=True` and
     `num_qps_per_rank = E / N` as DeepEP requires; the low-latency buffer is cleaned when switching from
     normal to low-latency mode (`clean_low_latency_buffer`), on every rank in the same step.
-    Raises ImportError without deep_ep, ValueError for a hidden size that is not bf16-friendly.
+    Raises ImportError without deep_ep, ValueError for more than DEEPEP_MAX_LOCAL_EXPERTS experts per rank.
     """
 
     def __init__(
@@ -214,6 +236,7 @@ class DeepEPAllToAll:
         ep_size: int,
         ll_max_tokens_per_rank: int = 128,
     ) -> None:
+        check_deepep_experts(num_experts, ep_size)
         import deep_ep  # the GPU extra (tokenspeed-deepep wheel); imported here so CPU installs never need it
 
         self._deep_ep = deep_ep

@@ -126,6 +126,16 @@ def test_backend_choice_and_step_mode():
             check_backend(*args)
     with pytest.raises(ValueError):
         make_all_to_all("local", num_experts=E, hidden=D, ep_rank=0, ep_size=2)
+    # DeepEP's dispatch takes at most 128 experts per rank: Kimi's 384 need 3+ ranks (2 H200s hit its assertion)
+    check_backend("deepep", 8, "cuda", 384)
+    check_backend("deepep", 4, "cuda", 384)
+    with pytest.raises(ValueError, match=r"384 experts over 2 ranks is 192 per rank.*at least 3 ranks"):
+        check_backend("deepep", 2, "cuda", 384)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        check_backend("deepep", 5, "cuda", 384)
+    check_backend("nccl", 2, "cuda", 384)  # only DeepEP has the limit
+    with pytest.raises(ValueError, match="192 per rank"):  # checked before deep_ep is imported (absent on CPU)
+        make_all_to_all("deepep", num_experts=384, hidden=7168, ep_rank=0, ep_size=2)
     assert step_mode([3, 0, 128], True, 128) == DECODE
     assert step_mode([3, 0, 129], True, 128) == PREFILL
     assert step_mode([1, 1], False, 128) == PREFILL

@@ -186,8 +186,8 @@ def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> N
     if on:
         orig = _saved["humming_configs"] = HummingExperts._configs
 
-        def forced(self, T, k, orig=orig):
-            c1, c2 = (dict(c) for c in orig(self, T, k))
+        def forced(self, m_local, orig=orig):
+            c1, c2 = (dict(c) for c in orig(self, m_local))
             c1.update(gate_up or {})
             c2.update(down or {})
             return c1, c2

@@ -108,7 +108,7 @@ def main() -> None:
         local = ((ids >= OFFSET) & (ids < OFFSET + E)).reshape(-1)
         hit = torch.unique(ids[(ids >= OFFSET) & (ids < OFFSET + E)]) - OFFSET
         a16 = moe_align_fused(ids, E, OFFSET, 16)
-        c1, c2 = hum._configs(T, TOPK)
+        c1, c2 = hum._configs(hum._m_local(T, TOPK))
         for name in args.gemms.split(","):
             n, k, packed, scale, layer = shapes[name]
             top_k = TOPK if name == "gate_up" else 1

@@ -47,7 +47,7 @@ def main() -> None:
     x = (torch.randn((T, H), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     out = torch.empty((T * TOPK, 2 * I), dtype=torch.bfloat16, device="cuda")
     a16 = moe_align_fused(ids, E, OFFSET, 16)
-    c1, _ = hum._configs(T, TOPK)
+    c1, _ = hum._configs(hum._m_local(T, TOPK))
     ah = moe_align_fused(ids, E, OFFSET, c1["block_shape"][0])
     runs = {
         "kimi_cuda": lambda: mc.indexed_gemm(x, *ours, a16[0], a16[1], a16[2], TOPK, out),

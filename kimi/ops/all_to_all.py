@@ -130,7 +130,7 @@ def step_mode(per_rank_tokens: Iterable[int], all_single_token: bool, ll_max_tok
 class LocalBackend(LocalAllToAll):
     """ep_size 1: dispatch and combine are identities (kimi.ops.moe.LocalAllToAll) plus the `set_mode` hook."""
 
-    def set_mode(self, mode: str) -> None:
+    def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
         """Nothing to switch."""
 
 
@@ -168,7 +168,7 @@ class TorchAllToAll:
         self.ep_rank = ep_rank
         self.ep_size = ep_size
 
-    def set_mode(self, mode: str) -> None:
+    def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
         """One mode serves prefill and decode."""
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> DispatchResult:
@@ -217,7 +217,11 @@ class DeepEPAllToAll:
     DECODE steps use low-latency mode (`low_latency_dispatch` / `low_latency_combine`, bf16, no CPU sync):
     the received tensor is [E_local, M * N, D] expert-major with per-expert counts; it is handed to the
     expert computation as [E_local * M * N, D] rows with one (weight 1, expert id) pair each (padding rows
-    get id -1 and are skipped) and the low-latency combine applies the routing weights.
+    get id -1 and are skipped) and the low-latency combine applies the routing weights. The result is marked
+    expert-major (kimi.ops.moe.DispatchResult), with the step's tokens x top-k (from `set_mode`) as the bound on
+    rows with a local expert: the kimi / humming expert backends then size their grids by it, skip the weighted
+    sum and leave the padding rows unwritten, where the plain path wrote all E_local * M * N rows (704 MB per
+    layer at 8 ranks x 48 experts x 128 tokens x 7168).
     M = ll_max_tokens_per_rank bounds the tokens any rank may send in a decode step (`step_mode`).
 
     The Buffer is created with both NVLink bytes (normal mode, sized from DeepEP's config hints) and RDMA
@@ -261,12 +265,16 @@ class DeepEPAllToAll:
             explicitly_destroy=True,
         )
         self.mode = PREFILL
+        self.step_tokens: int | None = None
         self._ll_clean = False
 
-    def set_mode(self, mode: str) -> None:
-        """Switch between PREFILL (normal) and DECODE (low-latency) before a step; the same mode on all ranks."""
+    def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
+        """Switch between PREFILL (normal) and DECODE (low-latency) before a step; the same mode on all ranks.
+        num_tokens: the step's tokens over all ranks (None: unknown), which bounds the rows a low-latency dispatch
+        delivers with a local expert (num_tokens x top-k) and gives their expected number."""
         if mode not in (PREFILL, DECODE):
             raise ValueError(f"unknown all-to-all mode {mode!r}")
+        self.step_tokens = num_tokens
         if mode == DECODE and not self._ll_clean:
             self.buffer.clean_low_latency_buffer(self.ll_max_tokens_per_rank, self.hidden, self.num_experts)
             self._ll_clean = True
@@ -290,7 +298,14 @@ class DeepEPAllToAll:
             eid = torch.arange(e_local, device=recv_x.device)[:, None] + self.expert_offset  # [E_local, 1]
             ids = torch.where(valid, eid, torch.full_like(eid, -1)).reshape(-1, 1)  # [E_local * M * N, 1]
             w = torch.ones(ids.shape, dtype=torch.float32, device=recv_x.device)  # weights applied by combine
-            return DispatchResult(recv_x.view(-1, d), w, ids, handle=(DECODE, handle, topk_ids, topk_weights, recv_x.shape))
+            # expert-major: the combine reads only each expert's first recv_count rows, so the experts may skip the
+            # rest; of the E_local * M * N rows at most the step's tokens x top-k hold a local expert
+            n = self.step_tokens
+            k = topk_ids.shape[1]
+            return DispatchResult(
+                recv_x.view(-1, d), w, ids, handle=(DECODE, handle, topk_ids, topk_weights, recv_x.shape),
+                expert_major=True, max_pairs=None if n is None else n * k,
+                expected_pairs=None if n is None else max(1, n * k * e_local // self.num_experts))
         self._ll_clean = False  # normal mode dirties the low-latency buffer
         n_rank, n_rdma_rank, n_expert, in_rank, _ = buf.get_dispatch_layout(topk_ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(

@@ -675,7 +675,7 @@ def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, curso
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: tl.constexpr,
+def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, cap, BLOCK: tl.constexpr,
                           PDL: tl.constexpr = False):
     wait_and_release(PDL)
     po = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -683,7 +683,7 @@ def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, BLOCK: 
     loc = tl.load(ids_ptr + po, mask=pm, other=-1).to(tl.int32) - offset
     ok = pm & (loc >= 0) & (loc < E)
     dest = tl.atomic_add(cursor_ptr + tl.where(ok, loc, 0), tl.where(ok, 1, 0), mask=ok)
-    tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
+    tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok & (dest < cap))
 
 
 @triton.jit
@@ -706,7 +706,7 @@ def _align_one_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_pt
         oh = (key[:, None] == eo[None, :]).to(tl.int32)  # [BLOCK_C, BLOCK_E]
         rank = tl.cumsum(oh, axis=0)
         dest = tl.sum(oh * (rank - 1 + base[None, :]), axis=1)  # [BLOCK_C]
-        tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
+        tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok & (dest < cap))
         base += tl.sum(oh, axis=0)
 
 
@@ -758,7 +758,7 @@ def _align_grid_offsets_kernel(part_ptr, G, E, bm, max_blocks, bexp_ptr, npad_pt
 
 
 @triton.jit
-def _align_grid_place_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, BLOCK: tl.constexpr,
+def _align_grid_place_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, cap, BLOCK: tl.constexpr,
                              BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
     """Grid path, 3 of 3, program g: each local pair of its slice to part[g, e] + its rank among the slice's pairs
     of e (one-hot cumsum): ascending pair order within an expert, as moe_align's stable sort. No atomics."""
@@ -772,17 +772,19 @@ def _align_grid_place_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, BLOCK:
     ok = pm & (loc >= 0) & (loc < E)
     oh = (tl.where(ok, loc, E)[:, None] == eo[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
     dest = tl.sum(oh * (tl.cumsum(oh, axis=0) - 1 + base[None, :]), axis=1)
-    tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok)
+    tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok & (dest < cap))
 
 
-def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int):
+def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, max_pairs: int | None = None):
     T, k = topk_ids.shape
     P = T * k
-    max_blocks = (P + block_m - 1) // block_m + min(num_local_experts, P)
+    L = P if max_pairs is None else max(0, min(P, max_pairs))  # local pairs at most
+    max_blocks = (L + block_m - 1) // block_m + min(num_local_experts, L)
     return P, max_blocks, max_blocks * block_m
 
 
-def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int):
+def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int,
+                    max_pairs: int | None = None):
     """kimi.ops.moe_int4_triton.moe_align on the GPU: same outputs and contract.
 
     topk_ids [T, k] integer global expert ids (contiguous or reshapeable to [T*k]); experts
@@ -791,15 +793,20 @@ def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offse
     ALIGN_ONE_PROGRAM_MAX_P one program (pairs in moe_align's order: identical outputs, deterministic); from
     ALIGN_GRID_MIN_P on the grid path (three kernels, identical outputs too); between, two kernels (pairs within an
     expert in arbitrary order, possibly in another of its blocks).
+
+    max_pairs: an upper bound on the local pairs that the caller knows (e.g. DeepEP's low-latency layout: T*k
+    rows, of which at most the step's tokens x top-k hold a local expert); it sizes max_blocks and sorted_ids
+    from min(T*k, max_pairs) instead of T*k, so the GEMM grids behind the align stay small. Slots past the
+    buffers are never written, but a wrong bound loses the pairs past it.
     """
-    return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None)
+    return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None, max_pairs=max_pairs)
 
 
 def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program: bool | None,
-               grid: bool | None = None):
+               grid: bool | None = None, max_pairs: int | None = None):
     """moe_align_fused with the path forced (grid True: the grid path; else one_program True / False; None for both:
     by T*k). Tests and the benchmark."""
-    P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m)
+    P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m, max_pairs)
     E = num_local_experts
     dev = topk_ids.device
     ids = topk_ids.reshape(-1)
@@ -818,7 +825,7 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
                                        BLOCK_E=BLOCK_E, num_warps=4, **kw)
         _align_grid_offsets_kernel[(1,)](part, G, E, block_m, max_blocks, block_expert, num_padded, BLOCK_G=64,
                                          BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8, **kw)
-        _align_grid_place_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, BLOCK=BLOCK, BLOCK_E=BLOCK_E,
+        _align_grid_place_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, cap, BLOCK=BLOCK, BLOCK_E=BLOCK_E,
                                        num_warps=4, **kw)
         return sorted_ids, block_expert, num_padded, max_blocks
     if (P <= ALIGN_ONE_PROGRAM_MAX_P) if one_program is None else one_program:
@@ -833,7 +840,7 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
                               **launch_kwargs(dev))
     if P:
         sc = LAUNCH["align_scatter"]
-        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](ids, P, E, expert_offset, sorted_ids, cursor,
+        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](ids, P, E, expert_offset, sorted_ids, cursor, cap,
                                                               BLOCK=sc["block"], num_warps=sc["warps"],
                                                               **launch_kwargs(dev))
     return sorted_ids, block_expert, num_padded, max_blocks

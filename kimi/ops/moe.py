@@ -104,12 +104,34 @@ class DispatchResult:
 
     hidden: [T_recv, D]; topk_weights: [T_recv, k] float32; topk_ids: [T_recv, k] int64 (global ids; pairs
     for other ranks' experts are ignored by the local expert computation); handle: backend state for combine.
+
+    expert_major (DeepEP's low-latency layout): k == 1, every weight is 1 and must not be applied (the combine
+    applies the routing weights), and the combine never reads a row without a local expert (id -1), so the
+    expert computation may leave those rows unset. max_pairs: an upper bound on the rows with a local expert
+    (known on the host; None: T_recv * k), which sizes the expert GEMMs' grids; expected_pairs: their expected
+    number (None: from T_recv, k and uniform routing), which picks the GEMM schedules. See `run_experts`.
     """
 
     hidden: torch.Tensor
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     handle: Any = None
+    expert_major: bool = False
+    max_pairs: int | None = None
+    expected_pairs: int | None = None
+
+
+def run_experts(experts_impl, recv: DispatchResult) -> torch.Tensor:
+    """The local routed experts over what dispatch delivered -> [T_recv, D] for the combine.
+
+    An expert-major DispatchResult goes to backends that declare `expert_major_ok` with those hints (they skip
+    the weighted sum over k and leave rows without a local expert unset); every other backend, and every other
+    dispatch, gets the plain call, whose rows without a local expert are 0.
+    """
+    if recv.expert_major and getattr(experts_impl, "expert_major_ok", False):
+        return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids, expert_major=True,
+                            max_pairs=recv.max_pairs, expected_pairs=recv.expected_pairs)
+    return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)
 
 
 class AllToAllBackend(Protocol):
@@ -217,7 +239,7 @@ class MoELayer(nn.Module):
         )  # [T, k] f32, [T, k] int64
         recv = a2a.dispatch(x, topk_weights, topk_ids)
         if self.experts_impl is not None:
-            y = self.experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)  # [T_recv, D]
+            y = run_experts(self.experts_impl, recv)  # [T_recv, D]
         else:
             y = fused_experts_ref(
                 recv.hidden, self.w13, self.w2, recv.topk_weights, recv.topk_ids, self.expert_offset

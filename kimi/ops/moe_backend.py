@@ -180,6 +180,7 @@ class HummingExperts(nn.Module):
     `weight_kind` picks the humming_table.json entries that apply."""
 
     graph_safe = True
+    expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
     weight_kind = "int4"  # which humming_table.json entries apply (HummingFp8Experts: "fp8")
     glu_group = 0  # > 0: the gate_up rows are in kimi.ops.moe_int4_cuda.glu_interleave's order with this group
 
@@ -202,18 +203,18 @@ class HummingExperts(nn.Module):
         self.device = dev
         self.expert_offset = expert_offset
         self.num_experts_total = num_experts_total
-        self._tuning: dict[tuple[int, int], tuple[dict, dict]] = {}
+        self._tuning: dict[int, tuple[dict, dict]] = {}
 
     def _m_local(self, T: int, k: int) -> int:
         """The expected local pairs of a step of T tokens, top-k (`expected_local_pairs`)."""
         return expected_local_pairs(T, k, self.E, self.num_experts_total)
 
-    def _configs(self, T: int, k: int) -> tuple[dict, dict]:
-        key = (T, k)
+    def _configs(self, m_local: int) -> tuple[dict, dict]:
+        """The two GEMMs' humming schedules for a step of m_local expected local pairs (cached)."""
+        key = m_local
         if key not in self._tuning:
             from humming.tune import get_heuristics_config
 
-            m_local = self._m_local(T, k)
             gpu = torch.cuda.get_device_name(self.device)
             cs = []
             for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
@@ -222,21 +223,28 @@ class HummingExperts(nn.Module):
             self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_major: bool = False,
+                max_pairs: int | None = None, expected_pairs: int | None = None) -> torch.Tensor:
+        """x [T, D], topk_weights [T, k] f32, topk_ids [T, k] global ids -> [T, D], the routing-weighted sum of
+        each row's local experts (0 for rows without one). expert_major / max_pairs / expected_pairs: as
+        kimi.ops.moe.DispatchResult (expert_major: k == 1, the weights are not applied and rows without a local
+        expert are left unset; the down GEMM's output is returned as it is)."""
         from kimi.ops.moe_int4_triton import combine_into, moe_align
 
         T, k = topk_ids.shape
-        out = torch.empty_like(x)  # [T, D]; combine writes every element
         if T == 0:
-            return out
-        c1, c2 = self._configs(T, k)
+            return torch.empty_like(x)
+        c1, c2 = self._configs(expected_pairs or self._m_local(T, k))
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
-        if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py)
-            from kimi.ops.fused import moe_align_fused as moe_align, silu_mul_rows
+        if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py), sized by max_pairs
+            from kimi.ops.fused import moe_align_fused, silu_mul_rows
+
+            align = lambda bm: moe_align_fused(topk_ids, self.E, self.expert_offset, bm, max_pairs)  # noqa: E731
         else:
             silu_mul_rows = None
-        a1 = moe_align(topk_ids, self.E, self.expert_offset, bm1)
-        a2 = a1 if bm2 == bm1 else moe_align(topk_ids, self.E, self.expert_offset, bm2)
+            align = lambda bm: moe_align(topk_ids, self.E, self.expert_offset, bm)  # noqa: E731
+        a1 = align(bm1)
+        a2 = a1 if bm2 == bm1 else align(bm2)
         cc = {"gemm_type": "indexed"}
         y1 = self.l1(x.contiguous(), sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=k,
                      compute_config=cc, tuning_config=c1)  # [T*k, 2I] rows = pair ids (local pairs written)
@@ -249,6 +257,9 @@ class HummingExperts(nn.Module):
             act = F.silu(gate) * up  # [T*k, I]
         y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
                      compute_config=cc, tuning_config=c2)  # [T*k, D]
+        if expert_major and k == 1:  # rows = pairs, weights applied by the combine, unset rows never read
+            return y2
+        out = torch.empty_like(x)  # [T, D]; combine writes every element
         combine_into(y2, topk_weights, topk_ids, self.expert_offset, self.E, out)
         return out
 
@@ -342,14 +353,17 @@ class HummingInt4Experts(HummingExperts):
             return f"its extension did not build ({type(e).__name__}: {e})"
         return None
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_major: bool = False,
+                max_pairs: int | None = None, expected_pairs: int | None = None) -> torch.Tensor:
+        """As HummingExperts.forward; steps of up to cuda_max_pairs expected local pairs run kimi's CUDA GEMM."""
         T, k = topk_ids.shape
-        m_local = self._m_local(T, k)
+        m_local = expected_pairs or self._m_local(T, k)
         if T and m_local <= self.cuda_max_pairs:  # cuda_max_pairs 0: never (m_local >= 1)
             return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter,
                                         self.l1.weight, self.l1.weight_scale, self.l2.weight, self.l2.weight_scale,
-                                        m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu)
-        return super().forward(x, topk_weights, topk_ids)
+                                        m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu,
+                                        expert_major=expert_major, max_pairs=max_pairs)
+        return super().forward(x, topk_weights, topk_ids, expert_major, max_pairs, m_local)
 
 
 class HummingFp8Experts(HummingExperts):
@@ -404,6 +418,7 @@ class CudaInt4Experts(nn.Module):
     """
 
     graph_safe = True
+    expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
@@ -430,19 +445,22 @@ class CudaInt4Experts(nn.Module):
         self.num_experts_total = num_experts_total
         mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_major: bool = False,
+                max_pairs: int | None = None, expected_pairs: int | None = None) -> torch.Tensor:
+        """x [T, D], topk_weights [T, k], topk_ids [T, k] -> [T, D] (`cuda_experts_forward`; the keywords as
+        kimi.ops.moe.DispatchResult)."""
         T, k = topk_ids.shape
-        m_local = expected_local_pairs(T, k, self.E, self.num_experts_total)
+        m_local = expected_pairs or expected_local_pairs(T, k, self.E, self.num_experts_total)
         return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
                                     self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2,
-                                    self.glu_group, self.glu)
+                                    self.glu_group, self.glu, expert_major=expert_major, max_pairs=max_pairs)
 
 
 def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,
                          expert_offset: int, inter: int, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
                          s2: torch.Tensor, m_local: int, config13: tuple[int, int, int] | None = None,
                          config2: tuple[int, int, int] | None = None, glu_group: int = 0,
-                         fuse_glu: bool = True) -> torch.Tensor:
+                         fuse_glu: bool = True, expert_major: bool = False, max_pairs: int | None = None) -> torch.Tensor:
     """The routed experts through kimi's CUDA GEMM (kimi.ops.moe_int4_cuda.indexed_gemm): align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows -> down
     -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
@@ -450,17 +468,18 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     expected local pairs, which picks the launch configurations (kimi.ops.moe_int4_cuda.config_for) unless config13
     / config2 are given. glu_group: 0, or the group of `kimi.ops.moe_int4_cuda.glu_interleave` that w13's rows are
     stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel).
-    Returns [T, D] (rows without a local pair are 0)."""
+    Returns [T, D] (rows without a local pair are 0). expert_major / max_pairs: as kimi.ops.moe.DispatchResult
+    (with expert_major and k == 1 the down GEMM's output is returned: weights not applied, rows without a local
+    expert unset; max_pairs bounds the local pairs, sizing the align and the GEMM grids)."""
     from kimi.ops import moe_int4_cuda as mc
     from kimi.ops.fused import moe_align_fused, silu_mul_rows
     from kimi.ops.moe_int4_triton import combine_into
 
     T, k = topk_ids.shape
     D = x.shape[-1]
-    out = torch.empty_like(x)  # [T, D]; combine writes every element
     if T == 0:
-        return out
-    sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, E, expert_offset, 16)
+        return torch.empty_like(x)
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, E, expert_offset, 16, max_pairs)
     P = T * k
     config13 = config13 or mc.config_for(2 * inter, D, m_local)
     config2 = config2 or mc.config_for(D, inter, m_local)
@@ -477,6 +496,9 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     # GEMM may start loading its weights before it waits
     mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2,
                     early_weights=mc.EARLY_WEIGHTS_DOWN)
+    if expert_major and k == 1:  # rows = pairs, weights applied by the combine, unset rows never read
+        return y2
+    out = torch.empty_like(x)  # [T, D]; combine writes every element
     combine_into(y2, topk_weights, topk_ids, expert_offset, E, out)
     return out
 

@@ -40,7 +40,7 @@ from kimi.ops.linear_small_m import linear as _bf16_linear
 from kimi.ops.linear_small_m import linear_small_m, prologue_config
 from kimi.ops.bmm_small_m import bmm_heads
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
-from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer
+from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
 from kimi.ops.moe_backend import make_experts
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
@@ -456,7 +456,7 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor
     topk_weights, topk_ids = fused.router_topk(x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k,
                                                mlp.routed_scaling_factor, mlp.norm_topk_prob)
     recv = a2a.dispatch(x, topk_weights, topk_ids)
-    y = mlp.experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)  # [T_recv, D]
+    y = run_experts(mlp.experts_impl, recv)  # [T_recv, D]
     out = a2a.combine(y, recv)  # [T, D]
     if shared is not None:
         main.wait_stream(side)

@@ -237,7 +237,7 @@ class ModelRunner:
             per_rank[self.rank_of[c.rid]] += c.num_new_tokens
         single = all(nr.num_new_tokens == 1 for nr in plan.new) and all(c.num_new_tokens == 1 for c in plan.cont)
         if self.a2a is not None:
-            self.a2a.set_mode(step_mode(per_rank, single, self.ll_max_tokens_per_rank))
+            self.a2a.set_mode(step_mode(per_rank, single, self.ll_max_tokens_per_rank), sum(per_rank))
         batch: list[tuple[int, WorkerRequest, int]] = []
         for nr in plan.new:
             if nr.dp_rank != self.rank:

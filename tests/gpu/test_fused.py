@@ -11,6 +11,8 @@ CPU interpreter versions: tests/unit/test_fused_cpu.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -196,3 +198,63 @@ def test_moe_align_fused(T, bm, one):
     # and so possibly in other blocks of that expert
     key = be.repeat_interleave(bm).long() * (T * 8 + 1)
     assert torch.equal((key + s.long()).sort().values, (key + rs.long()).sort().values)
+
+
+@pytest.mark.parametrize("one", [True, False, "grid"])
+def test_moe_align_fused_max_pairs(one):
+    """DeepEP's low-latency layout (rows expert-major, most of them without a local expert): with max_pairs = a
+    bound on the local pairs, the align's buffers and block count come from the bound, and its blocks, num_padded
+    and (per block) pairs equal the unbounded align's; with a bound too small it writes nothing past its buffers
+    (the pairs past the bound are lost, nothing else changes)."""
+    from kimi.ops import fused
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    E, off, slab, bm = 48, 96, 1024, 16  # 48 local experts x 1024 rows (128 tokens x 8 ranks)
+    counts = torch.randint(0, 12, (E,), generator=g, device=DEV)
+    row = torch.arange(slab, device=DEV)
+    ids = torch.where(row[None, :] < counts[:, None], torch.arange(E, device=DEV)[:, None] + off, -1).reshape(-1, 1)
+    real = int(counts.sum())
+    run = lambda mp: fused._moe_align(ids, E, off, bm, None if one == "grid" else one, grid=one == "grid",  # noqa: E731
+                                      max_pairs=mp)
+    s0, be0, n0, mb0 = run(None)
+    bound = real + 5
+    s, be, n, mb = run(bound)
+    assert mb == -(-bound // bm) + E and mb < mb0 and s.numel() == mb * bm
+    assert torch.equal(n, n0) and torch.equal(be, be0[:mb])
+    npd = int(n)
+    key = lambda sv, bev: (bev.repeat_interleave(bm)[:npd].long() * (ids.numel() + 1) + sv[:npd].long()).sort().values  # noqa: E731
+    assert torch.equal(key(s, be), key(s0, be0))
+
+
+_TOO_SMALL_BOUND = """
+import torch
+from kimi.ops import fused
+E, off, slab = 48, 96, 1024
+g = torch.Generator(device="cuda").manual_seed(8)
+counts = torch.randint(4, 12, (E,), generator=g, device="cuda")
+row = torch.arange(slab, device="cuda")
+ids = torch.where(row[None, :] < counts[:, None], torch.arange(E, device="cuda")[:, None] + off, -1).reshape(-1, 1)
+for one, grid in ((True, False), (False, False), (None, True)):
+    s, be, n, mb = fused._moe_align(ids, E, off, 16, one, grid=grid, max_pairs=int(counts.sum()) // 4)
+    torch.cuda.synchronize()
+    assert s.numel() == mb * 16
+print("ok")
+"""
+
+
+def test_moe_align_fused_too_small_bound_stays_in_bounds():
+    """A max_pairs below the real local pairs loses pairs but never writes past sorted_ids: the three align paths
+    run under compute-sanitizer's memcheck, which must report no error."""
+    import shutil
+    import subprocess
+    import sys
+
+    cs = shutil.which("compute-sanitizer") or ("/usr/local/cuda/bin/compute-sanitizer"
+                                                if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None)
+    if cs is None:
+        pytest.skip("compute-sanitizer not installed")
+    # without torch's caching allocator every tensor is its own cudaMalloc, so memcheck sees a write past one
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    r = subprocess.run([cs, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _TOO_SMALL_BOUND],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])

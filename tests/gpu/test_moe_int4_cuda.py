@@ -299,3 +299,61 @@ def test_auto_uses_hummings_gemm_where_humming_re_encodes_the_weights(caplog):
     y, y_ref = auto(x, wts, ids).float(), ref(x, wts, ids).float()
     err = (y - y_ref).abs().max().item()
     assert err <= 2e-2 * y_ref.abs().max().item(), f"max err {err:.3g}"
+
+
+def _low_latency_layout(E_local, E_total, offset, ranks, tokens_per_rank, k, D, gen):
+    """What DeepEP's low-latency dispatch delivers to one rank: x [E_local * M * N, D] expert-major (expert e's rows
+    at e * M * N, its first count_e valid, the rest NaN: DeepEP leaves them as they were), ids [rows, 1] = the local
+    expert's global id for valid rows, -1 for the others. Counts come from routing ranks x tokens_per_rank tokens
+    top-k over E_total experts. Returns x, ids, the valid-row mask and the step's tokens."""
+    n_tok = ranks * tokens_per_rank
+    route = _routing(n_tok, E_total, k, gen)  # [n_tok, k]
+    slab = tokens_per_rank * ranks  # M * N rows per local expert
+    x = torch.full((E_local * slab, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ids = torch.full((E_local * slab, 1), -1, device="cuda", dtype=torch.int64)
+    for e in range(E_local):
+        c = int((route == offset + e).any(1).sum())
+        x[e * slab: e * slab + c] = torch.randn((c, D), device="cuda", generator=gen).to(torch.bfloat16)
+        ids[e * slab: e * slab + c] = offset + e
+    return x, ids, ids[:, 0] >= 0, n_tok
+
+
+@pytest.mark.parametrize("backend", ["cuda", "auto"])
+def test_expert_major_rows_match_the_reference(backend):
+    """DeepEP's low-latency layout through run_experts' expert-major call (k == 1, weights not applied, rows
+    without a local expert left unset, the align and GEMM grids sized by max_pairs = the step's tokens x top-k):
+    every valid row matches the reference backend on the same rows within 2e-2 of max |ref|, is finite although
+    the padding rows hold NaN, as the plain call's rows do (which sum k == 1 pairs of weight 1 and write every row).
+    With `auto`, a small expected_pairs runs kimi's GEMM and a large one humming's."""
+    from kimi.ops.moe import DispatchResult, run_experts
+    from kimi.ops.moe_backend import make_experts
+
+    if backend == "auto":
+        pytest.importorskip("humming")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    E, D, inter, k, E_total, offset, ranks, m = 8, 512, 256, 4, 32, 8, 4, 16
+    p13, s13 = _experts(E, 2 * inter, D, gen)
+    p2, s2 = _experts(E, D, inter, gen)
+    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
+                     "w2_scale": s2.clone()}
+    ours = make_experts(backend, parts(), offset, E_total, torch.bfloat16)
+    assert ours.expert_major_ok
+    ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
+    x, ids, valid, n_tok = _low_latency_layout(E, E_total, offset, ranks, m, k, D, gen)
+    w = torch.ones(ids.shape, dtype=torch.float32, device="cuda")
+    y_ref = ref(torch.where(valid[:, None], x, 0), w, ids).float()[valid]
+    scale = y_ref.abs().max().item()
+    plain = ours(x, w, ids).float()
+    assert (plain[valid] - y_ref).abs().max().item() <= 2e-2 * scale and torch.equal(plain[~valid], 0 * plain[~valid])
+    calls = []
+    orig = mc.indexed_gemm
+    for expected in (4, 4096):  # auto: kimi's GEMM, then humming's (AUTO_CUDA_MAX_PAIRS sits between)
+        recv = DispatchResult(x, w, ids, expert_major=True, max_pairs=n_tok * k, expected_pairs=expected)
+        mc.indexed_gemm = lambda *a, **kw: (calls.append(expected), orig(*a, **kw))[1]  # noqa: B023 - a spy
+        try:
+            y = run_experts(ours, recv).float()[valid]
+        finally:
+            mc.indexed_gemm = orig
+        err = (y - y_ref).abs().max().item()
+        assert torch.isfinite(y).all() and scale > 0 and err <= 2e-2 * scale, f"expected {expected}: {err:.3g}"
+    assert calls == ([4, 4, 4096, 4096] if backend == "cuda" else [4, 4]), calls

@@ -140,3 +140,36 @@ def test_backend_choice_and_step_mode():
     assert step_mode([3, 0, 129], True, 128) == PREFILL
     assert step_mode([1, 1], False, 128) == PREFILL
     assert step_mode([], True, 128) == DECODE
+
+
+def test_run_experts_passes_expert_major_only_to_backends_that_take_it():
+    """DeepEP's low-latency layout (k == 1, weight 1, padding rows with id -1): a backend without
+    `expert_major_ok` (here the reference) gets the plain call and returns 0 in the padding rows; a backend with it
+    gets expert_major=True and the bounds. A plain DispatchResult never carries the flag."""
+    from kimi.ops.moe import DispatchResult, run_experts
+    from kimi.ops.moe_backend import RefExperts
+
+    g = torch.Generator().manual_seed(5)
+    E_local, D, inter, offset = 2, 16, 8, 2
+    ref = RefExperts(torch.randn(E_local, 2 * inter, D, generator=g), torch.randn(E_local, D, inter, generator=g), offset)
+    x = torch.randn(6, D, generator=g)
+    ids = torch.tensor([[2], [2], [-1], [3], [-1], [-1]])
+    w = torch.ones(6, 1)
+    recv = DispatchResult(x, w, ids, expert_major=True, max_pairs=4, expected_pairs=2)
+    y = run_experts(ref, recv)
+    assert torch.equal(y[ids[:, 0] < 0], torch.zeros(3, D)) and torch.equal(y, ref(x, w, ids))
+
+    seen = {}
+
+    class TakesExpertMajor(torch.nn.Module):
+        expert_major_ok = True
+
+        def forward(self, x, topk_weights, topk_ids, **kw):
+            seen.update(kw)
+            return x
+
+    assert run_experts(TakesExpertMajor(), recv) is x
+    assert seen == {"expert_major": True, "max_pairs": 4, "expected_pairs": 2}
+    seen.clear()
+    run_experts(TakesExpertMajor(), DispatchResult(x, w, ids))
+    assert seen == {} and DispatchResult(x, w, ids).expert_major is False

@@ -8,7 +8,7 @@ and L, nothing but the mapped cache slots written); router_topk on both paths (o
 counters, and the two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several
 row tiles, counters back at zero, bitwise run-to-run determinism, exact ties; moe_align_fused on both paths
 (the single program's and the grid path's outputs equal moe_align's exactly; the two-kernel path's as sets per
-expert) and the P threshold dispatch; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
+expert) and the P threshold dispatch, and sized by a max_pairs bound; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
 """
 
 import textwrap
@@ -159,6 +159,25 @@ _ALIGN = textwrap.dedent("""
     assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn)
     key = be.repeat_interleave(64).long() * (T * 8 + 1)
     assert torch.equal((key + s.long()).sort().values, (key + rs.long()).sort().values)
+    # max_pairs (DeepEP's low-latency layout: 12 local experts x 64 rows, the first counts[e] of each local, the
+    # rest -1): buffers and blocks sized by the bound, the same blocks, num_padded and pairs as moe_align's
+    counts = torch.randint(0, 7, (12,))
+    ids = torch.where(torch.arange(64)[None, :] < counts[:, None], torch.arange(12)[:, None] + 8, -1).reshape(-1, 1)
+    real = int(counts.sum())
+    rs, rbe, rn, rmb = moe_align(ids, 12, 8, 16)
+    for one, grid in ((True, False), (False, False), (None, True)):
+        s, be, npd, mb = fused._moe_align(ids, 12, 8, 16, one, grid=grid, max_pairs=real + 3)
+        assert mb == -(-(real + 3) // 16) + 12 < rmb and s.numel() == mb * 16, (one, grid)
+        assert torch.equal(npd, rn) and torch.equal(be, rbe[:mb]), (one, grid)
+        n = int(npd)
+        if one is not False:
+            assert torch.equal(s[:n], rs[:n]), (one, grid)
+        key = be.repeat_interleave(16)[:n].long() * (ids.numel() + 1)
+        assert torch.equal((key + s[:n].long()).sort().values, (key + rs[:n].long()).sort().values), (one, grid)
+        # a bound below the real pairs: sized by it, the pairs that fit are still real local pairs
+        s, be, npd, mb = fused._moe_align(ids, 12, 8, 16, one, grid=grid, max_pairs=real // 3)
+        kept = s[s < ids.numel()].long()
+        assert s.numel() == mb * 16 and (ids[kept, 0] >= 0).all(), (one, grid)
     print("OK align")
 """)
 

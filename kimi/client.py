@@ -25,7 +25,11 @@ Request lifetime: a stream left before its last output (a `break`, an exception,
 aborts its request on the server, and closing the client (leaving its `with` / `async with` block) aborts
 every request it submitted that has not finished, so none runs on to max_tokens for nobody. A `request_id`
 still in use by an unfinished request of the same client is refused by `submit` (KimiError, nothing is
-sent): the running request and its stream are left alone.
+sent): the running request and its stream are left alone. Submitting the id of a request whose stream was left
+early waits until the server's last output for the aborted request has arrived (KimiClient: within its
+timeout_s; AsyncKimiClient: DRAIN_TIMEOUT_S), so the two requests' outputs never mix. An AsyncKimiClient
+`generate()` left by `break` aborts when the async generator is closed: at once inside
+`contextlib.aclosing(...)`, else when its finalizer runs on the event loop.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class KimiError(RuntimeError):
 
 
 ABORT_LINGER_MS = 1000  # how long closing a client may wait for its abort messages to leave
+DRAIN_TIMEOUT_S = 60.0  # AsyncKimiClient: how long a submission waits for an aborted request of its id to end
 
 
 def _check_new_id(rid: str, outstanding: Any) -> None:
@@ -147,9 +152,13 @@ class KimiClient:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)  # queue outputs until read, however many (never drop one)
         self._sock.connect(addr)
         self._timeout_ms = int(timeout_s * 1000)
         self._pending: dict[str, collections.deque[RequestOutput]] = {}
+        # ids whose stream was left early: aborted, but the server's last output for them (finished) is still on
+        # its way; a new submission of such an id waits for it, so the two requests' outputs never mix
+        self._draining: set[str] = set()
 
     def submit(self, prompt: str | list[int], **params: Any) -> str:
         """Send a request (text or token ids; params: the fields of protocol.SubmitRequest, e.g. max_tokens,
@@ -158,6 +167,8 @@ class KimiClient:
         rid = params.pop("request_id", None) or uuid.uuid4().hex
         _check_new_id(rid, self._pending)
         msg = _submit_msg(rid, prompt, params)
+        while rid in self._draining:  # an earlier request of this id was aborted: wait for its last output
+            self._recv_one()
         self._pending[rid] = collections.deque()
         self._sock.send(msg)
         return rid
@@ -169,6 +180,8 @@ class KimiClient:
         q = self._pending.get(out.request_id)
         if q is not None:
             q.append(out)
+        elif out.finished:
+            self._draining.discard(out.request_id)
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """Outputs of a submitted request until it finishes. Raises KimiError if it ends with an error, and at
@@ -194,8 +207,8 @@ class KimiClient:
                     return
         finally:
             self._pending.pop(request_id, None)
-            if not done:  # left early (break, exception, timeout): the server must not run it on
-                self._abort_quietly(request_id)
+            if not done and self._abort_quietly(request_id):  # left early (break, exception, timeout): stop it
+                self._draining.add(request_id)
 
     def generate(self, prompt: str | list[int], **params: Any) -> Iterator[RequestOutput]:
         """submit + stream."""
@@ -221,6 +234,7 @@ class KimiClient:
             return
         sent = [self._abort_quietly(rid) for rid in list(self._pending)]
         self._pending.clear()
+        self._draining.clear()
         self._sock.close(ABORT_LINGER_MS if any(sent) else 0)
         self._ctx.term()
 
@@ -241,8 +255,10 @@ class AsyncKimiClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)  # queue outputs until read, however many (never drop one)
         self._sock.connect(addr)
         self._queues: dict[str, Any] = {}
+        self._draining: dict[str, Any] = {}  # as KimiClient._draining: id -> asyncio.Event set by its last output
         self._reader: Any = None
 
     async def _read(self) -> None:
@@ -251,6 +267,8 @@ class AsyncKimiClient:
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
+            elif out.finished and out.request_id in self._draining:
+                self._draining.pop(out.request_id).set()
 
     async def submit(self, prompt: str | list[int], **params: Any) -> str:
         """`KimiClient.submit`, asynchronously."""
@@ -259,6 +277,14 @@ class AsyncKimiClient:
         rid = params.pop("request_id", None) or uuid.uuid4().hex
         _check_new_id(rid, self._queues)
         msg = _submit_msg(rid, prompt, params)
+        drained = self._draining.get(rid)
+        if drained is not None:  # an earlier request of this id was aborted: wait for its last output
+            try:
+                await self._asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                raise KimiError(f"request id {rid!r}: the earlier request of this id was aborted and its end has "
+                                f"not arrived in {DRAIN_TIMEOUT_S:g} s; use another id") from None
+            _check_new_id(rid, self._queues)  # another submission of this id may have gone first meanwhile
         self._queues[rid] = self._asyncio.Queue()
         await self._sock.send(msg)
         return rid
@@ -285,8 +311,8 @@ class AsyncKimiClient:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not done:
-                self._abort_quietly(request_id)
+            if not done and self._abort_quietly(request_id):
+                self._draining[request_id] = self._asyncio.Event()
 
     async def generate(self, prompt: str | list[int], **params: Any) -> AsyncIterator[RequestOutput]:
         rid = await self.submit(prompt, **params)
@@ -316,6 +342,7 @@ class AsyncKimiClient:
             return
         sent = [self._abort_quietly(rid) for rid in list(self._queues)]
         self._queues.clear()
+        self._draining.clear()
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(ABORT_LINGER_MS if any(sent) else 0)

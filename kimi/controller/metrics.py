@@ -9,7 +9,7 @@ Names follow vLLM's where one exists, under the `kimi:` prefix (vLLM uses `vllm:
   `kimi:prefix_cache_hits_total` (prompt tokens looked up in / found in the prefix cache; 0 when the
   engine has no prefix cache), `kimi:num_preemptions_total` (requests preempted because KV blocks ran out,
   summed over DP ranks), `kimi:request_success_total{finished_reason}` (requests that ended, by
-  finish reason: stop, length, abort, error);
+  finish reason: stop, length, abort, error; each reason exported from the start, at 0);
 - histograms, observed by the engine's hooks (`Engine.observer`), in seconds:
   `kimi:time_to_first_token_seconds` (arrival to the first sampled token),
   `kimi:inter_token_latency_seconds` (between consecutive sampled tokens of one request),
@@ -27,6 +27,8 @@ from prometheus_client import metrics as _prom_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+FINISH_REASONS = ("stop", "length", "abort", "error")  # the finished_reason values of kimi:request_success_total
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
@@ -103,8 +105,8 @@ class _EngineCollector(Collector):
                                   value=preempted)
         done = CounterMetricFamily("kimi:request_success", "Requests that ended, by finish reason.",
                                    labels=["finished_reason"])
-        for reason, n in sorted(self.m.finished.items()):
-            done.add_metric([reason], n)
+        for reason, n in sorted({**dict.fromkeys(FINISH_REASONS, 0), **self.m.finished}.items()):
+            done.add_metric([reason], n)  # every reason from the start (0), so rates exist before the first one
         yield done
 
 

@@ -5,6 +5,11 @@ A client sends `SubmitRequest` / `AbortRequest` (msgspec, kimi.protocol) and rec
 Invalid submissions are answered with a finished output carrying the error, which names the bad field (the
 HTTP API's rules and messages, kimi.controller.validation); nothing else changes.
 Request ids are scoped per client connection.
+
+Delivery: the ROUTER socket queues a client's outputs without limit (SNDHWM 0; libzmq's default of 1000
+messages per peer would drop outputs silently once a slow reader falls that far behind) and, with
+ROUTER_MANDATORY, fails a send to a client that has disconnected: that client's requests are then aborted, so
+a vanished client's generation stops instead of running to max_tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class SubmitServer:
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # queue a slow reader's outputs; never drop them (see the module doc)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that left raises EHOSTUNREACH
         self.sock.bind(addr)
         self.addr = addr
         self._tasks: set[asyncio.Task] = set()
@@ -58,8 +65,15 @@ class SubmitServer:
     def _key(self, ident: bytes, request_id: str) -> str:
         return f"zmq-{ident.hex()}-{request_id}"
 
-    async def _reply(self, ident: bytes, out: RequestOutput) -> None:
-        await self.sock.send_multipart([ident, protocol.encode(out)])
+    async def _reply(self, ident: bytes, out: RequestOutput) -> bool:
+        """Send out to the client; False when the client has disconnected (nothing was sent)."""
+        try:
+            await self.sock.send_multipart([ident, protocol.encode(out)])
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def _error(self, request_id: str, msg: str) -> RequestOutput:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
@@ -119,13 +133,20 @@ class SubmitServer:
             return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))
-        except (ValueError, AdmissionError, EngineDead) as e:
-            await self._reply(ident, self._error(r.request_id, str(e)))
+        except (ValueError, AdmissionError, EngineDead) as e:  # the engine names the request by its internal key
+            await self._reply(ident, self._error(r.request_id, str(e).replace(self._key(ident, r.request_id),
+                                                                              r.request_id)))
         return None
 
     async def _forward(self, ident: bytes, request_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+        """Send the request's outputs to its client; when the client has gone, abort the request (its outputs
+        until the end are dropped)."""
+        gone = False
         async for out in stream:
-            await self._reply(ident, msgspec.structs.replace(out, request_id=request_id))
+            if not gone and not await self._reply(ident, msgspec.structs.replace(out, request_id=request_id)):
+                gone = True
+                log.info("ZeroMQ client %s disconnected: aborting its request %r", ident.hex(), request_id)
+                self.engine.abort(self._key(ident, request_id))
 
     @staticmethod
     def _undecodable(data: bytes, e: Exception) -> RequestOutput:

@@ -725,7 +725,7 @@ class OpenAIServer:
         alternatives plus the chosen token, as vLLM; None where the logprob is unknown), text_offset.
 
         `tokens[i]` is `tokenizer.decode([id])` (U+FFFD for a token holding only part of a UTF-8 character).
-        `offsets` (one per id, from `_prompt_offsets` / `_output_offsets`) become text_offset: see there."""
+        `offsets` (one per id, from `_prompt_offsets` / `_piece_offsets`) become text_offset: see there."""
         tokens, tl = [], []
         for j, tid in enumerate(ids):
             s = self._token_str(tid)
@@ -749,9 +749,11 @@ class OpenAIServer:
     # token's bytes are added: a token ending mid-character has an empty piece (at the offset where the
     # character will start), the token completing it has the whole character. So offsets never decrease,
     # and wherever every token is whole characters (tokens[i] == its piece), text_offset[i] ==
-    # len("".join(tokens[:i])) (+ len(prompt) for completion tokens when echoing). Completion pieces are the
-    # engine's text deltas (one token per output), so text held back for a stop string or cut at one is
-    # counted where it is actually returned; offsets are clamped to the returned text's length.
+    # len("".join(tokens[:i])) (+ len(prompt) for completion tokens when echoing), as vLLM's cumulative token
+    # lengths. Text held back for a possible stop string does not move a token: the offset is where its piece
+    # starts in the whole text (in a stream it can point past the text sent so far, until the held-back text
+    # follows). The tokens of a request's last output are clamped to the final text's length (a stop string cut
+    # off the text leaves its tokens at the cut), the same in a stream and out of one.
     def _prompt_offsets(self, ids: list[int], text: str) -> list[int]:
         """text_offset of the echoed prompt tokens `ids`, whose returned text is `text` (0-based)."""
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
@@ -761,17 +763,24 @@ class OpenAIServer:
             pos += len(detok.push(tid))
         return out
 
-    def _output_offsets(self, o: RequestOutput, start: int) -> list[int]:
-        """text_offset of the tokens of engine output `o`, whose text delta starts at offset `start`.
+    def _piece_offsets(self, skip_special_tokens: bool, first: int):
+        """A function (o, start) -> text_offset of the tokens of engine output `o`, whose text delta starts at
+        offset `start`, for one choice's outputs in order: each token at the end of the earlier tokens' pieces
+        (`first` for the first token: 0, or the echoed prompt's length); in the last output (finished) clamped to
+        start + len(o.text), the final text's length. The pieces come from an IncrementalDetokenizer with the
+        request's skip_special_tokens, i.e. the engine's own text before any hold-back (see the rule above)."""
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
+        pos = first
 
-        The engine emits one token per output, whose piece is `o.text`; were there several, each later one
-        is placed after the earlier ones' token strings, within the delta."""
-        out, pos, end = [], start, start + len(o.text)
-        for j, tid in enumerate(o.token_ids):
-            out.append(min(pos, end))
-            if j + 1 < len(o.token_ids):
-                pos += len(self._token_str(tid))
-        return out
+        def offsets(o: RequestOutput, start: int) -> list[int]:
+            nonlocal pos
+            out, end = [], start + len(o.text)
+            for tid in o.token_ids:
+                out.append(min(pos, end) if o.finished else pos)
+                pos += len(detok.push(tid))
+            return out
+
+        return offsets
 
     async def completions(self, request: HTTPRequest) -> Response:
         try:
@@ -835,9 +844,10 @@ class OpenAIServer:
                 lp = None
                 if g.logprobs is not None:
                     pos = len(prompt_text) if echo else 0
+                    place = self._piece_offsets(g.skip_special_tokens, pos)
                     offs: list[int] = []
                     for o in c.outputs:  # the same offsets as the streamed chunks (see _prompt_offsets)
-                        offs.extend(self._output_offsets(o, pos))
+                        offs.extend(place(o, pos))
                         pos += len(o.text)
                     lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, offs)
                     if echo:
@@ -854,6 +864,7 @@ class OpenAIServer:
         offsets = [len(prompt_text) if echo else 0] * len(choices)
         echoed = [False] * len(choices)
         plain = g.logprobs is None
+        places = [self._piece_offsets(g.skip_special_tokens, offsets[0]) for _ in choices] if not plain else []
 
         def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
             """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
@@ -874,7 +885,7 @@ class OpenAIServer:
                                                               "finish_reason": None}]}))
             lp = None
             if g.logprobs is not None and o.token_ids:
-                lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), self._output_offsets(o, offsets[i]))
+                lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), places[i](o, offsets[i]))
             offsets[i] += len(o.text)
             if o.text or o.finished or lp is not None:
                 ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}

@@ -168,9 +168,10 @@ def test_logit_bias_canonical_keys_are_accepted(client):
 
 
 # ---- 4b. logprobs.text_offset with multi-byte characters ----------------------------------------------------------------
-# The rule (LLMServer._completion_logprobs / _prompt_offsets in kimi/controller/http.py): text_offset[i] is the
-# character offset, in the whole returned text (echoed prompt + completion), where the piece of text that
-# token i completes starts; a token ending mid-character completes nothing and sits where the character starts.
+# The rule (LLMServer._completion_logprobs / _prompt_offsets / _piece_offsets in kimi/controller/http.py):
+# text_offset[i] is the character offset, in the whole returned text (echoed prompt + completion), where the piece
+# of text that token i completes starts; a token ending mid-character completes nothing and sits where the
+# character starts.
 def _check_offsets(text: str, lp: dict) -> None:
     toks, offs = lp["tokens"], lp["text_offset"]
     assert len(offs) == len(toks)
@@ -207,8 +208,11 @@ def _stream_completion(srv, body: dict) -> tuple[str, dict]:
             for ch in json.loads(line[6:])["choices"]:
                 if ch["logprobs"] is not None:
                     part = ch["logprobs"]
-                    # each chunk's tokens sit within the text returned so far plus its own text
-                    assert all(len(text) <= o <= len(text) + len(ch["text"]) for o in part["text_offset"]), ch
+                    # each chunk's tokens sit at or after the text returned so far (past its own text only where
+                    # text is held back for a stop string), within it in the last chunk
+                    last = ch["finish_reason"] is not None
+                    assert all(len(text) <= o and (not last or o <= len(text) + len(ch["text"]))
+                               for o in part["text_offset"]), ch
                     for k in lp:
                         lp[k] += part[k]
                 text += ch["text"]
@@ -230,6 +234,30 @@ def test_streamed_text_offsets_equal_the_non_streaming_ones(srv, echo, bias):
         assert lp[k] == c["logprobs"][k], k
     n = len(lp["tokens"]) - r.json()["usage"]["completion_tokens"]  # the echoed prompt's tokens, if any
     assert lp["text_offset"][n] == (3 if echo else 0)  # the completion starts after the echoed 3 characters
+
+
+def test_text_held_back_for_a_stop_string_does_not_move_the_offsets(srv):
+    """A stop string that never completes but whose prefix spans the end of token j and all of token j + 1 holds
+    that text back until a later token breaks the match; text_offset stays the tokens' cumulative lengths (as
+    vLLM's), streamed and not, the same as without the stop string."""
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "logprobs": 0, "temperature": 0}
+    r = _post(srv, "completions", body)
+    assert r.status_code == 200, r.text
+    ref = r.json()["choices"][0]
+    toks = ref["logprobs"]["tokens"]
+    j = next((i for i in range(len(toks) - 2) if all(t and "\ufffd" not in t for t in toks[i:i + 3])), None)
+    if j is None:
+        pytest.skip(f"no two whole-character tokens in a row to hold back: {toks}")
+    stop = toks[j][-1] + toks[j + 1] + "\u0007\u0007"
+    assert stop not in ref["text"]
+    body = {**body, "stop": [stop]}
+    r = _post(srv, "completions", body)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["text"] == ref["text"] and c["logprobs"]["tokens"] == toks
+    assert c["logprobs"]["text_offset"] == ref["logprobs"]["text_offset"], (stop, toks)
+    text, lp = _stream_completion(srv, body)
+    assert text == ref["text"] and lp["text_offset"] == ref["logprobs"]["text_offset"]
 
 
 # ---- 5. Authorization scheme, any case --------------------------------------------------------------------------------

@@ -96,8 +96,9 @@ class OutputProcessor:
         output unless include_stop_str_in_output (vLLM's rule); a stop string completing in the text
         (finish "stop", stop_reason = the string; the text is cut before it, or after it with
         include_stop_str_in_output; text that may still begin a stop string is held back, never streamed);
-        max_tokens or max_model_len (finish "length"). Stop strings are looked for only once the request
-        has `min_tokens` output tokens (vLLM's rule); earlier text is streamed as it comes.
+        max_tokens or max_model_len (finish "length"). With min_tokens, a stop string must end in the text of
+        a later token than the first min_tokens (vLLM's rule); it may begin earlier, so text of those tokens
+        that could begin one is held back too.
         Sets req.finish_reason when the request ends with this token.
         """
         tok = out.token_id
@@ -119,8 +120,8 @@ class OutputProcessor:
         if reason is not None:
             text += req.detokenizer.flush()
         checker: StopChecker | None = req.stop_checker  # type: ignore[assignment]
-        if checker is not None and n_out >= stop.min_tokens:
-            text, stopped, matched = checker.feed(text)
+        if checker is not None:
+            text, stopped, matched = checker.feed(text, match=n_out > stop.min_tokens)
             if stopped:
                 reason, stop_reason = "stop", matched
             elif reason is not None:

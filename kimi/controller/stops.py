@@ -54,6 +54,7 @@ class StopChecker:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._held = ""
+        self._unmatched = 0  # leading characters of _held fed with match=False: no match may end within them
         self.stopped = False
         self.matched_stop: str | None = None
 
@@ -62,13 +63,17 @@ class StopChecker:
         """Text received but not emitted yet (a possible stop-string prefix)."""
         return self._held
 
-    def feed(self, text_delta: str) -> tuple[str, bool, str | None]:
+    def feed(self, text_delta: str, match: bool = True) -> tuple[str, bool, str | None]:
         """Add the next piece of text.
 
         Returns `(emit_text, stopped, matched_stop)`: emit_text is safe to send now ("" possible);
         stopped is True once a stop string has matched (emit_text then ends before it, or after it with
         include_stop_str_in_output, and nothing after the match is ever emitted); matched_stop is the stop
         string that matched, else None. After a stop every later call returns ("", True, matched_stop).
+
+        match=False (the text of the first min_tokens tokens): no stop string may end in this text, but text
+        that could begin one is still held back, so a stop string that begins here and ends in later text
+        matches then (vLLM's rule: the search reaches back into the earlier text).
         """
         if self.stopped:
             return "", True, self.matched_stop
@@ -76,8 +81,9 @@ class StopChecker:
             return text_delta, False, None
         buf = self._held + text_delta
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self.stops:
-            i = buf.find(s)  # the first occurrence of s is also its earliest-ending one
+        old = self._unmatched
+        for s in self.stops if match else ():
+            i = buf.find(s, max(0, old - len(s) + 1))  # the earliest-ending occurrence that ends past `old`
             if i >= 0:
                 cand = (i + len(s), i, s)
                 if best is None or cand[:2] < best[:2]:
@@ -91,13 +97,14 @@ class StopChecker:
         hold = self._hold_len(buf)
         cut = len(buf) - hold
         self._held = buf[cut:]
+        self._unmatched = len(self._held) if not match else max(0, old - cut)
         return buf[:cut], False, None
 
     def flush(self) -> str:
         """End of stream without a match: return (and forget) the held text; "" after a stop."""
         if self.stopped:
             return ""
-        out, self._held = self._held, ""
+        out, self._held, self._unmatched = self._held, "", 0
         return out
 
     def _hold_len(self, buf: str) -> int:

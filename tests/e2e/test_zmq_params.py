@@ -146,6 +146,24 @@ def spanning_stop(r: Run) -> tuple[int, str]:
     raise AssertionError(f"no usable stop string in {r.pieces!r}")
 
 
+def boundary_stops(r: Run) -> dict[str, tuple[int, str]]:
+    """Stop strings for min_tokens' boundary -> {"one": (j, the whole text of token j), "three": (k, the last
+    character of token k, token k+1's text and the first of token k+2's)}, each occurring once in the text."""
+    offsets = [sum(len(p) for p in r.pieces[:i]) for i in range(len(r.pieces))]
+    out = {}
+    for j in range(1, len(r.pieces) - 1):
+        p = r.pieces[j]
+        if len(p) >= 2 and "\ufffd" not in p and r.text.count(p) == 1 and "one" not in out:
+            out["one"] = (j, p)
+    for k in range(1, len(r.pieces) - 3):
+        a, b, c = r.pieces[k:k + 3]
+        s = a[-1:] + b + c[:1]
+        if a and b and c and r.text.find(s) == offsets[k] + len(a) - 1 and r.text.count(s) == 1 and "three" not in out:
+            out["three"] = (k, s)
+    assert len(out) == 2, f"no usable boundary stop strings in {r.pieces!r}"
+    return out
+
+
 @pytest.fixture(scope="module")
 def tok(server) -> KimiTokenizer:
     return KimiTokenizer.from_dir(server.model_dir)
@@ -162,7 +180,7 @@ def runs(server, tok, eos):
     base = run_both(server, tok, {(m, b): {**s, "max_tokens": MAX_TOKENS, **({"logit_bias": BIAS} if b == "bias" else {})}
                                   for m, s in MODES.items() for b in ("plain", "bias")})
     cases: dict[Any, dict[str, Any]] = {}
-    stops: dict[str, tuple[int, str]] = {}
+    stops: dict[str, Any] = {}
     for m, s in MODES.items():
         common = {**s, "max_tokens": MAX_TOKENS}
         biased = {**common, "logit_bias": BIAS}
@@ -182,6 +200,15 @@ def runs(server, tok, eos):
         cases[(m, "stop_str")] = {**common, "stop": stop}
         cases[(m, "include_stop_str_in_output")] = {**common, "stop": [stop], "include_stop_str_in_output": True}
         cases[(m, "stop_min_tokens")] = {**common, "stop": [stop], "min_tokens": k + 3}
+        # min_tokens' boundary (vLLM's rule): a stop string must end in a token past the first min_tokens, and may
+        # begin inside them. "one" is token j's whole text (output token j + 1, 1-based); "three" begins in token
+        # k and ends in token k + 2 (output token k + 3).
+        bs = stops[m + "_boundary"] = boundary_stops(base[(m, "plain")][0])
+        j, one = bs["one"]
+        cases[(m, "stop_one_at_min_tokens")] = {**common, "stop": [one], "min_tokens": j + 1}
+        cases[(m, "stop_one_past_min_tokens")] = {**common, "stop": [one], "min_tokens": j}
+        k3, three = bs["three"]
+        cases[(m, "stop_three_across_min_tokens")] = {**common, "stop": [three], "min_tokens": k3 + 2}
     return base, run_both(server, tok, cases), stops
 
 
@@ -241,6 +268,20 @@ def test_stop_strings_match_http(runs, mode):
     z, h = got[(mode, "stop_min_tokens")]  # not looked for before min_tokens tokens: runs to max_tokens
     assert_same(z, h)
     assert z.ids == plain.ids and z.text == plain.text and z.finish_reason == "length"
+    bs = stops[mode + "_boundary"]
+    j, one = bs["one"]
+    z, h = got[(mode, "stop_one_at_min_tokens")]  # ends in the last of the min_tokens tokens: not a stop
+    assert_same(z, h)
+    assert z.ids == plain.ids and z.text == plain.text and z.finish_reason == "length"
+    z, h = got[(mode, "stop_one_past_min_tokens")]  # ends in the first token past them: a stop
+    at1 = plain.text.find(one)
+    assert_same(z, h)
+    assert z.text == plain.text[:at1] and len(z.ids) == j + 1 and (z.finish_reason, z.stop_reason) == ("stop", one)
+    k3, three = bs["three"]
+    z, h = got[(mode, "stop_three_across_min_tokens")]  # begins inside them, ends past them: cut where it begins
+    at3 = plain.text.find(three)
+    assert_same(z, h)
+    assert z.text == plain.text[:at3] and len(z.ids) == k3 + 3 and (z.finish_reason, z.stop_reason) == ("stop", three)
 
 
 # ---- bad values ----------------------------------------------------------------------------------------------

@@ -134,9 +134,10 @@ def test_validation():
     assert MAX_STOP_STRINGS == 4
 
 
-def _reference(stops, text, include):
-    """Character-by-character definition: stop as soon as a stop string ends at the current char."""
-    for end in range(1, len(text) + 1):
+def _reference(stops, text, include, unmatched=0):
+    """Character-by-character definition: stop as soon as a stop string ends at the current char, past the first
+    `unmatched` characters (the text of the first min_tokens tokens: a stop may begin there, not end there)."""
+    for end in range(unmatched + 1, len(text) + 1):
         hits = [(end - len(s), s) for s in stops if text[:end].endswith(s)]
         if hits:
             start, s = min(hits)
@@ -169,3 +170,49 @@ def test_random_chunkings_match_reference():
                 break
         out.append(sc.flush())
         assert ("".join(out), matched) == _reference(stops, text, include), (stops, text, pieces, include)
+
+
+def test_min_tokens_text_can_begin_a_stop_but_not_end_one():
+    """feed(match=False) for the first min_tokens tokens' text (vLLM's rule): a stop string that begins in it and
+    ends later matches, and the output is cut at its start, inside that text; one that lies wholly inside it is
+    not matched; text that could begin one is held back from the start."""
+    sc = StopChecker(["a.video c"])
+    assert sc.feed("Anaconda", match=False) == ("Anacond", False, None)
+    assert sc.feed(".video", match=True) == ("", False, None)
+    assert sc.feed(" calmly", match=True) == ("", True, "a.video c")
+    sc = StopChecker(["ab", "xabz"])
+    assert sc.feed("xab", match=False) == ("", False, None)  # held: it may begin "xabz"
+    assert sc.feed("q") == ("xabq", False, None)  # "ab" ended inside the unmatched text: no match
+    assert sc.feed("ab") == ("", True, "ab")
+    sc = StopChecker(["ab"])
+    assert sc.feed("a", match=False) == ("", False, None)
+    assert sc.feed("", match=False) == ("", False, None) and sc.held == "a"
+    assert sc.feed("b") == ("", True, "ab")
+
+
+def test_random_chunkings_with_unmatched_text_match_reference():
+    rng = random.Random(11)
+    alphabet = "ab\n"
+    for _ in range(1000):
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+                      for _ in range(rng.randint(1, 4))})
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
+        include = rng.random() < 0.5
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(0, 5)
+            pieces.append(text[i:i + n])
+            i += n
+        k = rng.randint(0, len(pieces))  # the first k pieces are the min_tokens tokens' text
+        sc = StopChecker(stops, include)
+        out, matched = [], None
+        for j, p in enumerate(pieces):
+            e, stopped, m = sc.feed(p, match=j >= k)
+            out.append(e)
+            assert len(sc.held) <= max(map(len, stops)) - 1
+            if stopped:
+                matched = m
+                break
+        out.append(sc.flush())
+        unmatched = sum(map(len, pieces[:k]))
+        assert ("".join(out), matched) == _reference(stops, text, include, unmatched), (stops, text, pieces, k)

@@ -261,6 +261,15 @@ class KimiTokenizer:
                 out.extend(self._enc.encode_ordinary(piece))
         return out
 
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on len(self.encode(text)) (allow_special False) in one pass over the text, without
+        encoding it: its UTF-8 bytes over the longest ordinary token's bytes (every token of it is one ordinary
+        vocabulary entry). Lets the API refuse a huge prompt before spending seconds tokenizing it."""
+        longest = getattr(self, "_longest_token_bytes", None)
+        if longest is None:
+            longest = self._longest_token_bytes = max(len(b) for b in self._ordinary_to_id)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // max(1, longest))
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`: the tokens' bytes joined and decoded as UTF-8 (invalid bytes become U+FFFD).
 

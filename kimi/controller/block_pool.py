@@ -170,7 +170,10 @@ class BlockPool:
         return out
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admission's prefix lookup in `stats`: tokens looked up and tokens found cached."""
+        """Count one admission's prefix lookup in `stats`: tokens looked up and tokens found cached. Without
+        prefix caching nothing is looked up, and nothing is counted (a 0% hit rate would mislead)."""
+        if not self.enable_caching:
+            return
         self.stats.requests += 1
         self.stats.queries += num_query_tokens
         if num_hit_tokens:

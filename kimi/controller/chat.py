@@ -19,7 +19,7 @@ from typing import Any
 from kimi.controller.validation import BadRequest
 from kimi.tokenizer import KimiTokenizer
 
-_ROLES = ("system", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, rendered as system
 _MARK = "\U000f0000"  # plane-15 private use: never in real text we accept (rejected below)
 _MARK_RE = re.compile(_MARK + r"(\d+)" + _MARK)
 
@@ -37,10 +37,13 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 
     Assistant messages may carry `tool_calls` (`[{id, type: "function", function: {name, arguments}}]`,
     arguments a JSON string or an object); ids are kept as given (`functions.NAME:IDX`, `search:0`,
-    `call_<hex>` all render verbatim). Tool messages need a non-empty string `tool_call_id`.
+    `call_<hex>` all render verbatim). Tool messages need a non-empty string `tool_call_id`. Returns the
+    messages to render: a `developer` message (OpenAI's newer name for system instructions) becomes a copy with
+    role `system`, as Kimi's template knows no developer role; the others are returned as they are.
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -85,13 +88,27 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                     raise BadRequest(f"'{q}.function.arguments' must be a JSON string or an object", f"{q}.function.arguments")
         if role == "tool" and (not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]):
             raise BadRequest(f"'{p}.tool_call_id' must be a non-empty string for role tool", f"{p}.tool_call_id")
-    return messages
+        out.append({**m, "role": "system"} if role == "developer" else m)
+    return out
+
+
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
+def _no_other_keys(obj: dict, allowed: frozenset, path: str) -> None:
+    """BadRequest naming the first key of obj outside `allowed` (in the order sent)."""
+    for k in obj:
+        if k not in allowed:
+            raise BadRequest(f"'{path}.{k}' is not supported by this server", f"{path}.{k}")
 
 
 def validate_tools(tools: Any) -> list[str]:
     """Check the OpenAI `tools` list (`[{type: "function", function: {name, description?, parameters?,
     strict?}}]`); return the function names. Names: 1-128 of `A-Za-z0-9_.:-` (Kimi ids are
-    `functions.NAME:IDX`, so dots, dashes and colons are allowed). Raises BadRequest naming `tools[i]...`.
+    `functions.NAME:IDX`, so dots, dashes and colons are allowed). Any other key is a 400 (the API's rule for
+    unknown fields), and so is `strict: true`: kimi has no guided decoding, so it cannot promise arguments
+    that match the schema. Raises BadRequest naming `tools[i]...`.
     """
     if not isinstance(tools, list) or not tools:
         raise BadRequest("'tools' must be a non-empty list", "tools")
@@ -100,9 +117,18 @@ def validate_tools(tools: Any) -> list[str]:
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
             raise BadRequest(f"'{p}.type' must be 'function'", f"{p}.type")
+        _no_other_keys(t, _TOOL_KEYS, p)
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise BadRequest(f"'{p}.function' must be an object", f"{p}.function")
+        _no_other_keys(fn, _FUNCTION_KEYS, f"{p}.function")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise BadRequest(f"'{p}.function.strict' must be a boolean", f"{p}.function.strict")
+        if strict:
+            raise BadRequest(f"'{p}.function.strict' true is not supported: this server has no guided decoding, so "
+                             "it cannot guarantee arguments that match the schema (omit it or send false)",
+                             f"{p}.function.strict")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise BadRequest(f"'{p}.function.name' must be 1-128 characters of A-Za-z0-9_.:-", f"{p}.function.name")

@@ -172,6 +172,12 @@ class Engine:
         ]
         self.router = DPRouter(self.schedulers)
         self.kv_capacity_tokens = (num_blocks - 1) * block_size
+        if self.kv_capacity_tokens < self.max_model_len:
+            log.warning("the KV cache holds %d tokens per DP rank, fewer than the max model length %d: a request "
+                        "whose prompt plus max_tokens exceeds %d tokens is refused (400), and a default max_tokens "
+                        "is clamped to fit (more GPU memory, --gpu-memory-utilization, --num-blocks or a smaller "
+                        "--max-model-len change this)", self.kv_capacity_tokens, self.max_model_len,
+                        self.kv_capacity_tokens)
         self._alive_since = time.monotonic()  # heartbeat clock starts when every rank is ready
         self.ready = True
 

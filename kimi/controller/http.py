@@ -39,12 +39,13 @@ from kimi.controller.chat import encode_chat, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
 from kimi.controller.offload import run_sized
-from kimi.controller.parsers import OutputParser, ParserConfig
+from kimi.controller.parsers import MARKER_TEXT, OutputParser, ParserConfig
 from kimi.controller.request import OutputStream, StopParams
 from kimi.controller.validation import (
     MAX_LOGPROBS,
     BadRequest,
     Fields,
+    check_prompt_text_fits,
     generation_params,
     read_logit_bias,
     read_min_tokens,
@@ -480,6 +481,11 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.thinking_model = thinking_model
+        # the served vocabulary's text of the reasoning / tool marker ids, where it is not the parser's default
+        # (K2-Instruct's names 163606 / 163607 <|reserved_token_...|>): left out of the fields with skip_special_tokens
+        # false as well
+        self._marker_text = tuple((t, tokenizer.decode([t])) for t in MARKER_TEXT
+                                  if t < tokenizer.vocab_size and tokenizer.decode([t]) != MARKER_TEXT[t]) or None
         self.created = int(time.time())
         self.metrics = Metrics(engine)
         engine.observer = self.metrics
@@ -578,6 +584,11 @@ class OpenAIServer:
         stop_strings = read_stop_strings(f)
         include_stop = f.bool("include_stop_str_in_output", False)
         f.str("user")
+        # OpenAI platform fields at their defaults change nothing here: accepted; other values are refused
+        f.noop("store", (False,), "is not supported (this server stores no completions)")
+        f.noop("service_tier", ("auto", "default"), "is not supported (this server has one service tier)")
+        if not isinstance(f._get("metadata"), (dict, type(None))):  # informational tags (OpenAI stores them): ignored
+            raise BadRequest("'metadata' must be an object", "metadata")
         stream = f.bool("stream", False)
         so = f._get("stream_options")
         include_usage = False
@@ -791,6 +802,7 @@ class OpenAIServer:
             if isinstance(prompt, str):
                 if prompt == "":
                     raise BadRequest("'prompt' must not be empty", "prompt")
+                check_prompt_text_fits(self.tokenizer, prompt, self.engine.max_model_len)
                 ids = await run_sized(len(prompt), self.tokenizer.encode, prompt)  # large: off the event loop
                 prompt_text = prompt
             elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -859,6 +871,8 @@ class OpenAIServer:
                             "stop_reason": c.last.stop_reason})
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
+        if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
+            base["usage"] = None
         text_event = _EventTemplate(lambda i: {**base, "choices": [{"index": i, "text": _SLOT, "logprobs": None,
                                                                     "finish_reason": None}]})
         offsets = [len(prompt_text) if echo else 0] * len(choices)
@@ -932,6 +946,10 @@ class OpenAIServer:
             if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
                                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+            for path, obj, allowed in (("tool_choice", choice, ("type", "function")), ("tool_choice.function", fn, ("name",))):
+                extra = next((k for k in obj if k not in allowed), None)
+                if extra is not None:
+                    raise BadRequest(f"'{path}.{extra}' is not supported by this server", f"{path}.{extra}")
             if fn["name"] not in names:
                 raise BadRequest(f"'tool_choice' names function {fn['name']!r}, which is not in 'tools'", "tool_choice")
             return tools, True, parallel
@@ -964,7 +982,7 @@ class OpenAIServer:
             g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
             f.reject_unknown()
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
-            pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking)
+            pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g, prompt_field="messages")
         except BadRequest as e:
@@ -1014,6 +1032,8 @@ class OpenAIServer:
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
         chunk_base = {**base, "object": "chat.completion.chunk"}
+        if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
+            chunk_base["usage"] = None
 
         content_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
             {"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}]})

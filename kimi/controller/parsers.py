@@ -124,12 +124,16 @@ class ParserConfig:
         starts in reasoning even if `thinking` is False (the prompt itself opened the block).
     stream_tool_arguments: True streams argument fragments as they arrive (first delta: index, id, name,
         arguments ""); False emits each call once, complete, in one delta.
+    marker_text: ((marker id, its detokenized text), ...) of the served vocabulary, where it differs from
+        MARKER_TEXT (K2-Instruct's vocabulary names ids 163606 / 163607 `<|reserved_token_...|>`, not `<think>`);
+        with skip_special_tokens false that text arrives with the marker token and is left out of the fields.
     """
 
     tools: bool = False
     thinking: bool = False
     prompt_ends_in_think: bool = False
     stream_tool_arguments: bool = True
+    marker_text: tuple[tuple[int, str], ...] | None = None
 
     @property
     def starts_in_reasoning(self) -> bool:
@@ -144,6 +148,7 @@ class ParserConfig:
         tools: bool,
         thinking_model: bool,
         stream_tool_arguments: bool = True,
+        marker_text: tuple[tuple[int, str], ...] | None = None,
     ) -> "ParserConfig":
         """Derive the reasoning settings from the rendered prompt's last tokens.
 
@@ -152,12 +157,12 @@ class ParserConfig:
         itself; K2-Instruct does not reason).
         """
         tail = list(prompt_token_ids[-2:])
+        kw = dict(tools=tools, stream_tool_arguments=stream_tool_arguments, marker_text=marker_text)
         if tail == [THINK_START_ID, THINK_END_ID]:
-            return cls(tools=tools, thinking=False, stream_tool_arguments=stream_tool_arguments)
+            return cls(thinking=False, **kw)
         if tail and tail[-1] == THINK_START_ID:
-            return cls(tools=tools, thinking=True, prompt_ends_in_think=True,
-                       stream_tool_arguments=stream_tool_arguments)
-        return cls(tools=tools, thinking=thinking_model, stream_tool_arguments=stream_tool_arguments)
+            return cls(thinking=True, prompt_ends_in_think=True, **kw)
+        return cls(thinking=thinking_model, **kw)
 
 
 # ---- output types -------------------------------------------------------------------------------------
@@ -277,6 +282,7 @@ class OutputParser:
 
     def __init__(self, config: ParserConfig) -> None:
         self.config = config
+        self._marker_text = MARKER_TEXT if config.marker_text is None else {**MARKER_TEXT, **dict(config.marker_text)}
         self._state = _REASONING if config.starts_in_reasoning else _CONTENT
         self._header = ""
         self._args: list[str] = []
@@ -313,7 +319,7 @@ class OutputParser:
         if self._state == _FINISHED:
             raise RuntimeError("OutputParser.feed called after finish()")
         out = ParserDelta()
-        marker = MARKER_TEXT.get(token_id)
+        marker = self._marker_text.get(token_id)
         if marker is None or (not self.config.tools and token_id not in THINK_MARKER_IDS):
             # without tools a tool marker is ordinary text: its detokenized text (the marker string, which
             # skip_special_tokens keeps; "" when it is a stop token whose text is left out of the output)

@@ -31,6 +31,7 @@ from kimi.controller.validation import (
     MAX_LOGPROBS,
     BadRequest,
     Fields,
+    check_prompt_text_fits,
     generation_params,
     read_logit_bias,
     read_min_tokens,
@@ -128,6 +129,8 @@ class SubmitServer:
         (kimi.controller.offload): the receive loop waits for it, so the order with a following abort holds, while
         the rest of the server goes on."""
         try:
+            if r.prompt and r.prompt_token_ids is None:
+                check_prompt_text_fits(self.tokenizer, r.prompt, self.engine.max_model_len)
             pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt) if r.prompt else None
             ids, sp, st = self._validate(r, pre)
             return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)

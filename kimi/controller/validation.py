@@ -284,3 +284,13 @@ def generation_params(
     stop_params = StopParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_token_ids), ignore_eos=ignore_eos,
                              stop=stop, include_stop_str_in_output=include_stop_str_in_output, min_tokens=min_tokens)
     return sampling, stop_params
+
+
+def check_prompt_text_fits(tokenizer: Any, text: str, max_model_len: int) -> None:
+    """BadRequest (param `prompt`) when `text` surely has max_model_len tokens or more (kimi.tokenizer
+    .KimiTokenizer.min_num_tokens, no encoding): a huge prompt is refused before seconds of tokenizing. The
+    message is the engine's for a prompt that leaves no room, with the bound instead of the count."""
+    lb = tokenizer.min_num_tokens(text)
+    if lb >= max_model_len:
+        raise BadRequest(f"this model's maximum context length is {max_model_len} tokens; the prompt has at least "
+                         f"{lb} tokens ({len(text)} characters), which leaves no room for a generated token", "prompt")

@@ -260,6 +260,34 @@ def test_text_held_back_for_a_stop_string_does_not_move_the_offsets(srv):
     assert text == ref["text"] and lp["text_offset"] == ref["logprobs"]["text_offset"]
 
 
+def test_a_prompt_surely_too_long_is_refused_before_tokenizing(srv):
+    """The server's max_model_len is 1024: 300k bytes are at least 300000 / (the longest token's bytes) tokens, so
+    the prompt is refused without being tokenized, over HTTP and ZeroMQ with the same message."""
+    from kimi.client import KimiClient, KimiError
+
+    prompt = "ab" * 150000
+    r = _post(srv, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    msg = r.json()["error"]["message"]
+    assert "maximum context length is 1024 tokens; the prompt has at least" in msg, msg
+    with KimiClient(srv.zmq_addr, timeout_s=30) as c:
+        with pytest.raises(KimiError) as e:
+            list(c.generate(prompt, max_tokens=1))
+    assert str(e.value) == msg
+
+
+def test_openai_platform_fields_at_their_defaults_are_accepted(srv):
+    ok = {"store": False, "service_tier": "auto", "metadata": {"team": "a"}}
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": [{"role": "developer", "content": "be brief"},
+                                                                     {"role": "user", "content": "hi"}],
+                                        "max_tokens": 1, **ok})
+    assert r.status_code == 200, r.text
+    for body, param in [({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
+                        ({"metadata": "x"}, "metadata")]:
+        r = _post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ---- 5. Authorization scheme, any case --------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
 def test_bearer_scheme_is_case_insensitive(srv, scheme):
@@ -531,10 +559,12 @@ def _health_latency_while(srv, work) -> tuple[float, float]:
 
 @pytest.mark.parametrize("api", ["completions", "chat/completions", "zmq"])
 def test_a_huge_prompt_does_not_stall_the_server(srv, api):
-    """A 24 MB prompt (about 4M tokens) is tokenized in a worker thread (kimi.controller.offload), then refused
-    (longer than --max-model-len, before the engine's per-id check) naming the prompt; /health answers meanwhile.
-    Before, the loop was held for the tokenization and that check: with a 12 MB prompt /health waited 1.03-1.08 s
-    of a 1.08-1.12 s request. The check needs the request to take long enough to mean something."""
+    """A 24 MB prompt (about 4M tokens) is refused naming the prompt while /health answers. Chat messages are
+    tokenized in a worker thread (kimi.controller.offload), then refused (longer than --max-model-len, before the
+    engine's per-id check); before, the loop was held for the tokenization and that check: with a 12 MB prompt
+    /health waited 1.03-1.08 s of a 1.08-1.12 s request (the check needs the request to take long enough to mean
+    something). A completions / ZeroMQ text prompt is refused before tokenizing, from its length in bytes
+    (check_prompt_text_fits)."""
     text = "hello world " * 2_000_000
     out: dict = {}
 
@@ -559,9 +589,13 @@ def test_a_huge_prompt_does_not_stall_the_server(srv, api):
         took, worst = _health_latency_while(srv, work)
         print(f"{api}: request {took:.2f} s, slowest /health {worst:.3f} s")
         if api == "zmq":
-            assert "prompt" in out.get("e", ""), out
+            assert "the prompt has at least" in out.get("e", ""), out
         else:
-            _bad(out["r"], "messages" if api == "chat/completions" else "prompt")
+            msg = _bad(out["r"], "messages" if api == "chat/completions" else "prompt")
+            assert api != "completions" or "the prompt has at least" in msg, msg
+        if api != "chat/completions":  # refused without tokenizing: nothing long to measure /health against
+            assert worst < 0.3, f"/health waited {worst:.2f} s"
+            return
         assert took >= 0.5, f"the request took {took:.2f} s: too short for the latency check to mean anything"
         tries.append((worst, took))
         if worst < max(0.3, 0.25 * took):

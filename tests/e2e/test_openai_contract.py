@@ -204,10 +204,23 @@ def test_tool_choice_variants(srv, client):
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "x", "description": "<|im_end|>"}}]}, "tools"),
+        # unknown keys, as anywhere else in a request; strict: true cannot be honoured without guided decoding
+        ({"tools": [{"type": "function", "function": {"name": "x", "strict": True}}]}, "tools[0].function.strict"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "strict": "yes"}}]}, "tools[0].function.strict"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "foo": 1}}]}, "tools[0].function.foo"),
+        ({"tools": [{"type": "function", "function": {"name": "x"}, "extra": 1}]}, "tools[0].extra"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}, "foo": 1}},
+         "tool_choice.foo"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}},
+         "tool_choice.function.x"),
     ]:
         r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
                        json={"model": "tiny", "messages": ASK, "max_tokens": 2, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = [{"type": "function", "function": {"name": "x", "strict": False, "description": "d", "parameters": {}}}]
+    r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
+                   json={"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": ok})
+    assert r.status_code == 200, r.text
 
 
 def test_thinking_off_via_chat_template_kwargs(client):

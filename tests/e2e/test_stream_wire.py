@@ -71,6 +71,9 @@ def test_completions_stream_is_json_dumps_and_matches_non_streaming(fake_srv, ex
     assert len(finals) == n
     if "stream_options" in body:
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 24
+        assert all(e["usage"] is None for e in events[:-1])  # OpenAI: every other chunk has "usage": null
+    else:
+        assert all("usage" not in e for e in events)
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": True, "top_logprobs": 2}, {"stop": ["3"]},
@@ -88,6 +91,10 @@ def test_chat_stream_is_json_dumps_and_matches_non_streaming(fake_srv, extra):
     msg = plain["choices"][0]["message"]
     assert "".join(d.get("content", "") for d in deltas) == (msg["content"] or "")
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (msg.get("reasoning_content") or "")
+    if "stream_options" in body:
+        assert events[-1]["choices"] == [] and all(e["usage"] is None for e in events[:-1])
+    else:
+        assert all("usage" not in e for e in events)
 
 
 def test_many_concurrent_streams_each_get_their_own_tokens_in_order(fake_srv):

@@ -93,11 +93,17 @@ def test_eviction_is_lru_and_drops_the_hash():
         pool.allocate(1)
 
 
-def test_caching_off_finds_nothing_and_stats_count_queries():
+def test_caching_off_finds_nothing_and_counts_no_queries():
+    """Stats count lookups with caching on; with it off nothing is looked up, so nothing is counted (/metrics
+    would otherwise show prefix-cache queries with a 0% hit rate for a server without a prefix cache)."""
     pool = BlockPool(4, 2, enable_caching=False)
     (a,) = pool.allocate(1)
     h = block_hashes([1, 2], 2)[0]
     assert not pool.cache(a, h) and pool.lookup([h]) == []
+    pool.record_query(10, 0)
+    st = pool.stats
+    assert (st.requests, st.hit_requests, st.queries, st.hits) == (0, 0, 0, 0) and st.hit_rate == 0.0
+    pool = BlockPool(4, 2, enable_caching=True)
     pool.record_query(10, 0)
     pool.record_query(6, 4)
     st = pool.stats

@@ -262,3 +262,14 @@ def test_tool_message_needs_a_non_empty_tool_call_id(tok, tcid):
     with pytest.raises(BadRequest) as e:
         encode_chat(tok, msgs, None, {})
     assert e.value.param == "messages[1].tool_call_id"
+
+
+def test_developer_role_is_rendered_as_system(tok):
+    """OpenAI's `developer` role (system instructions, newer name) encodes exactly as `system`; the caller's
+    message is not changed."""
+    from kimi.controller.chat import encode_chat
+
+    dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    sys_ = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert encode_chat(tok, dev, None, {}) == encode_chat(tok, sys_, None, {})
+    assert dev[0]["role"] == "developer"

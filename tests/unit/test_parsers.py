@@ -514,3 +514,20 @@ def test_parser_delta_to_openai_omits_empty_fields():
     assert d.to_openai() == {"reasoning_content": "r", "tool_calls": [{"index": 2, "function": {"arguments": "{"}}]}
     assert ToolCall("i", "n", "{}").to_openai() == {"id": "i", "type": "function",
                                                      "function": {"name": "n", "arguments": "{}"}}
+
+
+def test_marker_text_of_another_vocabulary_stays_out_of_the_fields():
+    """K2-Instruct's vocabulary names ids 163606 / 163607 `<|reserved_token_...|>`. With skip_special_tokens false
+    that text comes with the marker tokens; given the vocabulary's marker text (ParserConfig.marker_text, which
+    the HTTP server derives from its tokenizer) it is split off like `<think>` / `</think>`, not streamed."""
+    from kimi.controller.parsers import THINK_END_ID, THINK_START_ID, OutputParser, ParserConfig
+
+    names = ((THINK_START_ID, "<|reserved_token_163606|>"), (THINK_END_ID, "<|reserved_token_163607|>"))
+    feed = [(THINK_START_ID, names[0][1]), (5, " I think"), (THINK_END_ID, names[1][1]), (6, "Answer")]
+    p = OutputParser(ParserConfig(thinking=True, marker_text=names))
+    deltas = [p.feed(t, x) for t, x in feed] + [p.finish()]
+    assert "".join(d.reasoning_content for d in deltas) == " I think"
+    assert "".join(d.content for d in deltas) == "Answer"
+    p = OutputParser(ParserConfig(thinking=True))  # without it, the names are ordinary text (the old behaviour)
+    deltas = [p.feed(t, x) for t, x in feed] + [p.finish()]
+    assert "".join(d.reasoning_content for d in deltas) == names[0][1] + " I think" + names[1][1]

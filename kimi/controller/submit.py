@@ -47,6 +47,7 @@ log = logging.getLogger("kimi.submit")
 _SUBMIT_TAG = protocol.SubmitRequest.__struct_config__.tag
 _SUBMIT_FIELDS = protocol.SubmitRequest.__struct_fields__  # position i + 1 on the wire (the tag is at 0)
 _FIELD_AT = re.compile(r"`\$\[(\d+)\]")  # msgspec's error path, e.g. "... - at `$[12]`" or "`$[15][0]`"
+_WIRE_PATH = re.compile(r" - at `\$[^`]*`")  # that path in the message: wire positions mean nothing to a user
 
 
 class SubmitServer:
@@ -166,7 +167,8 @@ class SubmitServer:
             m = _FIELD_AT.search(str(e))
             if m is not None and 1 <= int(m.group(1)) <= len(_SUBMIT_FIELDS):
                 name = _SUBMIT_FIELDS[int(m.group(1)) - 1]
-                msg = f"'{name}' has the wrong type: {e}"
+                what = _WIRE_PATH.sub("", str(e))  # msgspec's "Expected `int`, got `float` - at `$[4]`"
+                msg = f"'{name}' has the wrong type: {what[:1].lower()}{what[1:]}"
         return RequestOutput(request_id=rid, token_ids=[], text="", finished=True, error=msg)
 
     async def serve(self) -> None:

@@ -329,8 +329,9 @@ def test_bad_values_name_the_field_like_http(server):
             assert str(ei.value) == r.json()["error"]["message"], kw  # the same rule, the same words
             assert str(ei.value).startswith(f"'{name}'")
         for kw, name in BAD_TYPES:
-            with pytest.raises(KimiError, match=f"^'{name}' has the wrong type"):
+            with pytest.raises(KimiError, match=f"^'{name}' has the wrong type") as ei:
                 list(c.generate(PROMPT, max_tokens=4, **kw))
+            assert "$[" not in str(ei.value), str(ei.value)  # no msgspec wire position in the message
         # NaN / infinity travel in msgpack (not in JSON): rejected like any other out-of-range number
         for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             for x in (float("nan"), float("inf")):

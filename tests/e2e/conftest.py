@@ -123,3 +123,14 @@ def server(tiny_k26, tmp_path_factory):
     while worker_pids(tiny_k26) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert worker_pids(tiny_k26) == [], "worker processes outlived the server"
+
+
+@pytest.fixture(scope="module")
+def fake_srv(tiny_k26, tmp_path_factory):
+    """`kimi serve --fake-workers` (pseudo-random tokens through the real ZeroMQ / torchrun path, no weights): 2000
+    blocks of 16 tokens, up to 64 running requests."""
+    log = str(tmp_path_factory.mktemp("log") / "fake_workers.log")
+    srv = start_server(tiny_k26, log, "--fake-workers", "--block-size", "16", "--num-blocks", "2000",
+                       "--max-num-seqs", "64")
+    yield srv
+    assert stop_server(srv) == 0, srv.log()

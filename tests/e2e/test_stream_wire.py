@@ -15,18 +15,7 @@ import json
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
-
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def fake_srv(tiny_k26, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("log") / "wire.log")
-    srv = start_server(tiny_k26, log, "--fake-workers", "--block-size", "16", "--num-blocks", "2000",
-                       "--max-num-seqs", "64")
-    yield srv
-    assert stop_server(srv) == 0, srv.log()
 
 
 def _events(raw: bytes) -> list[dict]:

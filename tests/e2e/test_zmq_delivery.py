@@ -14,22 +14,12 @@ import contextlib
 import time
 
 import httpx
-import pytest
 
-from conftest import raw_dealer, start_server, stop_server
+from conftest import raw_dealer
 from kimi import protocol
 from kimi.client import AsyncKimiClient, KimiClient
 
 PROMPT = [34335, 43309, 63183]
-
-
-@pytest.fixture(scope="module")
-def fake_srv(tiny_k26, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("log") / "zmq_delivery.log")
-    srv = start_server(tiny_k26, log, "--fake-workers", "--block-size", "16", "--num-blocks", "4000",
-                       "--max-num-seqs", "64")
-    yield srv
-    assert stop_server(srv) == 0, srv.log()
 
 
 def _metric(srv, name: str) -> float:

@@ -145,33 +145,6 @@ def _reference(stops, text, include, unmatched=0):
     return text, None
 
 
-def test_random_chunkings_match_reference():
-    rng = random.Random(7)
-    alphabet = "ab\n"
-    for _ in range(500):
-        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
-                      for _ in range(rng.randint(1, 4))})
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
-        include = rng.random() < 0.5
-        pieces, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            pieces.append(text[i:i + n])
-            i += n
-        sc = StopChecker(stops, include)
-        out, matched = [], None
-        for p in pieces:
-            e, stopped, m = sc.feed(p)
-            out.append(e)
-            # hold-back never exceeds max(len(stop)) - 1
-            assert len(sc.held) <= max(map(len, stops)) - 1
-            if stopped:
-                matched = m
-                break
-        out.append(sc.flush())
-        assert ("".join(out), matched) == _reference(stops, text, include), (stops, text, pieces, include)
-
-
 def test_min_tokens_text_can_begin_a_stop_but_not_end_one():
     """feed(match=False) for the first min_tokens tokens' text (vLLM's rule): a stop string that begins in it and
     ends later matches, and the output is cut at its start, inside that text; one that lies wholly inside it is
@@ -190,29 +163,33 @@ def test_min_tokens_text_can_begin_a_stop_but_not_end_one():
     assert sc.feed("b") == ("", True, "ab")
 
 
-def test_random_chunkings_with_unmatched_text_match_reference():
-    rng = random.Random(11)
+@pytest.mark.parametrize("seed,cases,unmatched", [(7, 500, False), (11, 1000, True)])
+def test_random_chunkings_match_reference(seed, cases, unmatched):
+    """Random stops over a small alphabet, random chunkings; with `unmatched`, also empty pieces and a random
+    number k of leading pieces fed with match=False (the first min_tokens tokens' text)."""
+    rng = random.Random(seed)
     alphabet = "ab\n"
-    for _ in range(1000):
+    for _ in range(cases):
         stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
                       for _ in range(rng.randint(1, 4))})
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
         include = rng.random() < 0.5
         pieces, i = [], 0
         while i < len(text):
-            n = rng.randint(0, 5)
+            n = rng.randint(0 if unmatched else 1, 5)
             pieces.append(text[i:i + n])
             i += n
-        k = rng.randint(0, len(pieces))  # the first k pieces are the min_tokens tokens' text
+        k = rng.randint(0, len(pieces)) if unmatched else 0
         sc = StopChecker(stops, include)
         out, matched = [], None
         for j, p in enumerate(pieces):
             e, stopped, m = sc.feed(p, match=j >= k)
             out.append(e)
+            # hold-back never exceeds max(len(stop)) - 1
             assert len(sc.held) <= max(map(len, stops)) - 1
             if stopped:
                 matched = m
                 break
         out.append(sc.flush())
-        unmatched = sum(map(len, pieces[:k]))
-        assert ("".join(out), matched) == _reference(stops, text, include, unmatched), (stops, text, pieces, k)
+        want = _reference(stops, text, include, sum(map(len, pieces[:k])))
+        assert ("".join(out), matched) == want, (stops, text, pieces, k, include)

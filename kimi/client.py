@@ -207,7 +207,8 @@ class KimiClient:
                     return
         finally:
             self._pending.pop(request_id, None)
-            if not done and self._abort_quietly(request_id):  # left early (break, exception, timeout): stop it
+            # left early (break, exception, timeout): stop it, unless its last output is already here, unread
+            if not done and not any(o.finished for o in q) and self._abort_quietly(request_id):
                 self._draining.add(request_id)
 
     def generate(self, prompt: str | list[int], **params: Any) -> Iterator[RequestOutput]:
@@ -281,7 +282,7 @@ class AsyncKimiClient:
         if drained is not None:  # an earlier request of this id was aborted: wait for its last output
             try:
                 await self._asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
-            except TimeoutError:
+            except (TimeoutError, self._asyncio.TimeoutError):  # the same class from Python 3.11 on
                 raise KimiError(f"request id {rid!r}: the earlier request of this id was aborted and its end has "
                                 f"not arrived in {DRAIN_TIMEOUT_S:g} s; use another id") from None
             _check_new_id(rid, self._queues)  # another submission of this id may have gone first meanwhile
@@ -311,7 +312,10 @@ class AsyncKimiClient:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not done and self._abort_quietly(request_id):
+            last_here = False  # its last output already queued, unread (the reader queues outputs as they come)
+            while not q.empty():
+                last_here = last_here or q.get_nowait().finished
+            if not done and not last_here and self._abort_quietly(request_id):
                 self._draining[request_id] = self._asyncio.Event()
 
     async def generate(self, prompt: str | list[int], **params: Any) -> AsyncIterator[RequestOutput]:
@@ -342,6 +346,8 @@ class AsyncKimiClient:
             return
         sent = [self._abort_quietly(rid) for rid in list(self._queues)]
         self._queues.clear()
+        for ev in self._draining.values():  # a submit waiting on one stops waiting (and finds the socket closed)
+            ev.set()
         self._draining.clear()
         if self._reader is not None:
             self._reader.cancel()

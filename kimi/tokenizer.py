@@ -268,7 +268,7 @@ class KimiTokenizer:
         longest = getattr(self, "_longest_token_bytes", None)
         if longest is None:
             longest = self._longest_token_bytes = max(len(b) for b in self._ordinary_to_id)
-        return -(-len(text.encode("utf-8", "surrogatepass")) // max(1, longest))
+        return -(-len(text.encode("utf-8", "replace")) // max(1, longest))  # a lone surrogate: 1 byte, not more
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`: the tokens' bytes joined and decoded as UTF-8 (invalid bytes become U+FFFD).

@@ -129,6 +129,8 @@ def run_experts(experts_impl, recv: DispatchResult) -> torch.Tensor:
     dispatch, gets the plain call, whose rows without a local expert are 0.
     """
     if recv.expert_major and getattr(experts_impl, "expert_major_ok", False):
+        if recv.max_pairs == 0:  # no rank had a token this step (an idle step): no row is ever read
+            return torch.empty_like(recv.hidden)
         return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids, expert_major=True,
                             max_pairs=recv.max_pairs, expected_pairs=recv.expected_pairs)
     return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)

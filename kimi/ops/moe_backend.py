@@ -232,8 +232,8 @@ class HummingExperts(nn.Module):
         from kimi.ops.moe_int4_triton import combine_into, moe_align
 
         T, k = topk_ids.shape
-        if T == 0:
-            return torch.empty_like(x)
+        if T == 0 or max_pairs == 0:  # no local pair: nothing to compute (unset rows / zeros, as below)
+            return torch.empty_like(x) if T == 0 or (expert_major and k == 1) else torch.zeros_like(x)
         c1, c2 = self._configs(expected_pairs or self._m_local(T, k))
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py), sized by max_pairs
@@ -477,8 +477,8 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
 
     T, k = topk_ids.shape
     D = x.shape[-1]
-    if T == 0:
-        return torch.empty_like(x)
+    if T == 0 or max_pairs == 0:  # no local pair: nothing to compute (unset rows / zeros, as below)
+        return torch.empty_like(x) if T == 0 or (expert_major and k == 1) else torch.zeros_like(x)
     sorted_ids, block_expert, num_padded, _ = moe_align_fused(topk_ids, E, expert_offset, 16, max_pairs)
     P = T * k
     config13 = config13 or mc.config_for(2 * inter, D, m_local)

@@ -113,3 +113,34 @@ def test_a_raw_duplicate_id_error_names_the_clients_id(fake_srv):
     errors = [o.error for o in outs if o.error is not None]
     assert errors == ["request id 'dup' is already in use"], errors
     assert sum(len(o.token_ids) for o in outs) == 50 and outs[-1].finish_reason == "length"
+
+
+def test_leaving_a_stream_whose_last_output_already_arrived_frees_its_id(fake_srv):
+    """A stream left early while its request's last output already waits unread in the client (the sync client
+    queued it while reading another stream; the async reader queues everything at once): no abort is needed, the
+    id is free at once (it used to wait for an end that had come already: timeout_s / DRAIN_TIMEOUT_S, forever)."""
+    with KimiClient(fake_srv.zmq_addr, timeout_s=10) as c:
+        a = c.submit(PROMPT, max_tokens=50, ignore_eos=True)
+        c.submit(PROMPT, max_tokens=3, ignore_eos=True, request_id="B")
+        list(c.stream(a))  # B's outputs, its last one included, are queued meanwhile
+        time.sleep(0.3)
+        for _out in c.stream("B"):
+            break
+        t0 = time.monotonic()
+        outs = list(c.generate(PROMPT, max_tokens=3, request_id="B"))
+        assert outs[-1].finish_reason == "length" and time.monotonic() - t0 < 5
+
+    async def main():
+        async with AsyncKimiClient(fake_srv.zmq_addr) as c:
+            await c.submit(PROMPT, max_tokens=3, ignore_eos=True, request_id="B")
+            await asyncio.sleep(1.0)  # the reader has queued all of B's outputs
+            async with contextlib.aclosing(c.stream("B")) as outs:
+                async for _out in outs:
+                    break
+            t0 = time.monotonic()
+            n = 0
+            async for last in c.generate(PROMPT, max_tokens=3, request_id="B"):
+                n += len(last.token_ids)
+            assert last.finish_reason == "length" and n == 3 and time.monotonic() - t0 < 5
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -357,3 +357,9 @@ def test_expert_major_rows_match_the_reference(backend):
         err = (y - y_ref).abs().max().item()
         assert torch.isfinite(y).all() and scale > 0 and err <= 2e-2 * scale, f"expected {expected}: {err:.3g}"
     assert calls == ([4, 4, 4096, 4096] if backend == "cuda" else [4, 4]), calls
+    # an idle step (no token on any rank): max_pairs 0, nothing to compute, no empty grid launched
+    y = run_experts(ours, DispatchResult(x, w, ids, expert_major=True, max_pairs=0, expected_pairs=1))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    for kw in ({"expert_major": True}, {}):  # the backends themselves: unset rows / zeros
+        y = ours(x, w, ids, max_pairs=0, **kw)
+        assert y.shape == x.shape and (kw or torch.equal(y, torch.zeros_like(y)))

@@ -96,7 +96,7 @@ _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
-def _no_other_keys(obj: dict, allowed: frozenset, path: str) -> None:
+def no_other_keys(obj: dict, allowed: frozenset | tuple, path: str) -> None:
     """BadRequest naming the first key of obj outside `allowed` (in the order sent)."""
     for k in obj:
         if k not in allowed:
@@ -117,11 +117,11 @@ def validate_tools(tools: Any) -> list[str]:
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
             raise BadRequest(f"'{p}.type' must be 'function'", f"{p}.type")
-        _no_other_keys(t, _TOOL_KEYS, p)
+        no_other_keys(t, _TOOL_KEYS, p)
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise BadRequest(f"'{p}.function' must be an object", f"{p}.function")
-        _no_other_keys(fn, _FUNCTION_KEYS, f"{p}.function")
+        no_other_keys(fn, _FUNCTION_KEYS, f"{p}.function")
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise BadRequest(f"'{p}.function.strict' must be a boolean", f"{p}.function.strict")

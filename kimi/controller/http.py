@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kimi.controller.chat import encode_chat, validate_tools
+from kimi.controller.chat import encode_chat, no_other_keys, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
 from kimi.controller.offload import run_sized
@@ -452,6 +452,14 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
+def _decode_or_none(tokenizer: KimiTokenizer, token_id: int) -> str | None:
+    """The text of one token id, or None when the vocabulary has no such id."""
+    try:
+        return tokenizer.decode([token_id])
+    except ValueError:
+        return None
+
+
 class OpenAIServer:
     """Builds the Starlette app around an Engine (`.app` is the ASGI app to serve).
 
@@ -484,8 +492,8 @@ class OpenAIServer:
         # the served vocabulary's text of the reasoning / tool marker ids, where it is not the parser's default
         # (K2-Instruct's names 163606 / 163607 <|reserved_token_...|>): left out of the fields with skip_special_tokens
         # false as well
-        self._marker_text = tuple((t, tokenizer.decode([t])) for t in MARKER_TEXT
-                                  if t < tokenizer.vocab_size and tokenizer.decode([t]) != MARKER_TEXT[t]) or None
+        self._marker_text = tuple((t, x) for t, x in ((t, _decode_or_none(tokenizer, t)) for t in MARKER_TEXT)
+                                  if x is not None and x != MARKER_TEXT[t]) or None
         self.created = int(time.time())
         self.metrics = Metrics(engine)
         engine.observer = self.metrics
@@ -946,10 +954,8 @@ class OpenAIServer:
             if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
                                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-            for path, obj, allowed in (("tool_choice", choice, ("type", "function")), ("tool_choice.function", fn, ("name",))):
-                extra = next((k for k in obj if k not in allowed), None)
-                if extra is not None:
-                    raise BadRequest(f"'{path}.{extra}' is not supported by this server", f"{path}.{extra}")
+            no_other_keys(choice, ("type", "function"), "tool_choice")
+            no_other_keys(fn, ("name",), "tool_choice.function")
             if fn["name"] not in names:
                 raise BadRequest(f"'tool_choice' names function {fn['name']!r}, which is not in 'tools'", "tool_choice")
             return tools, True, parallel

@@ -212,7 +212,11 @@ def encode_chat(
                 fn["name"] = mark(fn["name"], f"messages[{i}].tool_calls[{j}].function.name")
                 calls.append({**call, "id": mark(call["id"], f"messages[{i}].tool_calls[{j}].id"), "function": fn})
             m2["tool_calls"] = calls
-        _check_text(json.dumps(m, ensure_ascii=False), f"messages[{i}]")  # any other field the template may copy
+        # any other field the template may copy; the strings marked above were checked there (not dumped again)
+        rest = {k: v for k, v in m.items() if k not in ("content", "name", "tool_call_id")}
+        if isinstance(c, list):  # the parts' other keys
+            rest["content"] = [{**part, "text": ""} for part in c]
+        _check_text(json.dumps(rest, ensure_ascii=False), f"messages[{i}]")
         marked.append(m2)
     try:
         rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, **template_kwargs)

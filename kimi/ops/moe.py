@@ -125,12 +125,11 @@ def run_experts(experts_impl, recv: DispatchResult) -> torch.Tensor:
     """The local routed experts over what dispatch delivered -> [T_recv, D] for the combine.
 
     An expert-major DispatchResult goes to backends that declare `expert_major_ok` with those hints (they skip
-    the weighted sum over k and leave rows without a local expert unset); every other backend, and every other
-    dispatch, gets the plain call, whose rows without a local expert are 0.
+    the weighted sum over k, leave rows without a local expert unset, and compute nothing at max_pairs 0: an
+    idle step); every other backend, and every other dispatch, gets the plain call, whose rows without a local
+    expert are 0.
     """
     if recv.expert_major and getattr(experts_impl, "expert_major_ok", False):
-        if recv.max_pairs == 0:  # no rank had a token this step (an idle step): no row is ever read
-            return torch.empty_like(recv.hidden)
         return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids, expert_major=True,
                             max_pairs=recv.max_pairs, expected_pairs=recv.expected_pairs)
     return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)

@@ -578,7 +578,8 @@ class OpenAIServer:
         f.body_bytes = len(raw)
         model = f.str("model") or self.model_name  # absent, null or "": the served model (as vLLM)
         if model != self.model_name:
-            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model", code="model_not_found")
+            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model",
+                             status=404, code="model_not_found")  # 404 as OpenAI and vLLM (openai.NotFoundError)
         return f
 
     def _common(self, f: Fields, prompt_token_ids: list[int], max_tokens_default: int | None,
@@ -1027,9 +1028,11 @@ class OpenAIServer:
                 if not parallel:
                     calls = calls[:1]
                 text = "".join(content)
-                msg: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+                thought = "".join(reasoning) if pcfg.starts_in_reasoning else ""
+                # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
+                msg: dict[str, Any] = {"role": "assistant", "content": text if (text or not (calls or thought)) else None}
                 if pcfg.starts_in_reasoning:
-                    msg["reasoning_content"] = "".join(reasoning) or None
+                    msg["reasoning_content"] = thought or None
                 if calls:
                     msg["tool_calls"] = calls
                 lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if want_lp else None

@@ -304,13 +304,13 @@ def test_wrong_credentials_are_still_a_401(srv, value):
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_model_may_be_left_out(srv, path):
     """Without `model`, or with null or "", the request runs on the served model (as vLLM); another name or a
-    non-string is still a 400 naming `model`."""
+    non-string is a 400 naming `model`, another name a 404 (as OpenAI and vLLM)."""
     base = {"prompt": "Hi"} if path == "completions" else {"messages": MSGS}
     for extra in ({}, {"model": None}, {"model": ""}):
         r = _post(srv, path, {**base, **extra, "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "tiny"
-    msg = _bad(_post(srv, path, {**base, "model": "gpt-4o", "max_tokens": 2}), "model")
+    msg = _bad(_post(srv, path, {**base, "model": "gpt-4o", "max_tokens": 2}), "model", status=404)
     assert "does not exist" in msg
     for bad in (5, ["tiny"]):
         assert "must be a string" in _bad(_post(srv, path, {**base, "model": bad, "max_tokens": 2}), "model")

@@ -123,6 +123,15 @@ def test_body_over_limit_is_413(srv):
 
 
 # ---- tool calls and reasoning ----------------------------------------------------------------------------
+def test_an_answer_cut_inside_its_reasoning_has_null_content(client):
+    """No text beside the reasoning: content is null (vLLM's reasoning parsers), reasoning_content holds it."""
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=3, temperature=0)
+    m = r.choices[0].message
+    thought = m.model_extra["reasoning_content"]
+    assert m.content is None and thought and " I think".startswith(thought), (m.content, thought)
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_two_calls_in_one_section_streaming_equals_non_streaming(client):
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=34, temperature=0)  # 34 tokens end right after call 2
     r = client.chat.completions.create(model="tiny", **kw)

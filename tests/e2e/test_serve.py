@@ -153,7 +153,6 @@ def test_zmq_bad_submission_is_an_error(server):
 
 
 BAD = [
-    ({"model": "nope", "prompt": "hi"}, "model"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
@@ -191,6 +190,14 @@ def test_bad_completion_requests_are_400(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_an_unknown_model_is_404(server):
+    """As OpenAI and vLLM: the openai client raises NotFoundError; the error still names `model`."""
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
 
 
 def test_prompt_list_errors_say_what_is_wrong(server):

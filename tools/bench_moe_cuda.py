@@ -10,6 +10,8 @@ random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - time: a CUDA graph of 20 back-to-back calls of the GEMM alone (align done once outside), replayed; median over
   replays of the per-call time (L2 not flushed: one call's weights, 0.4-0.8 GB, far exceed the 50 MB L2);
 - GB/s: bytes of the experts hit (packed words + scales) / time, against the copy bandwidth measured in the run.
+- the SM clock and board power during each timing (`bench_util.GpuSampler`, nvidia-smi every 20 ms; a timing lasts
+  ~50 ms and the power reading lags, so each row's power mostly shows the rows before it).
 Also whether kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout
 --moe-backend auto shares). Writes JSON to --out.
 """
@@ -27,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import copy_bandwidth, require_gpu  # noqa: E402  (tools/, the script's folder)
+from bench_util import GpuSampler, copy_bandwidth, require_gpu  # noqa: E402  (tools/, the script's folder)
 
 _MISSING = None  # its imports need no GPU package; main() still exits with one line without a CUDA device
 from kimi.ops import moe_int4_cuda as mc  # noqa: E402
@@ -96,6 +98,7 @@ def main() -> None:
     res["extension_build_s"] = time.time() - ext_s
     hum = HummingInt4Experts(w13.clone(), s13.clone(), w2.clone(), s2.clone(), OFFSET, E_TOTAL)
     res["setup_s"] = time.time() - t_build
+    sampler = GpuSampler(interval_ms=20).start()
     # kimi's repack builds humming's layout (so --moe-backend auto keeps one copy of the experts): bit for bit
     res["repack_equals_humming"] = {
         name: {"weights": torch.equal(ours[name][0], layer.weight), "scales": torch.equal(ours[name][1], layer.weight_scale)}
@@ -142,12 +145,16 @@ def main() -> None:
                 y = fn()
                 torch.cuda.synchronize()
                 r = {"config": list(cfg)} | err(y)
+                t0 = time.time()
                 r["ms"] = graph_time(fn)
+                r["smi"] = sampler.windows([(t0, time.time())])
                 r["GBps"] = bytes_hit / r["ms"] / 1e6
                 r["pct_copy"] = 100 * r["GBps"] / bw
                 case["ours"].append(r)
+                smi = r["smi"]
+                clk = (f" {smi['sm_clock_MHz']['median']:.0f} MHz {smi['power_W_median']:.0f} W" if smi else "")
                 print(f"T={T} {name} ours {cfg}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
-                      f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}", flush=True)
+                      f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}{clk}", flush=True)
             out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             cc = {"gemm_type": "indexed"}
 
@@ -159,7 +166,9 @@ def main() -> None:
             y = hfn()
             torch.cuda.synchronize()
             h = {"config": hcfg} | err(y)
+            t0 = time.time()
             h["ms"] = graph_time(hfn)
+            h["smi"] = sampler.windows([(t0, time.time())])
             h["GBps"] = bytes_hit / h["ms"] / 1e6
             h["pct_copy"] = 100 * h["GBps"] / bw
             case["humming"] = h
@@ -169,6 +178,7 @@ def main() -> None:
             print(f"T={T} {name} humming: {h['ms'] * 1e3:.1f} us {h['GBps']:.0f} GB/s ({h['pct_copy']:.0f}%) "
                   f"err {h['rel_err']:.2e}; best ours {case['best_ours']} x{case['ours_over_humming']:.3f}", flush=True)
             res["cases"].append(case)
+    sampler.stop()
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), "moe_cuda.json")
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -210,6 +210,77 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
             assert torch.isnan(out[others]).all(), f"pdl {pdl}: a replay wrote a row that is not listed"
 
 
+@pytest.mark.parametrize("E,I,D,T,k,E_total,offset", [
+    (8, 128, 512, 9, 4, 16, 4),          # small: pads, blocks with > 8 rows, empty blocks
+    (48, 2048, 7168, 64, 8, 384, 96),    # Kimi at 8 local sequences under EP8
+    (48, 2048, 7168, 256, 8, 384, 96),   # Kimi at 32 local sequences
+])
+def test_bulk_weights_equal_the_lanes_kernel(E, I, D, T, k, E_total, offset):
+    """The BULK kernel (weights and scales by TMA bulk copies) does the lanes' kernel's arithmetic on the same bytes:
+    bit-equal outputs at every configuration of BULK_CONFIGS that runs the shape, for gate_up (plain and SiLU·up)
+    and down (waiting and early weights), in every PDL mode, each pair on a routing drawn afresh; rows not listed keep
+    their poison. Then in a CUDA graph (align, gate_up, down, bulk): replays after new routing ids and inputs equal a
+    fresh eager lanes run. bulk=True with a configuration not compiled with it is a ValueError."""
+    from kimi.ops.fused import moe_align_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(I + T + 2)
+    w13, s13 = mc.repack(*mc.glu_interleave(*_experts(E, 2 * I, D, gen)))
+    w2, s2 = mc.repack(*_experts(E, D, I, gen))
+    ids = _routing(T, E_total, k, gen)
+    x = (torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    P = T * k
+
+    def run(bulk, cfg13, cfg2, pdl, glu, early):
+        sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+        y13 = torch.full((P, I if glu else 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, y13, config=cfg13, pdl=pdl, glu=glu,
+                        bulk=bulk)
+        a = y13 if glu else y13[:, :I].contiguous()  # any [P, I] input will do for the down GEMM
+        y2 = torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.indexed_gemm(a, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=cfg2, pdl=pdl,
+                        early_weights=early and glu, bulk=bulk)
+        return y13, y2
+
+    def check(got, want, what):
+        rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
+        others = torch.ones(P, dtype=torch.bool, device="cuda")
+        others[rows] = False
+        for g, w, name in zip(got, want, ("gate_up", "down")):
+            assert not torch.isnan(w[rows]).any(), f"{what}: {name} of the lanes' kernel left a listed row unset"
+            assert torch.equal(g[rows], w[rows]), f"{what}: {name} of the bulk kernel differs"
+            assert torch.isnan(g[others]).all(), f"{what}: {name} of the bulk kernel wrote a row that is not listed"
+
+    cfgs13 = [c for c in mc.BULK_CONFIGS if mc.config_valid(c, 2 * I, D)]
+    cfgs2 = [c for c in mc.BULK_CONFIGS if mc.config_valid(c, D, I)]
+    assert cfgs13 and cfgs2
+    n = max(len(cfgs13), len(cfgs2))
+    for i in range(n):
+        cfg13, cfg2 = cfgs13[i % len(cfgs13)], cfgs2[i % len(cfgs2)]
+        for pdl in ("early", "late", "off"):
+            for glu, early in ((True, True), (True, False), (False, False)):
+                ids.copy_(_routing(T, E_total, k, gen))
+                what = f"configs {cfg13} / {cfg2}, pdl {pdl}, glu {glu}, early weights {early}"
+                check(run(True, cfg13, cfg2, pdl, glu, early), run(False, cfg13, cfg2, pdl, glu, early), what)
+
+    cfg13, cfg2 = mc.config_for(2 * I, D, P // 8), mc.config_for(D, I, P // 8)
+    assert cfg13 in mc.BULK_CONFIGS and cfg2 in mc.BULK_CONFIGS
+    outs = run(True, cfg13, cfg2, "early", True, True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = run(True, cfg13, cfg2, "early", True, True)
+    for _ in range(3):
+        ids.copy_(_routing(T, E_total, k, gen))
+        x.copy_((torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16))
+        g.replay()
+        check(outs, run(False, cfg13, cfg2, "early", True, True), "graph replay")
+
+    off = next(c for c in mc.CONFIGS if c not in mc.BULK_CONFIGS and mc.config_valid(c, D, I))
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+    with pytest.raises(ValueError, match="bulk"):
+        mc.indexed_gemm(x[:, :I].contiguous(), w2, s2, sorted_ids, block_expert, num_padded, 1,
+                        torch.empty((P, D), dtype=torch.bfloat16, device="cuda"), config=off, bulk=True)
+
+
 def test_cuda_backend_matches_ref_backend():
     from kimi.ops.moe_backend import make_experts
 

@@ -81,27 +81,6 @@ __device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// TMA bulk copies (BULK kernels): one thread copies a contiguous run global -> shared, completing on an mbarrier that
-// expects the run's bytes (mbarrier.arrive.expect_tx once per slot fill, then complete_tx per copy).
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; selp.u32 %0, 1, 0, q; }"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
@@ -115,29 +94,17 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// One warp's ring slot for a k64 chunk: the weights of its NT / 4 n64 blocks (per k16 step, the blocks' 32 lanes x
-// 16 bytes each: the step's bytes of the CTA's blocks as they lie in device memory, one contiguous run), their scales
-// (per group, per block 8 lane groups x 16 bytes: rows g + 8 i, i = 0..7; again one contiguous run per group), and
-// the 16 token rows' 64 inputs (16-byte piece q of row r stored at q ^ (r & 7): ldmatrix reads 8 rows' pieces from 8
-// distinct bank groups).
+// One warp's ring slot for a k64 chunk: the weights of its NT / 4 n64 blocks (4 k16 steps x 32 lanes x 16 bytes
+// each), their scales (2 groups x 8 lane groups x 16 bytes: rows g + 8 i, i = 0..7), and the 16 token rows' 64
+// inputs (16-byte piece q of row r stored at q ^ (r & 7): ldmatrix reads 8 rows' pieces from 8 distinct bank groups).
 template <int NT>
 struct alignas(16) Slot {
-  uint4 w[4][NT / 4][32];
-  uint4 s[2][NT / 4][8];
+  uint4 w[NT / 4][4][32];
+  uint4 s[NT / 4][2][8];
   uint4 x[16][8];
 };
 
 template <int NT, int KW, int S>
-__host__ __device__ constexpr size_t ring_or_partial_bytes() {
-  constexpr size_t ring = sizeof(Slot<NT>) * KW * S;
-  constexpr size_t part = sizeof(float) * KW * NT * 16 * (kBlockRows + 1);
-  return ring > part ? ring : part;
-}
-
-// BULK: each warp's weights and scales arrive by TMA bulk copies (6 per chunk, issued by lane 0, completing on the
-// slot's mbarrier) instead of 16-byte cp.async by every lane; the inputs stay cp.async (16 rows from scattered
-// tokens). Same arithmetic, same outputs.
-template <int NT, int KW, int S, bool BULK>
 __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
@@ -189,50 +156,20 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const size_t s_row = (size_t)n >> 3;  // uint4 per group
   const uint4* sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
                     (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
-  // BULK: the warp's runs (step j of a chunk: NB x 512 bytes at wb + j w_row; group grp: NB x 128 bytes at
-  // sb + grp s_row) and its S slot barriers, after the rings / partial sums
-  const uint4* wb = wq + ((size_t)e * k_chunks * 4 + (size_t)c_begin * 4) * w_row + (size_t)nb0 * 32;
-  const uint4* sb = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2) * s_row + (size_t)nb0 * 8;
-  const uint32_t bar0 =
-      smem_addr(smem_raw + ring_or_partial_bytes<NT, KW, S>()) + (uint32_t)(warp * S * sizeof(uint64_t));
-  if constexpr (BULK) {
-    if (lane == 0) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) mbar_init(bar0 + 8 * s);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-  }
 
-  // the weights and scales of this warp's next chunk into slot sl (ring index s)
-  auto issue_w = [&](Slot<NT>& sl, int s) {
-    if constexpr (BULK) {
-      if (lane == 0) {
-        // the lanes' reads of this slot (ordered before this by the caller's __syncwarp) before the async writes
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        const uint32_t bar = bar0 + 8 * s;
-        mbar_expect_tx(bar, NB * (4 * 512 + 2 * 128));
+  auto issue_w = [&](Slot<NT>& sl) {  // the weights and scales of this warp's next chunk into slot sl
 #pragma unroll
-        for (int j = 0; j < 4; ++j) bulk_g2s(&sl.w[j][0][0], wb + j * w_row, NB * 512, bar);
+    for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int grp = 0; grp < 2; ++grp) bulk_g2s(&sl.s[grp][0][0], sb + grp * s_row, NB * 128, bar);
-      }
-      wb += 4 * w_row;
-      sb += 2 * s_row;
-    } else {
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) cp_async16(&sl.w[wj][nb][8 * q + wl], wp + nb * 32 + 8 * q);
-      if (lane < 16 * NB) cp_async16(&sl.s[(lane >> 3) & 1][lane >> 4][lane & 7], sp);
-      wp += 4 * w_row;
-      sp += 2 * s_row;
-    }
+      for (int q = 0; q < 4; ++q) cp_async16(&sl.w[nb][wj][8 * q + wl], wp + nb * 32 + 8 * q);
+    if (lane < 16 * NB) cp_async16(&sl.s[lane >> 4][(lane >> 3) & 1][lane & 7], sp);
+    wp += 4 * w_row;
+    sp += 2 * s_row;
   };
   if (early_weights) {  // one cp.async group per chunk, as in the main loop
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
-      if (s < n_chunks) issue_w(ring[s], s);
+      if (s < n_chunks) issue_w(ring[s]);
       cp_async_commit();
     }
     grid_dependency_wait();  // x comes from the kernel ahead
@@ -268,8 +205,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     xr[0] += 64;
     xr[1] += 64;
   };
-  auto issue = [&](Slot<NT>& sl, int s, auto h1) {  // the next chunk of this warp into slot sl (ring index s)
-    issue_w(sl, s);
+  auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
+    issue_w(sl);
     issue_x(sl, h1);
   };
 
@@ -313,8 +250,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       }
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const uint4 wv[4] = {sl.w[0][nb][lane], sl.w[1][nb][lane], sl.w[2][nb][lane], sl.w[3][nb][lane]};
-      const uint4 sv[2] = {sl.s[0][nb][g], sl.s[1][nb][g]};  // word c: (row 16 c + g, row 16 c + 8 + g)
+      const uint4 wv[4] = {sl.w[nb][0][lane], sl.w[nb][1][lane], sl.w[nb][2][lane], sl.w[nb][3][lane]};
+      const uint4 sv[2] = {sl.s[nb][0][g], sl.s[nb][1][g]};  // word c: (row 16 c + g, row 16 c + 8 + g)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int i = 4 * nb + c;  // the CTA's tile
@@ -361,7 +298,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
         if (early_weights)
           issue_x(ring[s], h1);
         else
-          issue(ring[s], s, h1);
+          issue(ring[s], h1);
       }
       cp_async_commit();
     }
@@ -370,9 +307,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       for (int s = 0; s < S; ++s) {
         if (c0 + s < n_chunks) {
           cp_async_wait<S - 2>();  // chunk c0 + s has landed (this lane's copies)
-          if constexpr (BULK) mbar_wait(bar0 + 8 * s, (uint32_t)(c0 / S) & 1u);  // its bulk copies too
           __syncwarp();            // ... and every lane's; every lane is done with the slot read last
-          if (c0 + s + S - 1 < n_chunks) issue(ring[(s + S - 1) % S], (s + S - 1) % S, h1);
+          if (c0 + s + S - 1 < n_chunks) issue(ring[(s + S - 1) % S], h1);
           cp_async_commit();
           compute(ring[s], h1);
         }
@@ -449,18 +385,20 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   }
 }
 
-template <int NT, int KW, int S, bool BULK>
+template <int NT, int KW, int S>
 constexpr size_t smem_bytes() {
-  return ring_or_partial_bytes<NT, KW, S>() + (BULK ? sizeof(uint64_t) * KW * S : 0);
+  constexpr size_t ring = sizeof(Slot<NT>) * KW * S;
+  constexpr size_t part = sizeof(float) * KW * NT * 16 * (kBlockRows + 1);
+  return ring > part ? ring : part;
 }
 
-template <int NT, int KW, int S, bool BULK>
+template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
                    int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
                    cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
-  constexpr size_t smem = smem_bytes<NT, KW, S, BULK>();
+  constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
   // 0..63) and configuration
   static std::atomic<uint64_t> attr_set{0};
@@ -469,7 +407,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(attr_set.load() & bit)) {
-    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)smem);
     if (err != cudaSuccess) return err;
     attr_set.fetch_or(bit);
@@ -484,7 +422,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
-  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S, BULK>, static_cast<const __nv_bfloat16*>(x), x_stride,
+  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
                             n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
@@ -502,35 +440,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
 // not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
 // before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
-// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). bulk: 1 for the BULK kernel (weights and scales
-// by TMA bulk copies; only the configurations compiled with it below). Returns cudaErrorInvalidValue for anything else.
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int bulk, cudaStream_t stream) {
+                                               int glu, int early_weights, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
-      early_weights > 1 || bulk < 0 || bulk > 1)
+      early_weights > 1)
     return cudaErrorInvalidValue;
-#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                           \
-  if (nt == NT_ && kw == KW_ && stages == S_ && !bulk)                                                           \
-    return launch<NT_, KW_, S_, false>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out,         \
-                                       out_stride, num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, \
-                                       stream);
-#define KIMI_W4A16_BULK_CASE(NT_, KW_, S_)                                                                      \
-  if (nt == NT_ && kw == KW_ && stages == S_ && bulk)                                                            \
-    return launch<NT_, KW_, S_, true>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out,          \
-                                      out_stride, num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights,  \
-                                      stream);
-  // BULK_CONFIGS in kimi/ops/moe_int4_cuda.py
-  KIMI_W4A16_BULK_CASE(4, 4, 4)
-  KIMI_W4A16_BULK_CASE(4, 2, 4)
-  KIMI_W4A16_BULK_CASE(8, 2, 4)
-  KIMI_W4A16_BULK_CASE(4, 4, 3)
-  KIMI_W4A16_BULK_CASE(8, 2, 3)
-  KIMI_W4A16_BULK_CASE(8, 2, 2)
-#undef KIMI_W4A16_BULK_CASE
+#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
+  if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
+    return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

@@ -379,14 +379,6 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    "moe_bulk": ("kimi's CUDA expert GEMMs with their weights and scales by TMA bulk copies "
-                 "(kimi.ops.moe_int4_cuda.BULK_WEIGHTS True)",
-                 lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "BULK_WEIGHTS", True),
-                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "BULK_WEIGHTS")),
-    "moe_lanes": ("kimi's CUDA expert GEMMs with their weights and scales by 16-byte cp.async of every lane "
-                  "(kimi.ops.moe_int4_cuda.BULK_WEIGHTS False)",
-                  lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "BULK_WEIGHTS", False),
-                  lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "BULK_WEIGHTS")),
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

@@ -210,6 +210,79 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
             assert torch.isnan(out[others]).all(), f"pdl {pdl}: a replay wrote a row that is not listed"
 
 
+@pytest.mark.parametrize("E,I,D,T,k,E_total,offset", [
+    (8, 128, 512, 9, 4, 16, 4),          # small: pads, blocks with > 8 rows, empty blocks
+    (48, 2048, 7168, 64, 8, 384, 96),    # Kimi at 8 local sequences under EP8
+    (48, 2048, 7168, 256, 8, 384, 96),   # Kimi at 32 local sequences
+])
+def test_weight_copy_modes_equal_mode_0(E, I, D, T, k, E_total, offset):
+    """Weight copy modes 1-3 (L2's 256-byte hint, one k16 step per copy instruction) copy the same bytes to the same
+    slots as mode 0: bit-equal outputs at every configuration of WMODE_CONFIGS that runs the shape, for gate_up (plain
+    and SiLU·up) and down (waiting and early weights), in every PDL mode, each pair on a routing drawn afresh; rows
+    not listed keep their poison. Then in a CUDA graph (align, gate_up, down): replays after new routing ids and
+    inputs equal fresh eager mode-0 runs. A mode 1-3 with a configuration not compiled with it is a ValueError."""
+    from kimi.ops.fused import moe_align_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(I + T + 2)
+    w13, s13 = mc.repack(*mc.glu_interleave(*_experts(E, 2 * I, D, gen)))
+    w2, s2 = mc.repack(*_experts(E, D, I, gen))
+    ids = _routing(T, E_total, k, gen)
+    x = (torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    P = T * k
+
+    def run(wmode, cfg13, cfg2, pdl, glu, early):
+        sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+        y13 = torch.full((P, I if glu else 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, y13, config=cfg13, pdl=pdl, glu=glu,
+                        wmode=wmode)
+        a = y13 if glu else y13[:, :I].contiguous()  # any [P, I] input will do for the down GEMM
+        y2 = torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.indexed_gemm(a, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=cfg2, pdl=pdl,
+                        early_weights=early and glu, wmode=wmode)
+        return y13, y2
+
+    def check(got, want, what):
+        rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
+        others = torch.ones(P, dtype=torch.bool, device="cuda")
+        others[rows] = False
+        for g, w, name in zip(got, want, ("gate_up", "down")):
+            assert not torch.isnan(w[rows]).any(), f"{what}: {name} in mode 0 left a listed row unset"
+            assert torch.equal(g[rows], w[rows]), f"{what}: {name} differs from mode 0"
+            assert torch.isnan(g[others]).all(), f"{what}: {name} wrote a row that is not listed"
+
+    cfgs13 = [c for c in mc.WMODE_CONFIGS if mc.config_valid(c, 2 * I, D)]
+    cfgs2 = [c for c in mc.WMODE_CONFIGS if mc.config_valid(c, D, I)]
+    assert cfgs13 and cfgs2
+    for i in range(max(len(cfgs13), len(cfgs2))):
+        cfg13, cfg2 = cfgs13[i % len(cfgs13)], cfgs2[i % len(cfgs2)]
+        for pdl in ("early", "late", "off"):
+            for glu, early in ((True, True), (True, False), (False, False)):
+                ids.copy_(_routing(T, E_total, k, gen))
+                want = run(0, cfg13, cfg2, pdl, glu, early)
+                for wmode in (1, 2, 3):
+                    what = f"mode {wmode}, configs {cfg13} / {cfg2}, pdl {pdl}, glu {glu}, early weights {early}"
+                    check(run(wmode, cfg13, cfg2, pdl, glu, early), want, what)
+
+    cfg13, cfg2 = mc.config_for(2 * I, D, P // 8), mc.config_for(D, I, P // 8)
+    assert cfg13 in mc.WMODE_CONFIGS and cfg2 in mc.WMODE_CONFIGS
+    for wmode in (1, 2, 3):
+        outs = run(wmode, cfg13, cfg2, "early", True, True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = run(wmode, cfg13, cfg2, "early", True, True)
+        for _ in range(2):
+            ids.copy_(_routing(T, E_total, k, gen))
+            x.copy_((torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16))
+            g.replay()
+            check(outs, run(0, cfg13, cfg2, "early", True, True), f"mode {wmode}, graph replay")
+
+    off = next(c for c in mc.CONFIGS if c not in mc.WMODE_CONFIGS and mc.config_valid(c, D, I))
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+    with pytest.raises(ValueError, match="wmode"):
+        mc.indexed_gemm(x[:, :I].contiguous(), w2, s2, sorted_ids, block_expert, num_padded, 1,
+                        torch.empty((P, D), dtype=torch.bfloat16, device="cuda"), config=off, wmode=1)
+
+
 def test_cuda_backend_matches_ref_backend():
     from kimi.ops.moe_backend import make_experts
 

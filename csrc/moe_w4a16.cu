@@ -74,11 +74,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
-// the same with L2's prefetch-size hint: the L2 fetches the 256-byte block around the line
-__device__ __forceinline__ void cp_async16_l2_256(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
 // Activations are read by every CTA of their block (N / (16 NT) of them): keep them in L1 (.ca).
 __device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
@@ -109,10 +104,7 @@ struct alignas(16) Slot {
   uint4 x[16][8];
 };
 
-// WM, how the lanes copy a chunk's weights (the same bytes to the same slots: the same outputs): bit 0, with L2's
-// 256-byte prefetch hint; bit 1, one k16 step per copy instruction (lane L copies piece L: 512 contiguous bytes per
-// instruction) instead of 4 x 128 bytes of the 4 steps.
-template <int NT, int KW, int S, int WM>
+template <int NT, int KW, int S>
 __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
@@ -147,9 +139,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     e = block_expert[b];
   }
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
-  // WM bit 3: warp w takes chunks w, w + KW, w + 2 KW, ... instead (the CTA's warps stream neighbouring chunks)
-  constexpr int kStep = (WM & 8) ? KW : 1;  // chunks between a warp's consecutive chunks
-  const int c_begin = (WM & 8) ? warp : warp * n_chunks;
+  const int c_begin = warp * n_chunks;
 
   // Layout (kimi/ops/moe_int4_cuda.py: repack): weights [E, K/16, N/64, 32 lanes, 4 words] (word c of n64 block
   // nb, k16 step s: the lane's A fragment of rows 64 nb + 16 c .. + 15), scales [E, K/32, N] bf16 with each run of
@@ -167,25 +157,14 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const uint4* sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
                     (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
 
-  // WM bit 1: lane L's pointer to piece L of step 0 of the chunk; step q is q w_row further
-  const uint4* wp1 = wq + ((size_t)e * k_chunks * 4 + (size_t)c_begin * 4) * w_row + (size_t)nb0 * 32 + lane;
-
   auto issue_w = [&](Slot<NT>& sl) {  // the weights and scales of this warp's next chunk into slot sl
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        void* dst = (WM & 2) ? (void*)&sl.w[nb][q][lane] : (void*)&sl.w[nb][wj][8 * q + wl];
-        const uint4* src = (WM & 2) ? wp1 + q * w_row + nb * 32 : wp + nb * 32 + 8 * q;
-        if constexpr ((WM & 1) != 0)
-          cp_async16_l2_256(dst, src);
-        else
-          cp_async16(dst, src);
-      }
-    wp1 += 4 * kStep * w_row;
+      for (int q = 0; q < 4; ++q) cp_async16(&sl.w[nb][wj][8 * q + wl], wp + nb * 32 + 8 * q);
     if (lane < 16 * NB) cp_async16(&sl.s[lane >> 4][(lane >> 3) & 1][lane & 7], sp);
-    wp += 4 * kStep * w_row;
-    sp += 2 * kStep * s_row;
+    wp += 4 * w_row;
+    sp += 2 * s_row;
   };
   if (early_weights) {  // one cp.async group per chunk, as in the main loop
 #pragma unroll
@@ -223,8 +202,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       const int r = xrow[H], piece = xq[H] + q;
       cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * q);
     }
-    xr[0] += 64 * kStep;
-    xr[1] += 64 * kStep;
+    xr[0] += 64;
+    xr[1] += 64;
   };
   auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
     issue_w(sl);
@@ -331,11 +310,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
           __syncwarp();            // ... and every lane's; every lane is done with the slot read last
           if (c0 + s + S - 1 < n_chunks) issue(ring[(s + S - 1) % S], h1);
           cp_async_commit();
-          if constexpr ((WM & 4) != 0) {  // probe: the loads alone (no MMA): fold one word of the slot in
-            acc[0][0][0] += __int_as_float(ring[s].w[0][0][lane].x & 0x1);
-          } else {
-            compute(ring[s], h1);
-          }
+          compute(ring[s], h1);
         }
       }
     }
@@ -417,7 +392,7 @@ constexpr size_t smem_bytes() {
   return ring > part ? ring : part;
 }
 
-template <int NT, int KW, int S, int WM>
+template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
                    int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
@@ -432,7 +407,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(attr_set.load() & bit)) {
-    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S, WM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)smem);
     if (err != cudaSuccess) return err;
     attr_set.fetch_or(bit);
@@ -447,7 +422,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
-  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S, WM>, static_cast<const __nv_bfloat16*>(x), x_stride,
+  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
                             n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
@@ -465,36 +440,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
 // not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
 // before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
-// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). wmode: the kernel's WM (0 for every
-// configuration; 1-3 only for those compiled with them below). Returns cudaErrorInvalidValue for anything else.
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int wmode, cudaStream_t stream) {
+                                               int glu, int early_weights, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
-      early_weights > 1 || !(wmode == 0 || wmode == 1 || wmode == 2 || wmode == 3 || wmode == 4 || wmode == 8 ||
-                             wmode == 12))
+      early_weights > 1)
     return cudaErrorInvalidValue;
-#define KIMI_W4A16_WM_CASE(NT_, KW_, S_, WM_)                                                                   \
-  if (nt == NT_ && kw == KW_ && stages == S_ && wmode == WM_)                                                    \
-    return launch<NT_, KW_, S_, WM_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                     num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
-#define KIMI_W4A16_CASE(NT_, KW_, S_) KIMI_W4A16_WM_CASE(NT_, KW_, S_, 0)
-#define KIMI_W4A16_WM_CASES(NT_, KW_, S_) \
-  KIMI_W4A16_WM_CASE(NT_, KW_, S_, 1)     \
-  KIMI_W4A16_WM_CASE(NT_, KW_, S_, 2)     \
-  KIMI_W4A16_WM_CASE(NT_, KW_, S_, 3)     \
-  KIMI_W4A16_WM_CASE(NT_, KW_, S_, 4)     \
-  KIMI_W4A16_WM_CASE(NT_, KW_, S_, 8)     \
-  KIMI_W4A16_WM_CASE(NT_, KW_, S_, 12)
-  // WMODE_CONFIGS in kimi/ops/moe_int4_cuda.py
-  KIMI_W4A16_WM_CASES(4, 4, 4)
-  KIMI_W4A16_WM_CASES(4, 2, 4)
-  KIMI_W4A16_WM_CASES(8, 2, 4)
-  KIMI_W4A16_WM_CASES(8, 2, 3)
-#undef KIMI_W4A16_WM_CASES
+#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
+  if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
+    return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)
@@ -507,6 +466,5 @@ extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, 
   KIMI_W4A16_CASE(4, 4, 2)
   KIMI_W4A16_CASE(8, 2, 2)
 #undef KIMI_W4A16_CASE
-#undef KIMI_W4A16_WM_CASE
   return cudaErrorInvalidValue;
 }

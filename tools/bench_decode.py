@@ -379,11 +379,6 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    **{f"moe_wmode{m}": (f"kimi's CUDA expert GEMMs copying their weights in mode {m} "
-                         "(kimi.ops.moe_int4_cuda.WEIGHT_MODE: bit 0 L2::256B hint, bit 1 one k16 step per copy)",
-                         lambda mdl, m=m: _set_module_attr("kimi.ops.moe_int4_cuda", "WEIGHT_MODE", m),
-                         lambda mdl: _restore_module_attr("kimi.ops.moe_int4_cuda", "WEIGHT_MODE"))
-       for m in (0, 1, 2, 3, 8)},
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

@@ -59,7 +59,7 @@ import torch
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
 __all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "glu_interleave", "GLU_GROUP", "CONFIGS",
-           "WMODE_CONFIGS", "TABLE", "load_extension"]
+           "TABLE", "load_extension"]
 
 # glu_interleave's group: the gate_up weights' rows are stored as [gate 32 j .. + 31, up 32 j .. + 31] per n64 block,
 # so a CTA of the GEMM holds both halves of its outputs and its epilogue writes SiLU(gate) * up (indexed_gemm's glu).
@@ -76,12 +76,6 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # wait for the gate_up GEMM ahead (indexed_gemm's early_weights; cuda_experts_forward). Read at each call; CUDA graphs
 # keep the value of their capture (tools/bench_decode.py A/Bs it).
 EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
-# How the lanes copy the weights (csrc/moe_w4a16.cu's WM; the same bytes to the same slots, so the same outputs):
-# bit 0, L2's 256-byte prefetch hint; bit 1, one k16 step of 512 contiguous bytes per copy instruction. Mode 0 runs
-# every configuration, modes 1-3 those of WMODE_CONFIGS. WEIGHT_MODE: indexed_gemm's mode where not told (read at each
-# call; CUDA graphs keep the value of their capture).
-WMODE_CONFIGS = ((4, 4, 4), (4, 2, 4), (8, 2, 4), (8, 2, 3))
-WEIGHT_MODE = int(os.environ.get("KIMI_MOE_CUDA_WMODE", "0"))
 # Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
 # no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
 # (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
@@ -216,7 +210,7 @@ def load_extension():
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                  config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
-                 early_weights: bool = False, wmode: int | None = None) -> torch.Tensor:
+                 early_weights: bool = False) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -233,11 +227,8 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     every kernel between the two waits for its own predecessor before letting the next one launch (kimi.ops.pdl's
     contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel starts. Each CTA then reads
     its block's expert and issues its first S - 1 chunks of weights and scales before its griddepcontrol.wait, and an
-    empty block exits without waiting; the outputs are the same. wmode: how the lanes copy the weights (WEIGHT_MODE's
-    modes; the same outputs); None: WEIGHT_MODE where the config is one of WMODE_CONFIGS, else 0. No host
-    synchronisation: graph-capturable.
-    Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape (or, with wmode 1-3, is not
-    one of WMODE_CONFIGS), more than 65535 blocks;
+    empty block exits without waiting; the outputs are the same. No host synchronisation: graph-capturable.
+    Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
     if scales.dim() != 3 or weights.dim() != 3:
@@ -263,11 +254,6 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if not config_valid(cfg, N, K):
         raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
                          f"{N // 16}, KW must divide {K // 64})")
-    if wmode is None:
-        wmode = WEIGHT_MODE if cfg in WMODE_CONFIGS else 0
-    if wmode not in (0, 1, 2, 3, 4, 8, 12) or (wmode and cfg not in WMODE_CONFIGS):
-        raise ValueError(f"indexed_gemm: wmode {wmode} with config {cfg} (modes 0-3; 1-3 only with WMODE_CONFIGS "
-                         f"{WMODE_CONFIGS})")
     if block_expert.numel() > 65535:
         raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
@@ -278,6 +264,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights),
-                                  int(wmode))
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights))
     return out

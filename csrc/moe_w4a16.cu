@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights, int xmap) {
+    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights) {
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -180,15 +180,12 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   // Input rows. With both halves in use lane L copies pieces 4 (L & 1) .. + 3 of block row L / 2; with one, pieces
   // 2 (L & 3), + 1 of row L / 4. A pad row reads token 0 instead: its MMA column is never stored, so what it holds
   // does not matter, and the loop needs no per-row branch.
-  // xmap 1 (experiment): lane L copies pieces (L & 1) + 2 q (both halves) / (L & 3) + 4 q (one), so every copy
-  // instruction reads whole 32-byte sectors (adjacent lanes, adjacent pieces); the same pieces land in the same slots
   const __nv_bfloat16* xr[2];
-  int xrow[2], xq[2], xs[2];
+  int xrow[2], xq[2];
 #pragma unroll
   for (int h1 = 0; h1 < 2; ++h1) {
     xrow[h1] = h1 ? lane >> 1 : lane >> 2;
-    xq[h1] = xmap ? (h1 ? (lane & 1) : (lane & 3)) : (h1 ? 4 * (lane & 1) : 2 * (lane & 3));
-    xs[h1] = xmap ? (h1 ? 2 : 4) : 1;
+    xq[h1] = h1 ? 4 * (lane & 1) : 2 * (lane & 3);
     const int id = sorted_ids[b * kBlockRows + xrow[h1]];
     xr[h1] = x + (int64_t)(id < num_rows_out ? id / top_k : 0) * x_stride + 8 * xq[h1] + (int64_t)c_begin * 64;
   }
@@ -202,8 +199,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     constexpr int H = decltype(h1)::value ? 1 : 0;
 #pragma unroll
     for (int q = 0; q < (H ? 4 : 2); ++q) {
-      const int r = xrow[H], piece = xq[H] + xs[H] * q;
-      cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * xs[H] * q);
+      const int r = xrow[H], piece = xq[H] + q;
+      cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * q);
     }
     xr[0] += 64;
     xr[1] += 64;
@@ -398,7 +395,7 @@ constexpr size_t smem_bytes() {
 template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights, int xmap,
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
                    cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
@@ -428,7 +425,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights, xmap);
+                            n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
 }
 
 }  // namespace
@@ -448,15 +445,15 @@ extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, 
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int xmap, cudaStream_t stream) {
+                                               int glu, int early_weights, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
-      early_weights > 1 || xmap < 0 || xmap > 1)
+      early_weights > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, xmap, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

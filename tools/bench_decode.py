@@ -379,12 +379,6 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    "moe_xmap0": ("kimi's CUDA expert GEMMs copying input rows in half sectors (kimi.ops.moe_int4_cuda.X_MAP 0)",
-                  lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "X_MAP", 0),
-                  lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "X_MAP")),
-    "moe_xmap1": ("kimi's CUDA expert GEMMs copying input rows in whole sectors (kimi.ops.moe_int4_cuda.X_MAP 1)",
-                  lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "X_MAP", 1),
-                  lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "X_MAP")),
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

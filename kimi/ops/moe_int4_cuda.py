@@ -76,9 +76,6 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # wait for the gate_up GEMM ahead (indexed_gemm's early_weights; cuda_experts_forward). Read at each call; CUDA graphs
 # keep the value of their capture (tools/bench_decode.py A/Bs it).
 EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
-# Experiment: how the lanes copy the input rows (csrc/moe_w4a16.cu's xmap; the same bytes to the same slots, so the
-# same outputs): 1, whole 32-byte sectors per copy instruction; 0, the old mapping (half sectors). Read at each call.
-X_MAP = int(os.environ.get("KIMI_MOE_CUDA_XMAP", "1"))
 # Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
 # no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
 # (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
@@ -213,7 +210,7 @@ def load_extension():
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                  config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
-                 early_weights: bool = False, xmap: int | None = None) -> torch.Tensor:
+                 early_weights: bool = False) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -267,6 +264,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights),
-                                  X_MAP if xmap is None else int(xmap))
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights))
     return out

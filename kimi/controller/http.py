@@ -90,6 +90,7 @@ class GenerationArgs:
     n: int = 1
     logprobs: int | None = None  # completions: top-k count; chat: top_logprobs count (None = off)
     echo: bool = False
+    max_tokens_field: str = "max_tokens"  # the request field max_tokens came from, named in errors about it
 
 
 @dataclass
@@ -620,17 +621,20 @@ class OpenAIServer:
         room = max(1, min(self.engine.max_model_len, self.engine.kv_capacity_tokens) - len(prompt_token_ids))
         max_tokens_default = room if max_tokens_default is None else min(max_tokens_default, room)
         max_tokens = f.int("max_tokens", None, lo=1)
+        max_field = "max_tokens"
         if f.has("max_completion_tokens"):
             mct = f.int("max_completion_tokens", None, lo=1)
             if max_tokens is not None and mct != max_tokens:
                 raise BadRequest("'max_tokens' and 'max_completion_tokens' disagree; send one of them",
                                  "max_completion_tokens")
+            if max_tokens is None and mct is not None:  # errors about it name the field the client sent
+                max_field = "max_completion_tokens"
             max_tokens = mct
         else:
             f.accept("max_completion_tokens")
         if max_tokens is None:
             max_tokens = max_tokens_default
-        min_tokens = read_min_tokens(f, max_tokens)
+        min_tokens = read_min_tokens(f, max_tokens, max_field)
         sp, st = generation_params(
             sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias_ids=lb_ids,
             logit_bias_values=lb_vals, stop=stop_strings, include_stop_str_in_output=include_stop,
@@ -646,6 +650,7 @@ class OpenAIServer:
             include_usage=include_usage,
             n=n,
             logprobs=logprobs,
+            max_tokens_field=max_field,
         )
 
     async def _start(self, request_id: str, g: GenerationArgs, prompt_field: str = "prompt") -> _Siblings:
@@ -675,10 +680,12 @@ class OpenAIServer:
             for rid in ids:
                 self.engine.abort(rid)
             retry = getattr(e, "retry_after_s", None)
-            param = prompt_field if e.param == "prompt" else e.param
+            param, msg = prompt_field if e.param == "prompt" else e.param, str(e)
+            if param == "max_tokens" and g.max_tokens_field != "max_tokens":  # the field the client sent
+                param, msg = g.max_tokens_field, msg.replace("max_tokens", g.max_tokens_field)
             if retry is not None:
-                raise BadRequest(str(e), param, status=503) from None
-            raise BadRequest(str(e), param) from None
+                raise BadRequest(msg, param, status=503) from None
+            raise BadRequest(msg, param) from None
         except EngineDead as e:
             for rid in ids:
                 self.engine.abort(rid)
@@ -971,6 +978,7 @@ class OpenAIServer:
             top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
             if top is not None and not want_lp:
                 raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            f.noop("modalities", (["text"],), "is not supported (this server outputs text only)")
             rf = f._get("response_format")
             if rf is not None and rf != {"type": "text"}:
                 raise BadRequest("'response_format' other than {'type': 'text'} is not supported", "response_format")

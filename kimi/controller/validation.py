@@ -245,11 +245,11 @@ def read_stop_token_ids(f: Fields, vocab_size: int) -> list[int]:
     return stop_ids
 
 
-def read_min_tokens(f: Fields, max_tokens: int) -> int:
-    """`min_tokens`: 0 .. max_tokens."""
+def read_min_tokens(f: Fields, max_tokens: int, max_field: str = "max_tokens") -> int:
+    """`min_tokens`: 0 .. max_tokens (max_field: the request field max_tokens came from, named in the error)."""
     min_tokens = f.int("min_tokens", 0, lo=0)
     if min_tokens > max_tokens:  # type: ignore[operator]
-        raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed {max_field} ({max_tokens})", "min_tokens")
     return min_tokens  # type: ignore[return-value]
 
 

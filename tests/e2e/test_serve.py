@@ -239,6 +239,29 @@ def test_bad_chat_requests_are_400(server, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_errors_name_max_completion_tokens_when_that_was_sent_and_modalities_text_is_accepted(server):
+    """max_completion_tokens that does not fit the context is a 400 naming max_completion_tokens (the field the
+    client sent, not max_tokens), and so is the min_tokens message; OpenAI's default modalities ["text"] is accepted,
+    any other value a 400 naming modalities."""
+    url = f"{server.base_url}/v1/chat/completions"
+    msgs = [{"role": "user", "content": "x"}]
+    r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_completion_tokens": 10**7})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_completion_tokens", err
+    assert "max_tokens" not in err["message"].replace("max_completion_tokens", ""), err
+    r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_completion_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert "max_completion_tokens (2)" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_tokens": 10**7})  # named as sent
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_tokens": 2, "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+    for bad in (["audio"], ["text", "audio"], "text"):
+        r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_tokens": 2, "modalities": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "modalities", (bad, r.text)
+
+
 def test_malformed_json_is_400_and_changes_nothing(server, client):
     r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -39,8 +39,8 @@ from kimi.controller.chat import encode_chat, no_other_keys, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
 from kimi.controller.offload import run_sized
-from kimi.controller.parsers import MARKER_TEXT, OutputParser, ParserConfig
-from kimi.controller.request import OutputStream, StopParams
+from kimi.controller.parsers import MARKER_TEXT, OutputParser, ParserConfig, ParserDelta, ReleasedTextFeeder
+from kimi.controller.request import OutputStream, Request, StopParams
 from kimi.controller.validation import (
     MAX_LOGPROBS,
     BadRequest,
@@ -110,6 +110,8 @@ class _Choice:
     prompt_top_logprobs: list[list[float] | None] | None = None
     parser: OutputParser | None = None
     outputs: list[RequestOutput] = field(default_factory=list)
+    request: Request | None = None  # the engine's request (chat: its stop_held attributes held-back text)
+    feeder: ReleasedTextFeeder | None = None
 
     def add(self, o: RequestOutput) -> None:
         self.last = o
@@ -123,6 +125,18 @@ class _Choice:
         if o.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs = (
                 o.prompt_logprobs, o.prompt_top_ids, o.prompt_top_logprobs)
+
+    def parse(self, o: RequestOutput) -> ParserDelta:
+        """Chat: feed output o (one token) to the parser; with stop strings, text the controller held back and
+        released with a later token goes to the parser with the token that produced it (ReleasedTextFeeder)."""
+        assert self.parser is not None
+        held = self.request.stop_held if self.request is not None else None
+        if held is None:
+            return self.parser.feed(o.token_ids[0], o.text)
+        if self.feeder is None:
+            self.feeder = ReleasedTextFeeder(self.parser)
+        k = o.num_output_tokens
+        return self.feeder.feed(o.token_ids[0], o.text, held[k - 2] if k >= 2 else 0, held[k - 1], last=o.finished)
 
     def note(self, o: RequestOutput) -> None:
         """Streaming: keep only what later chunks need (the last output, the prompt logprobs); the streamed
@@ -189,11 +203,12 @@ class _Siblings:
     """
 
     def __init__(self, engine: Engine, ids: list[str], streams: list[AsyncIterator[list[RequestOutput]]],
-                 outputs: list[OutputStream] | None = None) -> None:
+                 outputs: list[OutputStream] | None = None, requests: list[Request] | None = None) -> None:
         self.engine = engine
         self.ids = ids
         self.streams = streams
         self.outputs = outputs or []  # the requests' OutputStreams (for _SSE's synchronous sink)
+        self.requests = requests or []  # the engine's Request objects, in the same order
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.closed = False
@@ -666,6 +681,7 @@ class OpenAIServer:
         ids: list[str] = []
         streams: list[AsyncIterator[list[RequestOutput]]] = []
         outputs: list[OutputStream] = []
+        reqs: list[Request] = []
         try:
             for i in range(g.n):
                 sp = g.sampling
@@ -675,7 +691,8 @@ class OpenAIServer:
                 streams.append(await self.engine.generate_batches(rid, g.prompt_token_ids, sp, g.stop,
                                                                   g.skip_special_tokens, leader=ids[0] if ids else None))
                 ids.append(rid)
-                outputs.append(self.engine.requests[rid].outputs)
+                reqs.append(self.engine.requests[rid])
+                outputs.append(reqs[-1].outputs)
         except AdmissionError as e:
             for rid in ids:
                 self.engine.abort(rid)
@@ -690,7 +707,7 @@ class OpenAIServer:
             for rid in ids:
                 self.engine.abort(rid)
             raise BadRequest(str(e), None, status=503) from None
-        return _Siblings(self.engine, ids, streams, outputs)
+        return _Siblings(self.engine, ids, streams, outputs, reqs)
 
     @staticmethod
     def _usage(n_prompt: int, n_out: int, n_cached: int) -> dict[str, Any]:
@@ -1004,7 +1021,8 @@ class OpenAIServer:
             return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        choices = [_Choice(i, r, parser=OutputParser(pcfg)) for i, r in enumerate(sib.ids)]
+        choices = [_Choice(i, r, parser=OutputParser(pcfg), request=sib.requests[i] if sib.requests else None)
+                   for i, r in enumerate(sib.ids)]
 
         def finish_reason(c: _Choice) -> str | None:
             base_reason = c.last.finish_reason if c.last else None
@@ -1026,7 +1044,7 @@ class OpenAIServer:
                     if not o.token_ids:
                         tail += o.text
                         continue
-                    d = p.feed(o.token_ids[0], o.text)
+                    d = c.parse(o)
                     content.append(d.content)
                     reasoning.append(d.reasoning_content)
                 d = p.finish(tail)
@@ -1065,7 +1083,7 @@ class OpenAIServer:
             c.note(o)
             if o.error is not None:
                 return sse_event(self._error_chunk(o.error)), True
-            d = p.feed(o.token_ids[0], o.text) if o.token_ids else None
+            d = c.parse(o) if o.token_ids else None
             if d is not None and not o.finished and not want_lp and not d.tool_calls:
                 # the common chunks: only the content or only the reasoning text varies
                 if not d.reasoning_content:

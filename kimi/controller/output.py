@@ -87,6 +87,7 @@ class OutputProcessor:
         req.detokenizer = FastDetokenizer(self.tokenizer, texts, skip_special_tokens=skip)
         if req.stop.stop:
             req.stop_checker = StopChecker(req.stop.stop, req.stop.include_stop_str_in_output)
+            req.stop_held = []
 
     def append(self, req: Request, out: TokenOutput) -> RequestOutput:
         """Append `out.token_id` to `req`, check stops, and return the delta for the client.
@@ -126,6 +127,7 @@ class OutputProcessor:
                 reason, stop_reason = "stop", matched
             elif reason is not None:
                 text += checker.flush()
+            req.stop_held.append(len(checker.held))  # type: ignore[union-attr]
         if reason is not None:
             req.finish_reason = reason
         plp = ptid = ptlp = None

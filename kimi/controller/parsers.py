@@ -68,11 +68,13 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   precedes the marker.
 
 Public API: `ParserConfig`, `OutputParser`, `ParserDelta`, `ToolCallDelta`, `ToolCall`,
-`parse_tool_call_id`, `parse_output`, and the marker id constants.
+`ReleasedTextFeeder` (held-back stop-string text to the tokens that produced it), `parse_tool_call_id`,
+`parse_output`, and the marker id constants.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -331,6 +333,10 @@ class OutputParser:
         self._text(after, out)
         return out
 
+    def is_marker(self, token_id: int) -> bool:
+        """Whether `feed` treats token_id as a marker (a state change), not as ordinary text."""
+        return token_id in self._marker_text and (self.config.tools or token_id in THINK_MARKER_IDS)
+
     def finish(self, text_tail: str = "") -> ParserDelta:
         """End of the stream (stop token, stop string, max_tokens or abort).
 
@@ -474,6 +480,63 @@ class _Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
 
     def flush(self) -> str: ...
+
+
+class ReleasedTextFeeder:
+    """Feeds an `OutputParser` the text that a stop-string checker released, attributed to the tokens that produced it.
+
+    The controller holds back generated text that may begin a stop string (kimi.controller.stops) and sends it with
+    a later token's output, so an output's text can hold characters of earlier tokens. Fed as the later token's
+    text, held reasoning text would land in `content` when a `</think>` came in between (and held text could cross
+    a tool-call marker likewise). This feeder keeps the tokens whose text is not all out yet, in order, and gives each
+    to the parser only after the text produced before it: an ordinary token's text as it is released, a marker
+    (with its own text) once all of that text is out.
+
+    feed(token_id, text, held_before, held_after, last): one output of the request (its single token and released
+    text); held_before / held_after: the characters the checker held back before / after it
+    (`Request.stop_held`); last: the request ends with it (text past a matched stop string was cut: the tokens whose
+    text is not out are then fed with what was released of it). Returns what to stream now.
+    """
+
+    def __init__(self, parser: OutputParser) -> None:
+        self.parser = parser
+        self._pending: deque[list[Any]] = deque()  # [token id, characters not released yet, released text (markers)]
+
+    def feed(self, token_id: int, text: str, held_before: int, held_after: int, last: bool = False) -> ParserDelta:
+        out = ParserDelta()
+        pending = self._pending
+        pending.append([token_id, max(0, len(text) - held_before + held_after), ""])  # this token's own characters
+        parser = self.parser
+        while pending:
+            entry = pending[0]
+            tid, rest = entry[0], entry[1]
+            piece, text = text[:rest], text[rest:]
+            entry[1] = rest - len(piece)
+            if parser.is_marker(tid):
+                entry[2] += piece
+                if entry[1] and not last:
+                    break
+                _merge(out, parser.feed(tid, entry[2]))
+            else:
+                if piece:
+                    _merge(out, parser.feed(tid, piece))
+                if entry[1] and not last:
+                    break
+            pending.popleft()
+        if text:  # not expected (the released text never exceeds what was produced): kept, as ordinary text
+            _merge(out, parser.feed(-1, text))
+        return out
+
+
+def _merge(out: ParserDelta, d: ParserDelta) -> None:
+    """Append delta d to out (a call's argument fragments joined as ParserDelta builds them)."""
+    out.content += d.content
+    out.reasoning_content += d.reasoning_content
+    for t in d.tool_calls:
+        if t.is_head:
+            out.tool_calls.append(t)
+        else:
+            out._add_fragment(t.index, t.arguments)
 
 
 def parse_output(

@@ -280,6 +280,23 @@ def test_stop_strings_tokens_and_hold_back(client):
     assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == "thinkOK"
 
 
+def test_text_held_for_a_stop_string_stays_in_the_reasoning_it_came_from(client):
+    """" think" (end of the reasoning) may begin the stop string "thinkX", so it is held back until "OK" (after
+    </think>) shows no match: it must come out as reasoning, not content. A stop string spanning </think> with
+    include_stop_str_in_output splits at it. Streamed and not (found by an adversarial tester)."""
+    kw = dict(messages=ASK, temperature=0, max_tokens=5)
+    for stop, include, want in ((["thinkX"], False, (" I think", "OK", "length")),
+                                ([" thinkOK"], True, (" I think", "OK", "stop")),
+                                ([" thinkOK"], False, (" I", None, "stop"))):
+        extra = {"extra_body": {"include_stop_str_in_output": include}}
+        m = client.chat.completions.create(model="tiny", **kw, stop=stop, **extra)
+        got = (m.choices[0].message.model_extra["reasoning_content"], m.choices[0].message.content,
+               m.choices[0].finish_reason)
+        assert got == want, (stop, include, got)
+        reasoning, content, _, reasons, _ = _stream_chat(client, **kw, stop=stop, **extra)
+        assert (reasoning, content or None, reasons) == (want[0], want[1], [want[2]]), (stop, include)
+
+
 def test_min_tokens_and_ignore_eos(client):
     kw = dict(model="tiny", prompt=[IM_MIDDLE], max_tokens=40, temperature=0, logit_bias={str(CB): -10})
     assert client.completions.create(**kw).usage.completion_tokens == 23  # ... Done <|im_end|>

@@ -531,3 +531,91 @@ def test_marker_text_of_another_vocabulary_stays_out_of_the_fields():
     p = OutputParser(ParserConfig(thinking=True))  # without it, the names are ordinary text (the old behaviour)
     deltas = [p.feed(t, x) for t, x in feed] + [p.finish()]
     assert "".join(d.reasoning_content for d in deltas) == names[0][1] + " I think" + names[1][1]
+
+
+# ---- text held back for stop strings, released with later tokens (ReleasedTextFeeder) -----------------
+def _controller_outputs(tokens, stops, include):
+    """What kimi.controller.output sends for `tokens` ([(id, own text)]) with stop strings: per output
+    (id, released text, held before, held after, last), and the produced text's released length."""
+    from kimi.controller.stops import StopChecker
+
+    checker = StopChecker(stops, include)
+    outs, held, released = [], 0, 0
+    for i, (tid, text) in enumerate(tokens):
+        emit, stopped, _ = checker.feed(text)
+        last = stopped or i == len(tokens) - 1
+        if last and not stopped:
+            emit += checker.flush()
+        outs.append((tid, emit, held, len(checker.held), last))
+        held = len(checker.held)
+        released += len(emit)
+        if last:
+            break
+    return outs, released
+
+
+def test_released_text_goes_with_the_token_that_produced_it():
+    """A stop string's possible prefix held back at the end of the reasoning and released after `</think>` stays
+    reasoning; a stop string spanning `</think>` (include_stop_str_in_output) splits at it (the adversarial case:
+    " I" " think" </think> "OK" with stop " thinkOK")."""
+    from kimi.controller.parsers import ReleasedTextFeeder
+
+    tokens = [(TEXT_ID, " I"), (TEXT_ID, " think"), (TE, ""), (TEXT_ID, "OK"), (TEXT_ID, " more")]
+    cfg = ParserConfig(thinking=True)
+    for stops, include, want in (([" thinkOK"], True, (" I think", "OK")), ([" thinkOK"], False, (" I", "")),
+                                 (["thinkX"], False, (" I think", "OK more"))):
+        outs, _ = _controller_outputs(tokens, stops, include)
+        feeder = ReleasedTextFeeder(OutputParser(cfg))
+        r = c = ""
+        for tid, text, hb, ha, last in outs:
+            d = feeder.feed(tid, text, hb, ha, last)
+            r, c = r + d.reasoning_content, c + d.content
+        d = feeder.parser.finish()
+        assert (r + d.reasoning_content, c + d.content) == want, (stops, include)
+
+
+def test_released_text_attribution_matches_per_token_parsing_fuzz():
+    """Random outputs (reasoning, tool calls, markers with and without their text), random stop strings drawn from
+    the output's own text (so they match, often across tokens and markers), with and without
+    include_stop_str_in_output: what the feeder gives the parser equals parsing each token with its own text cut at
+    the released length (the text a stop string cut is gone; every token up to the end is still fed)."""
+    from kimi.controller.parsers import ReleasedTextFeeder
+
+    rng = random.Random(7)
+    words = [" I", " think", "OK", "th", "ink", "a", "b", "functions.f:0", '{"x":', " 1}", "é", "—"]
+    for _ in range(3000):
+        tools = rng.random() < 0.5
+        marker_text = rng.random() < 0.5
+        seq = []
+        for _ in range(rng.randint(1, 14)):
+            if rng.random() < 0.3:
+                tid = rng.choice([TS, TE, SB, SE, CB, AB, CE])
+                seq.append((tid, MARKER_TEXT[tid] if marker_text else ""))
+            else:
+                seq.append((TEXT_ID + rng.randint(0, 3), rng.choice(words)))
+        stream = "".join(t for _, t in seq)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            if stream and rng.random() < 0.8:
+                i = rng.randrange(len(stream))
+                stops.append(stream[i:i + rng.randint(1, 9)])
+            else:
+                stops.append(rng.choice(["zz", "thinkX", "OKa"]))
+        include = rng.random() < 0.5
+        cfg = ParserConfig(tools=tools, thinking=rng.random() < 0.7)
+        outs, released = _controller_outputs(seq, stops, include)
+        fed = seq[:len(outs)]
+        # reference: every fed token with its own text cut at the released length
+        cut, pos = [], 0
+        for tid, t in fed:
+            cut.append(t[:max(0, released - pos)])
+            pos += len(t)
+        want = parse_output([tid for tid, _ in fed], cut, cfg)
+        feeder = ReleasedTextFeeder(OutputParser(cfg))
+        r = c = ""
+        for tid, text, hb, ha, last in outs:
+            d = feeder.feed(tid, text, hb, ha, last)
+            r, c = r + d.reasoning_content, c + d.content
+        d = feeder.parser.finish()
+        got = ((c + d.content) or None, (r + d.reasoning_content) or None, feeder.parser.tool_calls)
+        assert got == want, (seq, stops, include, cfg)

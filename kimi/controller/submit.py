@@ -50,6 +50,40 @@ _FIELD_AT = re.compile(r"`\$\[(\d+)\]")  # msgspec's error path, e.g. "... - at 
 _WIRE_PATH = re.compile(r" - at `\$[^`]*`")  # that path in the message: wire positions mean nothing to a user
 
 
+def _submit_id(data: bytes) -> str | None:
+    """The request id of a msgpack SubmitRequest read from the message's first bytes alone (an array whose first
+    two items are the struct's tag and a UTF-8 string), or None: for messages that do not decode as a whole."""
+    if not data:
+        return None
+    b0, i = data[0], 1
+    if 0x90 <= b0 <= 0x9F:
+        n = b0 & 0x0F
+    elif b0 in (0xDC, 0xDD):
+        w = 2 if b0 == 0xDC else 4
+        n, i = int.from_bytes(data[1:1 + w], "big"), 1 + w
+    else:
+        return None
+    if n < 2 or i >= len(data) or data[i] != _SUBMIT_TAG:  # the tag: a positive fixint (30)
+        return None
+    i += 1
+    if i >= len(data):
+        return None
+    h = data[i]
+    if 0xA0 <= h <= 0xBF:
+        size, i = h & 0x1F, i + 1
+    elif h in (0xD9, 0xDA, 0xDB):
+        w = {0xD9: 1, 0xDA: 2, 0xDB: 4}[h]
+        size, i = int.from_bytes(data[i + 1:i + 1 + w], "big"), i + 1 + w
+    else:
+        return None
+    if i + size > len(data):
+        return None
+    try:
+        return data[i:i + size].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class SubmitServer:
     def __init__(self, engine: Engine, tokenizer: KimiTokenizer, addr: str, vocab_size: int) -> None:
         self.engine = engine
@@ -160,8 +194,11 @@ class SubmitServer:
         rid, msg = "", f"malformed message: {e}"
         try:
             raw = msgspec.msgpack.decode(data)
-        except Exception:  # not msgpack at all (or a map with unhashable keys)
+        except Exception:  # not msgpack at all, a map with unhashable keys, or a string that is not UTF-8
             raw = None
+            head = _submit_id(data)  # the request id may still be readable (the bad string is a later field)
+            if head is not None:
+                rid = head
         if isinstance(raw, list) and len(raw) >= 2 and raw[0] == _SUBMIT_TAG and isinstance(raw[1], str):
             rid = raw[1]
             m = _FIELD_AT.search(str(e))

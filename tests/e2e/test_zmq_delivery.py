@@ -115,6 +115,20 @@ def test_a_raw_duplicate_id_error_names_the_clients_id(fake_srv):
     assert sum(len(o.token_ids) for o in outs) == 50 and outs[-1].finish_reason == "length"
 
 
+def test_a_message_with_a_non_utf8_string_is_answered_under_its_request_id(fake_srv):
+    """A raw SubmitRequest whose prompt is not UTF-8 does not decode as a whole, but its request id (read from the
+    message's first bytes) still gets the error, so a raw client waiting on that id is answered (found by an
+    adversarial tester: the error went to request id "")."""
+    data = protocol.encode(protocol.SubmitRequest(request_id="utf8-bad", prompt="hi", max_tokens=2))
+    bad = data.replace(b"\xa2hi", b"\xa2\xff\xfe")
+    assert bad != data
+    with raw_dealer(fake_srv.zmq_addr) as s:
+        s.send(bad)
+        assert s.poll(30000), "no answer"
+        out = protocol.decode_output(s.recv())
+    assert out.request_id == "utf8-bad" and out.finished and out.error and "malformed message" in out.error, out
+
+
 def test_leaving_a_stream_whose_last_output_already_arrived_frees_its_id(fake_srv):
     """A stream left early while its request's last output already waits unread in the client (the sync client
     queued it while reading another stream; the async reader queues everything at once): no abort is needed, the

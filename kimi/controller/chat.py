@@ -113,6 +113,7 @@ def validate_tools(tools: Any) -> list[str]:
     if not isinstance(tools, list) or not tools:
         raise BadRequest("'tools' must be a non-empty list", "tools")
     names: list[str] = []
+    seen: set[str] = set()  # a list lookup made 20000 tools take ~2 s on the event loop
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
@@ -132,8 +133,9 @@ def validate_tools(tools: Any) -> list[str]:
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise BadRequest(f"'{p}.function.name' must be 1-128 characters of A-Za-z0-9_.:-", f"{p}.function.name")
-        if name in names:
+        if name in seen:
             raise BadRequest(f"'{p}.function.name' {name!r} is declared twice", f"{p}.function.name")
+        seen.add(name)
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise BadRequest(f"'{p}.function.description' must be a string", f"{p}.function.description")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):

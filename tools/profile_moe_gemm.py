@@ -57,6 +57,8 @@ def main() -> None:
     c1, c2 = hum._configs(hum._m_local(T, TOPK))
     hc, layer, w = (c2, hum.l2, mc.repack(w2, s2)) if down else (c1, hum.l1, ours)
     cfg = tuple(int(v) for v in args.config.split(",")) if args.config else mc.config_for(n, k, T * TOPK // 8)
+    if not mc.config_valid(cfg, n, k):
+        raise SystemExit(f"--config {cfg} cannot run [{n}, {k}] (configurations: {mc.CONFIGS})")
     ah = moe_align_fused(ids, E, OFFSET, hc["block_shape"][0])
     print(f"{args.gemm} [{n}, {k}] at {T} MoE tokens: kimi's config {cfg}, humming's {hc}", flush=True)
     runs = {

@@ -219,7 +219,7 @@ class Engine:
         if n + stop.max_tokens > self.max_model_len:
             raise AdmissionError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
-                f"tokens and asks for {stop.max_tokens} more", "max_tokens")
+                f"tokens and max_tokens asks for {stop.max_tokens} more", "max_tokens")
         if n >= self.kv_capacity_tokens:
             raise AdmissionError(f"the prompt ({n} tokens) fills the KV cache capacity of {self.kv_capacity_tokens} "
                                  "tokens, which leaves no room for a generated token", "prompt")

@@ -30,25 +30,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_util import GpuSampler, copy_bandwidth, out_paths, require_gpu, run_header  # noqa: E402
 
 _SRC = r"""
+// RBW_U 16-byte loads in flight (p[i + u * step] for u < RBW_U, those below hi), folded into acc by XOR
+__device__ __forceinline__ int load_fold(const int4* __restrict__ p, long long i, long long step, long long hi,
+                                         int acc) {
+    int4 v[RBW_U];
+#pragma unroll
+    for (int u = 0; u < RBW_U; ++u) {
+        long long j = i + u * step;
+        if (j < hi) {
+            asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p + j));
+        } else {
+            v[u] = make_int4(0, 0, 0, 0);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < RBW_U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    return acc;
+}
+
 extern "C" __global__ void v4_grid(const int4* __restrict__ p, long long n16, int* out) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
     int acc = 0;
-    for (; i < n16; i += stride * RBW_U) {
-        int4 v[RBW_U];
-#pragma unroll
-        for (int u = 0; u < RBW_U; ++u) {
-            long long j = i + u * stride;
-            if (j < n16) {
-                asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p + j));
-            } else {
-                v[u] = make_int4(0, 0, 0, 0);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < RBW_U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16; i += stride * RBW_U)
+        acc = load_fold(p, i, stride, n16, acc);
     if (acc == 0x13572468) out[0] = acc;
 }
 
@@ -57,21 +62,8 @@ extern "C" __global__ void v4_cta(const int4* __restrict__ p, long long n16, int
     const long long lo = blockIdx.x * per;
     const long long hi = min(n16, lo + per);
     int acc = 0;
-    for (long long i = lo + threadIdx.x; i < hi; i += (long long)blockDim.x * RBW_U) {
-        int4 v[RBW_U];
-#pragma unroll
-        for (int u = 0; u < RBW_U; ++u) {
-            long long j = i + (long long)u * blockDim.x;
-            if (j < hi) {
-                asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p + j));
-            } else {
-                v[u] = make_int4(0, 0, 0, 0);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < RBW_U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
+    for (long long i = lo + threadIdx.x; i < hi; i += (long long)blockDim.x * RBW_U)
+        acc = load_fold(p, i, blockDim.x, hi, acc);
     if (acc == 0x13572468) out[0] = acc;
 }
 

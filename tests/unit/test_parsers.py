@@ -554,24 +554,30 @@ def _controller_outputs(tokens, stops, include):
     return outs, released
 
 
+def _feed_released(outs, cfg):
+    """The controller outputs through a ReleasedTextFeeder -> (content, reasoning, complete tool calls)."""
+    from kimi.controller.parsers import ReleasedTextFeeder
+
+    feeder = ReleasedTextFeeder(OutputParser(cfg))
+    r = c = ""
+    for tid, text, hb, ha, last in outs:
+        d = feeder.feed(tid, text, hb, ha, last)
+        r, c = r + d.reasoning_content, c + d.content
+    d = feeder.parser.finish()
+    return c + d.content, r + d.reasoning_content, feeder.parser.tool_calls
+
+
 def test_released_text_goes_with_the_token_that_produced_it():
     """A stop string's possible prefix held back at the end of the reasoning and released after `</think>` stays
     reasoning; a stop string spanning `</think>` (include_stop_str_in_output) splits at it (the adversarial case:
     " I" " think" </think> "OK" with stop " thinkOK")."""
-    from kimi.controller.parsers import ReleasedTextFeeder
-
     tokens = [(TEXT_ID, " I"), (TEXT_ID, " think"), (TE, ""), (TEXT_ID, "OK"), (TEXT_ID, " more")]
     cfg = ParserConfig(thinking=True)
     for stops, include, want in (([" thinkOK"], True, (" I think", "OK")), ([" thinkOK"], False, (" I", "")),
                                  (["thinkX"], False, (" I think", "OK more"))):
         outs, _ = _controller_outputs(tokens, stops, include)
-        feeder = ReleasedTextFeeder(OutputParser(cfg))
-        r = c = ""
-        for tid, text, hb, ha, last in outs:
-            d = feeder.feed(tid, text, hb, ha, last)
-            r, c = r + d.reasoning_content, c + d.content
-        d = feeder.parser.finish()
-        assert (r + d.reasoning_content, c + d.content) == want, (stops, include)
+        c, r, _ = _feed_released(outs, cfg)
+        assert (r, c) == want, (stops, include)
 
 
 def test_released_text_attribution_matches_per_token_parsing_fuzz():
@@ -579,8 +585,6 @@ def test_released_text_attribution_matches_per_token_parsing_fuzz():
     the output's own text (so they match, often across tokens and markers), with and without
     include_stop_str_in_output: what the feeder gives the parser equals parsing each token with its own text cut at
     the released length (the text a stop string cut is gone; every token up to the end is still fed)."""
-    from kimi.controller.parsers import ReleasedTextFeeder
-
     rng = random.Random(7)
     words = [" I", " think", "OK", "th", "ink", "a", "b", "functions.f:0", '{"x":', " 1}", "é", "—"]
     for _ in range(3000):
@@ -611,11 +615,5 @@ def test_released_text_attribution_matches_per_token_parsing_fuzz():
             cut.append(t[:max(0, released - pos)])
             pos += len(t)
         want = parse_output([tid for tid, _ in fed], cut, cfg)
-        feeder = ReleasedTextFeeder(OutputParser(cfg))
-        r = c = ""
-        for tid, text, hb, ha, last in outs:
-            d = feeder.feed(tid, text, hb, ha, last)
-            r, c = r + d.reasoning_content, c + d.content
-        d = feeder.parser.finish()
-        got = ((c + d.content) or None, (r + d.reasoning_content) or None, feeder.parser.tool_calls)
-        assert got == want, (seq, stops, include, cfg)
+        c, r, calls = _feed_released(outs, cfg)
+        assert (c or None, r or None, calls) == want, (seq, stops, include, cfg)

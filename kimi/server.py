@@ -28,6 +28,7 @@ import socket
 import subprocess
 import tempfile
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,17 +298,25 @@ class WorkerProcess:
 
     def __init__(self, cmd: list[str]) -> None:
         self.proc = subprocess.Popen(cmd, start_new_session=True)
+        self._ranks: dict[int, int] = {}  # the worker processes seen under torchrun (pid -> start time)
+        self._ranks_at = 0.0
 
     def check(self) -> str | None:
         rc = self.proc.poll()
-        return None if rc is None else f"worker process exited with code {rc} (torchrun: a worker rank died or failed)"
+        if rc is None:
+            now = time.monotonic()
+            if now - self._ranks_at >= 5.0:  # remember the ranks while torchrun lives: `stop` kills them if it dies
+                self._ranks_at = now
+                self._ranks.update(_descendants(self.proc.pid))
+            return None
+        return f"worker process exited with code {rc} (torchrun: a worker rank died or failed)"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Let torchrun end within grace_s, then SIGTERM / SIGKILL its group; then SIGKILL any worker that outlived
         it. torchrun starts each rank in a session of its own (torch.distributed.elastic's subprocess handler), so
         signals to torchrun's group do not reach the ranks: torchrun forwards its SIGTERM, which a rank that cannot
         run (SIGSTOPped, wedged in the kernel) does not act on before torchrun itself is killed."""
-        ranks = _descendants(self.proc.pid)
+        ranks = {**self._ranks, **_descendants(self.proc.pid)}  # the remembered ranks too: torchrun may be gone
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:

@@ -47,6 +47,11 @@ from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.engine")
 
+# Liveness (the local torchrun's exit, the ranks' heartbeats) is checked at least this often, s: on every wait for
+# results that times out, and after a step once this long has passed since the last check (steps shorter than a
+# wait's timeout would otherwise never trigger it under load: a killed torchrun went unnoticed until idle)
+LIVENESS_PERIOD_S = 0.5
+
 
 class AdmissionError(ValueError):
     """A request that can never run (too long for max_model_len or for the whole KV cache).
@@ -110,6 +115,7 @@ class Engine:
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s: float | None = 10.0  # None: no heartbeat check (set by the server's flag)
         self._last_ping = 0.0
+        self._last_liveness = time.monotonic()  # the last _check_liveness (steps shorter than its period run it too)
         self._ping_seq = itertools.count(1 << 20)
         self._alive_since = 0.0
         self.schedulers: list[Scheduler] = []
@@ -408,6 +414,10 @@ class Engine:
         return tokens
 
     def _check_liveness(self) -> None:
+        """Raise RuntimeError when a liveness check (the local torchrun) or the heartbeat reports a dead worker.
+        Runs at least every LIVENESS_PERIOD_S: on a wait that times out, and after a step once that long has
+        passed (under steady load no wait times out)."""
+        self._last_liveness = time.monotonic()
         for check in self.liveness_checks:
             err = check()
             if err:
@@ -510,6 +520,8 @@ class Engine:
                 tokens = await self._collect(step)
                 self.stats.steps += 1
                 self._apply(outs, tokens)
+                if time.monotonic() - self._last_liveness >= LIVENESS_PERIOD_S:
+                    self._check_liveness()
                 await asyncio.sleep(0)  # let front-ends read outputs / add requests between steps
         except asyncio.CancelledError:
             raise

@@ -34,6 +34,18 @@ def _rank_pid(model_dir: str, rank: int) -> int:
     raise AssertionError(f"no worker process for rank {rank}")
 
 
+def _agent_pid(model_dir: str) -> int:
+    """The torchrun agent (torch.distributed.run) serving model_dir."""
+    for pid in worker_pids(model_dir):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmd:
+            return pid
+    raise AssertionError("no torchrun process")
+
+
 async def _stream(ac: openai.AsyncOpenAI, prompt: list[int], started: asyncio.Event, chunks: list) -> BaseException | None:
     try:
         stream = await ac.completions.create(model="tiny", prompt=prompt, max_tokens=240, temperature=0, stream=True,
@@ -52,12 +64,14 @@ async def _plain(base_url: str, prompt: list[int]) -> httpx.Response:
             "model": "tiny", "prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True})
 
 
-def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str) -> tuple[list, list, float, float, int]:
-    """Start a 2-rank server, run 4 streaming + 2 non-streaming requests, send `sig` to rank 1 once every
-    stream has produced a chunk. Returns (stream results, plain responses, seconds from the signal until
-    every client had its error, seconds from the signal to the server's exit, server exit code)."""
+def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str, agent: bool = False
+               ) -> tuple[list, list, float, float, int]:
+    """Start a 2-rank server, run 4 streaming + 2 non-streaming requests, send `sig` to rank 1 (agent: to the
+    torchrun agent instead) once every stream has produced a chunk. Returns (stream results, plain responses,
+    seconds from the signal until every client had its error, seconds from the signal to the server's exit, server
+    exit code)."""
     srv = start_server(model_dir, log_path, *ARGS, *extra)
-    victim = _rank_pid(model_dir, 1)
+    victim = _agent_pid(model_dir) if agent else _rank_pid(model_dir, 1)
     sent_at = 0.0
     try:
         async def go():
@@ -117,6 +131,22 @@ def test_killed_rank_fails_every_request_and_exits(tiny_k26, tmp_path):
     _check_errors(streams, plains, log[-3000:])
     assert rc != 0, log[-3000:]
     assert detected < 10 and took < 20, (detected, took)  # lenient: the CI box may be busy
+
+
+def test_killed_torchrun_agent_is_noticed_under_load(tiny_k26, tmp_path):
+    """SIGKILL of the torchrun agent while requests run (its ranks live on, orphaned, and keep answering): the
+    controller notices within its liveness period although no wait times out under load, fails every request, exits
+    non-zero, and takes the orphaned ranks down (found by an operator-side tester: the server kept serving until idle
+    and the ranks lingered until their silence timeout)."""
+    log_path = str(tmp_path / "server.log")
+    streams, plains, detected, took, rc = _fault_run(tiny_k26, log_path, signal.SIGKILL, agent=True)
+    log = Path(log_path).read_text(errors="replace")
+    for e in streams:
+        assert isinstance(e, openai.APIError) and "worker process exited" in str(e.message), (e, log[-3000:])
+    for r in plains:
+        assert r.status_code >= 500 and "worker process exited" in r.json()["error"]["message"], r.text
+    assert rc != 0, log[-3000:]
+    assert detected < 10 and took < 20, (detected, took)
 
 
 def test_stopped_rank_is_detected_by_heartbeat(tiny_k26, tmp_path):

@@ -45,6 +45,9 @@ from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.server")
 
+# --log-level: uvicorn's levels (trace is its most verbose; Python's logging has none, so kimi logs it as debug)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 @dataclass
 class ServeArgs:
@@ -191,7 +194,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-addr", default=None, help="ZeroMQ address workers read plans from (default: free port)")
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
     p.add_argument("--worker-timeout", type=_numeric("worker_timeout"), default=600.0, help="seconds a step may take before failing")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                   help="uvicorn / kimi log level (trace: uvicorn's most verbose; kimi logs it as debug)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
     p.add_argument("--max-waiting", type=_numeric("max_waiting"), default=1024,
                    help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
@@ -450,6 +454,11 @@ async def serve(a: ServeArgs) -> int:
         log.error("--max-model-len %d: the model allows at most %d positions (max_position_embeddings; give "
                   "1..%d)", a.max_model_len, cfg.max_position_embeddings, cfg.max_position_embeddings)
         return 2
+    if not a.attach and not a.fake_workers and cfg.n_routed_experts % a.nproc:
+        log.error("--nproc %d: the model's %d routed experts do not split evenly over %d ranks (expert parallelism "
+                  "gives every rank as many; use a divisor of %d)", a.nproc, cfg.n_routed_experts, a.nproc,
+                  cfg.n_routed_experts)
+        return 2
     if a.device == "cuda" and not a.attach:
         err = _cuda_unavailable()
         if err is not None:
@@ -606,5 +615,5 @@ def _http_end(http_task: asyncio.Task, http: uvicorn.Server) -> int:
 
 
 def run(a: ServeArgs) -> int:
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level="DEBUG" if a.log_level == "trace" else a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(a))

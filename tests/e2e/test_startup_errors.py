@@ -6,9 +6,11 @@ its own) nor any torchrun / kimi.worker.main process serving this test's uniquel
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -83,7 +85,9 @@ _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine
     (("--num-hidden-layers", "999"), ["--num-hidden-layers 999"]),
     (("--max-model-len", "1000000"), ["--max-model-len 1000000", "262144"]),
     pytest.param(("--device", "cuda"), ["--device cuda: CUDA is not available"], marks=_NO_CUDA),
-], ids=["num-hidden-layers", "max-model-len", "device-cuda"])
+    # the tiny checkpoint's 16 routed experts do not split over 3 ranks (each rank raised it after launch)
+    (("--nproc", "3"), ["--nproc 3", "16 routed experts", "divisor of 16"]),
+], ids=["num-hidden-layers", "max-model-len", "device-cuda", "nproc-experts"])
 def test_config_or_machine_check_exits_2_before_launching(model, flags, expect):
     """Flags checked once the config is read (or against the machine): one error line naming the flag, exit 2,
     no worker launched, no traceback."""
@@ -98,6 +102,33 @@ def test_config_or_machine_check_exits_2_before_launching(model, flags, expect):
 def test_bad_flag_exits_2_at_once(model):
     rc, out = _serve(model, "--port", "99999")
     assert rc == 2 and "argument --port" in out, out
+    rc, out = _serve(model, "--log-level", "loud")  # was a ValueError traceback from logging.basicConfig
+    assert rc == 2 and "argument --log-level" in out and "Traceback" not in out, out
+
+
+def test_log_level_trace_is_accepted(model):
+    """uvicorn's `trace` (and any case) starts the server; kimi logs at debug. --fake-workers: no model load."""
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--log-level", "TRACE",
+                             "--fake-workers", "--port", str(port), "--zmq-submit-addr",
+                             f"tcp://127.0.0.1:{free_tcp_port()}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in out, out
 
 
 def test_worker_start_up_failure_stops_every_worker(model):

@@ -215,6 +215,10 @@ def _file_map(model_dir: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got "
+                                  f"{type(weight_map).__name__}")
         for fname in sorted(set(weight_map.values())):
             if not os.path.isfile(os.path.join(model_dir, fname)):
                 raise CheckpointError(f"{index}: lists file {fname!r}, which does not exist in {model_dir}")

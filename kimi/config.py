@@ -144,6 +144,12 @@ class ModelConfig:
 
         Raises ConfigError naming the first missing or unsupported field.
         """
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must be a JSON object, got {type(cfg).__name__}")
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation_config).__name__}")
+        if "text_config" in cfg and not isinstance(cfg["text_config"], dict):
+            raise ConfigError(f"config.json: text_config must be an object, got {cfg['text_config']!r:.60}")
         prefix = ""
         text = cfg
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):
@@ -162,6 +168,24 @@ class ModelConfig:
             v = text.get(name, default)
             return default if v is None else v
 
+        def as_int(name: str, v: Any, lo: int = 1) -> int:
+            """An integer field (JSON integer, or a float with an integral value) >= lo."""
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"config.json: {name} must be an integer >= {lo}, got {v!r:.60}")
+            return v
+
+        def as_float(name: str, v: Any) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"config.json: {name} must be a finite number, got {v!r:.60}")
+            return float(v)
+
+        def as_bool(name: str, v: Any) -> bool:
+            if not isinstance(v, bool):
+                raise ConfigError(f"config.json: {name} must be true or false, got {v!r:.60}")
+            return v
+
         for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if opt(name, want) != want:
                 raise ConfigError(f"config.json: {name}={text.get(name)!r} is not supported (need {want!r})")
@@ -173,21 +197,28 @@ class ModelConfig:
 
         rs = text.get("rope_scaling")
         rope_scaling = None
+        if rs is not None and not isinstance(rs, dict):
+            raise ConfigError(f"config.json: rope_scaling must be an object, got {rs!r:.60}")
         if rs:
             kind = rs.get("type", rs.get("rope_type"))
             if kind != "yarn":
                 raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (need 'yarn')")
+            if "factor" not in rs:
+                raise ConfigError("config.json: rope_scaling has no 'factor'")
             rope_scaling = RopeScaling(
-                factor=float(rs["factor"]),
-                original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
-                beta_fast=float(rs.get("beta_fast", 32)),
-                beta_slow=float(rs.get("beta_slow", 1)),
-                mscale=float(rs.get("mscale", 1.0)),
-                mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
+                factor=as_float("rope_scaling.factor", rs["factor"]),
+                original_max_position_embeddings=as_int("rope_scaling.original_max_position_embeddings",
+                                                        rs.get("original_max_position_embeddings", 4096)),
+                beta_fast=as_float("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
+                beta_slow=as_float("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
+                mscale=as_float("rope_scaling.mscale", rs.get("mscale", 1.0)),
+                mscale_all_dim=as_float("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0.0)),
             )
 
         quant = None
         qc = text.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r:.60}")
         if qc:
             method = qc.get("quant_method")
             if method == "compressed-tensors":
@@ -199,58 +230,63 @@ class ModelConfig:
                     raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
                 if weights.get("strategy", "group") != "group":
                     raise ConfigError("config.json: only group-wise INT4 scales are supported")
-                quant = QuantConfig(method="int4", group_size=int(weights.get("group_size", 32)))
+                quant = QuantConfig(method="int4", group_size=as_int("quantization_config group_size",
+                                                                     weights.get("group_size", 32)))
             elif method == "fp8":
                 if qc.get("fmt", "e4m3") != "e4m3":
                     raise ConfigError(f"config.json: fp8 format {qc.get('fmt')!r} is not supported")
                 blk = qc.get("weight_block_size", [128, 128])
-                quant = QuantConfig(method="fp8", block=(int(blk[0]), int(blk[1])))
+                if not isinstance(blk, list) or len(blk) != 2:
+                    raise ConfigError(f"config.json: weight_block_size must be [rows, columns], got {blk!r:.60}")
+                quant = QuantConfig(method="fp8", block=(as_int("weight_block_size[0]", blk[0]),
+                                                         as_int("weight_block_size[1]", blk[1])))
             else:
                 raise ConfigError(f"config.json: quant_method {method!r} is not supported")
 
         eos: list[int] = []
 
-        def add_eos(v: Any) -> None:
+        def add_eos(v: Any, where: str) -> None:
             if v is None:
                 return
             for x in v if isinstance(v, list) else [v]:
-                if int(x) not in eos:
-                    eos.append(int(x))
+                x = as_int(f"{where}eos_token_id", x, lo=0)
+                if x not in eos:
+                    eos.append(x)
 
-        add_eos(text.get("eos_token_id", cfg.get("eos_token_id")))
+        add_eos(text.get("eos_token_id", cfg.get("eos_token_id")), "")
         if generation_config:
-            add_eos(generation_config.get("eos_token_id"))
+            add_eos(generation_config.get("eos_token_id"), "generation_config.json ")
 
         q_lora = text.get("q_lora_rank")
         return cls(
             model_type=str(text.get("model_type", cfg.get("model_type", "kimi_k2"))),
-            hidden_size=int(need("hidden_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
-            moe_layer_freq=int(opt("moe_layer_freq", 1)),
-            intermediate_size=int(need("intermediate_size")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            n_routed_experts=int(need("n_routed_experts")),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            n_shared_experts=int(opt("n_shared_experts", 0)),
-            num_attention_heads=int(need("num_attention_heads")),
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            kv_lora_rank=int(need("kv_lora_rank")),
-            qk_nope_head_dim=int(need("qk_nope_head_dim")),
-            qk_rope_head_dim=int(need("qk_rope_head_dim")),
-            v_head_dim=int(need("v_head_dim")),
-            n_group=int(opt("n_group", 1)),
-            topk_group=int(opt("topk_group", 1)),
+            hidden_size=as_int("hidden_size", need("hidden_size")),
+            num_hidden_layers=as_int("num_hidden_layers", need("num_hidden_layers")),
+            first_k_dense_replace=as_int("first_k_dense_replace", opt("first_k_dense_replace", 0), lo=0),
+            moe_layer_freq=as_int("moe_layer_freq", opt("moe_layer_freq", 1)),
+            intermediate_size=as_int("intermediate_size", need("intermediate_size")),
+            moe_intermediate_size=as_int("moe_intermediate_size", need("moe_intermediate_size")),
+            n_routed_experts=as_int("n_routed_experts", need("n_routed_experts")),
+            num_experts_per_tok=as_int("num_experts_per_tok", need("num_experts_per_tok")),
+            n_shared_experts=as_int("n_shared_experts", opt("n_shared_experts", 0), lo=0),
+            num_attention_heads=as_int("num_attention_heads", need("num_attention_heads")),
+            q_lora_rank=None if q_lora is None else as_int("q_lora_rank", q_lora),
+            kv_lora_rank=as_int("kv_lora_rank", need("kv_lora_rank")),
+            qk_nope_head_dim=as_int("qk_nope_head_dim", need("qk_nope_head_dim")),
+            qk_rope_head_dim=as_int("qk_rope_head_dim", need("qk_rope_head_dim")),
+            v_head_dim=as_int("v_head_dim", need("v_head_dim")),
+            n_group=as_int("n_group", opt("n_group", 1)),
+            topk_group=as_int("topk_group", opt("topk_group", 1)),
             topk_method=str(opt("topk_method", "noaux_tc")),
             scoring_func=str(opt("scoring_func", "sigmoid")),
-            norm_topk_prob=bool(opt("norm_topk_prob", True)),
-            routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
-            rope_theta=float(opt("rope_theta", 10000.0)),
+            norm_topk_prob=as_bool("norm_topk_prob", opt("norm_topk_prob", True)),
+            routed_scaling_factor=as_float("routed_scaling_factor", opt("routed_scaling_factor", 1.0)),
+            rope_theta=as_float("rope_theta", opt("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(need("max_position_embeddings")),
-            rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
-            vocab_size=int(need("vocab_size")),
-            tie_word_embeddings=bool(opt("tie_word_embeddings", False)),
+            max_position_embeddings=as_int("max_position_embeddings", need("max_position_embeddings")),
+            rms_norm_eps=as_float("rms_norm_eps", opt("rms_norm_eps", 1e-6)),
+            vocab_size=as_int("vocab_size", need("vocab_size")),
+            tie_word_embeddings=as_bool("tie_word_embeddings", opt("tie_word_embeddings", False)),
             hidden_act="silu",
             eos_token_ids=tuple(eos),
             weight_prefix=prefix,
@@ -277,9 +313,15 @@ class ModelConfig:
         gen = None
         gpath = os.path.join(path, "generation_config.json")
         if os.path.isfile(gpath):
-            with open(gpath) as f:
-                gen = json.load(f)
-        return cls.from_dict(cfg, gen)
+            try:
+                with open(gpath) as f:
+                    gen = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{gpath}: not valid JSON: {e}") from e
+        try:
+            return cls.from_dict(cfg, gen)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
 
 @dataclass(frozen=True)

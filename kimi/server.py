@@ -430,7 +430,7 @@ async def serve(a: ServeArgs) -> int:
     ignored = cuda_only_flags_set(a)
     if ignored:
         log.warning("%s: used with --device cuda only; ignored on --device %s", ", ".join(ignored), a.device)
-    if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "ipc://")):
+    if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:", "ipc://")):
         log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
                   a.zmq_submit_addr)
         return 2
@@ -475,7 +475,8 @@ async def serve(a: ServeArgs) -> int:
     eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
     max_model_len = a.max_model_len or cfg.max_position_embeddings
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
-    submit_addr = a.zmq_submit_addr or f"tcp://{a.host}:{a.port + 1}"
+    # an IPv6 literal host goes in brackets: tcp://[::1]:port
+    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
     if a.api_key:
         # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
         if a.zmq_submit_addr is None:

@@ -155,3 +155,46 @@ def test_model_folder_without_its_tokenizer(tiny_k26, tmp_path):
     assert len(errors) == 1 and "tiktoken.model" in errors[0], out
     assert "torch.distributed.run" not in out and "rank0" not in out, "workers were launched"
 
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_ipv6_host_serves_http_and_zeromq(model):
+    """--host ::1: HTTP on [::1] and the ZeroMQ submit API on tcp://[::1]:port+1 (its default address used to lack
+    the brackets, and the sockets IPv6: start-up failed with 'No such device'; found by an operator-side tester).
+    --fake-workers: no model load."""
+    import httpx
+
+    from kimi.client import KimiClient
+
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--host", "::1", "--port",
+                             str(port), "--fake-workers"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://[::1]:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0]
+        r = httpx.post(f"http://[::1]:{port}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        with KimiClient(f"tcp://[::1]:{port + 1}", timeout_s=30) as c:
+            outs = list(c.generate([1, 2, 3], max_tokens=3))
+        assert outs[-1].finished and outs[-1].error is None and sum(len(o.token_ids) for o in outs) == 3, outs
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in out, out

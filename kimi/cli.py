@@ -1,4 +1,5 @@
-"""Command line: `kimi serve ...` (see `kimi serve --help`) and `kimi make-tiny-checkpoint OUT`."""
+"""Command line: `kimi serve ...` (see `kimi serve --help`). The tiny test checkpoint is made by
+`tools/make_tiny_checkpoint.py OUT` (`make tiny`)."""
 
 from __future__ import annotations
 

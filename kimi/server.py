@@ -534,7 +534,7 @@ async def serve(a: ServeArgs) -> int:
         if engine.ready:
             engine.drain("the server is shutting down")
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal / ssh session closed
         loop.add_signal_handler(sig, on_signal)
 
     workers = None

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from conftest import start_server, worker_pids
 
@@ -172,8 +173,11 @@ def test_workers_exit_when_the_controller_is_killed(tiny_k26, tmp_path):
     assert worker_pids(tiny_k26) == [], "workers outlived a killed controller"
 
 
-def test_sigterm_ends_open_streams_with_an_error_and_exits_0(tiny_k26, tmp_path):
-    """Shutdown does not wait for long generations: open streams get an error event, the server exits 0."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_ends_open_streams_with_an_error_and_exits_0(tiny_k26, tmp_path, sig):
+    """Shutdown does not wait for long generations: open streams get an error event, the server exits 0. SIGHUP (a
+    closed terminal or ssh session) stops it the same way (it killed the controller at once, leaving the ranks
+    until their silence timeout: found by an operator-side tester)."""
     srv = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256")
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
     stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3000, temperature=0, stream=True,
@@ -184,7 +188,7 @@ def test_sigterm_ends_open_streams_with_an_error_and_exits_0(tiny_k26, tmp_path)
         for _ in stream:
             got += 1
             if got == 3:
-                srv.proc.send_signal(signal.SIGTERM)
+                srv.proc.send_signal(sig)
                 t_sig = time.monotonic()
     except openai.APIError as e:
         err = e

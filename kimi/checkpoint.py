@@ -23,7 +23,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -215,10 +215,13 @@ def _file_map(model_dir: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                       for k, v in weight_map.items()):
+        if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got "
                                   f"{type(weight_map).__name__}")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names; {bad[0]!r} maps to "
+                                  f"{bad[1]!r:.60}")
         for fname in sorted(set(weight_map.values())):
             if not os.path.isfile(os.path.join(model_dir, fname)):
                 raise CheckpointError(f"{index}: lists file {fname!r}, which does not exist in {model_dir}")

@@ -152,7 +152,8 @@ class KimiClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # queue outputs until read, however many (never drop one)
-        self._sock.setsockopt(zmq.IPV6, 1)  # the server may listen on an IPv6 address (tcp://[::1]:port)
+        if addr.startswith("tcp://["):  # an IPv6 literal; not for names (IPv6 first would turn localhost into ::1)
+            self._sock.setsockopt(zmq.IPV6, 1)
         self._sock.connect(addr)
         self._timeout_ms = int(timeout_s * 1000)
         self._pending: dict[str, collections.deque[RequestOutput]] = {}
@@ -257,7 +258,8 @@ class AsyncKimiClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # queue outputs until read, however many (never drop one)
-        self._sock.setsockopt(zmq.IPV6, 1)  # the server may listen on an IPv6 address (tcp://[::1]:port)
+        if addr.startswith("tcp://["):  # an IPv6 literal; not for names (IPv6 first would turn localhost into ::1)
+            self._sock.setsockopt(zmq.IPV6, 1)
         self._sock.connect(addr)
         self._queues: dict[str, Any] = {}
         self._draining: dict[str, Any] = {}  # as KimiClient._draining: id -> asyncio.Event set by its last output

@@ -148,42 +148,45 @@ class ModelConfig:
             raise ConfigError(f"config.json must be a JSON object, got {type(cfg).__name__}")
         if generation_config is not None and not isinstance(generation_config, dict):
             raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation_config).__name__}")
-        if "text_config" in cfg and not isinstance(cfg["text_config"], dict):
+        if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):  # null: absent
             raise ConfigError(f"config.json: text_config must be an object, got {cfg['text_config']!r:.60}")
         prefix = ""
         text = cfg
+        where = "config.json: "  # how errors name a field of `text` (nested: text_config.NAME)
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):
             text = dict(cfg["text_config"])
             prefix = "language_model."
+            where = "config.json: text_config."
             # Some nested dumps keep quantization_config at the top level only.
             if "quantization_config" not in text and "quantization_config" in cfg:
                 text["quantization_config"] = cfg["quantization_config"]
 
         def need(name: str) -> Any:
             if name not in text:
-                raise ConfigError(f"config.json: missing field {name!r}")
+                raise ConfigError(f"{where.removesuffix('.').removesuffix(': ')}: missing field {name!r}")
             return text[name]
 
         def opt(name: str, default: Any) -> Any:
             v = text.get(name, default)
             return default if v is None else v
 
-        def as_int(name: str, v: Any, lo: int = 1) -> int:
-            """An integer field (JSON integer, or a float with an integral value) >= lo."""
+        def as_int(name: str, v: Any, lo: int = 1, file: str | None = None) -> int:
+            """An integer field (JSON integer, or a float with an integral value) >= lo; file: where it is
+            (default: config.json's model fields)."""
             if isinstance(v, float) and v.is_integer():
                 v = int(v)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"config.json: {name} must be an integer >= {lo}, got {v!r:.60}")
+                raise ConfigError(f"{file or where}{name} must be an integer >= {lo}, got {v!r:.60}")
             return v
 
         def as_float(name: str, v: Any) -> float:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"config.json: {name} must be a finite number, got {v!r:.60}")
+                raise ConfigError(f"{where}{name} must be a finite number, got {v!r:.60}")
             return float(v)
 
         def as_bool(name: str, v: Any) -> bool:
             if not isinstance(v, bool):
-                raise ConfigError(f"config.json: {name} must be true or false, got {v!r:.60}")
+                raise ConfigError(f"{where}{name} must be true or false, got {v!r:.60}")
             return v
 
         for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
@@ -198,13 +201,13 @@ class ModelConfig:
         rs = text.get("rope_scaling")
         rope_scaling = None
         if rs is not None and not isinstance(rs, dict):
-            raise ConfigError(f"config.json: rope_scaling must be an object, got {rs!r:.60}")
+            raise ConfigError(f"{where}rope_scaling must be an object, got {rs!r:.60}")
         if rs:
             kind = rs.get("type", rs.get("rope_type"))
             if kind != "yarn":
                 raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (need 'yarn')")
             if "factor" not in rs:
-                raise ConfigError("config.json: rope_scaling has no 'factor'")
+                raise ConfigError(f"{where}rope_scaling has no 'factor'")
             rope_scaling = RopeScaling(
                 factor=as_float("rope_scaling.factor", rs["factor"]),
                 original_max_position_embeddings=as_int("rope_scaling.original_max_position_embeddings",
@@ -225,7 +228,16 @@ class ModelConfig:
                 if qc.get("format") != "pack-quantized":
                     raise ConfigError(f"config.json: compressed-tensors format {qc.get('format')!r} is not supported")
                 groups = qc.get("config_groups") or {}
-                weights = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
+                if not isinstance(groups, dict):
+                    raise ConfigError(f"config.json: quantization_config.config_groups must be an object, got "
+                                      f"{groups!r:.60}")
+                group = next(iter(groups.values()), {}) if groups else {}
+                weights = group.get("weights") if isinstance(group, dict) else None
+                if weights is None:
+                    weights = {}
+                if not isinstance(weights, dict):
+                    raise ConfigError(f"config.json: quantization_config.config_groups weights must be an object, "
+                                      f"got {weights!r:.60}")
                 if weights.get("num_bits", 4) != 4 or not weights.get("symmetric", True):
                     raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
                 if weights.get("strategy", "group") != "group":
@@ -245,17 +257,17 @@ class ModelConfig:
 
         eos: list[int] = []
 
-        def add_eos(v: Any, where: str) -> None:
+        def add_eos(v: Any, file: str | None) -> None:
             if v is None:
                 return
             for x in v if isinstance(v, list) else [v]:
-                x = as_int(f"{where}eos_token_id", x, lo=0)
+                x = as_int("eos_token_id", x, lo=0, file=file)
                 if x not in eos:
                     eos.append(x)
 
-        add_eos(text.get("eos_token_id", cfg.get("eos_token_id")), "")
+        add_eos(text.get("eos_token_id", cfg.get("eos_token_id")), None)
         if generation_config:
-            add_eos(generation_config.get("eos_token_id"), "generation_config.json ")
+            add_eos(generation_config.get("eos_token_id"), "generation_config.json: ")
 
         q_lora = text.get("q_lora_rank")
         return cls(

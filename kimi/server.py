@@ -300,16 +300,19 @@ def _descendants(pid: int) -> dict[int, int]:
 class WorkerProcess:
     """The torchrun child, its process group, and the worker processes under it."""
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], nproc: int = 1) -> None:
         self.proc = subprocess.Popen(cmd, start_new_session=True)
-        self._ranks: dict[int, int] = {}  # the worker processes seen under torchrun (pid -> start time)
+        self.nproc = nproc
+        self._ranks: dict[int, int] = {}  # the processes seen under torchrun (pid -> start time)
         self._ranks_at = 0.0
 
     def check(self) -> str | None:
         rc = self.proc.poll()
         if rc is None:
             now = time.monotonic()
-            if now - self._ranks_at >= 5.0:  # remember the ranks while torchrun lives: `stop` kills them if it dies
+            # remember the ranks while torchrun lives (`stop` kills them if it dies): at every check until all nproc
+            # are seen (torchrun starts them after a moment), then every 5 s
+            if len(self._ranks) < self.nproc or now - self._ranks_at >= 5.0:
                 self._ranks_at = now
                 self._ranks.update(_descendants(self.proc.pid))
             return None
@@ -454,7 +457,7 @@ async def serve(a: ServeArgs) -> int:
         log.error("--max-model-len %d: the model allows at most %d positions (max_position_embeddings; give "
                   "1..%d)", a.max_model_len, cfg.max_position_embeddings, cfg.max_position_embeddings)
         return 2
-    if not a.attach and not a.fake_workers and cfg.n_routed_experts % a.nproc:
+    if not a.fake_workers and cfg.n_routed_experts % a.nproc:  # --attach too: --nproc is then the world size
         log.error("--nproc %d: the model's %d routed experts do not split evenly over %d ranks (expert parallelism "
                   "gives every rank as many; use a divisor of %d)", a.nproc, cfg.n_routed_experts, a.nproc,
                   cfg.n_routed_experts)
@@ -534,7 +537,9 @@ async def serve(a: ServeArgs) -> int:
         if engine.ready:
             engine.drain("the server is shutting down")
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal / ssh session closed
+    # SIGHUP: the terminal / ssh session closed; left alone when ignored (`nohup kimi serve`)
+    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, on_signal)
 
     workers = None
@@ -542,7 +547,7 @@ async def serve(a: ServeArgs) -> int:
     rc = 0
     try:
         if not a.attach:
-            workers = WorkerProcess(worker_command(a, plan_addr, result_addr))
+            workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
             engine.liveness_checks.append(workers.check)
         else:
             log.info("waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "

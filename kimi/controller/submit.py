@@ -94,7 +94,8 @@ class SubmitServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # queue a slow reader's outputs; never drop them (see the module doc)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that left raises EHOSTUNREACH
-        self.sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port and other IPv6 addresses (IPv4 ones still work)
+        if addr.startswith("tcp://["):  # an IPv6 literal; not for names (IPv6 first would turn localhost into ::1)
+            self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.bind(addr)
         self.addr = addr
         self._tasks: set[asyncio.Task] = set()

@@ -116,15 +116,15 @@ def test_log_level_trace_is_accepted(model):
     try:
         import httpx
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
+        deadline, ready = time.monotonic() + 60, False
+        while time.monotonic() < deadline and proc.poll() is None and not ready:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
+                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.2)  # (trace logs every poll: few polls keep the unread output pipe from filling)
         assert proc.poll() is None, proc.communicate()[0]
+        assert ready, "the server never became ready"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

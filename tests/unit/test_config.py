@@ -154,9 +154,10 @@ def _with(path: list[str], value):
 
 @pytest.mark.parametrize("raw,match", [
     ([1, 2], "must be a JSON object"),
-    (_with(["text_config"], None), "text_config must be an object"),
+    (_with(["text_config"], 5), "text_config must be an object"),
+    (_with(["text_config", "quantization_config", "config_groups"], ["x"]), "config_groups must be an object"),
     (_with(["text_config", "hidden_size"], None), "hidden_size must be an integer"),
-    (_with(["text_config", "hidden_size"], "abc"), "hidden_size must be an integer"),
+    (_with(["text_config", "hidden_size"], "abc"), "config.json: text_config.hidden_size must be an integer"),
     (_with(["text_config", "hidden_size"], "128"), "hidden_size must be an integer"),
     (_with(["text_config", "num_hidden_layers"], 3.5), "num_hidden_layers must be an integer"),
     (_with(["text_config", "max_position_embeddings"], -5), "max_position_embeddings must be an integer >= 1"),
@@ -167,7 +168,7 @@ def _with(path: list[str], value):
     (_with(["text_config", "eos_token_id"], "x"), "eos_token_id must be an integer"),
     (_with(["text_config", "norm_topk_prob"], "yes"), "norm_topk_prob must be true or false"),
     (_with(["text_config", "rms_norm_eps"], float("nan")), "rms_norm_eps must be a finite number"),
-], ids=["list", "text_config-null", "null", "string", "numeric-string", "fraction", "negative", "rope-string",
+], ids=["list", "text_config-number", "config-groups-list", "null", "string", "numeric-string", "fraction", "negative", "rope-string",
         "rope-no-factor", "rope-factor-string", "quant-string", "eos-string", "bool-string", "nan"])
 def test_malformed_config_values_name_the_field(raw, match) -> None:
     """A wrong value or type in config.json is a ConfigError naming the field (it was an AttributeError, TypeError or
@@ -182,9 +183,12 @@ def test_config_file_errors_name_the_folder_and_file(tmp_path) -> None:
     """from_dir's errors name the checkpoint folder (config.json's field errors) or the file (generation_config.json
     that is not JSON)."""
     (tmp_path / "config.json").write_text(json.dumps(_with(["text_config", "hidden_size"], "abc")))
-    with pytest.raises(ConfigError, match=f"^{tmp_path}: config.json: hidden_size"):
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: config.json: text_config.hidden_size"):
         ModelConfig.from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(load_preset("kimi-k2.6")))
     (tmp_path / "generation_config.json").write_text("{bad")
     with pytest.raises(ConfigError, match="generation_config.json: not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: generation_config.json: eos_token_id must be an integer"):
         ModelConfig.from_dir(tmp_path)

@@ -137,7 +137,7 @@ def main() -> None:
                 return {"rel_err": (d.max() / scale_ref).item(), "nan": bool(torch.isnan(y[rows]).any())}
 
             for cfg in mc.CONFIGS:
-                if (n // 16) % cfg[0] or (k // 64) % cfg[1]:
+                if not mc.config_valid(cfg, n, k):
                     continue
                 out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 fn = lambda cfg=cfg, out=out: mc.indexed_gemm(  # noqa: E731

@@ -369,7 +369,7 @@ AB_VARIANTS = {
                                 lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
                                 lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
        for mode in ("early", "late", "off")},
-    **{f"moe_cuda_{gemm}_c{''.join(map(str, c))}": (f"kimi's CUDA {gemm} GEMM (--moe-backend cuda / auto) with launch "
+    **{f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (f"kimi's CUDA {gemm} GEMM (--moe-backend cuda / auto) with launch "
                                                 f"configuration {c}",
                                                 lambda m, attr=attr, c=c: _moe_cuda_config(m, attr, c),
                                                 lambda m, attr=attr: _moe_cuda_config(m, attr, None))

@@ -40,7 +40,8 @@ each n64 block holds 32 gate rows, then the 32 matching up rows) that final sum 
 GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept:
 split-K over CTAs, and persistent CTAs that stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's
 notes, and again with equal shares of work per CTA in docs/benchmarks.md, session 18; the down GEMM chained to
-gate_up per align block: session 16; a 200-register build for 5 CTAs per SM: session 18.)
+gate_up per align block: session 16; a 200-register build for 5 CTAs per SM: session 18; a warp-specialised
+stream-K kernel, a producer warp filling a ring of k64 stages for 7-8 computing warps: session 22.)
 Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
 reads anything, then lets the next kernel launch). With `early_weights` (the down GEMM of `cuda_experts_forward`,
 whose align is two kernels back) a CTA reads its block's expert and issues its first S - 1 chunks of weights before
@@ -67,11 +68,7 @@ GLU_GROUP = 32
 
 # (NT, KW, S) launch configurations compiled into the extension: NT 16-row N tiles per CTA, KW warps splitting K,
 # S k64 chunks per warp in its shared-memory ring (S - 1 in flight).
-# ("sk", NT, CW, S): the warp-specialised stream-K kernel (csrc/moe_w4a16_streamk.cu): CW consumer warps of NT tiles
-# each and a producer warp filling a ring of S k64 chunks by TMA bulk copies; a persistent grid.
-CONFIGS = ((4, 4, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (4, 4, 3), (4, 2, 3), (8, 2, 3), (8, 4, 3), (8, 1, 3), (4, 4, 2), (8, 2, 2),
-           ("sk", 8, 8, 5), ("sk", 8, 8, 4), ("sk", 4, 8, 8), ("sk", 4, 8, 6), ("sk", 8, 7, 5), ("sk", 8, 7, 4), ("sk", 8, 4, 5),
-           ("sk", 4, 4, 8))
+CONFIGS = ((4, 4, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (4, 4, 3), (4, 2, 3), (8, 2, 3), (8, 4, 3), (8, 1, 3), (4, 4, 2), (8, 2, 2))
 DEFAULT_CONFIG = (4, 4, 4)
 # Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
@@ -98,12 +95,8 @@ TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]
 
 def config_valid(cfg: tuple[int, int, int], n: int, k: int) -> bool:
     """Whether configuration cfg = (NT, KW, S) can run a GEMM [n, k]: n % 64 == k % 64 == 0, NT divides n / 16 and
-    KW divides k / 64; for ("sk", NT, CW, S): CW * NT / 4 divides n / 64."""
-    if cfg not in CONFIGS or n % 64 or k % 64:
-        return False
-    if cfg[0] == "sk":
-        return (n // 64) % (cfg[2] * cfg[1] // 4) == 0
-    return (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
+    KW divides k / 64."""
+    return cfg in CONFIGS and n % 64 == 0 and k % 64 == 0 and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
 
 
 def config_for(n: int, k: int, m: int | None = None) -> tuple[int, int, int]:
@@ -212,23 +205,7 @@ def load_extension():
     cannot build here (OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja)."""
     from kimi.ops.cuda_ext import load
 
-    return load("moe_w4a16", ["moe_w4a16_binding.cpp", "moe_w4a16.cu", "moe_w4a16_streamk.cu"])
-
-
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def streamk_workspace(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ws [C * 8 * 8 * 2 * 32 * 4] float32, flags [C * 8] int32) of the stream-K kernel on device, C = 4 x its SMs
-    (the most CTAs of any configuration resident at once): the partial sums that a CTA hands to the head of an item
-    it shares, and the flags that say they are written (zero between launches). One per device, kept for the
-    process (CUDA graphs capture their addresses); the launches on a device must not run concurrently."""
-    device = torch.device(device)
-    if device not in _workspaces:
-        c = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        _workspaces[device] = (torch.zeros(c * 8 * 8 * 2 * 32 * 4, dtype=torch.float32, device=device),
-                               torch.zeros(c * 8, dtype=torch.int32, device=device))
-    return _workspaces[device]
+    return load("moe_w4a16", ["moe_w4a16_binding.cpp", "moe_w4a16.cu"])
 
 
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
@@ -278,7 +255,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if not config_valid(cfg, N, K):
         raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
                          f"{N // 16}, KW must divide {K // 64})")
-    if block_expert.numel() > 65535 and cfg[0] != "sk":
+    if block_expert.numel() > 65535:
         raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
         from kimi.ops.pdl import enabled
@@ -287,13 +264,6 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     modes = {"off": 0, "early": 1, "late": 2}
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
-    if cfg[0] == "sk":
-        ws, flags = streamk_workspace(x.device)
-        load_extension().streamk_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                      int(cfg[1]), int(cfg[2]), int(cfg[3]), modes[pdl],
-                                      int(glu) + 2 * (os.environ.get("KIMI_SK_PROBE") == "1"), bool(early_weights),
-                                      ws, flags)
-        return out
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
                                   int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights))
     return out

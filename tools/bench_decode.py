@@ -54,7 +54,7 @@ import time
 
 import torch
 
-from bench_util import GpuSampler, copy_bandwidth, require_gpu, run_header  # tools/, this script's folder
+from bench_util import GpuSampler, copy_bandwidth, event_times, require_gpu, run_header  # tools/, this script's folder
 from kimi.ops.moe import DispatchResult
 from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
 from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
@@ -419,18 +419,8 @@ class DecodeSteps:
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
-    """fn's GPU time (events around it), each call after the last one's end."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
+    """fn's GPU time (events around it), each call after the last one's end (bench_util.event_times)."""
+    ts = event_times(fn, iters, warmup)
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters, "samples": ts}
 
 

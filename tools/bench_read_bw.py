@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import GpuSampler, copy_bandwidth, out_paths, require_gpu, run_header  # noqa: E402
+from bench_util import GpuSampler, copy_bandwidth, event_times, out_paths, require_gpu, run_header  # noqa: E402
 
 _SRC = r"""
 // RBW_U 16-byte loads in flight (p[i + u * step] for u < RBW_U, those below hi), folded into acc by XOR
@@ -124,15 +124,8 @@ def _time(fn, iters: int, sampler: GpuSampler) -> tuple[float, dict | None]:
     while time.time() < t_end:
         fn()
         torch.cuda.synchronize()
-    ts = []
     t0 = time.time()
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
+    ts = event_times(fn, iters, warmup=0)
     return statistics.median(ts), sampler.windows([(t0, time.time())])
 
 

@@ -45,6 +45,23 @@ def run_header(what: str, args) -> dict:
     return res
 
 
+def event_times(fn, iters: int, warmup: int = 3) -> list[float]:
+    """fn's GPU time in ms, `iters` samples: CUDA events recorded around each call on the current stream, each call
+    after the previous one has ended (the host waits on the end event), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return ts
+
+
 def copy_bandwidth(nbytes: int, device="cuda", iters: int = 20, warmup: int = 3) -> dict:
     """HBM copy bandwidth: a device-to-device copy of `nbytes`, event-timed, median of `iters` copies.
 
@@ -53,18 +70,7 @@ def copy_bandwidth(nbytes: int, device="cuda", iters: int = 20, warmup: int = 3)
     """
     a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     b = torch.empty_like(a)
-    for _ in range(warmup):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ms = statistics.median(ts)
+    ms = statistics.median(event_times(lambda a=a, b=b: b.copy_(a), iters, warmup))
     del a, b
     torch.cuda.empty_cache()
     return {"bytes_per_copy": nbytes, "median_ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}

@@ -97,19 +97,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 // One warp's ring slot for a k64 chunk: the weights of its NT / 4 n64 blocks (4 k16 steps x 32 lanes x 16 bytes
 // each), their scales (2 groups x 8 lane groups x 16 bytes: rows g + 8 i, i = 0..7), and the 16 token rows' 64
 // inputs (16-byte piece q of row r stored at q ^ (r & 7): ldmatrix reads 8 rows' pieces from 8 distinct bank groups).
-// XR: input rows held (16, or 8 for the SPLIT kernel, which computes one n8 half of a block).
-template <int NT, int XR = 16>
+template <int NT>
 struct alignas(16) Slot {
   uint4 w[NT / 4][4][32];
   uint4 s[NT / 4][2][8];
-  uint4 x[XR][8];
+  uint4 x[16][8];
 };
 
-// SPLIT: the grid has two CTAs per align block, CTA (b, h) computing block rows 8 h .. 8 h + 7 only (one n8 half of
-// the MMA; the second exits when those rows hold no pair): the kernel then holds the accumulators, inputs and input
-// fragments of one half, i.e. fewer registers and more resident warps; a block with more than 8 rows has its
-// weights read by two CTAs, which run side by side, the second mostly from L2.
-template <int NT, int KW, int S, bool SPLIT = false>
+template <int NT, int KW, int S>
 __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
@@ -118,12 +113,10 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  using SlotT = Slot<NT, SPLIT ? 8 : 16>;
-  const int b = SPLIT ? (int)(blockIdx.y >> 1) : (int)blockIdx.y;
-  const int rbase = b * kBlockRows + (SPLIT ? 8 * (int)(blockIdx.y & 1) : 0);  // the first block row of this CTA
+  const int b = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  SlotT* ring = reinterpret_cast<SlotT*>(smem_raw) + warp * S;
+  Slot<NT>* ring = reinterpret_cast<Slot<NT>*>(smem_raw) + warp * S;
   // partial sums reuse the rings after the loop: [KW][NT * 16][17] floats
   float* partial = reinterpret_cast<float*>(smem_raw);
 
@@ -135,13 +128,11 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   int e;
   if (early_weights) {
     if (b * kBlockRows >= __ldcg(num_padded)) return;
-    if (SPLIT && (blockIdx.y & 1) && !__any_sync(0xffffffffu, __ldcg(sorted_ids + rbase + g) < num_rows_out)) return;
     e = __ldcg(block_expert + b);
   } else {
     grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
     if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
-    if (b * kBlockRows >= num_padded[0] ||
-        (SPLIT && (blockIdx.y & 1) && !__any_sync(0xffffffffu, sorted_ids[rbase + g] < num_rows_out))) {
+    if (b * kBlockRows >= num_padded[0]) {
       if (trigger_late) launch_dependents();
       return;
     }
@@ -166,7 +157,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const uint4* sp = wsc + ((size_t)e * k_chunks * 2 + (size_t)c_begin * 2 + ((lane >> 3) & 1)) * s_row +
                     (size_t)(nb0 + (lane >> 4)) * 8 + (lane & 7);
 
-  auto issue_w = [&](SlotT& sl) {  // the weights and scales of this warp's next chunk into slot sl
+  auto issue_w = [&](Slot<NT>& sl) {  // the weights and scales of this warp's next chunk into slot sl
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -184,8 +175,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     grid_dependency_wait();  // x comes from the kernel ahead
     if (!trigger_late) launch_dependents();
   }
-  // rows 8..15 hold pairs (never in the SPLIT kernel: its CTA has 8 rows)
-  const bool half1 = !SPLIT && __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);
+  const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
 
   // Input rows. With both halves in use lane L copies pieces 4 (L & 1) .. + 3 of block row L / 2; with one, pieces
   // 2 (L & 3), + 1 of row L / 4. A pad row reads token 0 instead: its MMA column is never stored, so what it holds
@@ -196,7 +186,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   for (int h1 = 0; h1 < 2; ++h1) {
     xrow[h1] = h1 ? lane >> 1 : lane >> 2;
     xq[h1] = h1 ? 4 * (lane & 1) : 2 * (lane & 3);
-    const int id = sorted_ids[rbase + (SPLIT ? xrow[0] : xrow[h1])];
+    const int id = sorted_ids[b * kBlockRows + xrow[h1]];
     xr[h1] = x + (int64_t)(id < num_rows_out ? id / top_k : 0) * x_stride + 8 * xq[h1] + (int64_t)c_begin * 64;
   }
   // ldmatrix addresses (bytes in a slot's x) of this lane for half h, k16 steps 0, 1: row 8 h + L % 8, piece
@@ -205,7 +195,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const uint32_t x_off_hi = x_off ^ 64u;
 
   // h1: std::true_type when rows 8..15 hold pairs (the second n8 half is loaded and multiplied), else false_type
-  auto issue_x = [&](SlotT& sl, auto h1) {  // the inputs of this warp's next chunk into slot sl
+  auto issue_x = [&](Slot<NT>& sl, auto h1) {  // the inputs of this warp's next chunk into slot sl
     constexpr int H = decltype(h1)::value ? 1 : 0;
 #pragma unroll
     for (int q = 0; q < (H ? 4 : 2); ++q) {
@@ -215,7 +205,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     xr[0] += 64;
     xr[1] += 64;
   };
-  auto issue = [&](SlotT& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
+  auto issue = [&](Slot<NT>& sl, auto h1) {  // the next chunk of this warp into slot sl; advances the pointers
     issue_w(sl);
     issue_x(sl, h1);
   };
@@ -232,7 +222,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   // token, which turns the products with the raw bf16 values 128 + nibble into products with nibble - 8
   const uint32_t m136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
   const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto compute = [&](const SlotT& sl, auto h1) {
+  auto compute = [&](const Slot<NT>& sl, auto h1) {
     constexpr int NH = decltype(h1)::value ? 2 : 1;  // n8 halves in use
     // B fragments of half h: b[h][2 j], b[h][2 j + 1] = step j's registers 0, 1 (inputs 16 j + 2 t (+1), + 8)
     uint32_t b[2][8];
@@ -325,14 +315,10 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       }
     }
   };
-  if constexpr (SPLIT) {
+  if (half1)
+    main_loop(std::true_type{});
+  else
     main_loop(std::false_type{});
-  } else {
-    if (half1)
-      main_loop(std::true_type{});
-    else
-      main_loop(std::false_type{});
-  }
   cp_async_wait<0>();
   if (trigger_late) launch_dependents();
   __syncthreads();  // every warp is done with its ring: reuse it for the partial sums
@@ -342,7 +328,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
 #pragma unroll
   for (int i = 0; i < NT; ++i)
 #pragma unroll
-    for (int h = 0; h < (SPLIT ? 1 : 2); ++h) {
+    for (int h = 0; h < 2; ++h) {
       float* p = partial + ((size_t)warp * NT * 16 + i * 16) * kP;
       p[g * kP + h * 8 + 2 * t] = acc[i][h][0];
       p[g * kP + h * 8 + 2 * t + 1] = acc[i][h][1];
@@ -351,15 +337,14 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     }
   __syncthreads();
   const int col0 = nb0 * 64;
-  constexpr int kRowsOut = SPLIT ? 8 : kBlockRows;  // block rows of this CTA, from rbase
   if (glu) {
     // SiLU(gate) * up (kimi.ops.moe_int4_cuda.glu_interleave): rows 0..31 of each n64 block are the gate rows of
     // outputs 32 nb .. 32 nb + 31 and rows 32..63 the matching up rows. Rounded as the unfused path rounds: the
     // GEMM's bf16 outputs, SiLU rounded to bf16 (kimi.ops.fused.silu_mul_rows), then the product.
     constexpr int kOut = NT * 4;  // output column pairs of this CTA: 16 per n64 block
-    for (int idx = threadIdx.x; idx < kRowsOut * kOut; idx += 32 * KW) {
+    for (int idx = threadIdx.x; idx < kBlockRows * kOut; idx += 32 * KW) {
       const int r = idx / kOut, op = idx % kOut;
-      const int id = sorted_ids[rbase + r];
+      const int id = sorted_ids[b * kBlockRows + r];
       if (id >= num_rows_out) continue;
       const int cg = (op >> 4) * 64 + 2 * (op & 15);  // the CTA's column of the gate pair; up: + 32
       float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // gate, gate + 1, up, up + 1
@@ -385,9 +370,9 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   }
   // sum over warps; thread -> (row r of the block, pair of n columns): bf16x2 stores along n
   constexpr int kPairs = NT * 8;
-  for (int idx = threadIdx.x; idx < kRowsOut * kPairs; idx += 32 * KW) {
+  for (int idx = threadIdx.x; idx < kBlockRows * kPairs; idx += 32 * KW) {
     const int r = idx / kPairs, np = idx % kPairs;
-    const int id = sorted_ids[rbase + r];
+    const int id = sorted_ids[b * kBlockRows + r];
     if (id >= num_rows_out) continue;
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
@@ -400,20 +385,20 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   }
 }
 
-template <int NT, int KW, int S, bool SPLIT>
+template <int NT, int KW, int S>
 constexpr size_t smem_bytes() {
-  constexpr size_t ring = sizeof(Slot<NT, SPLIT ? 8 : 16>) * KW * S;
+  constexpr size_t ring = sizeof(Slot<NT>) * KW * S;
   constexpr size_t part = sizeof(float) * KW * NT * 16 * (kBlockRows + 1);
   return ring > part ? ring : part;
 }
 
-template <int NT, int KW, int S, bool SPLIT>
+template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
                    int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
                    cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
-  constexpr size_t smem = smem_bytes<NT, KW, S, SPLIT>();
+  constexpr size_t smem = smem_bytes<NT, KW, S>();
   // the opt-in above 48 KB of shared memory: a function attribute of each device, set once per device (devices
   // 0..63) and configuration
   static std::atomic<uint64_t> attr_set{0};
@@ -422,13 +407,13 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(attr_set.load() & bit)) {
-    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)smem);
     if (err != cudaSuccess) return err;
     attr_set.fetch_or(bit);
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n_tiles / NT, num_blocks * (SPLIT ? 2 : 1), 1);
+  cfg.gridDim = dim3(n_tiles / NT, num_blocks, 1);
   cfg.blockDim = dim3(32 * KW, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -437,7 +422,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
-  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S, SPLIT>, static_cast<const __nv_bfloat16*>(x), x_stride,
+  return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
                             n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
@@ -455,25 +440,20 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
 // not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
 // before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
-// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). split: 1 for the SPLIT kernel (two CTAs per block,
-// one per n8 half of its rows; num_blocks <= 32767). Returns cudaErrorInvalidValue for anything else.
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int split, cudaStream_t stream) {
-  if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > (split ? 32767 : 65535) || top_k <= 0 ||
-      nt <= 0 || kw <= 0 || (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 ||
-      early_weights < 0 || early_weights > 1 || split < 0 || split > 1)
+                                               int glu, int early_weights, cudaStream_t stream) {
+  if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
+      (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
+      early_weights > 1)
     return cudaErrorInvalidValue;
-#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                                \
-  if (nt == NT_ && kw == KW_ && stages == S_)                                                                         \
-    return split ? launch<NT_, KW_, S_, true>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out,       \
-                                              out_stride, num_rows_out, top_k, n, k, num_blocks, pdl, glu,          \
-                                              early_weights, stream)                                                \
-                 : launch<NT_, KW_, S_, false>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out,      \
-                                               out_stride, num_rows_out, top_k, n, k, num_blocks, pdl, glu,         \
-                                               early_weights, stream);
+#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
+  if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
+    return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

@@ -260,20 +260,6 @@ def _moe_cuda_config(m, attr: str, cfg) -> None:
     _set_attrs(attr, _cuda_gemm_impls(m, attr), cfg)
 
 
-def _split_alt(m, i: int, on: bool) -> None:
-    """moe_cuda_split_alt{i}: SPLIT_HALVES and entry i of $KIMI_SPLIT_ALTS's launch configurations (on), or the saved
-    ones back (off)."""
-    if on:
-        alt = json.loads(os.environ["KIMI_SPLIT_ALTS"])[i]
-        _set_module_attr("kimi.ops.moe_int4_cuda", "SPLIT_HALVES", True)
-        _moe_cuda_config(m, "config13", tuple(alt["gate_up"]))
-        _moe_cuda_config(m, "config2", tuple(alt["down"]))
-    else:
-        _restore_module_attr("kimi.ops.moe_int4_cuda", "SPLIT_HALVES")
-        _moe_cuda_config(m, "config13", None)
-        _moe_cuda_config(m, "config2", None)
-
-
 def _auto_max_pairs(m, n: int | None) -> None:
     """auto_humming: under --moe-backend auto, every HummingInt4Experts' cuda_max_pairs set to n (0: humming's GEMM
     at every size); n None restores the saved ones."""
@@ -389,17 +375,6 @@ AB_VARIANTS = {
                                                 lambda m, attr=attr: _moe_cuda_config(m, attr, None))
        for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
        for c in MOE_CUDA_CONFIGS},
-    "moe_cuda_split": ("kimi's CUDA expert GEMMs with two CTAs per align block, one per n8 half "
-                       "(kimi.ops.moe_int4_cuda.SPLIT_HALVES True)",
-                       lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "SPLIT_HALVES", True),
-                       lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "SPLIT_HALVES")),
-    "moe_cuda_nosplit": ("kimi's CUDA expert GEMMs with one CTA per align block (SPLIT_HALVES False)",
-                         lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "SPLIT_HALVES", False),
-                         lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "SPLIT_HALVES")),
-    **{f"moe_cuda_split_alt{i}": (f"moe_cuda_split with launch configurations entry {i} of $KIMI_SPLIT_ALTS (a JSON "
-                                  "list of {\"gate_up\": [NT, KW, S], \"down\": [NT, KW, S]})",
-                                  lambda m, i=i: _split_alt(m, i, True), lambda m, i=i: _split_alt(m, i, False))
-       for i in range(4)},
     "down_waits_first": ("kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),

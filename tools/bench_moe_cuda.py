@@ -6,7 +6,7 @@ For each T (MoE tokens of one rank's step; the decode bench's 8 / 32 local seque
 experts [96, 144) computed (EP rank 2 of 8). Weights: real shapes (gate_up [48, 4096, 7168], down [48, 7168, 2048]),
 random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - correctness: every listed row against the fp32 product with `dequant_int4`'s bf16 weights (max |err| / max |ref|),
-  for ours (every config, with and without `split`) and humming; output rows poisoned with NaN before each checked call;
+  for ours (every config) and humming; output rows poisoned with NaN before each checked call;
 - time: a CUDA graph of 20 back-to-back calls of the GEMM alone (align done once outside), replayed; median over
   replays of the per-call time (L2 not flushed: one call's weights, 0.4-0.8 GB, far exceed the 50 MB L2);
 - GB/s: bytes of the experts hit (packed words + scales) / time, against the copy bandwidth measured in the run.
@@ -136,15 +136,15 @@ def main() -> None:
                 d = (y[rows].float() - ref).abs()
                 return {"rel_err": (d.max() / scale_ref).item(), "nan": bool(torch.isnan(y[rows]).any())}
 
-            for cfg, split in [(c, sp) for c in mc.CONFIGS for sp in (False, True)]:
+            for cfg in mc.CONFIGS:
                 if not mc.config_valid(cfg, n, k):
                     continue
                 out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                fn = lambda cfg=cfg, out=out, split=split: mc.indexed_gemm(  # noqa: E731
-                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg, split=split)
+                fn = lambda cfg=cfg, out=out: mc.indexed_gemm(  # noqa: E731
+                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg)
                 y = fn()
                 torch.cuda.synchronize()
-                r = {"config": list(cfg), "split": split} | err(y)
+                r = {"config": list(cfg)} | err(y)
                 t0 = time.time()
                 r["ms"] = graph_time(fn)
                 r["smi"] = sampler.windows([(t0, time.time())])
@@ -153,7 +153,7 @@ def main() -> None:
                 case["ours"].append(r)
                 smi = r["smi"]
                 clk = (f" {smi['sm_clock_MHz']['median']:.0f} MHz {smi['power_W_median']:.0f} W" if smi else "")
-                print(f"T={T} {name} ours {cfg}{' split' if split else ''}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
+                print(f"T={T} {name} ours {cfg}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
                       f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}{clk}", flush=True)
             out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             cc = {"gemm_type": "indexed"}
@@ -173,7 +173,7 @@ def main() -> None:
             h["pct_copy"] = 100 * h["GBps"] / bw
             case["humming"] = h
             best = min(case["ours"], key=lambda r: r["ms"])
-            case["best_ours"] = best["config"] + (["split"] if best["split"] else [])
+            case["best_ours"] = best["config"]
             case["ours_over_humming"] = best["ms"] / h["ms"]
             print(f"T={T} {name} humming: {h['ms'] * 1e3:.1f} us {h['GBps']:.0f} GB/s ({h['pct_copy']:.0f}%) "
                   f"err {h['rel_err']:.2e}; best ours {case['best_ours']} x{case['ours_over_humming']:.3f}", flush=True)

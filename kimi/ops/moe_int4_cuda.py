@@ -77,11 +77,6 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # wait for the gate_up GEMM ahead (indexed_gemm's early_weights; cuda_experts_forward). Read at each call; CUDA graphs
 # keep the value of their capture (tools/bench_decode.py A/Bs it).
 EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
-# Two CTAs per align block, one per n8 half of its 16 rows (indexed_gemm's split): the kernel then holds one half's
-# accumulators and fragments (111 instead of 207 registers at NT 8, 96 instead of 155 at NT 4), so more warps are
-# resident; a block with more than 8 rows has its weights read by both CTAs (the second mostly from L2). Read at
-# each call; CUDA graphs keep the value of their capture (tools/bench_decode.py A/Bs it).
-SPLIT_HALVES = os.environ.get("KIMI_MOE_CUDA_SPLIT", "0") != "0"
 # Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
 # no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
 # (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
@@ -216,7 +211,7 @@ def load_extension():
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                  config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
-                 early_weights: bool = False, split: bool | None = None) -> torch.Tensor:
+                 early_weights: bool = False) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -233,9 +228,7 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     every kernel between the two waits for its own predecessor before letting the next one launch (kimi.ops.pdl's
     contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel starts. Each CTA then reads
     its block's expert and issues its first S - 1 chunks of weights and scales before its griddepcontrol.wait, and an
-    empty block exits without waiting; the outputs are the same. split (default SPLIT_HALVES): two CTAs per block, each
-    computing one n8 half of its rows (rows 8..15's CTA exits when they hold no pair); the same outputs. No host
-    synchronisation: graph-capturable.
+    empty block exits without waiting; the outputs are the same. No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
@@ -262,10 +255,8 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if not config_valid(cfg, N, K):
         raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
                          f"{N // 16}, KW must divide {K // 64})")
-    split = SPLIT_HALVES if split is None else bool(split)
-    if block_expert.numel() > (32767 if split else 65535):
-        raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535 CTAs in y "
-                         f"({'two' if split else 'one'} per block)")
+    if block_expert.numel() > 65535:
+        raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
         from kimi.ops.pdl import enabled
 
@@ -274,6 +265,5 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights),
-                                  split)
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights))
     return out

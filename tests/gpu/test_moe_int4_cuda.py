@@ -53,18 +53,13 @@ def test_indexed_gemm_matches_dequant_reference(E, N, K, T, k, E_total, offset):
         tol = 1e-2 * ref.abs().max().item()
         cfgs = [(c, "early") for c in mc.CONFIGS if mc.config_valid(c, N, K)]
         for cfg, pdl in cfgs + [(cfgs[0][0], "off"), (cfgs[0][0], "late")]:
-            outs = []
-            for split in (False, True):  # one CTA per block / one per n8 half: bit-equal (the MMAs are per half)
-                out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-                mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, top_k, out, config=cfg, pdl=pdl,
-                                split=split)
-                err = (out[rows].float() - ref).abs().max().item()
-                assert err <= tol, f"config {cfg}, pdl {pdl}, split {split}, top_k {top_k}: max err {err:.3g} > {tol:.3g}"
-                others = torch.ones(P, dtype=torch.bool, device="cuda")
-                others[rows] = False
-                assert torch.isnan(out[others]).all(), f"config {cfg}, split {split}: a row that is not listed was written"
-                outs.append(out[rows])
-            assert torch.equal(outs[0], outs[1]), f"config {cfg}, pdl {pdl}: split differs from one CTA per block"
+            out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, top_k, out, config=cfg, pdl=pdl)
+            err = (out[rows].float() - ref).abs().max().item()
+            assert err <= tol, f"config {cfg}, pdl {pdl}, top_k {top_k}: max err {err:.3g} > {tol:.3g}"
+            others = torch.ones(P, dtype=torch.bool, device="cuda")
+            others[rows] = False
+            assert torch.isnan(out[others]).all(), f"config {cfg}: a row that is not listed was written"
 
 
 def test_indexed_gemm_in_a_cuda_graph():
@@ -125,12 +120,12 @@ def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, off
     ref_act = torch.nn.functional.silu(ref[:, :I]) * ref[:, I:]
     others = torch.ones(P, dtype=torch.bool, device="cuda")
     others[rows] = False
-    for cfg, split in [(c, sp) for c in mc.CONFIGS if mc.config_valid(c, 2 * I, K) for sp in (False, True)]:
+    for cfg in [c for c in mc.CONFIGS if mc.config_valid(c, 2 * I, K)]:
         y = torch.full((P, 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda")
-        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, y, config=cfg, split=split)
+        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, y, config=cfg)
         unfused = silu_mul_rows(y, sorted_ids, num_padded, I, interleave=mc.GLU_GROUP)[rows].float()
         act = torch.full((P, I), float("nan"), dtype=torch.bfloat16, device="cuda")
-        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, act, config=cfg, glu=True, split=split)
+        mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, act, config=cfg, glu=True)
         fused = act[rows].float()
         ulp = torch.exp2(torch.floor(torch.log2(unfused.abs().clamp_min(1e-30))) - 7)  # bf16 spacing at each value
         ulps = ((fused - unfused).abs() / ulp).max().item()
@@ -166,18 +161,17 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
     y1 = torch.empty((P, 2 * I), dtype=torch.bfloat16, device="cuda")
     cfg13 = mc.config_for(2 * I, D)
 
-    def run(early, cfg2, pdl, out, fused=True, split=False):
+    def run(early, cfg2, pdl, out, fused=True):
         sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
         if fused:
             mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, act, config=cfg13, pdl=pdl,
-                            glu=True, split=split)
+                            glu=True)
             a = act
         else:
-            mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=cfg13, pdl=pdl,
-                            split=split)
+            mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=cfg13, pdl=pdl)
             a = silu_mul_rows(y1, sorted_ids, num_padded, I, interleave=mc.GLU_GROUP)
         mc.indexed_gemm(a, w2, s2, sorted_ids, block_expert, num_padded, 1, out, config=cfg2, pdl=pdl,
-                        early_weights=early, split=split)
+                        early_weights=early)
         return out
 
     def listed():
@@ -187,25 +181,24 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
         return rows, others
 
     nan = lambda: torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
-    cases = [(c, pdl, True, False) for c in mc.CONFIGS if mc.config_valid(c, D, I) for pdl in ("early", "late", "off")]
-    cases += [(c, pdl, True, True) for c in mc.CONFIGS if mc.config_valid(c, D, I) for pdl in ("early", "off")]
-    cases += [(mc.config_for(D, I, P // 8), pdl, False, sp) for pdl in ("early", "off") for sp in (False, True)]
-    for cfg2, pdl, fused, split in cases:
+    cases = [(c, pdl, True) for c in mc.CONFIGS if mc.config_valid(c, D, I) for pdl in ("early", "late", "off")]
+    cases += [(mc.config_for(D, I, P // 8), pdl, False) for pdl in ("early", "off")]
+    for cfg2, pdl, fused in cases:
         ids.copy_(_routing(T, E_total, k, gen))  # a new routing: the early run first, on the align's reused buffers
-        got = run(True, cfg2, pdl, nan(), fused, split)
-        want = run(False, cfg2, pdl, nan(), fused, split)
+        got = run(True, cfg2, pdl, nan(), fused)
+        want = run(False, cfg2, pdl, nan(), fused)
         rows, others = listed()
         assert not torch.isnan(want[rows]).any()
         assert torch.equal(got[rows], want[rows]), f"config {cfg2}, pdl {pdl}, fused {fused}: early weights differ"
         assert torch.isnan(got[others]).all(), f"config {cfg2}, pdl {pdl}: a row that is not listed was written"
 
     cfg2 = mc.config_for(D, I, P // 8)
-    for pdl, split in (("early", False), ("late", False), ("off", False), ("early", True)):
+    for pdl in ("early", "late", "off"):
         out = nan()
-        run(True, cfg2, pdl, out, split=split)
+        run(True, cfg2, pdl, out)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            run(True, cfg2, pdl, out, split=split)
+            run(True, cfg2, pdl, out)
         for _ in range(3):
             ids.copy_(_routing(T, E_total, k, gen))
             x.copy_((torch.randn((T, D), device="cuda", generator=gen) * 0.5).to(torch.bfloat16))

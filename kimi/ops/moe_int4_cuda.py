@@ -41,7 +41,8 @@ GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two 
 split-K over CTAs, and persistent CTAs that stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's
 notes, and again with equal shares of work per CTA in docs/benchmarks.md, session 18; the down GEMM chained to
 gate_up per align block: session 16; a 200-register build for 5 CTAs per SM: session 18; a warp-specialised
-stream-K kernel, a producer warp filling a ring of k64 stages for 7-8 computing warps: session 22.)
+stream-K kernel, a producer warp filling a ring of k64 stages for 7-8 computing warps, and two CTAs per block, one
+per n8 half (fewer registers, more warps): session 22.)
 Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
 reads anything, then lets the next kernel launch). With `early_weights` (the down GEMM of `cuda_experts_forward`,
 whose align is two kernels back) a CTA reads its block's expert and issues its first S - 1 chunks of weights before

@@ -326,6 +326,25 @@ def test_placeholder_character_in_tools_is_a_400_not_a_500(srv, client):
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices[0].finish_reason in ("length", "stop")
 
 
+
+def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(srv):
+    """U+F0000 is refused in chat text (the template's placeholder), named by path; a completion's prompt, stop
+    strings and user are never rendered through the template and take it like any other character: the prompt
+    comes back unchanged under `echo`."""
+    mark = "\U000f0000"
+    msgs = [{"role": "user", "content": f"a{mark}b"}]
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 2})
+    assert "U+F0000" in _bad(r, "messages[0].content")
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 2,
+                                        "chat_template_kwargs": {"thinking": False, "x": mark}})
+    assert "U+F0000" in _bad(r, "chat_template_kwargs")
+    prompt = f"Hi {mark} there"
+    r = _post(srv, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, "echo": True,
+                                   "stop": [mark], "user": mark})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith(prompt) and choice["finish_reason"] in ("length", "stop")
+
 # ---- 6. GET /v1/models/{id} --------------------------------------------------------------------------------------------
 def test_models_retrieve(client, srv):
     m = client.models.retrieve("tiny")

@@ -57,3 +57,33 @@ def test_bench_util_paths_and_shapes(tmp_path, monkeypatch):
     assert bench_util.pick_shapes("q_b,,o_proj", {"o_proj": 1, "q_b": 2}) == ["q_b", "o_proj"]
     with pytest.raises(SystemExit, match="unknown shape 'x'"):
         bench_util.pick_shapes("q_b,x", {"q_b": 2})
+
+
+def test_decode_runs_by_clock_reads_headlines_and_splits_by_clock(tmp_path):
+    """tools/decode_runs_by_clock.py: headline rows (not A/B variants) with their SM clock, filtered by sequences and
+    context; cases without a clock are left out; the summary splits the runs at the given clock."""
+    sys.path.insert(0, str(TOOLS))
+    import decode_runs_by_clock as d
+
+    def case(seqs, ctx, x, clock, pip=None):
+        c = {"local_seqs": seqs, "ctx": ctx, "graph_over_floor": x,
+             "graph": {"median_ms": 20 * x, "gpu_clock": {"sm_clock_MHz": {"median": clock}}},
+             "graph_control0": {"median_ms": 1.0, "gpu_clock": {"sm_clock_MHz": {"median": 999}}}}
+        if pip is not None:
+            c["graph_pipelined_over_floor"] = pip
+        return c
+
+    (tmp_path / "decode_a.json").write_text(__import__("json").dumps(
+        {"cases": [case(8, 2048, 1.2, 1900), case(32, 2048, 1.33, 1640, 1.32), case(32, 8192, 1.24, 1725)]}))
+    (tmp_path / "decode_b.json").write_text(__import__("json").dumps(
+        {"cases": [case(32, 2048, 1.25, 1800), {"local_seqs": 32, "ctx": 2048, "graph_over_floor": 1.5,
+                                                "graph": {"median_ms": 30.0}}]}))
+    paths = sorted(str(p) for p in tmp_path.glob("decode_*.json"))
+    rows = d.read_runs(paths, {32}, 2048)
+    assert [(r["file"], r["graph_x"], r["sm_clock_MHz"], r["pipelined_x"]) for r in rows] == [
+        ("decode_a.json", 1.33, 1640, 1.32), ("decode_b.json", 1.25, 1800, None)]
+    assert len(d.read_runs(paths)) == 4  # no filters: every case with a clock
+    s = d.summarize(rows, 1700.0)
+    assert s[32]["below"] == {"runs": 1, "min": 1.33, "median": 1.33, "max": 1.33}
+    assert s[32]["at_or_above"]["runs"] == 1 and s[32]["at_or_above"]["max"] == 1.25
+    assert d.summarize(rows, 1000.0)[32]["below"] == {"runs": 0}

@@ -326,7 +326,6 @@ def test_placeholder_character_in_tools_is_a_400_not_a_500(srv, client):
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices[0].finish_reason in ("length", "stop")
 
 
-
 def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(srv):
     """U+F0000 is refused in chat text (the template's placeholder), named by path; a completion's prompt, stop
     strings and user are never rendered through the template and take it like any other character: the prompt
@@ -344,6 +343,7 @@ def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"].startswith(prompt) and choice["finish_reason"] in ("length", "stop")
+
 
 # ---- 6. GET /v1/models/{id} --------------------------------------------------------------------------------------------
 def test_models_retrieve(client, srv):

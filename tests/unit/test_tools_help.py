@@ -3,6 +3,7 @@ FlashInfer: the GPU tools import those packages guardedly and refuse a run with 
 not a traceback at import; on a machine without CUDA, running one of those GPU tools (with no arguments) exits 1 with
 one line naming the script. The runs are started together and waited for (about 2 s of imports each)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,9 +74,9 @@ def test_decode_runs_by_clock_reads_headlines_and_splits_by_clock(tmp_path):
             c["graph_pipelined_over_floor"] = pip
         return c
 
-    (tmp_path / "decode_a.json").write_text(__import__("json").dumps(
+    (tmp_path / "decode_a.json").write_text(json.dumps(
         {"cases": [case(8, 2048, 1.2, 1900), case(32, 2048, 1.33, 1640, 1.32), case(32, 8192, 1.24, 1725)]}))
-    (tmp_path / "decode_b.json").write_text(__import__("json").dumps(
+    (tmp_path / "decode_b.json").write_text(json.dumps(
         {"cases": [case(32, 2048, 1.25, 1800), {"local_seqs": 32, "ctx": 2048, "graph_over_floor": 1.5,
                                                 "graph": {"median_ms": 30.0}}]}))
     paths = sorted(str(p) for p in tmp_path.glob("decode_*.json"))

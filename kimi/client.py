@@ -17,9 +17,11 @@ HTTP API's per-request controls with the same names, ranges and meaning (docs/ap
 output's `stop_reason` is the stop string or stop token id that ended the request. A bad value ends the
 request with `KimiError`, whose message names the field (the HTTP 400's message for a value out of range).
 Some mistakes are refused by `submit` itself, before anything is sent: a prompt that is neither a str nor a
-list of int token ids (TypeError), and a `logit_bias` that is not a dict of int token ids to numbers
+list of int token ids (TypeError), a `request_id` that is not a str (TypeError; None or "" picks a new id), and a
+`logit_bias` that is not a dict of int token ids to numbers
 (KimiError naming `logit_bias`; the HTTP API's string keys are JSON's, here the keys are ints). `stream` of a
 request id this client did not submit, or whose stream already ended, raises KimiError naming the id.
+`submit` and `abort` on a closed client raise KimiError.
 
 Request lifetime: a stream left before its last output (a `break`, an exception, a generator that is closed)
 aborts its request on the server, and closing the client (leaving its `with` / `async with` block) aborts
@@ -56,6 +58,22 @@ class KimiError(RuntimeError):
 
 ABORT_LINGER_MS = 1000  # how long closing a client may wait for its abort messages to leave
 DRAIN_TIMEOUT_S = 60.0  # AsyncKimiClient: how long a submission waits for an aborted request of its id to end
+
+
+def _take_request_id(params: dict[str, Any]) -> str:
+    """Pop `request_id` from a submit's params: a str is used as given, None or "" gets a new uuid4 hex id.
+    Raises TypeError for any other type (the server could not answer under it, and the stream would wait)."""
+    rid = params.pop("request_id", None)
+    if rid is None or rid == "":
+        return uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise TypeError(f"request_id must be a str, got {type(rid).__name__} {rid!r:.40}")
+    return rid
+
+
+def _check_open(sock: Any) -> None:
+    if sock.closed:
+        raise KimiError("this client is closed; create a new one")
 
 
 def _check_new_id(rid: str, outstanding: Any) -> None:
@@ -165,7 +183,8 @@ class KimiClient:
         """Send a request (text or token ids; params: the fields of protocol.SubmitRequest, e.g. max_tokens,
         temperature, min_p, logit_bias, min_tokens, stop); returns its request id. Parameter errors come back
         as the request's only output and are raised by `stream` (KimiError)."""
-        rid = params.pop("request_id", None) or uuid.uuid4().hex
+        _check_open(self._sock)
+        rid = _take_request_id(params)
         _check_new_id(rid, self._pending)
         msg = _submit_msg(rid, prompt, params)
         while rid in self._draining:  # an earlier request of this id was aborted: wait for its last output
@@ -217,6 +236,9 @@ class KimiClient:
         return self.stream(self.submit(prompt, **params))
 
     def abort(self, request_id: str) -> None:
+        """Ask the server to stop request `request_id` (its stream then ends with finish_reason "abort"); an id
+        the server does not know is ignored there. Raises KimiError if this client is closed."""
+        _check_open(self._sock)
         self._sock.send(protocol.encode(protocol.AbortRequest(request_id)))
 
     def _abort_quietly(self, request_id: str) -> bool:
@@ -276,9 +298,10 @@ class AsyncKimiClient:
 
     async def submit(self, prompt: str | list[int], **params: Any) -> str:
         """`KimiClient.submit`, asynchronously."""
+        _check_open(self._sock)
+        rid = _take_request_id(params)
         if self._reader is None:
             self._reader = self._asyncio.create_task(self._read())
-        rid = params.pop("request_id", None) or uuid.uuid4().hex
         _check_new_id(rid, self._queues)
         msg = _submit_msg(rid, prompt, params)
         drained = self._draining.get(rid)
@@ -288,6 +311,7 @@ class AsyncKimiClient:
             except (TimeoutError, self._asyncio.TimeoutError):  # the same class from Python 3.11 on
                 raise KimiError(f"request id {rid!r}: the earlier request of this id was aborted and its end has "
                                 f"not arrived in {DRAIN_TIMEOUT_S:g} s; use another id") from None
+            _check_open(self._sock)  # close() ends the wait too
             _check_new_id(rid, self._queues)  # another submission of this id may have gone first meanwhile
         self._queues[rid] = self._asyncio.Queue()
         await self._sock.send(msg)
@@ -328,6 +352,8 @@ class AsyncKimiClient:
                 yield out
 
     async def abort(self, request_id: str) -> None:
+        """`KimiClient.abort`, asynchronously."""
+        _check_open(self._sock)
         await self._sock.send(protocol.encode(protocol.AbortRequest(request_id)))
 
     def _abort_quietly(self, request_id: str) -> bool:

@@ -36,7 +36,7 @@ import uvicorn
 import zmq
 
 from kimi.config import MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
-from kimi.controller.engine import Engine
+from kimi.controller.engine import HEARTBEAT_S, Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
 from kimi.controller.submit import SubmitServer
@@ -71,6 +71,7 @@ class ServeArgs:
     plan_addr: str | None = None
     result_addr: str | None = None
     worker_timeout: float = 600.0
+    startup_timeout: float = 3600.0
     log_level: str = "info"
     no_prefix_cache: bool = False
     max_waiting: int = 1024
@@ -102,11 +103,14 @@ NUMERIC_LIMITS: dict[str, tuple[type, float, float | None, bool]] = {
     "token_budget": (int, 1, None, True),
     "num_hidden_layers": (int, 1, None, True),  # at most the config's: checked once the config is read
     "worker_timeout": (float, 0, None, False),
+    "startup_timeout": (float, 0, None, False),
     "max_waiting": (int, 1, None, True),
     "max_body_bytes": (int, 1, None, True),
     "request_body_timeout": (float, 0, None, False),
-    "heartbeat_timeout": (float, 0, None, True),  # 0 = off
+    "heartbeat_timeout": (float, 0, None, True),  # 0 = off; else at least HEARTBEAT_MIN_S (_limit_error)
 }
+# a heartbeat timeout must span two of the controller's pings, or a healthy rank is declared dead
+HEARTBEAT_MIN_S = 2 * HEARTBEAT_S
 
 
 def _limit_error(name: str, v: float) -> str | None:
@@ -118,6 +122,9 @@ def _limit_error(name: str, v: float) -> str | None:
         if hi is not None:
             return f"must be in {'[' if lo_incl else '('}{lo}, {hi}], got {v}"
         return f"must be {'>=' if lo_incl else '>'} {lo}, got {v}"
+    if name == "heartbeat_timeout" and 0 < v < HEARTBEAT_MIN_S:
+        return (f"must be 0 (off) or at least {HEARTBEAT_MIN_S:g} s (the controller pings the workers every "
+                f"{HEARTBEAT_S:g} s), got {v}")
     return None
 
 
@@ -194,6 +201,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-addr", default=None, help="ZeroMQ address workers read plans from (default: free port)")
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
     p.add_argument("--worker-timeout", type=_numeric("worker_timeout"), default=600.0, help="seconds a step may take before failing")
+    p.add_argument("--startup-timeout", type=_numeric("startup_timeout"), default=3600.0,
+                   help="seconds the workers may take to load the model and report ready (default 3600)")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                    help="uvicorn / kimi log level (trace: uvicorn's most verbose; kimi logs it as debug)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
@@ -213,7 +222,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
                    help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
     p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
-                   help="fail when a worker rank answers no ping for this many seconds (0 = off; default 10)")
+                   help=f"fail when a worker rank answers no ping for this many seconds (0 = off, else at least "
+                        f"{HEARTBEAT_MIN_S:g}; default 10)")
     p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKENDS),
                    help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
                         "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
@@ -557,7 +567,7 @@ async def serve(a: ServeArgs) -> int:
         log.info("HTTP on http://%s:%d (/health says \"loading\" until the workers are ready)", a.host, a.port)
         http_task = asyncio.create_task(http.serve(sockets=http_socks))
         submit_task = asyncio.create_task(submit.serve())
-        start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.worker_timeout))
+        start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.startup_timeout))
         await asyncio.wait({start, http_task}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # HTTP stopped (a signal) while loading, or failed
             start.cancel()

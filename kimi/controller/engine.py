@@ -45,6 +45,10 @@ from kimi.controller.transport import ControllerTransport
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.tokenizer import KimiTokenizer
 
+# seconds between the controller's pings to the worker ranks (Engine.heartbeat_s): a heartbeat timeout must
+# span more than one of them (kimi.server refuses --heartbeat-timeout below 2 x this, except 0 = off)
+HEARTBEAT_S = 1.0
+
 log = logging.getLogger("kimi.engine")
 
 # Liveness (the local torchrun's exit, the ranks' heartbeats) is checked at least this often, s: on every wait for
@@ -98,7 +102,7 @@ class Engine:
         transport: ControllerTransport,
         vocab_size: int,
         step_timeout_s: float = 600.0,
-        heartbeat_s: float = 1.0,
+        heartbeat_s: float = HEARTBEAT_S,
         enable_prefix_caching: bool = True,
         max_waiting: int = 1024,
         async_scheduling: bool = True,
@@ -152,7 +156,7 @@ class Engine:
         seq = 0
         while len(ready) < world_size:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"workers not ready after {timeout_s:.0f} s ({len(ready)}/{world_size} ranks)")
+                raise RuntimeError(f"workers not ready after {timeout_s:g} s ({len(ready)}/{world_size} ranks; --startup-timeout)")
             for check in self.liveness_checks:
                 err = check()
                 if err:
@@ -433,7 +437,7 @@ class Engine:
         if silent:
             steps = ", ".join(f"rank {r}: step {self.transport.last_step.get(r, 0)}" for r in silent)
             raise RuntimeError(
-                f"worker rank(s) {silent} stopped answering: no heartbeat for {self.heartbeat_timeout_s:.0f} s "
+                f"worker rank(s) {silent} stopped answering: no heartbeat for {self.heartbeat_timeout_s:g} s "
                 f"(last step reported: {steps}; current step {self._step})"
             )
 

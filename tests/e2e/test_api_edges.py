@@ -508,6 +508,48 @@ def test_a_duplicate_request_id_is_refused_and_the_running_request_continues(srv
     assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 30
 
 
+@pytest.mark.parametrize("rid", [5, b"abc", ["x"], 1.5])
+def test_a_request_id_that_is_not_a_string_is_refused_by_submit(srv, rid):
+    """A non-str request_id was sent; the server can answer only under a str id, so the stream waited until the
+    client's timeout (KimiClient) or forever (AsyncKimiClient). Now submit raises TypeError and sends nothing; the
+    client keeps working, and None or "" still picks an id."""
+    with KimiClient(srv.zmq_addr, timeout_s=10) as c:
+        with pytest.raises(TypeError, match="request_id must be a str"):
+            c.submit("Hi", request_id=rid, max_tokens=2)
+        assert not c._pending
+        for auto in (None, ""):
+            outs = list(c.generate("Hi", request_id=auto, max_tokens=2, ignore_eos=True))
+            assert outs[-1].finish_reason == "length" and len(outs[-1].request_id) == 32
+
+    async def go():
+        async with AsyncKimiClient(srv.zmq_addr) as c:
+            with pytest.raises(TypeError, match="request_id must be a str"):
+                await c.submit("Hi", request_id=rid, max_tokens=2)
+            return [o async for o in c.generate("Hi", max_tokens=2, ignore_eos=True)]
+
+    assert asyncio.run(go())[-1].finish_reason == "length"
+
+
+def test_a_closed_client_says_so(srv):
+    """submit and abort on a closed client raise KimiError (they raised zmq's 'Socket operation on non-socket')."""
+    c = KimiClient(srv.zmq_addr, timeout_s=10)
+    c.close()
+    with pytest.raises(KimiError, match="closed"):
+        c.submit("Hi", max_tokens=2)
+    with pytest.raises(KimiError, match="closed"):
+        c.abort("x")
+    c.close()  # closing again is harmless
+
+    async def go():
+        a = AsyncKimiClient(srv.zmq_addr)
+        await a.close()
+        with pytest.raises(KimiError, match="closed"):
+            await a.submit("Hi", max_tokens=2)
+        with pytest.raises(KimiError, match="closed"):
+            await a.abort("x")
+
+    asyncio.run(go())
+
 def test_old_format_submit_still_decodes(srv):
     """Nothing on the wire changed: a raw SubmitRequest still round-trips through the server."""
     with raw_dealer(srv.zmq_addr) as s:

@@ -135,7 +135,7 @@ def test_worker_start_up_failure_stops_every_worker(model):
     """Workers launched, then start-up fails (a KV cache too small for one block): the whole torchrun process
     group is gone when kimi exits."""
     rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}",
-                     "--kv-cache-memory-gib", "1e-9", "--worker-timeout", "60", timeout_s=120)
+                     "--kv-cache-memory-gib", "1e-9", "--startup-timeout", "60", timeout_s=120)
     assert rc == 1, out
     assert "start-up failed" in out, out
 
@@ -198,3 +198,36 @@ def test_ipv6_host_serves_http_and_zeromq(model):
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "Traceback" not in out, out
+
+
+def test_start_up_is_bounded_by_startup_timeout_not_worker_timeout(model):
+    """--worker-timeout bounds one step only: a server with a 0.5 s step bound still starts (its workers take
+    seconds to launch) and answers; --startup-timeout bounds the start-up: at 0.5 s it exits 1 with one error line
+    naming the flag, and no worker is left."""
+    import httpx
+
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--fake-workers",
+                             "--worker-timeout", "0.5", "--port", str(port), "--zmq-submit-addr",
+                             f"tcp://127.0.0.1:{free_tcp_port()}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, ready = time.monotonic() + 90, False
+        while time.monotonic() < deadline and proc.poll() is None and not ready:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert ready and proc.poll() is None, proc.communicate(timeout=30)[0]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in out, out
+
+    rc, out = _serve(model, "--fake-workers", "--startup-timeout", "0.5", "--port", str(free_tcp_port()),
+                     "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", timeout_s=90)
+    assert rc == 1, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "workers not ready after 0.5 s" in errors[0] and "--startup-timeout" in errors[0], out

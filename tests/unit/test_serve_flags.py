@@ -19,6 +19,8 @@ BAD = [
     ("--max-model-len", "0"), ("--max-num-seqs", "0"), ("--token-budget", "0"), ("--num-hidden-layers", "0"),
     ("--worker-timeout", "0"), ("--worker-timeout", "-5"), ("--max-waiting", "0"), ("--max-body-bytes", "0"),
     ("--request-body-timeout", "0"), ("--heartbeat-timeout", "-1"), ("--heartbeat-timeout", "nan"),
+    ("--heartbeat-timeout", "0.001"), ("--heartbeat-timeout", "1.9"), ("--startup-timeout", "0"),
+    ("--startup-timeout", "-1"),
 ]
 
 
@@ -101,3 +103,20 @@ def test_fp8_dense_reaches_the_worker():
     assert parse_args(worker_argv).fp8_dense == "triton"
     cmd = worker_command(ServeArgs(model="/x"), "tcp://a", "tcp://b")
     assert parse_args(cmd[cmd.index("kimi.worker.main") + 1:]).fp8_dense == "off"
+
+
+def test_heartbeat_timeout_is_off_or_spans_two_pings(capsys, monkeypatch):
+    """Below two ping intervals a healthy rank would be declared dead (the server used to start, then exit 1 a few
+    seconds later): refused at parse time with the reason; 0 (off) and 2 s start."""
+    monkeypatch.setattr("kimi.server.run", lambda a: pytest.fail("run() reached with a bad flag"))
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model", "/x", "--heartbeat-timeout", "0.9"])
+    err = capsys.readouterr().err
+    assert "argument --heartbeat-timeout: must be 0 (off) or at least 2 s" in err and "got 0.9" in err, err
+    seen = []
+    monkeypatch.setattr("kimi.server.run", lambda a: seen.append(a) or 0)
+    for v in ("0", "2", "2.5"):
+        assert cli.main(["serve", "--model", "/x", "--heartbeat-timeout", v]) == 0
+    assert [a.heartbeat_timeout for a in seen] == [0.0, 2.0, 2.5]
+    assert seen[0].startup_timeout == 3600.0 and seen[0].worker_timeout == 600.0
+    assert "--heartbeat-timeout" in check_serve_args(ServeArgs(model="/x", heartbeat_timeout=1.0))

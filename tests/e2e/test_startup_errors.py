@@ -5,6 +5,7 @@ its own) nor any torchrun / kimi.worker.main process serving this test's uniquel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -106,29 +107,41 @@ def test_bad_flag_exits_2_at_once(model):
     assert rc == 2 and "argument --log-level" in out and "Traceback" not in out, out
 
 
-def test_log_level_trace_is_accepted(model):
-    """uvicorn's `trace` (and any case) starts the server; kimi logs at debug. --fake-workers: no model load."""
-    port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--log-level", "TRACE",
-                             "--fake-workers", "--port", str(port), "--zmq-submit-addr",
-                             f"tcp://127.0.0.1:{free_tcp_port()}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        import httpx
+def _start_ready(model: str, *args: str, wait_s: float = 90) -> tuple[subprocess.Popen, int]:
+    """`kimi serve --fake-workers` (no model load) with args on free ports, polled until /health answers 200; the
+    process is killed and the test fails if it exits or is not ready within wait_s."""
+    import httpx
 
-        deadline, ready = time.monotonic() + 60, False
-        while time.monotonic() < deadline and proc.poll() is None and not ready:
-            try:
-                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # (trace logs every poll: few polls keep the unread output pipe from filling)
-        assert proc.poll() is None, proc.communicate()[0]
-        assert ready, "the server never became ready"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--fake-workers", *args,
+                             "--port", str(port), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline, ready = time.monotonic() + wait_s, False
+    while time.monotonic() < deadline and proc.poll() is None and not ready:
+        try:
+            ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # (trace logs every poll: few polls keep the unread output pipe from filling)
+    if not ready or proc.poll() is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the server never became ready:\n{proc.communicate(timeout=30)[0]}")
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group: it must exit 0 without a traceback."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "Traceback" not in out, out
+
+
+def test_log_level_trace_is_accepted(model):
+    """uvicorn's `trace` (and any case) starts the server; kimi logs at debug."""
+    proc, _ = _start_ready(model, "--log-level", "TRACE")
+    _stop(proc)
 
 
 def test_worker_start_up_failure_stops_every_worker(model):
@@ -206,25 +219,12 @@ def test_start_up_is_bounded_by_startup_timeout_not_worker_timeout(model):
     naming the flag, and no worker is left."""
     import httpx
 
-    port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--fake-workers",
-                             "--worker-timeout", "0.5", "--port", str(port), "--zmq-submit-addr",
-                             f"tcp://127.0.0.1:{free_tcp_port()}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc, port = _start_ready(model, "--worker-timeout", "0.5")
     try:
-        deadline, ready = time.monotonic() + 90, False
-        while time.monotonic() < deadline and proc.poll() is None and not ready:
-            try:
-                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        assert ready and proc.poll() is None, proc.communicate(timeout=30)[0]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "Traceback" not in out, out
+        _stop(proc)
 
     rc, out = _serve(model, "--fake-workers", "--startup-timeout", "0.5", "--port", str(free_tcp_port()),
                      "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", timeout_s=90)

@@ -243,8 +243,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     """The torchrun command line that starts this server's workers."""
     cmd = [
-        # --standalone: one node, rendezvous on a port the store picks itself (no free-port race)
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
+        # torchrun (kimi.worker.launch: one line instead of a traceback when a rank fails); --standalone: one node,
+        # rendezvous on a port the store picks itself (no free-port race)
+        sys.executable, "-m", "kimi.worker.launch", "--standalone", "--nproc-per-node", str(a.nproc),
         "-m", "kimi.worker.main",
         "--model", a.model, "--plan-addr", plan_addr, "--result-addr", result_addr,
         "--device", a.device, "--block-size", str(a.block_size),

@@ -29,6 +29,7 @@ from kimi import protocol
 from kimi.checkpoint import CheckpointError
 from kimi.config import MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
 from kimi.controller.transport import Heartbeat, WorkerTransport
+from kimi.worker.kv_cache import KVCacheSizeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                  cuda_graph_max_bs=args.cuda_graph_max_bs, fp8_dense=args.fp8_dense),
             )
     except Exception as e:
-        if not isinstance(e, (CheckpointError, ConfigError)):  # those name the file / tensor / field: no traceback
+        if not isinstance(e, (CheckpointError, ConfigError, KVCacheSizeError)):  # these name the file / field / flag
             traceback.print_exc()
         transport.send(protocol.WorkerError(rank, f"start-up failed: {type(e).__name__}: {e}"))
         heartbeat.stop()

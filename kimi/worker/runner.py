@@ -24,7 +24,7 @@ from kimi.config import CacheConfig, ModelConfig
 from kimi.ops.all_to_all import step_mode
 from kimi.ops.attention import build_attention_metadata
 from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
-from kimi.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from kimi.worker.kv_cache import KVCacheSizeError, allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
 
 log = logging.getLogger("kimi.worker")
@@ -127,6 +127,7 @@ class ModelRunner:
         # (0 = eager)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
+        self._check_requested_cache(cache_config)  # before the weights: a cache that cannot fit fails at once
         if self.device.type == "cuda":
             from kimi.worker.gpu_model import load_gpu_model
 
@@ -150,6 +151,17 @@ class ModelRunner:
             self.model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
         self.requests: dict[int, WorkerRequest] = {}
 
+    def _check_requested_cache(self, cc: CacheConfig) -> None:
+        """Raise KVCacheSizeError when an explicit cache size (--num-blocks, --kv-cache-memory-gib) exceeds the
+        device's free memory before any weight is loaded (it could only fail after the load)."""
+        if cc.num_blocks is not None:
+            n, flag = cc.num_blocks, "--num-blocks"
+        elif cc.kv_cache_memory_gib is not None:
+            n, flag = self._num_blocks(cc), "--kv-cache-memory-gib"
+        else:
+            return
+        check_kv_cache_fits(self.cfg, n, cc.block_size, self.dtype, self.device, flag)
+
     def _num_blocks(self, cc: CacheConfig) -> int:
         per_block = kv_cache_bytes_per_block(self.cfg, cc.block_size, self.dtype)
         if cc.num_blocks is not None:
@@ -163,7 +175,9 @@ class ModelRunner:
             budget = 0.5 * (1 << 30)
         n = int(budget // per_block)
         if n < 2:
-            raise RuntimeError(f"no room for the KV cache: {budget / 2**20:.1f} MiB for blocks of {per_block} bytes")
+            what = "--kv-cache-memory-gib" if cc.kv_cache_memory_gib is not None else "the free memory"
+            raise KVCacheSizeError(f"no room for the KV cache: {what} leaves {budget / 2**20:.1f} MiB, less than two "
+                                   f"blocks of {per_block} bytes (block 0 is the null block)")
         return n
 
     # ---- one step -------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def worker_pids(model_dir: str) -> list[int]:
             state = Path(f"/proc/{d}/stat").read_text().split()[2]
         except OSError:
             continue
-        if model_dir in cmd and ("kimi.worker.main" in cmd or "torch.distributed.run" in cmd) and state != "Z":
+        if model_dir in cmd and ("kimi.worker.main" in cmd or "kimi.worker.launch" in cmd or "torch.distributed.run" in cmd) and state != "Z":
             out.append(int(d))
     return out
 

@@ -30,19 +30,19 @@ def _rank_pid(model_dir: str, rank: int) -> int:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"kimi.worker.main" in cmd and b"torch.distributed.run" not in cmd and f"RANK={rank}".encode() in env:
+        if b"kimi.worker.main" in cmd and b"kimi.worker.launch" not in cmd and f"RANK={rank}".encode() in env:
             return pid
     raise AssertionError(f"no worker process for rank {rank}")
 
 
 def _agent_pid(model_dir: str) -> int:
-    """The torchrun agent (torch.distributed.run) serving model_dir."""
+    """The torchrun agent (kimi.worker.launch, i.e. torch.distributed.run) serving model_dir."""
     for pid in worker_pids(model_dir):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"torch.distributed.run" in cmd:
+        if b"kimi.worker.launch" in cmd:
             return pid
     raise AssertionError("no torchrun process")
 

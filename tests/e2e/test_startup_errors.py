@@ -58,7 +58,7 @@ def test_http_port_in_use(model):
     assert rc == 1, out
     errors = _error_lines(out)
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "Address already in use" in errors[0], out
-    assert "torch.distributed.run" not in out and "rank0" not in out, "workers were launched"
+    assert "kimi.worker.launch" not in out and "rank0" not in out, "workers were launched"
 
 
 def test_zmq_submit_port_in_use(model):
@@ -97,7 +97,7 @@ def test_config_or_machine_check_exits_2_before_launching(model, flags, expect):
     assert rc == 2, out
     errors = _error_lines(out)
     assert len(errors) == 1 and all(e in errors[0] for e in expect), out
-    assert "torch.distributed.run" not in out and "rank0" not in out and "Traceback" not in out, out
+    assert "kimi.worker.launch" not in out and "rank0" not in out and "Traceback" not in out, out
 
 
 def test_bad_flag_exits_2_at_once(model):
@@ -150,7 +150,21 @@ def test_worker_start_up_failure_stops_every_worker(model):
     rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}",
                      "--kv-cache-memory-gib", "1e-9", "--startup-timeout", "60", timeout_s=120)
     assert rc == 1, out
-    assert "start-up failed" in out, out
+    errors = _error_lines(out)  # no traceback: neither the worker's nor torchrun's
+    assert len(errors) == 1 and "start-up failed" in errors[0] and "--kv-cache-memory-gib" in errors[0], out
+    assert "kimi.worker.launch: worker rank 0 exited with code 1" in out, out
+
+
+def test_kv_cache_larger_than_memory_fails_before_the_weights_load(model):
+    """--num-blocks far beyond the machine's memory: the worker refuses it before loading any weight (for a real
+    checkpoint, minutes), with one error line naming the flag and the sizes, and exits; no traceback."""
+    rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}",
+                     "--num-blocks", str(10**12), "--startup-timeout", "60", timeout_s=120)
+    assert rc == 1, out
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "--num-blocks: the KV cache of 1000000000000 blocks needs" in errors[0], out
+    assert "GiB free on cpu before the weights load" in errors[0], out
+    assert "weights loaded" not in out and "Loading checkpoint" not in out, out
 
 
 def test_model_folder_without_its_tokenizer(tiny_k26, tmp_path):
@@ -166,7 +180,7 @@ def test_model_folder_without_its_tokenizer(tiny_k26, tmp_path):
     assert rc == 2, out
     errors = _error_lines(out)
     assert len(errors) == 1 and "tiktoken.model" in errors[0], out
-    assert "torch.distributed.run" not in out and "rank0" not in out, "workers were launched"
+    assert "kimi.worker.launch" not in out and "rank0" not in out, "workers were launched"
 
 
 

@@ -418,3 +418,23 @@ def test_kv_cache_sizes():
     assert kv_cache_bytes_per_block(real, 64, torch.bfloat16) == 61 * 64 * 576 * 2
     with pytest.raises(ValueError):
         allocate_kv_caches(cfg, 0, 4, torch.float32, "cpu")
+
+
+def test_kv_cache_size_checked_against_free_memory():
+    """check_kv_cache_fits: a cache larger than the free bytes raises KVCacheSizeError naming the flag and both
+    sizes; one that fits (exactly) passes; an unknown free size skips the check. MemAvailable is read on Linux."""
+    from kimi.worker.kv_cache import KVCacheSizeError, available_bytes, check_kv_cache_fits
+
+    cfg = small_cfg()
+    per = kv_cache_bytes_per_block(cfg, 4, torch.bfloat16)  # 640 bytes
+    check_kv_cache_fits(cfg, 10, 4, torch.bfloat16, "cpu", "--num-blocks", available=10 * per)
+    with pytest.raises(KVCacheSizeError, match=r"--num-blocks: the KV cache of 11 blocks needs .*640 bytes per block "
+                                               r"of 4 tokens over 2 layers"):
+        check_kv_cache_fits(cfg, 11, 4, torch.bfloat16, "cpu", "--num-blocks", available=10 * per)
+    assert available_bytes("meta") is None
+    check_kv_cache_fits(cfg, 10**15, 4, torch.bfloat16, "meta", "--num-blocks")  # unknown: no check
+    free = available_bytes("cpu")
+    assert free is None or free > 0
+    if free is not None:
+        with pytest.raises(KVCacheSizeError, match="--kv-cache-memory-gib"):
+            check_kv_cache_fits(cfg, 2 * (free // per) + 2, 4, torch.bfloat16, "cpu", "--kv-cache-memory-gib")

@@ -6,9 +6,9 @@ the rank has printed its error and the controller has logged it (`start-up faile
 the same failure prints one line to stderr, `kimi.worker.launch: worker rank R exited with code C`, and the
 process exits 1, as torchrun does. A SIGTERM / SIGINT / SIGHUP to torchrun (kimi's stop of ranks still loading)
 ends the ranks as torchrun does, then prints `kimi.worker.launch: stopped by SIGTERM` instead of the agent's
-SignalException traceback and exits 128 + the signal number. Everything else (arguments, rendezvous, signal handling, exit 0 when every
-rank exits 0) is torch.distributed.run's `run`. Operators who start ranks themselves (`kimi serve --attach`,
-docs/multinode.md) use plain torchrun.
+SignalException traceback, and exits 128 + the signal number. Everything else (arguments, rendezvous, signal
+handling, exit 0 when every rank exits 0) is torch.distributed.run's `run`. Operators who start ranks themselves
+(`kimi serve --attach`, docs/multinode.md) use plain torchrun.
 """
 
 from __future__ import annotations

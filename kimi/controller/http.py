@@ -1050,7 +1050,7 @@ class OpenAIServer:
                 d = p.finish(tail)
                 content.append(d.content)
                 reasoning.append(d.reasoning_content)
-                calls = [t.to_openai() for t in p.tool_calls]
+                calls = [t.to_openai() for t in p.emitted_tool_calls]  # as a stream of this output carries them
                 if not parallel:
                     calls = calls[:1]
                 text = "".join(content)

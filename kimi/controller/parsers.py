@@ -49,13 +49,17 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   response from 0 (it is not the `:IDX` of the id).
   With `stream_tool_arguments=False` a call is emitted only once complete, as one delta carrying id, name
   and the full arguments; a client then never sees a call that is not complete.
-- Cut by max_tokens (`finish()` while a call is open). Only complete calls (those that reached
-  `<|tool_call_end|>`, or were closed implicitly, see below) are tool calls; the incomplete call's text is
-  dropped, never turned into content (raw markup in `content` breaks clients). In the default live mode
-  the client may already have received the head and some argument fragments of the cut call; the parser
-  then reports `partial_tool_call_emitted` and `finish_reason()` returns "length" so the client knows the
-  last call is truncated (or "stop" when a stop string or stop token ended the generation there).
-  Otherwise `finish_reason()` returns "tool_calls" when any complete call exists.
+- Cut by max_tokens or a stop string (`finish()` while a call is open). The cut call's text is never turned
+  into content (raw markup in `content` breaks clients). In the default live mode the client may already
+  have received the head and some argument fragments of the cut call: the parser then reports
+  `partial_tool_call_emitted`, and `emitted_tool_calls` (what a non-streaming response returns) holds that
+  call with the arguments streamed so far, so a streamed response and a non-streamed one carry the same
+  calls. A call cut before its head was emitted (in its header) is in neither.
+- finish_reason (`finish_reason(base)`, base being the engine's "stop" or "length"): "tool_calls" only when
+  the generation ended by itself ("stop") with at least one complete call and no cut one; otherwise `base`.
+  So output cut by max_tokens is always "length", whatever calls it holds (as OpenAI reports truncation;
+  vLLM's non-streaming chat gates "tool_calls" on "stop" likewise), and an agent never executes the calls of
+  a truncated turn believing it complete.
 - Malformed sequences are repaired leniently: `<|tool_call_begin|>` or `<|tool_calls_section_end|>` while
   a call's arguments are open closes that call as complete; a call whose header is open when a section
   ends is dropped; markers that make no sense in the current state (`<|tool_call_end|>` in content, a
@@ -293,6 +297,7 @@ class OutputParser:
         self._next_index = 0
         self._head_sent = False  # live mode: the open call's head delta has been emitted
         self._tool_calls: list[ToolCall] = []
+        self._partial: ToolCall | None = None  # the call cut by finish() after its head was emitted
         self.incomplete_tool_call = False
         self.partial_tool_call_emitted = False
 
@@ -301,6 +306,13 @@ class OutputParser:
     def tool_calls(self) -> list[ToolCall]:
         """Complete tool calls so far, in order."""
         return list(self._tool_calls)
+
+    @property
+    def emitted_tool_calls(self) -> list[ToolCall]:
+        """What the client of a stream has been sent, as whole calls: the complete calls, then (after `finish()`)
+        the call cut by the end of the generation if its head was already emitted, with the arguments emitted so
+        far. A non-streaming response returns these, so it carries the same calls as the stream."""
+        return self._tool_calls + ([self._partial] if self._partial is not None else [])
 
     @property
     def has_tool_calls(self) -> bool:
@@ -349,21 +361,21 @@ class OutputParser:
         self._text(text_tail, out)
         if self._state in (_HEADER, _ARGS):
             self.incomplete_tool_call = True
-            if self._state == _ARGS and self._head_sent:
+            if self._state == _ARGS and self._head_sent and self._call is not None:
                 self.partial_tool_call_emitted = True
+                _, call_id, name = self._call
+                self._partial = ToolCall(id=call_id, name=name, arguments="".join(self._args))
         self._state = _FINISHED
         return out
 
     def finish_reason(self, base: str) -> str:
         """The OpenAI finish_reason given the engine's own ("stop" or "length", or anything else).
 
-        `base` if the generation ended inside a call already partly streamed to the client ("length": cut by
-        max_tokens; "stop": a stop string or stop token ended it there), so the client never reads that call as
-        complete; else "tool_calls" if any complete call exists; else `base`.
+        "tool_calls" when the generation ended by itself (`base` "stop") with at least one complete call and no
+        call cut after its head was streamed; else `base`. So "length" (cut by max_tokens) is never relabelled:
+        the client can tell a truncated turn from a complete one.
         """
-        if self.partial_tool_call_emitted:
-            return base
-        if self._tool_calls:
+        if base == "stop" and self._tool_calls and not self.partial_tool_call_emitted:
             return "tool_calls"
         return base
 
@@ -550,7 +562,8 @@ def parse_output(
     text_deltas: either one text delta per token id (same length as token_ids) or an incremental
     detokenizer (`push(token_id) -> str`, `flush() -> str`, the kimi.tokenizer contract), in which case
     its flush() output is the text tail. content / reasoning_content are None when empty. tool_calls holds
-    the complete calls only. Raises ValueError if the text deltas and token ids differ in length.
+    `emitted_tool_calls`: the calls a stream of the same output carries (the complete ones, then a call cut after
+    its head was emitted). Raises ValueError if the text deltas and token ids differ in length.
     """
     parser = OutputParser(config)
     content: list[str] = []
@@ -574,5 +587,5 @@ def parse_output(
     take(parser.finish(text_tail))
     c = "".join(content)
     r = "".join(reasoning)
-    return (c or None), (r or None), parser.tool_calls
+    return (c or None), (r or None), parser.emitted_tool_calls
 

@@ -139,12 +139,12 @@ def test_two_calls_in_one_section_streaming_equals_non_streaming(client):
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=34, temperature=0)  # 34 tokens end right after call 2
     r = client.chat.completions.create(model="tiny", **kw)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls"
+    assert c.finish_reason == "length"  # max_tokens ended it (the chain goes on with more calls): not "tool_calls"
     assert c.message.model_extra["reasoning_content"] == " I think"
     assert c.message.content == "OK"
     assert [t.model_dump(exclude_none=True) for t in c.message.tool_calls] == [CALL, CALL]
     reasoning, content, calls, reasons, _ = _stream_chat(client, **kw)
-    assert (reasoning, content, reasons) == (" I think", "OK", ["tool_calls"])
+    assert (reasoning, content, reasons) == (" I think", "OK", ["length"])
     assert sorted(calls) == [0, 1]
     for call in calls.values():
         assert (call["id"], call["name"], "".join(call["arguments"])) == (CALL["id"], "get_weather", '{"city":"Paris"}')
@@ -152,25 +152,50 @@ def test_two_calls_in_one_section_streaming_equals_non_streaming(client):
     assert "<|" not in content + reasoning
 
 
+def _calls_of(message) -> list[tuple[str, str, str]]:
+    return [(t.id, t.function.name, t.function.arguments) for t in message.tool_calls or []]
+
+
+def _streamed_calls(calls: dict) -> list[tuple[str, str, str]]:
+    return [(calls[i]["id"], calls[i]["name"], "".join(calls[i]["arguments"])) for i in sorted(calls)]
+
+
 def test_section_cut_by_max_tokens(client):
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=29, temperature=0)  # cut inside call 2's arguments
     r = client.chat.completions.create(model="tiny", **kw)
     c = r.choices[0]
-    assert c.finish_reason == "length"  # the truncated call's head was already streamable
-    assert [t.id for t in c.message.tool_calls] == [CALL["id"]]
+    assert c.finish_reason == "length"
+    # the truncated call is returned as far as it was generated, as the stream carries it
+    assert _calls_of(c.message) == [(CALL["id"], "get_weather", '{"city":"Paris"}'), (CALL["id"], "get_weather", '{"')]
     _, content, calls, reasons, _ = _stream_chat(client, **kw)
-    assert reasons == ["length"] and content == "OK" and sorted(calls) == [0, 1]
+    assert reasons == ["length"] and content == "OK" and _streamed_calls(calls) == _calls_of(c.message)
+
+
+def test_cut_by_max_tokens_is_length_and_streams_the_same_calls(client):
+    """max_tokens anywhere from inside call 1's arguments to just after call 2 (complete at token 34): always
+    "length", even just after a complete call or inside the next call's header (it said "tool_calls", so an agent
+    would run the calls of a truncated turn); and the non-streamed calls equal the streamed ones at every cut
+    (the non-streamed response used to drop a call whose head and argument fragments the stream had sent)."""
+    for n in range(17, 35):
+        kw = dict(messages=ASK, tools=TOOLS, max_tokens=n, temperature=0)
+        r = client.chat.completions.create(model="tiny", **kw)
+        c = r.choices[0]
+        assert r.usage.completion_tokens == n and c.finish_reason == "length", (n, c)
+        _, _, calls, reasons, _ = _stream_chat(client, **kw)
+        assert reasons == ["length"] and _streamed_calls(calls) == _calls_of(c.message), (n, calls, c.message)
+    assert len(_calls_of(c.message)) == 2  # n = 34: both calls complete, still "length"
 
 
 def test_stop_string_inside_a_call_is_stop_not_length(client):
     """A stop string matching inside a call's arguments ends the generation with finish_reason "stop" (max_tokens
-    was not reached; it said "length"); the incomplete call is not returned, and the stream ends the same way."""
+    was not reached; it said "length"); the call is returned as far as the text before the stop string, as the
+    stream carries it (never "tool_calls": that call is incomplete)."""
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, stop=["Par"])
     c = client.chat.completions.create(model="tiny", **kw).choices[0]
     assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == "Par"
-    assert not c.message.tool_calls
+    assert _calls_of(c.message) == [(CALL["id"], "get_weather", '{"city":"')]
     _, content, calls, reasons, _ = _stream_chat(client, **kw)
-    assert reasons == ["stop"] and content == "OK" and sorted(calls) == [0]
+    assert reasons == ["stop"] and content == "OK" and _streamed_calls(calls) == _calls_of(c.message)
 
 
 def test_tool_marker_as_stop_token_without_tools_leaves_its_text_out(client):
@@ -209,8 +234,12 @@ def test_tool_choice_variants(srv, client):
                                            parallel_tool_calls=False)
     assert [t.id for t in named.choices[0].message.tool_calls] == [CALL["id"]]  # parallel off: first call only
     req = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                         max_tokens=20, temperature=0)
-    assert req.choices[0].finish_reason == "tool_calls"
+                                         max_tokens=60, temperature=0, logit_bias={str(CB): -10})  # one call, EOS
+    assert req.choices[0].finish_reason == "tool_calls" and _calls_of(req.choices[0].message) == [
+        (CALL["id"], "get_weather", '{"city":"Paris"}')]
+    cut = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                         max_tokens=20, temperature=0)  # token 20 completes call 1: cut there
+    assert cut.choices[0].finish_reason == "length" and len(cut.choices[0].message.tool_calls) == 1
     for body, param in [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "auto"}, "tool_choice"),

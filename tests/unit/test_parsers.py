@@ -319,8 +319,29 @@ def test_cut_inside_arguments_live_mode():
     assert p.tool_calls == [ToolCall("functions.a:0", "a", '{"k": 1}')]
     assert p.incomplete_tool_call and p.partial_tool_call_emitted
     assert p.finish_reason("length") == "length"
-    # non-streaming: only complete calls; the cut call's text is not turned into content
-    assert full(pairs, TOOLS) == ("x", None, [ToolCall("functions.a:0", "a", '{"k": 1}')])
+    # non-streaming: the calls the stream carried, the cut one with its arguments so far; never content
+    assert full(pairs, TOOLS) == ("x", None, [ToolCall("functions.a:0", "a", '{"k": 1}'),
+                                              ToolCall("functions.b:1", "b", '{"k": ')])
+
+
+@pytest.mark.parametrize("cfg", [TOOLS, TOOLS_WHOLE], ids=["live", "whole"])
+def test_streamed_and_non_streamed_calls_agree_at_every_cut(cfg):
+    """Cut the same two-call output after every token (max_tokens or a stop): the calls a client rebuilds from
+    the stream equal the non-streamed message's calls, and the finish reason is "tool_calls" only for an output
+    that ended by itself ("stop") with no call cut mid-stream; a "length" cut is always "length" (a newcomer
+    found "tool_calls" for output cut just after a complete call, and streamed calls the response lacked)."""
+    pairs = toks("pre", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"x": "yz"}', CE, SE,
+                 sizes=[2])
+    for n in range(len(pairs) + 1):
+        _, _, calls, p, _ = stream(pairs[:n], cfg)
+        streamed = [ToolCall(*calls[i]) for i in sorted(calls)]
+        assert full(pairs[:n], cfg)[2] == streamed == p.emitted_tool_calls, n
+        assert p.finish_reason("length") == "length", n
+        if p.partial_tool_call_emitted or not p.tool_calls:
+            assert p.finish_reason("stop") == "stop", n
+        else:
+            assert p.finish_reason("stop") == "tool_calls", n
+    assert p.finish_reason("stop") == "tool_calls" and len(p.emitted_tool_calls) == 2  # the whole output
 
 
 def test_stop_inside_arguments_reports_stop_not_length():
@@ -339,7 +360,11 @@ def test_cut_inside_header_emits_nothing_for_that_call():
     c, _, calls, p, _ = stream(pairs, TOOLS)
     assert calls == {0: ["functions.a:0", "a", "{}"]} and c == ""
     assert p.incomplete_tool_call and not p.partial_tool_call_emitted
-    assert p.finish_reason("length") == "tool_calls"
+    # cut by max_tokens: "length" even though a complete call exists (a truncated turn is never "tool_calls");
+    # ended by a stop string there: the complete call is all the client got, "tool_calls"
+    assert p.finish_reason("length") == "length"
+    assert p.finish_reason("stop") == "tool_calls"
+    assert full(pairs, TOOLS)[2] == [ToolCall("functions.a:0", "a", "{}")]
 
 
 def test_cut_right_after_section_begin():
@@ -355,7 +380,8 @@ def test_cut_inside_arguments_whole_mode_never_emits_broken_call(sizes):
     c, _, calls, p, deltas = stream(pairs, TOOLS_WHOLE)
     assert calls == {0: ["functions.a:0", "a", '{"k": 1}']}
     assert p.incomplete_tool_call and not p.partial_tool_call_emitted
-    assert p.finish_reason("length") == "tool_calls"
+    assert p.finish_reason("length") == "length" and p.finish_reason("stop") == "tool_calls"
+    assert p.emitted_tool_calls == [ToolCall("functions.a:0", "a", '{"k": 1}')]
     heads = [tc for d in deltas for tc in d.tool_calls]
     assert heads == [ToolCallDelta(0, "functions.a:0", "a", '{"k": 1}')]
 
@@ -555,7 +581,8 @@ def _controller_outputs(tokens, stops, include):
 
 
 def _feed_released(outs, cfg):
-    """The controller outputs through a ReleasedTextFeeder -> (content, reasoning, complete tool calls)."""
+    """The controller outputs through a ReleasedTextFeeder -> (content, reasoning, tool calls as a non-streamed
+    response returns them: `emitted_tool_calls`)."""
     from kimi.controller.parsers import ReleasedTextFeeder
 
     feeder = ReleasedTextFeeder(OutputParser(cfg))
@@ -564,7 +591,7 @@ def _feed_released(outs, cfg):
         d = feeder.feed(tid, text, hb, ha, last)
         r, c = r + d.reasoning_content, c + d.content
     d = feeder.parser.finish()
-    return c + d.content, r + d.reasoning_content, feeder.parser.tool_calls
+    return c + d.content, r + d.reasoning_content, feeder.parser.emitted_tool_calls
 
 
 def test_released_text_goes_with_the_token_that_produced_it():

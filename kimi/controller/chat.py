@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from kimi.controller.validation import BadRequest
+from kimi.controller.validation import BadRequest, check_prompt_text_fits, first_path, json_path
 from kimi.tokenizer import KimiTokenizer
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, rendered as system
@@ -27,6 +27,16 @@ _MARK_RE = re.compile(_MARK + r"(\d+)" + _MARK)
 def _check_text(s: str, param: str) -> None:
     if _MARK in s:
         raise BadRequest(f"'{param}' contains the reserved character U+F0000", param)
+
+
+def _check_tree(value: Any, param: str) -> None:
+    """_check_text over a JSON value (one scan of its dump), naming the first string or key holding U+F0000 by its
+    path under `param` (`tools[0].function.description`, `chat_template_kwargs.x`)."""
+    if _MARK not in json.dumps(value, ensure_ascii=False):
+        return
+    parts = first_path(value, lambda v: isinstance(v, str) and _MARK in v, lambda k: _MARK in k) or []
+    sub = json_path(parts)
+    _check_text(_MARK, param + ("" if not sub else sub if sub.startswith("[") else "." + sub))
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -161,7 +171,8 @@ def _special_ids(tokenizer: KimiTokenizer) -> tuple[re.Pattern, dict[str, int]]:
 
 
 def encode_chat(
-    tokenizer: KimiTokenizer, messages: Any, tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]
+    tokenizer: KimiTokenizer, messages: Any, tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any],
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Prompt token ids for a chat request (generation prompt appended).
 
@@ -173,7 +184,9 @@ def encode_chat(
     to the whole prompt rather than per run). U+F0000 (the placeholder marker) anywhere in the messages, tools
     or chat_template_kwargs is a 400. Tool declarations are rendered by the template
     as JSON; since they cannot be split out, a declaration that contains a control-token string (e.g.
-    `<|im_end|>`) is rejected. Raises BadRequest for malformed messages or a template that fails on them.
+    `<|im_end|>`) is rejected. With max_model_len, messages whose text surely has that many tokens or more are
+    refused (param `messages`) before the template renders or anything is tokenized. Raises BadRequest for
+    malformed messages or a template that fails on them.
     """
     messages = validate_messages(messages)
     if tools:
@@ -181,9 +194,9 @@ def encode_chat(
         found = _special_ids(tokenizer)[0].search(blob)  # one scan of the declarations
         if found:
             raise BadRequest(f"'tools' contains the control-token string {found.group(0)!r}", "tools")
-        _check_text(blob, "tools")
+        _check_tree(tools, "tools")
     if template_kwargs:
-        _check_text(json.dumps(template_kwargs, ensure_ascii=False), "chat_template_kwargs")
+        _check_tree(template_kwargs, "chat_template_kwargs")
     pieces: list[str] = []
 
     def mark(s: str, param: str) -> str:
@@ -218,8 +231,10 @@ def encode_chat(
         rest = {k: v for k, v in m.items() if k not in ("content", "name", "tool_call_id")}
         if isinstance(c, list):  # the parts' other keys
             rest["content"] = [{**part, "text": ""} for part in c]
-        _check_text(json.dumps(rest, ensure_ascii=False), f"messages[{i}]")
+        _check_tree(rest, f"messages[{i}]")
         marked.append(m2)
+    if max_model_len is not None:  # the prompt holds every piece: refuse one surely too long before tokenizing it
+        check_prompt_text_fits(tokenizer, "".join(pieces), max_model_len, "messages", "the messages' text has")
     try:
         rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, **template_kwargs)
     except ValueError as e:

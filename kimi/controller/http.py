@@ -46,7 +46,9 @@ from kimi.controller.validation import (
     BadRequest,
     Fields,
     check_prompt_text_fits,
+    first_path,
     generation_params,
+    json_path,
     read_logit_bias,
     read_min_tokens,
     read_sampling,
@@ -1010,7 +1012,8 @@ class OpenAIServer:
             if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
                 raise BadRequest("'chat_template_kwargs.thinking' must be a boolean", "chat_template_kwargs.thinking")
 
-            ids = await run_sized(f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs)
+            ids = await run_sized(f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs,
+                                  self.engine.max_model_len)
             g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
             f.reject_unknown()
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
@@ -1142,17 +1145,17 @@ def _decode_body(text: str) -> Any:
             long_int = True
             body = json.loads(text, parse_int=_parse_int)
         if _SURROGATE_ESCAPE.search(text):  # valid UTF-8 cannot hold surrogates: only a \uD8xx-style escape can
-            parts = _first_path(body, _holds_surrogate, _SURROGATE_RE.search)
+            parts = first_path(body, _holds_surrogate, _SURROGATE_RE.search)
             if parts is not None:  # not UTF-8 encodable: it would fail the response (echo, reasoning), the template
-                path = _json_path(parts)
+                path = json_path(parts)
                 raise BadRequest(f"'{path or 'body'}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)", path or None)
-        parts = _first_path(body, _is_long_int) if long_int else None
+        parts = first_path(body, _is_long_int) if long_int else None
     except ValueError as e:  # JSONDecodeError, here or after a long literal
         raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
     except RecursionError:
         raise BadRequest("the request body is nested too deeply", None) from None
     if parts:  # (None when a later duplicate key replaced it; [] when the body is one: Fields says it must be an object)
-        path = _json_path(parts)
+        path = json_path(parts)
         raise BadRequest(f"'{path}' is an integer of more than {sys.get_int_max_str_digits()} digits", path)
     return body
 
@@ -1180,38 +1183,6 @@ def _is_long_int(v: Any) -> bool:
 
 def _holds_surrogate(v: Any) -> bool:
     return isinstance(v, str) and _SURROGATE_RE.search(v) is not None
-
-
-def _first_path(v: Any, leaf: Callable[[Any], bool],
-                key: Callable[[str], Any] | None = None) -> list[str | int] | None:
-    """The path (keys / indices, innermost first; [] for v itself) of the first value in v for which leaf(value) is
-    true, or of the object holding the first key for which key(k) is; None if there is none. The path is collected
-    on the way back out, so a body of many elements under long keys costs one visit per element."""
-    if leaf(v):
-        return []
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if key is not None and key(k):
-                return []
-            found = _first_path(x, leaf, key)
-            if found is not None:
-                found.append(k)
-                return found
-    elif isinstance(v, list):
-        for i, x in enumerate(v):
-            found = _first_path(x, leaf, key)
-            if found is not None:
-                found.append(i)
-                return found
-    return None
-
-
-def _json_path(parts: list[str | int]) -> str:
-    """Innermost-first path parts -> `messages[1].content` ("" for the body itself)."""
-    out = ""
-    for p in reversed(parts):
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
-    return out
 
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")

@@ -140,6 +140,38 @@ _JSON_TYPES = (  # first match wins: bool before int (a bool is an int in Python
 )
 
 
+def first_path(v: Any, leaf: Callable[[Any], bool],
+                key: Callable[[str], Any] | None = None) -> list[str | int] | None:
+    """The path (keys / indices, innermost first; [] for v itself) of the first value in v for which leaf(value) is
+    true, or of the object holding the first key for which key(k) is; None if there is none. The path is collected
+    on the way back out, so a body of many elements under long keys costs one visit per element."""
+    if leaf(v):
+        return []
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if key is not None and key(k):
+                return []
+            found = first_path(x, leaf, key)
+            if found is not None:
+                found.append(k)
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = first_path(x, leaf, key)
+            if found is not None:
+                found.append(i)
+                return found
+    return None
+
+
+def json_path(parts: list[str | int]) -> str:
+    """Innermost-first path parts -> `messages[1].content` ("" for the body itself)."""
+    out = ""
+    for p in reversed(parts):
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
 def _json_type(v: Any) -> str:
     """The JSON type name of a decoded value (for error messages and exact-type comparisons)."""
     return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
@@ -286,11 +318,14 @@ def generation_params(
     return sampling, stop_params
 
 
-def check_prompt_text_fits(tokenizer: Any, text: str, max_model_len: int) -> None:
-    """BadRequest (param `prompt`) when `text` surely has max_model_len tokens or more (kimi.tokenizer
+def check_prompt_text_fits(tokenizer: Any, text: str, max_model_len: int, param: str = "prompt",
+                           subject: str = "the prompt has") -> None:
+    """BadRequest (naming `param`) when `text` surely has max_model_len tokens or more (kimi.tokenizer
     .KimiTokenizer.min_num_tokens, no encoding): a huge prompt is refused before seconds of tokenizing. The
-    message is the engine's for a prompt that leaves no room, with the bound instead of the count."""
+    message is the engine's for a prompt that leaves no room, with the bound instead of the count. A chat request
+    passes its messages' text (param `messages`, subject "the messages' text has"): its prompt holds that text and
+    more."""
     lb = tokenizer.min_num_tokens(text)
     if lb >= max_model_len:
-        raise BadRequest(f"this model's maximum context length is {max_model_len} tokens; the prompt has at least "
-                         f"{lb} tokens ({len(text)} characters), which leaves no room for a generated token", "prompt")
+        raise BadRequest(f"this model's maximum context length is {max_model_len} tokens; {subject} at least "
+                         f"{lb} tokens ({len(text)} characters), which leaves no room for a generated token", param)

@@ -274,6 +274,14 @@ def test_a_prompt_surely_too_long_is_refused_before_tokenizing(srv):
         with pytest.raises(KimiError) as e:
             list(c.generate(prompt, max_tokens=1))
     assert str(e.value) == msg
+    # chat: the messages' text together (two halves here) bounds the prompt; it was tokenized in full first (a
+    # newcomer's 30 MB message took ~10 s of CPU before its 400 gave the exact count)
+    msgs = [{"role": "system", "content": "ab" * 75000}, {"role": "user", "content": [{"type": "text", "text": "ab" * 75000}]}]
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "maximum context length is 1024 tokens; the messages' text has at least" in r.json()["error"]["message"]
+    r = _post(srv, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 200, r.text
 
 
 def test_openai_platform_fields_at_their_defaults_are_accepted(srv):
@@ -318,11 +326,11 @@ def test_model_may_be_left_out(srv, path):
 
 def test_placeholder_character_in_tools_is_a_400_not_a_500(srv, client):
     """U+F0000 in a tool's description (the chat encoder's placeholder marker) was an IndexError and a plain-text
-    500; it is a 400 naming `tools`, and the server keeps serving."""
+    500; it is a 400 naming the field by its path, and the server keeps serving."""
     mark = "\U000f0000"
     tools = [{"type": "function", "function": {"name": "f", "description": f"x{mark}99{mark}y"}}]
     r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 2, "tools": tools})
-    assert "U+F0000" in _bad(r, "tools")
+    assert "U+F0000" in _bad(r, "tools[0].function.description")
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices[0].finish_reason in ("length", "stop")
 
 
@@ -336,7 +344,7 @@ def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(
     assert "U+F0000" in _bad(r, "messages[0].content")
     r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 2,
                                         "chat_template_kwargs": {"thinking": False, "x": mark}})
-    assert "U+F0000" in _bad(r, "chat_template_kwargs")
+    assert "U+F0000" in _bad(r, "chat_template_kwargs.x")
     prompt = f"Hi {mark} there"
     r = _post(srv, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, "echo": True,
                                    "stop": [mark], "user": mark})

@@ -226,12 +226,13 @@ def test_encode_chat_keeps_control_token_strings_in_messages_as_text():
     assert count(evil) == count(plain)
 
 
-@pytest.mark.parametrize("where,param", [("tools", "tools"), ("kwargs", "chat_template_kwargs"),
-                                         ("refusal", "messages[0]"), ("content", "messages[0].content")])
+@pytest.mark.parametrize("where,param", [("tools", "tools[0].function.description"), ("kwargs", "chat_template_kwargs.note"),
+                                         ("kwkey", "chat_template_kwargs"), ("refusal", "messages[0].refusal"),
+                                         ("content", "messages[0].content"), ("callkey", "messages[0].tool_calls[0]")])
 def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
     """U+F0000 marks message text inside the rendered prompt; in tools, chat_template_kwargs or any message field
-    it is a 400 naming the field (in a tool's description it crashed the request with an IndexError, or spliced a
-    message's text into the tool declaration)."""
+    it is a 400 naming the field by its path (in a tool's description it crashed the request with an IndexError, or
+    spliced a message's text into the tool declaration); in a key, the path of the object holding it."""
     from kimi.controller.chat import encode_chat
     from kimi.controller.validation import BadRequest
 
@@ -242,6 +243,12 @@ def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
         tools = [{"type": "function", "function": {"name": "f", "description": f"x{mark}99{mark}y"}}]
     elif where == "kwargs":
         kwargs = {"note": f"{mark}0{mark}"}
+    elif where == "kwkey":
+        kwargs = {f"k{mark}": 1}
+    elif where == "callkey":
+        msgs = [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}, f"x{mark}": 1}]},
+            {"role": "tool", "tool_call_id": "c0", "content": "r"}]
     elif where == "refusal":
         msgs = [{"role": "assistant", "content": "a", "refusal": f"{mark}0{mark}"}, {"role": "user", "content": "hi"}]
     else:

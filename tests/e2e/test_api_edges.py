@@ -628,12 +628,13 @@ def _health_latency_while(srv, work) -> tuple[float, float]:
 
 @pytest.mark.parametrize("api", ["completions", "chat/completions", "zmq"])
 def test_a_huge_prompt_does_not_stall_the_server(srv, api):
-    """A 24 MB prompt (about 4M tokens) is refused naming the prompt while /health answers. Chat messages are
-    tokenized in a worker thread (kimi.controller.offload), then refused (longer than --max-model-len, before the
-    engine's per-id check); before, the loop was held for the tokenization and that check: with a 12 MB prompt
-    /health waited 1.03-1.08 s of a 1.08-1.12 s request (the check needs the request to take long enough to mean
-    something). A completions / ZeroMQ text prompt is refused before tokenizing, from its length in bytes
-    (check_prompt_text_fits)."""
+    """A 24 MB prompt (about 4M tokens) is refused naming the prompt while /health answers. A chat prompt is
+    rendered and tokenized in a worker thread (kimi.controller.offload), then refused (longer than --max-model-len,
+    before the engine's per-id check); before, the loop was held for the tokenization and that check: with a 12 MB
+    prompt /health waited 1.03-1.08 s of a 1.08-1.12 s request (the check needs the request to take long enough to
+    mean something). The chat case puts the text in a tool's description: text in the messages is now refused
+    before tokenizing, from its length in bytes, like a completions / ZeroMQ text prompt (check_prompt_text_fits),
+    while a tool declaration, which a template may render in any form, is not bounded that way."""
     text = "hello world " * 2_000_000
     out: dict = {}
 
@@ -641,8 +642,9 @@ def test_a_huge_prompt_does_not_stall_the_server(srv, api):
         if api == "completions":
             out["r"] = _post(srv, "completions", {"model": "tiny", "prompt": text, "max_tokens": 1})
         elif api == "chat/completions":
-            out["r"] = _post(srv, "chat/completions", {"model": "tiny", "max_tokens": 1,
-                                                        "messages": [{"role": "user", "content": text}]})
+            tools = [{"type": "function", "function": {"name": "f", "description": text}}]
+            out["r"] = _post(srv, "chat/completions", {"model": "tiny", "max_tokens": 1, "tools": tools,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
         else:
             with KimiClient(srv.zmq_addr, timeout_s=120) as c:
                 try:

@@ -176,12 +176,17 @@ def test_cut_by_max_tokens_is_length_and_streams_the_same_calls(client):
     "length", even just after a complete call or inside the next call's header (it said "tool_calls", so an agent
     would run the calls of a truncated turn); and the non-streamed calls equal the streamed ones at every cut
     (the non-streamed response used to drop a call whose head and argument fragments the stream had sent)."""
-    for n in range(17, 35):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def both(n: int):  # the non-streamed response and the stream of the same request (batched together)
         kw = dict(messages=ASK, tools=TOOLS, max_tokens=n, temperature=0)
-        r = client.chat.completions.create(model="tiny", **kw)
+        return client.chat.completions.create(model="tiny", **kw), _stream_chat(client, **kw)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(both, range(17, 35)))
+    for n, (r, (_, _, calls, reasons, _)) in zip(range(17, 35), results):
         c = r.choices[0]
         assert r.usage.completion_tokens == n and c.finish_reason == "length", (n, c)
-        _, _, calls, reasons, _ = _stream_chat(client, **kw)
         assert reasons == ["length"] and _streamed_calls(calls) == _calls_of(c.message), (n, calls, c.message)
     assert len(_calls_of(c.message)) == 2  # n = 34: both calls complete, still "length"
 

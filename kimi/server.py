@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -312,7 +313,10 @@ class WorkerProcess:
     """The torchrun child, its process group, and the worker processes under it."""
 
     def __init__(self, cmd: list[str], nproc: int = 1) -> None:
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        # kimi.worker.launch writes the first failed rank and its exit code here (read by `check`)
+        fd, self._report = tempfile.mkstemp(prefix="kimi-launch-", suffix=".json")
+        os.close(fd)
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "KIMI_LAUNCH_REPORT": self._report})
         self.nproc = nproc
         self._ranks: dict[int, int] = {}  # the processes seen under torchrun (pid -> start time)
         self._ranks_at = 0.0
@@ -327,7 +331,21 @@ class WorkerProcess:
                 self._ranks_at = now
                 self._ranks.update(_descendants(self.proc.pid))
             return None
-        return f"worker process exited with code {rc} (torchrun: a worker rank died or failed)"
+        failed = self._failed_rank()
+        if failed is None:
+            return f"worker process exited with code {rc} (torchrun: a worker rank died or failed)"
+        rank, code = failed
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        return f"worker rank {rank} died: it {how} (torchrun then stopped the other ranks and exited with code {rc})"
+
+    def _failed_rank(self) -> tuple[int, int] | None:
+        """(rank, exit code) that kimi.worker.launch reported for the first failed rank, or None."""
+        try:
+            with open(self._report) as f:
+                rep = json.load(f)
+            return int(rep["rank"]), int(rep["exitcode"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Let torchrun end within grace_s, then SIGTERM / SIGKILL its group; then SIGKILL any worker that outlived
@@ -335,6 +353,10 @@ class WorkerProcess:
         signals to torchrun's group do not reach the ranks: torchrun forwards its SIGTERM, which a rank that cannot
         run (SIGSTOPped, wedged in the kernel) does not act on before torchrun itself is killed."""
         ranks = {**self._ranks, **_descendants(self.proc.pid)}  # the remembered ranks too: torchrun may be gone
+        try:
+            os.unlink(self._report)
+        except OSError:
+            pass
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -360,6 +382,13 @@ class WorkerProcess:
                     kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _cuda_unavailable() -> str | None:

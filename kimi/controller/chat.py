@@ -211,7 +211,8 @@ def encode_chat(
         if isinstance(c, str):
             m2["content"] = mark(c, f"messages[{i}].content") if c else c
         elif isinstance(c, list):
-            m2["content"] = [{**part, "text": mark(part["text"], f"messages[{i}].content")} for part in c]
+            m2["content"] = [{**part, "text": mark(part["text"], f"messages[{i}].content[{j}].text")}
+                             for j, part in enumerate(c)]
         if isinstance(m.get("name"), str) and m["name"]:
             m2["name"] = mark(m["name"], f"messages[{i}].name")
         if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:

@@ -228,7 +228,8 @@ def test_encode_chat_keeps_control_token_strings_in_messages_as_text():
 
 @pytest.mark.parametrize("where,param", [("tools", "tools[0].function.description"), ("kwargs", "chat_template_kwargs.note"),
                                          ("kwkey", "chat_template_kwargs"), ("refusal", "messages[0].refusal"),
-                                         ("content", "messages[0].content"), ("callkey", "messages[0].tool_calls[0]")])
+                                         ("content", "messages[0].content"), ("callkey", "messages[0].tool_calls[0]"),
+                                         ("part", "messages[0].content[1].text")])
 def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
     """U+F0000 marks message text inside the rendered prompt; in tools, chat_template_kwargs or any message field
     it is a 400 naming the field by its path (in a tool's description it crashed the request with an IndexError, or
@@ -251,6 +252,8 @@ def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
             {"role": "tool", "tool_call_id": "c0", "content": "r"}]
     elif where == "refusal":
         msgs = [{"role": "assistant", "content": "a", "refusal": f"{mark}0{mark}"}, {"role": "user", "content": "hi"}]
+    elif where == "part":
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": f"b{mark}"}]}]
     else:
         msgs = [{"role": "user", "content": f"a{mark}"}]
     with pytest.raises(BadRequest) as e:

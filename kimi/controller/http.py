@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for every str (C)
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request as HTTPRequest

@@ -141,7 +141,7 @@ _JSON_TYPES = (  # first match wins: bool before int (a bool is an int in Python
 
 
 def first_path(v: Any, leaf: Callable[[Any], bool],
-                key: Callable[[str], Any] | None = None) -> list[str | int] | None:
+               key: Callable[[str], Any] | None = None) -> list[str | int] | None:
     """The path (keys / indices, innermost first; [] for v itself) of the first value in v for which leaf(value) is
     true, or of the object holding the first key for which key(k) is; None if there is none. The path is collected
     on the way back out, so a body of many elements under long keys costs one visit per element."""

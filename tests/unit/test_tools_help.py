@@ -1,7 +1,7 @@
 """Every script in tools/ answers --help (exit 0, argparse usage) on a CPU-only install without Triton, humming or
 FlashInfer: the GPU tools import those packages guardedly and refuse a run with one line (bench_util.require_gpu),
 not a traceback at import; on a machine without CUDA, running one of those GPU tools (with no arguments) exits 1 with
-one line naming the script. The runs are started together and waited for (about 2 s of imports each)."""
+one line naming the script. The scripts run one after another in one fresh interpreter (_RUNNER)."""
 
 import json
 import subprocess
@@ -14,15 +14,41 @@ import torch
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
+# Runs each script as `python script args` would (runpy as __main__, sys.argv set), one after another in ONE fresh
+# interpreter, so torch is imported once (a process per script spent ~2 s of imports each: 86 s of the suite on 2
+# cores): exit code as the interpreter would give it (SystemExit's code; a str code is printed to stderr, exit 1; an
+# uncaught exception prints its traceback, exit 1), stdout and stderr captured per script.
+_RUNNER = r"""
+import contextlib, io, json, runpy, sys, traceback
+args, scripts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+res = {}
+for path in scripts:
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    sys.argv = [path, *args]
+    sys.path[0] = path.rsplit("/", 1)[0]  # as `python path` sets it: the script's folder
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                rc = 1
+            else:
+                rc = e.code or 0
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+    res[path.rsplit("/", 1)[-1]] = [rc, out.getvalue(), err.getvalue()]
+sys.stdout.write(json.dumps(res))
+"""
+
+
 def _run_all(scripts, args) -> dict[str, tuple[int, str, str]]:
-    """{script name: (exit code, stdout, stderr)} of every script run with args, all started at once."""
-    procs = {p.name: subprocess.Popen([sys.executable, str(p), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True) for p in scripts}
-    res = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        res[name] = (proc.returncode, out, err)
-    return res
+    """{script name: (exit code, stdout, stderr)} of every script run with args (see _RUNNER)."""
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(list(args)), json.dumps([str(p) for p in scripts])],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: tuple(v) for name, v in json.loads(proc.stdout).items()}
 
 
 def test_every_tool_prints_help_without_gpu_packages():

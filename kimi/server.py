@@ -354,10 +354,6 @@ class WorkerProcess:
         run (SIGSTOPped, wedged in the kernel) does not act on before torchrun itself is killed."""
         ranks = {**self._ranks, **_descendants(self.proc.pid)}  # the remembered ranks too: torchrun may be gone
         try:
-            os.unlink(self._report)
-        except OSError:
-            pass
-        try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             pass
@@ -382,6 +378,10 @@ class WorkerProcess:
                     kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+        try:  # last: torchrun (gone now) may have written it while stopping
+            os.unlink(self._report)
+        except OSError:
+            pass
 
 
 def _signal_name(num: int) -> str:

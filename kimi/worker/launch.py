@@ -6,12 +6,14 @@ the rank has printed its error and the controller has logged it (`start-up faile
 the same failure prints one line to stderr, `kimi.worker.launch: worker rank R exited with code C`, and the
 process exits 1, as torchrun does. With $KIMI_LAUNCH_REPORT set (kimi serve sets it to a file of its own), the
 failed rank and its exit code are also written there as JSON, `{"rank": R, "exitcode": C}` (C negative: killed by
-signal -C), so the controller's error for the requests a rank death ends names the rank. A SIGTERM / SIGINT / SIGHUP to torchrun (kimi's stop of ranks still loading)
-ends the ranks as torchrun does, then prints `kimi.worker.launch: stopped by SIGTERM` instead of the agent's
-SignalException traceback, and exits 128 + the signal number. torchrun's own log lines about the same events
-(its agent's and process handler's warnings and errors) are silenced. Everything else (arguments, rendezvous,
-signal handling, exit 0 when every rank exits 0) is torch.distributed.run's `run`. Operators who start ranks themselves
-(`kimi serve --attach`, docs/multinode.md) use plain torchrun.
+signal -C), so the controller's error for the requests a rank death ends names the rank.
+
+A SIGTERM / SIGINT / SIGHUP to torchrun (kimi's stop of ranks still loading) ends the ranks as torchrun does, then
+prints `kimi.worker.launch: stopped by SIGTERM` instead of the agent's SignalException traceback, and exits 128 +
+the signal number. torchrun's own log lines about the same events (its agent's and process handler's warnings and
+errors) are silenced. Everything else (arguments, rendezvous, signal handling, exit 0 when every rank exits 0) is
+torch.distributed.run's `run`. Operators who start ranks themselves (`kimi serve --attach`, docs/multinode.md) use
+plain torchrun.
 """
 
 from __future__ import annotations
@@ -31,14 +33,21 @@ from torch.distributed.run import parse_args, run
 _QUIET = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
 
 
+_PARENT = os.getppid()  # kimi serve, which reads and removes the report file
+
+
 def _report(rank: int, exitcode: int) -> None:
     path = os.environ.get("KIMI_LAUNCH_REPORT")
-    if path:
-        try:
-            with open(path, "w") as f:
-                json.dump({"rank": rank, "exitcode": exitcode}, f)
-        except OSError as e:
-            print(f"kimi.worker.launch: cannot write $KIMI_LAUNCH_REPORT {path}: {e}", file=sys.stderr)
+    if not path:
+        return
+    try:
+        if os.getppid() != _PARENT:  # kimi serve is gone (killed): nobody will read or remove the file
+            os.unlink(path)
+            return
+        with open(path, "w") as f:
+            json.dump({"rank": rank, "exitcode": exitcode}, f)
+    except OSError as e:
+        print(f"kimi.worker.launch: cannot write $KIMI_LAUNCH_REPORT {path}: {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,15 +162,20 @@ def test_stopped_rank_is_detected_by_heartbeat(tiny_k26, tmp_path):
 
 
 def test_workers_exit_when_the_controller_is_killed(tiny_k26, tmp_path):
-    """SIGKILL leaves the controller no chance to clean up: the workers notice the silence and exit."""
+    """SIGKILL leaves the controller no chance to clean up: the workers notice the silence and exit, and torchrun
+    (kimi.worker.launch) removes the controller's report file instead of writing the ranks' exit into it."""
     srv = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "64")
     assert worker_pids(tiny_k26), "no worker processes found"
+    env = Path(f"/proc/{_agent_pid(tiny_k26)}/environ").read_bytes().split(b"\0")
+    report = next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"KIMI_LAUNCH_REPORT="))
+    assert os.path.exists(report)
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait(10)
     deadline = time.monotonic() + 45  # the workers' --controller-timeout is 15 s (+5 s for the heartbeat thread)
     while worker_pids(tiny_k26) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert worker_pids(tiny_k26) == [], "workers outlived a killed controller"
+    assert not os.path.exists(report), "the launch report file was left behind"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

@@ -74,9 +74,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
-// Activations are read by every CTA of their block (N / (16 NT) of them): keep them in L1 (.ca).
-__device__ __forceinline__ void cp_async16_l1(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+// Activations are read by every CTA of their block (N / (16 NT) of them): keep them in L1 (.ca). src_bytes 16 copies
+// the 16 bytes at src; 0 reads nothing and writes 16 zero bytes (the PTX ISA's cp.async src-size operand).
+__device__ __forceinline__ void cp_async16_l1(void* dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
     const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
     const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights) {
+    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights, int zero_pads) {
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -178,16 +180,19 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
   const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
 
   // Input rows. With both halves in use lane L copies pieces 4 (L & 1) .. + 3 of block row L / 2; with one, pieces
-  // 2 (L & 3), + 1 of row L / 4. A pad row reads token 0 instead: its MMA column is never stored, so what it holds
-  // does not matter, and the loop needs no per-row branch.
+  // 2 (L & 3), + 1 of row L / 4. A pad row's MMA column is never stored, so what it holds does not matter and the
+  // loop needs no per-row branch: with zero_pads its copies read nothing and fill zeros (operands of zeros toggle
+  // fewer bits in the tensor cores, and the step runs at the power cap); else they read token 0.
   const __nv_bfloat16* xr[2];
   int xrow[2], xq[2];
+  uint32_t xbytes[2];
 #pragma unroll
   for (int h1 = 0; h1 < 2; ++h1) {
     xrow[h1] = h1 ? lane >> 1 : lane >> 2;
     xq[h1] = h1 ? 4 * (lane & 1) : 2 * (lane & 3);
     const int id = sorted_ids[b * kBlockRows + xrow[h1]];
     xr[h1] = x + (int64_t)(id < num_rows_out ? id / top_k : 0) * x_stride + 8 * xq[h1] + (int64_t)c_begin * 64;
+    xbytes[h1] = (id < num_rows_out || !zero_pads) ? 16u : 0u;
   }
   // ldmatrix addresses (bytes in a slot's x) of this lane for half h, k16 steps 0, 1: row 8 h + L % 8, piece
   // (L / 8) ^ (L % 8); steps 2, 3 are pieces 4 higher, i.e. the address ^ 64
@@ -200,7 +205,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
 #pragma unroll
     for (int q = 0; q < (H ? 4 : 2); ++q) {
       const int r = xrow[H], piece = xq[H] + q;
-      cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * q);
+      cp_async16_l1(&sl.x[r][piece ^ (r & 7)], xr[H] + 8 * q, xbytes[H]);
     }
     xr[0] += 64;
     xr[1] += 64;
@@ -395,7 +400,7 @@ constexpr size_t smem_bytes() {
 template <int NT, int KW, int S>
 cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* wsc, const int* sorted_ids,
                    const int* block_expert, const int* num_padded, void* out, int64_t out_stride, int num_rows_out,
-                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights,
+                   int top_k, int n, int k, int num_blocks, int pdl, int glu, int early_weights, int zero_pads,
                    cudaStream_t stream) {
   const int n_tiles = n / 16, k_chunks = k / 64;
   constexpr size_t smem = smem_bytes<NT, KW, S>();
@@ -425,7 +430,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
                             num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights);
+                            n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights, zero_pads);
 }
 
 }  // namespace
@@ -440,20 +445,21 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // when num_padded and block_expert were complete before this kernel could start, i.e. the align that writes them is
 // not the kernel directly ahead, and every kernel between them waited (griddepcontrol.wait, or an ordinary launch)
 // before letting its dependents launch: then each CTA reads them and issues its first S - 1 chunks of weights before
-// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). Returns cudaErrorInvalidValue for anything else.
+// its griddepcontrol.wait (the down GEMM behind the gate_up GEMM). zero_pads: 1 fills the pad rows' inputs with zeros
+// (no read), 0 reads token 0's row for them; the outputs are the same. Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, cudaStream_t stream) {
+                                               int glu, int early_weights, int zero_pads, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
-      early_weights > 1)
+      early_weights > 1 || zero_pads < 0 || zero_pads > 1)
     return cudaErrorInvalidValue;
 #define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
   if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
-                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, stream);
+                                num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, zero_pads, stream);
   KIMI_W4A16_CASE(4, 4, 4)
   KIMI_W4A16_CASE(4, 2, 4)
   KIMI_W4A16_CASE(8, 1, 4)

@@ -11,12 +11,12 @@ extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, 
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
                                                void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
                                                int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, cudaStream_t stream);
+                                               int glu, int early_weights, int zero_pads, cudaStream_t stream);
 
 static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wsc,
                          const torch::Tensor& sorted_ids, const torch::Tensor& block_expert,
                          const torch::Tensor& num_padded, torch::Tensor& out, int64_t top_k, int64_t nt, int64_t kw,
-                         int64_t stages, int64_t pdl, bool glu, bool early_weights) {
+                         int64_t stages, int64_t pdl, bool glu, bool early_weights, bool zero_pads) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x: [R, K] bf16 CUDA tensor with unit last stride");
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.stride(1) == 1,
@@ -48,7 +48,7 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
       block_expert.data_ptr<int>(), num_padded.data_ptr<int>(), out.data_ptr(), out.stride(0),
       static_cast<int>(out.size(0)), static_cast<int>(top_k), static_cast<int>(n), static_cast<int>(k), num_blocks,
       static_cast<int>(nt), static_cast<int>(kw), static_cast<int>(stages), static_cast<int>(pdl), glu ? 1 : 0,
-      early_weights ? 1 : 0, at::cuda::getCurrentCUDAStream());
+      early_weights ? 1 : 0, zero_pads ? 1 : 0, at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear it: a later, unrelated launch check must not see it
     // formatted here: with int64 values streamed into TORCH_CHECK's message, a launch error segfaulted this extension

@@ -379,6 +379,10 @@ AB_VARIANTS = {
                          "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
                          lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
                          lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
+    "pads_token0": ("kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling "
+                    "them (kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
+                    lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS", False),
+                    lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS")),
     "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
                      "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
     "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "

@@ -78,6 +78,11 @@ PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # wait for the gate_up GEMM ahead (indexed_gemm's early_weights; cuda_experts_forward). Read at each call; CUDA graphs
 # keep the value of their capture (tools/bench_decode.py A/Bs it).
 EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
+# The pad rows of an align block (ids past the pairs) get zeros as their inputs (cp.async's zero fill: no read)
+# instead of token 0's row: their MMA columns are never stored either way, and zero operands toggle fewer bits in the
+# tensor cores of a step that runs at the power cap. Read at each call; CUDA graphs keep the value of their capture
+# (tools/bench_decode.py A/Bs it as `pads_token0`).
+ZERO_PAD_ROWS = os.environ.get("KIMI_MOE_CUDA_ZERO_PADS", "1") != "0"
 # Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
 # no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
 # (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
@@ -88,8 +93,12 @@ EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
 # 256), after the sweeps' 256-token rows ((8, 2, 3) 108.6 us, (8, 2, 2) 113.6-113.7 in s14_c4 / s15_c2) and the
 # decode step at 32 sequences, same-run paired rounds against (8, 2, 2): -0.49, -0.14, -0.14, -0.22 ms in four runs,
 # -0.11 and -0.01 (within noise) in two (bench/decode_2026-11-30_s17_c*.json; docs/benchmarks.md, session 17).
+# Session 25: gate_up (8, 2, 3) from 129 to 384 pairs, after the decode step at 32 sequences with the pad rows
+# zero-filled, same-run paired rounds against (4, 4, 4): (8, 2, 3) -0.23 ms (9 of 10 rounds faster), (8, 2, 2) -0.22
+# and -0.37, control capture -0.04 / -0.09; at 16 sequences (128 pairs) every NT 8 configuration was +0.05..+0.14
+# (control +0.07), at 8 (8, 2, 2) +1.27 (bench/decode_2026-12-02_s25_c*.json; docs/benchmarks.md, session 25).
 TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
-    (4096, 7168): ((384, (4, 4, 4)), (None, (8, 2, 2))),  # gate_up
+    (4096, 7168): ((128, (4, 4, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # gate_up
     (7168, 2048): ((128, (4, 2, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # down
 }
 
@@ -212,7 +221,7 @@ def load_extension():
 def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                  config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
-                 early_weights: bool = False) -> torch.Tensor:
+                 early_weights: bool = False, zero_pads: bool | None = None) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -229,7 +238,9 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     every kernel between the two waits for its own predecessor before letting the next one launch (kimi.ops.pdl's
     contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel starts. Each CTA then reads
     its block's expert and issues its first S - 1 chunks of weights and scales before its griddepcontrol.wait, and an
-    empty block exits without waiting; the outputs are the same. No host synchronisation: graph-capturable.
+    empty block exits without waiting; the outputs are the same. zero_pads (default ZERO_PAD_ROWS): the pad rows'
+    inputs are zeros (no read) instead of token 0's row; the outputs are the same. No host synchronisation:
+    graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
@@ -266,5 +277,6 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
     load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights))
+                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights),
+                                  bool(ZERO_PAD_ROWS if zero_pads is None else zero_pads))
     return out

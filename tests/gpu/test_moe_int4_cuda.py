@@ -62,6 +62,38 @@ def test_indexed_gemm_matches_dequant_reference(E, N, K, T, k, E_total, offset):
             assert torch.isnan(out[others]).all(), f"config {cfg}: a row that is not listed was written"
 
 
+@pytest.mark.parametrize("E,N,K,T,k,E_total,offset", [
+    (8, 128, 1024, 60, 8, 8, 0),        # 60 pairs per expert: a last block of 12 rows (pads in the second half)
+    (8, 256, 512, 5, 4, 16, 4),         # few pairs: mostly pad rows
+    (48, 7168, 2048, 256, 8, 384, 96),  # Kimi down at 32 local sequences
+])
+def test_zero_filled_pad_rows_change_no_output(E, N, K, T, k, E_total, offset):
+    """zero_pads (the pad rows' inputs zero-filled, no read) against token 0's row as the pads' inputs: bit-equal
+    outputs at every configuration, both row modes (x[pair // k] and x[pair]), glu off; rows not listed keep their
+    poison. A pad's MMA column is never stored, so its inputs must not change any listed row."""
+    from kimi.ops.fused import moe_align_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(N + T + 3)
+    w, s = mc.repack(*_experts(E, N, K, gen))
+    ids = _routing(T, E_total, k, gen)
+    P = T * k
+    sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
+    rows = torch.nonzero(((ids >= offset) & (ids < offset + E)).reshape(-1)).flatten()
+    assert (sorted_ids[: int(num_padded.item())] >= P).any(), "the routing left no pad row to test"
+    for top_k, R in ((k, T), (1, P)):
+        x = (torch.randn((R, K), device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        for cfg in [c for c in mc.CONFIGS if mc.config_valid(c, N, K)]:
+            outs = []
+            for zero in (True, False):
+                out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+                mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, top_k, out, config=cfg,
+                                zero_pads=zero)
+                outs.append(out)
+            assert not torch.isnan(outs[0][rows]).any(), f"config {cfg}: a listed row was not written"
+            assert torch.equal(torch.nan_to_num(outs[0], 1e9), torch.nan_to_num(outs[1], 1e9)), (
+                f"config {cfg}, top_k {top_k}: zero-filled pads changed the outputs")
+
+
 def test_indexed_gemm_in_a_cuda_graph():
     from kimi.ops.fused import moe_align_fused
 
@@ -380,7 +412,7 @@ def test_a_failed_launch_raises_runtime_error():
     out = torch.empty((T * k, N), dtype=torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match=r"kimi_w4a16_indexed_gemm: .*\(nt=3, kw=1, stages=1, n=128, k=256\)"):
         mc.load_extension().indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, out, k, 3, 1, 1, 0, False,
-                                         False)
+                                         False, True)
     torch.cuda.synchronize()  # the device is still usable
     mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, out)
     torch.cuda.synchronize()

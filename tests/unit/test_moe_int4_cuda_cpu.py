@@ -120,9 +120,10 @@ def test_kernel_fragment_decoding_computes_the_quantised_product():
 
 
 def test_config_for_picks_a_configuration_that_runs_the_shape():
-    # the table's pick by expected local pairs: gate_up (4, 4, 4) up to 384, (8, 2, 2) above; down (4, 2, 4) up to
-    # 128, (8, 2, 3) up to 384, (8, 2, 2) above
-    assert mc.config_for(4096, 7168) == mc.config_for(4096, 7168, 384) == (4, 4, 4)
+    # the table's pick by expected local pairs: gate_up (4, 4, 4) up to 128, (8, 2, 3) up to 384, (8, 2, 2) above;
+    # down (4, 2, 4) up to 128, (8, 2, 3) up to 384, (8, 2, 2) above
+    assert mc.config_for(4096, 7168) == mc.config_for(4096, 7168, 128) == (4, 4, 4)
+    assert mc.config_for(4096, 7168, 129) == mc.config_for(4096, 7168, 384) == (8, 2, 3)
     assert mc.config_for(4096, 7168, 385) == mc.config_for(4096, 7168, 4096) == (8, 2, 2)
     assert mc.config_for(7168, 2048) == mc.config_for(7168, 2048, 128) == (4, 2, 4)
     assert mc.config_for(7168, 2048, 129) == mc.config_for(7168, 2048, 384) == (8, 2, 3)

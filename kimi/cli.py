@@ -4,10 +4,29 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
+def _stop_during_start_up(signum: int, frame) -> None:
+    """SIGINT / SIGTERM / SIGHUP before the server's own handlers are installed (imports, flag checks, the model's
+    config and tokenizer, binding the sockets; no worker has been started yet): one line and exit 0, as a stop signal
+    later gives, instead of a KeyboardInterrupt traceback or death by the signal (exit 128 + N)."""
+    print(f"kimi serve: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
+    raise SystemExit(0)
+
+
+def _install_start_up_signal_handlers() -> None:
+    """`_stop_during_start_up` for SIGINT, SIGTERM and SIGHUP (SIGHUP left alone when ignored, as under `nohup`). The
+    server's event loop replaces them with its own (kimi.server.serve) before any worker is launched."""
+    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
+        signal.signal(sig, _stop_during_start_up)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line (`kimi serve` / `python -m kimi`), not a call from Python code
+        _install_start_up_signal_handlers()
     p = argparse.ArgumentParser(prog="kimi", description="Inference server for the Kimi-K2 family")
     sub = p.add_subparsers(dest="cmd", required=True)
     from kimi.server import ServeArgs, add_serve_args, check_serve_args

@@ -184,6 +184,61 @@ def test_model_folder_without_its_tokenizer(tiny_k26, tmp_path):
 
 
 
+# `kimi serve` (kimi.cli.main on the command line), paused at the start of reading the model's config and tokenizer
+# until the FIFO argv[1] can be read: a fixed point of the start-up before the server's own signal handlers exist
+_PAUSED_SERVE = """
+import sys
+import kimi.server
+load, fifo = kimi.server.load_model_meta, sys.argv[1]
+def paused(a):
+    with open(fifo) as f:
+        f.read()
+    return load(a)
+kimi.server.load_model_meta = paused
+sys.argv = ["kimi"] + sys.argv[2:]
+from kimi.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_stop_signal_during_start_up_exits_0_with_one_line(model, tmp_path, sig):
+    """A stop signal before the server's own handlers are installed (here while start-up waits to read the model's
+    config; the test holds a FIFO open and never writes it): exit 0 with the one line `kimi serve: stopped by SIG...
+    during start-up`, as a stop signal later gives, not a KeyboardInterrupt traceback or death by the signal (exit
+    128 + N, as before: a newcomer's report); nothing was launched."""
+    import errno
+
+    fifo = tmp_path / "pause"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_SERVE, str(fifo), "serve", "--model", model, "--port",
+                             str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    fd, deadline = None, time.monotonic() + 60
+    try:
+        while fd is None:  # a non-blocking open for writing succeeds once the server has the FIFO open to read
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:
+                assert e.errno == errno.ENXIO, e
+                assert proc.poll() is None, f"the server exited before its pause:\n{proc.communicate()[0]}"
+                assert time.monotonic() < deadline, "the server never reached its pause"
+                time.sleep(0.05)
+        time.sleep(0.2)  # let it block in the read
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and f"kimi serve: stopped by {sig.name} during start-up" in out, out
+    assert "kimi.worker.launch" not in out and "rank0" not in out, "workers were launched"
+    assert worker_pids(model) == []
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:

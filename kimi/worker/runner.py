@@ -30,13 +30,25 @@ from kimi.worker.model import KimiForCausalLM
 log = logging.getLogger("kimi.worker")
 
 
+_MASK64 = (1 << 64) - 1
+
+
 def position_seed(seed: int, position: int) -> int:
     """The generator seed of a seeded request's draw at `position` (the index of the token drawn): a function of
     (seed, position) only, so a request recomputed after preemption draws what it would have drawn. seed: any
-    signed 64-bit integer (the API's range). Returns an int in [0, 2^64), torch.Generator.manual_seed's range; it
-    is injective in seed for a fixed position (1_000_003 is odd, so multiplying by it permutes the residues mod
-    2^64), so distinct API seeds never share a stream at the same position."""
-    return (seed * 1_000_003 + position) % (1 << 64)
+    signed 64-bit integer (the API's range). Returns an int in [0, 2^64), torch.Generator.manual_seed's range.
+
+    x = seed * 1_000_003 + position mod 2^64 is injective in seed for a fixed position (1_000_003 is odd, so
+    multiplying by it permutes the residues mod 2^64); then splitmix64's finaliser (Steele, Lea, Flood, "Fast
+    splittable pseudorandom number generators", OOPSLA 2014: xor-shifts and odd multiplications, each a bijection
+    of 64-bit words) mixes every bit of x into the low 32. So on CUDA (Philox takes all 64 bits) distinct API seeds
+    never share a stream at the same position, and on the CPU, whose generator (mt19937) takes only the seed's low
+    32 bits, seeds that differ by a multiple of 2^32 (e.g. -1 and 2^63 - 1, or a request's choices n = 2 at the
+    seed range's end) no longer share one: two seeds collide there only by chance, 1 in 2^32."""
+    x = (seed * 1_000_003 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass

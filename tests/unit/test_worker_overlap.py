@@ -147,3 +147,20 @@ def test_position_seed_keeps_every_int64_seed_distinct():
             assert 0 <= v < (1 << 64)
             torch.Generator().manual_seed(v)  # within manual_seed's range
     assert position_seed(7, 3) == position_seed(7, 3) != position_seed(7, 4)
+
+
+def test_position_seed_streams_differ_on_the_cpu_for_seeds_2_pow_32_apart():
+    """torch's CPU generator takes only the low 32 bits of its seed: seeds that differ by a multiple of 2^32 (5,
+    5 + 2^32, 5 + 2^33; -1 and 2^63 - 1; 0 and -2^63) drew the same tokens on the CPU (a newcomer's report). Their
+    streams now differ at every position tried."""
+    from kimi.worker.runner import position_seed
+
+    groups = [[5, 5 + (1 << 32), 5 + (1 << 33)], [-1, (1 << 63) - 1], [0, -(1 << 63)], [7, 7 + (1 << 40)]]
+    for pos in (0, 1, 4095):
+        for seeds in groups:
+            draws = [tuple(torch.rand(4, generator=torch.Generator().manual_seed(position_seed(s, pos))).tolist())
+                     for s in seeds]
+            assert len(set(draws)) == len(draws), (pos, seeds)
+    # and the low 32 bits of consecutive seeds / positions are all distinct over a small sweep
+    lows = {position_seed(s, p) & 0xFFFFFFFF for s in range(-64, 64) for p in range(16)}
+    assert len(lows) == 128 * 16

@@ -32,7 +32,7 @@ from kimi.tokenizer import KimiTokenizer
 from conftest import raw_dealer
 
 PROMPT = [34335, 43309, 63183]
-MAX_TOKENS = 8
+MAX_TOKENS = 16
 # Eight token ids the tiny model does not generate on its own, pushed up together: greedy then repeats
 # one of them, so the penalties have something to act on, and sampling at temperature 1 stays among them.
 SET = [1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
@@ -184,8 +184,11 @@ def runs(server, tok, eos):
     for m, s in MODES.items():
         common = {**s, "max_tokens": MAX_TOKENS}
         biased = {**common, "logit_bias": BIAS}
-        # min_p 0.99: only tokens within ~1% of the most likely one survive, so the seeded draw changes whatever the
-        # spread of the 8 biased tokens' logits (0.3 cut nothing on the GPU's bf16 logits: a test that proved nothing)
+        # min_p 0.99: only tokens within ~1% of the most likely one survive (0.3 cut nothing on the GPU's bf16 logits:
+        # a test that proved nothing). The seeded baseline must draw a token other than the most likely one somewhere
+        # for it to change anything: the tiny model's top biased token has p ~0.8, so 8 tokens were all the top one
+        # with the seed mapping of session 25 (test_sampling_fields_match_http's guard failed); 16 tokens have 3
+        # other draws, and all 16 would be the top one with p ~0.03.
         cases[(m, "min_p")] = {**biased, "min_p": 0.99}
         cases[(m, "presence_penalty")] = {**biased, "presence_penalty": 2.0}
         cases[(m, "frequency_penalty")] = {**biased, "frequency_penalty": 2.0}

@@ -376,9 +376,9 @@ _warned_capture = [False]
 
 @triton.jit
 def _router_fused_kernel(x_ptr, x_s0, w_ptr, w_s0, bias_ptr, part_ptr, logit_ptr, cnt_ptr, wout_ptr, idout_ptr,
-                         T, E, D, K_SPLIT, scale, TOPK: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr,
-                         BE: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
-                         F32_DOT: tl.constexpr):
+                         valid_ptr, T, E, D, K_SPLIT, scale, TOPK: tl.constexpr, NORM: tl.constexpr,
+                         BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
+                         BLOCK_E: tl.constexpr, F32_DOT: tl.constexpr, HAS_VALID: tl.constexpr = False):
     """Grid (n_e = cdiv(E, BE), n_split, n_t = cdiv(T, BT)). Program (pe, pk, pt) computes the fp32 partial
     z[rows pt*BT.., experts pe*BE..] over K range [pk*K_SPLIT, +K_SPLIT) and stores it to its own workspace tile
     part[pt, pe, pk]. Then (CTA barrier, acq_rel atomic on counter[pt, pe]) the program that arrives last for
@@ -432,8 +432,8 @@ def _router_fused_kernel(x_ptr, x_s0, w_ptr, w_s0, bias_ptr, part_ptr, logit_ptr
             tl.atomic_xchg(c2, 0, sem="relaxed", scope="gpu")
             for sb in tl.static_range(BT // SUB):
                 if pt * BT + sb * SUB < T:  # (sub-blocks past the last row are skipped)
-                    _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, pt * BT + sb * SUB, T, E, scale,
-                                      TOPK, NORM, SUB, BLOCK_E)
+                    _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, valid_ptr, pt * BT + sb * SUB, T,
+                                      E, scale, TOPK, NORM, SUB, BLOCK_E, HAS_VALID)
 
 
 @triton.jit
@@ -447,10 +447,11 @@ def _topk_key(choice, valid, e, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, r0, T, E, scale, TOPK: tl.constexpr,
-                      NORM: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, valid_ptr, r0, T, E, scale, TOPK: tl.constexpr,
+                      NORM: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VALID: tl.constexpr):
     """sigmoid + bias + top-k + normalisation of logits rows [r0, r0 + SUB) (rows >= T not stored; the logits
-    buffer has them). Loads with .cg: the logits were written by other programs (see _router_fused_kernel)."""
+    buffer has them; with HAS_VALID, rows whose valid_ptr entry is 0 store ids -1 and weights 0). Loads with .cg:
+    the logits were written by other programs (see _router_fused_kernel)."""
     rt = r0 + tl.arange(0, SUB)
     e = tl.arange(0, BLOCK_E)
     em = e[None, :] < E
@@ -473,8 +474,14 @@ def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, r0, T, E, scale,
         ws = ws / tl.sum(ws, axis=1)[:, None]
     om = rt[:, None] < T
     optr = rt[:, None].to(tl.int64) * TOPK + kk[None, :]
-    tl.store(wout_ptr + optr, ws * scale, mask=om)
-    tl.store(idout_ptr + optr, ids.to(tl.int64), mask=om)
+    ws = ws * scale
+    ids = ids.to(tl.int64)
+    if HAS_VALID:  # padded rows: no expert
+        ok = tl.load(valid_ptr + rt, mask=rt < T, other=0)[:, None] != 0
+        ws = tl.where(ok, ws, 0.0)
+        ids = tl.where(ok, ids, -1)
+    tl.store(wout_ptr + optr, ws, mask=om)
+    tl.store(idout_ptr + optr, ids, mask=om)
 
 
 @triton.jit
@@ -505,8 +512,9 @@ def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
 
 
 @triton.jit
-def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale, K: tl.constexpr, NORM: tl.constexpr,
-                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, valid_ptr, T, E, N_SPLIT, scale, K: tl.constexpr,
+                        NORM: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VALID: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -527,8 +535,14 @@ def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, T, E, N_SPLIT, scale
     ws = tl.sum(tl.where(e[None, :] == ids[:, None], sc[None, :], 0.0), axis=1)  # [K] scores of the picks
     if NORM:
         ws = ws / tl.sum(ws, axis=0)
-    tl.store(w_out + t * K + kk, ws * scale)
-    tl.store(id_out + t * K + kk, ids.to(tl.int64))
+    ws = ws * scale
+    ids = ids.to(tl.int64)
+    if HAS_VALID:  # a padded row: no expert
+        ok = tl.load(valid_ptr + t) != 0
+        ws = tl.where(ok, ws, 0.0)
+        ids = tl.where(ok, ids, -1)
+    tl.store(w_out + t * K + kk, ws)
+    tl.store(id_out + t * K + kk, ids)
 
 
 _RT_BT, _RT_BE, _RT_BK = 16, 32, 128
@@ -543,7 +557,7 @@ def _router_split(D: int, split_elems: int = 512, bk: int = _RT_BK) -> tuple[int
     return triton.cdiv(D, k_split), k_split
 
 
-def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids):
+def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid=None):
     """The two-kernel path (large T): split-K partials [n_split, T, E] fp32, then one top-k program per row."""
     T, D = x.shape
     E = gate_weight.shape[0]
@@ -555,13 +569,14 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
     _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
         x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=lp["bt"], BE=lp["be"],
         BK=lp["bk"], F32_DOT=_INTERPRET, num_warps=lp["warps"], **launch_kwargs(x.device))
-    _router_topk_kernel[(T,)](logits, bias, w, ids, T, E, n_split, float(scale), K=top_k, NORM=bool(norm_topk_prob),
-                              BLOCK_E=triton.next_power_of_2(E), num_warps=LAUNCH["router_topk_warps"],
+    _router_topk_kernel[(T,)](logits, bias, w, ids, ids if row_valid is None else row_valid, T, E, n_split,
+                              float(scale), K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(E),
+                              HAS_VALID=row_valid is not None, num_warps=LAUNCH["router_topk_warps"],
                               **launch_kwargs(x.device))
     return w, ids
 
 
-def _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt):
+def _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt, row_valid=None):
     """The one-kernel path (_router_fused_kernel); cnt: a zeroed int32 counter region."""
     T, D = x.shape
     E = gate_weight.shape[0]
@@ -570,16 +585,22 @@ def _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, id
     part = torch.empty((n_t * n_e * n_split * _RT_BT * _RT_BE,), dtype=torch.float32, device=x.device)
     logits = torch.empty((n_t * _RT_BT, E), dtype=torch.float32, device=x.device)
     _router_fused_kernel[(n_e, n_split, n_t)](
-        x, x.stride(0), gate_weight, gate_weight.stride(0), bias, part, logits, cnt, w, ids, T, E, D, k_split,
-        float(scale), TOPK=top_k, NORM=bool(norm_topk_prob), BT=_RT_BT, BE=_RT_BE, BK=_RT_BK, SUB=_RT_SUB,
-        BLOCK_E=triton.next_power_of_2(E), F32_DOT=_INTERPRET, num_warps=4)
+        x, x.stride(0), gate_weight, gate_weight.stride(0), bias, part, logits, cnt, w, ids,
+        ids if row_valid is None else row_valid, T, E, D, k_split, float(scale), TOPK=top_k,
+        NORM=bool(norm_topk_prob), BT=_RT_BT, BE=_RT_BE, BK=_RT_BK, SUB=_RT_SUB, BLOCK_E=triton.next_power_of_2(E),
+        F32_DOT=_INTERPRET, HAS_VALID=row_valid is not None, num_warps=4)
     return w, ids
 
 
 def router_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
-                norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                norm_topk_prob: bool = True, row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi.ops.moe.select_experts on the GPU: x [T, D], gate_weight [E, D] (model dtype), bias [E] f32 ->
     (topk_weights [T, k] f32, topk_ids [T, k] int64), ids in descending order of s + bias.
+
+    row_valid: None, or [T] int32 / int64 on x's device, read by the kernel (so a CUDA graph replays it with the
+    values of each replay): rows where it is 0 get ids -1 and weights 0, i.e. no expert (every experts backend and
+    the combine skip ids outside their local range; DeepEP's dispatch skips -1). The decode graphs mark their
+    padding rows so (kimi/worker/cuda_graph.py).
 
     top_k must be a power of two (8 for Kimi) and <= E; x and gate_weight need unit last-dim stride
     (AssertionError otherwise). One kernel for T <= ROUTER_FUSED_MAX_T, two above. The one-kernel path needs the
@@ -587,14 +608,18 @@ def router_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, 
     two-kernel path (with a warning). Deterministic run to run on either path (no float atomics); ids equal the
     reference's except where two scores are within fp32 summation-order noise of each other.
     """
-    return _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, None)
+    return _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, None, row_valid)
 
 
-def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None):
+def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None):
     """router_topk with the path forced (fused True / False; None: by T). For tests and tools/bench_fused.py."""
     T, D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
+    if row_valid is not None and (row_valid.shape != (T,) or row_valid.device != x.device
+                                  or row_valid.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"router_topk: row_valid must be [T] = [{T}] int32 / int64 on {x.device}, got "
+                         f"{tuple(row_valid.shape)} {row_valid.dtype} on {row_valid.device}")
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
@@ -607,12 +632,12 @@ def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool
     if use_fused and n_t * (n_e + 1) <= _COUNTER_REGION:
         cnt = _counter_region(x.device)
         if cnt is not None:
-            return _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt)
+            return _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt, row_valid)
         if not _warned_capture[0]:
             _warned_capture[0] = True
             warnings.warn("router_topk: first call is under CUDA-graph capture; using the two-kernel path "
                           "(call once eagerly before capturing)", stacklevel=2)
-    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids)
+    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid)
 
 
 def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):

@@ -8,8 +8,10 @@ the next one's inputs.
 The logits and sampling run eagerly after it on the rows in use.
 
 Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) get token 0 at position 0, slot 0
-of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. Their MoE
-routing is real (they cost the bucket's extra rows), their outputs are dropped.
+of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. A fourth static
+input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router (kimi.ops.fused.router_topk), which
+gives padding rows no expert: the expert GEMMs see only the batch's own (token, expert) pairs. Padding rows still
+run the dense layers and attention (a bucket's static shape); their outputs are dropped.
 
 Attention, by the model's `decode_attention`:
 - "triton" (kimi.ops.mla_decode_triton): no planning. Context lengths and block tables go, with the ids /
@@ -89,6 +91,10 @@ class CudaGraphRunner:
     segment (None or <= 0: one graph for the whole forward).
     """
 
+    # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows, as
+    # before (the A/B of tools/bench_graph_padding.py); read by each run_host
+    mask_padding = True
+
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_batch: int, max_blocks_per_seq: int,
                  buckets: list[int] | None = None, layers_per_graph: int | None = LAYERS_PER_GRAPH):
         from kimi.ops.attention_flashinfer import FlashInferMLADecode
@@ -103,20 +109,21 @@ class CudaGraphRunner:
         self.device = dev
         cfg = model.cfg
         self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
-        # static inputs: one int64 device buffer holding [3, max_batch] (token ids, positions, cache slots) and,
+        # static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots, row_valid) and,
         # for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time; row
         # b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
         # (run_host) sends a step's inputs in ONE pinned, non-blocking copy
-        mb, nb = self.max_batch, 3 * self.max_batch
+        mb, nb = self.max_batch, 4 * self.max_batch
         kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
         self.dev_in = torch.zeros(nb + kv_words, dtype=torch.int64, device=dev)
-        self.static_in = self.dev_in[:nb].view(3, mb)
+        self.static_in = self.dev_in[:nb].view(4, mb)
         self.input_ids = self.static_in[0]  # [max_batch]
         self.positions = self.static_in[1]  # [max_batch]
         self.slot_mapping = self.static_in[2]  # [max_batch]
+        self.row_valid = self.static_in[3]  # [max_batch]: 1 for a batch's rows, 0 for padding (the MoE router's mask)
         self.kv_indices = self.dev_in[nb:].view(torch.int32)  # [>= max_batch * max_blocks_per_seq] page ids
         self.host_in = torch.zeros(nb + kv_words, dtype=torch.int64, pin_memory=True)  # staging, same layout
-        self._host_np = self.host_in[:nb].numpy().reshape(3, mb)
+        self._host_np = self.host_in[:nb].numpy().reshape(4, mb)
         self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
         self.page_stride = _MIN_PAGE_STRIDE  # run_host's pages per row of kv_indices (`_page_stride`)
@@ -215,15 +222,19 @@ class CudaGraphRunner:
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.zero_()
+        self.row_valid.fill_(1)
+        n = len(self.model.layers)
         for bs in sorted(self.buckets, reverse=True):
             fi = self._plan(bs, [], torch.zeros((0, 1), dtype=torch.int64, device=self.device))
             attn = self._meta(bs, fi)
             args = (self.input_ids[:bs], self.positions[:bs], attn, self.kv_caches)
+            valid = self.row_valid[:bs]
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):
-                for _ in range(2):
-                    self.model(*args)
+                for _ in range(2):  # the captured calls, eagerly (Triton JIT, autotuning)
+                    self.model.layers_fused(*self.model.embed_fused(args[0]), args[1], attn, self.kv_caches, 0, n,
+                                            row_valid=valid)
             torch.cuda.current_stream(self.device).wait_stream(s)
             torch.cuda.synchronize(self.device)
             chain = []
@@ -233,7 +244,8 @@ class CudaGraphRunner:
                 with torch.cuda.graph(g, pool=self.pool):
                     if start == 0:
                         h, x = self.model.embed_fused(args[0])
-                    h, x = self.model.layers_fused(h, x, args[1], attn, self.kv_caches, start, end)  # [bs, D]
+                    h, x = self.model.layers_fused(h, x, args[1], attn, self.kv_caches, start, end,
+                                                   row_valid=valid)  # [bs, D]
                 if self.pool is None:
                     self.pool = g.pool()
                 chain.append(g)
@@ -290,8 +302,11 @@ class CudaGraphRunner:
         h[0, :B] = input_ids
         h[1, :B] = positions
         h[2, :B] = [t[p // blk] * blk + p % blk for t, p in zip(block_tables, positions)]
+        h[3, :B] = 1
         if pad:
             h[:, B:bs] = 0
+            if not self.mask_padding:
+                h[3, B:bs] = 1
         if not self.triton_attn:
             if W != self.page_stride:  # another layout: every row is written again
                 self._forget_pages()
@@ -302,7 +317,7 @@ class CudaGraphRunner:
         # the inputs and the page rows [0, hi] of the staging buffer, rounded up to _COPY_ROUND words (past them:
         # rows the device holds already, or stale words no kernel reads) so that few (dst, src) views are ever
         # made; one pinned non-blocking copy
-        words = 3 * self.max_batch + ((hi + 1) * W + 1) // 2
+        words = 4 * self.max_batch + ((hi + 1) * W + 1) // 2
         n_in = min(self.host_in.numel(), -(-words // _COPY_ROUND) * _COPY_ROUND)
         views = self._copy_views.get(n_in)
         try:

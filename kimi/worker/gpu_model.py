@@ -372,9 +372,11 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         return h, x
 
     def layers_fused(self, h: torch.Tensor, x: torch.Tensor, positions, attn: AttentionMetadata, kv_caches,
-                     start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     start: int, end: int, row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, end) of _forward_fused: (h, x) in -> (h, x) out, x being the next layer's input norm of h
-        (the final norm after the last layer). The CUDA-graph runner captures the layers in segments with it."""
+        (the final norm after the last layer). The CUDA-graph runner captures the layers in segments with it.
+        row_valid: None, or [T] int64 on the device; the MoE router gives rows where it is 0 no expert
+        (kimi.ops.fused.router_topk), so padding rows of a decode graph cost no expert work."""
         eps = self.cfg.rms_norm_eps
         n = len(self.layers)
         # the side stream only inside CUDA-graph capture, where its gain was measured (bench/decode_2026-11-29_v4.json);
@@ -385,7 +387,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             layer = self.layers[i]
             a = layer.self_attn(x, positions, attn, kv_caches[i], self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
-            d1, d2 = _mlp_fused(layer.mlp, x, side)
+            d1, d2 = _mlp_fused(layer.mlp, x, side, row_valid)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
         return h, x
@@ -427,7 +429,8 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return dense_linear(fused.silu_mul(y13), m.down_proj)
 
 
-def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None,
+               row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
     adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
     as MoELayer.forward.
@@ -437,7 +440,10 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor
     expert GEMMs (also inside CUDA graph capture, where the fork / join become graph edges). Memory safety:
     x is produced on the main stream before the fork; the shared output is read on the main stream only after
     the join, and the side stream's next use of freed blocks comes after the next fork, i.e. after the main
-    stream's reads were enqueued."""
+    stream's reads were enqueued.
+
+    row_valid: see GPUKimiForCausalLM.layers_fused (rows where it is 0 are routed to no expert; their routed output
+    is 0)."""
     if not isinstance(mlp, MoELayer):
         return _dense_mlp_fused(mlp, x), None
     a2a = mlp.a2a
@@ -446,7 +452,7 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor
             raise RuntimeError("MoELayer with ep_size > 1 needs an all-to-all backend")
         a2a = LocalAllToAll()
     if mlp.experts_impl is None:
-        return mlp(x), None
+        return mlp(x), None  # the reference MoE (no Triton router): padding rows stay routed
     shared = None
     if side is not None and mlp.shared_experts is not None:
         main = torch.cuda.current_stream(x.device)
@@ -454,7 +460,7 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None) -> tuple[torch.Tensor
         with torch.cuda.stream(side):
             shared = _dense_mlp_fused(mlp.shared_experts, x)
     topk_weights, topk_ids = fused.router_topk(x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k,
-                                               mlp.routed_scaling_factor, mlp.norm_topk_prob)
+                                               mlp.routed_scaling_factor, mlp.norm_topk_prob, row_valid)
     recv = a2a.dispatch(x, topk_weights, topk_ids)
     y = run_experts(mlp.experts_impl, recv)  # [T_recv, D]
     out = a2a.combine(y, recv)  # [T, D]

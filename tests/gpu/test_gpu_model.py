@@ -254,6 +254,68 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
                 cases=[dict(bucket=b, batch=B, max_abs=round(d, 5), rel=round(r, 6)) for b, B, d, r in results]))
 
 
+@pytest.mark.parametrize("backend", ["cuda", "humming", "triton"])
+def test_cuda_graph_padding_rows_route_to_no_expert(ckpts, backend, monkeypatch):
+    """A batch of B < bucket rows: the padding rows' routing in the replayed graph is id -1 / weight 0 in every MoE
+    layer (row_valid), the batch's rows keep their experts, and their hidden outputs are bit-equal to a replay that
+    routes the padding rows (CudaGraphRunner.mask_padding False, the old behaviour), for B = 1..bucket."""
+    from kimi.config import ModelConfig
+    from kimi.worker import gpu_model
+    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.worker.kv_cache import allocate_kv_caches
+
+    path = ckpts["tiny-mla"]
+    cfg = ModelConfig.from_dir(path)
+    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False)
+    bs, nb = 16, 200
+    kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for c in kv:
+        c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
+    seen = []  # per MoE layer of each capture: the routing tensors the graph writes (kept alive: never reused)
+    real_run_experts = gpu_model.run_experts
+
+    def recording(impl, recv):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append((recv.topk_ids, recv.topk_weights))
+        return real_run_experts(impl, recv)
+
+    monkeypatch.setattr(gpu_model, "run_experts", recording)
+    gm.capture_cuda_graphs(kv, bs, 8, 8, layers_per_graph=0)
+    monkeypatch.setattr(gpu_model, "run_experts", real_run_experts)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    assert n_moe >= 1 and len(seen) == n_moe * len(gm.graphs.buckets)  # captured largest bucket first
+    routing_of_8 = seen[:n_moe]
+    assert gm.graphs.buckets[-1] == 8
+    k = cfg.num_experts_per_tok
+    with torch.inference_mode():
+        for B in range(1, 9):
+            g = torch.Generator().manual_seed(200 + B)
+            slens = torch.randint(1, 8 * bs, (B,), generator=g).tolist()
+            perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+            tabs = [perm[8 * i : 8 * i + (s + bs - 1) // bs] for i, s in enumerate(slens)]
+            ids = torch.randint(0, cfg.vocab_size, (B,), generator=g).tolist()
+            pos = [s - 1 for s in slens]
+            runs = {}
+            for mask in (True, False):
+                gm.graphs.mask_padding = mask
+                h = gm.forward_decode(ids, pos, slens, tabs, bs, kv).clone()
+                bucket = gm.graphs.bucket_for(B)
+                if bucket == 8:
+                    for tid, tw in routing_of_8:
+                        assert ((tid[:B] >= 0) & (tid[:B] < cfg.n_routed_experts)).all(), (B, mask)
+                        assert (tw[:B] > 0).all(), (B, mask)
+                        if mask:
+                            assert (tid[B:] == -1).all() and (tw[B:] == 0).all(), B
+                        else:
+                            assert (tid[B:] >= 0).all() and (tw[B:] > 0).all(), B
+                        assert tid.shape == (8, k)
+                runs[mask] = h
+            gm.graphs.mask_padding = True
+            assert torch.isfinite(runs[True]).all()
+            assert torch.equal(runs[True], runs[False]), B
+
+
 def test_plan_ahead_equals_fresh_plans(ckpts):
     """CudaGraphRunner's plan ahead (FlashInferMLA.plan_ahead after each replay, the next step's page ids only when
     its lengths are the predicted ones) gives bit-identical hidden states to planning every step afresh, over a

@@ -6,7 +6,7 @@ where Triton is not installed or its interpreter does not work with the installe
 Covered: rms_norm / add_rms_norm (odd D, strided rows, out=); mla_rope_kv_write (both head-group sizes, odd H
 and L, nothing but the mapped cache slots written); router_topk on both paths (one fused kernel with arrival
 counters, and the two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several
-row tiles, counters back at zero, bitwise run-to-run determinism, exact ties; moe_align_fused on both paths
+row tiles, counters back at zero, bitwise run-to-run determinism, exact ties, rows marked invalid (row_valid); moe_align_fused on both paths
 (the single program's and the grid path's outputs equal moe_align's exactly; the two-kernel path's as sets per
 expert) and the P threshold dispatch, and sized by a max_pairs bound; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
 """
@@ -121,6 +121,30 @@ _ROUTER = textwrap.dedent("""
     c = fused._router_topk(x, gw, b, 4, 1.0, True, False)
     assert torch.equal(a[1], c[1]) and ((a[0] - c[0]).abs() / c[0].abs()).max().item() <= 1e-5
     assert (a[1][:, :3] == torch.tensor([3, 9, 12])).all()
+    # row_valid (the decode graphs' padding rows): rows marked 0 get ids -1 and weights 0, the others are unchanged
+    for T, dt in [(5, torch.int64), (20, torch.int32)]:  # 20 rows: two row tiles of the fused kernel
+        x = torch.randn(T, 1100).half()
+        gw = (torch.randn(64, 1100) * 0.03).half()
+        bias = torch.randn(64) * 0.05
+        valid = torch.ones(T, dtype=dt)
+        valid[T // 2] = 0
+        valid[-1] = 0
+        rw, rids = fused.router_topk_ref(x, gw, bias, 8, 2.5, True)
+        for path in (True, False):
+            w, ids = fused._router_topk(x, gw, bias, 8, 2.5, True, path, valid)
+            keep = valid != 0
+            assert torch.equal(ids[keep], rids[keep]), (T, path)
+            assert ((w[keep] - rw[keep]).abs() / rw[keep].abs()).max().item() <= 1e-5, (T, path)
+            assert (ids[~keep] == -1).all() and (w[~keep] == 0).all(), (T, path)
+            w1, ids1 = fused._router_topk(x, gw, bias, 8, 2.5, True, path, torch.ones(T, dtype=dt))
+            assert torch.equal(ids1, rids), (T, path)  # all valid: as without row_valid
+        for bad in (torch.ones(T + 1, dtype=dt), torch.ones(T, dtype=torch.float32)):
+            try:
+                fused.router_topk(x, gw, bias, 8, 2.5, True, row_valid=bad)
+            except ValueError as e:
+                assert "row_valid" in str(e)
+            else:
+                raise AssertionError("bad row_valid accepted")
     print("OK router")
 """)
 

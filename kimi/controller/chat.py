@@ -126,7 +126,9 @@ def validate_tools(tools: Any) -> list[str]:
     seen: set[str] = set()  # a list lookup made 20000 tools take ~2 s on the event loop
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function":
+        if not isinstance(t, dict):
+            raise BadRequest(f"'{p}' must be an object", p)
+        if t.get("type") != "function":
             raise BadRequest(f"'{p}.type' must be 'function'", f"{p}.type")
         no_other_keys(t, _TOOL_KEYS, p)
         fn = t.get("function")

@@ -60,6 +60,10 @@ from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
 
 MAX_BODY_BYTES = 32 << 20
 MAX_N = 16
+# fields one endpoint takes and the other does not: a 400 for one of them names the endpoint that takes it
+CHAT_ONLY_FIELDS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
+                              "response_format", "chat_template_kwargs", "modalities"})
+COMPLETIONS_ONLY_FIELDS = frozenset({"prompt", "echo", "suffix"})
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
 RAW_SEND = "kimi.raw_send"  # scope key: the server's own ASGI `send`, set by _Auth (see _SSE)
 
@@ -865,7 +869,7 @@ class OpenAIServer:
             g = self._common(f, ids, max_tokens_default=16, logprobs=logprobs,
                              prompt_logprobs=(logprobs if echo and logprobs is not None else -1))
             g.echo = echo
-            f.reject_unknown()
+            f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS))
             rid = f"cmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g)
         except BadRequest as e:
@@ -1015,7 +1019,7 @@ class OpenAIServer:
             ids = await run_sized(f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs,
                                   self.engine.max_model_len)
             g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
-            f.reject_unknown()
+            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
             pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text)
             rid = f"chatcmpl-{uuid.uuid4().hex}"

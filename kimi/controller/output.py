@@ -122,12 +122,15 @@ class OutputProcessor:
             text += req.detokenizer.flush()
         checker: StopChecker | None = req.stop_checker  # type: ignore[assignment]
         if checker is not None:
+            produced = len(checker.held) + len(text)  # characters not emitted yet, this token's included
             text, stopped, matched = checker.feed(text, match=n_out > stop.min_tokens)
             if stopped:
                 reason, stop_reason = "stop", matched
             elif reason is not None:
                 text += checker.flush()
-            req.stop_held.append(len(checker.held))  # type: ignore[union-attr]
+            # characters produced and not emitted after this token: held back, or (a stop string matched) cut for
+            # good; chat's ReleasedTextFeeder attributes the emitted text to tokens by these counts
+            req.stop_held.append(produced - len(text) if stopped else len(checker.held))  # type: ignore[union-attr]
         if reason is not None:
             req.finish_reason = reason
         plp = ptid = ptlp = None

@@ -508,6 +508,11 @@ class ReleasedTextFeeder:
     text); held_before / held_after: the characters the checker held back before / after it
     (`Request.stop_held`); last: the request ends with it (text past a matched stop string was cut: the tokens whose
     text is not out are then fed with what was released of it). Returns what to stream now.
+
+    A stop string's cut ends the output where it falls, markers included: at the end, a marker whose text the cut
+    reached (all or part of it), and every marker after the first token the cut reached, is not fed, so the parser
+    never sees a `<|tool_call_end|>` or `<|tool_call_argument_begin|>` that the stop string removed (the call stays
+    open and is reported as cut, a header as dropped), and no part of a marker's text lands in a field.
     """
 
     def __init__(self, parser: OutputParser) -> None:
@@ -519,6 +524,7 @@ class ReleasedTextFeeder:
         pending = self._pending
         pending.append([token_id, max(0, len(text) - held_before + held_after), ""])  # this token's own characters
         parser = self.parser
+        cut = False  # (last) the cut of a stop string has been reached: later markers are not in the output
         while pending:
             entry = pending[0]
             tid, rest = entry[0], entry[1]
@@ -528,12 +534,15 @@ class ReleasedTextFeeder:
                 entry[2] += piece
                 if entry[1] and not last:
                     break
-                _merge(out, parser.feed(tid, entry[2]))
+                cut = cut or entry[1] > 0
+                if not cut:
+                    _merge(out, parser.feed(tid, entry[2]))
             else:
                 if piece:
                     _merge(out, parser.feed(tid, piece))
                 if entry[1] and not last:
                     break
+                cut = cut or entry[1] > 0
             pending.popleft()
         if text:  # not expected (the released text never exceeds what was produced): kept, as ordinary text
             _merge(out, parser.feed(-1, text))

@@ -126,7 +126,8 @@ class Request:
     detokenizer: object | None = None
     leader: "Request | None" = None  # n > 1: the first sibling; this one starts after the leader's prompt is cached
     stop_checker: object | None = None  # kimi.controller.stops.StopChecker (output.py)
-    # with a stop checker: after each generated token, the characters of generated text it holds back (output.py);
+    # with a stop checker: after each generated token, the characters of generated text it holds back (output.py;
+    # after the token that completes a stop string: the characters that string cut);
     # the chat front-end attributes released text to the tokens that produced it (parsers.ReleasedTextFeeder)
     stop_held: list[int] | None = None
     prompt_logprobs_sent: bool = False  # output.py: prompt logprobs go out once (a preempted request resends them)

@@ -55,6 +55,26 @@ def _bad(r: httpx.Response, param: str, status: int = 400) -> str:
     return err["message"]
 
 
+def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
+    """A chat field sent to /v1/completions (tools, top_logprobs, response_format, ...) or a completions field sent to
+    /v1/chat/completions (echo, suffix) is a 400 naming the field and the endpoint that takes it (it said "not
+    supported by this server", which the server does support, on the other endpoint); other unknown fields keep
+    the plain message."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for field, value in (("tools", tools), ("top_logprobs", 2), ("response_format", {"type": "text"}),
+                         ("chat_template_kwargs", {}), ("parallel_tool_calls", True)):
+        msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value}),
+                   field)
+        assert msg == f"'{field}' is not supported on this endpoint; it is a field of /v1/chat/completions", msg
+    for field, value in (("echo", True), ("suffix", "x")):
+        msg = _bad(_post(srv, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, field: value}), field)
+        assert msg == f"'{field}' is not supported on this endpoint; it is a field of /v1/completions", msg
+    msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frobnicate": 1}),
+               "frobnicate")
+    assert msg == "'frobnicate' is not supported by this server"
+
+
 # ---- 1. n beyond --max-waiting ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [3, 4])
 def test_n_beyond_queue_capacity_is_a_400_not_a_503(srv, n):

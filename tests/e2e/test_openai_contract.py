@@ -203,6 +203,33 @@ def test_stop_string_inside_a_call_is_stop_not_length(client):
     assert reasons == ["stop"] and content == "OK" and _streamed_calls(calls) == _calls_of(c.message)
 
 
+def test_stop_string_reaching_into_a_marker_cuts_the_call_there(client):
+    """A stop string that begins in a call's arguments or header and ends in or after a marker: the marker is cut
+    with it. So the call stays open (finish "stop", the arguments as far as the text before the stop string, no
+    marker text in them), or, cut in its header, is in neither response. (Before: the cut `<|tool_call_end|>` still
+    closed the call, giving "tool_calls" with cut JSON; part of a cut marker's text landed in the arguments; a cut
+    `<|tool_call_argument_begin|>` still opened the call, with a truncated name.) Streamed the same."""
+    cases = [('"}<|tool_call_end|>', [(CALL["id"], "get_weather", '{"city":"Paris')]),
+             ('}<|tool_call_end|><|tool_calls_section_end|>', [(CALL["id"], "get_weather", '{"city":"Paris"')]),
+             ('Paris"}<|tool_call_end|>', [(CALL["id"], "get_weather", '{"city":"')]),
+             ("_end|>", [(CALL["id"], "get_weather", '{"city":"Paris"}')]),
+             ("weather:0<|tool_call_argument_begin|>", []),
+             ("0<|tool_call_argument_begin|>", []),
+             (":0<|tool_call_argument_begin|>", [])]
+    for stop, want in cases:
+        kw = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, stop=[stop], logit_bias={str(CB): -10})
+        c = client.chat.completions.create(model="tiny", **kw).choices[0]
+        assert (c.finish_reason, c.model_extra["stop_reason"]) == ("stop", stop), (stop, c)
+        assert c.message.content == "OK" and _calls_of(c.message) == want, (stop, c.message)
+        _, content, calls, reasons, _ = _stream_chat(client, **kw)
+        assert reasons == ["stop"] and content == "OK" and _streamed_calls(calls) == want, (stop, calls)
+    # the same stop strings kept in the output (include_stop_str_in_output): the markers they hold are in the output
+    kw = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, stop=['"}<|tool_call_end|>'],
+              logit_bias={str(CB): -10}, extra_body={"include_stop_str_in_output": True})
+    c = client.chat.completions.create(model="tiny", **kw).choices[0]
+    assert c.finish_reason == "tool_calls" and _calls_of(c.message) == [(CALL["id"], "get_weather", '{"city":"Paris"}')]
+
+
 def test_tool_marker_as_stop_token_without_tools_leaves_its_text_out(client):
     """Without tools a tool marker is ordinary text; as the request's stop token its text is left out of the chat
     content like any stop token's (it came back as "OK<|tool_calls_section_begin|>"), kept with

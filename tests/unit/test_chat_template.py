@@ -296,3 +296,19 @@ def test_validate_tools_finds_a_duplicate_name_among_many():
     with pytest.raises(BadRequest) as ei:
         validate_tools(tools + [{"type": "function", "function": {"name": "f7"}}])
     assert ei.value.param == "tools[20000].function.name" and "declared twice" in ei.value.message
+
+
+def test_validate_tools_names_an_item_that_is_not_an_object():
+    """A `tools` item that is not an object is a 400 naming the item (it named `tools[i].type`, a field such an
+    item cannot have); an object without the right type still names `tools[i].type`."""
+    from kimi.controller.chat import validate_tools
+    from kimi.controller.validation import BadRequest
+
+    ok = {"type": "function", "function": {"name": "f"}}
+    for bad in (None, "x", 1, [ok]):
+        with pytest.raises(BadRequest) as ei:
+            validate_tools([ok, bad])
+        assert ei.value.param == "tools[1]" and ei.value.message == "'tools[1]' must be an object", bad
+    with pytest.raises(BadRequest) as ei:
+        validate_tools([{}])
+    assert ei.value.param == "tools[0].type"

@@ -568,12 +568,14 @@ def _controller_outputs(tokens, stops, include):
     checker = StopChecker(stops, include)
     outs, held, released = [], 0, 0
     for i, (tid, text) in enumerate(tokens):
+        produced = len(checker.held) + len(text)
         emit, stopped, _ = checker.feed(text)
         last = stopped or i == len(tokens) - 1
         if last and not stopped:
             emit += checker.flush()
-        outs.append((tid, emit, held, len(checker.held), last))
-        held = len(checker.held)
+        after = produced - len(emit) if stopped else len(checker.held)  # as Request.stop_held records it
+        outs.append((tid, emit, held, after, last))
+        held = after
         released += len(emit)
         if last:
             break
@@ -611,7 +613,8 @@ def test_released_text_attribution_matches_per_token_parsing_fuzz():
     """Random outputs (reasoning, tool calls, markers with and without their text), random stop strings drawn from
     the output's own text (so they match, often across tokens and markers), with and without
     include_stop_str_in_output: what the feeder gives the parser equals parsing each token with its own text cut at
-    the released length (the text a stop string cut is gone; every token up to the end is still fed)."""
+    the released length (the text a stop string cut is gone; every ordinary token up to the end is still fed, a marker
+    only when its whole text was released and no token before it was cut)."""
     rng = random.Random(7)
     words = [" I", " think", "OK", "th", "ink", "a", "b", "functions.f:0", '{"x":', " 1}", "é", "—"]
     for _ in range(3000):
@@ -636,11 +639,15 @@ def test_released_text_attribution_matches_per_token_parsing_fuzz():
         cfg = ParserConfig(tools=tools, thinking=rng.random() < 0.7)
         outs, released = _controller_outputs(seq, stops, include)
         fed = seq[:len(outs)]
-        # reference: every fed token with its own text cut at the released length
-        cut, pos = [], 0
+        # reference: every fed token with its own text cut at the released length; a marker (as the parser treats
+        # it) only when the cut did not reach it
+        probe = OutputParser(cfg)
+        ids, cut, pos = [], [], 0
         for tid, t in fed:
-            cut.append(t[:max(0, released - pos)])
+            if not (probe.is_marker(tid) and pos + len(t) > released):
+                ids.append(tid)
+                cut.append(t[:max(0, released - pos)])
             pos += len(t)
-        want = parse_output([tid for tid, _ in fed], cut, cfg)
+        want = parse_output(ids, cut, cfg)
         c, r, calls = _feed_released(outs, cfg)
         assert (c or None, r or None, calls) == want, (seq, stops, include, cfg)

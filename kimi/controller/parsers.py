@@ -530,19 +530,16 @@ class ReleasedTextFeeder:
             tid, rest = entry[0], entry[1]
             piece, text = text[:rest], text[rest:]
             entry[1] = rest - len(piece)
-            if parser.is_marker(tid):
+            marker = parser.is_marker(tid)
+            if marker:  # fed whole, once all its text is out
                 entry[2] += piece
-                if entry[1] and not last:
-                    break
-                cut = cut or entry[1] > 0
-                if not cut:
-                    _merge(out, parser.feed(tid, entry[2]))
-            else:
-                if piece:
-                    _merge(out, parser.feed(tid, piece))
-                if entry[1] and not last:
-                    break
-                cut = cut or entry[1] > 0
+            elif piece:
+                _merge(out, parser.feed(tid, piece))
+            if entry[1] and not last:
+                break
+            cut = cut or entry[1] > 0
+            if marker and not cut:
+                _merge(out, parser.feed(tid, entry[2]))
             pending.popleft()
         if text:  # not expected (the released text never exceeds what was produced): kept, as ordinary text
             _merge(out, parser.feed(-1, text))

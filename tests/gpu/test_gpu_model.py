@@ -399,3 +399,52 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     # up to the last sequence that entered a new block (none: 0); every row of the bucket when the stride changes
     assert rows[:5] == [8, 3, 5, 1, 0], rows
     assert rows[-3:] == [2, 0, 2] and runner.page_stride == 16, (rows, runner.page_stride)
+
+
+def test_attention_l2_prefetch_changes_no_output(ckpts, monkeypatch):
+    """kimi.ops.l2_prefetch.ATTN_PREFETCH on (W_UV and part of o_proj prefetched into L2 before each layer's
+    FlashInfer attention, captured in the decode graphs): the replayed hidden outputs are bit-equal to graphs
+    captured with it off, for batches of 1..8 over random contexts; the prefetch kernel ran in every layer."""
+    from kimi.config import ModelConfig
+    from kimi.ops import l2_prefetch
+    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.worker.kv_cache import allocate_kv_caches
+
+    path = ckpts["tiny-mla"]
+    cfg = ModelConfig.from_dir(path)
+    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend="cuda", progress=False)
+    bs, nb = 16, 200
+    kv = allocate_kv_caches(cfg, nb, bs, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for c in kv:
+        c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
+    kv0 = [c.clone() for c in kv]  # each pass starts from this cache (a step writes its new tokens' KV)
+    launches = []
+    real = l2_prefetch.prefetch_regions
+    monkeypatch.setattr(l2_prefetch, "prefetch_regions", lambda *a: (launches.append(a), real(*a)))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(l2_prefetch, "ATTN_PREFETCH", (0.3, True) if on else None)
+        launches.clear()
+        gm.capture_cuda_graphs(kv, bs, 8, 8, layers_per_graph=0)
+        if on:  # every layer of every bucket's capture (and its warm-up runs) launched the kernel
+            assert len(launches) >= cfg.num_hidden_layers * len(gm.graphs.buckets)
+        else:
+            assert not launches
+        monkeypatch.setattr(l2_prefetch, "ATTN_PREFETCH", None)  # replays keep what their capture recorded
+        for c, c0 in zip(kv, kv0):
+            c.copy_(c0)
+        with torch.inference_mode():
+            for B in range(1, 9):
+                g = torch.Generator().manual_seed(300 + B)
+                slens = torch.randint(1, 8 * bs, (B,), generator=g).tolist()
+                perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+                tabs = [perm[8 * i : 8 * i + (s + bs - 1) // bs] for i, s in enumerate(slens)]
+                ids = torch.randint(0, cfg.vocab_size, (B,), generator=g).tolist()
+                gm.graphs.outputs[gm.graphs.bucket_for(B)].fill_(float("nan"))
+                outs[(on, B)] = gm.forward_decode(ids, [s - 1 for s in slens], slens, tabs, bs, kv).clone()
+        gm.graphs = None
+        torch.cuda.empty_cache()
+    for B in range(1, 9):
+        assert torch.isfinite(outs[(True, B)]).all(), B
+        assert torch.equal(outs[(True, B)], outs[(False, B)]), B

@@ -393,12 +393,6 @@ AB_VARIANTS = {
     **{f"lsm_alt{i}": (f"linear_small_m's table entry named by entry {i} of the JSON list $KIMI_LSM_ALTS "
                        '({"key": "bucket,N,K", "config": {SmallMConfig fields}}) in place of the table\'s',
                        lambda m, i=i: _lsm_alt(i, True), lambda m, i=i: _lsm_alt(i, False)) for i in range(8)},
-    **{f"l2pf{int(f * 100)}_{'last' if last else 'normal'}": (
-        f"W_UV and the first {f:.0%} of each o_proj row prefetched into L2 before the decode attention"
-        f"{' (evict_last policy)' if last else ''} (kimi.ops.l2_prefetch.ATTN_PREFETCH)",
-        lambda m, f=f, last=last: _set_module_attr("kimi.ops.l2_prefetch", "ATTN_PREFETCH", (f, last)),
-        lambda m: _restore_module_attr("kimi.ops.l2_prefetch", "ATTN_PREFETCH"))
-       for f in (0.1, 0.2, 0.3, 0.5) for last in (True, False)},
     "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
                         lambda m: _set_attn(m, "flashinfer"),
                         lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),

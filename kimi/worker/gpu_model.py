@@ -38,7 +38,6 @@ from kimi.config import ModelConfig
 from kimi.ops.linear_fp8 import Fp8Linear
 from kimi.ops.linear_small_m import linear as _bf16_linear
 from kimi.ops.linear_small_m import linear_small_m, prologue_config
-from kimi.ops import l2_prefetch
 from kimi.ops.bmm_small_m import bmm_heads
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
@@ -187,7 +186,6 @@ class GPUMLAAttention(MLAAttention):
         if n > T:
             raise ValueError(f"FlashInfer plan has {n} rows, the batch {T}")
         q_lat = bmm_heads(q_nope, self.w_uk_t)  # [T, H, L] contiguous
-        l2_prefetch.prefetch_before_attention(self.w_uv, self.o_proj)  # when l2_prefetch.ATTN_PREFETCH is set
         q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()  # [T, H, R]
         if n == T:
             o_lat = fi.run(q_lat, q_pe, kv_cache)  # [T, H, L]

@@ -250,7 +250,7 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
         "-m", "kimi.worker.main",
         "--model", a.model, "--plan-addr", plan_addr, "--result-addr", result_addr,
         "--device", a.device, "--block-size", str(a.block_size),
-        "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+        "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--log-level", a.log_level,
     ]
     for flag, v in (("--dtype", a.dtype), ("--num-blocks", a.num_blocks), ("--kv-cache-memory-gib", a.kv_cache_memory_gib),
                     ("--num-hidden-layers", a.num_hidden_layers)):

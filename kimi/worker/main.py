@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
     p.add_argument("--controller-timeout", type=float, default=15.0, help="exit after this long without a message (the controller pings every second)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the rank's log level (kimi serve passes its own; trace logs as debug); above info the "
+                        "checkpoint-loading progress bar is off too")
     p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
                    help="MoE all-to-all (default: local for 1 rank, gloo on cpu, nccl on cuda)")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="torch.distributed collective timeout, seconds")
@@ -69,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    quiet = logging.getLevelName(level) > logging.INFO  # warning and above: no progress bar either
     log = logging.getLogger("kimi.worker")
     transport = WorkerTransport(args.plan_addr, args.result_addr)
     heartbeat = Heartbeat(args.plan_addr, args.result_addr, rank, args.controller_timeout + 5.0).start()
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("rank %d of %d: all-to-all backend %s", rank, world_size, backend)
             runner = ModelRunner(
                 args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
-                progress=not args.no_progress and rank == 0, a2a=a2a, ll_max_tokens_per_rank=args.ll_max_tokens,
+                progress=not (args.no_progress or quiet) and rank == 0, a2a=a2a, ll_max_tokens_per_rank=args.ll_max_tokens,
                 gpu_options=dict(moe_backend=args.moe_backend, load_format=args.load_format,
                                  cuda_graph_max_bs=args.cuda_graph_max_bs, fp8_dense=args.fp8_dense),
             )

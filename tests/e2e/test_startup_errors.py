@@ -144,6 +144,31 @@ def test_log_level_trace_is_accepted(model):
     _stop(proc)
 
 
+@pytest.mark.parametrize("level,quiet", [("warning", True), ("info", False)])
+def test_log_level_reaches_the_worker_ranks(model, tmp_path, level, quiet):
+    """--log-level is the ranks' level too: at warning the served output (controller, uvicorn, the rank, a request
+    served, the shutdown) has no INFO line and no checkpoint-loading bar; at info (the default) the rank's lines and
+    the bar are there."""
+    import httpx
+
+    from conftest import start_server, stop_server
+
+    srv = start_server(model, str(tmp_path / "serve.log"), "--log-level", level)
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        assert stop_server(srv) == 0
+    out = open(srv.log_path).read()
+    rank_info = [line for line in out.splitlines() if " rank0 INFO " in line]
+    if quiet:
+        assert not [line for line in out.splitlines() if " INFO " in line or "INFO:" in line], out
+        assert "Loading checkpoint" not in out, out
+    else:
+        assert rank_info and "Loading checkpoint" in out, out
+
+
 def test_worker_start_up_failure_stops_every_worker(model):
     """Workers launched, then start-up fails (a KV cache too small for one block): the whole torchrun process
     group is gone when kimi exits."""

@@ -105,6 +105,16 @@ def test_fp8_dense_reaches_the_worker():
     assert parse_args(cmd[cmd.index("kimi.worker.main") + 1:]).fp8_dense == "off"
 
 
+@pytest.mark.parametrize("level", ["warning", "trace", "info"])
+def test_log_level_reaches_the_worker(level):
+    """`kimi serve --log-level L` puts L on the worker command line, which the worker's parser reads back."""
+    from kimi.server import worker_command
+    from kimi.worker.main import parse_args
+
+    cmd = worker_command(ServeArgs(model="/x", log_level=level), "tcp://a", "tcp://b")
+    assert parse_args(cmd[cmd.index("kimi.worker.main") + 1:]).log_level == level
+
+
 def test_heartbeat_timeout_is_off_or_spans_two_pings(capsys, monkeypatch):
     """Below two ping intervals a healthy rank would be declared dead (the server used to start, then exit 1 a few
     seconds later): refused at parse time with the reason; 0 (off) and 2 s start."""

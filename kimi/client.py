@@ -127,6 +127,17 @@ def _logit_bias(lb: Any) -> dict[int, Any] | None:
     return out
 
 
+def _unencodable(v: Any) -> bool:
+    """A str with no UTF-8 form (it holds a lone surrogate)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]) -> bytes:
     if "logit_bias" in params:
         params = {**params, "logit_bias": _logit_bias(params["logit_bias"])}
@@ -140,6 +151,13 @@ def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]
         msg = protocol.SubmitRequest(request_id=request_id, prompt_token_ids=_prompt_token_ids(prompt), **params)
     try:
         return protocol.encode(msg)
+    except UnicodeEncodeError:  # a lone UTF-16 surrogate (U+D800..U+DFFF) has no UTF-8 form: name the field, as HTTP
+        from kimi.controller.validation import first_path, json_path
+
+        parts = first_path({"request_id": request_id, "prompt": prompt, **params}, _unencodable)
+        if not parts:
+            raise
+        raise KimiError(f"'{json_path(parts)}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)") from None
     except OverflowError:  # msgpack carries integers in [-2**63, 2**64): name the field holding one outside
         fields = {"prompt": prompt, **params}
         bad = next((name for name, v in fields.items() if _int_out_of_range(v)), None)

@@ -4,7 +4,9 @@
   (not a bare KeyError), sync and async, raised when `stream` is called;
 - a prompt that is neither a str nor a list of int token ids: TypeError saying so, before anything is sent;
 - a `logit_bias` that is not {int token id: number} (string keys, as in the HTTP API's JSON, bool keys,
-  bool or string biases, a list): KimiError naming `logit_bias`, before anything is sent.
+  bool or string biases, a list): KimiError naming `logit_bias`, before anything is sent;
+- a str holding a lone UTF-16 surrogate (no UTF-8 form; the prompt, a stop string): KimiError naming the field with
+  the HTTP API's message, before anything is sent (it was the encoder's UnicodeEncodeError).
 
 Most tests talk to a stand-in ROUTER socket (no server needed: it checks that nothing was sent, or answers a
 request with one finished output); the last one checks the same errors against the real server, which keeps
@@ -14,6 +16,7 @@ serving.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -174,6 +177,32 @@ def test_int_outside_the_wire_range_names_the_field_before_sending(fake, params,
     with KimiClient(fake.addr, timeout_s=5) as c:
         with pytest.raises(KimiError, match="'prompt' holds an integer outside"):
             c.submit([1, 2**64], max_tokens=1)
+
+
+@pytest.mark.parametrize("prompt,params,field", [("\ud800", {}, "prompt"), ("a\udfffb", {}, "prompt"),
+                                                 ("hi", {"stop": ["ok", "\udc00"]}, "stop[1]"),
+                                                 ("hi", {"stop": "x\ud83d"}, "stop")])
+def test_lone_surrogate_names_the_field_before_sending(fake, prompt, params, field):
+    """A str holding a lone UTF-16 surrogate has no UTF-8 form: a KimiError naming its field with HTTP's message
+    (not the encoder's UnicodeEncodeError), nothing is sent, and the client (sync and async) keeps working."""
+    want = "^" + re.escape(f"'{field}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)") + "$"
+    with KimiClient(fake.addr, timeout_s=5) as c:
+        with pytest.raises(KimiError, match=want):
+            c.submit(prompt, max_tokens=1, **params)
+        assert c._pending == {}
+        assert fake.received() == []
+        rid = c.submit(PROMPT, max_tokens=1)
+        assert fake.finish_one().request_id == rid
+
+    async def run() -> None:
+        async with AsyncKimiClient(fake.addr) as c:
+            with pytest.raises(KimiError, match=want):
+                async for _ in c.generate(prompt, max_tokens=1, **params):
+                    pass
+
+    asyncio.run(run())
+    assert not [m for _, m in fake.received() if isinstance(m, protocol.SubmitRequest)]  # (the sync client's close
+    # aborted its request above, whose finished output it never read)
 
 
 # ---- logit_bias ------------------------------------------------------------------------------------------------

@@ -913,7 +913,7 @@ class OpenAIServer:
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             base["usage"] = None
         text_event = _EventTemplate(lambda i: {**base, "choices": [{"index": i, "text": _SLOT, "logprobs": None,
-                                                                    "finish_reason": None}]})
+                                                                    "finish_reason": None, "stop_reason": None}]})
         offsets = [len(prompt_text) if echo else 0] * len(choices)
         echoed = [False] * len(choices)
         plain = g.logprobs is None
@@ -935,15 +935,14 @@ class OpenAIServer:
                 echoed[i] = True
                 lp = echo_logprobs(c) if g.logprobs is not None else None
                 events.append(sse_event({**base, "choices": [{"index": i, "text": prompt_text, "logprobs": lp,
-                                                              "finish_reason": None}]}))
+                                                              "finish_reason": None, "stop_reason": None}]}))
             lp = None
             if g.logprobs is not None and o.token_ids:
                 lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), places[i](o, offsets[i]))
             offsets[i] += len(o.text)
             if o.text or o.finished or lp is not None:
-                ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
-                if o.finished:
-                    ch["stop_reason"] = o.stop_reason
+                ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
+                                      "stop_reason": o.stop_reason if o.finished else None}
                 events.append(sse_event({**base, "choices": [ch]}))
             return b"".join(events), False
 
@@ -1078,9 +1077,11 @@ class OpenAIServer:
             chunk_base["usage"] = None
 
         content_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
-            {"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}]})
+            {"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}]})
         reasoning_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
-            {"index": i, "delta": {"reasoning_content": _SLOT}, "logprobs": None, "finish_reason": None}]})
+            {"index": i, "delta": {"reasoning_content": _SLOT}, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}]})
 
         def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
             """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
@@ -1115,9 +1116,8 @@ class OpenAIServer:
                 lp = self._chat_logprobs(o.token_ids, *_token_logprobs(o))
             if delta or lp is not None or o.finished:
                 ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
-                                      "finish_reason": finish_reason(c) if o.finished else None}
-                if o.finished:
-                    ch["stop_reason"] = o.stop_reason
+                                      "finish_reason": finish_reason(c) if o.finished else None,
+                                      "stop_reason": o.stop_reason if o.finished else None}
                 return sse_event({**chunk_base, "choices": [ch]}), False
             return b"", False
 
@@ -1125,7 +1125,7 @@ class OpenAIServer:
             return sse_event({**chunk_base, "choices": [], "usage": self._usage_of(g, choices)}) if g.include_usage else b""
 
         first = b"".join(sse_event({**chunk_base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                                "logprobs": None, "finish_reason": None}]})
+                                                                "logprobs": None, "finish_reason": None, "stop_reason": None}]})
                          for c in choices)
         return _SSE(sib, render, first, usage)  # type: ignore[return-value]
 

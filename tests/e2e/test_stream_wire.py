@@ -4,7 +4,8 @@ Most streamed chunks are written synchronously from the engine's step with pre-e
 .http: _EventTemplate, _BodyWriter, the OutputStream sink); the rest go through the ASGI send. Whichever
 way a chunk goes, the stream must be what `json.dumps` of each chunk gives, in order, ending with
 `data: [DONE]`, and carry the same text as the non-streaming answer. Checked here for plain, logprobs,
-echo, n > 1, stop strings, usage and chat (content and reasoning), alone and with 48 streams at once.
+echo, n > 1, stop strings, usage and chat (content and reasoning), alone and with 48 streams at once; every
+streamed choice carries `stop_reason` (null until its final chunk), as vLLM's chunks do.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ def _events(raw: bytes) -> list[dict]:
         assert json.dumps(obj, ensure_ascii=False) == payload
         events.append(obj)
     return events
+
+
+def _stop_reason_in_every_choice(events: list[dict], plain: dict) -> None:
+    """Every streamed choice carries stop_reason, as vLLM's chunks do: null until the choice's final chunk, whose
+    value is the non-streamed answer's (the stop string, or null)."""
+    for e in events:
+        for ch in e["choices"]:
+            assert "stop_reason" in ch, e
+            if ch["finish_reason"] is None:
+                assert ch["stop_reason"] is None, e
+            else:
+                assert ch["stop_reason"] == plain["choices"][ch["index"]]["stop_reason"], (e, plain)
 
 
 COMPLETIONS = [
@@ -58,6 +71,7 @@ def test_completions_stream_is_json_dumps_and_matches_non_streaming(fake_srv, ex
             assert text == plain["choices"][i]["text"]
     finals = [ch for e in events for ch in e["choices"] if ch["finish_reason"] is not None]
     assert len(finals) == n
+    _stop_reason_in_every_choice(events, plain)
     if "stream_options" in body:
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 24
         assert all(e["usage"] is None for e in events[:-1])  # OpenAI: every other chunk has "usage": null
@@ -80,6 +94,7 @@ def test_chat_stream_is_json_dumps_and_matches_non_streaming(fake_srv, extra):
     msg = plain["choices"][0]["message"]
     assert "".join(d.get("content", "") for d in deltas) == (msg["content"] or "")
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (msg.get("reasoning_content") or "")
+    _stop_reason_in_every_choice(events, plain)
     if "stream_options" in body:
         assert events[-1]["choices"] == [] and all(e["usage"] is None for e in events[:-1])
     else:

@@ -147,11 +147,16 @@ class Scheduler:
             pool.cache(req.block_table[i], req.block_hashes[i])
         req.num_cached_blocks = n_full
 
+    def _looks_up(self, req: Request) -> bool:
+        """Whether req's prompt is looked up in the prefix cache: caching is on and it asks for no prompt logprobs
+        (those need every prompt position computed)."""
+        return self.block_pool.enable_caching and getattr(req.sampling, "prompt_logprobs", -1) < 0
+
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks of req's longest cached prefix, at most (len(token_ids) - 1) // block_size of them."""
         pool = self.block_pool
-        if not pool.enable_caching or getattr(req.sampling, "prompt_logprobs", -1) >= 0:
-            return []  # prompt logprobs need every prompt position computed
+        if not self._looks_up(req):
+            return []
         self._update_hashes(req)
         max_hit = (len(req.token_ids) - 1) // pool.block_size
         return pool.lookup(req.block_hashes[:max_hit])
@@ -194,7 +199,8 @@ class Scheduler:
             return None
         pool.touch(hits)
         blocks = pool.allocate(need)
-        pool.record_query(len(req.token_ids), num_computed)
+        if self._looks_up(req):  # (a request that skips the cache is not a query: kimi:prefix_cache_queries)
+            pool.record_query(len(req.token_ids), num_computed)
         req.block_table = hits + blocks
         req.num_cached_blocks = len(hits)
         req.num_computed_tokens = req.num_scheduled_tokens = num_computed

@@ -84,6 +84,28 @@ def test_second_request_reuses_a_three_block_prefix():
     assert s.block_pool.num_free_blocks == s.block_pool.num_usable_blocks
 
 
+def test_prompt_logprobs_request_skips_the_cache_and_is_not_a_query():
+    """A request asking for prompt logprobs (HTTP echo + logprobs) computes its whole prompt and is not counted in
+    the prefix-cache stats (kimi:prefix_cache_queries / hits); the next plain request is counted as before."""
+    s = sched(32)
+    prefix = list(range(100, 100 + 3 * BS))
+    s.add(make(1, prefix + [1], max_tokens=1))
+    run_all(s)
+    st = s.block_pool.stats
+    q0, h0 = st.queries, st.hits
+    assert q0 == len(prefix) + 1
+    b = make(2, prefix + [2], max_tokens=1)
+    b.sampling = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    s.add(b)
+    (sr,) = step(s).scheduled
+    assert sr.num_new_tokens == len(prefix) + 1 and b.num_cached_tokens == 0
+    assert (st.queries, st.hits) == (q0, h0)
+    run_all(s)
+    s.add(make(3, prefix + [3], max_tokens=1))
+    step(s)
+    assert (st.queries, st.hits) == (q0 + len(prefix) + 1, h0 + 3 * BS)
+
+
 def test_shared_prefix_is_ref_counted_between_running_requests():
     s = sched(32)
     prefix = list(range(3 * BS))

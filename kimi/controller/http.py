@@ -854,7 +854,8 @@ class OpenAIServer:
                 raise BadRequest("'prompt' is required", "prompt")
             elif isinstance(prompt, list) and not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
-            elif isinstance(prompt, list) and any(isinstance(x, (str, list)) for x in prompt):
+            elif isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # (a token-id list with a string in
+                # it is the branch below: it names the item)
                 raise BadRequest("'prompt' must be a string or a list of token ids; batches of several prompts are "
                                  "not supported (send one request per prompt)", "prompt")
             elif isinstance(prompt, list):

@@ -203,9 +203,11 @@ def test_an_unknown_model_is_404(server):
 
 
 def test_prompt_list_errors_say_what_is_wrong(server):
-    """A list prompt of non-integers is refused as such (not as a batch of prompts); strings in it are a batch."""
+    """A list prompt of non-integers is refused as such (not as a batch of prompts), naming the item, also when a
+    string or list follows token ids; a list of strings (or lists) is a batch."""
     for prompt, words in (([1.0, 2], "integer token ids"), ([True, False], "integer token ids"),
-                          (["a", "b"], "batches of several prompts")):
+                          ([1, "a"], "integer token ids; it holds 'a'"), ([1, [2]], "it holds [2]"),
+                          (["a", "b"], "batches of several prompts"), ([[1], [2]], "batches of several prompts")):
         r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": prompt})
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -23,6 +23,9 @@ from typing import Any
 IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (KIMI.md section 1)
 # --moe-backend choices (kimi.ops.moe_backend: what each runs); here so the controller's CLI needs no torch import
 MOE_BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
+# --log-level of `kimi serve` and of each worker rank: uvicorn's levels (trace is its most verbose; Python's logging
+# has none, so kimi logs it as debug)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class ConfigError(ValueError):

@@ -36,7 +36,7 @@ from pathlib import Path
 import uvicorn
 import zmq
 
-from kimi.config import MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
+from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import HEARTBEAT_S, Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
@@ -46,8 +46,6 @@ from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.server")
 
-# --log-level: uvicorn's levels (trace is its most verbose; Python's logging has none, so kimi logs it as debug)
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass

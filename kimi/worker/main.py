@@ -27,7 +27,7 @@ import torch
 
 from kimi import protocol
 from kimi.checkpoint import CheckpointError
-from kimi.config import MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
+from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
 from kimi.controller.transport import Heartbeat, WorkerTransport
 from kimi.worker.kv_cache import KVCacheSizeError
 
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--controller-timeout", type=float, default=15.0, help="exit after this long without a message (the controller pings every second)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   choices=LOG_LEVELS,
                    help="the rank's log level (kimi serve passes its own; trace logs as debug); above info the "
                         "checkpoint-loading progress bar is off too")
     p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],

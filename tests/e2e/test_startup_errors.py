@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import REPO, worker_pids
+from conftest import REPO, start_server, stop_server, worker_pids
 from kimi.controller.transport import free_tcp_port
 
 
@@ -150,8 +150,6 @@ def test_log_level_reaches_the_worker_ranks(model, tmp_path, level, quiet):
     served, the shutdown) has no INFO line and no checkpoint-loading bar; at info (the default) the rank's lines and
     the bar are there."""
     import httpx
-
-    from conftest import start_server, stop_server
 
     srv = start_server(model, str(tmp_path / "serve.log"), "--log-level", level)
     try:

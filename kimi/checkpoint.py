@@ -23,7 +23,7 @@ import json
 import os
 import re
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -32,12 +32,12 @@ from kimi.config import ModelConfig
 from kimi.ops.quant import dequant_fp8_block, dequant_int4
 
 __all__ = [
+    "INDEX_FILE",
     "CheckpointError",
     "expected_tensors",
+    "linear_shapes",
     "load_checkpoint",
     "local_expert_range",
-    "linear_shapes",
-    "INDEX_FILE",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -137,9 +137,7 @@ def _expert_shapes(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple
     return {p + "gate_proj": (i, h), p + "up_proj": (i, h), p + "down_proj": (h, i)}
 
 
-def _canonical_expected(
-    cfg: ModelConfig, ep_rank: int, ep_size: int
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _canonical_expected(cfg: ModelConfig, ep_rank: int, ep_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """expected_tensors without the file prefix."""
     method = cfg.quant.method if cfg.quant is not None else None
     bf16, f32 = torch.bfloat16, torch.float32
@@ -216,12 +214,14 @@ def _file_map(model_dir: str) -> dict[str, str]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to file names, got "
-                                  f"{type(weight_map).__name__}")
+            raise CheckpointError(
+                f"{index}: weight_map must map tensor names to file names, got {type(weight_map).__name__}"
+            )
         bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
         if bad is not None:
-            raise CheckpointError(f"{index}: weight_map must map tensor names to file names; {bad[0]!r} maps to "
-                                  f"{bad[1]!r:.60}")
+            raise CheckpointError(
+                f"{index}: weight_map must map tensor names to file names; {bad[0]!r} maps to {bad[1]!r:.60}"
+            )
         for fname in sorted(set(weight_map.values())):
             if not os.path.isfile(os.path.join(model_dir, fname)):
                 raise CheckpointError(f"{index}: lists file {fname!r}, which does not exist in {model_dir}")
@@ -259,7 +259,7 @@ def _classify(
     lo, hi = local_expert_range(cfg, ep_rank, ep_size)
     raw_layers = _raw_num_layers(cfg)
     # Names of an expert's parts ("gate_proj.weight_packed", ...), to accept other ranks' experts unread.
-    expert_suffixes = {name[m.end():] for name in local if (m := _EXPERT_RE.match(name))}
+    expert_suffixes = {name[m.end() :] for name in local if (m := _EXPERT_RE.match(name))}
     to_read: dict[str, tuple[str, str]] = {}
     for fname, fpath in file_map.items():
         if fname.startswith(_SKIP_PREFIXES) or fname.endswith(_SKIP_SUFFIXES):
@@ -267,7 +267,7 @@ def _classify(
         if pre:
             if not fname.startswith(pre):
                 continue  # outside the text model of a nested checkpoint
-            name = fname[len(pre):]
+            name = fname[len(pre) :]
         else:
             name = fname
         if name in local:
@@ -282,7 +282,7 @@ def _classify(
             if me and layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer):
                 expert = int(me.group(2))
                 if 0 <= expert < cfg.n_routed_experts and not lo <= expert < hi:
-                    if name[me.end():] in expert_suffixes:
+                    if name[me.end() :] in expert_suffixes:
                         continue  # another EP rank's expert: not read
         raise CheckpointError(f"unexpected tensor {fname!r} in {fpath} (not part of the configured text model)")
     return to_read, local
@@ -341,9 +341,7 @@ def load_checkpoint(
     missing = [n for n in local if n not in to_read]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(
-            f"missing tensor {cfg.weight_prefix + missing[0]!r}{more} in checkpoint {model_dir}"
-        )
+        raise CheckpointError(f"missing tensor {cfg.weight_prefix + missing[0]!r}{more} in checkpoint {model_dir}")
 
     out: dict[str, Tensor] = {}
     pending: dict[str, dict[str, Tensor]] = {}  # quantised module -> parts read so far
@@ -380,8 +378,14 @@ def load_checkpoint(
     def part_is_scale(name: str) -> bool:
         return name.endswith((".weight_scale_inv", ".weight_scale"))
 
-    bar = tqdm(total=len(to_read), desc="Loading checkpoint", unit="tensor", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(to_read),
+        desc="Loading checkpoint",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     try:
         for fpath, names in _iter_by_file(to_read, list(local)):
             path = os.path.join(model_dir, fpath)

@@ -40,8 +40,9 @@ import collections
 import contextlib
 import operator
 import uuid
-from collections.abc import Iterable, Mapping, Set as AbstractSet
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -78,13 +79,17 @@ def _check_open(sock: Any) -> None:
 
 def _check_new_id(rid: str, outstanding: Any) -> None:
     if rid in outstanding:
-        raise KimiError(f"request id {rid!r} is already in use by an unfinished request of this client; "
-                        "the new submission is refused (the running request is not affected)")
+        raise KimiError(
+            f"request id {rid!r} is already in use by an unfinished request of this client; "
+            "the new submission is refused (the running request is not affected)"
+        )
 
 
 def _unknown_id(rid: str) -> KimiError:
-    return KimiError(f"unknown request id {rid!r}: not submitted by this client, or already finished (its stream "
-                     "ended, or the client was closed)")
+    return KimiError(
+        f"unknown request id {rid!r}: not submitted by this client, or already finished (its stream "
+        "ended, or the client was closed)"
+    )
 
 
 def _prompt_token_ids(prompt: Any) -> list[int]:
@@ -118,9 +123,14 @@ def _logit_bias(lb: Any) -> dict[int, Any] | None:
                 raise TypeError
             tid = operator.index(k)
         except TypeError:
-            raise KimiError(f"{wrong} logit_bias keys must be int token ids, got {type(k).__name__} key {k!r:.40}"
-                            + (f" (use {{{k}: ...}}, not the HTTP API's JSON string key)"
-                               if isinstance(k, str) and k.isascii() and k.isdigit() else "")) from None
+            raise KimiError(
+                f"{wrong} logit_bias keys must be int token ids, got {type(k).__name__} key {k!r:.40}"
+                + (
+                    f" (use {{{k}: ...}}, not the HTTP API's JSON string key)"
+                    if isinstance(k, str) and k.isascii() and k.isdigit()
+                    else ""
+                )
+            ) from None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise KimiError(f"{wrong} the bias for token id {tid} must be a number, got {type(v).__name__} {v!r:.40}")
         out[tid] = v if type(v) in (int, float) else float(v)  # numpy.float64 etc. as a plain float
@@ -143,8 +153,10 @@ def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]
         params = {**params, "logit_bias": _logit_bias(params["logit_bias"])}
     unknown = sorted(set(params) - set(protocol.SubmitRequest.__struct_fields__))
     if unknown:
-        raise KimiError(f"unknown submit parameter(s) {', '.join(map(repr, unknown))}; the ZeroMQ API takes the fields "
-                        "of kimi.protocol.SubmitRequest (n, echo and the other HTTP-only options are not among them)")
+        raise KimiError(
+            f"unknown submit parameter(s) {', '.join(map(repr, unknown))}; the ZeroMQ API takes the fields "
+            "of kimi.protocol.SubmitRequest (n, echo and the other HTTP-only options are not among them)"
+        )
     if isinstance(prompt, str):
         msg = protocol.SubmitRequest(request_id=request_id, prompt=prompt, **params)
     else:
@@ -163,8 +175,9 @@ def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]
         bad = next((name for name, v in fields.items() if _int_out_of_range(v)), None)
         if bad is None:
             raise
-        raise KimiError(f"'{bad}' holds an integer outside the 64-bit range the ZeroMQ API carries "
-                        "[-2**63, 2**64)") from None
+        raise KimiError(
+            f"'{bad}' holds an integer outside the 64-bit range the ZeroMQ API carries [-2**63, 2**64)"
+        ) from None
 
 
 def _int_out_of_range(v: Any) -> bool:
@@ -280,7 +293,7 @@ class KimiClient:
         self._sock.close(ABORT_LINGER_MS if any(sent) else 0)
         self._ctx.term()
 
-    def __enter__(self) -> "KimiClient":
+    def __enter__(self) -> KimiClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -327,8 +340,10 @@ class AsyncKimiClient:
             try:
                 await self._asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
             except (TimeoutError, self._asyncio.TimeoutError):  # the same class from Python 3.11 on
-                raise KimiError(f"request id {rid!r}: the earlier request of this id was aborted and its end has "
-                                f"not arrived in {DRAIN_TIMEOUT_S:g} s; use another id") from None
+                raise KimiError(
+                    f"request id {rid!r}: the earlier request of this id was aborted and its end has "
+                    f"not arrived in {DRAIN_TIMEOUT_S:g} s; use another id"
+                ) from None
             _check_open(self._sock)  # close() ends the wait too
             _check_new_id(rid, self._queues)  # another submission of this id may have gone first meanwhile
         self._queues[rid] = self._asyncio.Queue()
@@ -401,7 +416,7 @@ class AsyncKimiClient:
         self._sock.close(ABORT_LINGER_MS if any(sent) else 0)
         self._ctx.term()
 
-    async def __aenter__(self) -> "AsyncKimiClient":
+    async def __aenter__(self) -> AsyncKimiClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -124,7 +124,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """`qk_head_dim ** -0.5 * m * m`, m = yarn_get_mscale(factor, mscale_all_dim) (KIMI.md section 3)."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope_scaling is not None:
             m = yarn_get_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale = scale * m * m
@@ -134,7 +134,7 @@ class ModelConfig:
         """True for layers with routed experts (layer >= first_k_dense_replace, every moe_layer_freq)."""
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
-    def with_overrides(self, **kw: Any) -> "ModelConfig":
+    def with_overrides(self, **kw: Any) -> ModelConfig:
         """A copy with some fields replaced (e.g. num_hidden_layers for benchmarks)."""
         from dataclasses import replace
 
@@ -142,7 +142,7 @@ class ModelConfig:
 
     # ---- loading -------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         """Build from a parsed config.json (flat or nested with `text_config`).
 
         Raises ConfigError naming the first missing or unsupported field.
@@ -213,8 +213,9 @@ class ModelConfig:
                 raise ConfigError(f"{where}rope_scaling has no 'factor'")
             rope_scaling = RopeScaling(
                 factor=as_float("rope_scaling.factor", rs["factor"]),
-                original_max_position_embeddings=as_int("rope_scaling.original_max_position_embeddings",
-                                                        rs.get("original_max_position_embeddings", 4096)),
+                original_max_position_embeddings=as_int(
+                    "rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings", 4096)
+                ),
                 beta_fast=as_float("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
                 beta_slow=as_float("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
                 mscale=as_float("rope_scaling.mscale", rs.get("mscale", 1.0)),
@@ -232,29 +233,33 @@ class ModelConfig:
                     raise ConfigError(f"config.json: compressed-tensors format {qc.get('format')!r} is not supported")
                 groups = qc.get("config_groups") or {}
                 if not isinstance(groups, dict):
-                    raise ConfigError(f"config.json: quantization_config.config_groups must be an object, got "
-                                      f"{groups!r:.60}")
+                    raise ConfigError(
+                        f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}"
+                    )
                 group = next(iter(groups.values()), {}) if groups else {}
                 weights = group.get("weights") if isinstance(group, dict) else None
                 if weights is None:
                     weights = {}
                 if not isinstance(weights, dict):
-                    raise ConfigError(f"config.json: quantization_config.config_groups weights must be an object, "
-                                      f"got {weights!r:.60}")
+                    raise ConfigError(
+                        f"config.json: quantization_config.config_groups weights must be an object, got {weights!r:.60}"
+                    )
                 if weights.get("num_bits", 4) != 4 or not weights.get("symmetric", True):
                     raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
                 if weights.get("strategy", "group") != "group":
                     raise ConfigError("config.json: only group-wise INT4 scales are supported")
-                quant = QuantConfig(method="int4", group_size=as_int("quantization_config group_size",
-                                                                     weights.get("group_size", 32)))
+                quant = QuantConfig(
+                    method="int4", group_size=as_int("quantization_config group_size", weights.get("group_size", 32))
+                )
             elif method == "fp8":
                 if qc.get("fmt", "e4m3") != "e4m3":
                     raise ConfigError(f"config.json: fp8 format {qc.get('fmt')!r} is not supported")
                 blk = qc.get("weight_block_size", [128, 128])
                 if not isinstance(blk, list) or len(blk) != 2:
                     raise ConfigError(f"config.json: weight_block_size must be [rows, columns], got {blk!r:.60}")
-                quant = QuantConfig(method="fp8", block=(as_int("weight_block_size[0]", blk[0]),
-                                                         as_int("weight_block_size[1]", blk[1])))
+                quant = QuantConfig(
+                    method="fp8", block=(as_int("weight_block_size[0]", blk[0]), as_int("weight_block_size[1]", blk[1]))
+                )
             else:
                 raise ConfigError(f"config.json: quant_method {method!r} is not supported")
 
@@ -310,7 +315,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike[str]) -> "ModelConfig":
+    def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
         """Read `config.json` (and `generation_config.json` when present) from a checkpoint folder.
 
         Raises ConfigError if config.json is missing or malformed.

@@ -21,7 +21,6 @@ from typing import Union
 
 import msgspec
 
-
 # temperatures below this sample greedily (argmax: the tempered distribution's limit as T -> 0), vLLM's sampler
 # threshold (_SAMPLING_EPS; vLLM's API first raises 0 < T < 0.01 to 0.01); tiny temperatures must not reach the
 # division: fp32 logits over 1e-38 overflowed to inf and every token came out as id 0

@@ -27,8 +27,8 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,6 @@ from kimi.controller.transport import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.server")
-
 
 
 @dataclass
@@ -122,8 +121,10 @@ def _limit_error(name: str, v: float) -> str | None:
             return f"must be in {'[' if lo_incl else '('}{lo}, {hi}], got {v}"
         return f"must be {'>=' if lo_incl else '>'} {lo}, got {v}"
     if name == "heartbeat_timeout" and 0 < v < HEARTBEAT_MIN_S:
-        return (f"must be 0 (off) or at least {HEARTBEAT_MIN_S:g} s (the controller pings the workers every "
-                f"{HEARTBEAT_S:g} s), got {v}")
+        return (
+            f"must be 0 (off) or at least {HEARTBEAT_MIN_S:g} s (the controller pings the workers every "
+            f"{HEARTBEAT_S:g} s), got {v}"
+        )
     return None
 
 
@@ -151,8 +152,11 @@ def cuda_only_flags_set(a: ServeArgs) -> list[str]:
     if a.device == "cuda":
         return []
     d = ServeArgs(model=a.model)
-    return [f"--{name.replace('_', '-')}" for name in ("moe_backend", "load_format", "enforce_eager", "fp8_dense")
-            if getattr(a, name) != getattr(d, name)]
+    return [
+        f"--{name.replace('_', '-')}"
+        for name in ("moe_backend", "load_format", "enforce_eager", "fp8_dense")
+        if getattr(a, name) != getattr(d, name)
+    ]
 
 
 def check_serve_args(a: ServeArgs) -> str | None:
@@ -170,8 +174,10 @@ def check_serve_args(a: ServeArgs) -> str | None:
         if err is not None:
             return f"--{name.replace('_', '-')}: {err}"
     if a.zmq_submit_addr is None and a.port >= 65535:
-        return (f"--port {a.port} leaves no port for the ZeroMQ submit API (default tcp://HOST:PORT+1); "
-                "give --zmq-submit-addr")
+        return (
+            f"--port {a.port} leaves no port for the ZeroMQ submit API (default tcp://HOST:PORT+1); "
+            "give --zmq-submit-addr"
+        )
     if not a.host:
         return "--host must not be empty"
     if a.served_model_name is not None and not a.served_model_name.strip():
@@ -186,57 +192,137 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: folder name)")
     p.add_argument("--zmq-submit-addr", default=None, help="ZeroMQ submit API address (default tcp://HOST:PORT+1)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default fp32 cpu, bf16 cuda")
-    p.add_argument("--nproc", type=_numeric("nproc"), default=1, help="worker ranks on this node (DP attention x EP MoE)")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default fp32 cpu, bf16 cuda"
+    )
+    p.add_argument(
+        "--nproc", type=_numeric("nproc"), default=1, help="worker ranks on this node (DP attention x EP MoE)"
+    )
     p.add_argument("--block-size", type=_numeric("block_size"), default=64, help="KV-cache block size in tokens")
-    p.add_argument("--num-blocks", type=_numeric("num_blocks"), default=None, help="KV blocks per rank (default: from memory)")
-    p.add_argument("--kv-cache-memory-gib", type=_numeric("kv_cache_memory_gib"), default=None, help="KV-cache memory per rank")
+    p.add_argument(
+        "--num-blocks", type=_numeric("num_blocks"), default=None, help="KV blocks per rank (default: from memory)"
+    )
+    p.add_argument(
+        "--kv-cache-memory-gib", type=_numeric("kv_cache_memory_gib"), default=None, help="KV-cache memory per rank"
+    )
     p.add_argument("--gpu-memory-utilization", type=_numeric("gpu_memory_utilization"), default=0.9)
-    p.add_argument("--max-model-len", type=_numeric("max_model_len"), default=None, help="prompt + output tokens (default: config's)")
+    p.add_argument(
+        "--max-model-len",
+        type=_numeric("max_model_len"),
+        default=None,
+        help="prompt + output tokens (default: config's)",
+    )
     p.add_argument("--max-num-seqs", type=_numeric("max_num_seqs"), default=256, help="running requests per DP rank")
-    p.add_argument("--token-budget", type=_numeric("token_budget"), default=2048, help="tokens per step per rank (chunked prefill)")
-    p.add_argument("--num-hidden-layers", type=_numeric("num_hidden_layers"), default=None, help="use only the first N layers (benchmarks)")
+    p.add_argument(
+        "--token-budget", type=_numeric("token_budget"), default=2048, help="tokens per step per rank (chunked prefill)"
+    )
+    p.add_argument(
+        "--num-hidden-layers",
+        type=_numeric("num_hidden_layers"),
+        default=None,
+        help="use only the first N layers (benchmarks)",
+    )
     p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
     p.add_argument("--plan-addr", default=None, help="ZeroMQ address workers read plans from (default: free port)")
     p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
-    p.add_argument("--worker-timeout", type=_numeric("worker_timeout"), default=600.0, help="seconds a step may take before failing")
-    p.add_argument("--startup-timeout", type=_numeric("startup_timeout"), default=3600.0,
-                   help="seconds the workers may take to load the model and report ready (default 3600)")
-    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
-                   help="uvicorn / kimi log level (trace: uvicorn's most verbose; kimi logs it as debug)")
+    p.add_argument(
+        "--worker-timeout",
+        type=_numeric("worker_timeout"),
+        default=600.0,
+        help="seconds a step may take before failing",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=_numeric("startup_timeout"),
+        default=3600.0,
+        help="seconds the workers may take to load the model and report ready (default 3600)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="uvicorn / kimi log level (trace: uvicorn's most verbose; kimi logs it as debug)",
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
-    p.add_argument("--max-waiting", type=_numeric("max_waiting"), default=1024,
-                   help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)")
-    p.add_argument("--fake-workers", action="store_true",
-                   help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)")
-    p.add_argument("--api-key", default=os.environ.get("KIMI_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
-                        "the ZeroMQ submit API is then kept on loopback (docs/api.md)")
-    p.add_argument("--max-body-bytes", type=_numeric("max_body_bytes"), default=32 << 20, help="larger HTTP request bodies get 413 (default 32 MiB)")
-    p.add_argument("--request-body-timeout", type=_numeric("request_body_timeout"), default=30.0,
-                   help="seconds to receive a request body after its headers, else HTTP 408 (default 30)")
-    p.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
-                   help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
-                        "tokenizer has a <think> token")
-    p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
-                   help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)")
-    p.add_argument("--heartbeat-timeout", type=_numeric("heartbeat_timeout"), default=10.0,
-                   help=f"fail when a worker rank answers no ping for this many seconds (0 = off, else at least "
-                        f"{HEARTBEAT_MIN_S:g}; default 10)")
-    p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKENDS),
-                   help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
-                        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
-                        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref) (default auto)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU")
+    p.add_argument(
+        "--max-waiting",
+        type=_numeric("max_waiting"),
+        default=1024,
+        help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)",
+    )
+    p.add_argument(
+        "--fake-workers",
+        action="store_true",
+        help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KIMI_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
+        "the ZeroMQ submit API is then kept on loopback (docs/api.md)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_numeric("max_body_bytes"),
+        default=32 << 20,
+        help="larger HTTP request bodies get 413 (default 32 MiB)",
+    )
+    p.add_argument(
+        "--request-body-timeout",
+        type=_numeric("request_body_timeout"),
+        default=30.0,
+        help="seconds to receive a request body after its headers, else HTTP 408 (default 30)",
+    )
+    p.add_argument(
+        "--reasoning",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
+        "tokenizer has a <think> token",
+    )
+    p.add_argument(
+        "--a2a-backend",
+        default=None,
+        choices=["local", "gloo", "nccl", "deepep"],
+        help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=_numeric("heartbeat_timeout"),
+        default=10.0,
+        help=f"fail when a worker rank answers no ping for this many seconds (0 = off, else at least "
+        f"{HEARTBEAT_MIN_S:g}; default 10)",
+    )
+    p.add_argument(
+        "--moe-backend",
+        default="auto",
+        choices=list(MOE_BACKENDS),
+        help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
+        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
+        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref) (default auto)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
-    p.add_argument("--fp8-dense", default="off", choices=["off", "triton", "humming"],
-                   help="--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
-                        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
-                        "decode (default off)")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="plan each step only after the last one's results are applied (default: the next step is "
-                        "planned and sent while one runs, so workers never wait for the controller)")
+    p.add_argument(
+        "--fp8-dense",
+        default="off",
+        choices=["off", "triton", "humming"],
+        help="--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
+        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
+        "decode (default off)",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="plan each step only after the last one's results are applied (default: the next step is "
+        "planned and sent while one runs, so workers never wait for the controller)",
+    )
 
 
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
@@ -244,14 +330,35 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     cmd = [
         # torchrun (kimi.worker.launch: one line instead of a traceback when a rank fails); --standalone: one node,
         # rendezvous on a port the store picks itself (no free-port race)
-        sys.executable, "-m", "kimi.worker.launch", "--standalone", "--nproc-per-node", str(a.nproc),
-        "-m", "kimi.worker.main",
-        "--model", a.model, "--plan-addr", plan_addr, "--result-addr", result_addr,
-        "--device", a.device, "--block-size", str(a.block_size),
-        "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--log-level", a.log_level,
+        sys.executable,
+        "-m",
+        "kimi.worker.launch",
+        "--standalone",
+        "--nproc-per-node",
+        str(a.nproc),
+        "-m",
+        "kimi.worker.main",
+        "--model",
+        a.model,
+        "--plan-addr",
+        plan_addr,
+        "--result-addr",
+        result_addr,
+        "--device",
+        a.device,
+        "--block-size",
+        str(a.block_size),
+        "--gpu-memory-utilization",
+        str(a.gpu_memory_utilization),
+        "--log-level",
+        a.log_level,
     ]
-    for flag, v in (("--dtype", a.dtype), ("--num-blocks", a.num_blocks), ("--kv-cache-memory-gib", a.kv_cache_memory_gib),
-                    ("--num-hidden-layers", a.num_hidden_layers)):
+    for flag, v in (
+        ("--dtype", a.dtype),
+        ("--num-blocks", a.num_blocks),
+        ("--kv-cache-memory-gib", a.kv_cache_memory_gib),
+        ("--num-hidden-layers", a.num_hidden_layers),
+    ):
         if v is not None:
             cmd += [flag, str(v)]
     if a.fake_workers:
@@ -259,8 +366,16 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     if a.a2a_backend is not None:
         cmd += ["--a2a-backend", a.a2a_backend]
     if a.device == "cuda":
-        cmd += ["--moe-backend", a.moe_backend, "--load-format", a.load_format, "--fp8-dense", a.fp8_dense,
-                "--cuda-graph-max-bs", str(0 if a.enforce_eager else a.max_num_seqs)]
+        cmd += [
+            "--moe-backend",
+            a.moe_backend,
+            "--load-format",
+            a.load_format,
+            "--fp8-dense",
+            a.fp8_dense,
+            "--cuda-graph-max-bs",
+            str(0 if a.enforce_eager else a.max_num_seqs),
+        ]
     return cmd
 
 
@@ -314,7 +429,9 @@ class WorkerProcess:
         # kimi.worker.launch writes the first failed rank and its exit code here (read by `check`)
         fd, self._report = tempfile.mkstemp(prefix="kimi-launch-", suffix=".json")
         os.close(fd)
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "KIMI_LAUNCH_REPORT": self._report})
+        self.proc = subprocess.Popen(
+            cmd, start_new_session=True, env={**os.environ, "KIMI_LAUNCH_REPORT": self._report}
+        )
         self.nproc = nproc
         self._ranks: dict[int, int] = {}  # the processes seen under torchrun (pid -> start time)
         self._ranks_at = 0.0
@@ -417,7 +534,7 @@ def load_model_meta(a: ServeArgs) -> tuple[ModelConfig, KimiTokenizer]:
     if a.load_format != "dummy":
         raise ValueError(f"--model {a.model} has no weights: add --load-format dummy")
     try:
-        cfg = ModelConfig.from_dict(load_preset(a.model[len("preset:"):]))
+        cfg = ModelConfig.from_dict(load_preset(a.model[len("preset:") :]))
     except KeyError as e:
         raise ValueError(str(e.args[0])) from None
     with tempfile.TemporaryDirectory() as d:
@@ -446,8 +563,9 @@ def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
             try:
                 sock.bind(sockaddr)
             except OSError as e:
-                raise OSError(f"cannot bind HTTP on {sockaddr[0]}:{sockaddr[1]} (--host {host} --port {port}): "
-                              f"{e.strerror or e}") from None
+                raise OSError(
+                    f"cannot bind HTTP on {sockaddr[0]}:{sockaddr[1]} (--host {host} --port {port}): {e.strerror or e}"
+                ) from None
             sock.listen(2048)  # uvicorn's default backlog
             sock.setblocking(False)
     except BaseException:
@@ -471,9 +589,15 @@ async def serve(a: ServeArgs) -> int:
     ignored = cuda_only_flags_set(a)
     if ignored:
         log.warning("%s: used with --device cuda only; ignored on --device %s", ", ".join(ignored), a.device)
-    if a.api_key and a.zmq_submit_addr and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:", "ipc://")):
-        log.error("--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
-                  a.zmq_submit_addr)
+    if (
+        a.api_key
+        and a.zmq_submit_addr
+        and not a.zmq_submit_addr.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:", "ipc://"))
+    ):
+        log.error(
+            "--api-key is set but --zmq-submit-addr %s is not loopback; the ZeroMQ API is unauthenticated",
+            a.zmq_submit_addr,
+        )
         return 2
     try:
         cfg, tokenizer = load_model_meta(a)
@@ -481,24 +605,42 @@ async def serve(a: ServeArgs) -> int:
         log.error("%s", e)
         return 2
     if a.reasoning == "on" and tokenizer.decode([THINK_START_ID]) != "<think>":
-        log.warning("--reasoning on: this vocabulary has no <think> token (id %d is %r); chat output is still split "
-                    "at ids %d / %d, so a model that never emits them answers entirely in reasoning_content "
-                    "(--reasoning auto or off for such a model)", THINK_START_ID, tokenizer.decode([THINK_START_ID]),
-                    THINK_START_ID, THINK_END_ID)
+        log.warning(
+            "--reasoning on: this vocabulary has no <think> token (id %d is %r); chat output is still split "
+            "at ids %d / %d, so a model that never emits them answers entirely in reasoning_content "
+            "(--reasoning auto or off for such a model)",
+            THINK_START_ID,
+            tokenizer.decode([THINK_START_ID]),
+            THINK_START_ID,
+            THINK_END_ID,
+        )
     if a.num_hidden_layers is not None:
         if a.num_hidden_layers > cfg.num_hidden_layers:
-            log.error("--num-hidden-layers %d: the model has only %d layers (give 1..%d)", a.num_hidden_layers,
-                      cfg.num_hidden_layers, cfg.num_hidden_layers)
+            log.error(
+                "--num-hidden-layers %d: the model has only %d layers (give 1..%d)",
+                a.num_hidden_layers,
+                cfg.num_hidden_layers,
+                cfg.num_hidden_layers,
+            )
             return 2
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
     if a.max_model_len is not None and a.max_model_len > cfg.max_position_embeddings:
-        log.error("--max-model-len %d: the model allows at most %d positions (max_position_embeddings; give "
-                  "1..%d)", a.max_model_len, cfg.max_position_embeddings, cfg.max_position_embeddings)
+        log.error(
+            "--max-model-len %d: the model allows at most %d positions (max_position_embeddings; give 1..%d)",
+            a.max_model_len,
+            cfg.max_position_embeddings,
+            cfg.max_position_embeddings,
+        )
         return 2
     if not a.fake_workers and cfg.n_routed_experts % a.nproc:  # --attach too: --nproc is then the world size
-        log.error("--nproc %d: the model's %d routed experts do not split evenly over %d ranks (expert parallelism "
-                  "gives every rank as many; use a divisor of %d)", a.nproc, cfg.n_routed_experts, a.nproc,
-                  cfg.n_routed_experts)
+        log.error(
+            "--nproc %d: the model's %d routed experts do not split evenly over %d ranks (expert parallelism "
+            "gives every rank as many; use a divisor of %d)",
+            a.nproc,
+            cfg.n_routed_experts,
+            a.nproc,
+            cfg.n_routed_experts,
+        )
         return 2
     if a.device == "cuda" and not a.attach:
         err = _cuda_unavailable()
@@ -528,8 +670,10 @@ async def serve(a: ServeArgs) -> int:
     http_socks: list[socket.socket] = []
     try:
         # no address given: ZeroMQ picks a free port at bind time (no window for another process to take it)
-        what = f"the worker plan / result sockets ({a.plan_addr or 'tcp://127.0.0.1:*'}, " \
-               f"{a.result_addr or 'tcp://127.0.0.1:*'})"
+        what = (
+            f"the worker plan / result sockets ({a.plan_addr or 'tcp://127.0.0.1:*'}, "
+            f"{a.result_addr or 'tcp://127.0.0.1:*'})"
+        )
         transport = ControllerTransport(a.plan_addr or "tcp://127.0.0.1:*", a.result_addr or "tcp://127.0.0.1:*")
         what = "HTTP"
         http_socks = bind_http_sockets(a.host, a.port)
@@ -562,9 +706,16 @@ async def serve(a: ServeArgs) -> int:
         thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
     else:
         thinking_model = a.reasoning == "on"
-    api = OpenAIServer(engine, tokenizer, name, cfg.vocab_size, api_key=a.api_key,
-                       max_body_bytes=a.max_body_bytes, body_timeout_s=a.request_body_timeout,
-                       thinking_model=thinking_model)
+    api = OpenAIServer(
+        engine,
+        tokenizer,
+        name,
+        cfg.vocab_size,
+        api_key=a.api_key,
+        max_body_bytes=a.max_body_bytes,
+        body_timeout_s=a.request_body_timeout,
+        thinking_model=thinking_model,
+    )
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()
 
@@ -588,11 +739,18 @@ async def serve(a: ServeArgs) -> int:
             workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
             engine.liveness_checks.append(workers.check)
         else:
-            log.info("waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
-                     "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
-                     "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
-                     "(docs/multinode.md)", a.nproc, a.model, plan_addr, result_addr, a.device)
-        log.info("HTTP on http://%s:%d (/health says \"loading\" until the workers are ready)", a.host, a.port)
+            log.info(
+                "waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
+                "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
+                "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
+                "(docs/multinode.md)",
+                a.nproc,
+                a.model,
+                plan_addr,
+                result_addr,
+                a.device,
+            )
+        log.info('HTTP on http://%s:%d (/health says "loading" until the workers are ready)', a.host, a.port)
         http_task = asyncio.create_task(http.serve(sockets=http_socks))
         submit_task = asyncio.create_task(submit.serve())
         start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.startup_timeout))
@@ -659,5 +817,8 @@ def _http_end(http_task: asyncio.Task, http: uvicorn.Server) -> int:
 
 
 def run(a: ServeArgs) -> int:
-    logging.basicConfig(level="DEBUG" if a.log_level == "trace" else a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level="DEBUG" if a.log_level == "trace" else a.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     return asyncio.run(serve(a))

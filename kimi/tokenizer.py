@@ -22,8 +22,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import jinja2
 import tiktoken
@@ -121,8 +122,13 @@ def _split_for_encode(text: str) -> Iterator[str]:
         yield chunk[last:]
 
 
-def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+    ensure_ascii: bool = False,
+) -> str:
     """Jinja2 `tojson` filter on top of `json.dumps` (no HTML escaping, non-ASCII kept unless asked)."""
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
@@ -138,9 +144,16 @@ class KimiTokenizer:
     `vocab_size` counts both (163842), which is more than the model's 163840 embedding rows.
     """
 
-    def __init__(self, mergeable_ranks: dict[bytes, int], added_tokens: dict[int, tuple[str, bool]],
-                 chat_template: str | None = None, bos_token: str | None = "[BOS]",
-                 eos_token: str | None = "[EOS]", pad_token: str | None = "[PAD]", name: str = "kimi"):
+    def __init__(
+        self,
+        mergeable_ranks: dict[bytes, int],
+        added_tokens: dict[int, tuple[str, bool]],
+        chat_template: str | None = None,
+        bos_token: str | None = "[BOS]",
+        eos_token: str | None = "[EOS]",
+        pad_token: str | None = "[PAD]",
+        name: str = "kimi",
+    ):
         """Args:
             mergeable_ranks: ordinary token bytes -> rank (the tiktoken.model contents).
             added_tokens: id -> (content, special flag) for the named special tokens; ids in
@@ -149,8 +162,9 @@ class KimiTokenizer:
             bos_token / eos_token / pad_token: token strings (looked up among the special tokens).
         Raises ValueError if a special id collides with an ordinary rank or a content string repeats.
         """
-        specials: dict[int, tuple[str, bool]] = {i: (_reserved_name(i), True)
-                                                 for i in range(SPECIAL_ID_START, SPECIAL_ID_END)}
+        specials: dict[int, tuple[str, bool]] = {
+            i: (_reserved_name(i), True) for i in range(SPECIAL_ID_START, SPECIAL_ID_END)
+        }
         specials.update(added_tokens)
         n_ordinary = len(mergeable_ranks)
         for i in specials:
@@ -159,8 +173,9 @@ class KimiTokenizer:
         special_map = {content: i for i, (content, _) in specials.items()}
         if len(special_map) != len(specials):
             raise ValueError("special token contents are not unique")
-        self._enc = tiktoken.Encoding(name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
-                                      special_tokens=special_map)
+        self._enc = tiktoken.Encoding(
+            name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=special_map
+        )
         size = max(max(mergeable_ranks.values(), default=-1), max(specials)) + 1
         table: list[bytes | None] = [None] * size
         for b, r in mergeable_ranks.items():
@@ -181,7 +196,7 @@ class KimiTokenizer:
 
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "KimiTokenizer":
+    def from_dir(cls, path: str | os.PathLike) -> KimiTokenizer:
         """Load a tokenizer from a checkpoint (or tokenizer) folder.
 
         Reads `tiktoken.model`; special tokens and bos/eos/pad strings from `tokenizer_config.json` (or, when
@@ -202,8 +217,9 @@ class KimiTokenizer:
                 break
         else:
             raise FileNotFoundError(f"neither tokenizer_config.json nor special_tokens.json in {path}")
-        added = {int(k): (v["content"], bool(v.get("special", True)))
-                 for k, v in cfg.get("added_tokens_decoder", {}).items()}
+        added = {
+            int(k): (v["content"], bool(v.get("special", True))) for k, v in cfg.get("added_tokens_decoder", {}).items()
+        }
         template = None
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
@@ -217,8 +233,14 @@ class KimiTokenizer:
             v = cfg.get(key, default)
             return v.get("content") if isinstance(v, dict) else v
 
-        return cls(_load_ranks(model_file), added, template, bos_token=token_str("bos_token", "[BOS]"),
-                   eos_token=token_str("eos_token", "[EOS]"), pad_token=token_str("pad_token", "[PAD]"))
+        return cls(
+            _load_ranks(model_file),
+            added,
+            template,
+            bos_token=token_str("bos_token", "[BOS]"),
+            eos_token=token_str("eos_token", "[EOS]"),
+            pad_token=token_str("pad_token", "[PAD]"),
+        )
 
     # ------------------------------------------------------------------------------------------ vocabulary
     @property
@@ -298,8 +320,13 @@ class KimiTokenizer:
         self._chat_template = source
         self._compiled_template = None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """Render the checkpoint's chat template (KIMI.md section 5) to a prompt string.
 
         Encode the result with `encode(prompt, allow_special=True)`. The template sees `messages`, `tools`,
@@ -312,8 +339,9 @@ class KimiTokenizer:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template.jinja or chat_template)")
         if self._compiled_template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             try:
@@ -321,10 +349,14 @@ class KimiTokenizer:
             except jinja2.TemplateError as e:
                 raise ValueError(f"chat template does not compile: {e}") from e
         try:
-            return self._compiled_template.render(messages=messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  bos_token=self.bos_token, eos_token=self.eos_token,
-                                                  **template_kwargs)
+            return self._compiled_template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **template_kwargs,
+            )
         except Exception as e:  # a template is user-driven code: any failure is a bad request
             raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from e
 
@@ -393,8 +425,13 @@ def write_tokenizer_files(dst_dir: str | os.PathLike, source_dir: str | os.PathL
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
     template = _TEMPLATE_PATH.read_text(encoding="utf-8")
-    meta: dict[str, Any] = {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
-                            "unk_token": "[UNK]", "model_max_length": 262144}
+    meta: dict[str, Any] = {
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "model_max_length": 262144,
+    }
     if source_dir is not None:
         src = Path(source_dir)
         shutil.copyfile(src / "tiktoken.model", dst / "tiktoken.model")
@@ -403,8 +440,7 @@ def write_tokenizer_files(dst_dir: str | os.PathLike, source_dir: str | os.PathL
             cfg_file = src / "tokenizer_config.json"
         with open(cfg_file, encoding="utf-8") as f:
             cfg = json.load(f)
-        named = {int(k): (v["content"], bool(v.get("special", True)))
-                 for k, v in cfg["added_tokens_decoder"].items()}
+        named = {int(k): (v["content"], bool(v.get("special", True))) for k, v in cfg["added_tokens_decoder"].items()}
         meta.update({k: cfg[k] for k in meta if k in cfg})
     else:
         lines = [base64.b64encode(b) + b" " + str(r).encode() for b, r in _builtin_ranks().items()]
@@ -413,8 +449,14 @@ def write_tokenizer_files(dst_dir: str | os.PathLike, source_dir: str | os.PathL
     decoder = {}
     for i in range(SPECIAL_ID_START, SPECIAL_ID_END):
         content, special = named.get(i, (_reserved_name(i), True))
-        decoder[str(i)] = {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
-                           "single_word": False, "special": special}
+        decoder[str(i)] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
     config = {"added_tokens_decoder": decoder, **meta, "chat_template": template}
     with open(dst / "tokenizer_config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)

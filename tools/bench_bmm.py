@@ -36,10 +36,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_gemm import MIN_POOL_BYTES, Timer  # noqa: E402  (tools/, this script's folder)
-from bench_util import copy_bandwidth, require_gpu  # noqa: E402
-from kimi.ops import bmm_small_m as bmm  # noqa: E402
-from kimi.ops import linear_small_m as lsm  # noqa: E402
+from bench_gemm import MIN_POOL_BYTES, Timer
+from bench_util import copy_bandwidth, require_gpu
+
+from kimi.ops import bmm_small_m as bmm
+from kimi.ops import linear_small_m as lsm
 
 H, NOPE, ROPE, L, V = 64, 128, 64, 512, 128
 
@@ -90,10 +91,22 @@ def main() -> int:
         o = torch.empty(M, H * V, device=dev, dtype=bf)
         o3 = o.view(M, H, V)
         shapes = {
-            "uk": dict(x=q_nope, w=w_uk_t, out=None, N=L, K=NOPE,
-                       old=lambda i: torch.bmm(q_nope.transpose(0, 1), w_uk_old[i]).transpose(0, 1).contiguous()),
-            "uv": dict(x=o_lat, w=w_uv, out=o3, N=V, K=L,
-                       old=lambda i: torch.bmm(o_lat.transpose(0, 1), w_uv_t_old[i]).transpose(0, 1).reshape(M, H * V)),
+            "uk": dict(
+                x=q_nope,
+                w=w_uk_t,
+                out=None,
+                N=L,
+                K=NOPE,
+                old=lambda i: torch.bmm(q_nope.transpose(0, 1), w_uk_old[i]).transpose(0, 1).contiguous(),
+            ),
+            "uv": dict(
+                x=o_lat,
+                w=w_uv,
+                out=o3,
+                N=V,
+                K=L,
+                old=lambda i: torch.bmm(o_lat.transpose(0, 1), w_uv_t_old[i]).transpose(0, 1).reshape(M, H * V),
+            ),
         }
         for name, sp in shapes.items():
             x, ws, out, N, K = sp["x"], sp["w"], sp["out"], sp["N"], sp["K"]
@@ -102,8 +115,9 @@ def main() -> int:
             tol = 1e-2 * ref.abs().max().item()
             row = {"shape": name, "M": M, "H": H, "N": N, "K": K, "bytes": nbytes, "copies_of_W": copies}
             row["torch_old_us"] = timer.time_calls([lambda i=i: sp["old"](i % copies) for i in range(reps)])
-            row["torch_us"] = timer.time_calls([lambda i=i: bmm.bmm_heads_ref(x, ws[i % copies], out)
-                                                for i in range(reps)])
+            row["torch_us"] = timer.time_calls(
+                [lambda i=i: bmm.bmm_heads_ref(x, ws[i % copies], out) for i in range(reps)]
+            )
             trit = []
             for cfg in bmm.CONFIGS:
                 rec = {"config": bmm.table_entry(cfg), "name": cfg.name()}
@@ -114,11 +128,15 @@ def main() -> int:
                     if not err <= tol:
                         rec["error"] = f"max err {err:.3g} > tol {tol:.3g}"
                     else:
-                        t = timer.time_calls([lambda i=i, c=cfg: bmm.bmm_small_m(x, ws[i % copies], out=out, config=c)
-                                              for i in range(reps)])
+                        t = timer.time_calls(
+                            [
+                                lambda i=i, c=cfg: bmm.bmm_small_m(x, ws[i % copies], out=out, config=c)
+                                for i in range(reps)
+                            ]
+                        )
                         rec["us"] = t
                         rec["GBps"] = nbytes / t / 1e3
-                except Exception as e:  # noqa: BLE001 - a failing config is data
+                except Exception as e:
                     rec["error"] = repr(e)[:300]
                 trit.append(rec)
             ok = [r for r in trit if "us" in r]
@@ -130,20 +148,35 @@ def main() -> int:
             if row["chosen"]:
                 table[f"{lsm.m_bucket(M)},{N},{K}"] = best["config"]
             results.append(row)
-            log(f"{name} M={M:2d}: torch_old {row['torch_old_us']:6.1f} us, torch {row['torch_us']:6.1f} us, "
-                + (f"triton {best['us']:6.1f} us ({best['GBps']:.0f} GB/s, {best['GBps'] / copy_gbps:.0%} of copy) "
-                   f"{best['name']}{' *' if row['chosen'] else ''}" if best else "triton: none")
-                + f"  [{time.time() - t0:.0f}s]")
-    report = {"gpu": gpu, "versions": {"torch": torch.__version__, "triton": triton.__version__},
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "copy": copy,
-              "method": "CUDA-graph replay of R calls cycling >= 512 MiB of W copies, median of samples, per call; "
-                        "GB/s = (W + x + y bytes) / time", "margin": args.margin, "results": results, "table": table,
-              "wall_s": round(time.time() - t0, 1)}
+            log(
+                f"{name} M={M:2d}: torch_old {row['torch_old_us']:6.1f} us, torch {row['torch_us']:6.1f} us, "
+                + (
+                    f"triton {best['us']:6.1f} us ({best['GBps']:.0f} GB/s, {best['GBps'] / copy_gbps:.0%} of copy) "
+                    f"{best['name']}{' *' if row['chosen'] else ''}"
+                    if best
+                    else "triton: none"
+                )
+                + f"  [{time.time() - t0:.0f}s]"
+            )
+    report = {
+        "gpu": gpu,
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "copy": copy,
+        "method": "CUDA-graph replay of R calls cycling >= 512 MiB of W copies, median of samples, per call; "
+        "GB/s = (W + x + y bytes) / time",
+        "margin": args.margin,
+        "results": results,
+        "table": table,
+        "wall_s": round(time.time() - t0, 1),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
     with open(table_path, "w") as f:
-        json.dump({"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1)
+        json.dump(
+            {"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1
+        )
     log(f"wrote {out_path} and {table_path} ({len(table)} entries) in {time.time() - t0:.0f} s")
     return 0
 

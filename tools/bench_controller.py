@@ -102,20 +102,62 @@ def run_one(n: int, args, model_dir: str, tmp: str, async_scheduling: bool = Tru
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         server += ["-m", "cProfile", "-o", os.path.join(args.profile, f"controller_{n}.prof")]
-    server += ["-m", "kimi", "serve", "--model", model_dir, "--port", str(port), "--served-model-name", "fake",
-               "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", "--fake-workers",
-               "--max-num-seqs", str(n), "--max-waiting", str(4 * n), "--token-budget", str(max(2048, 2 * n)),
-               "--num-blocks", str(num_blocks), "--max-model-len", str(total_tokens + 64), "--log-level", "warning"]
+    server += [
+        "-m",
+        "kimi",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "fake",
+        "--zmq-submit-addr",
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        "--fake-workers",
+        "--max-num-seqs",
+        str(n),
+        "--max-waiting",
+        str(4 * n),
+        "--token-budget",
+        str(max(2048, 2 * n)),
+        "--num-blocks",
+        str(num_blocks),
+        "--max-model-len",
+        str(total_tokens + 64),
+        "--log-level",
+        "warning",
+    ]
     if not async_scheduling:
         server.append("--no-async-scheduling")
-    client = [sys.executable, os.path.join(REPO, "tools", "bench_serving.py"), "--base-url", f"http://127.0.0.1:{port}",
-              "--model", "fake", "--num-requests", str(args.requests or n), "--concurrency", str(n), "--input-len", str(args.input_len),
-              "--output-len", str(args.output_len), "--no-progress", "--out", os.path.join(tmp, f"client_{n}{tag}.json")]
+    client = [
+        sys.executable,
+        os.path.join(REPO, "tools", "bench_serving.py"),
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        "fake",
+        "--num-requests",
+        str(args.requests or n),
+        "--concurrency",
+        str(n),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--no-progress",
+        "--out",
+        os.path.join(tmp, f"client_{n}{tag}.json"),
+    ]
     if args.pin:
         server = ["taskset", "-c", "0"] + server
         client = ["taskset", "-c", "1"] + client
-    env = dict(os.environ, KIMI_FAKE_STATS=stats_path, KIMI_FAKE_STEP_MS=str(args.step_ms),
-               KIMI_FAKE_TOKEN_US=str(args.token_us))
+    env = dict(
+        os.environ,
+        KIMI_FAKE_STATS=stats_path,
+        KIMI_FAKE_STEP_MS=str(args.step_ms),
+        KIMI_FAKE_TOKEN_US=str(args.token_us),
+    )
     log = open(os.path.join(tmp, f"server_{n}{tag}.log"), "w")
     proc = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -134,9 +176,20 @@ def run_one(n: int, args, model_dir: str, tmp: str, async_scheduling: bool = Tru
         spy = None
         if args.py_spy:
             os.makedirs(args.py_spy, exist_ok=True)
-            spy_cmd = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(proc.pid),
-                       "--format", "raw", "--rate", "250", "--nonblocking", "--gil",
-                       "-o", os.path.join(args.py_spy, f"controller_{n}.txt")]
+            spy_cmd = [
+                os.path.join(os.path.dirname(sys.executable), "py-spy"),
+                "record",
+                "--pid",
+                str(proc.pid),
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "--nonblocking",
+                "--gil",
+                "-o",
+                os.path.join(args.py_spy, f"controller_{n}.txt"),
+            ]
             if args.pin:
                 spy_cmd = ["taskset", "-c", "1"] + spy_cmd
             spy = subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -172,14 +225,18 @@ def run_one(n: int, args, model_dir: str, tmp: str, async_scheduling: bool = Tru
         "total_steps": len(steps),
         "steps_per_s": 1.0 / statistics.median(period) if period else None,
         "output_tok_per_s_steady": n / statistics.median(period) if period else None,
-        "controller_ms": {q: 1000 * pct(gap, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} if gap else None,
+        "controller_ms": {q: 1000 * pct(gap, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+        if gap
+        else None,
         "controller_us_per_request": 1e6 * statistics.median(gap) / n if gap else None,
         "worker_ms_p50": 1000 * statistics.median(work) if work else None,
         "controller_cpu_s": sum(cpu1) - sum(cpu0),
         "controller_cpu_user_s": cpu1[0] - cpu0[0],
         "controller_cpu_sys_s": cpu1[1] - cpu0[1],
         "controller_cpu_us_per_output_token": 1e6 * (sum(cpu1) - sum(cpu0)) / max(1, rep["total_output_tokens"]),
-        "client": {k: rep[k] for k in ("completed", "errors", "wall_s", "output_token_throughput_per_s", "ttft", "tpot", "itl")},
+        "client": {
+            k: rep[k] for k in ("completed", "errors", "wall_s", "output_token_throughput_per_s", "ttft", "tpot", "itl")
+        },
         "loadavg_before_after": [load_before, load_after],
     }
     if args.profile:
@@ -221,17 +278,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
     p.add_argument("--profile", default=None, help="run the controller under cProfile; .prof files go here")
-    p.add_argument("--py-spy", default=None, metavar="DIR",
-                   help="sample the controller with py-spy (from the venv, on CPU 1) during the client run; "
-                        "collapsed stacks go to DIR/controller_N.txt (--summarise-py-spy FILE prints the top functions)")
-    p.add_argument("--summarise-py-spy", default=None, metavar="FILE", help="print a --py-spy file's top functions and exit")
-    p.add_argument("--step-ms", type=float, default=0.0,
-                   help="each fake step lasts at least this long ($KIMI_FAKE_STEP_MS: a stand-in for the GPU's time)")
-    p.add_argument("--token-us", type=float, default=0.0,
-                   help="and this many microseconds more per token computed ($KIMI_FAKE_TOKEN_US: prefill is longer)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per run (default: N, all started at once); more than N keeps N running, "
-                        "a new one starting as one ends")
+    p.add_argument(
+        "--py-spy",
+        default=None,
+        metavar="DIR",
+        help="sample the controller with py-spy (from the venv, on CPU 1) during the client run; "
+        "collapsed stacks go to DIR/controller_N.txt (--summarise-py-spy FILE prints the top functions)",
+    )
+    p.add_argument(
+        "--summarise-py-spy", default=None, metavar="FILE", help="print a --py-spy file's top functions and exit"
+    )
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="each fake step lasts at least this long ($KIMI_FAKE_STEP_MS: a stand-in for the GPU's time)",
+    )
+    p.add_argument(
+        "--token-us",
+        type=float,
+        default=0.0,
+        help="and this many microseconds more per token computed ($KIMI_FAKE_TOKEN_US: prefill is longer)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per run (default: N, all started at once); more than N keeps N running, "
+        "a new one starting as one ends",
+    )
     p.add_argument("--async-scheduling", default="on", help="on, off, or on,off: each N runs once per mode per round")
     p.add_argument("--rounds", type=int, default=1, help="repeat the modes, interleaved, this many times")
     p.add_argument("--out", default=None)
@@ -250,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                     r["round"] = k
                     print(json.dumps(r), flush=True)
                     results.append(r)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
     doc = {
         "benchmark": "tools/bench_controller.py",
         "date": datetime.date.today().isoformat(),
@@ -260,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "pinning": "server (controller + fake worker) on CPU 0, load generator on CPU 1" if args.pin else "none",
             "workload": f"N concurrent streaming /v1/completions, {args.input_len} random prompt token ids, "
-                        f"{args.output_len} output tokens, ignore_eos, greedy; kimi serve --fake-workers",
+            f"{args.output_len} output tokens, ignore_eos, greedy; kimi serve --fake-workers",
             "fake_step_ms": args.step_ms,
             "fake_token_us": args.token_us,
             "requests": args.requests,

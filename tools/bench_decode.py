@@ -53,8 +53,8 @@ import statistics
 import time
 
 import torch
-
 from bench_util import GpuSampler, copy_bandwidth, event_times, require_gpu, run_header  # tools/, this script's folder
+
 from kimi.ops.moe import DispatchResult
 from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
 from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
@@ -67,8 +67,19 @@ class EmulatedEP:
     per_layer: draw the routing one layer at a time (prefill chunks: the whole [layers, T, E] score tensor would not
     fit next to the model; other random draws than the default's, which the decode measurements used)."""
 
-    def __init__(self, num_moe_layers: int, batch: int, ep_size: int, hidden: int, n_experts: int, top_k: int,
-                 scale: float, device, seed: int = 0, per_layer: bool = False):
+    def __init__(
+        self,
+        num_moe_layers: int,
+        batch: int,
+        ep_size: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        scale: float,
+        device,
+        seed: int = 0,
+        per_layer: bool = False,
+    ):
         g = torch.Generator(device=device).manual_seed(seed)
         T = batch * ep_size
         self.batch, self.n_layers, self.i = batch, num_moe_layers, 0
@@ -139,8 +150,9 @@ def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
 
     if on:
         _saved["humming_table"] = moe_backend._humming_table
-        moe_backend._humming_table = (moe_backend.load_humming_table(table_file) if table_file
-                                      else {"gpu": None, "entries": {}})
+        moe_backend._humming_table = (
+            moe_backend.load_humming_table(table_file) if table_file else {"gpu": None, "entries": {}}
+        )
     else:
         moe_backend._humming_table = _saved["humming_table"]
     _drop_humming_schedules(m)
@@ -174,8 +186,9 @@ def _drop_humming_schedules(m) -> None:
 def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
     """humming_*_pdl variants: the expert GEMMs' schedules as chosen (table or heuristic) with `use_pdl` forced
     (None: left as chosen) for gate_up / down; on=False restores. The experts' cached schedules are dropped."""
-    _humming_override(m, None if gate_up is None else {"use_pdl": gate_up},
-                      None if down is None else {"use_pdl": down}, on)
+    _humming_override(
+        m, None if gate_up is None else {"use_pdl": gate_up}, None if down is None else {"use_pdl": down}, on
+    )
 
 
 def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> None:
@@ -249,8 +262,11 @@ def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
     and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
     from kimi.ops.moe_backend import CudaInt4Experts, HummingInt4Experts
 
-    return [(x, attr) if isinstance(x, CudaInt4Experts) else (x, "cuda_" + attr) for x in _experts_impls(m)
-            if isinstance(x, CudaInt4Experts) or (isinstance(x, HummingInt4Experts) and x.cuda_max_pairs)]
+    return [
+        (x, attr) if isinstance(x, CudaInt4Experts) else (x, "cuda_" + attr)
+        for x in _experts_impls(m)
+        if isinstance(x, CudaInt4Experts) or (isinstance(x, HummingInt4Experts) and x.cuda_max_pairs)
+    ]
 
 
 def _moe_cuda_config(m, attr: str, cfg) -> None:
@@ -265,8 +281,9 @@ def _auto_max_pairs(m, n: int | None) -> None:
     at every size); n None restores the saved ones."""
     from kimi.ops.moe_backend import HummingInt4Experts
 
-    _set_attrs("cuda_max_pairs", [(x, "cuda_max_pairs") for x in _experts_impls(m) if isinstance(x, HummingInt4Experts)],
-               n)
+    _set_attrs(
+        "cuda_max_pairs", [(x, "cuda_max_pairs") for x in _experts_impls(m) if isinstance(x, HummingInt4Experts)], n
+    )
 
 
 def _glu_unfused(m, on: bool) -> None:
@@ -323,79 +340,165 @@ def _small_tuned(on: bool) -> None:
 
 
 AB_VARIANTS = {
-    "prologue_off": ("RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
-                     lambda m: _set_prologue(False), lambda m: _set_prologue(True)),
-    "prologue_on": ("RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m prologues)",
-                    lambda m: _set_prologue(True), lambda m: _set_prologue(False)),
-    "attn_triton": ("decode attention by kimi.ops.mla_decode_triton (no host plan)",
-                    lambda m: _set_attn(m, "triton"), lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
-    "one_graph": ("the whole forward as ONE CUDA graph (no layer segments)",
-                  lambda m: _set_lpg(0), lambda m: _LPG.__setitem__(0, _saved["lpg"])),
-    **{f"lpg{n}": (f"CUDA graph segments of {n} layers", lambda m, n=n: _set_lpg(n),
-                   lambda m: _LPG.__setitem__(0, _saved["lpg"])) for n in (1, 2, 4, 16)},
-    "pdl_off": ("no programmatic dependent launch (kimi.ops.pdl.ENABLED False)",
-                lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", False),
-                lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED")),
-    "pdl_on": ("programmatic dependent launch for kimi's Triton kernels (kimi.ops.pdl.ENABLED True)",
-               lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", True),
-               lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED")),
-    **{f"pf{n}": (f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
-                  lambda m, n=n: _set_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES", n),
-                  lambda m: _restore_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES")) for n in (0, 1, 4, 8)},
-    "small_tuned": ("small-kernel launch parameters picked by tools/sweep_small_kernels.py ($KIMI_SMALL_PICKS)",
-                    lambda m: _small_tuned(True), lambda m: _small_tuned(False)),
-    "qb_cublas": ("q_b GEMM at 17-64 rows by cuBLAS (no PDL for it) instead of linear_small_m",
-                  lambda m: _qb_cublas(True), lambda m: _qb_cublas(False)),
-    "humming_table_alt": ("the humming schedule table of $KIMI_HUMMING_TABLE_ALT",
-                          lambda m: _swap_humming_table(m, os.environ["KIMI_HUMMING_TABLE_ALT"], True),
-                          lambda m: _swap_humming_table(m, None, False)),
-    "humming_table_off": ("humming's heuristic schedules for the expert GEMMs (no measured table)",
-                          lambda m: _swap_humming_table(m, None, True), lambda m: _swap_humming_table(m, None, False)),
-    "humming_down_pdl": ("humming's down GEMM launched with PDL (use_pdl True; gate_up as chosen)",
-                         lambda m: _humming_pdl(m, None, True, True), lambda m: _humming_pdl(m, None, None, False)),
-    "humming_gate_up_nopdl": ("humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
-                              lambda m: _humming_pdl(m, False, None, True), lambda m: _humming_pdl(m, None, None, False)),
-    **{f"humming_{gemm}_alt{i}": (f"humming's {gemm} GEMM with the fields of entry {i} of the JSON list "
-                                  f"$KIMI_HUMMING_{gemm.upper()}_ALTS over its chosen schedule",
-                                  lambda m, gemm=gemm, i=i: _humming_alt(m, gemm, i),
-                                  lambda m: _humming_override(m, None, None, False))
-       for gemm in ("gate_up", "down") for i in range(8)},
-    **{f"control{i}": ("the headline again, nothing changed (the spread between identical captures: the A/B noise)",
-                       lambda m: None, lambda m: None) for i in range(4)},
-    "plan_ahead_off": ("FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
-                       lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
-                       lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD")),
-    **{f"moe_cuda_pdl_{mode}": (f"--moe-backend cuda: its GEMMs' PDL mode {mode} (kimi.ops.moe_int4_cuda.PDL_MODE)",
-                                lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
-                                lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"))
-       for mode in ("early", "late", "off")},
-    **{f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (f"kimi's CUDA {gemm} GEMM (--moe-backend cuda / auto) with launch "
-                                                f"configuration {c}",
-                                                lambda m, attr=attr, c=c: _moe_cuda_config(m, attr, c),
-                                                lambda m, attr=attr: _moe_cuda_config(m, attr, None))
-       for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
-       for c in MOE_CUDA_CONFIGS},
-    "down_waits_first": ("kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
-                         "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
-                         lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
-                         lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN")),
-    "pads_token0": ("kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling "
-                    "them (kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
-                    lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS", False),
-                    lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS")),
-    "auto_humming": ("--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same "
-                     "weights)", lambda m: _auto_max_pairs(m, 0), lambda m: _auto_max_pairs(m, None)),
-    "glu_unfused": ("kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
-                    "(same weights)", lambda m: _glu_unfused(m, True), lambda m: _glu_unfused(m, False)),
-    "pages_restaged": ("every row's page ids written on the host and copied each step, in the same row layout "
-                       "(run_host keeping none on the device)",
-                       lambda m: _pages_restaged(True), lambda m: _pages_restaged(False)),
-    **{f"lsm_alt{i}": (f"linear_small_m's table entry named by entry {i} of the JSON list $KIMI_LSM_ALTS "
-                       '({"key": "bucket,N,K", "config": {SmallMConfig fields}}) in place of the table\'s',
-                       lambda m, i=i: _lsm_alt(i, True), lambda m, i=i: _lsm_alt(i, False)) for i in range(8)},
-    "attn_flashinfer": ("decode attention by FlashInfer's MLA (fa3, host plan per step)",
-                        lambda m: _set_attn(m, "flashinfer"),
-                        lambda m: setattr(m, "decode_attention", _saved["decode_attention"])),
+    "prologue_off": (
+        "RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
+        lambda m: _set_prologue(False),
+        lambda m: _set_prologue(True),
+    ),
+    "prologue_on": (
+        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m prologues)",
+        lambda m: _set_prologue(True),
+        lambda m: _set_prologue(False),
+    ),
+    "attn_triton": (
+        "decode attention by kimi.ops.mla_decode_triton (no host plan)",
+        lambda m: _set_attn(m, "triton"),
+        lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
+    ),
+    "one_graph": (
+        "the whole forward as ONE CUDA graph (no layer segments)",
+        lambda m: _set_lpg(0),
+        lambda m: _LPG.__setitem__(0, _saved["lpg"]),
+    ),
+    **{
+        f"lpg{n}": (
+            f"CUDA graph segments of {n} layers",
+            lambda m, n=n: _set_lpg(n),
+            lambda m: _LPG.__setitem__(0, _saved["lpg"]),
+        )
+        for n in (1, 2, 4, 16)
+    },
+    "pdl_off": (
+        "no programmatic dependent launch (kimi.ops.pdl.ENABLED False)",
+        lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", False),
+        lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED"),
+    ),
+    "pdl_on": (
+        "programmatic dependent launch for kimi's Triton kernels (kimi.ops.pdl.ENABLED True)",
+        lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", True),
+        lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED"),
+    ),
+    **{
+        f"pf{n}": (
+            f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
+            lambda m, n=n: _set_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES", n),
+            lambda m: _restore_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES"),
+        )
+        for n in (0, 1, 4, 8)
+    },
+    "small_tuned": (
+        "small-kernel launch parameters picked by tools/sweep_small_kernels.py ($KIMI_SMALL_PICKS)",
+        lambda m: _small_tuned(True),
+        lambda m: _small_tuned(False),
+    ),
+    "qb_cublas": (
+        "q_b GEMM at 17-64 rows by cuBLAS (no PDL for it) instead of linear_small_m",
+        lambda m: _qb_cublas(True),
+        lambda m: _qb_cublas(False),
+    ),
+    "humming_table_alt": (
+        "the humming schedule table of $KIMI_HUMMING_TABLE_ALT",
+        lambda m: _swap_humming_table(m, os.environ["KIMI_HUMMING_TABLE_ALT"], True),
+        lambda m: _swap_humming_table(m, None, False),
+    ),
+    "humming_table_off": (
+        "humming's heuristic schedules for the expert GEMMs (no measured table)",
+        lambda m: _swap_humming_table(m, None, True),
+        lambda m: _swap_humming_table(m, None, False),
+    ),
+    "humming_down_pdl": (
+        "humming's down GEMM launched with PDL (use_pdl True; gate_up as chosen)",
+        lambda m: _humming_pdl(m, None, True, True),
+        lambda m: _humming_pdl(m, None, None, False),
+    ),
+    "humming_gate_up_nopdl": (
+        "humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
+        lambda m: _humming_pdl(m, False, None, True),
+        lambda m: _humming_pdl(m, None, None, False),
+    ),
+    **{
+        f"humming_{gemm}_alt{i}": (
+            f"humming's {gemm} GEMM with the fields of entry {i} of the JSON list "
+            f"$KIMI_HUMMING_{gemm.upper()}_ALTS over its chosen schedule",
+            lambda m, gemm=gemm, i=i: _humming_alt(m, gemm, i),
+            lambda m: _humming_override(m, None, None, False),
+        )
+        for gemm in ("gate_up", "down")
+        for i in range(8)
+    },
+    **{
+        f"control{i}": (
+            "the headline again, nothing changed (the spread between identical captures: the A/B noise)",
+            lambda m: None,
+            lambda m: None,
+        )
+        for i in range(4)
+    },
+    "plan_ahead_off": (
+        "FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
+        lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
+        lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD"),
+    ),
+    **{
+        f"moe_cuda_pdl_{mode}": (
+            f"--moe-backend cuda: its GEMMs' PDL mode {mode} (kimi.ops.moe_int4_cuda.PDL_MODE)",
+            lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
+            lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"),
+        )
+        for mode in ("early", "late", "off")
+    },
+    **{
+        f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (
+            f"kimi's CUDA {gemm} GEMM (--moe-backend cuda / auto) with launch configuration {c}",
+            lambda m, attr=attr, c=c: _moe_cuda_config(m, attr, c),
+            lambda m, attr=attr: _moe_cuda_config(m, attr, None),
+        )
+        for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
+        for c in MOE_CUDA_CONFIGS
+    },
+    "down_waits_first": (
+        "kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
+        "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
+        lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
+        lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN"),
+    ),
+    "pads_token0": (
+        "kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling "
+        "them (kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
+        lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS", False),
+        lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS"),
+    ),
+    "auto_humming": (
+        "--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same weights)",
+        lambda m: _auto_max_pairs(m, 0),
+        lambda m: _auto_max_pairs(m, None),
+    ),
+    "glu_unfused": (
+        "kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
+        "(same weights)",
+        lambda m: _glu_unfused(m, True),
+        lambda m: _glu_unfused(m, False),
+    ),
+    "pages_restaged": (
+        "every row's page ids written on the host and copied each step, in the same row layout "
+        "(run_host keeping none on the device)",
+        lambda m: _pages_restaged(True),
+        lambda m: _pages_restaged(False),
+    ),
+    **{
+        f"lsm_alt{i}": (
+            f"linear_small_m's table entry named by entry {i} of the JSON list $KIMI_LSM_ALTS "
+            '({"key": "bucket,N,K", "config": {SmallMConfig fields}}) in place of the table\'s',
+            lambda m, i=i: _lsm_alt(i, True),
+            lambda m, i=i: _lsm_alt(i, False),
+        )
+        for i in range(8)
+    },
+    "attn_flashinfer": (
+        "decode attention by FlashInfer's MLA (fa3, host plan per step)",
+        lambda m: _set_attn(m, "flashinfer"),
+        lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
+    ),
 }
 
 
@@ -412,7 +515,7 @@ class DecodeSteps:
         self.first = ctx - _WARMUP - iters // 2
         self.batch, self.i = batch, 0
 
-    def restart(self) -> "DecodeSteps":
+    def restart(self) -> DecodeSteps:
         self.i = 0
         return self
 
@@ -481,8 +584,13 @@ def host_profile(call, steps, iters: int) -> str:
 def pooled(runs: list[dict]) -> dict:
     """time_ms results of several rounds -> one: median / min / max over all samples, the rounds' medians."""
     ts = [t for r in runs for t in r["samples"]]
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": len(ts),
-            "round_medians_ms": [round(r["median_ms"], 3) for r in runs]}
+    return {
+        "median_ms": statistics.median(ts),
+        "min_ms": min(ts),
+        "max_ms": max(ts),
+        "iters": len(ts),
+        "round_medians_ms": [round(r["median_ms"], 3) for r in runs],
+    }
 
 
 _CLASSES = [
@@ -525,9 +633,11 @@ def breakdown(step, steps: int = 3) -> dict:
         c = next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
         cls[c] = cls.get(c, 0.0) + t
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
-    return {"by_class_ms": {k: round(v, 4) for k, v in sorted(cls.items(), key=lambda kv: -kv[1])},
-            "kernel_sum_ms": round(sum(per_kernel.values()), 4),
-            "top_kernels_ms": [(n[:120], round(t, 4)) for n, t in top]}
+    return {
+        "by_class_ms": {k: round(v, 4) for k, v in sorted(cls.items(), key=lambda kv: -kv[1])},
+        "kernel_sum_ms": round(sum(per_kernel.values()), 4),
+        "top_kernels_ms": [(n[:120], round(t, 4)) for n, t in top],
+    }
 
 
 def pipelined_timeline(launch, restart, steps: int = 8, warmup: int = 3, top: int = 12) -> dict:
@@ -551,8 +661,11 @@ def pipelined_timeline(launch, restart, steps: int = 8, warmup: int = 3, top: in
             prev, ev_prev = cur, ev
         ev_prev.synchronize()
         torch.cuda.synchronize()
-    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    evs = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
     if not evs:
         return {"error": "no CUDA activity recorded"}
     gaps, end, end_name, idle = [], evs[0][1], evs[0][2], 0.0
@@ -564,9 +677,13 @@ def pipelined_timeline(launch, restart, steps: int = 8, warmup: int = 3, top: in
             end, end_name = e0, name
     gaps.sort(reverse=True)
     span = end - evs[0][0]
-    return {"steps": steps, "span_per_step_ms": round(span / steps / 1000.0, 4),
-            "idle_per_step_ms": round(idle / steps / 1000.0, 4), "activities": len(evs),
-            "top_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
+    return {
+        "steps": steps,
+        "span_per_step_ms": round(span / steps / 1000.0, 4),
+        "idle_per_step_ms": round(idle / steps / 1000.0, 4),
+        "activities": len(evs),
+        "top_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]],
+    }
 
 
 def _short(name: str) -> str:
@@ -601,8 +718,11 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
         for _ in range(reps):
             replay()
             torch.cuda.synchronize()
-    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    evs = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
 
     def cls(name: str) -> str:
         return next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
@@ -637,8 +757,17 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
         span_by: dict[str, float] = {}
         for _, _, name, push in _pushes(run, run[0][0]):
             span_by[_short(name)] = span_by.get(_short(name), 0.0) + push
-        stats.append({"span_us": end - run[0][0], "busy_us": busy, "idle_us": idle, "kernels": len(run),
-                      "trans": trans, "by_cls": by_cls, "span_by": span_by})
+        stats.append(
+            {
+                "span_us": end - run[0][0],
+                "busy_us": busy,
+                "idle_us": idle,
+                "kernels": len(run),
+                "trans": trans,
+                "by_cls": by_cls,
+                "span_by": span_by,
+            }
+        )
     if not stats:
         return {"error": "no CUDA kernel events recorded"}
     med = lambda k: round(statistics.median(x[k] for x in stats) / 1000.0, 4)  # noqa: E731
@@ -656,48 +785,89 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     layer = []
     if len(mla) > 31:
         t0 = run[mla[30]][0]
-        layer = [(_short(name), round(s0 - t0, 1), round(e0 - t0, 1), round(push, 1))
-                 for s0, e0, name, push in _pushes(run[mla[30] : mla[31]], max(e[1] for e in run[: mla[30]]))]
-    return {"replays": len(stats), "span_ms": med("span_us"), "busy_ms": med("busy_us"), "idle_ms": med("idle_us"),
-            "span_ms_by_kernel": med_by("span_by", 25), "layer_30_us": layer,
-            "kernels": int(statistics.median(x["kernels"] for x in stats)),
-            "kernel_ms_by_class": med_by("by_cls"), "idle_ms_by_transition": med_by("trans", 15)}
+        layer = [
+            (_short(name), round(s0 - t0, 1), round(e0 - t0, 1), round(push, 1))
+            for s0, e0, name, push in _pushes(run[mla[30] : mla[31]], max(e[1] for e in run[: mla[30]]))
+        ]
+    return {
+        "replays": len(stats),
+        "span_ms": med("span_us"),
+        "busy_ms": med("busy_us"),
+        "idle_ms": med("idle_us"),
+        "span_ms_by_kernel": med_by("span_by", 25),
+        "layer_30_us": layer,
+        "kernels": int(statistics.median(x["kernels"] for x in stats)),
+        "kernel_ms_by_class": med_by("by_cls"),
+        "idle_ms_by_transition": med_by("trans", 15),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="kimi-k2.6")
-    ap.add_argument("--quant", default=None, choices=["fp8"],
-                    help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming) "
-                         "with --fp8-dense, its FP8 dense projections too")
-    ap.add_argument("--fp8-dense", default="off", choices=["off", "triton", "humming"],
-                    help="--quant fp8: the dense projections kept FP8 on kimi's Triton kernel / humming, or bf16 (off)")
+    ap.add_argument(
+        "--quant",
+        default=None,
+        choices=["fp8"],
+        help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming) "
+        "with --fp8-dense, its FP8 dense projections too",
+    )
+    ap.add_argument(
+        "--fp8-dense",
+        default="off",
+        choices=["off", "triton", "humming"],
+        help="--quant fp8: the dense projections kept FP8 on kimi's Triton kernel / humming, or bf16 (off)",
+    )
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--ep-size", type=int, default=8)
-    ap.add_argument("--moe-backend", default="auto", choices=MOE_BACKENDS,
-                    help="routed-expert backend, as kimi serve's flag (default auto)")
+    ap.add_argument(
+        "--moe-backend",
+        default="auto",
+        choices=MOE_BACKENDS,
+        help="routed-expert backend, as kimi serve's flag (default auto)",
+    )
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--pipelined-timeline", action="store_true",
-                    help="also the GPU activity of the pipelined steps (pipelined_timeline): idle time and largest gaps")
-    ap.add_argument("--graph-timeline", action="store_true",
-                    help="also a kernel timeline of the headline graph's replays (graph_timeline) at the end of each "
-                         "case, then of each A/B variant's graph; a profiler session slows later graph launches in "
-                         "the process: use one --seqs value")
-    ap.add_argument("--overlap", default="on,off",
-                    help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
-                         "others are timed as graph replays too (A/B in one run)")
-    ap.add_argument("--attn", default=None, choices=["triton", "flashinfer"],
-                    help="decode attention of the headline (default: the model's decode_attention)")
-    ap.add_argument("--ab", default="prologue_on",
-                    help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
-                         + ", ".join(AB_VARIANTS))
-    ap.add_argument("--layers-per-graph", type=int, default=None,
-                    help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
-                         "0: one graph)")
+    ap.add_argument(
+        "--pipelined-timeline",
+        action="store_true",
+        help="also the GPU activity of the pipelined steps (pipelined_timeline): idle time and largest gaps",
+    )
+    ap.add_argument(
+        "--graph-timeline",
+        action="store_true",
+        help="also a kernel timeline of the headline graph's replays (graph_timeline) at the end of each "
+        "case, then of each A/B variant's graph; a profiler session slows later graph launches in "
+        "the process: use one --seqs value",
+    )
+    ap.add_argument(
+        "--overlap",
+        default="on,off",
+        help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
+        "others are timed as graph replays too (A/B in one run)",
+    )
+    ap.add_argument(
+        "--attn",
+        default=None,
+        choices=["triton", "flashinfer"],
+        help="decode attention of the headline (default: the model's decode_attention)",
+    )
+    ap.add_argument(
+        "--ab",
+        default="prologue_on",
+        help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
+        + ", ".join(AB_VARIANTS),
+    )
+    ap.add_argument(
+        "--layers-per-graph",
+        type=int,
+        default=None,
+        help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
+        "0: one graph)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the graph variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -724,11 +894,29 @@ def main() -> None:
     seqs = [int(s) for s in args.seqs.split(",")]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     t0 = time.time()
-    a2a = EmulatedEP(n_moe, seqs[0], args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                     cfg.routed_scaling_factor, dev)
-    model = load_gpu_model("", cfg, ep_rank=0, ep_size=args.ep_size, a2a=a2a, dtype=torch.bfloat16, device=dev,
-                           moe_backend=args.moe_backend, load_format="dummy", max_positions=args.ctx + 64,
-                           fp8_dense=args.fp8_dense)
+    a2a = EmulatedEP(
+        n_moe,
+        seqs[0],
+        args.ep_size,
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        cfg.routed_scaling_factor,
+        dev,
+    )
+    model = load_gpu_model(
+        "",
+        cfg,
+        ep_rank=0,
+        ep_size=args.ep_size,
+        a2a=a2a,
+        dtype=torch.bfloat16,
+        device=dev,
+        moe_backend=args.moe_backend,
+        load_format="dummy",
+        max_positions=args.ctx + 64,
+        fp8_dense=args.fp8_dense,
+    )
     torch.cuda.synchronize()
     res["load_s"] = time.time() - t0
     if args.attn:
@@ -741,25 +929,35 @@ def main() -> None:
     res["experts_impl"] = impl
     # the MoE layers whose decode-sized steps run kimi's CUDA GEMM (--moe-backend cuda: all; auto: those where it can
     # run, the rest humming's, with the reason logged at load)
-    res["cuda_gemm_layers"] = {"cuda": len(_cuda_gemm_impls(model, "config13")),
-                               "moe_layers": len(_experts_impls(model))}
+    res["cuda_gemm_layers"] = {
+        "cuda": len(_cuda_gemm_impls(model, "config13")),
+        "moe_layers": len(_experts_impls(model)),
+    }
     fp8_layers = [m for m in model.modules() if type(m).__name__ == "Fp8Linear"]
     # FP8 dense layers kept FP8 (--quant fp8 with --fp8-dense triton / humming), and how many of them run on humming
-    res["dense_fp8_layers"] = {"layers": len(fp8_layers), "humming": sum(m.hl is not None for m in fp8_layers),
-                               "fp8_dense": args.fp8_dense}
-    from kimi.ops import moe_backend
-
+    res["dense_fp8_layers"] = {
+        "layers": len(fp8_layers),
+        "humming": sum(m.hl is not None for m in fp8_layers),
+        "fp8_dense": args.fp8_dense,
+    }
     from kimi.ops import linear_small_m as _lsm
+    from kimi.ops import moe_backend
     from kimi.ops import pdl as _pdl
 
     res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
     ht = moe_backend.load_humming_table()
-    res["humming_table"] = {"path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
-                            "gpu": ht["gpu"], "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()}}
+    res["humming_table"] = {
+        "path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
+        "gpu": ht["gpu"],
+        "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()},
+    }
     res["mem_allocated_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    print(f"model built in {res['load_s']:.1f} s ({impl}; kimi's CUDA GEMM at decode sizes in "
-          f"{res['cuda_gemm_layers']['cuda']} of {res['cuda_gemm_layers']['moe_layers']} MoE layers); "
-          f"mem {res['mem_allocated_after_load_GiB']:.1f} GiB", flush=True)
+    print(
+        f"model built in {res['load_s']:.1f} s ({impl}; kimi's CUDA GEMM at decode sizes in "
+        f"{res['cuda_gemm_layers']['cuda']} of {res['cuda_gemm_layers']['moe_layers']} MoE layers); "
+        f"mem {res['mem_allocated_after_load_GiB']:.1f} GiB",
+        flush=True,
+    )
     # the SM clock / power of every graph timing (each variant's "gpu_clock"): the H200 runs the step at its power cap
     sampler = GpuSampler(dev).start()
 
@@ -770,14 +968,19 @@ def main() -> None:
         if t.dtype != torch.int32 or t.dim() != 1:  # humming 'locks' buffer excluded
             expert_bytes += t.numel() * t.element_size()
     expert_bytes //= n_local
-    dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                      if not p.is_meta and ".experts_impl." not in n and n != "embed_tokens")
+    dense_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if not p.is_meta and ".experts_impl." not in n and n != "embed_tokens"
+    )
     res["bytes_per_expert"] = expert_bytes
     res["dense_weight_bytes"] = dense_bytes
 
     bs = args.block_size
     if args.ctx <= _WARMUP + args.iters // 2:
-        raise SystemExit(f"--ctx must exceed {_WARMUP + args.iters // 2} (the timed steps start below ctx; DecodeSteps)")
+        raise SystemExit(
+            f"--ctx must exceed {_WARMUP + args.iters // 2} (the timed steps start below ctx; DecodeSteps)"
+        )
     nblk_seq = -(-(args.ctx + args.iters) // bs)  # room for the longest context a timing reaches
     max_b = max(seqs)
     kv = allocate_kv_caches(cfg, max_b * nblk_seq + 1, bs, torch.bfloat16, dev)
@@ -789,8 +992,17 @@ def main() -> None:
     # graph launches in the same process: bench/decode_2026-11-29_v9.json vs v10)
     for B in seqs:
         case: dict = {"local_seqs": B, "moe_tokens": B * args.ep_size, "ctx": args.ctx}
-        ep = EmulatedEP(n_moe, B, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                        cfg.routed_scaling_factor, dev, seed=B)
+        ep = EmulatedEP(
+            n_moe,
+            B,
+            args.ep_size,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            dev,
+            seed=B,
+        )
         for l in model.layers:
             if hasattr(l.mlp, "a2a"):
                 l.mlp.a2a = ep
@@ -801,8 +1013,13 @@ def main() -> None:
         # weight streams of a GEMM in 8- / 16-row align blocks (one per block): > experts hit where an expert has more
         # rows than a block (the floor counts each expert once)
         case["row_blocks_mean"] = {bm: statistics.mean(ep.row_blocks(0, n_local, bm)) for bm in (8, 16)}
-        case.update(experts_hit_mean=sum(hit) / len(hit), expert_bytes=sum(hit) * expert_bytes,
-                    dense_bytes=dense_bytes, kv_bytes=kv_bytes, total_bytes=wbytes + kv_bytes)
+        case.update(
+            experts_hit_mean=sum(hit) / len(hit),
+            expert_bytes=sum(hit) * expert_bytes,
+            dense_bytes=dense_bytes,
+            kv_bytes=kv_bytes,
+            total_bytes=wbytes + kv_bytes,
+        )
         case["floor_ms"] = floor = (wbytes + kv_bytes) / (bw * 1e9) * 1e3
         perm = (torch.randperm(max_b * nblk_seq, generator=torch.Generator().manual_seed(B)) + 1).tolist()
         tabs = [perm[i * nblk_seq : (i + 1) * nblk_seq] for i in range(B)]
@@ -843,7 +1060,9 @@ def main() -> None:
             nop = lambda m: None  # noqa: E731
             variants = []  # (key, what, runner, apply, undo); the headline last
             for mode in modes[1:]:
-                variants.append((f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on"), nop, nop))
+                variants.append(
+                    (f"graph_overlap_{mode}", f"shared expert overlap {mode}", capture(mode == "on"), nop, nop)
+                )
             for name in [a for a in args.ab.split(",") if a]:
                 what, apply, undo = AB_VARIANTS[name]
                 apply(model)
@@ -860,7 +1079,7 @@ def main() -> None:
             for rnd in range(args.rounds):
                 # the order rotates by one variant each round, so no variant (the headline included) is always
                 # timed last: session 17 saw the last-timed graph run up to 0.3 ms slower than an identical capture
-                for k, _, r, apply, undo in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
+                for k, _, r, apply, undo in variants[rnd % len(variants) :] + variants[: rnd % len(variants)]:
                     model.graphs = r
                     apply(model)
                     steps.restart()
@@ -871,7 +1090,9 @@ def main() -> None:
             for k, what, *_ in variants:
                 case[k] = pooled(runs[k]) | ({"what": what} if what else {}) | {"gpu_clock": sampler.windows(spans[k])}
                 if k != "graph":
-                    print(f"B={B}: {k} {case[k]['median_ms']:.2f} ms (rounds {case[k]['round_medians_ms']})", flush=True)
+                    print(
+                        f"B={B}: {k} {case[k]['median_ms']:.2f} ms (rounds {case[k]['round_medians_ms']})", flush=True
+                    )
             model.graphs = runner
             if not args.graph_timeline:  # (else kept for their timelines, after the headline's measurements)
                 variants.clear()  # the A/B variants' graphs are freed with their runners
@@ -884,6 +1105,7 @@ def main() -> None:
             gm = case["graph"]["median_ms"]
             case["graph_over_floor"] = gm / floor
             case["eager_over_floor"] = case["eager"]["median_ms"] / floor
+
             # host time of the whole decode call (plan ahead included) and of its part before the replay's launch
             # (slots, pinned copy, FlashInfer schedule, graph launch): the GPU idles through the latter when each
             # step waits for the last, as a server's steps do
@@ -924,9 +1146,11 @@ def main() -> None:
             case["graph_pipelined"] = time_pipelined(launch, args.iters, _WARMUP, restart=steps.restart)
             case["graph_pipelined"]["gpu_clock"] = sampler.windows([(t_0, time.time())])
             case["graph_pipelined_over_floor"] = case["graph_pipelined"]["median_ms"] / floor
-            print(f"B={B}: graph pipelined {case['graph_pipelined']['median_ms']:.2f} ms per step "
-                  f"({case['graph_pipelined_over_floor']:.3f}x floor; rounds {case['graph_pipelined']['round_ms']})",
-                  flush=True)
+            print(
+                f"B={B}: graph pipelined {case['graph_pipelined']['median_ms']:.2f} ms per step "
+                f"({case['graph_pipelined_over_floor']:.3f}x floor; rounds {case['graph_pipelined']['round_ms']})",
+                flush=True,
+            )
             if args.pipelined_timeline:
                 case["pipelined_timeline"] = pipelined_timeline(launch, steps.restart)
                 print(f"B={B}: pipelined timeline {json.dumps(case['pipelined_timeline'])}", flush=True)
@@ -940,17 +1164,25 @@ def main() -> None:
                     apply(model)
                     case[k]["graph_timeline"] = graph_timeline(lambda r=r: r.replay(B))
                     undo(model)
-                    print(f"B={B}: {k} timeline layer_30_us {json.dumps(case[k]['graph_timeline'].get('layer_30_us'))}",
-                          flush=True)
+                    print(
+                        f"B={B}: {k} timeline layer_30_us {json.dumps(case[k]['graph_timeline'].get('layer_30_us'))}",
+                        flush=True,
+                    )
                 model.graphs = runner
                 variants.clear()
                 torch.cuda.empty_cache()
             clock = case["graph"]["gpu_clock"]
-            print(f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
-                  f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}"
-                  + (f"; SM clock median {clock['sm_clock_MHz']['median']:.0f} MHz, power-capped "
-                     f"{100 * clock['power_capped_fraction']:.0f}% of {clock['samples']} samples" if clock else ""),
-                  flush=True)
+            print(
+                f"B={B}: graph {gm:.2f} ms = {gm / floor:.2f}x floor {floor:.2f} ms (replay only "
+                f"{case['graph_forward_only']['median_ms']:.2f} ms); experts hit/layer {case['experts_hit_mean']:.1f}"
+                + (
+                    f"; SM clock median {clock['sm_clock_MHz']['median']:.0f} MHz, power-capped "
+                    f"{100 * clock['power_capped_fraction']:.0f}% of {clock['samples']} samples"
+                    if clock
+                    else ""
+                ),
+                flush=True,
+            )
             model.graphs = None
             del runner
             torch.cuda.empty_cache()
@@ -973,17 +1205,19 @@ def main() -> None:
                 install()
                 try:
                     case["breakdown_eager"] = breakdown(step)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     case["breakdown_error"] = repr(e)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
     print("\nB_local  moe_tok  floor_ms  eager_ms  graph_ms  graph/floor  replay_ms  pipelined_ms  pipelined/floor")
     for c in res["cases"]:
-        print(f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
-              f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
-              f"  {c['graph_pipelined']['median_ms']:12.2f}  {c['graph_pipelined_over_floor']:15.3f}"
-              f"  host {c['host_until_replay_us']:.0f} us before the replay ({c['host_forward_decode_us']:.0f} us in all)")
+        print(
+            f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
+            f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
+            f"  {c['graph_pipelined']['median_ms']:12.2f}  {c['graph_pipelined_over_floor']:15.3f}"
+            f"  host {c['host_until_replay_us']:.0f} us before the replay ({c['host_forward_decode_us']:.0f} us in all)"
+        )
         print(f"    host marks (us from the call's start) {c['host_marks_us']}")
         if "breakdown_eager" in c:
             print("   ", json.dumps(c["breakdown_eager"]["by_class_ms"]))

@@ -37,34 +37,43 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gemm import SHAPES as BF16_SHAPES, Timer  # noqa: E402
-from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu  # noqa: E402
-from kimi.ops import linear_fp8 as lf  # noqa: E402
+from bench_gemm import SHAPES as BF16_SHAPES
+from bench_gemm import Timer
+from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu
+
+from kimi.ops import linear_fp8 as lf
 
 # bench_gemm's K2 shapes without lm_head (never FP8); q_a + kv_a as the FP8 merge holds it: 1536 + 576 rows
 # zero-padded to whole 128-row tiles (Fp8Linear.cat)
 SHAPES = {name: (2176, 7168) if name == "qkv_a" else nk for name, nk in BF16_SHAPES.items() if name != "lm_head"}
-CONFIGS = ("n64_w4_st3_u2_s0,n64_w4_st4_u2_s0,n64_w4_st3_u4_s0,n128_w4_st3_u2_s0,n128_w8_st3_u2_s0,n128_w4_st2_u4_s0,"
-           "n64_w4_st3_u2_s1,n128_w4_st3_u2_s1,n32_w4_st4_u4_s0,n64_w4_st3_u1_s0")
+CONFIGS = (
+    "n64_w4_st3_u2_s0,n64_w4_st4_u2_s0,n64_w4_st3_u4_s0,n128_w4_st3_u2_s0,n128_w8_st3_u2_s0,n128_w4_st2_u4_s0,"
+    "n64_w4_st3_u2_s1,n128_w4_st3_u2_s1,n32_w4_st4_u4_s0,n64_w4_st3_u1_s0"
+)
 MIN_POOL_BYTES = 512 << 20
 
 
 def parse_config(name: str) -> lf.Fp8Config:
     """n{block_n}_w{num_warps}_st{num_stages}_u{k_unroll}_s{split_k} (Fp8Config.name)."""
     n, w, st, u, sp = name.split("_")
-    return lf.Fp8Config(block_n=int(n[1:]), num_warps=int(w[1:]), num_stages=int(st[2:]), k_unroll=int(u[1:]),
-                        split_k=int(sp[1:]))
+    return lf.Fp8Config(
+        block_n=int(n[1:]), num_warps=int(w[1:]), num_stages=int(st[2:]), k_unroll=int(u[1:]), split_k=int(sp[1:])
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", default="1,8,16,32,64", help="decode row counts (each a table bucket)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
-    ap.add_argument("--configs", default=CONFIGS, help="comma-separated n{block_n}_w{warps}_st{stages}_u{unroll}_s{split}")
+    ap.add_argument(
+        "--configs", default=CONFIGS, help="comma-separated n{block_n}_w{warps}_st{stages}_u{unroll}_s{split}"
+    )
     ap.add_argument("--prefill-ms", default="2048,8192", help="prefill row counts: humming vs dequantise + F.linear")
     ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement (at least 50)")
     ap.add_argument("--out", default=None, help="JSON of every measurement (default $OUT or bench/, dated)")
-    ap.add_argument("--table-out", default=None, help="the dispatch table (default $OUT or bench/linear_fp8_table.json)")
+    ap.add_argument(
+        "--table-out", default=None, help="the dispatch table (default $OUT or bench/linear_fp8_table.json)"
+    )
     args = ap.parse_args()
     require_gpu(ap.prog, None if lf.HAS_TRITON else ImportError("Triton is not installed"))
     import triton
@@ -83,8 +92,11 @@ def main() -> int:
     timer = Timer(max(50, args.samples))
     copy = copy_bandwidth(2 << 30)
     copy_gbps = copy["GBps_read_plus_write"]
-    print(f"{gpu}  SMs={props.multi_processor_count}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"copy {copy_gbps:.0f} GB/s", flush=True)
+    print(
+        f"{gpu}  SMs={props.multi_processor_count}  torch {torch.__version__}  triton {triton.__version__}  "
+        f"copy {copy_gbps:.0f} GB/s",
+        flush=True,
+    )
     results, table, fatal = [], {}, None
     torch.manual_seed(0)
     try:
@@ -122,15 +134,20 @@ def main() -> int:
                         if err <= tol:
                             row[f"{key}_us"] = timer.time_calls([lambda i=i: hum[i % copies](x) for i in range(r)])
                             row[f"{key}_GBps"] = row["fp8_bytes"] / row[f"{key}_us"] / 1e3
-                    except Exception as e:  # noqa: BLE001 - recorded
+                    except Exception as e:
                         row[f"{key}_error"] = repr(e)[:300]
                 lf.HUMMING_STREAM_K = False
                 if M > lf.MAX_M:  # prefill: humming vs dequantise + F.linear
-                    row["dequant_us"] = timer.time_calls([lambda i=i: lf.fp8_linear_ref(x, *qs[i % copies]) for i in range(r)])
+                    row["dequant_us"] = timer.time_calls(
+                        [lambda i=i: lf.fp8_linear_ref(x, *qs[i % copies]) for i in range(r)]
+                    )
                     results.append(row)
-                    print(f"{name:15s} {N:6d}x{K:5d} M={M:5d} dequant+F.linear {row['dequant_us']:8.1f} us | humming "
-                          f"{row.get('humming_us', float('nan')):8.1f} us (Stream-K {row.get('humming_streamk_us', float('nan')):8.1f})"
-                          f"  [{time.time() - t0:.0f}s]", flush=True)
+                    print(
+                        f"{name:15s} {N:6d}x{K:5d} M={M:5d} dequant+F.linear {row['dequant_us']:8.1f} us | humming "
+                        f"{row.get('humming_us', float('nan')):8.1f} us (Stream-K {row.get('humming_streamk_us', float('nan')):8.1f})"
+                        f"  [{time.time() - t0:.0f}s]",
+                        flush=True,
+                    )
                     continue
                 us_b = timer.time_calls([lambda i=i: lsm.linear(x, wb[i % b_copies]) for i in range(reps)])
                 row["bf16_us"] = us_b
@@ -146,11 +163,15 @@ def main() -> int:
                         if not err <= tol:
                             rec["error"] = f"max err {err:.3g} > tol {tol:.3g}"
                         else:
-                            t = timer.time_calls([lambda i=i, c=cfg: lf.fp8_linear_small_m(x, *qs[i % copies], config=c)
-                                                  for i in range(reps)])
+                            t = timer.time_calls(
+                                [
+                                    lambda i=i, c=cfg: lf.fp8_linear_small_m(x, *qs[i % copies], config=c)
+                                    for i in range(reps)
+                                ]
+                            )
                             rec["us"] = t
                             rec["GBps"] = row["fp8_bytes"] / t / 1e3
-                    except Exception as e:  # noqa: BLE001 - a config failing (e.g. shared memory) is data
+                    except Exception as e:
                         rec["error"] = repr(e)[:300]
                     recs.append(rec)
                 ok = [r for r in recs if "us" in r]
@@ -160,31 +181,48 @@ def main() -> int:
                 if best:
                     table[f"{M},{N},{K}"] = best["config"]
                 results.append(row)
-                bt = (f"{best['us']:7.1f} us {best['GBps']:5.0f} GB/s {best['GBps'] / copy_gbps:5.1%} {best['name']:14s}"
-                      f" x{us_b / best['us']:.2f} vs bf16" if best else "none")
-                hu = "".join(f" | {k} {row[k + '_us']:7.1f} us {row[k + '_GBps'] / copy_gbps:5.1%} x{us_b / row[k + '_us']:.2f}"
-                             if k + "_us" in row else f" | {k} {row.get(k + '_error', 'n/a')}"
-                             for k in ("humming", "humming_streamk"))
-                print(f"{name:15s} {N:6d}x{K:5d} M={M:2d} bf16 {us_b:7.1f} us {row['bf16_GBps']:5.0f} GB/s | fp8 {bt}{hu}"
-                      f"  [{time.time() - t0:.0f}s]", flush=True)
+                bt = (
+                    f"{best['us']:7.1f} us {best['GBps']:5.0f} GB/s {best['GBps'] / copy_gbps:5.1%} {best['name']:14s}"
+                    f" x{us_b / best['us']:.2f} vs bf16"
+                    if best
+                    else "none"
+                )
+                hu = "".join(
+                    f" | {k} {row[k + '_us']:7.1f} us {row[k + '_GBps'] / copy_gbps:5.1%} x{us_b / row[k + '_us']:.2f}"
+                    if k + "_us" in row
+                    else f" | {k} {row.get(k + '_error', 'n/a')}"
+                    for k in ("humming", "humming_streamk")
+                )
+                print(
+                    f"{name:15s} {N:6d}x{K:5d} M={M:2d} bf16 {us_b:7.1f} us {row['bf16_GBps']:5.0f} GB/s | fp8 {bt}{hu}"
+                    f"  [{time.time() - t0:.0f}s]",
+                    flush=True,
+                )
             qs = wb = hum = None
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - keep what was measured
+    except Exception:
         fatal = traceback.format_exc()
         print(f"FATAL, writing partial results:\n{fatal}", flush=True)
     report = {
         "what": "FP8 block-weight small-M GEMM (kimi.ops.linear_fp8) vs kimi's bf16 GEMM on the dequantised weight",
-        "gpu": gpu, "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "copy": copy,
+        "gpu": gpu,
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "copy": copy,
         "method": "CUDA-graph replay of R calls cycling >= 512 MiB of weight copies, median of samples, per call; "
-                  "GB/s = (weight + scales + x + y bytes) / time",
-        "samples": timer.samples, "results": results, "wall_s": round(time.time() - t0, 1), "fatal": fatal,
+        "GB/s = (weight + scales + x + y bytes) / time",
+        "samples": timer.samples,
+        "results": results,
+        "wall_s": round(time.time() - t0, 1),
+        "fatal": fatal,
     }
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
     with open(table_path, "w") as f:
-        json.dump({"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1)
+        json.dump(
+            {"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1
+        )
     print(f"wrote {out_path} and {table_path}", flush=True)
     return 1 if fatal else 0
 

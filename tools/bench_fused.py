@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import require_gpu  # noqa: E402
+from bench_util import require_gpu
 
 # GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
 _MISSING = None
@@ -50,7 +50,7 @@ try:
 except ImportError as _e:
     _MISSING = _e
 
-    class triton:  # noqa: N801 - stands in for the module so that the @triton.jit definitions below still load
+    class triton:
         jit = staticmethod(lambda fn: fn)
 
     tl = None
@@ -67,8 +67,24 @@ def log(*a):
 
 
 @triton.jit
-def _old_rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr, h_ptr, h_stride, y_ptr,
-                        y_stride, D, eps, HAS_D1: tl.constexpr, HAS_D2: tl.constexpr, BLOCK: tl.constexpr):
+def _old_rmsnorm_kernel(
+    x_ptr,
+    x_stride,
+    d1_ptr,
+    d1_stride,
+    d2_ptr,
+    d2_stride,
+    w_ptr,
+    h_ptr,
+    h_stride,
+    y_ptr,
+    y_stride,
+    D,
+    eps,
+    HAS_D1: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -90,8 +106,25 @@ def old_rms_norm(x, weight, eps):
     T, D = x.shape
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     B = triton.next_power_of_2(D)
-    _old_rmsnorm_kernel[(T,)](x, x.stride(0), x, 0, x, 0, weight, y, 0, y, y.stride(0), D, eps,
-                              HAS_D1=False, HAS_D2=False, BLOCK=B, num_warps=fused._nw(B))
+    _old_rmsnorm_kernel[(T,)](
+        x,
+        x.stride(0),
+        x,
+        0,
+        x,
+        0,
+        weight,
+        y,
+        0,
+        y,
+        y.stride(0),
+        D,
+        eps,
+        HAS_D1=False,
+        HAS_D2=False,
+        BLOCK=B,
+        num_warps=fused._nw(B),
+    )
     return y
 
 
@@ -101,16 +134,50 @@ def old_add_rms_norm(h, d1, d2, weight, eps):
     y = torch.empty((T, D), dtype=h.dtype, device=h.device)
     B = triton.next_power_of_2(D)
     d2_ = d1 if d2 is None else d2
-    _old_rmsnorm_kernel[(T,)](h, h.stride(0), d1, d1.stride(0), d2_, d2_.stride(0), weight, h_new, h_new.stride(0),
-                              y, y.stride(0), D, eps, HAS_D1=True, HAS_D2=d2 is not None, BLOCK=B,
-                              num_warps=fused._nw(B))
+    _old_rmsnorm_kernel[(T,)](
+        h,
+        h.stride(0),
+        d1,
+        d1.stride(0),
+        d2_,
+        d2_.stride(0),
+        weight,
+        h_new,
+        h_new.stride(0),
+        y,
+        y.stride(0),
+        D,
+        eps,
+        HAS_D1=True,
+        HAS_D2=d2 is not None,
+        BLOCK=B,
+        num_warps=fused._nw(B),
+    )
     return h_new, y
 
 
 @triton.jit
-def _old_mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                            cache_ptr, qpe_ptr, H, N, L, eps, R2: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_L: tl.constexpr):
+def _old_mla_rope_kv_kernel(
+    q_ptr,
+    q_s0,
+    q_s1,
+    kva_ptr,
+    kva_s0,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    cache_ptr,
+    qpe_ptr,
+    H,
+    N,
+    L,
+    eps,
+    R2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -128,10 +195,14 @@ def _old_mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, 
     tl.store(cache_ptr + slot * row_stride + lo, ckv.to(cache_ptr.dtype.element_ty), mask=lm)
     k0 = tl.load(kva_ptr + t * kva_s0 + L + 2 * i).to(tl.float32)
     k1 = tl.load(kva_ptr + t * kva_s0 + L + 2 * i + 1).to(tl.float32)
-    tl.store(cache_ptr + slot * row_stride + L + 2 * i,
-             (k0 * c - k1 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
-    tl.store(cache_ptr + slot * row_stride + L + 2 * i + 1,
-             (k1 * c + k0 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
+    tl.store(
+        cache_ptr + slot * row_stride + L + 2 * i,
+        (k0 * c - k1 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty),
+    )
+    tl.store(
+        cache_ptr + slot * row_stride + L + 2 * i + 1,
+        (k1 * c + k0 * s).to(kva_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty),
+    )
     hh = tl.arange(0, BLOCK_H)
     hm = hh < H
     qb = q_ptr + t * q_s0 + hh[:, None] * q_s1 + N + 2 * i[None, :]
@@ -147,9 +218,28 @@ def old_mla_rope_kv_write(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
     R = NR - nope
     L = kv_a.shape[1] - R
     qpe = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
-    _old_mla_rope_kv_kernel[(T,)](q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache,
-                                  positions, slot_mapping, kv_cache, qpe, H, nope, L, eps, R2=R // 2,
-                                  BLOCK_H=triton.next_power_of_2(H), BLOCK_L=triton.next_power_of_2(L), num_warps=4)
+    _old_mla_rope_kv_kernel[(T,)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv_a,
+        kv_a.stride(0),
+        kv_norm_w,
+        cos_cache,
+        sin_cache,
+        positions,
+        slot_mapping,
+        kv_cache,
+        qpe,
+        H,
+        nope,
+        L,
+        eps,
+        R2=R // 2,
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_L=triton.next_power_of_2(L),
+        num_warps=4,
+    )
     return qpe
 
 
@@ -157,7 +247,7 @@ def old_mla_rope_kv_write(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 
 
 if _MISSING is None:
-    from bench_gemm import Timer  # noqa: E402  (tools/, this script's folder: CUDA-graph replay timer)
+    from bench_gemm import Timer
 
 
 # ---- cases ---------------------------------------------------------------------------------------------------
@@ -166,8 +256,12 @@ if _MISSING is None:
 def rmsnorm_cases(reps):
     g = torch.Generator(device=DEV).manual_seed(0)
     for T in (8, 32):
-        for name, D, nd in (("rms_norm", 7168, 0), ("rms_norm", 1536, 0), ("add_rms_norm d1", 7168, 1),
-                            ("add_rms_norm d1+d2", 7168, 2)):
+        for name, D, nd in (
+            ("rms_norm", 7168, 0),
+            ("rms_norm", 1536, 0),
+            ("add_rms_norm d1", 7168, 1),
+            ("add_rms_norm d1+d2", 7168, 2),
+        ):
             h, d1, d2 = (torch.randn(T, D, generator=g, device=DEV).to(BF16) for _ in range(3))
             w = (torch.rand(D, generator=g, device=DEV) + 0.5).to(BF16)
             if nd == 0:
@@ -179,8 +273,7 @@ def rmsnorm_cases(reps):
                 new = lambda h=h, d1=d1, dd=dd, w=w: fused.add_rms_norm(h, d1, dd, w, 1e-6)  # noqa: E731
                 old = lambda h=h, d1=d1, dd=dd, w=w: old_add_rms_norm(h, d1, dd, w, 1e-6)  # noqa: E731
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(new(), old()))
-            yield {"op": name, "shape": f"T={T} D={D}", "check": f"max|new-old|={diff:g}"}, \
-                [new] * reps, [old] * reps
+            yield {"op": name, "shape": f"T={T} D={D}", "check": f"max|new-old|={diff:g}"}, [new] * reps, [old] * reps
 
 
 def mla_cases(reps):
@@ -198,10 +291,14 @@ def mla_cases(reps):
         c_old = torch.zeros_like(c_new)
         new = lambda: fused.mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c_new, N)  # noqa: E731
         old = lambda: old_mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c_old, N)  # noqa: E731
-        diff = max((new().float() - old().float()).abs().max().item(),
-                   (c_new.float() - c_old.float()).abs().max().item())
-        yield {"op": "mla_rope_kv_write", "shape": f"T={T} H={H} R={R} L={L}", "check": f"max|new-old|={diff:g}"}, \
-            [new] * reps, [old] * reps
+        diff = max(
+            (new().float() - old().float()).abs().max().item(), (c_new.float() - c_old.float()).abs().max().item()
+        )
+        yield (
+            {"op": "mla_rope_kv_write", "shape": f"T={T} H={H} R={R} L={L}", "check": f"max|new-old|={diff:g}"},
+            [new] * reps,
+            [old] * reps,
+        )
 
 
 def router_cases(reps):
@@ -226,12 +323,18 @@ def align_cases(reps):
         for bm in (16, 64):
             a = fused._moe_align(ids, 48, 96, bm, True)
             b = fused._moe_align(ids, 48, 96, bm, False)
-            ok = (torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-                  and torch.equal(a[0].view(-1, bm).sort(1).values, b[0].view(-1, bm).sort(1).values))
+            ok = (
+                torch.equal(a[1], b[1])
+                and torch.equal(a[2], b[2])
+                and torch.equal(a[0].view(-1, bm).sort(1).values, b[0].view(-1, bm).sort(1).values)
+            )
             new = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, True)  # noqa: E731
             old = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, False)  # noqa: E731
-            yield {"op": "moe_align_fused", "shape": f"T={T} P={T * 8} bm={bm}", "check": f"same={ok}"}, \
-                [new] * reps, [old] * reps
+            yield (
+                {"op": "moe_align_fused", "shape": f"T={T} P={T * 8} bm={bm}", "check": f"same={ok}"},
+                [new] * reps,
+                [old] * reps,
+            )
 
 
 def _router_decode_launch(x, gw, bias):
@@ -258,8 +361,11 @@ def router_large_cases(reps):
         check = f"rows with equal id sets={same:.4f} max|dw|={(a[0] - b[0]).abs().max().item():g}"
         new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
         old = [lambda gw=gw, x=x: _router_decode_launch(x, gw, bias) for gw in gates]
-        yield {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check}, \
-            new, old
+        yield (
+            {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check},
+            new,
+            old,
+        )
 
 
 def align_grid_cases(reps):
@@ -271,24 +377,44 @@ def align_grid_cases(reps):
             a = fused._moe_align(ids, 48, 96, bm, None, grid=True)
             b = fused._moe_align(ids, 48, 96, bm, False, grid=False)
             key = a[1].repeat_interleave(bm).long() * (T * 8 + 1)  # pairs per expert as sets (atomic slots)
-            ok = (torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-                  and torch.equal((key + a[0].long()).sort().values, (key + b[0].long()).sort().values))
+            ok = (
+                torch.equal(a[1], b[1])
+                and torch.equal(a[2], b[2])
+                and torch.equal((key + a[0].long()).sort().values, (key + b[0].long()).sort().values)
+            )
             new = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, None, grid=True)  # noqa: E731
             old = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, False, grid=False)  # noqa: E731
-            yield {"op": "moe_align_fused grid vs two kernels", "shape": f"T={T} P={T * 8} bm={bm}",
-                   "check": f"same={ok}"}, [new] * reps, [old] * reps
+            yield (
+                {
+                    "op": "moe_align_fused grid vs two kernels",
+                    "shape": f"T={T} P={T * 8} bm={bm}",
+                    "check": f"same={ok}",
+                },
+                [new] * reps,
+                [old] * reps,
+            )
 
 
 def silu_cases(reps):
     g = torch.Generator(device=DEV).manual_seed(4)
     for M in (8, 512):
         y = torch.randn(M, 4096, generator=g, device=DEV).to(BF16)
-        yield {"op": "silu_mul (unchanged)", "shape": f"M={M} I=2048", "check": ""}, \
-            [lambda y=y: fused.silu_mul(y, 2048)] * reps, None
+        yield (
+            {"op": "silu_mul (unchanged)", "shape": f"M={M} I=2048", "check": ""},
+            [lambda y=y: fused.silu_mul(y, 2048)] * reps,
+            None,
+        )
 
 
-CASES = {"rmsnorm": rmsnorm_cases, "mla": mla_cases, "router": router_cases, "align": align_cases,
-         "align_grid": align_grid_cases, "router_large": router_large_cases, "silu": silu_cases}
+CASES = {
+    "rmsnorm": rmsnorm_cases,
+    "mla": mla_cases,
+    "router": router_cases,
+    "align": align_cases,
+    "align_grid": align_grid_cases,
+    "router_large": router_large_cases,
+    "silu": silu_cases,
+}
 
 
 def main():
@@ -303,12 +429,19 @@ def main():
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
     out_path = args.out or os.path.join(out_dir, f"bench_fused_{date}.json")
     gpu = torch.cuda.get_device_name()
-    report = {"gpu": gpu, "date": date, "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                                                     "cuda": torch.version.cuda},
-              "reps": args.reps, "samples": args.samples,
-              "thresholds": {"ROUTER_FUSED_MAX_T": fused.ROUTER_FUSED_MAX_T,
-                             "ALIGN_ONE_PROGRAM_MAX_P": fused.ALIGN_ONE_PROGRAM_MAX_P},
-              "results": [], "error": None}
+    report = {
+        "gpu": gpu,
+        "date": date,
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
+        "reps": args.reps,
+        "samples": args.samples,
+        "thresholds": {
+            "ROUTER_FUSED_MAX_T": fused.ROUTER_FUSED_MAX_T,
+            "ALIGN_ONE_PROGRAM_MAX_P": fused.ALIGN_ONE_PROGRAM_MAX_P,
+        },
+        "results": [],
+        "error": None,
+    }
     log(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  CUDA {torch.version.cuda}")
     log(f"{'op':24s} {'shape':26s} {'old us':>8s} {'new us':>8s} {'x':>6s}  check")
     timer = Timer(args.samples)

@@ -46,8 +46,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu  # noqa: E402  (tools/, this script's folder)
-from kimi.ops import linear_small_m as lsm  # noqa: E402
+from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu
+
+from kimi.ops import linear_small_m as lsm
 
 SHAPES = {  # name: (N, K)
     "qkv_a": (2112, 7168),
@@ -143,8 +144,10 @@ def main() -> int:
     timer = Timer(max(50, args.samples))
     copy = copy_bandwidth(2 << 30)  # 2 GiB
     copy_gbps = copy["GBps_read_plus_write"]
-    log(f"{gpu}  SMs={sms}  L2={props.L2_cache_size >> 20} MiB  torch {torch.__version__}  triton "
-        f"{triton.__version__}  copy bandwidth {copy_gbps:.0f} GB/s (2 GiB d2d, read+write)")
+    log(
+        f"{gpu}  SMs={sms}  L2={props.L2_cache_size >> 20} MiB  torch {torch.__version__}  triton "
+        f"{triton.__version__}  copy bandwidth {copy_gbps:.0f} GB/s (2 GiB d2d, read+write)"
+    )
 
     results = []
     table = {}
@@ -163,7 +166,15 @@ def main() -> int:
                 nbytes = wbytes + (M * K + M * N) * 2
                 ref = F.linear(x, wlist[0]).float()
                 tol = 1e-2 * ref.abs().max().item()
-                row = {"shape": name, "N": N, "K": K, "M": M, "bytes": nbytes, "copies_of_W": copies, "calls_per_graph": reps}
+                row = {
+                    "shape": name,
+                    "N": N,
+                    "K": K,
+                    "M": M,
+                    "bytes": nbytes,
+                    "copies_of_W": copies,
+                    "calls_per_graph": reps,
+                }
                 us = timer.time_calls([lambda i=i: F.linear(x, wlist[i % copies]) for i in range(reps)])
                 row["cublas_us"] = us
                 row["cublas_GBps"] = nbytes / us / 1e3
@@ -180,8 +191,11 @@ def main() -> int:
                         cands.append(lsm.SmallMConfig(**{**lsm.table_entry(c), "split_k": s}))
                     cands = list({c.name(): c for c in cands}.values())
                 else:
-                    cands = [lsm.SmallMConfig(**{**lsm.table_entry(b), "split_k": s})
-                             for b in lsm.CONFIGS for s in split_options(b, N, K, sms)]
+                    cands = [
+                        lsm.SmallMConfig(**{**lsm.table_entry(b), "split_k": s})
+                        for b in lsm.CONFIGS
+                        for s in split_options(b, N, K, sms)
+                    ]
                 for cfg in cands:
                     rec = {"config": lsm.table_entry(cfg), "name": cfg.name()}
                     try:
@@ -195,11 +209,12 @@ def main() -> int:
                             rec["error"] = f"max err {err:.3g} > tol {tol:.3g}"
                             trit.append(rec)
                             continue
-                        t = timer.time_calls([lambda i=i, c=cfg: lsm.linear_small_m(x, wlist[i % copies], config=c)
-                                              for i in range(reps)])
+                        t = timer.time_calls(
+                            [lambda i=i, c=cfg: lsm.linear_small_m(x, wlist[i % copies], config=c) for i in range(reps)]
+                        )
                         rec["us"] = t
                         rec["GBps"] = nbytes / t / 1e3
-                    except Exception as e:  # noqa: BLE001 - a config failing (e.g. out of shared memory) is data
+                    except Exception as e:
                         rec["error"] = repr(e)[:300]
                     trit.append(rec)
                 ok = [r for r in trit if "us" in r]
@@ -209,17 +224,23 @@ def main() -> int:
                 bucket = lsm.m_bucket(M)
                 chosen = best is not None and best["us"] < us * (1 - args.margin)
                 row["chosen"] = bool(chosen)
-                if chosen and M == bucket:
+                if chosen and bucket == M:
                     table[f"{bucket},{N},{K}"] = best["config"]
                 results.append(row)
-                bt = f"{best['us']:8.1f} us {best['GBps']:6.0f} GB/s {best['GBps'] / copy_gbps:5.1%} {best['name']}" if best else "none"
+                bt = (
+                    f"{best['us']:8.1f} us {best['GBps']:6.0f} GB/s {best['GBps'] / copy_gbps:5.1%} {best['name']}"
+                    if best
+                    else "none"
+                )
                 errs = sum("error" in r for r in trit)
-                log(f"{name:15s} {N:6d}x{K:5d} M={M:2d} cuBLAS {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+                log(
+                    f"{name:15s} {N:6d}x{K:5d} M={M:2d} cuBLAS {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
                     f"{nbytes / us / 1e3 / copy_gbps:5.1%} | triton {bt} | x{us / best['us'] if best else 0:.2f}"
-                    f"{' *' if chosen else ''}{f' ({errs} failed)' if errs else ''}  [{time.time() - t0:.0f}s]")
+                    f"{' *' if chosen else ''}{f' ({errs} failed)' if errs else ''}  [{time.time() - t0:.0f}s]"
+                )
             wlist = None  # free this shape's copies
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - keep what was measured
+    except Exception:
         fatal = traceback.format_exc()
         log(f"FATAL, writing partial results:\n{fatal}")
 
@@ -227,10 +248,16 @@ def main() -> int:
     log("\nshape            N x K          M   cuBLAS us  GB/s  %copy   best us  GB/s  %copy  speedup  config")
     for r in results:
         b = r["best"]
-        log(f"{r['shape']:15s} {r['N']:6d}x{r['K']:5d} {r['M']:3d} {r['cublas_us']:9.1f} {r['cublas_GBps']:5.0f} "
+        log(
+            f"{r['shape']:15s} {r['N']:6d}x{r['K']:5d} {r['M']:3d} {r['cublas_us']:9.1f} {r['cublas_GBps']:5.0f} "
             f"{r['cublas_GBps'] / copy_gbps:6.1%} "
-            + (f"{b['us']:9.1f} {b['GBps']:5.0f} {b['GBps'] / copy_gbps:6.1%} {r['cublas_us'] / b['us']:7.2f}x  {b['name']}"
-               f"{' (chosen)' if r['chosen'] else ''}" if b else "   -"))
+            + (
+                f"{b['us']:9.1f} {b['GBps']:5.0f} {b['GBps'] / copy_gbps:6.1%} {r['cublas_us'] / b['us']:7.2f}x  {b['name']}"
+                f"{' (chosen)' if r['chosen'] else ''}"
+                if b
+                else "   -"
+            )
+        )
     table_py = "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in table.items()) + "}"
     log(f"\nchosen table ({len(table)} entries, key 'bucket,N,K'):\n{table_py}")
     report = {
@@ -241,7 +268,7 @@ def main() -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "copy": copy,
         "method": "CUDA-graph replay of R calls cycling >= 512 MiB of W copies, median of samples, per call; "
-                  "GB/s = (W + x + y bytes) / time",
+        "GB/s = (W + x + y bytes) / time",
         "samples": timer.samples,
         "margin": args.margin,
         "budget_hit": budget_hit,
@@ -256,7 +283,9 @@ def main() -> int:
         json.dump(report, f, indent=1)
     os.makedirs(os.path.dirname(os.path.abspath(table_path)), exist_ok=True)
     with open(table_path, "w") as f:
-        json.dump({"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1)
+        json.dump(
+            {"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1
+        )
     log(f"wrote {out_path} and {table_path} in {time.time() - t0:.0f} s")
     return 1 if fatal else 0
 

@@ -28,7 +28,6 @@ import statistics
 import time
 
 import torch
-
 from bench_util import GpuSampler, event_times, require_gpu, run_header  # tools/, this script's folder
 
 
@@ -60,8 +59,15 @@ def main() -> None:
         raise SystemExit(f"--batches must lie in [1, --max-bs = {args.max_bs}]")
     cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
     t0 = time.time()
-    model = load_gpu_model("", cfg, dtype=torch.bfloat16, device=dev, moe_backend=args.moe_backend,
-                           load_format="dummy", max_positions=args.ctx + 64)
+    model = load_gpu_model(
+        "",
+        cfg,
+        dtype=torch.bfloat16,
+        device=dev,
+        moe_backend=args.moe_backend,
+        load_format="dummy",
+        max_positions=args.ctx + 64,
+    )
     torch.cuda.synchronize()
     res["load_s"] = round(time.time() - t0, 1)
     bs = args.block_size
@@ -118,22 +124,27 @@ def main() -> None:
                 rounds = {True: [], False: []}
                 spans = []
                 for r in range(args.rounds):
-                    for mask in ((True, False) if r % 2 == 0 else (False, True)):
+                    for mask in (True, False) if r % 2 == 0 else (False, True):
                         stage(mask)
                         s0 = time.time()
                         rounds[mask].append(statistics.median(event_times(lambda: runner.replay(bucket), args.iters)))
                         spans.append((s0, time.time()))
                 runner.mask_padding = True
-                case["replay_ms"] = {"masked": statistics.median(rounds[True]),
-                                     "unmasked": statistics.median(rounds[False])}
+                case["replay_ms"] = {
+                    "masked": statistics.median(rounds[True]),
+                    "unmasked": statistics.median(rounds[False]),
+                }
                 case["round_medians_ms"] = {"masked": rounds[True], "unmasked": rounds[False]}
                 case["unmasked_minus_masked_ms"] = statistics.median(u - m for u, m in zip(rounds[False], rounds[True]))
                 case["gpu_clock"] = sampler.windows(spans)
                 res["cases"].append(case)
-                print(f"B={B} bucket {bucket}: replay {case['replay_ms']['masked']:.3f} ms masked, "
-                      f"{case['replay_ms']['unmasked']:.3f} unmasked (paired {case['unmasked_minus_masked_ms']:+.3f}); "
-                      f"experts/layer {statistics.mean(experts[True]):.1f} vs {statistics.mean(experts[False]):.1f}; "
-                      f"bit-equal {case['bit_equal_batch_rows']}", flush=True)
+                print(
+                    f"B={B} bucket {bucket}: replay {case['replay_ms']['masked']:.3f} ms masked, "
+                    f"{case['replay_ms']['unmasked']:.3f} unmasked (paired {case['unmasked_minus_masked_ms']:+.3f}); "
+                    f"experts/layer {statistics.mean(experts[True]):.1f} vs {statistics.mean(experts[False]):.1f}; "
+                    f"bit-equal {case['bit_equal_batch_rows']}",
+                    flush=True,
+                )
     finally:
         sampler.stop()
     if args.out:

@@ -28,9 +28,26 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_moe import _MISSING, E, E_TOTAL, H, I, OFFSET, TOPK, Humming, bench, copy_bandwidth, cycle, make_sets, make_weights, touched, versions  # noqa: E402
-from bench_util import require_gpu  # noqa: E402
-from kimi.ops.moe_int4_triton import moe_align  # noqa: E402
+from bench_moe import (
+    _MISSING,
+    E_TOTAL,
+    OFFSET,
+    TOPK,
+    E,
+    H,
+    Humming,
+    I,
+    bench,
+    copy_bandwidth,
+    cycle,
+    make_sets,
+    make_weights,
+    touched,
+    versions,
+)
+from bench_util import require_gpu
+
+from kimi.ops.moe_int4_triton import moe_align
 
 
 def key(c: dict) -> str:
@@ -78,9 +95,17 @@ def grid(c: dict, mma_types: list[str], tiles=GRID_TILES) -> list[tuple[str, dic
         for bs, ws in tiles:
             for sk in (True, False):
                 for ncta in (2, 4):
-                    label = (f"grid_m{bs[0]}_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}" if bs[0] != 8 else
-                             f"grid_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}") + (f"_{mma}" if mma else "")
-                    cfg = c | {"block_shape": list(bs), "warp_shape": list(ws), "use_stream_k": sk, "num_ctas_per_sm": ncta}
+                    label = (
+                        f"grid_m{bs[0]}_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}"
+                        if bs[0] != 8
+                        else f"grid_b{bs[1]}x{bs[2]}_w{ws[1]}x{ws[2]}_sk{int(sk)}_c{ncta}"
+                    ) + (f"_{mma}" if mma else "")
+                    cfg = c | {
+                        "block_shape": list(bs),
+                        "warp_shape": list(ws),
+                        "use_stream_k": sk,
+                        "num_ctas_per_sm": ncta,
+                    }
                     if mma:
                         cfg["mma_type"] = mma
                     out.append((label, cfg))
@@ -99,7 +124,7 @@ def heuristic_candidates(layer, m_local: int, hints: str, res: dict) -> list[tup
         table = get_heuristics_config(layer.humming_config, shape_m=None, gemm_type="indexed")
         for i, entry in enumerate(table):
             cands.append((f"table{i}_{entry[0]}-{entry[1]}", dict(entry[2])))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         res.setdefault("table_errors", []).append(repr(e))
     return cands
 
@@ -110,14 +135,23 @@ def main():
     ap.add_argument("--hints", default="0.25,0.5,1,2,4")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new config is compiled")
     ap.add_argument("--grid", action="store_true", help="also the GRID_TILES x stream-K x CTAs-per-SM grid")
-    ap.add_argument("--mma", default="", help="comma list of mma_type values crossed with the grid (empty: the default's)")
-    ap.add_argument("--tiles", default="m8", choices=["m8", "m16"], help="tile set of the grid (GRID_TILES / GRID_TILES_M16)")
+    ap.add_argument(
+        "--mma", default="", help="comma list of mma_type values crossed with the grid (empty: the default's)"
+    )
+    ap.add_argument(
+        "--tiles", default="m8", choices=["m8", "m16"], help="tile set of the grid (GRID_TILES / GRID_TILES_M16)"
+    )
     ap.add_argument("--gemms", default="w13,w2", help="which expert GEMMs to sweep")
-    ap.add_argument("--grid-only", action="store_true", help="the default and the grid only (no table / hints / variants)")
-    ap.add_argument("--table-out", default=None,
-                    help="write a kimi.ops.moe_backend humming table: per GEMM and T, the fastest config when it beats "
-                         "the default by more than --min-gain, for expected local pairs from midway to the previous swept "
-                         "T's to midway to the next one's (the largest T: up to its own)")
+    ap.add_argument(
+        "--grid-only", action="store_true", help="the default and the grid only (no table / hints / variants)"
+    )
+    ap.add_argument(
+        "--table-out",
+        default=None,
+        help="write a kimi.ops.moe_backend humming table: per GEMM and T, the fastest config when it beats "
+        "the default by more than --min-gain, for expected local pairs from midway to the previous swept "
+        "T's to midway to the next one's (the largest T: up to its own)",
+    )
     ap.add_argument("--min-gain", type=float, default=0.02)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "humming_sweep.json"))
     args = ap.parse_args()
@@ -126,13 +160,18 @@ def main():
 
     t_start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res = {"what": "humming indexed MoE GEMM config sweep, Kimi-K2 expert shapes (48 local of 384, top-8)",
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
-           "versions": versions(), "copy": copy_bandwidth(), "cases": []}
+    res = {
+        "what": "humming indexed MoE GEMM config sweep, Kimi-K2 expert shapes (48 local of 384, top-8)",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "versions": versions(),
+        "copy": copy_bandwidth(),
+        "cases": [],
+    }
     copy_bw = res["copy"]["GBps_read_plus_write"]
     w13p, w13s, w2p, w2s = make_weights(gen)
-    b13 = (w13p[0].numel() * 4 + w13s[0].numel() * 2)
-    b2 = (w2p[0].numel() * 4 + w2s[0].numel() * 2)
+    b13 = w13p[0].numel() * 4 + w13s[0].numel() * 2
+    b2 = w2p[0].numel() * 4 + w2s[0].numel() * 2
     hum = Humming(w13p, w13s, w2p, w2s)
     for T in [int(t) for t in args.tokens.split(",")]:
         sets = make_sets(T, gen)
@@ -168,9 +207,15 @@ def main():
                     inputs.append((x if name == "w13" else act, a))
 
                 def run(inp, a, cfg=cfg, layer=layer, name=name):
-                    return layer(inp, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2].view(()),
-                                 top_k=TOPK if name == "w13" else 1, compute_config={"gemm_type": "indexed"},
-                                 tuning_config=cfg)
+                    return layer(
+                        inp,
+                        sorted_ids=a[0],
+                        expert_ids=a[1],
+                        num_tokens_padded=a[2].view(()),
+                        top_k=TOPK if name == "w13" else 1,
+                        compute_config={"gemm_type": "indexed"},
+                        tuning_config=cfg,
+                    )
 
                 row = {"label": label, "config": cfg}
                 try:
@@ -186,12 +231,13 @@ def main():
                         base = ref
                     else:
                         row["rel_diff_vs_default"] = float((ref - base).norm() / base.norm())
-                except Exception:  # noqa: BLE001
+                except Exception:
                     row["error"] = traceback.format_exc()[-600:]
                 rows.append(row)
                 print(T, name, json.dumps(row, default=str)[:300], flush=True)
-            res["cases"].append({"T": T, "gemm": name, "experts_hit_mean": n_exp, "bytes_per_expert": nbytes,
-                                 "rows": rows})
+            res["cases"].append(
+                {"T": T, "gemm": name, "experts_hit_mean": n_exp, "bytes_per_expert": nbytes, "rows": rows}
+            )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
@@ -207,19 +253,35 @@ def main():
                 i = ms_local.index(m)  # the range up to the next swept size's midpoint, from the previous one's
                 lo = 1 if i == 0 else (ms_local[i - 1] + m) // 2 + 1
                 hi = m if i == len(ms_local) - 1 else (m + ms_local[i + 1]) // 2
-                entries.append({"n": n, "k": k, "m_min": lo, "m_max": hi, "config": ok[0]["config"],
-                                "label": ok[0]["label"], "ms": ok[0]["ms"], "default_ms": d["ms"]})
+                entries.append(
+                    {
+                        "n": n,
+                        "k": k,
+                        "m_min": lo,
+                        "m_max": hi,
+                        "config": ok[0]["config"],
+                        "label": ok[0]["label"],
+                        "ms": ok[0]["ms"],
+                        "default_ms": d["ms"],
+                    }
+                )
         with open(args.table_out, "w") as f:
-            json.dump({"gpu": res["gpu"], "date": res["date"], "source": os.path.basename(args.out),
-                       "entries": entries}, f, indent=1, default=str)
+            json.dump(
+                {"gpu": res["gpu"], "date": res["date"], "source": os.path.basename(args.out), "entries": entries},
+                f,
+                indent=1,
+                default=str,
+            )
         print(f"humming table: {len(entries)} entries -> {args.table_out}")
     print(f"\ncopy {copy_bw:.0f} GB/s")
     for c in res["cases"]:
         ok = sorted([r for r in c["rows"] if "ms" in r], key=lambda r: r["ms"])
         d = next((r for r in c["rows"] if r["label"] == "default"), {})
-        print(f"T={c['T']} {c['gemm']}: default {d.get('ms', float('nan')):.4f} ms; best {ok[0]['label'] if ok else '-'} "
-              f"{ok[0]['ms'] if ok else float('nan'):.4f} ms {ok[0].get('GBps', 0) if ok else 0:.0f} GB/s; "
-              f"{json.dumps(ok[0]['config'], default=str) if ok else ''}")
+        print(
+            f"T={c['T']} {c['gemm']}: default {d.get('ms', float('nan')):.4f} ms; best {ok[0]['label'] if ok else '-'} "
+            f"{ok[0]['ms'] if ok else float('nan'):.4f} ms {ok[0].get('GBps', 0) if ok else 0:.0f} GB/s; "
+            f"{json.dumps(ok[0]['config'], default=str) if ok else ''}"
+        )
 
 
 if __name__ == "__main__":

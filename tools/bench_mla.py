@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import require_gpu  # noqa: E402
+from bench_util import require_gpu
 
 # GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
 _MISSING = None
@@ -56,9 +56,18 @@ def main():
 
     res = {
         "what": "FlashInfer BatchMLAPagedAttentionWrapper (fa3) decode over kimi's latent cache",
-        "date": date, "gpu": torch.cuda.get_device_name(),
+        "date": date,
+        "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "flashinfer": flashinfer.__version__, "cuda": torch.version.cuda},
-        "shape": {"heads": HEADS, "kv_lora_rank": L, "rope_dim": R, "block_size": BS, "ctx": args.ctx, "dtype": "bf16", "backend": args.backend},
+        "shape": {
+            "heads": HEADS,
+            "kv_lora_rank": L,
+            "rope_dim": R,
+            "block_size": BS,
+            "ctx": args.ctx,
+            "dtype": "bf16",
+            "backend": args.backend,
+        },
         "conditions": "every request at ctx tokens; blocks randomly permuted; do_bench median (L2 cleared), "
         "warmup 50 ms, rep 300 ms; clocks as found",
         "cases": [],
@@ -103,7 +112,9 @@ def main():
             case["separate_vs_views_maxdiff"] = (out2.float() - out.float()).abs().max().item()
             del ckv, kpe
             try:
-                mg = FlashInferMLADecode(HEADS, SCALE, backend=args.backend, use_cuda_graph=True, max_batch=B, max_pages=B * nb)
+                mg = FlashInferMLADecode(
+                    HEADS, SCALE, backend=args.backend, use_cuda_graph=True, max_batch=B, max_pages=B * nb
+                )
                 mg.plan(seq, bt, BS)
                 out3 = torch.empty_like(out)
                 s = torch.cuda.Stream()
@@ -119,10 +130,10 @@ def main():
                 torch.cuda.synchronize()
                 case["graph_rel_err"] = ((out3.double() - ref.double()).norm() / ref.double().norm()).item()
                 case["graph_us"] = bench(g.replay) * 1e3
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 case["graph_error"] = repr(e)[-1500:]
             case["views_GBps"] = case["bytes"] / case["views_us"] / 1e3
-        except Exception:  # noqa: BLE001
+        except Exception:
             case["error"] = traceback.format_exc()[-3000:]
         print(json.dumps(case), flush=True)
         res["cases"].append(case)

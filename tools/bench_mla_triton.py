@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import import_gpu_module, require_gpu  # noqa: E402
-from kimi.ops import mla_decode_triton as mdt  # noqa: E402
-from kimi.ops.attention import mla_decode_ref  # noqa: E402
+from bench_util import import_gpu_module, require_gpu
+
+from kimi.ops import mla_decode_triton as mdt
+from kimi.ops.attention import mla_decode_ref
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
@@ -110,14 +111,15 @@ def run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits):
             m.run(q_lat, q_pe, kv, out=out)
             fi["rel_err"] = rel_err(out, ref)
             fi["eager_us"] = bench(lambda: m.run(q_lat, q_pe, kv, out=out)) * 1e3
-            mg = fi_mod.FlashInferMLADecode(HEADS, SCALE, backend="fa3", use_cuda_graph=True, max_batch=B,
-                                            max_pages=B * nb)
+            mg = fi_mod.FlashInferMLADecode(
+                HEADS, SCALE, backend="fa3", use_cuda_graph=True, max_batch=B, max_pages=B * nb
+            )
             mg.plan(lens, bt, BS)
             g, fi["graph_rel_err"] = replay_checked(lambda: mg.run(q_lat, q_pe, kv, out=out), out, ref)
             fi["graph_us"] = bench(g.replay) * 1e3
             fi["graph_GBps"] = case["bytes"] / fi["graph_us"] / 1e3
             del g, mg, m
-        except Exception:  # noqa: BLE001
+        except Exception:
             fi["error"] = traceback.format_exc()[-2000:]
         case["flashinfer_fa3"] = fi
 
@@ -127,6 +129,7 @@ def run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits):
         for ns in vals:
             row = {"config": cfg.name(), "num_splits": ns, "auto": ns == auto}
             try:
+
                 def fn(ns=ns, cfg=cfg):
                     mdt.mla_decode(q_lat, q_pe, kv, bt, seq, SCALE, out=out, num_splits=ns, config=cfg)
 
@@ -142,7 +145,7 @@ def run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits):
                 row["GBps"] = case["bytes"] / row["us"] / 1e3
                 row["ok"] = row["rel_err"] <= 1e-2 and row["graph_rel_err"] <= 1e-2 and not row["nan"]
                 del g
-            except Exception:  # noqa: BLE001
+            except Exception:
                 row["error"] = traceback.format_exc()[-1500:]
                 row["ok"] = False
             rows.append(row)
@@ -150,18 +153,28 @@ def run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits):
     ok = [r for r in rows if r.get("ok")]
     if ok:
         best = min(ok, key=lambda r: r["us"])
-        case["best"] = {"config": best["config"], "num_splits": best["num_splits"], "us": best["us"],
-                        "GBps": best["GBps"]}
+        case["best"] = {
+            "config": best["config"],
+            "num_splits": best["num_splits"],
+            "us": best["us"],
+            "GBps": best["GBps"],
+        }
     return case
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="8x2048,32x2048,64x2048,128x2048,8x8192", help="BxCTX,... (all at ctx)")
-    ap.add_argument("--splits", default="", help="num_splits values to time, e.g. 8,16,32 (default: the auto "
-                    "pick, half and double it)")
-    ap.add_argument("--configs", default="", help="comma-separated config names (MLADecodeConfig.name()) to "
-                    "time; default: all of CONFIGS")
+    ap.add_argument(
+        "--splits",
+        default="",
+        help="num_splits values to time, e.g. 8,16,32 (default: the auto pick, half and double it)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated config names (MLADecodeConfig.name()) to time; default: all of CONFIGS",
+    )
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -177,7 +190,7 @@ def main():
             from kimi.ops import attention_flashinfer as fi_mod
 
             fi_version = flashinfer.__version__
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"FlashInfer not importable ({e!r}): Triton only", flush=True)
             fi_mod = None
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -192,15 +205,22 @@ def main():
     explicit_splits = [int(v) for v in args.splits.split(",") if v]
     res = {
         "what": "planless Triton split-KV MLA decode (kimi.ops.mla_decode_triton) vs FlashInfer fa3 decode",
-        "date": date, "gpu": torch.cuda.get_device_name(), "num_sms": num_sms,
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "flashinfer": fi_version,
-                     "cuda": torch.version.cuda},
+        "date": date,
+        "gpu": torch.cuda.get_device_name(),
+        "num_sms": num_sms,
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "flashinfer": fi_version,
+            "cuda": torch.version.cuda,
+        },
         "shape": {"heads": HEADS, "kv_lora_rank": L, "rope_dim": R, "block_size": BS, "dtype": "bf16"},
         "conditions": "every request at ctx tokens; blocks randomly permuted; int32 tables / seq_lens; Triton "
-                      "timed as CUDA-graph replay of one call (stage 1 + combine); FlashInfer eager run() and graph "
-                      "replay, plan excluded (plan_host_ms apart); do_bench median, L2 cleared before each call, "
-                      "warmup 25 ms, rep 100 ms; clocks as found",
-        "configs": [c.name() for c in configs], "default_config": mdt.DEFAULT_CONFIG.name(),
+        "timed as CUDA-graph replay of one call (stage 1 + combine); FlashInfer eager run() and graph "
+        "replay, plan excluded (plan_host_ms apart); do_bench median, L2 cleared before each call, "
+        "warmup 25 ms, rep 100 ms; clocks as found",
+        "configs": [c.name() for c in configs],
+        "default_config": mdt.DEFAULT_CONFIG.name(),
         "splits_arg": args.splits or "auto, auto/2, auto*2 (+1 for B>=64)",
         "cases": [],
     }
@@ -209,25 +229,32 @@ def main():
         B, ctx = (int(v) for v in spec.lower().split("x"))
         try:
             case = run_case(B, ctx, num_sms, gen, fi_mod, configs, explicit_splits)
-        except Exception:  # noqa: BLE001
+        except Exception:
             case = {"B": B, "ctx": ctx, "error": traceback.format_exc()[-3000:]}
         torch.cuda.empty_cache()
         res["cases"].append(case)
-        print(f"\n== B={B} ctx={ctx}  bytes={case.get('bytes', 0) / 1e6:.1f} MB  "
-              f"floor@4.8TB/s={case.get('kv_floor_us_at_4.8TBps', 0):.1f} us", flush=True)
+        print(
+            f"\n== B={B} ctx={ctx}  bytes={case.get('bytes', 0) / 1e6:.1f} MB  "
+            f"floor@4.8TB/s={case.get('kv_floor_us_at_4.8TBps', 0):.1f} us",
+            flush=True,
+        )
         fi = case.get("flashinfer_fa3")
         if fi:
             if "error" in fi:
                 print(f"  flashinfer fa3: ERROR {fi['error'].splitlines()[-1]}")
             else:
-                print(f"  flashinfer fa3: eager {fi['eager_us']:.1f} us, graph {fi['graph_us']:.1f} us "
-                      f"({fi['graph_GBps']:.0f} GB/s), plan host {fi['plan_host_ms']:.3f} ms, "
-                      f"rel err {fi['rel_err']:.2e}")
+                print(
+                    f"  flashinfer fa3: eager {fi['eager_us']:.1f} us, graph {fi['graph_us']:.1f} us "
+                    f"({fi['graph_GBps']:.0f} GB/s), plan host {fi['plan_host_ms']:.3f} ms, "
+                    f"rel err {fi['rel_err']:.2e}"
+                )
         print(f"  {'config':<28}{'splits':>7}{'us':>9}{'GB/s':>8}{'rel err':>10}")
         for r in case.get("triton", []):
             if "us" in r:
-                print(f"  {r['config']:<28}{r['num_splits']:>6}{'*' if r['auto'] else ' '}{r['us']:>9.1f}"
-                      f"{r['GBps']:>8.0f}{r['rel_err']:>10.2e}{'' if r['ok'] else '  WRONG'}")
+                print(
+                    f"  {r['config']:<28}{r['num_splits']:>6}{'*' if r['auto'] else ' '}{r['us']:>9.1f}"
+                    f"{r['GBps']:>8.0f}{r['rel_err']:>10.2e}{'' if r['ok'] else '  WRONG'}"
+                )
             else:
                 print(f"  {r['config']:<28}{r['num_splits']:>6}  ERROR {r.get('error', '').strip().splitlines()[-1]}")
         if "best" in case:
@@ -241,8 +268,10 @@ def main():
         fi = c.get("flashinfer_fa3") or {}
         b = c.get("best", {})
         nan = float("nan")
-        print(f"  {c['B']:>4}{c['ctx']:>7}{fi.get('eager_us', nan):>10.1f}{fi.get('graph_us', nan):>10.1f}"
-              f"{b.get('us', nan):>13.1f}  {b.get('config', '-')} s{b.get('num_splits', '-')}")
+        print(
+            f"  {c['B']:>4}{c['ctx']:>7}{fi.get('eager_us', nan):>10.1f}{fi.get('graph_us', nan):>10.1f}"
+            f"{b.get('us', nan):>13.1f}  {b.get('config', '-')} s{b.get('num_splits', '-')}"
+        )
     res["wall_s"] = time.perf_counter() - t_start
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:

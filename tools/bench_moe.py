@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import import_gpu_module, require_gpu  # noqa: E402
-from kimi.ops.moe_int4_triton import MoeTileConfig, combine_into, default_config, fused_experts_int4, moe_align  # noqa: E402
+from bench_util import import_gpu_module, require_gpu
+
+from kimi.ops.moe_int4_triton import MoeTileConfig, combine_into, default_config, fused_experts_int4, moe_align
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
@@ -47,7 +48,7 @@ def versions():
         try:
             m = __import__(mod)
             v[mod] = getattr(m, "__version__", "?")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             v[mod] = f"unavailable: {e!r}"
     return v
 
@@ -141,12 +142,21 @@ class Humming:
     def __init__(self, w13p, w13s, w2p, w2s):
         from humming.layer import HummingLayer
 
-        wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
-                    strategy="group", group_size=32, symmetric=True)
-        self.l1 = HummingLayer(shape_n=2 * I, shape_k=H, weight_config=dict(wcfg), num_experts=E,
-                               torch_dtype=torch.bfloat16).cuda()
-        self.l2 = HummingLayer(shape_n=H, shape_k=I, weight_config=dict(wcfg), num_experts=E,
-                               torch_dtype=torch.bfloat16).cuda()
+        wcfg = dict(
+            quant_method="compressed-tensors",
+            format="pack-quantized",
+            type="int",
+            num_bits=4,
+            strategy="group",
+            group_size=32,
+            symmetric=True,
+        )
+        self.l1 = HummingLayer(
+            shape_n=2 * I, shape_k=H, weight_config=dict(wcfg), num_experts=E, torch_dtype=torch.bfloat16
+        ).cuda()
+        self.l2 = HummingLayer(
+            shape_n=H, shape_k=I, weight_config=dict(wcfg), num_experts=E, torch_dtype=torch.bfloat16
+        ).cuda()
         shp13 = torch.tensor([[2 * I, H]] * E, dtype=torch.int64)
         shp2 = torch.tensor([[H, I]] * E, dtype=torch.int64)
         self.l1.load_from_tensors({"weight_packed": w13p.clone(), "weight_scale": w13s.clone(), "weight_shape": shp13})
@@ -171,11 +181,25 @@ class Humming:
         a1 = moe_align(ids, E, OFFSET, bm1)
         a2 = a1 if bm2 == bm1 else moe_align(ids, E, OFFSET, bm2)
         cc = {"gemm_type": "indexed"}
-        y1 = self.l1(x, sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=TOPK,
-                     compute_config=cc, tuning_config=c1)  # [T*k, 2I]
+        y1 = self.l1(
+            x,
+            sorted_ids=a1[0],
+            expert_ids=a1[1],
+            num_tokens_padded=a1[2].view(()),
+            top_k=TOPK,
+            compute_config=cc,
+            tuning_config=c1,
+        )  # [T*k, 2I]
         act = torch.nn.functional.silu(y1[:, :I]) * y1[:, I:]
-        y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
-                     compute_config=cc, tuning_config=c2)  # [T*k, H]
+        y2 = self.l2(
+            act,
+            sorted_ids=a2[0],
+            expert_ids=a2[1],
+            num_tokens_padded=a2[2].view(()),
+            top_k=1,
+            compute_config=cc,
+            tuning_config=c2,
+        )  # [T*k, H]
         return y2
 
     def forward(self, x, w, ids):
@@ -202,7 +226,14 @@ def main():
         "gpu": torch.cuda.get_device_name(),
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
         "versions": versions(),
-        "shapes": {"H": H, "I": I, "local_experts": E, "total_experts": E_TOTAL, "top_k": TOPK, "expert_offset": OFFSET},
+        "shapes": {
+            "H": H,
+            "I": I,
+            "local_experts": E,
+            "total_experts": E_TOTAL,
+            "top_k": TOPK,
+            "expert_offset": OFFSET,
+        },
         "conditions": "random pack-quantized weights (48 experts, 1.19 GB); NSETS=4 distinct (x, routing) sets "
         "cycled per call; triton.testing.do_bench median (L2 cleared before each call), warmup 50 ms, rep 300 ms; "
         "clocks as found (not locked)",
@@ -220,7 +251,7 @@ def main():
             t0 = time.time()
             hum = Humming(w13p, w13s, w2p, w2s)
             res["humming_setup_s"] = time.time() - t0
-        except Exception:  # noqa: BLE001
+        except Exception:
             res["humming_error"] = traceback.format_exc()
             print(res["humming_error"], flush=True)
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -229,8 +260,14 @@ def main():
         n_exp = sum(a for a, _ in tl) / len(tl)
         n_pairs = sum(b for _, b in tl) / len(tl)
         wbytes = n_exp * per_expert
-        case = {"T": T, "local_pairs_mean": n_pairs, "experts_touched_mean": n_exp, "weight_bytes_touched": wbytes,
-                "ours": [], "flops": 2 * n_pairs * (H * 2 * I + I * H)}
+        case = {
+            "T": T,
+            "local_pairs_mean": n_pairs,
+            "experts_touched_mean": n_exp,
+            "weight_bytes_touched": wbytes,
+            "ours": [],
+            "flops": 2 * n_pairs * (H * 2 * I + I * H),
+        }
         # align alone (default block_m)
         cfg0 = default_config(T, TOPK, E_TOTAL)
         case["align_ms"] = bench(cycle(lambda x, w, ids: moe_align(ids, E, OFFSET, cfg0.block_m), sets))
@@ -251,9 +288,9 @@ def main():
                 try:
                     entry["graph_ms"] = graph_time(fn, sets)
                     entry["graph_weight_GBps"] = wbytes / entry["graph_ms"] / 1e6
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     entry["graph_error"] = repr(e)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 entry["error"] = traceback.format_exc()[-2000:]
             case["ours"].append(entry)
             print(T, json.dumps(entry)[:400], flush=True)
@@ -271,9 +308,9 @@ def main():
                 h["full_ms"] = bench(cycle(hum.forward, sets))
                 try:
                     h["full_graph_ms"] = graph_time(hum.forward, sets)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     h["graph_error"] = repr(e)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 h["error"] = traceback.format_exc()[-3000:]
             case["humming"] = h
             print(T, "humming", json.dumps(h, default=str)[:1500], flush=True)
@@ -288,8 +325,10 @@ def main():
         best = min(ok, key=lambda o: o.get("graph_ms", o["eager_ms"])) if ok else {}
         bt = best.get("graph_ms", best.get("eager_ms", float("nan")))
         hm = c.get("humming", {}).get("full_graph_ms", c.get("humming", {}).get("full_ms", float("nan")))
-        print(f"{c['T']:5d} {c['local_pairs_mean']:6.0f} {c['experts_touched_mean']:6.1f} {bt:10.4f} "
-              f"{c['weight_bytes_touched'] / bt / 1e6 if bt == bt else 0:8.0f} {hm:10.4f} {copy_bw:8.0f}")
+        print(
+            f"{c['T']:5d} {c['local_pairs_mean']:6.0f} {c['experts_touched_mean']:6.1f} {bt:10.4f} "
+            f"{c['weight_bytes_touched'] / bt / 1e6 if bt == bt else 0:8.0f} {hm:10.4f} {copy_bw:8.0f}"
+        )
 
 
 if __name__ == "__main__":

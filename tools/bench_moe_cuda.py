@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import GpuSampler, copy_bandwidth, require_gpu  # noqa: E402  (tools/, the script's folder)
+from bench_util import GpuSampler, copy_bandwidth, require_gpu
 
 _MISSING = None  # its imports need no GPU package; main() still exits with one line without a CUDA device
 from kimi.ops import moe_int4_cuda as mc  # noqa: E402
@@ -88,8 +88,14 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     t_build = time.time()
     bw = copy_bandwidth(2 * 1024**3)["GBps_read_plus_write"]
-    res = {"what": __doc__.split("\n")[0], "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": bw, "cases": []}
+    res = {
+        "what": __doc__.split("\n")[0],
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_GBps": bw,
+        "cases": [],
+    }
     w13, s13 = random_packed_experts(E, 2 * I, H, gen, "cuda")  # random pack-quantized words, bf16 scales
     w2, s2 = random_packed_experts(E, H, I, gen, "cuda")
     ours = {"gate_up": mc.repack(w13, s13), "down": mc.repack(w2, s2)}
@@ -101,8 +107,12 @@ def main() -> None:
     sampler = GpuSampler(interval_ms=20).start()
     # kimi's repack builds humming's layout (so --moe-backend auto keeps one copy of the experts): bit for bit
     res["repack_equals_humming"] = {
-        name: {"weights": torch.equal(ours[name][0], layer.weight), "scales": torch.equal(ours[name][1], layer.weight_scale)}
-        for name, layer in (("gate_up", hum.l1), ("down", hum.l2))}
+        name: {
+            "weights": torch.equal(ours[name][0], layer.weight),
+            "scales": torch.equal(ours[name][1], layer.weight_scale),
+        }
+        for name, layer in (("gate_up", hum.l1), ("down", hum.l2))
+    }
     print("repack == humming's transformed tensors:", res["repack_equals_humming"], flush=True)
     shapes = {"gate_up": (2 * I, H, w13, s13, hum.l1), "down": (H, I, w2, s2, hum.l2)}
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -123,14 +133,23 @@ def main() -> None:
             # reference over the listed rows
             rows = torch.nonzero(local).flatten()  # pair ids of local pairs
             ref = torch.empty((len(rows), n), device="cuda")
-            exp_of_row = (ids.reshape(-1)[rows] - OFFSET)
+            exp_of_row = ids.reshape(-1)[rows] - OFFSET
             for ex in exp_of_row.unique().tolist():
                 sel = exp_of_row == ex
                 wdq = dequant_int4(packed[ex], scale[ex], 32, torch.bfloat16).float()
                 ref[sel] = x[rows[sel] // top_k].float() @ wdq.T
             scale_ref = ref.abs().max().item()
-            case = {"T": T, "gemm": name, "n": n, "k": k, "local_pairs": int(local.sum()), "experts_hit": len(hit),
-                    "bytes": bytes_hit, "ref_absmax": scale_ref, "ours": []}
+            case = {
+                "T": T,
+                "gemm": name,
+                "n": n,
+                "k": k,
+                "local_pairs": int(local.sum()),
+                "experts_hit": len(hit),
+                "bytes": bytes_hit,
+                "ref_absmax": scale_ref,
+                "ours": [],
+            }
 
             def err(y):
                 d = (y[rows].float() - ref).abs()
@@ -141,7 +160,8 @@ def main() -> None:
                     continue
                 out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 fn = lambda cfg=cfg, out=out: mc.indexed_gemm(  # noqa: E731
-                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg)
+                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg
+                )
                 y = fn()
                 torch.cuda.synchronize()
                 r = {"config": list(cfg)} | err(y)
@@ -152,15 +172,25 @@ def main() -> None:
                 r["pct_copy"] = 100 * r["GBps"] / bw
                 case["ours"].append(r)
                 smi = r["smi"]
-                clk = (f" {smi['sm_clock_MHz']['median']:.0f} MHz {smi['power_W_median']:.0f} W" if smi else "")
-                print(f"T={T} {name} ours {cfg}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
-                      f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}{clk}", flush=True)
+                clk = f" {smi['sm_clock_MHz']['median']:.0f} MHz {smi['power_W_median']:.0f} W" if smi else ""
+                print(
+                    f"T={T} {name} ours {cfg}: {r['ms'] * 1e3:.1f} us {r['GBps']:.0f} GB/s "
+                    f"({r['pct_copy']:.0f}%) err {r['rel_err']:.2e}{clk}",
+                    flush=True,
+                )
             out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             cc = {"gemm_type": "indexed"}
 
             def hfn(out=out):
-                y = layer(x, sorted_ids=ah[0], expert_ids=ah[1], num_tokens_padded=ah[2].view(()), top_k=top_k,
-                          compute_config=cc, tuning_config=hcfg)
+                y = layer(
+                    x,
+                    sorted_ids=ah[0],
+                    expert_ids=ah[1],
+                    num_tokens_padded=ah[2].view(()),
+                    top_k=top_k,
+                    compute_config=cc,
+                    tuning_config=hcfg,
+                )
                 return y
 
             y = hfn()
@@ -175,8 +205,11 @@ def main() -> None:
             best = min(case["ours"], key=lambda r: r["ms"])
             case["best_ours"] = best["config"]
             case["ours_over_humming"] = best["ms"] / h["ms"]
-            print(f"T={T} {name} humming: {h['ms'] * 1e3:.1f} us {h['GBps']:.0f} GB/s ({h['pct_copy']:.0f}%) "
-                  f"err {h['rel_err']:.2e}; best ours {case['best_ours']} x{case['ours_over_humming']:.3f}", flush=True)
+            print(
+                f"T={T} {name} humming: {h['ms'] * 1e3:.1f} us {h['GBps']:.0f} GB/s ({h['pct_copy']:.0f}%) "
+                f"err {h['rel_err']:.2e}; best ours {case['best_ours']} x{case['ours_over_humming']:.3f}",
+                flush=True,
+            )
             res["cases"].append(case)
     sampler.stop()
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), "moe_cuda.json")

@@ -28,10 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import copy_bandwidth, import_gpu_module, require_gpu, run_header  # noqa: E402
+from bench_util import copy_bandwidth, import_gpu_module, require_gpu, run_header
 
-from kimi.ops.moe_backend import make_experts  # noqa: E402
-from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts  # noqa: E402
+from kimi.ops.moe_backend import make_experts
+from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
@@ -57,8 +57,12 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     w13, s13 = random_fp8_experts(E, 2 * INTER, D, gen, dev)
     w2, s2 = random_fp8_experts(E, D, INTER, gen, dev)
-    fp8_parts = lambda: {"w13_fp8": w13.clone(), "w13_scale_inv": s13.clone(), "w2_fp8": w2.clone(),  # noqa: E731
-                         "w2_scale_inv": s2.clone()}
+    fp8_parts = lambda: {
+        "w13_fp8": w13.clone(),
+        "w13_scale_inv": s13.clone(),
+        "w2_fp8": w2.clone(),
+        "w2_scale_inv": s2.clone(),
+    }
     t0 = time.time()
     fp8 = make_experts("humming", fp8_parts(), OFFSET, E_TOTAL, torch.bfloat16)
     res["fp8_setup_s"] = time.time() - t0
@@ -66,16 +70,22 @@ def main() -> None:
     del w13, s13, w2, s2
     p13, q13 = random_packed_experts(E, 2 * INTER, D, gen, dev)
     p2, q2 = random_packed_experts(E, D, INTER, gen, dev)
-    int4 = make_experts("humming", {"w13_packed": p13, "w13_scale": q13, "w2_packed": p2, "w2_scale": q2}, OFFSET,
-                        E_TOTAL, torch.bfloat16)
+    int4 = make_experts(
+        "humming",
+        {"w13_packed": p13, "w13_scale": q13, "w2_packed": p2, "w2_scale": q2},
+        OFFSET,
+        E_TOTAL,
+        torch.bfloat16,
+    )
     del p13, q13, p2, q2
     torch.cuda.empty_cache()
     per_expert = {"humming_fp8": held_bytes(fp8) / E, "humming_int4": held_bytes(int4) / E}
     if ref is not None:
         per_expert["ref_bf16"] = held_bytes(ref) / E
     res["bytes_per_expert"] = per_expert
-    print(f"copy {bw:.0f} GB/s; bytes per expert {json.dumps({k: round(v) for k, v in per_expert.items()})}",
-          flush=True)
+    print(
+        f"copy {bw:.0f} GB/s; bytes per expert {json.dumps({k: round(v) for k, v in per_expert.items()})}", flush=True
+    )
     res["cases"] = []
     for T in [int(t) for t in args.tokens.split(",")]:
         g = torch.Generator(device=dev).manual_seed(T)
@@ -100,16 +110,18 @@ def main() -> None:
                 graphs.append(gr)
                 outs.append(o)
             it = iter(range(1 << 30))
-            ms = triton.testing.do_bench(lambda: graphs[next(it) % NSETS].replay(), warmup=50, rep=300,
-                                         return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda: graphs[next(it) % NSETS].replay(), warmup=50, rep=300, return_mode="median"
+            )
             nbytes = hit * per_expert[name]
             case[name] = {"ms": ms, "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / bw}
             if want is not None and name == "humming_fp8":
                 for gr in graphs:
                     gr.replay()
                 torch.cuda.synchronize()
-                case[name]["rel_err_vs_ref"] = max(((o.float() - r).abs().max() / r.abs().max()).item()
-                                                   for o, r in zip(outs, want))
+                case[name]["rel_err_vs_ref"] = max(
+                    ((o.float() - r).abs().max() / r.abs().max()).item() for o, r in zip(outs, want)
+                )
             del graphs, outs
         if ref is not None:
             it = iter(range(1 << 30))
@@ -117,10 +129,16 @@ def main() -> None:
             nbytes = hit * per_expert["ref_bf16"]
             case["ref_bf16_eager"] = {"ms": ms, "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / bw}
         res["cases"].append(case)
-        print(f"T={T}: experts hit {hit:.1f}; " + "; ".join(
-            f"{k} {v['ms'] * 1e3:.1f} us {v['GBps']:.0f} GB/s ({100 * v['frac_copy']:.0f}% of copy)"
-            + (f" err {v['rel_err_vs_ref']:.2g}" if "rel_err_vs_ref" in v else "")
-            for k, v in case.items() if isinstance(v, dict)), flush=True)
+        print(
+            f"T={T}: experts hit {hit:.1f}; "
+            + "; ".join(
+                f"{k} {v['ms'] * 1e3:.1f} us {v['GBps']:.0f} GB/s ({100 * v['frac_copy']:.0f}% of copy)"
+                + (f" err {v['rel_err_vs_ref']:.2g}" if "rel_err_vs_ref" in v else "")
+                for k, v in case.items()
+                if isinstance(v, dict)
+            ),
+            flush=True,
+        )
     out = args.out or os.path.join(os.environ.get("OUT") or "bench", f"moe_fp8_{time.strftime('%Y-%m-%d')}.json")
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

@@ -36,7 +36,6 @@ import json
 import time
 
 import torch
-
 from bench_decode import EmulatedEP, breakdown, time_ms  # tools/, this script's folder
 from bench_util import require_gpu, run_header
 
@@ -86,8 +85,12 @@ def main() -> None:
     ap.add_argument("--preset", default="kimi-k2.6")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--ep-size", type=int, default=8)
-    ap.add_argument("--moe-backend", default="auto", choices=BACKENDS,
-                    help="routed-expert backend, as kimi serve's flag (default auto)")
+    ap.add_argument(
+        "--moe-backend",
+        default="auto",
+        choices=BACKENDS,
+        help="routed-expert backend, as kimi serve's flag (default auto)",
+    )
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=2048, help="new tokens per step on this rank (--token-budget)")
     ap.add_argument("--cases", default="16x128,2048,8192")
@@ -113,25 +116,50 @@ def main() -> None:
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     n_local = cfg.n_routed_experts // args.ep_size
     offset = 0  # EP rank 0's experts
-    ep = EmulatedEP(n_moe, args.chunk, args.ep_size, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                    cfg.routed_scaling_factor, dev, per_layer=True)
+    ep = EmulatedEP(
+        n_moe,
+        args.chunk,
+        args.ep_size,
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        cfg.routed_scaling_factor,
+        dev,
+        per_layer=True,
+    )
     max_len = max(max(c["prompts"]) for c in cases)
     t0 = time.time()
-    model = load_gpu_model("", cfg, ep_rank=0, ep_size=args.ep_size, a2a=ep, dtype=torch.bfloat16, device=dev,
-                           moe_backend=args.moe_backend, load_format="dummy", max_positions=max_len + 64)
+    model = load_gpu_model(
+        "",
+        cfg,
+        ep_rank=0,
+        ep_size=args.ep_size,
+        a2a=ep,
+        dtype=torch.bfloat16,
+        device=dev,
+        moe_backend=args.moe_backend,
+        load_format="dummy",
+        max_positions=max_len + 64,
+    )
     torch.cuda.synchronize()
     res["load_s"] = time.time() - t0
     res["experts_impl"] = type(model.layers[cfg.first_k_dense_replace].mlp.experts_impl).__name__
-    print(f"model built in {res['load_s']:.1f} s ({res['experts_impl']}); mem "
-          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    print(
+        f"model built in {res['load_s']:.1f} s ({res['experts_impl']}); mem "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB",
+        flush=True,
+    )
 
     # FLOPs per token of the non-expert weights (2-D parameters but the embedding; lm_head counted per prompt)
-    dense_elems = sum(p.numel() for n, p in model.named_parameters()
-                      if not p.is_meta and p.dim() == 2 and ".experts_impl." not in n
-                      and n not in ("embed_tokens", "lm_head"))
+    dense_elems = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if not p.is_meta and p.dim() == 2 and ".experts_impl." not in n and n not in ("embed_tokens", "lm_head")
+    )
     lm_head = model.lm_head if model.lm_head is not None else model.embed_tokens
-    expert_flops_per_pair = 2 * (2 * cfg.moe_intermediate_size * cfg.hidden_size
-                                 + cfg.hidden_size * cfg.moe_intermediate_size)
+    expert_flops_per_pair = 2 * (
+        2 * cfg.moe_intermediate_size * cfg.hidden_size + cfg.hidden_size * cfg.moe_intermediate_size
+    )
     H = cfg.num_attention_heads
     lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     res["dense_flops_per_token"] = 2 * dense_elems
@@ -176,23 +204,36 @@ def main() -> None:
                 f_attn = 2 * H * (lat + rope + lat) * kv_pairs * cfg.num_hidden_layers
                 f_attn_na = 2 * H * (cfg.qk_nope_head_dim + rope + cfg.v_head_dim) * kv_pairs * cfg.num_hidden_layers
                 total = f_dense + f_exp + f_attn
-                st = {"query_lens": qlens if n <= 4 else f"{n} x {qlens[0]}", "context_before": ctx if n <= 4 else 0,
-                      "tokens": T, "median_ms": ms, "samples_ms": ts, "dense_flops": f_dense, "expert_flops": f_exp,
-                      "attention_flops": f_attn, "attention_nonabsorbed_flops": f_attn_na,
-                      "tflops": total / (ms * 1e-3) / 1e12, "tokens_per_s": T / (ms * 1e-3)}
+                st = {
+                    "query_lens": qlens if n <= 4 else f"{n} x {qlens[0]}",
+                    "context_before": ctx if n <= 4 else 0,
+                    "tokens": T,
+                    "median_ms": ms,
+                    "samples_ms": ts,
+                    "dense_flops": f_dense,
+                    "expert_flops": f_exp,
+                    "attention_flops": f_attn,
+                    "attention_nonabsorbed_flops": f_attn_na,
+                    "tflops": total / (ms * 1e-3) / 1e12,
+                    "tokens_per_s": T / (ms * 1e-3),
+                }
                 st["fraction_of_matmul"] = st["tflops"] / peak
                 if not args.no_profile:
                     try:
                         st["breakdown"] = breakdown(step, steps=2)
-                    except Exception as ex:  # noqa: BLE001
+                    except Exception as ex:
                         st["breakdown_error"] = repr(ex)
                 out_steps.append(st)
-                print(f"{case['name']}: step {len(out_steps)} ({T} tokens after {max(ctx)} cached) {ms:.1f} ms, "
-                      f"{st['tflops']:.0f} TFLOPS ({st['fraction_of_matmul']:.2f} of matmul), "
-                      f"{st['tokens_per_s']:.0f} tok/s", flush=True)
+                print(
+                    f"{case['name']}: step {len(out_steps)} ({T} tokens after {max(ctx)} cached) {ms:.1f} ms, "
+                    f"{st['tflops']:.0f} TFLOPS ({st['fraction_of_matmul']:.2f} of matmul), "
+                    f"{st['tokens_per_s']:.0f} tok/s",
+                    flush=True,
+                )
             total_ms = sum(s["median_ms"] for s in out_steps)
-            res["cases"].append({"name": case["name"], "prompts": case["prompts"], "steps": out_steps,
-                                 "prefill_ms": total_ms})
+            res["cases"].append(
+                {"name": case["name"], "prompts": case["prompts"], "steps": out_steps, "prefill_ms": total_ms}
+            )
             print(f"{case['name']}: prefill {total_ms:.1f} ms in {len(out_steps)} step(s)", flush=True)
     if args.out:
         with open(args.out, "w") as f:

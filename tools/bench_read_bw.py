@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import GpuSampler, copy_bandwidth, event_times, out_paths, require_gpu, run_header  # noqa: E402
+from bench_util import GpuSampler, copy_bandwidth, event_times, out_paths, require_gpu, run_header
 
 _SRC = r"""
 // RBW_U 16-byte loads in flight (p[i + u * step] for u < RBW_U, those below hi), folded into acc by XOR
@@ -138,7 +138,7 @@ def main() -> None:
     missing = None
     try:
         import cupy as cp
-    except Exception as e:  # noqa: BLE001 - reported by require_gpu with the tool's name
+    except Exception as e:
         missing = e
     require_gpu("bench_read_bw", missing)
     out_json, _ = out_paths(args.out, None, "read_bw", "read_bw.txt")
@@ -171,8 +171,13 @@ def main() -> None:
                 grid = sms * per_sm
 
                 def fn(k=k, grid=grid, threads=threads):
-                    k((grid,), (threads,), (cp.uint64(buf.data_ptr()), cp.int64(n16), cp.uint64(sink.data_ptr())),
-                      stream=stream)
+                    k(
+                        (grid,),
+                        (threads,),
+                        (cp.uint64(buf.data_ptr()), cp.int64(n16), cp.uint64(sink.data_ptr())),
+                        stream=stream,
+                    )
+
                 ms, win = _time(fn, args.iters, sampler)
                 record(name, ms, win, unroll=u, threads=threads, ctas_per_sm=per_sm)
     for chunk, stages in ((2048, 8), (4096, 8), (8192, 8), (16384, 4), (16384, 8), (32768, 4)):
@@ -186,8 +191,14 @@ def main() -> None:
             grid = sms * per_sm
 
             def fn(k=k, grid=grid, chunk=chunk, smem=smem):
-                k((grid,), (32,), (cp.uint64(buf.data_ptr()), cp.int64(nbytes // chunk), cp.uint64(sink.data_ptr())),
-                  stream=stream, shared_mem=smem)
+                k(
+                    (grid,),
+                    (32,),
+                    (cp.uint64(buf.data_ptr()), cp.int64(nbytes // chunk), cp.uint64(sink.data_ptr())),
+                    stream=stream,
+                    shared_mem=smem,
+                )
+
             ms, win = _time(fn, args.iters, sampler)
             record("bulk", ms, win, chunk_bytes=chunk, stages=stages, ctas_per_sm=per_sm)
     sampler.stop()
@@ -195,7 +206,9 @@ def main() -> None:
     res["rows"] = rows
     best = max(rows, key=lambda r: r["GBps"])
     res["best"] = best
-    print(f"best read: {best['kernel']} {best['GBps']:.0f} GB/s = {best['GBps'] / cb['GBps_read_plus_write']:.3f} x copy")
+    print(
+        f"best read: {best['kernel']} {best['GBps']:.0f} GB/s = {best['GBps'] / cb['GBps_read_plus_write']:.3f} x copy"
+    )
     with open(out_json, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", out_json)

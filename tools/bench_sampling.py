@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
-from kimi.ops.sampling import sample, sample_ref  # noqa: E402
-from kimi.protocol import SamplingParams  # noqa: E402
+from bench_util import require_gpu
+
+from kimi.ops.sampling import sample, sample_ref
+from kimi.protocol import SamplingParams
 
 V = 163840
 
@@ -45,15 +46,25 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "sampling.json"))
     args = ap.parse_args()
     require_gpu(ap.prog)
-    res = {"what": __doc__.split("\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "vocab": V, "cases": []}
+    res = {
+        "what": __doc__.split("\n")[0],
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "vocab": V,
+        "cases": [],
+    }
     g = torch.Generator(device="cuda").manual_seed(0)
     for B in [int(b) for b in args.batch.split(",")]:
         logits = torch.randn(B, V, device="cuda", generator=g) * 3
         mixes = {
             "greedy": [SamplingParams(temperature=0.0)] * B,
-            "mixed": [SamplingParams(temperature=0.0, num_logprobs=5) if i % 2 == 0 else
-                      SamplingParams(temperature=0.8, top_k=50, top_p=0.9, num_logprobs=0) for i in range(B)],
+            "mixed": [
+                SamplingParams(temperature=0.0, num_logprobs=5)
+                if i % 2 == 0
+                else SamplingParams(temperature=0.8, top_k=50, top_p=0.9, num_logprobs=0)
+                for i in range(B)
+            ],
         }
         for name, params in mixes.items():
             gens = [None] * B

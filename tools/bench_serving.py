@@ -33,17 +33,12 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
 
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue "
-    "side kind head house service friend father power hour game line end member law car city community name"
-).split()
+WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name"]
 
 
 @dataclass
@@ -93,8 +88,15 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[tuple[lis
 
 
 async def one(client: httpx.AsyncClient, args, prompt, in_len: int, max_tokens: int, t0: float) -> Result:
-    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": args.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     r = Result(ok=False, input_len=in_len)
     start = time.perf_counter()
     last = None
@@ -145,8 +147,12 @@ def pct(xs: list[float], q: float) -> float | None:
 def summary(xs: list[float]) -> dict[str, float | None]:
     """p50 / p90 / p99 / mean in milliseconds."""
     ms = [x * 1000 for x in xs]
-    return {"p50_ms": pct(ms, 0.5), "p90_ms": pct(ms, 0.9), "p99_ms": pct(ms, 0.99),
-            "mean_ms": sum(ms) / len(ms) if ms else None}
+    return {
+        "p50_ms": pct(ms, 0.5),
+        "p90_ms": pct(ms, 0.9),
+        "p99_ms": pct(ms, 0.99),
+        "mean_ms": sum(ms) / len(ms) if ms else None,
+    }
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -210,7 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dist", default="fixed", choices=["fixed", "uniform", "normal"])
     p.add_argument("--spread", type=float, default=0.25, help="relative spread of uniform / normal lengths")
     p.add_argument("--prompt-kind", default="tokens", choices=["tokens", "words"])
-    p.add_argument("--shared-prefix-ratio", type=float, default=0.0, help="fraction of each prompt from a shared prefix")
+    p.add_argument(
+        "--shared-prefix-ratio", type=float, default=0.0, help="fraction of each prompt from a shared prefix"
+    )
     p.add_argument("--num-prefixes", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)

@@ -35,12 +35,17 @@ def require_gpu(prog: str, missing: BaseException | None = None) -> None:
 def run_header(what: str, args) -> dict:
     """The common head of a benchmark's JSON: what, its arguments, GPU name, the versions of torch / FlashInfer /
     humming / Triton (None where not importable) and the date."""
-    res: dict = {"what": what, "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res: dict = {
+        "what": what,
+        "args": vars(args),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     for mod in ("flashinfer", "humming", "triton"):
         try:
             res[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing or broken package: recorded as None
+        except Exception:
             res[mod] = None
     return res
 
@@ -106,8 +111,13 @@ def parse_smi_sample(line: str) -> dict | None:
         return None
     try:
         t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        return {"t": t, "sm_MHz": float(parts[1]), "power_W": float(parts[2]), "limit_W": float(parts[3]),
-                "reasons": int(parts[4], 16)}
+        return {
+            "t": t,
+            "sm_MHz": float(parts[1]),
+            "power_W": float(parts[2]),
+            "limit_W": float(parts[3]),
+            "reasons": int(parts[4], 16),
+        }
     except ValueError:
         return None
 
@@ -119,11 +129,18 @@ def summarize_samples(samples: list[dict]) -> dict | None:
         return None
     clk = sorted(s["sm_MHz"] for s in samples)
     n = len(clk)
-    return {"samples": n,
-            "sm_clock_MHz": {"median": statistics.median(clk), "p10": clk[n // 10], "p90": clk[(9 * n) // 10],
-                             "min": clk[0]},
-            "power_W_median": statistics.median(s["power_W"] for s in samples), "limit_W": samples[0]["limit_W"],
-            "power_capped_fraction": round(sum(bool(s["reasons"] & SW_POWER_CAP) for s in samples) / n, 3)}
+    return {
+        "samples": n,
+        "sm_clock_MHz": {
+            "median": statistics.median(clk),
+            "p10": clk[n // 10],
+            "p90": clk[(9 * n) // 10],
+            "min": clk[0],
+        },
+        "power_W_median": statistics.median(s["power_W"] for s in samples),
+        "limit_W": samples[0]["limit_W"],
+        "power_capped_fraction": round(sum(bool(s["reasons"] & SW_POWER_CAP) for s in samples) / n, 3),
+    }
 
 
 class GpuSampler:
@@ -142,11 +159,13 @@ class GpuSampler:
         self._proc = self._reader = None
 
     def _gpu_id(self) -> str:
-        props = torch.cuda.get_device_properties(self.device if self.device is not None else torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(
+            self.device if self.device is not None else torch.cuda.current_device()
+        )
         uuid = getattr(props, "uuid", None)
         return f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
 
-    def start(self) -> "GpuSampler":
+    def start(self) -> GpuSampler:
         import shutil
         import subprocess
         import threading
@@ -154,8 +173,19 @@ class GpuSampler:
         if shutil.which("nvidia-smi") is None:
             return self
         self._proc = subprocess.Popen(
-            ["nvidia-smi", "-i", self._gpu_id(), f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-             "-lms", str(self.interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [
+                "nvidia-smi",
+                "-i",
+                self._gpu_id(),
+                f"--query-gpu={self.QUERY}",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                str(self.interval_ms),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
         def read(proc=self._proc):
             for line in proc.stdout:
@@ -172,7 +202,7 @@ class GpuSampler:
             self._proc.terminate()
             try:
                 self._proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - it did not stop: kill it (nothing raises from the sampler)
+            except Exception:
                 self._proc.kill()
             self._reader.join(timeout=10)
             self._proc = None

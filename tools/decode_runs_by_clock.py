@@ -37,9 +37,17 @@ def read_runs(paths: list[str], seqs: set[int] | None = None, ctx: int | None = 
                 continue
             if ctx is not None and case.get("ctx") != ctx:
                 continue
-            rows.append({"file": os.path.basename(path), "seqs": case["local_seqs"], "ctx": case.get("ctx"),
-                         "graph_ms": case["graph"]["median_ms"], "graph_x": case["graph_over_floor"],
-                         "pipelined_x": case.get("graph_pipelined_over_floor"), "sm_clock_MHz": clock})
+            rows.append(
+                {
+                    "file": os.path.basename(path),
+                    "seqs": case["local_seqs"],
+                    "ctx": case.get("ctx"),
+                    "graph_ms": case["graph"]["median_ms"],
+                    "graph_x": case["graph_over_floor"],
+                    "pipelined_x": case.get("graph_pipelined_over_floor"),
+                    "sm_clock_MHz": clock,
+                }
+            )
     return rows
 
 
@@ -52,8 +60,11 @@ def summarize(rows: list[dict], split_mhz: float) -> dict[int, dict[str, dict]]:
         sides = {}
         for name, keep in (("below", lambda c: c < split_mhz), ("at_or_above", lambda c: c >= split_mhz)):
             xs = [r["graph_x"] for r in rows if r["seqs"] == s and keep(r["sm_clock_MHz"])]
-            sides[name] = ({"runs": len(xs), "min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-                           if xs else {"runs": 0})
+            sides[name] = (
+                {"runs": len(xs), "min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+                if xs
+                else {"runs": 0}
+            )
         out[s] = sides
     return out
 
@@ -73,17 +84,29 @@ def main() -> None:
     print(f"{'seqs':>4} {'SM MHz':>7} {'graph ms':>9} {'x floor':>8} {'pipelined x':>12}  file")
     for r in rows:
         pip = f"{r['pipelined_x']:.3f}" if r["pipelined_x"] is not None else "-"
-        print(f"{r['seqs']:>4} {r['sm_clock_MHz']:>7.0f} {r['graph_ms']:>9.2f} {r['graph_x']:>8.3f} {pip:>12}  {r['file']}")
+        print(
+            f"{r['seqs']:>4} {r['sm_clock_MHz']:>7.0f} {r['graph_ms']:>9.2f} {r['graph_x']:>8.3f} {pip:>12}  {r['file']}"
+        )
     summary = summarize(rows, args.split)
     for s, sides in summary.items():
         for name, v in sides.items():
             if v["runs"]:
-                print(f"{s} seqs, SM clock {name.replace('_', ' ')} {args.split:.0f} MHz: {v['runs']} runs, graph / floor "
-                      f"{v['min']:.3f} - {v['max']:.3f} (median {v['median']:.3f})")
+                print(
+                    f"{s} seqs, SM clock {name.replace('_', ' ')} {args.split:.0f} MHz: {v['runs']} runs, graph / floor "
+                    f"{v['min']:.3f} - {v['max']:.3f} (median {v['median']:.3f})"
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"since": args.since, "split_MHz": args.split, "rows": rows,
-                       "summary": {str(k): v for k, v in summary.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "since": args.since,
+                    "split_MHz": args.split,
+                    "rows": rows,
+                    "summary": {str(k): v for k, v in summary.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

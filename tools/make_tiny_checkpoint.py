@@ -49,7 +49,7 @@ from kimi.config import ModelConfig  # noqa: E402
 from kimi.ops.quant import dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block  # noqa: E402
 from kimi.presets import load_preset  # noqa: E402
 
-__all__ = ["LAYOUTS", "TINY_DIMS", "tiny_config", "generate_tiny_weights", "make_tiny_checkpoint"]
+__all__ = ["LAYOUTS", "TINY_DIMS", "generate_tiny_weights", "make_tiny_checkpoint", "tiny_config"]
 
 LAYOUTS = ("k2.6", "k2-thinking", "k2-instruct")
 
@@ -76,13 +76,22 @@ TINY_DIMS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-_FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+_FP8_QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 # Per-layout differences (KIMI.md section 1 table).
 _VARIANT: dict[str, dict[str, Any]] = {
     "k2.6": dict(factor=64.0, beta_fast=32.0, beta_slow=1.0, max_pos=262144, eps=1e-5, eos=163586, gen_eos=163586),
-    "k2-thinking": dict(factor=64.0, beta_fast=1.0, beta_slow=1.0, max_pos=262144, eps=1e-5, eos=163586, gen_eos=163586),
-    "k2-instruct": dict(factor=32.0, beta_fast=1.0, beta_slow=1.0, max_pos=131072, eps=1e-6, eos=163585, gen_eos=163586),
+    "k2-thinking": dict(
+        factor=64.0, beta_fast=1.0, beta_slow=1.0, max_pos=262144, eps=1e-5, eos=163586, gen_eos=163586
+    ),
+    "k2-instruct": dict(
+        factor=32.0, beta_fast=1.0, beta_slow=1.0, max_pos=131072, eps=1e-6, eos=163585, gen_eos=163586
+    ),
 }
 
 # Tiny stand-ins for the K2.5/K2.6 vision tower and projector (must be skipped by the text loader).
@@ -129,8 +138,14 @@ def tiny_config(layout: str = "k2.6") -> tuple[dict[str, Any], dict[str, Any]]:
     if layout == "k2.6":
         outer = {k: val for k, val in preset.items() if k != "text_config"}
         outer["eos_token_id"] = v["eos"]
-        outer["vision_config"] = {"model_type": "kimi_k25_vision", "hidden_size": 8, "patch_size": 2,
-                                  "num_hidden_layers": 1, "mm_hidden_size": 8, "text_hidden_size": TINY_DIMS["hidden_size"]}
+        outer["vision_config"] = {
+            "model_type": "kimi_k25_vision",
+            "hidden_size": 8,
+            "patch_size": 2,
+            "num_hidden_layers": 1,
+            "mm_hidden_size": 8,
+            "text_hidden_size": TINY_DIMS["hidden_size"],
+        }
         outer["text_config"] = text
         return outer, gen
     return text, gen
@@ -183,7 +198,7 @@ def generate_tiny_weights(layout: str = "k2.6", seed: int = 0) -> tuple[dict[str
     cfg_json, gen = tiny_config(layout)
     cfg = ModelConfig.from_dict(cfg_json, gen)
     pre = cfg.weight_prefix
-    spec = {k[len(pre):]: val for k, val in expected_tensors(cfg).items()}
+    spec = {k[len(pre) :]: val for k, val in expected_tensors(cfg).items()}
     stored: dict[str, Tensor] = {}
     truth: dict[str, Tensor] = {}
     int4_modules: list[tuple[str, Tensor]] = []
@@ -251,8 +266,9 @@ def resolve_tokenizer_source(tokenizer_source: Any = _DEFAULT) -> Any:
     return src
 
 
-def make_tiny_checkpoint(out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0,
-                         tokenizer_source: Any = _DEFAULT) -> str:
+def make_tiny_checkpoint(
+    out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0, tokenizer_source: Any = _DEFAULT
+) -> str:
     """Write the tiny checkpoint of `layout` into `out_dir` (created if needed); returns out_dir as a str.
 
     Files: config.json, generation_config.json, model-0000{1,2,3}-of-00003.safetensors,
@@ -305,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, default="k2.6")
     p.add_argument("--seed", type=int, default=0)
     tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer-dir", default=None,
-                     help="folder with the real tiktoken.model (default: kimi.tokenizer.default_tokenizer_source())")
+    tok.add_argument(
+        "--tokenizer-dir",
+        default=None,
+        help="folder with the real tiktoken.model (default: kimi.tokenizer.default_tokenizer_source())",
+    )
     tok.add_argument("--builtin-tokenizer", action="store_true", help="write the built-in byte-level vocabulary")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -322,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     elif a.builtin_tokenizer:
         vocab = "the built-in byte-level vocabulary (--builtin-tokenizer)"
     else:
-        vocab = ("the built-in byte-level vocabulary (no $KIMI_TOKENIZER_DIR, no ../shared/kimi-tokenizer/ next to the "
-                 "repository folder)")
-    print(f"wrote {a.layout} tiny checkpoint to {out} with {vocab} in {time.perf_counter() - t0:.2f} s",
-          file=sys.stderr)
+        vocab = (
+            "the built-in byte-level vocabulary (no $KIMI_TOKENIZER_DIR, no ../shared/kimi-tokenizer/ next to the "
+            "repository folder)"
+        )
+    print(
+        f"wrote {a.layout} tiny checkpoint to {out} with {vocab} in {time.perf_counter() - t0:.2f} s", file=sys.stderr
+    )
     return 0
 
 

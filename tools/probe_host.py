@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
+from bench_util import require_gpu
 
 
 def med(fn, n: int = 200) -> float:

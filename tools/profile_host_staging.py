@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
+from bench_util import require_gpu
 
 
 def timed(fn, iters: int) -> float:
@@ -44,8 +44,14 @@ def main() -> None:
     require_gpu(ap.prog)
     dev = torch.device("cuda")
     blk = 64
-    res = {"what": __doc__.split("\n")[0], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "ctx": args.ctx, "cases": []}
+    res = {
+        "what": __doc__.split("\n")[0],
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "ctx": args.ctx,
+        "cases": [],
+    }
     res["python_loop_1000_us"] = timed(lambda: sum(range(1000)), args.iters)
     small = torch.zeros(4, device=dev)
     res["torch_tiny_op_us"] = timed(lambda: small.add_(1), args.iters)
@@ -83,7 +89,8 @@ def main() -> None:
 
         n_in = 3 * B + (len(flat) + 1) // 2
         case = {
-            "B": B, "pages": len(flat),
+            "B": B,
+            "pages": len(flat),
             "page_list_us": timed(flat_list, args.iters),
             "page_ids_to_pinned_us": timed(lambda: hk.__setitem__(slice(0, len(flat)), flat), args.iters),
             "ids_positions_slots_us": timed(fill, args.iters),

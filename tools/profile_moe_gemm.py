@@ -22,9 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
-from kimi.ops import moe_int4_cuda as mc  # noqa: E402
-from kimi.worker.dummy_weights import random_packed_experts  # noqa: E402
+from bench_util import require_gpu
+
+from kimi.ops import moe_int4_cuda as mc
+from kimi.worker.dummy_weights import random_packed_experts
 
 H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 
@@ -63,8 +64,15 @@ def main() -> None:
     print(f"{args.gemm} [{n}, {k}] at {T} MoE tokens: kimi's config {cfg}, humming's {hc}", flush=True)
     runs = {
         "kimi_cuda": lambda: mc.indexed_gemm(x, *w, a16[0], a16[1], a16[2], top_k, out, config=cfg),
-        "humming": lambda: layer(x, sorted_ids=ah[0], expert_ids=ah[1], num_tokens_padded=ah[2].view(()), top_k=top_k,
-                                 compute_config={"gemm_type": "indexed"}, tuning_config=hc),
+        "humming": lambda: layer(
+            x,
+            sorted_ids=ah[0],
+            expert_ids=ah[1],
+            num_tokens_padded=ah[2].view(()),
+            top_k=top_k,
+            compute_config={"gemm_type": "indexed"},
+            tuning_config=hc,
+        ),
     }
     for name, fn in runs.items():
         ts = []

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import require_gpu  # noqa: E402  (tools/, this script's folder)
+from bench_util import require_gpu
 
 
 def main() -> None:
@@ -54,7 +54,12 @@ def main() -> None:
         prof.disable()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
-        case = {"B": B, "plan_pages_us_median": statistics.median(ts), "plan_pages_us_min": min(ts), "profile": s.getvalue()}
+        case = {
+            "B": B,
+            "plan_pages_us_median": statistics.median(ts),
+            "plan_pages_us_min": min(ts),
+            "profile": s.getvalue(),
+        }
         res["cases"].append(case)
         print(f"B={B}: plan_pages median {case['plan_pages_us_median']:.0f} us (min {case['plan_pages_us_min']:.0f})")
         print("\n".join(s.getvalue().splitlines()[:30]))

@@ -36,13 +36,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import require_gpu  # noqa: E402
-from kimi.ops import moe_int4_triton as mi  # noqa: E402
+from bench_util import require_gpu
+
+from kimi.ops import moe_int4_triton as mi
 
 # GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
 _MISSING = None
 try:
     from bench_gemm import Timer  # tools/, this script's folder: CUDA-graph replay timer
+
     from kimi.ops import fused
 except ImportError as _e:
     _MISSING = _e
@@ -95,38 +97,90 @@ def op_cases(g):
         d1, d2 = (torch.randn(B, D, generator=g, device=DEV).to(BF16) for _ in range(2))
         loc = ((ids >= OFF) & (ids < OFF + E_LOC)).reshape(-1).nonzero().flatten()
         setups[B] = dict(
-            combine=(lambda i=0, w=w, ids=ids, y2=y2, out=out: mi.combine_into(y2, w, ids, OFF, E_LOC, out),
-                     lambda a, b: torch.equal(a, b), lambda out=out: out.fill_(float("nan"))),
-            silu_rows=(lambda i=0, y1=y1, al=al, so=so: fused.silu_mul_rows(y1, al[0], al[2], I2 // 2, out=so),
-                       lambda a, b, loc=loc: torch.equal(a[loc], b[loc]), lambda so=so: so.fill_(float("nan"))),
-            align=(lambda i=0, ids=ids: fused._moe_align(ids, E_LOC, OFF, 8, False),
-                   lambda a, b: torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-                   and torch.equal(a[0].view(-1, 8).sort(1).values, b[0].view(-1, 8).sort(1).values), None),
-            router=(lambda i=0, x=x, gates=gates, bias=bias: fused._router_topk(x, gates[i % 20], bias, TOPK, 2.827, True,
-                                                                                  False),
-                    lambda a, b: torch.equal(a[1], b[1]) and (a[0] - b[0]).abs().max().item() <= 1e-5, None),
-            rmsnorm=(lambda i=0, xq=xq, wq=wq, x=x, d1=d1, d2=d2, wd=wd: (fused.rms_norm(xq, wq, 1e-6),
-                                                                           fused.add_rms_norm(x, d1, d2, wd, 1e-6)[1]),
-                     lambda a, b: all(((p.float() - q.float()).norm() / q.float().norm()).item() <= 1e-2
-                                      for p, q in zip(a, b)), None),
+            combine=(
+                lambda i=0, w=w, ids=ids, y2=y2, out=out: mi.combine_into(y2, w, ids, OFF, E_LOC, out),
+                lambda a, b: torch.equal(a, b),
+                lambda out=out: out.fill_(float("nan")),
+            ),
+            silu_rows=(
+                lambda i=0, y1=y1, al=al, so=so: fused.silu_mul_rows(y1, al[0], al[2], I2 // 2, out=so),
+                lambda a, b, loc=loc: torch.equal(a[loc], b[loc]),
+                lambda so=so: so.fill_(float("nan")),
+            ),
+            align=(
+                lambda i=0, ids=ids: fused._moe_align(ids, E_LOC, OFF, 8, False),
+                lambda a, b: (
+                    torch.equal(a[1], b[1])
+                    and torch.equal(a[2], b[2])
+                    and torch.equal(a[0].view(-1, 8).sort(1).values, b[0].view(-1, 8).sort(1).values)
+                ),
+                None,
+            ),
+            router=(
+                lambda i=0, x=x, gates=gates, bias=bias: fused._router_topk(
+                    x, gates[i % 20], bias, TOPK, 2.827, True, False
+                ),
+                lambda a, b: torch.equal(a[1], b[1]) and (a[0] - b[0]).abs().max().item() <= 1e-5,
+                None,
+            ),
+            rmsnorm=(
+                lambda i=0, xq=xq, wq=wq, x=x, d1=d1, d2=d2, wd=wd: (
+                    fused.rms_norm(xq, wq, 1e-6),
+                    fused.add_rms_norm(x, d1, d2, wd, 1e-6)[1],
+                ),
+                lambda a, b: all(
+                    ((p.float() - q.float()).norm() / q.float().norm()).item() <= 1e-2 for p, q in zip(a, b)
+                ),
+                None,
+            ),
         )
     lr = fused.LAUNCH["router_logits"]
     router_vars = [{"router_logits": lr, "router_topk_warps": fused.LAUNCH["router_topk_warps"]}]
-    for k, vals in (("bt", (32,)), ("be", (64, 128)), ("bk", (64, 256)), ("warps", (2, 8)), ("split_elems", (256, 1024, 2048))):
+    for k, vals in (
+        ("bt", (32,)),
+        ("be", (64, 128)),
+        ("bk", (64, 256)),
+        ("warps", (2, 8)),
+        ("split_elems", (256, 1024, 2048)),
+    ):
         for v in vals:
             router_vars.append({"router_logits": lr | {k: v}, "router_topk_warps": fused.LAUNCH["router_topk_warps"]})
     for tw in (1, 4):
         router_vars.append({"router_logits": lr, "router_topk_warps": tw})
-    ops.append(("combine", ["combine"], [{"combine": {"block_n": bn, "warps": nw}}
-                                         for bn, nw in itertools.product((1024, 512, 2048, 4096), (4, 2, 8))]))
-    ops.append(("silu_rows", ["silu_rows"], [{"silu_rows": {"rows": r, "block": bl, "warps": nw}}
-                                              for r, bl, nw in itertools.product((4, 1, 2, 8, 16), (1024, 512, 2048),
-                                                                                 (4, 2, 8))]))
-    ops.append(("align", ["align_count_warps", "align_scatter"],
-                [{"align_count_warps": cw, "align_scatter": {"block": sb, "warps": sw}}
-                 for cw, (sb, sw) in itertools.product((8, 4, 16), ((256, 4), (128, 4), (512, 4), (1024, 4), (256, 2)))]))
+    ops.append(
+        (
+            "combine",
+            ["combine"],
+            [
+                {"combine": {"block_n": bn, "warps": nw}}
+                for bn, nw in itertools.product((1024, 512, 2048, 4096), (4, 2, 8))
+            ],
+        )
+    )
+    ops.append(
+        (
+            "silu_rows",
+            ["silu_rows"],
+            [
+                {"silu_rows": {"rows": r, "block": bl, "warps": nw}}
+                for r, bl, nw in itertools.product((4, 1, 2, 8, 16), (1024, 512, 2048), (4, 2, 8))
+            ],
+        )
+    )
+    ops.append(
+        (
+            "align",
+            ["align_count_warps", "align_scatter"],
+            [
+                {"align_count_warps": cw, "align_scatter": {"block": sb, "warps": sw}}
+                for cw, (sb, sw) in itertools.product((8, 4, 16), ((256, 4), (128, 4), (512, 4), (1024, 4), (256, 2)))
+            ],
+        )
+    )
     ops.append(("router", ["router_logits", "router_topk_warps"], router_vars))
-    ops.append(("rmsnorm", ["rmsnorm_warps"], [{"rmsnorm_warps": None}] + [{"rmsnorm_warps": n} for n in (2, 4, 8, 16)]))
+    ops.append(
+        ("rmsnorm", ["rmsnorm_warps"], [{"rmsnorm_warps": None}] + [{"rmsnorm_warps": n} for n in (2, 4, 8, 16)])
+    )
     return ops, setups
 
 
@@ -151,9 +205,18 @@ def main() -> None:
     from kimi.ops import pdl
 
     g = torch.Generator(device=DEV).manual_seed(0)
-    res = {"what": __doc__.split("\n")[0], "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "pdl": pdl.ENABLED, "reps": args.reps, "samples": args.samples, "ops": {}, "picks": {}}
+    res = {
+        "what": __doc__.split("\n")[0],
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "pdl": pdl.ENABLED,
+        "reps": args.reps,
+        "samples": args.samples,
+        "ops": {},
+        "picks": {},
+    }
     ops, setups = op_cases(g)
     timer = Timer(args.samples)
     for name, keys, variants in ops:
@@ -186,7 +249,7 @@ def main() -> None:
                 row["same_output"] = bool(ok)
                 row["us"] = {B: graph_us(timer, st[name][0], args.reps) for B, st in setups.items()}
                 row["sum_us"] = sum(row["us"].values())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 row["error"] = traceback.format_exc()[-500:]
             finally:
                 for k, v in default.items():
@@ -198,8 +261,10 @@ def main() -> None:
         res["ops"][name] = {"default": default, "rows": rows}
         if good and base and good[0]["sum_us"] < base * (1 - args.min_gain):
             res["picks"][name] = good[0]["launch"]
-            print(f"PICK {name}: {json.dumps(good[0]['launch'])} {good[0]['sum_us']:.2f} us vs default {base:.2f}",
-                  flush=True)
+            print(
+                f"PICK {name}: {json.dumps(good[0]['launch'])} {good[0]['sum_us']:.2f} us vs default {base:.2f}",
+                flush=True,
+            )
         else:
             print(f"KEEP {name}: default {base} us", flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class NoFreeBlocks(RuntimeError):

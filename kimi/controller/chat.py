@@ -68,8 +68,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         elif isinstance(c, list):
             for j, part in enumerate(c):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"'{p}.content[{j}]' must be {{'type': 'text', 'text': str}} (only text is supported)",
-                                     f"{p}.content[{j}]")
+                    raise BadRequest(
+                        f"'{p}.content[{j}]' must be {{'type': 'text', 'text': str}} (only text is supported)",
+                        f"{p}.content[{j}]",
+                    )
         elif not isinstance(c, str):
             raise BadRequest(f"'{p}.content' must be a string or a list of text parts", f"{p}.content")
         if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
@@ -95,7 +97,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                     raise BadRequest(f"'{q}.function.name' must be a non-empty string", f"{q}.function.name")
                 args = fn.get("arguments")
                 if args is not None and not isinstance(args, (str, dict)):
-                    raise BadRequest(f"'{q}.function.arguments' must be a JSON string or an object", f"{q}.function.arguments")
+                    raise BadRequest(
+                        f"'{q}.function.arguments' must be a JSON string or an object", f"{q}.function.arguments"
+                    )
         if role == "tool" and (not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]):
             raise BadRequest(f"'{p}.tool_call_id' must be a non-empty string for role tool", f"{p}.tool_call_id")
         out.append({**m, "role": "system"} if role == "developer" else m)
@@ -139,9 +143,11 @@ def validate_tools(tools: Any) -> list[str]:
         if strict is not None and not isinstance(strict, bool):
             raise BadRequest(f"'{p}.function.strict' must be a boolean", f"{p}.function.strict")
         if strict:
-            raise BadRequest(f"'{p}.function.strict' true is not supported: this server has no guided decoding, so "
-                             "it cannot guarantee arguments that match the schema (omit it or send false)",
-                             f"{p}.function.strict")
+            raise BadRequest(
+                f"'{p}.function.strict' true is not supported: this server has no guided decoding, so "
+                "it cannot guarantee arguments that match the schema (omit it or send false)",
+                f"{p}.function.strict",
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise BadRequest(f"'{p}.function.name' must be 1-128 characters of A-Za-z0-9_.:-", f"{p}.function.name")
@@ -173,7 +179,10 @@ def _special_ids(tokenizer: KimiTokenizer) -> tuple[re.Pattern, dict[str, int]]:
 
 
 def encode_chat(
-    tokenizer: KimiTokenizer, messages: Any, tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any],
+    tokenizer: KimiTokenizer,
+    messages: Any,
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
     max_model_len: int | None = None,
 ) -> list[int]:
     """Prompt token ids for a chat request (generation prompt appended).
@@ -213,8 +222,9 @@ def encode_chat(
         if isinstance(c, str):
             m2["content"] = mark(c, f"messages[{i}].content") if c else c
         elif isinstance(c, list):
-            m2["content"] = [{**part, "text": mark(part["text"], f"messages[{i}].content[{j}].text")}
-                             for j, part in enumerate(c)]
+            m2["content"] = [
+                {**part, "text": mark(part["text"], f"messages[{i}].content[{j}].text")} for j, part in enumerate(c)
+            ]
         if isinstance(m.get("name"), str) and m["name"]:
             m2["name"] = mark(m["name"], f"messages[{i}].name")
         if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:
@@ -247,8 +257,11 @@ def encode_chat(
             except ValueError:
                 pass
             else:
-                raise BadRequest(f"the chat template failed with these 'chat_template_kwargs' (it renders these "
-                                 f"messages without them): {e}", "chat_template_kwargs") from None
+                raise BadRequest(
+                    f"the chat template failed with these 'chat_template_kwargs' (it renders these "
+                    f"messages without them): {e}",
+                    "chat_template_kwargs",
+                ) from None
         raise BadRequest(str(e), "messages") from None
     # Tokenize as encode(rendered prompt, allow_special=True) would (HF / vLLM): the text between two control
     # tokens is ONE ordinary run, whether it comes from the template or from the request, so a message's text

@@ -29,8 +29,8 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import msgspec
 
@@ -156,7 +156,9 @@ class Engine:
         seq = 0
         while len(ready) < world_size:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"workers not ready after {timeout_s:g} s ({len(ready)}/{world_size} ranks; --startup-timeout)")
+                raise RuntimeError(
+                    f"workers not ready after {timeout_s:g} s ({len(ready)}/{world_size} ranks; --startup-timeout)"
+                )
             for check in self.liveness_checks:
                 err = check()
                 if err:
@@ -169,7 +171,13 @@ class Engine:
                 continue
             if isinstance(msg, protocol.Ready):
                 ready[msg.rank] = msg
-                log.info("rank %d ready: %d KV blocks of %d tokens (block 0 is the null block) on %s", msg.rank, msg.num_blocks, msg.block_size, msg.device)
+                log.info(
+                    "rank %d ready: %d KV blocks of %d tokens (block 0 is the null block) on %s",
+                    msg.rank,
+                    msg.num_blocks,
+                    msg.block_size,
+                    msg.device,
+                )
             elif isinstance(msg, protocol.WorkerError):
                 raise RuntimeError(f"worker rank {msg.rank} failed during start-up: {msg.message}")
         num_blocks = min(r.num_blocks for r in ready.values())
@@ -178,16 +186,21 @@ class Engine:
             raise RuntimeError(f"workers use block_size {block_size}, controller {self.cache_config.block_size}")
         self.world_size = world_size
         self.schedulers = [
-            Scheduler(self.scheduler_config, BlockPool(num_blocks, block_size, self.enable_prefix_caching), dp_rank=r) for r in range(world_size)
+            Scheduler(self.scheduler_config, BlockPool(num_blocks, block_size, self.enable_prefix_caching), dp_rank=r)
+            for r in range(world_size)
         ]
         self.router = DPRouter(self.schedulers)
         self.kv_capacity_tokens = (num_blocks - 1) * block_size
         if self.kv_capacity_tokens < self.max_model_len:
-            log.warning("the KV cache holds %d tokens per DP rank, fewer than the max model length %d: a request "
-                        "whose prompt plus max_tokens exceeds %d tokens is refused (400), and a default max_tokens "
-                        "is clamped to fit (more GPU memory, --gpu-memory-utilization, --num-blocks or a smaller "
-                        "--max-model-len change this)", self.kv_capacity_tokens, self.max_model_len,
-                        self.kv_capacity_tokens)
+            log.warning(
+                "the KV cache holds %d tokens per DP rank, fewer than the max model length %d: a request "
+                "whose prompt plus max_tokens exceeds %d tokens is refused (400), and a default max_tokens "
+                "is clamped to fit (more GPU memory, --gpu-memory-utilization, --num-blocks or a smaller "
+                "--max-model-len change this)",
+                self.kv_capacity_tokens,
+                self.max_model_len,
+                self.kv_capacity_tokens,
+            )
         self._alive_since = time.monotonic()  # heartbeat clock starts when every rank is ready
         self.ready = True
 
@@ -219,8 +232,11 @@ class Engine:
         if n == 0:
             raise AdmissionError("the prompt is empty", "prompt")
         if n >= self.max_model_len:  # before the per-id scan below: a huge prompt is refused in O(1) (the loop waits)
-            raise AdmissionError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                                 f"{n} tokens, which leaves no room for a generated token", "prompt")
+            raise AdmissionError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{n} tokens, which leaves no room for a generated token",
+                "prompt",
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
@@ -229,14 +245,21 @@ class Engine:
         if n + stop.max_tokens > self.max_model_len:
             raise AdmissionError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
-                f"tokens and max_tokens asks for {stop.max_tokens} more", "max_tokens")
+                f"tokens and max_tokens asks for {stop.max_tokens} more",
+                "max_tokens",
+            )
         if n >= self.kv_capacity_tokens:
-            raise AdmissionError(f"the prompt ({n} tokens) fills the KV cache capacity of {self.kv_capacity_tokens} "
-                                 "tokens, which leaves no room for a generated token", "prompt")
+            raise AdmissionError(
+                f"the prompt ({n} tokens) fills the KV cache capacity of {self.kv_capacity_tokens} "
+                "tokens, which leaves no room for a generated token",
+                "prompt",
+            )
         if n + stop.max_tokens > self.kv_capacity_tokens:
             raise AdmissionError(
                 f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the KV cache capacity of "
-                f"{self.kv_capacity_tokens} tokens", "max_tokens")
+                f"{self.kv_capacity_tokens} tokens",
+                "max_tokens",
+            )
         try:  # the sampling parameters go to every worker in the next plan: they must encode
             protocol.encode(sampling)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -26,12 +26,14 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for every str (C)
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -61,8 +63,18 @@ from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
 MAX_BODY_BYTES = 32 << 20
 MAX_N = 16
 # fields one endpoint takes and the other does not: a 400 for one of them names the endpoint that takes it
-CHAT_ONLY_FIELDS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
-                              "response_format", "chat_template_kwargs", "modalities"})
+CHAT_ONLY_FIELDS = frozenset(
+    {
+        "messages",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "top_logprobs",
+        "response_format",
+        "chat_template_kwargs",
+        "modalities",
+    }
+)
 COMPLETIONS_ONLY_FIELDS = frozenset({"prompt", "echo", "suffix"})
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
 RAW_SEND = "kimi.raw_send"  # scope key: the server's own ASGI `send`, set by _Auth (see _SSE)
@@ -130,7 +142,10 @@ class _Choice:
             self.top_logprobs.append(o.top_logprobs[j] if o.top_logprobs else None)
         if o.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs = (
-                o.prompt_logprobs, o.prompt_top_ids, o.prompt_top_logprobs)
+                o.prompt_logprobs,
+                o.prompt_top_ids,
+                o.prompt_top_logprobs,
+            )
 
     def parse(self, o: RequestOutput) -> ParserDelta:
         """Chat: feed output o (one token) to the parser; with stop strings, text the controller held back and
@@ -150,7 +165,10 @@ class _Choice:
         self.last = o
         if o.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs = (
-                o.prompt_logprobs, o.prompt_top_ids, o.prompt_top_logprobs)
+                o.prompt_logprobs,
+                o.prompt_top_ids,
+                o.prompt_top_logprobs,
+            )
 
 
 def _token_logprobs(o: RequestOutput) -> tuple[list[float | None], list[list[int] | None], list[list[float] | None]]:
@@ -208,8 +226,14 @@ class _Siblings:
     `close()` aborts every sibling that has not finished (client gone, error) and is idempotent.
     """
 
-    def __init__(self, engine: Engine, ids: list[str], streams: list[AsyncIterator[list[RequestOutput]]],
-                 outputs: list[OutputStream] | None = None, requests: list[Request] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        ids: list[str],
+        streams: list[AsyncIterator[list[RequestOutput]]],
+        outputs: list[OutputStream] | None = None,
+        requests: list[Request] | None = None,
+    ) -> None:
         self.engine = engine
         self.ids = ids
         self.streams = streams
@@ -286,7 +310,7 @@ class _BodyWriter:
         self.transport = cycle.transport
 
     @classmethod
-    def attach(cls, send: Any) -> "_BodyWriter | None":
+    def attach(cls, send: Any) -> _BodyWriter | None:
         cycle = getattr(send, "__self__", None)
         if cycle is None or type(cycle).__name__ != "RequestResponseCycle":
             return None
@@ -336,8 +360,14 @@ class _SSE:
     connection (the response is incomplete), which is what the wrappers would have led to.
     """
 
-    def __init__(self, siblings: _Siblings, render: Any, first: bytes = b"", tail: Any = None,
-                 text_only: tuple[_Choice, _EventTemplate] | None = None) -> None:
+    def __init__(
+        self,
+        siblings: _Siblings,
+        render: Any,
+        first: bytes = b"",
+        tail: Any = None,
+        text_only: tuple[_Choice, _EventTemplate] | None = None,
+    ) -> None:
         self.siblings = siblings
         self.render = render
         self.first = first
@@ -380,8 +410,14 @@ class _SSE:
             pre, post = template.parts(0)
 
             def text_sink(o: RequestOutput) -> bool:  # render + sink below, fused for the commonest stream
-                if (o.finished or o.error is not None or o.prompt_logprobs is not None or cycle.disconnected
-                        or cycle.response_complete or flow.write_paused):
+                if (
+                    o.finished
+                    or o.error is not None
+                    or o.prompt_logprobs is not None
+                    or cycle.disconnected
+                    or cycle.response_complete
+                    or flow.write_paused
+                ):
                     return False
                 choice.last = o
                 text = o.text
@@ -410,8 +446,16 @@ class _SSE:
 
         async def produce() -> None:
             nonlocal started
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                    ],
+                }
+            )
             started = True
             out = raw or send
             writer = _BodyWriter.attach(raw) if raw is not None and stream is not None else None
@@ -437,7 +481,12 @@ class _SSE:
                 await chunks.aclose()
             except Exception:
                 pass
-        if prod.done() and not prod.cancelled() and prod.exception() is not None and not isinstance(prod.exception(), OSError):
+        if (
+            prod.done()
+            and not prod.cancelled()
+            and prod.exception() is not None
+            and not isinstance(prod.exception(), OSError)
+        ):
             exc = prod.exception()
             if raw is not None and started:
                 log.error("streaming response failed after it started", exc_info=exc)
@@ -466,9 +515,17 @@ class _Auth:
             key_ok = hmac.compare_digest(cred.lstrip(b" "), self.api_key.encode())
             if not (key_ok and scheme.lower() == b"bearer"):
                 resp = JSONResponse(
-                    {"error": {"message": "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                    {
+                        "error": {
+                            "message": "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "invalid_api_key",
+                        }
+                    },
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -514,8 +571,14 @@ class OpenAIServer:
         # the served vocabulary's text of the reasoning / tool marker ids, where it is not the parser's default
         # (K2-Instruct's names 163606 / 163607 <|reserved_token_...|>): left out of the fields with skip_special_tokens
         # false as well
-        self._marker_text = tuple((t, x) for t, x in ((t, _decode_or_none(tokenizer, t)) for t in MARKER_TEXT)
-                                  if x is not None and x != MARKER_TEXT[t]) or None
+        self._marker_text = (
+            tuple(
+                (t, x)
+                for t, x in ((t, _decode_or_none(tokenizer, t)) for t in MARKER_TEXT)
+                if x is not None and x != MARKER_TEXT[t]
+            )
+            or None
+        )
         self.created = int(time.time())
         self.metrics = Metrics(engine)
         engine.observer = self.metrics
@@ -537,7 +600,9 @@ class OpenAIServer:
         return error_response(BadRequest(f"no route {request.method} {request.url.path}", None, status=404))
 
     async def _not_allowed(self, request: HTTPRequest, exc: Exception) -> JSONResponse:
-        return error_response(BadRequest(f"method {request.method} not allowed on {request.url.path}", None, status=405))
+        return error_response(
+            BadRequest(f"method {request.method} not allowed on {request.url.path}", None, status=405)
+        )
 
     async def health(self, request: HTTPRequest) -> Response:
         if self.engine.fatal_error is not None:
@@ -550,8 +615,13 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kimi",
-                "max_model_len": self.engine.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kimi",
+            "max_model_len": self.engine.max_model_len,
+        }
 
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -560,8 +630,14 @@ class OpenAIServer:
         """`GET /v1/models/{id}` (the openai client's `models.retrieve`): the served model, else a 404."""
         model_id = request.path_params["model_id"]
         if model_id != self.model_name:
-            return error_response(BadRequest(f"the model '{model_id}' does not exist; this server serves "
-                                             f"'{self.model_name}'", None, status=404, code="model_not_found"))
+            return error_response(
+                BadRequest(
+                    f"the model '{model_id}' does not exist; this server serves '{self.model_name}'",
+                    None,
+                    status=404,
+                    code="model_not_found",
+                )
+            )
         return JSONResponse(self._model_card())
 
     # ---- shared parsing ---------------------------------------------------------------------------------------
@@ -588,8 +664,9 @@ class OpenAIServer:
         except ClientDisconnect:
             raise BadRequest("the client disconnected while sending the request body", None) from None
         except asyncio.TimeoutError:
-            raise BadRequest(f"the request body was not received within {self.body_timeout_s:g} s", None,
-                             status=408) from None
+            raise BadRequest(
+                f"the request body was not received within {self.body_timeout_s:g} s", None, status=408
+            ) from None
         raw = b"".join(parts)
         try:
             text = raw.decode("utf-8")
@@ -600,12 +677,22 @@ class OpenAIServer:
         f.body_bytes = len(raw)
         model = f.str("model") or self.model_name  # absent, null or "": the served model (as vLLM)
         if model != self.model_name:
-            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'", "model",
-                             status=404, code="model_not_found")  # 404 as OpenAI and vLLM (openai.NotFoundError)
+            raise BadRequest(
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                status=404,
+                code="model_not_found",
+            )  # 404 as OpenAI and vLLM (openai.NotFoundError)
         return f
 
-    def _common(self, f: Fields, prompt_token_ids: list[int], max_tokens_default: int | None,
-                logprobs: int | None, prompt_logprobs: int) -> GenerationArgs:
+    def _common(
+        self,
+        f: Fields,
+        prompt_token_ids: list[int],
+        max_tokens_default: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int,
+    ) -> GenerationArgs:
         # the request-level fields and their order (which bad field is reported first) are shared with the
         # ZeroMQ submit API (kimi.controller.submit) through kimi.controller.validation
         sampling = read_sampling(f)
@@ -632,8 +719,9 @@ class OpenAIServer:
                 sof.noop("continuous_usage_stats", (False,), "is not supported")
                 sof.reject_unknown()
             except BadRequest as e:
-                raise BadRequest(e.message.replace(f"'{e.param}'", f"'stream_options.{e.param}'"),
-                                 f"stream_options.{e.param}") from None
+                raise BadRequest(
+                    e.message.replace(f"'{e.param}'", f"'stream_options.{e.param}'"), f"stream_options.{e.param}"
+                ) from None
         stop_ids = read_stop_token_ids(f, self.vocab_size)
         ignore_eos = f.bool("ignore_eos", False)
         skip_special = f.bool("skip_special_tokens", True)
@@ -646,8 +734,9 @@ class OpenAIServer:
         if f.has("max_completion_tokens"):
             mct = f.int("max_completion_tokens", None, lo=1)
             if max_tokens is not None and mct != max_tokens:
-                raise BadRequest("'max_tokens' and 'max_completion_tokens' disagree; send one of them",
-                                 "max_completion_tokens")
+                raise BadRequest(
+                    "'max_tokens' and 'max_completion_tokens' disagree; send one of them", "max_completion_tokens"
+                )
             if max_tokens is None and mct is not None:  # errors about it name the field the client sent
                 max_field = "max_completion_tokens"
             max_tokens = mct
@@ -657,9 +746,17 @@ class OpenAIServer:
             max_tokens = max_tokens_default
         min_tokens = read_min_tokens(f, max_tokens, max_field)
         sp, st = generation_params(
-            sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias_ids=lb_ids,
-            logit_bias_values=lb_vals, stop=stop_strings, include_stop_str_in_output=include_stop,
-            stop_token_ids=stop_ids, ignore_eos=ignore_eos, max_tokens=max_tokens, min_tokens=min_tokens,
+            sampling,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias_ids=lb_ids,
+            logit_bias_values=lb_vals,
+            stop=stop_strings,
+            include_stop_str_in_output=include_stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
             eos_token_ids=self.engine.eos_token_ids,
         )
         return GenerationArgs(
@@ -681,9 +778,12 @@ class OpenAIServer:
         n siblings wait in the queue together, so n > max_waiting could never be admitted: that is a 400 (not
         the retryable 503 of a full queue, which a client following Retry-After would retry forever)."""
         if g.n > self.engine.max_waiting:
-            raise BadRequest(f"'n' ({g.n}) exceeds this server's queue capacity of {self.engine.max_waiting} "
-                             f"requests (--max-waiting): the {g.n} choices can never be queued together; "
-                             f"use n <= {self.engine.max_waiting}", "n")
+            raise BadRequest(
+                f"'n' ({g.n}) exceeds this server's queue capacity of {self.engine.max_waiting} "
+                f"requests (--max-waiting): the {g.n} choices can never be queued together; "
+                f"use n <= {self.engine.max_waiting}",
+                "n",
+            )
         ids: list[str] = []
         streams: list[AsyncIterator[list[RequestOutput]]] = []
         outputs: list[OutputStream] = []
@@ -694,8 +794,11 @@ class OpenAIServer:
                 if g.n > 1 and sp.seed is not None:
                     sp = _replace(sp, seed=(sp.seed + i + 2**63) % 2**64 - 2**63)
                 rid = request_id if g.n == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.generate_batches(rid, g.prompt_token_ids, sp, g.stop,
-                                                                  g.skip_special_tokens, leader=ids[0] if ids else None))
+                streams.append(
+                    await self.engine.generate_batches(
+                        rid, g.prompt_token_ids, sp, g.stop, g.skip_special_tokens, leader=ids[0] if ids else None
+                    )
+                )
                 ids.append(rid)
                 reqs.append(self.engine.requests[rid])
                 outputs.append(reqs[-1].outputs)
@@ -717,8 +820,12 @@ class OpenAIServer:
 
     @staticmethod
     def _usage(n_prompt: int, n_out: int, n_cached: int) -> dict[str, Any]:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-                "prompt_tokens_details": {"cached_tokens": n_cached}}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": n_cached},
+        }
 
     def _usage_of(self, g: GenerationArgs, choices: list[_Choice]) -> dict[str, Any]:
         n_out = sum(c.last.num_output_tokens if c.last else 0 for c in choices)
@@ -730,6 +837,7 @@ class OpenAIServer:
 
         Returns an error message, or None when every choice finished normally.
         """
+
         async def consume() -> None:
             async for i, batch in sib:
                 c = choices[i]
@@ -769,8 +877,14 @@ class OpenAIServer:
             return []
 
     # ---- /v1/completions ----------------------------------------------------------------------------------------
-    def _completion_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[int] | None],
-                             top_lps: list[list[float] | None], offsets: list[int]) -> dict[str, Any]:
+    def _completion_logprobs(
+        self,
+        ids: list[int],
+        lps: list[float | None],
+        tops: list[list[int] | None],
+        top_lps: list[list[float] | None],
+        offsets: list[int],
+    ) -> dict[str, Any]:
         """Legacy completions logprobs: tokens, token_logprobs, top_logprobs (per token a dict of the top-k
         alternatives plus the chosen token, as vLLM; None where the logprob is unknown), text_offset.
 
@@ -788,8 +902,12 @@ class OpenAIServer:
                 d = {self._token_str(t): _finite(v) for t, v in zip(tops[j], top_lps[j])}  # type: ignore[arg-type]
             d.setdefault(s, _finite(lps[j]))
             tl.append(d)
-        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": tl,
-                "text_offset": list(offsets)}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(x) for x in lps],
+            "top_logprobs": tl,
+            "text_offset": list(offsets),
+        }
 
     # text_offset rule (non-streaming and streaming alike, so that the streamed chunks' text_offset lists
     # concatenate to the non-streaming one): text_offset[i] is the character offset (Python str index, i.e.
@@ -844,7 +962,11 @@ class OpenAIServer:
                 check_prompt_text_fits(self.tokenizer, prompt, self.engine.max_model_len)
                 ids = await run_sized(len(prompt), self.tokenizer.encode, prompt)  # large: off the event loop
                 prompt_text = prompt
-            elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt)
+            ):
                 ids = list(prompt)
                 bad = [x for x in ids if not 0 <= x < self.vocab_size]
                 if bad:
@@ -856,19 +978,28 @@ class OpenAIServer:
                 raise BadRequest("'prompt' must not be empty", "prompt")
             elif isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # (a token-id list with a string in
                 # it is the branch below: it names the item)
-                raise BadRequest("'prompt' must be a string or a list of token ids; batches of several prompts are "
-                                 "not supported (send one request per prompt)", "prompt")
+                raise BadRequest(
+                    "'prompt' must be a string or a list of token ids; batches of several prompts are "
+                    "not supported (send one request per prompt)",
+                    "prompt",
+                )
             elif isinstance(prompt, list):
                 bad = next(x for x in prompt if not isinstance(x, int) or isinstance(x, bool))
-                raise BadRequest(f"'prompt' must be a string or a list of integer token ids; it holds {bad!r}",
-                                 "prompt")
+                raise BadRequest(
+                    f"'prompt' must be a string or a list of integer token ids; it holds {bad!r}", "prompt"
+                )
             else:
                 raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
             echo = f.bool("echo", False)
             logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
             f.noop("suffix", ("",), "is not supported")
-            g = self._common(f, ids, max_tokens_default=16, logprobs=logprobs,
-                             prompt_logprobs=(logprobs if echo and logprobs is not None else -1))
+            g = self._common(
+                f,
+                ids,
+                max_tokens_default=16,
+                logprobs=logprobs,
+                prompt_logprobs=(logprobs if echo and logprobs is not None else -1),
+            )
             g.echo = echo
             f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS))
             rid = f"cmpl-{uuid.uuid4().hex}"
@@ -907,14 +1038,25 @@ class OpenAIServer:
                         lp = {k: e[k] + lp[k] for k in lp}
                 if echo:
                     text = prompt_text + text
-                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.last.finish_reason,
-                            "stop_reason": c.last.stop_reason})
+                out.append(
+                    {
+                        "index": c.index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.last.finish_reason,
+                        "stop_reason": c.last.stop_reason,
+                    }
+                )
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             base["usage"] = None
-        text_event = _EventTemplate(lambda i: {**base, "choices": [{"index": i, "text": _SLOT, "logprobs": None,
-                                                                    "finish_reason": None, "stop_reason": None}]})
+        text_event = _EventTemplate(
+            lambda i: {
+                **base,
+                "choices": [{"index": i, "text": _SLOT, "logprobs": None, "finish_reason": None, "stop_reason": None}],
+            }
+        )
         offsets = [len(prompt_text) if echo else 0] * len(choices)
         echoed = [False] * len(choices)
         plain = g.logprobs is None
@@ -935,15 +1077,34 @@ class OpenAIServer:
             if echo and not echoed[i]:
                 echoed[i] = True
                 lp = echo_logprobs(c) if g.logprobs is not None else None
-                events.append(sse_event({**base, "choices": [{"index": i, "text": prompt_text, "logprobs": lp,
-                                                              "finish_reason": None, "stop_reason": None}]}))
+                events.append(
+                    sse_event(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "text": prompt_text,
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                    "stop_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                )
             lp = None
             if g.logprobs is not None and o.token_ids:
                 lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), places[i](o, offsets[i]))
             offsets[i] += len(o.text)
             if o.text or o.finished or lp is not None:
-                ch: dict[str, Any] = {"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
-                                      "stop_reason": o.stop_reason if o.finished else None}
+                ch: dict[str, Any] = {
+                    "index": i,
+                    "text": o.text,
+                    "logprobs": lp,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason if o.finished else None,
+                }
                 events.append(sse_event({**base, "choices": [ch]}))
             return b"".join(events), False
 
@@ -954,16 +1115,25 @@ class OpenAIServer:
         return _SSE(sib, render, b"", tail, text_only)  # type: ignore[return-value]
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
-    def _chat_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[int] | None],
-                       top_lps: list[list[float] | None]) -> dict[str, Any]:
+    def _chat_logprobs(
+        self, ids: list[int], lps: list[float | None], tops: list[list[int] | None], top_lps: list[list[float] | None]
+    ) -> dict[str, Any]:
         content = []
         for j, tid in enumerate(ids):
             alts = []
             if tops[j] is not None:
-                alts = [{"token": self._token_str(t), "logprob": _finite(v), "bytes": self._token_bytes(t)}
-                        for t, v in zip(tops[j], top_lps[j])]  # type: ignore[arg-type]
-            content.append({"token": self._token_str(tid), "logprob": _finite(lps[j]), "bytes": self._token_bytes(tid),
-                            "top_logprobs": alts})
+                alts = [
+                    {"token": self._token_str(t), "logprob": _finite(v), "bytes": self._token_bytes(t)}
+                    for t, v in zip(tops[j], top_lps[j])
+                ]  # type: ignore[arg-type]
+            content.append(
+                {
+                    "token": self._token_str(tid),
+                    "logprob": _finite(lps[j]),
+                    "bytes": self._token_bytes(tid),
+                    "top_logprobs": alts,
+                }
+            )
         return {"content": content}
 
     def _tool_args(self, f: Fields) -> tuple[list[dict[str, Any]] | None, bool, bool]:
@@ -983,8 +1153,11 @@ class OpenAIServer:
         if isinstance(choice, dict):
             fn = choice.get("function")
             if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
-                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+                raise BadRequest(
+                    "'tool_choice' must be 'none', 'auto', 'required' or "
+                    "{'type': 'function', 'function': {'name': ...}}",
+                    "tool_choice",
+                )
             no_other_keys(choice, ("type", "function"), "tool_choice")
             no_other_keys(fn, ("name",), "tool_choice.function")
             if fn["name"] not in names:
@@ -1011,25 +1184,33 @@ class OpenAIServer:
             kwargs = dict(kwargs or {})
             for k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
                 if k in kwargs:  # set by the server (the last two from the tokenizer)
-                    raise BadRequest(f"'chat_template_kwargs' must not set {k!r}: the server sets it",
-                                     "chat_template_kwargs")
+                    raise BadRequest(
+                        f"'chat_template_kwargs' must not set {k!r}: the server sets it", "chat_template_kwargs"
+                    )
             if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
                 raise BadRequest("'chat_template_kwargs.thinking' must be a boolean", "chat_template_kwargs.thinking")
 
-            ids = await run_sized(f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs,
-                                  self.engine.max_model_len)
-            g = self._common(f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1)
+            ids = await run_sized(
+                f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs, self.engine.max_model_len
+            )
+            g = self._common(
+                f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1
+            )
             f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
-            pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text)
+            pcfg = ParserConfig.for_prompt(
+                ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text
+            )
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g, prompt_field="messages")
         except BadRequest as e:
             return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        choices = [_Choice(i, r, parser=OutputParser(pcfg), request=sib.requests[i] if sib.requests else None)
-                   for i, r in enumerate(sib.ids)]
+        choices = [
+            _Choice(i, r, parser=OutputParser(pcfg), request=sib.requests[i] if sib.requests else None)
+            for i, r in enumerate(sib.ids)
+        ]
 
         def finish_reason(c: _Choice) -> str | None:
             base_reason = c.last.finish_reason if c.last else None
@@ -1063,26 +1244,58 @@ class OpenAIServer:
                 text = "".join(content)
                 thought = "".join(reasoning) if pcfg.starts_in_reasoning else ""
                 # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
-                msg: dict[str, Any] = {"role": "assistant", "content": text if (text or not (calls or thought)) else None}
+                msg: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": text if (text or not (calls or thought)) else None,
+                }
                 if pcfg.starts_in_reasoning:
                     msg["reasoning_content"] = thought or None
                 if calls:
                     msg["tool_calls"] = calls
                 lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if want_lp else None
-                out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish_reason(c),
-                            "stop_reason": c.last.stop_reason})
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": msg,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason(c),
+                        "stop_reason": c.last.stop_reason,
+                    }
+                )
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
         chunk_base = {**base, "object": "chat.completion.chunk"}
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             chunk_base["usage"] = None
 
-        content_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
-            {"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None,
-             "stop_reason": None}]})
-        reasoning_event = _EventTemplate(lambda i: {**chunk_base, "choices": [
-            {"index": i, "delta": {"reasoning_content": _SLOT}, "logprobs": None, "finish_reason": None,
-             "stop_reason": None}]})
+        content_event = _EventTemplate(
+            lambda i: {
+                **chunk_base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"content": _SLOT},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+        )
+        reasoning_event = _EventTemplate(
+            lambda i: {
+                **chunk_base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"reasoning_content": _SLOT},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+        )
 
         def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
             """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
@@ -1116,18 +1329,40 @@ class OpenAIServer:
             if want_lp and o.token_ids:
                 lp = self._chat_logprobs(o.token_ids, *_token_logprobs(o))
             if delta or lp is not None or o.finished:
-                ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
-                                      "finish_reason": finish_reason(c) if o.finished else None,
-                                      "stop_reason": o.stop_reason if o.finished else None}
+                ch: dict[str, Any] = {
+                    "index": i,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(c) if o.finished else None,
+                    "stop_reason": o.stop_reason if o.finished else None,
+                }
                 return sse_event({**chunk_base, "choices": [ch]}), False
             return b"", False
 
         def usage() -> bytes:
-            return sse_event({**chunk_base, "choices": [], "usage": self._usage_of(g, choices)}) if g.include_usage else b""
+            return (
+                sse_event({**chunk_base, "choices": [], "usage": self._usage_of(g, choices)})
+                if g.include_usage
+                else b""
+            )
 
-        first = b"".join(sse_event({**chunk_base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                                "logprobs": None, "finish_reason": None, "stop_reason": None}]})
-                         for c in choices)
+        first = b"".join(
+            sse_event(
+                {
+                    **chunk_base,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "stop_reason": None,
+                        }
+                    ],
+                }
+            )
+            for c in choices
+        )
         return _SSE(sib, render, first, usage)  # type: ignore[return-value]
 
 
@@ -1159,7 +1394,9 @@ def _decode_body(text: str) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
     except RecursionError:
         raise BadRequest("the request body is nested too deeply", None) from None
-    if parts:  # (None when a later duplicate key replaced it; [] when the body is one: Fields says it must be an object)
+    if (
+        parts
+    ):  # (None when a later duplicate key replaced it; [] when the body is one: Fields says it must be an object)
         path = json_path(parts)
         raise BadRequest(f"'{path}' is an integer of more than {sys.get_int_max_str_digits()} digits", path)
     return body

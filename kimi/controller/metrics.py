@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import metrics as _prom_metrics
@@ -30,8 +31,29 @@ from prometheus_client.utils import floatToGoString
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # the finished_reason values of kimi:request_success_total
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -79,32 +101,47 @@ class LatencyHistogram(Collector):
 class _EngineCollector(Collector):
     """Reads gauges and counters from the engine on every scrape (no state of its own)."""
 
-    def __init__(self, metrics: "Metrics") -> None:
+    def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
     def collect(self) -> Iterator[Any]:
         e = self.m.engine
         ready = bool(getattr(e, "ready", False))
-        yield GaugeMetricFamily("kimi:num_requests_running", "Requests scheduled on the workers (prefill or decode).",
-                                value=e.num_running if ready else 0)
-        yield GaugeMetricFamily("kimi:num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=e.num_waiting if ready else 0)
-        yield GaugeMetricFamily("kimi:kv_cache_used_blocks", "KV-cache blocks in use by requests, summed over DP ranks.",
-                                value=e.num_used_blocks if ready else 0)
+        yield GaugeMetricFamily(
+            "kimi:num_requests_running",
+            "Requests scheduled on the workers (prefill or decode).",
+            value=e.num_running if ready else 0,
+        )
+        yield GaugeMetricFamily(
+            "kimi:num_requests_waiting", "Requests waiting to be scheduled.", value=e.num_waiting if ready else 0
+        )
+        yield GaugeMetricFamily(
+            "kimi:kv_cache_used_blocks",
+            "KV-cache blocks in use by requests, summed over DP ranks.",
+            value=e.num_used_blocks if ready else 0,
+        )
         total = sum(s.block_pool.num_usable_blocks for s in e.schedulers) if ready else 0
-        yield GaugeMetricFamily("kimi:kv_cache_total_blocks", "Usable KV-cache blocks, summed over DP ranks.", value=total)
-        yield CounterMetricFamily("kimi:prompt_tokens", "Prompt tokens of admitted requests.", value=e.stats.prompt_tokens)
+        yield GaugeMetricFamily(
+            "kimi:kv_cache_total_blocks", "Usable KV-cache blocks, summed over DP ranks.", value=total
+        )
+        yield CounterMetricFamily(
+            "kimi:prompt_tokens", "Prompt tokens of admitted requests.", value=e.stats.prompt_tokens
+        )
         yield CounterMetricFamily("kimi:generation_tokens", "Tokens sampled.", value=e.stats.generation_tokens)
         pc = getattr(e, "prefix_cache_stats", None) if ready else None
         queries = int(pc.get("queries", 0)) if isinstance(pc, dict) else 0
         hits = int(pc.get("hits", 0)) if isinstance(pc, dict) else 0
-        yield CounterMetricFamily("kimi:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries)
+        yield CounterMetricFamily(
+            "kimi:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries
+        )
         yield CounterMetricFamily("kimi:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits)
         preempted = int(pc.get("preemptions", 0)) if isinstance(pc, dict) else 0
-        yield CounterMetricFamily("kimi:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later).",
-                                  value=preempted)
-        done = CounterMetricFamily("kimi:request_success", "Requests that ended, by finish reason.",
-                                   labels=["finished_reason"])
+        yield CounterMetricFamily(
+            "kimi:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later).", value=preempted
+        )
+        done = CounterMetricFamily(
+            "kimi:request_success", "Requests that ended, by finish reason.", labels=["finished_reason"]
+        )
         for reason, n in sorted({**dict.fromkeys(FINISH_REASONS, 0), **self.m.finished}.items()):
             done.add_metric([reason], n)  # every reason from the start (0), so rates exist before the first one
         yield done
@@ -123,12 +160,21 @@ class Metrics:
         self.finished: dict[str, int] = {}
         self._last_token: dict[int, float] = {}
         self.registry.register(_EngineCollector(self))
-        self.ttft = LatencyHistogram("kimi:time_to_first_token_seconds", "Arrival to first sampled token (s).",
-                                     _LATENCY_BUCKETS, self.registry)
-        self.itl = LatencyHistogram("kimi:inter_token_latency_seconds", "Time between consecutive sampled tokens (s).",
-                                    _LATENCY_BUCKETS, self.registry)
-        self.e2e = LatencyHistogram("kimi:e2e_request_latency_seconds", "Arrival to end of request, any reason (s).",
-                                    _LATENCY_BUCKETS, self.registry)
+        self.ttft = LatencyHistogram(
+            "kimi:time_to_first_token_seconds", "Arrival to first sampled token (s).", _LATENCY_BUCKETS, self.registry
+        )
+        self.itl = LatencyHistogram(
+            "kimi:inter_token_latency_seconds",
+            "Time between consecutive sampled tokens (s).",
+            _LATENCY_BUCKETS,
+            self.registry,
+        )
+        self.e2e = LatencyHistogram(
+            "kimi:e2e_request_latency_seconds",
+            "Arrival to end of request, any reason (s).",
+            _LATENCY_BUCKETS,
+            self.registry,
+        )
 
     def on_token(self, req: Any, now: float) -> None:
         """One sampled token of `req` at monotonic time `now` (s): TTFT for the first, ITL after that."""

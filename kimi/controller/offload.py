@@ -12,7 +12,8 @@ about what encoding them does). tests/e2e/test_api_edges.py checks /health laten
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ class FastDetokenizer:
     IncrementalDetokenizer. tests/unit/test_controller_fast_paths.py checks the equality on random streams.
     """
 
-    __slots__ = ("_texts", "_table", "_skip", "_decoder")
+    __slots__ = ("_decoder", "_skip", "_table", "_texts")
 
     def __init__(self, tokenizer: KimiTokenizer, texts: list[str | None], skip_special_tokens: bool = True) -> None:
         self._texts = texts

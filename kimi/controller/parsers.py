@@ -79,8 +79,9 @@ Public API: `ParserConfig`, `OutputParser`, `ParserDelta`, `ToolCallDelta`, `Too
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 # ---- marker token ids (KIMI.md section 4) -------------------------------------------------------------
 TOOL_CALLS_SECTION_BEGIN_ID = 163595
@@ -101,8 +102,13 @@ MARKER_TEXT: dict[int, str] = {
     THINK_END_ID: "</think>",
 }
 TOOL_MARKER_IDS = frozenset(
-    (TOOL_CALLS_SECTION_BEGIN_ID, TOOL_CALLS_SECTION_END_ID, TOOL_CALL_BEGIN_ID, TOOL_CALL_ARGUMENT_BEGIN_ID,
-     TOOL_CALL_END_ID)
+    (
+        TOOL_CALLS_SECTION_BEGIN_ID,
+        TOOL_CALLS_SECTION_END_ID,
+        TOOL_CALL_BEGIN_ID,
+        TOOL_CALL_ARGUMENT_BEGIN_ID,
+        TOOL_CALL_END_ID,
+    )
 )
 THINK_MARKER_IDS = frozenset((THINK_START_ID, THINK_END_ID))
 
@@ -155,7 +161,7 @@ class ParserConfig:
         thinking_model: bool,
         stream_tool_arguments: bool = True,
         marker_text: tuple[tuple[int, str], ...] | None = None,
-    ) -> "ParserConfig":
+    ) -> ParserConfig:
         """Derive the reasoning settings from the rendered prompt's last tokens.
 
         prompt ends in `<think></think>` -> thinking off (template switched it off); ends in `<think>` ->
@@ -194,8 +200,12 @@ class ToolCallDelta:
         """The OpenAI streaming dict: head `{index, id, type, function: {name, arguments}}`, else
         `{index, function: {arguments}}`."""
         if self.is_head:
-            return {"index": self.index, "id": self.id, "type": "function",
-                    "function": {"name": self.name, "arguments": self.arguments}}
+            return {
+                "index": self.index,
+                "id": self.id,
+                "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments},
+            }
         return {"index": self.index, "function": {"arguments": self.arguments}}
 
 
@@ -254,7 +264,7 @@ def parse_tool_call_id(header: str) -> tuple[str, str] | None:
     `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: KIMI.md section 5.
     """
     call_id = header.strip()
-    body = call_id[len(_FUNCTIONS_PREFIX):] if call_id.startswith(_FUNCTIONS_PREFIX) else call_id
+    body = call_id[len(_FUNCTIONS_PREFIX) :] if call_id.startswith(_FUNCTIONS_PREFIX) else call_id
     base, sep, idx = body.rpartition(":")
     name = base if sep and idx.isascii() and idx.isdigit() else body
     name = name.strip()
@@ -270,7 +280,7 @@ def _split_marker_text(text: str, marker: str) -> tuple[str, str]:
     i = text.find(marker)
     if i < 0:
         return text, ""
-    return text[:i], text[i + len(marker):]
+    return text[:i], text[i + len(marker) :]
 
 
 # ---- the parser ---------------------------------------------------------------------------------------
@@ -594,4 +604,3 @@ def parse_output(
     c = "".join(content)
     r = "".join(reasoning)
     return (c or None), (r or None), parser.emitted_tool_calls
-

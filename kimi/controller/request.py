@@ -6,8 +6,9 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kimi.protocol import SamplingParams
 
@@ -124,7 +125,7 @@ class Request:
     finish_reason: str | None = None
     outputs: OutputStream | None = None
     detokenizer: object | None = None
-    leader: "Request | None" = None  # n > 1: the first sibling; this one starts after the leader's prompt is cached
+    leader: Request | None = None  # n > 1: the first sibling; this one starts after the leader's prompt is cached
     stop_checker: object | None = None  # kimi.controller.stops.StopChecker (output.py)
     # with a stop checker: after each generated token, the characters of generated text it holds back (output.py;
     # after the token that completes a stop string: the characters that string cut);

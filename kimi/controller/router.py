@@ -17,7 +17,7 @@ Score of rank i (lowest wins, ties to the lowest rank):
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kimi.controller.scheduler import Scheduler
 

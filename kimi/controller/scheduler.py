@@ -43,7 +43,6 @@ from kimi.config import SchedulerConfig
 from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.request import Request, RequestStatus
 
-
 _NO_BLOCKS: list[int] = []  # shared, never mutated: new_blocks of a step that appends none
 
 
@@ -221,13 +220,19 @@ class Scheduler:
             decodes: list[Request] = []
             others: list[Request] = []
             for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
-                (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(r)
+                (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(
+                    r
+                )
             order = decodes + others if others else decodes
             n_dec = len(decodes)
             # tokens the prompt chunks of running requests leave to waiting requests (see the module docstring)
             reserve, held = 0, False
-            if others and self.waiting and len(self.running) < self.config.max_num_seqs \
-                    and not _waits_for_leader(self.waiting[0]):
+            if (
+                others
+                and self.waiting
+                and len(self.running) < self.config.max_num_seqs
+                and not _waits_for_leader(self.waiting[0])
+            ):
                 reserve = min(self.config.waiting_reserve, self.config.token_budget // 2)
             bs = self.block_pool.block_size
             running = RequestStatus.RUNNING
@@ -242,8 +247,10 @@ class Scheduler:
                 if req.status is not running:
                     continue  # preempted earlier in this step
                 inflight = req.num_inflight_samples
-                if inflight and (len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
-                                 or len(req.token_ids) + inflight >= max_len):
+                if inflight and (
+                    len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
+                    or len(req.token_ids) + inflight >= max_len
+                ):
                     continue  # its in-flight token ends it ("length"): nothing more to compute
                 num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
                 if num_new > budget:
@@ -267,8 +274,9 @@ class Scheduler:
                     # Even after preempting everything newer, this request does not fit: preempt it too.
                     self._preempt(req, out)
                     continue
-                out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers,
-                                                      req.num_preemptions))
+                out.scheduled.append(
+                    ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions)
+                )
                 scheduled_ids.add(req.rid)
                 budget -= num_new
 
@@ -306,5 +314,6 @@ def _waits_for_leader(req: Request) -> bool:
     blocks instead of computing the same prompt n times (OpenAI `n`: the choices share the prompt's KV).
     """
     lead = req.leader
-    return (lead is not None and lead.status != RequestStatus.FINISHED
-            and lead.num_computed_tokens < lead.num_prompt_tokens)
+    return (
+        lead is not None and lead.status != RequestStatus.FINISHED and lead.num_computed_tokens < lead.num_prompt_tokens
+    )

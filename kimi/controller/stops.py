@@ -20,7 +20,7 @@ character).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 MAX_STOP_STRINGS = 4
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import msgspec
 import zmq
@@ -60,7 +60,7 @@ def _submit_id(data: bytes) -> str | None:
         n = b0 & 0x0F
     elif b0 in (0xDC, 0xDD):
         w = 2 if b0 == 0xDC else 4
-        n, i = int.from_bytes(data[1:1 + w], "big"), 1 + w
+        n, i = int.from_bytes(data[1 : 1 + w], "big"), 1 + w
     else:
         return None
     if n < 2 or i >= len(data) or data[i] != _SUBMIT_TAG:  # the tag: a positive fixint (30)
@@ -73,13 +73,13 @@ def _submit_id(data: bytes) -> str | None:
         size, i = h & 0x1F, i + 1
     elif h in (0xD9, 0xDA, 0xDB):
         w = {0xD9: 1, 0xDA: 2, 0xDB: 4}[h]
-        size, i = int.from_bytes(data[i + 1:i + 1 + w], "big"), i + 1 + w
+        size, i = int.from_bytes(data[i + 1 : i + 1 + w], "big"), i + 1 + w
     else:
         return None
     if i + size > len(data):
         return None
     try:
-        return data[i:i + size].decode("utf-8")
+        return data[i : i + size].decode("utf-8")
     except UnicodeDecodeError:
         return None
 
@@ -116,8 +116,9 @@ class SubmitServer:
     def _error(self, request_id: str, msg: str) -> RequestOutput:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
 
-    def _validate(self, r: protocol.SubmitRequest, prompt_ids: list[int] | None
-                  ) -> tuple[list[int], SamplingParams, StopParams]:
+    def _validate(
+        self, r: protocol.SubmitRequest, prompt_ids: list[int] | None
+    ) -> tuple[list[int], SamplingParams, StopParams]:
         """The request's prompt ids, SamplingParams and StopParams; raises BadRequest naming the bad field.
         prompt_ids: r.prompt tokenized (by _admit, off the event loop for a large prompt) when it is a non-empty
         string, else unused.
@@ -139,8 +140,9 @@ class SubmitServer:
                 raise BadRequest("'prompt_token_ids' must not be empty", "prompt_token_ids")
             bad = [x for x in ids if not 0 <= x < self.vocab_size]
             if bad:
-                raise BadRequest(f"'prompt_token_ids' holds token id {bad[0]}, outside [0, {self.vocab_size})",
-                                 "prompt_token_ids")
+                raise BadRequest(
+                    f"'prompt_token_ids' holds token id {bad[0]}, outside [0, {self.vocab_size})", "prompt_token_ids"
+                )
         f = Fields(msgspec.structs.asdict(r), "message")
         logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)  # where /v1/completions reads it
         sampling = read_sampling(f)
@@ -153,9 +155,18 @@ class SubmitServer:
         max_tokens = f.int("max_tokens", 16, lo=1)
         min_tokens = read_min_tokens(f, max_tokens)  # type: ignore[arg-type]
         sp, st = generation_params(
-            sampling, logprobs=logprobs, prompt_logprobs=-1, logit_bias_ids=lb_ids, logit_bias_values=lb_vals,
-            stop=stop, include_stop_str_in_output=include_stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
-            max_tokens=max_tokens, min_tokens=min_tokens, eos_token_ids=self.engine.eos_token_ids,  # type: ignore[arg-type]
+            sampling,
+            logprobs=logprobs,
+            prompt_logprobs=-1,
+            logit_bias_ids=lb_ids,
+            logit_bias_values=lb_vals,
+            stop=stop,
+            include_stop_str_in_output=include_stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            eos_token_ids=self.engine.eos_token_ids,  # type: ignore[arg-type]
         )
         return ids, sp, st
 
@@ -174,8 +185,9 @@ class SubmitServer:
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))
         except (ValueError, AdmissionError, EngineDead) as e:  # the engine names the request by its internal key
-            await self._reply(ident, self._error(r.request_id, str(e).replace(self._key(ident, r.request_id),
-                                                                              r.request_id)))
+            await self._reply(
+                ident, self._error(r.request_id, str(e).replace(self._key(ident, r.request_id), r.request_id))
+            )
         return None
 
     async def _forward(self, ident: bytes, request_id: str, stream: AsyncIterator[RequestOutput]) -> None:

@@ -193,7 +193,7 @@ class Heartbeat:
         self._push.connect(result_addr)
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-rank{rank}", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         """Start answering pings; returns self."""
         self._thread.start()
         return self
@@ -208,7 +208,9 @@ class Heartbeat:
                     if isinstance(msg, protocol.Ping):
                         self._push.send(protocol.encode(protocol.Pong(self.rank, msg.seq, self.step)))
                 elif time.monotonic() - last > self.controller_timeout_s:
-                    log.error("rank %d: no ping from the controller for %.0f s; exiting", self.rank, self.controller_timeout_s)
+                    log.error(
+                        "rank %d: no ping from the controller for %.0f s; exiting", self.rank, self.controller_timeout_s
+                    )
                     os._exit(1)
         finally:
             self._sub.close(0)

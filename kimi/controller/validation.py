@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from kimi.controller.request import StopParams
 from kimi.controller.stops import MAX_STOP_STRINGS
@@ -84,9 +85,7 @@ class Fields:
             raise BadRequest(f"'{name}' must be <= {hi}, got {v}", name)
         return v
 
-    def float(
-        self, name: str, default: float, check: Callable[[float], bool] | None = None, what: str = ""
-    ) -> float:
+    def float(self, name: str, default: float, check: Callable[[float], bool] | None = None, what: str = "") -> float:
         v = self._get(name)
         if v is None:
             return default
@@ -95,8 +94,11 @@ class Fields:
         try:
             v = float(v)
         except OverflowError:  # an integer beyond the float range (JSON allows any number of digits)
-            raise BadRequest(f"'{name}' must be {what or 'a finite number'}, got an integer too large for a float "
-                             f"({v.bit_length()} bits)", name) from None
+            raise BadRequest(
+                f"'{name}' must be {what or 'a finite number'}, got an integer too large for a float "
+                f"({v.bit_length()} bits)",
+                name,
+            ) from None
         if not math.isfinite(v) or (check is not None and not check(v)):
             raise BadRequest(f"'{name}' must be {what}, got {v}", name)
         return v
@@ -139,13 +141,17 @@ class Fields:
 
 
 _JSON_TYPES = (  # first match wins: bool before int (a bool is an int in Python)
-    (type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number with a fraction or exponent"),
-    (str, "a string"), (list, "an array"), (dict, "an object"),
+    (type(None), "null"),
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a number with a fraction or exponent"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
 )
 
 
-def first_path(v: Any, leaf: Callable[[Any], bool],
-               key: Callable[[str], Any] | None = None) -> list[str | int] | None:
+def first_path(v: Any, leaf: Callable[[Any], bool], key: Callable[[str], Any] | None = None) -> list[str | int] | None:
     """The path (keys / indices, innermost first; [] for v itself) of the first value in v for which leaf(value) is
     true, or of the object holding the first key for which key(k) is; None if there is none. The path is collected
     on the way back out, so a body of many elements under long keys costs one visit per element."""
@@ -241,12 +247,16 @@ def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]
             tid = k
         elif isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k):
             if len(k) > 18:  # further from 0 than than any vocabulary (and int() of a huge string is slow or refused)
-                raise BadRequest(f"'logit_bias' token id {k[:24]}... is outside the vocabulary [0, {vocab_size})",
-                                 "logit_bias")
+                raise BadRequest(
+                    f"'logit_bias' token id {k[:24]}... is outside the vocabulary [0, {vocab_size})", "logit_bias"
+                )
             tid = int(k)
         else:
-            raise BadRequest(f"'logit_bias' key {k!r:.40} is not a token id (a non-negative decimal integer without "
-                             "sign, spaces or leading zeros)", "logit_bias")
+            raise BadRequest(
+                f"'logit_bias' key {k!r:.40} is not a token id (a non-negative decimal integer without "
+                "sign, spaces or leading zeros)",
+                "logit_bias",
+            )
         if not 0 <= tid < vocab_size:
             raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         # the range test also refuses NaN and the infinities, and compares integers of any size without a float
@@ -311,19 +321,35 @@ def generation_params(
     """
     block = sorted(set(stop_token_ids) | (set() if ignore_eos else set(eos_token_ids))) if min_tokens else []
     sampling = SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
         num_logprobs=-1 if logprobs is None else logprobs,
-        min_p=s.min_p, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty, logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values,
-        min_tokens=min_tokens, min_tokens_block_ids=block, prompt_logprobs=prompt_logprobs,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias_ids=logit_bias_ids,
+        logit_bias_values=logit_bias_values,
+        min_tokens=min_tokens,
+        min_tokens_block_ids=block,
+        prompt_logprobs=prompt_logprobs,
     )
-    stop_params = StopParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_token_ids), ignore_eos=ignore_eos,
-                             stop=stop, include_stop_str_in_output=include_stop_str_in_output, min_tokens=min_tokens)
+    stop_params = StopParams(
+        max_tokens=max_tokens,
+        stop_token_ids=frozenset(stop_token_ids),
+        ignore_eos=ignore_eos,
+        stop=stop,
+        include_stop_str_in_output=include_stop_str_in_output,
+        min_tokens=min_tokens,
+    )
     return sampling, stop_params
 
 
-def check_prompt_text_fits(tokenizer: Any, text: str, max_model_len: int, param: str = "prompt",
-                           subject: str = "the prompt has") -> None:
+def check_prompt_text_fits(
+    tokenizer: Any, text: str, max_model_len: int, param: str = "prompt", subject: str = "the prompt has"
+) -> None:
     """BadRequest (naming `param`) when `text` surely has max_model_len tokens or more (kimi.tokenizer
     .KimiTokenizer.min_num_tokens, no encoding): a huge prompt is refused before seconds of tokenizing. The
     message is the engine's for a prompt that leaves no room, with the bound instead of the count. A chat request
@@ -331,5 +357,8 @@ def check_prompt_text_fits(tokenizer: Any, text: str, max_model_len: int, param:
     more."""
     lb = tokenizer.min_num_tokens(text)
     if lb >= max_model_len:
-        raise BadRequest(f"this model's maximum context length is {max_model_len} tokens; {subject} at least "
-                         f"{lb} tokens ({len(text)} characters), which leaves no room for a generated token", param)
+        raise BadRequest(
+            f"this model's maximum context length is {max_model_len} tokens; {subject} at least "
+            f"{lb} tokens ({len(text)} characters), which leaves no room for a generated token",
+            param,
+        )

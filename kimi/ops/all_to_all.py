@@ -30,7 +30,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,8 @@ def check_deepep_experts(num_experts: int, world_size: int) -> None:
         raise ValueError(
             f"--a2a-backend deepep: {num_experts} experts over {world_size} ranks is {num_experts // world_size} per "
             f"rank, and DeepEP's dispatch takes at most {DEEPEP_MAX_LOCAL_EXPERTS} per rank; use at least {least} "
-            f"ranks (a divisor of {num_experts}), or --a2a-backend nccl")
+            f"ranks (a divisor of {num_experts}), or --a2a-backend nccl"
+        )
 
 
 def check_backend(backend: str, world_size: int, device_type: str, num_experts: int | None = None) -> None:
@@ -255,7 +257,9 @@ class DeepEPAllToAll:
             deep_ep.Buffer.get_dispatch_config(ep_size).get_nvl_buffer_size_hint(hidden_bytes, ep_size),
             deep_ep.Buffer.get_combine_config(ep_size).get_nvl_buffer_size_hint(hidden_bytes, ep_size),
         )
-        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_max_tokens_per_rank, hidden, ep_size, num_experts)
+        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            ll_max_tokens_per_rank, hidden, ep_size, num_experts
+        )
         self.buffer = deep_ep.Buffer(
             group,
             num_nvl_bytes,
@@ -288,7 +292,9 @@ class DeepEPAllToAll:
         buf = self.buffer
         if self.mode == DECODE:
             if hidden.shape[0] > self.ll_max_tokens_per_rank:
-                raise RuntimeError(f"{hidden.shape[0]} tokens exceed the low-latency limit {self.ll_max_tokens_per_rank}")
+                raise RuntimeError(
+                    f"{hidden.shape[0]} tokens exceed the low-latency limit {self.ll_max_tokens_per_rank}"
+                )
             recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
                 hidden, topk_ids, self.ll_max_tokens_per_rank, self.num_experts, use_fp8=False
             )  # [E_local, M * N, D], [E_local] int32
@@ -303,9 +309,14 @@ class DeepEPAllToAll:
             n = self.step_tokens
             k = topk_ids.shape[1]
             return DispatchResult(
-                recv_x.view(-1, d), w, ids, handle=(DECODE, handle, topk_ids, topk_weights, recv_x.shape),
-                expert_major=True, max_pairs=None if n is None else n * k,
-                expected_pairs=None if n is None else max(1, n * k * e_local // self.num_experts))
+                recv_x.view(-1, d),
+                w,
+                ids,
+                handle=(DECODE, handle, topk_ids, topk_weights, recv_x.shape),
+                expert_major=True,
+                max_pairs=None if n is None else n * k,
+                expected_pairs=None if n is None else max(1, n * k * e_local // self.num_experts),
+            )
         self._ll_clean = False  # normal mode dirties the low-latency buffer
         n_rank, n_rdma_rank, n_expert, in_rank, _ = buf.get_dispatch_layout(topk_ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(

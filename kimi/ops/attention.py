@@ -71,7 +71,9 @@ def build_attention_metadata(
     """
     n = len(query_lens)
     if len(seq_lens) != n or len(block_tables) != n:
-        raise ValueError(f"query_lens ({n}), seq_lens ({len(seq_lens)}) and block_tables ({len(block_tables)}) differ in length")
+        raise ValueError(
+            f"query_lens ({n}), seq_lens ({len(seq_lens)}) and block_tables ({len(block_tables)}) differ in length"
+        )
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     slots: list[int] = []
@@ -270,7 +272,5 @@ class MLAAttention(nn.Module):
                 continue
             s, e = qsl[b], qsl[b + 1]
             latent = gather_kv_cache(kv_cache, attn.block_tables[b], attn.seq_lens_cpu[b])  # [S, L + R]
-            o[s:e] = mla_prefill_ref(
-                q_nope[s:e], q_pe[s:e], latent, self.kv_b_proj, H, N, V, self.scale
-            )  # [Q, H, V]
+            o[s:e] = mla_prefill_ref(q_nope[s:e], q_pe[s:e], latent, self.kv_b_proj, H, N, V, self.scale)  # [Q, H, V]
         return F.linear(o.to(hidden.dtype).reshape(T, H * V), self.o_proj)  # [T, D]

@@ -63,7 +63,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["FlashInferMLA", "FlashInferMLADecode", "MAX_PLAN_WORKS"]
+__all__ = ["MAX_PLAN_WORKS", "FlashInferMLA", "FlashInferMLADecode"]
 
 # max_total_num_works of MLAPlan: flashinfer 0.6.4 include/flashinfer/attention/scheduler.cuh:1600
 MAX_PLAN_WORKS = 16384
@@ -140,10 +140,17 @@ class FlashInferMLA:
                 raise ValueError("use_cuda_graph needs max_batch and max_pages")
             if kv_indices is None:
                 kv_indices = torch.empty(max_pages, dtype=torch.int32, device=self.device)
-            elif (kv_indices.dtype != torch.int32 or kv_indices.device != self.device or kv_indices.dim() != 1
-                  or not kv_indices.is_contiguous() or kv_indices.numel() < max_pages):
-                raise ValueError(f"kv_indices: want a contiguous 1-D int32 buffer of >= {max_pages} elements on "
-                                 f"{self.device}, got {tuple(kv_indices.shape)} {kv_indices.dtype} on {kv_indices.device}")
+            elif (
+                kv_indices.dtype != torch.int32
+                or kv_indices.device != self.device
+                or kv_indices.dim() != 1
+                or not kv_indices.is_contiguous()
+                or kv_indices.numel() < max_pages
+            ):
+                raise ValueError(
+                    f"kv_indices: want a contiguous 1-D int32 buffer of >= {max_pages} elements on "
+                    f"{self.device}, got {tuple(kv_indices.shape)} {kv_indices.dtype} on {kv_indices.device}"
+                )
             kwargs = dict(
                 qo_indptr=torch.empty(max_batch + 1, dtype=torch.int32, device=self.device),
                 kv_indptr=torch.empty(max_batch + 1, dtype=torch.int32, device=self.device),
@@ -173,8 +180,9 @@ class FlashInferMLA:
         `_wait_staging` returned: the copies that read them are done)."""
         buf = self._pin.get(name)
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 64, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
-                              pin_memory=True)
+            buf = torch.empty(
+                max(n, 64, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32, pin_memory=True
+            )
             self._pin[name] = buf
         return buf[:n]
 
@@ -194,8 +202,9 @@ class FlashInferMLA:
         tile = 64 * cluster
         return sum(-(-p // tile) for p in packed) + self.num_sms // cluster
 
-    def plan(self, qo_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
-             causal: bool = True) -> None:
+    def plan(
+        self, qo_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int, causal: bool = True
+    ) -> None:
         """Plan one step (host work; call outside CUDA graphs). Does not synchronise the device.
 
         qo_lens: [B] new query rows per request (>= 1); seq_lens: [B] context lengths including them
@@ -235,16 +244,21 @@ class FlashInferMLA:
         self._plan_indices(qo_lens, seq_lens, kv_indptr.tolist(), kv_indices, block_size, causal)
 
     def _check_works(self, qo_lens: list[int], B: int, total_pages: int) -> None:
-        if self.use_cuda_graph and (B != self.max_batch or total_pages > self.max_pages):
-            raise ValueError(f"plan: CUDA-graph wrapper for {self.max_batch} requests / {self.max_pages} pages got "
-                             f"{B} requests / {total_pages} pages")
+        if self.use_cuda_graph and (self.max_batch != B or total_pages > self.max_pages):
+            raise ValueError(
+                f"plan: CUDA-graph wrapper for {self.max_batch} requests / {self.max_pages} pages got "
+                f"{B} requests / {total_pages} pages"
+            )
         works = self.max_works(qo_lens)
         if works > MAX_PLAN_WORKS:
-            raise ValueError(f"plan: {sum(qo_lens)} query rows x {self.num_heads} heads may need {works} FlashInfer "
-                             f"work items, more than its fixed table of {MAX_PLAN_WORKS}: lower the token budget")
+            raise ValueError(
+                f"plan: {sum(qo_lens)} query rows x {self.num_heads} heads may need {works} FlashInfer "
+                f"work items, more than its fixed table of {MAX_PLAN_WORKS}: lower the token budget"
+            )
 
-    def plan_pages(self, qo_lens: list[int], seq_lens: list[int], pages: list[list[int]], block_size: int,
-                   causal: bool = True) -> None:
+    def plan_pages(
+        self, qo_lens: list[int], seq_lens: list[int], pages: list[list[int]], block_size: int, causal: bool = True
+    ) -> None:
         """`plan` from host lists: pages[b] = request b's block ids (at least ceil(seq_lens[b] / block_size) of
         them; extra entries are ignored). Everything is built on the host and sent in pinned, non-blocking
         copies: no device kernel (waits as `plan`: see the module docstring). For a CUDA-graph wrapper and a
@@ -312,7 +326,7 @@ class FlashInferMLA:
         fit its buffers (batch size, pages, work table)."""
         self._ahead = None
         B = len(seq_lens)
-        if not self.use_cuda_graph or B != self.max_batch or min(seq_lens, default=0) < 1:
+        if not self.use_cuda_graph or self.max_batch != B or min(seq_lens, default=0) < 1:
             return False
         try:
             indptr = _decode_indptr(seq_lens, block_size, page_stride)
@@ -343,8 +357,15 @@ class FlashInferMLA:
         self.num_rows = B
         self.causal = False
 
-    def _plan_indices(self, qo_lens: list[int], seq_lens: list[int], kv_indptr: list[int],
-                      kv_indices: torch.Tensor, block_size: int, causal: bool) -> None:
+    def _plan_indices(
+        self,
+        qo_lens: list[int],
+        seq_lens: list[int],
+        kv_indptr: list[int],
+        kv_indices: torch.Tensor,
+        block_size: int,
+        causal: bool,
+    ) -> None:
         """FlashInfer's plan with kv_indptr [B+1] and kv_indices [pages] int32 (device, or pinned host: FlashInfer
         copies it into its buffer non-blocking). The host arrays go through pinned staging buffers, so every
         copy FlashInfer makes is asynchronous; the caller ran `_wait_staging` first."""
@@ -360,8 +381,18 @@ class FlashInferMLA:
         kv_len.numpy()[:] = seq_lens
         kv_indptr = kv_indptr_h
         self.wrapper.plan(
-            qo_indptr, kv_indptr, kv_indices, kv_len,
-            self.num_heads, self.L, self.R, block_size, causal, self.sm_scale, self.dtype, self.dtype,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_len,
+            self.num_heads,
+            self.L,
+            self.R,
+            block_size,
+            causal,
+            self.sm_scale,
+            self.dtype,
+            self.dtype,
         )
         if self._plan_done is None:
             self._plan_done = torch.cuda.Event()
@@ -385,8 +416,9 @@ class FlashInferMLA:
         if kv_cache.shape[1] != self.block_size or kv_cache.shape[2] != self.L + self.R:
             raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match block_size {self.block_size}")
         if q_lat.shape[0] != self.num_rows or q_pe.shape[0] != self.num_rows:
-            raise ValueError(f"q_lat {tuple(q_lat.shape)} / q_pe {tuple(q_pe.shape)}: "
-                             f"the plan has {self.num_rows} rows")
+            raise ValueError(
+                f"q_lat {tuple(q_lat.shape)} / q_pe {tuple(q_pe.shape)}: the plan has {self.num_rows} rows"
+            )
         ckv = kv_cache[..., : self.L]  # [num_blocks, bs, L] view, row stride L+R
         kpe = kv_cache[..., self.L :]  # [num_blocks, bs, R] view
         return self.wrapper.run(q_lat, q_pe, ckv, kpe, out=out)

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
     HAS_TRITON = False
 
-__all__ = ["BmmConfig", "CONFIGS", "HAS_TRITON", "MAX_M", "bmm_small_m", "bmm_heads", "bmm_heads_ref", "lookup"]
+__all__ = ["CONFIGS", "HAS_TRITON", "MAX_M", "BmmConfig", "bmm_heads", "bmm_heads_ref", "bmm_small_m", "lookup"]
 
 MAX_M = 64
 TABLE_PATH = Path(__file__).with_name("bmm_small_m_table.json")
@@ -85,10 +85,25 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M"])
     def _bmm_small_m_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K,
-        s_xm, s_xh, s_wh, s_wn, s_ym, s_yh,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        s_xm,
+        s_xh,
+        s_wh,
+        s_wn,
+        s_ym,
+        s_yh,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SWAP_AB: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         wait_and_release(PDL)  # kimi.ops.pdl
         h = tl.program_id(0).to(tl.int64)
@@ -140,12 +155,15 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
     _lsm.check_operands(x, w, M, N, K)
     if out is not None:
         if out.shape != (M, H, N) or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1:
-            raise ValueError(f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "
-                             f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}")
+            raise ValueError(
+                f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "
+                f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+            )
 
 
-def bmm_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                config: BmmConfig | None = None) -> torch.Tensor:
+def bmm_small_m(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: BmmConfig | None = None
+) -> torch.Tensor:
     """y[m, h] = x[m, h] @ w[h]^T with the Triton kernel (always; no dispatch).
 
     Args:
@@ -170,10 +188,27 @@ def bmm_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     bm = max(16, 1 << (M - 1).bit_length())
     bn, bk = config.block_n, config.block_k
     _bmm_small_m_kernel[(H, triton.cdiv(N, bn))](
-        x, w, y, M, N, K,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=config.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(x.device),
+        x,
+        w,
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SWAP_AB=config.swap_ab,
+        EVEN_K=K % bk == 0,
+        EVEN_N=N % bn == 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **launch_kwargs(x.device),
     )
     return y
 
@@ -204,9 +239,13 @@ def _get_table() -> dict:
             if _table is None:
                 raw = _lsm.load_table(os.environ.get("KIMI_BMM_SMALL_M_TABLE", TABLE_PATH))
                 # load_table parses entries as SmallMConfig, whose fields include all of BmmConfig's
-                _table = {"gpu": raw["gpu"],
-                          "entries": {k: BmmConfig(**{f: getattr(c, f) for f in BmmConfig.__dataclass_fields__})
-                                      for k, c in raw["entries"].items()}}
+                _table = {
+                    "gpu": raw["gpu"],
+                    "entries": {
+                        k: BmmConfig(**{f: getattr(c, f) for f in BmmConfig.__dataclass_fields__})
+                        for k, c in raw["entries"].items()
+                    },
+                }
     return _table
 
 
@@ -228,10 +267,21 @@ def bmm_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     """y[m, h] = x[m, h] @ w[h]^T: x [M, H, K], w [H, N, K] -> [M, H, N] (x's dtype), written into `out` when
     given (any strides). Triton kernel where the table says it is faster (see the module docstring), else
     `bmm_heads_ref`. Errors: torch.bmm's."""
-    if (HAS_TRITON and _ENABLED and x.is_cuda and x.dim() == 3 and w.dim() == 3 and x.dtype == w.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(2) == 1 and w.stride(2) == 1
-            and w.device == x.device and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[2]
-            and (out is None or out.stride(2) == 1)):
+    if (
+        HAS_TRITON
+        and _ENABLED
+        and x.is_cuda
+        and x.dim() == 3
+        and w.dim() == 3
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(2) == 1
+        and w.stride(2) == 1
+        and w.device == x.device
+        and x.shape[1] == w.shape[0]
+        and x.shape[2] == w.shape[2]
+        and (out is None or out.stride(2) == 1)
+    ):
         cfg = lookup(x.shape[0], w.shape[1], x.shape[2], x.device)
         if cfg is not None:
             return bmm_small_m(x, w, out=out, config=cfg)

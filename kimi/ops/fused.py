@@ -46,9 +46,21 @@ from kimi.ops.pdl import launch_kwargs, wait_and_release
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "silu_mul", "silu_mul_rows", "mla_rope_kv_write", "router_topk", "moe_align_fused",
-    "add_rms_norm_ref", "silu_mul_ref", "mla_rope_kv_write_ref", "router_topk_ref",
-    "ROUTER_FUSED_MAX_T", "ALIGN_ONE_PROGRAM_MAX_P", "ALIGN_GRID_MIN_P", "LAUNCH",
+    "ALIGN_GRID_MIN_P",
+    "ALIGN_ONE_PROGRAM_MAX_P",
+    "LAUNCH",
+    "ROUTER_FUSED_MAX_T",
+    "add_rms_norm",
+    "add_rms_norm_ref",
+    "mla_rope_kv_write",
+    "mla_rope_kv_write_ref",
+    "moe_align_fused",
+    "rms_norm",
+    "router_topk",
+    "router_topk_ref",
+    "silu_mul",
+    "silu_mul_ref",
+    "silu_mul_rows",
 ]
 
 # Both one-kernel paths below measured SLOWER than the two-kernel paths in the K2.6 decode step on an H200
@@ -89,9 +101,25 @@ LAUNCH: dict = {
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, x_stride, d1_ptr, d1_stride, d2_ptr, d2_stride, w_ptr, h_ptr, h_stride, y_ptr, y_stride,
-                    D, eps, HAS_D1: tl.constexpr, HAS_D2: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _rmsnorm_kernel(
+    x_ptr,
+    x_stride,
+    d1_ptr,
+    d1_stride,
+    d2_ptr,
+    d2_stride,
+    w_ptr,
+    h_ptr,
+    h_stride,
+    y_ptr,
+    y_stride,
+    D,
+    eps,
+    HAS_D1: tl.constexpr,
+    HAS_D2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -129,8 +157,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if T == 0:
         return y
     B = triton.next_power_of_2(D)
-    _rmsnorm_kernel[(T,)](x, x.stride(0), x, 0, x, 0, weight, y, 0, y, y.stride(0), D, eps,
-                          HAS_D1=False, HAS_D2=False, BLOCK=B, num_warps=_nw(B), **launch_kwargs(x.device))
+    _rmsnorm_kernel[(T,)](
+        x,
+        x.stride(0),
+        x,
+        0,
+        x,
+        0,
+        weight,
+        y,
+        0,
+        y,
+        y.stride(0),
+        D,
+        eps,
+        HAS_D1=False,
+        HAS_D2=False,
+        BLOCK=B,
+        num_warps=_nw(B),
+        **launch_kwargs(x.device),
+    )
     return y
 
 
@@ -144,9 +190,26 @@ def add_rms_norm(h: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor | None, wei
         return h_new, y
     B = triton.next_power_of_2(D)
     d2_ = d1 if d2 is None else d2
-    _rmsnorm_kernel[(T,)](h, h.stride(0), d1, d1.stride(0), d2_, d2_.stride(0), weight, h_new, h_new.stride(0),
-                          y, y.stride(0), D, eps, HAS_D1=True, HAS_D2=d2 is not None, BLOCK=B, num_warps=_nw(B),
-                          **launch_kwargs(h.device))
+    _rmsnorm_kernel[(T,)](
+        h,
+        h.stride(0),
+        d1,
+        d1.stride(0),
+        d2_,
+        d2_.stride(0),
+        weight,
+        h_new,
+        h_new.stride(0),
+        y,
+        y.stride(0),
+        D,
+        eps,
+        HAS_D1=True,
+        HAS_D2=d2 is not None,
+        BLOCK=B,
+        num_warps=_nw(B),
+        **launch_kwargs(h.device),
+    )
     return h_new, y
 
 
@@ -171,8 +234,11 @@ def _silu_mul_kernel(y_ptr, y_stride, o_ptr, o_stride, I, BLOCK: tl.constexpr, P
     g = tl.load(y_ptr + row * y_stride + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(y_ptr + row * y_stride + I + offs, mask=m, other=0.0).to(tl.float32)
     s = g / (1.0 + tl.exp(-g))
-    tl.store(o_ptr + row * o_stride + offs, (s.to(o_ptr.dtype.element_ty).to(tl.float32) * u).to(o_ptr.dtype.element_ty),
-             mask=m)
+    tl.store(
+        o_ptr + row * o_stride + offs,
+        (s.to(o_ptr.dtype.element_ty).to(tl.float32) * u).to(o_ptr.dtype.element_ty),
+        mask=m,
+    )
 
 
 def silu_mul(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
@@ -184,8 +250,9 @@ def silu_mul(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
     if M == 0:
         return o
     BLOCK = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(M, triton.cdiv(inter, BLOCK))](y, y.stride(0), o, o.stride(0), inter, BLOCK=BLOCK, num_warps=4,
-                                                     **launch_kwargs(y.device))
+    _silu_mul_kernel[(M, triton.cdiv(inter, BLOCK))](
+        y, y.stride(0), o, o.stride(0), inter, BLOCK=BLOCK, num_warps=4, **launch_kwargs(y.device)
+    )
     return o
 
 
@@ -195,8 +262,20 @@ def silu_mul_ref(y: torch.Tensor, inter: int | None = None) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr, P, I, ROWS: tl.constexpr,
-                          BLOCK: tl.constexpr, GROUP: tl.constexpr = 0, PDL: tl.constexpr = False):
+def _silu_mul_rows_kernel(
+    y_ptr,
+    y_stride,
+    o_ptr,
+    o_stride,
+    rows_ptr,
+    nrows_ptr,
+    P,
+    I,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
+):
     # program (slot block, column block): rows rows_ptr[slot] for the ROWS slots of the block, slots past
     # *nrows_ptr and row ids >= P (the align's pad sentinel) skipped; GROUP > 0: gate / up columns interleaved in
     # groups of GROUP (kimi.ops.moe_int4_cuda.glu_interleave), else gate [0, I), up [I, 2I)
@@ -223,9 +302,15 @@ def _silu_mul_rows_kernel(y_ptr, y_stride, o_ptr, o_stride, rows_ptr, nrows_ptr,
         tl.store(o_ptr + r64[:, None] * o_stride + offs[None, :], (a * u).to(o_ptr.dtype.element_ty), mask=mm)
 
 
-def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, inter: int | None = None,
-                  rows_per_program: int | None = None, out: torch.Tensor | None = None,
-                  interleave: int = 0) -> torch.Tensor:
+def silu_mul_rows(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    num_rows: torch.Tensor,
+    inter: int | None = None,
+    rows_per_program: int | None = None,
+    out: torch.Tensor | None = None,
+    interleave: int = 0,
+) -> torch.Tensor:
     """silu_mul for the rows a MoE align lists only: y [P, 2I] (unit last-dim stride), rows [cap] int32 row ids
     (moe_align's sorted_ids: values >= P are pads, skipped), num_rows [1] int32 on the device (how many leading
     entries of rows are valid: moe_align's num_padded) -> o [P, I] (y.dtype) where o[r] = silu(y[r, :I]) * y[r, I:]
@@ -254,8 +339,20 @@ def silu_mul_rows(y: torch.Tensor, rows: torch.Tensor, num_rows: torch.Tensor, i
     BLOCK = min(lp["block"], triton.next_power_of_2(inter))
     R = triton.next_power_of_2(lp["rows"] if rows_per_program is None else rows_per_program)
     _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
-        y, y.stride(0), o, o.stride(0), rows, num_rows, P, inter, ROWS=R, BLOCK=BLOCK, GROUP=int(interleave),
-        num_warps=lp["warps"], **launch_kwargs(y.device))
+        y,
+        y.stride(0),
+        o,
+        o.stride(0),
+        rows,
+        num_rows,
+        P,
+        inter,
+        ROWS=R,
+        BLOCK=BLOCK,
+        GROUP=int(interleave),
+        num_warps=lp["warps"],
+        **launch_kwargs(y.device),
+    )
     return o
 
 
@@ -282,9 +379,28 @@ def _rope_pairs(x, c, s, ROWS: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                        cache_ptr, qpe_ptr, H, N, L, eps, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
+def _mla_rope_kv_kernel(
+    q_ptr,
+    q_s0,
+    q_s1,
+    kva_ptr,
+    kva_s0,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    cache_ptr,
+    qpe_ptr,
+    H,
+    N,
+    L,
+    eps,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # grid (T, cdiv(H, BLOCK_H) + 1): programs 0.. of a row rope BLOCK_H heads of q_pe each; the last one does
     # the latent rmsnorm, the k_pe rope and the cache write of that row
     wait_and_release(PDL)
@@ -315,8 +431,9 @@ def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_
         # q_pe: rope(q[t, h, N:]) -> qpe[t, h, :] for h in this program's head group
         hh = g * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = hh[:, None] < H
-        qv = tl.load(q_ptr + t * q_s0 + hh[:, None].to(tl.int64) * q_s1 + N + ri[None, :], mask=hm,
-                     other=0.0).to(tl.float32)  # [BLOCK_H, R], rows contiguous
+        qv = tl.load(q_ptr + t * q_s0 + hh[:, None].to(tl.int64) * q_s1 + N + ri[None, :], mask=hm, other=0.0).to(
+            tl.float32
+        )  # [BLOCK_H, R], rows contiguous
         pos = tl.load(pos_ptr + t).to(tl.int64)
         c = tl.load(cos_ptr + pos * R2 + tl.arange(0, R2))
         s = tl.load(sin_ptr + pos * R2 + tl.arange(0, R2))
@@ -324,9 +441,18 @@ def _mla_rope_kv_kernel(q_ptr, q_s0, q_s1, kva_ptr, kva_s0, w_ptr, cos_ptr, sin_
         tl.store(qpe_ptr + t * H * R + hh[:, None] * R + ri[None, :], qr.to(qpe_ptr.dtype.element_ty), mask=hm)
 
 
-def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tensor, eps: float,
-                      cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
-                      slot_mapping: torch.Tensor, kv_cache: torch.Tensor, nope: int) -> torch.Tensor:
+def mla_rope_kv_write(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    kv_norm_w: torch.Tensor,
+    eps: float,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    nope: int,
+) -> torch.Tensor:
     """q [T, H, N + R] (last dim contiguous), kv_a [T, L + R] (row stride any) -> q_pe roped [T, H, R] contiguous.
 
     Writes cache.view(-1, L + R)[slot_mapping[t]] = cat(rmsnorm(kv_a[t, :L]), rope(kv_a[t, L:])) for every t.
@@ -344,9 +470,28 @@ def mla_rope_kv_write(q: torch.Tensor, kv_a: torch.Tensor, kv_norm_w: torch.Tens
         return qpe
     BH = min(triton.next_power_of_2(H), 8 if T <= 64 else 32)  # small T: more programs per row
     _mla_rope_kv_kernel[(T, triton.cdiv(H, BH) + 1)](
-        q, q.stride(0), q.stride(1), kv_a, kv_a.stride(0), kv_norm_w, cos_cache, sin_cache, positions, slot_mapping,
-        kv_cache, qpe, H, nope, L, eps, R=R, BLOCK_H=BH, BLOCK_L=triton.next_power_of_2(L), num_warps=4,
-        **launch_kwargs(q.device))
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv_a,
+        kv_a.stride(0),
+        kv_norm_w,
+        cos_cache,
+        sin_cache,
+        positions,
+        slot_mapping,
+        kv_cache,
+        qpe,
+        H,
+        nope,
+        L,
+        eps,
+        R=R,
+        BLOCK_H=BH,
+        BLOCK_L=triton.next_power_of_2(L),
+        num_warps=4,
+        **launch_kwargs(q.device),
+    )
     return qpe
 
 
@@ -375,10 +520,33 @@ _warned_capture = [False]
 
 
 @triton.jit
-def _router_fused_kernel(x_ptr, x_s0, w_ptr, w_s0, bias_ptr, part_ptr, logit_ptr, cnt_ptr, wout_ptr, idout_ptr,
-                         valid_ptr, T, E, D, K_SPLIT, scale, TOPK: tl.constexpr, NORM: tl.constexpr,
-                         BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK_E: tl.constexpr, F32_DOT: tl.constexpr, HAS_VALID: tl.constexpr = False):
+def _router_fused_kernel(
+    x_ptr,
+    x_s0,
+    w_ptr,
+    w_s0,
+    bias_ptr,
+    part_ptr,
+    logit_ptr,
+    cnt_ptr,
+    wout_ptr,
+    idout_ptr,
+    valid_ptr,
+    T,
+    E,
+    D,
+    K_SPLIT,
+    scale,
+    TOPK: tl.constexpr,
+    NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    HAS_VALID: tl.constexpr = False,
+):
     """Grid (n_e = cdiv(E, BE), n_split, n_t = cdiv(T, BT)). Program (pe, pk, pt) computes the fp32 partial
     z[rows pt*BT.., experts pe*BE..] over K range [pk*K_SPLIT, +K_SPLIT) and stores it to its own workspace tile
     part[pt, pe, pk]. Then (CTA barrier, acq_rel atomic on counter[pt, pe]) the program that arrives last for
@@ -432,8 +600,22 @@ def _router_fused_kernel(x_ptr, x_s0, w_ptr, w_s0, bias_ptr, part_ptr, logit_ptr
             tl.atomic_xchg(c2, 0, sem="relaxed", scope="gpu")
             for sb in tl.static_range(BT // SUB):
                 if pt * BT + sb * SUB < T:  # (sub-blocks past the last row are skipped)
-                    _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, valid_ptr, pt * BT + sb * SUB, T,
-                                      E, scale, TOPK, NORM, SUB, BLOCK_E, HAS_VALID)
+                    _router_topk_rows(
+                        logit_ptr,
+                        bias_ptr,
+                        wout_ptr,
+                        idout_ptr,
+                        valid_ptr,
+                        pt * BT + sb * SUB,
+                        T,
+                        E,
+                        scale,
+                        TOPK,
+                        NORM,
+                        SUB,
+                        BLOCK_E,
+                        HAS_VALID,
+                    )
 
 
 @triton.jit
@@ -447,8 +629,22 @@ def _topk_key(choice, valid, e, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, valid_ptr, r0, T, E, scale, TOPK: tl.constexpr,
-                      NORM: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VALID: tl.constexpr):
+def _router_topk_rows(
+    logit_ptr,
+    bias_ptr,
+    wout_ptr,
+    idout_ptr,
+    valid_ptr,
+    r0,
+    T,
+    E,
+    scale,
+    TOPK: tl.constexpr,
+    NORM: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+):
     """sigmoid + bias + top-k + normalisation of logits rows [r0, r0 + SUB) (rows >= T not stored; the logits
     buffer has them; with HAS_VALID, rows whose valid_ptr entry is 0 store ids -1 and weights 0). Loads with .cg:
     the logits were written by other programs (see _router_fused_kernel)."""
@@ -485,9 +681,22 @@ def _router_topk_rows(logit_ptr, bias_ptr, wout_ptr, idout_ptr, valid_ptr, r0, T
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
-                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def _router_logits_kernel(
+    x_ptr,
+    x_s0,
+    w_ptr,
+    w_s0,
+    out_ptr,
+    T,
+    E,
+    D,
+    K_SPLIT,
+    BT: tl.constexpr,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     wait_and_release(PDL)
     pe = tl.program_id(0)
     pk = tl.program_id(1)
@@ -499,8 +708,12 @@ def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
     for kk in range(0, K_SPLIT, BK):
         rk = k0 + kk + tl.arange(0, BK)
         km = (rk < D) & (rk < k0 + K_SPLIT)
-        a = tl.load(x_ptr + rt[:, None].to(tl.int64) * x_s0 + rk[None, :], mask=(rt[:, None] < T) & km[None, :], other=0.0)
-        b = tl.load(w_ptr + re[None, :].to(tl.int64) * w_s0 + rk[:, None], mask=(re[None, :] < E) & km[:, None], other=0.0)
+        a = tl.load(
+            x_ptr + rt[:, None].to(tl.int64) * x_s0 + rk[None, :], mask=(rt[:, None] < T) & km[None, :], other=0.0
+        )
+        b = tl.load(
+            w_ptr + re[None, :].to(tl.int64) * w_s0 + rk[:, None], mask=(re[None, :] < E) & km[:, None], other=0.0
+        )
         if F32_DOT:  # the CPU interpreter's bf16 dot is wrong; exact products in fp32 instead
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
@@ -512,15 +725,28 @@ def _router_logits_kernel(x_ptr, x_s0, w_ptr, w_s0, out_ptr, T, E, D, K_SPLIT,
 
 
 @triton.jit
-def _router_topk_kernel(logit_ptr, bias_ptr, w_out, id_out, valid_ptr, T, E, N_SPLIT, scale, K: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VALID: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+def _router_topk_kernel(
+    logit_ptr,
+    bias_ptr,
+    w_out,
+    id_out,
+    valid_ptr,
+    T,
+    E,
+    N_SPLIT,
+    scale,
+    K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_VALID: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
     wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     em = e < E
     z = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for sp in range(0, N_SPLIT):  # the split-K partials of _router_logits_kernel, in split order
+    for sp in range(N_SPLIT):  # the split-K partials of _router_logits_kernel, in split order
         z += tl.load(logit_ptr + (sp * T + t) * E + e, mask=em, other=0.0)
     sc = 1.0 / (1.0 + tl.exp(-z))
     choice = sc + tl.load(bias_ptr + e, mask=em, other=0.0)
@@ -562,17 +788,44 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
     T, D = x.shape
     E = gate_weight.shape[0]
     lp = LAUNCH["router_logits"]
-    if T >= LAUNCH["router_logits_large"]["min_t"]:
+    if LAUNCH["router_logits_large"]["min_t"] <= T:
         lp = LAUNCH["router_logits_large"]
     n_split, k_split = _router_split(D, lp["split_elems"], lp["bk"])
     logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
     _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
-        x, x.stride(0), gate_weight, gate_weight.stride(0), logits, T, E, D, k_split, BT=lp["bt"], BE=lp["be"],
-        BK=lp["bk"], F32_DOT=_INTERPRET, num_warps=lp["warps"], **launch_kwargs(x.device))
-    _router_topk_kernel[(T,)](logits, bias, w, ids, ids if row_valid is None else row_valid, T, E, n_split,
-                              float(scale), K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(E),
-                              HAS_VALID=row_valid is not None, num_warps=LAUNCH["router_topk_warps"],
-                              **launch_kwargs(x.device))
+        x,
+        x.stride(0),
+        gate_weight,
+        gate_weight.stride(0),
+        logits,
+        T,
+        E,
+        D,
+        k_split,
+        BT=lp["bt"],
+        BE=lp["be"],
+        BK=lp["bk"],
+        F32_DOT=_INTERPRET,
+        num_warps=lp["warps"],
+        **launch_kwargs(x.device),
+    )
+    _router_topk_kernel[(T,)](
+        logits,
+        bias,
+        w,
+        ids,
+        ids if row_valid is None else row_valid,
+        T,
+        E,
+        n_split,
+        float(scale),
+        K=top_k,
+        NORM=bool(norm_topk_prob),
+        BLOCK_E=triton.next_power_of_2(E),
+        HAS_VALID=row_valid is not None,
+        num_warps=LAUNCH["router_topk_warps"],
+        **launch_kwargs(x.device),
+    )
     return w, ids
 
 
@@ -585,15 +838,45 @@ def _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, id
     part = torch.empty((n_t * n_e * n_split * _RT_BT * _RT_BE,), dtype=torch.float32, device=x.device)
     logits = torch.empty((n_t * _RT_BT, E), dtype=torch.float32, device=x.device)
     _router_fused_kernel[(n_e, n_split, n_t)](
-        x, x.stride(0), gate_weight, gate_weight.stride(0), bias, part, logits, cnt, w, ids,
-        ids if row_valid is None else row_valid, T, E, D, k_split, float(scale), TOPK=top_k,
-        NORM=bool(norm_topk_prob), BT=_RT_BT, BE=_RT_BE, BK=_RT_BK, SUB=_RT_SUB, BLOCK_E=triton.next_power_of_2(E),
-        F32_DOT=_INTERPRET, HAS_VALID=row_valid is not None, num_warps=4)
+        x,
+        x.stride(0),
+        gate_weight,
+        gate_weight.stride(0),
+        bias,
+        part,
+        logits,
+        cnt,
+        w,
+        ids,
+        ids if row_valid is None else row_valid,
+        T,
+        E,
+        D,
+        k_split,
+        float(scale),
+        TOPK=top_k,
+        NORM=bool(norm_topk_prob),
+        BT=_RT_BT,
+        BE=_RT_BE,
+        BK=_RT_BK,
+        SUB=_RT_SUB,
+        BLOCK_E=triton.next_power_of_2(E),
+        F32_DOT=_INTERPRET,
+        HAS_VALID=row_valid is not None,
+        num_warps=4,
+    )
     return w, ids
 
 
-def router_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
-                norm_topk_prob: bool = True, row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    scale: float,
+    norm_topk_prob: bool = True,
+    row_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi.ops.moe.select_experts on the GPU: x [T, D], gate_weight [E, D] (model dtype), bias [E] f32 ->
     (topk_weights [T, k] f32, topk_ids [T, k] int64), ids in descending order of s + bias.
 
@@ -616,10 +899,13 @@ def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool
     T, D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
-    if row_valid is not None and (row_valid.shape != (T,) or row_valid.device != x.device
-                                  or row_valid.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"router_topk: row_valid must be [T] = [{T}] int32 / int64 on {x.device}, got "
-                         f"{tuple(row_valid.shape)} {row_valid.dtype} on {row_valid.device}")
+    if row_valid is not None and (
+        row_valid.shape != (T,) or row_valid.device != x.device or row_valid.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"router_topk: row_valid must be [T] = [{T}] int32 / int64 on {x.device}, got "
+            f"{tuple(row_valid.shape)} {row_valid.dtype} on {row_valid.device}"
+        )
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
@@ -635,8 +921,11 @@ def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool
             return _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, cnt, row_valid)
         if not _warned_capture[0]:
             _warned_capture[0] = True
-            warnings.warn("router_topk: first call is under CUDA-graph capture; using the two-kernel path "
-                          "(call once eagerly before capturing)", stacklevel=2)
+            warnings.warn(
+                "router_topk: first call is under CUDA-graph capture; using the two-kernel path "
+                "(call once eagerly before capturing)",
+                stacklevel=2,
+            )
     return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid)
 
 
@@ -663,8 +952,22 @@ def _align_block_experts(pad_end, E, bm, max_blocks, bexp_ptr, BLOCK_E: tl.const
 
 
 @triton.jit
-def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
+def _align_header(
+    ids_ptr,
+    P,
+    E,
+    offset,
+    bm,
+    max_blocks,
+    sorted_ptr,
+    bexp_ptr,
+    npad_ptr,
+    cap,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     """Histogram of local experts, padded offsets, num_padded, block experts, sentinel fill of sorted_ids[:cap].
     Returns pad_start [BLOCK_E] int32 (0 past E)."""
     eo = tl.arange(0, BLOCK_E)
@@ -689,19 +992,36 @@ def _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, n
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, cursor_ptr, bexp_ptr, npad_ptr, cap,
-                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+def _align_count_kernel(
+    ids_ptr,
+    P,
+    E,
+    offset,
+    bm,
+    max_blocks,
+    sorted_ptr,
+    cursor_ptr,
+    bexp_ptr,
+    npad_ptr,
+    cap,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     wait_and_release(PDL)
     # one program: histogram of local experts, padded offsets, cursors, block experts, sentinel fill
-    pad_start = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                              BLOCK_P, BLOCK_E, BLOCK_B, BLOCK_P)
+    pad_start = _align_header(
+        ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap, BLOCK_P, BLOCK_E, BLOCK_B, BLOCK_P
+    )
     eo = tl.arange(0, BLOCK_E)
     tl.store(cursor_ptr + eo, pad_start, mask=eo < E)
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, cap, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def _align_scatter_kernel(
+    ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, cap, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
     wait_and_release(PDL)
     po = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pm = po < P
@@ -712,14 +1032,29 @@ def _align_scatter_kernel(ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, cap, BL
 
 
 @triton.jit
-def _align_one_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
+def _align_one_kernel(
+    ids_ptr,
+    P,
+    E,
+    offset,
+    bm,
+    max_blocks,
+    sorted_ptr,
+    bexp_ptr,
+    npad_ptr,
+    cap,
+    BLOCK_C: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     """One program: _align_header, then the pairs in chunks of BLOCK_C: one-hot [BLOCK_C, BLOCK_E] of each
     pair's local expert, inclusive cumsum down the chunk = rank of the pair among its expert's pairs in the chunk
     (+1); slot = pad_start[e] + pairs of e in earlier chunks + rank. Pairs keep ascending id order within an
     expert (what moe_align's stable sort gives). No atomics."""
-    base = _align_header(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap,
-                         BLOCK_C, BLOCK_E, BLOCK_B, BLOCK_F)
+    base = _align_header(
+        ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_ptr, npad_ptr, cap, BLOCK_C, BLOCK_E, BLOCK_B, BLOCK_F
+    )
     tl.debug_barrier()  # the sentinel fill is done (by all threads) before any pair's slot is written
     eo = tl.arange(0, BLOCK_E)
     for p0 in range(0, P, BLOCK_C):
@@ -736,8 +1071,19 @@ def _align_one_kernel(ids_ptr, P, E, offset, bm, max_blocks, sorted_ptr, bexp_pt
 
 
 @triton.jit
-def _align_grid_count_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, cap, fill_per,
-                             BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+def _align_grid_count_kernel(
+    ids_ptr,
+    P,
+    E,
+    offset,
+    sorted_ptr,
+    part_ptr,
+    cap,
+    fill_per,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Grid path, 1 of 3, program g: the histogram of pairs [g * BLOCK, (g + 1) * BLOCK) over the local experts ->
     part[g, :] (column E: non-local pairs), and the sentinel P into sorted_ids[g * fill_per, (g + 1) * fill_per)."""
     wait_and_release(PDL)
@@ -750,13 +1096,27 @@ def _align_grid_count_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, cap, f
     tl.store(part_ptr + g * BLOCK_E + eo, tl.histogram(key, BLOCK_E))
     for c0 in range(0, fill_per, BLOCK):
         co = c0 + tl.arange(0, BLOCK)
-        tl.store(sorted_ptr + g * fill_per + co, tl.zeros((BLOCK,), dtype=tl.int32) + P,
-                 mask=(co < fill_per) & (g * fill_per + co < cap))
+        tl.store(
+            sorted_ptr + g * fill_per + co,
+            tl.zeros((BLOCK,), dtype=tl.int32) + P,
+            mask=(co < fill_per) & (g * fill_per + co < cap),
+        )
 
 
 @triton.jit
-def _align_grid_offsets_kernel(part_ptr, G, E, bm, max_blocks, bexp_ptr, npad_ptr, BLOCK_G: tl.constexpr,
-                               BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+def _align_grid_offsets_kernel(
+    part_ptr,
+    G,
+    E,
+    bm,
+    max_blocks,
+    bexp_ptr,
+    npad_ptr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Grid path, 2 of 3, one program: totals over the G partial histograms, padded offsets, num_padded, block
     experts; then part[g, e] <- padded start of expert e + its pairs in programs < g (each program's first slot
     per expert)."""
@@ -783,8 +1143,18 @@ def _align_grid_offsets_kernel(part_ptr, G, E, bm, max_blocks, bexp_ptr, npad_pt
 
 
 @triton.jit
-def _align_grid_place_kernel(ids_ptr, P, E, offset, sorted_ptr, part_ptr, cap, BLOCK: tl.constexpr,
-                             BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+def _align_grid_place_kernel(
+    ids_ptr,
+    P,
+    E,
+    offset,
+    sorted_ptr,
+    part_ptr,
+    cap,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Grid path, 3 of 3, program g: each local pair of its slice to part[g, e] + its rank among the slice's pairs
     of e (one-hot cumsum): ascending pair order within an expert, as moe_align's stable sort. No atomics."""
     wait_and_release(PDL)
@@ -808,8 +1178,9 @@ def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, m
     return P, max_blocks, max_blocks * block_m
 
 
-def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int,
-                    max_pairs: int | None = None):
+def moe_align_fused(
+    topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int, max_pairs: int | None = None
+):
     """kimi.ops.moe_int4_triton.moe_align on the GPU: same outputs and contract.
 
     topk_ids [T, k] integer global expert ids (contiguous or reshapeable to [T*k]); experts
@@ -827,8 +1198,15 @@ def moe_align_fused(topk_ids: torch.Tensor, num_local_experts: int, expert_offse
     return _moe_align(topk_ids, num_local_experts, expert_offset, block_m, None, max_pairs=max_pairs)
 
 
-def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program: bool | None,
-               grid: bool | None = None, max_pairs: int | None = None):
+def _moe_align(
+    topk_ids,
+    num_local_experts,
+    expert_offset,
+    block_m,
+    one_program: bool | None,
+    grid: bool | None = None,
+    max_pairs: int | None = None,
+):
     """moe_align_fused with the path forced (grid True: the grid path; else one_program True / False; None for both:
     by T*k). Tests and the benchmark."""
     P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m, max_pairs)
@@ -846,26 +1224,78 @@ def _moe_align(topk_ids, num_local_experts, expert_offset, block_m, one_program:
         part = torch.empty((G, BLOCK_E), dtype=torch.int32, device=dev)  # partial histograms, then bases
         fill_per = triton.cdiv(cap, G)
         kw = launch_kwargs(dev)
-        _align_grid_count_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, cap, fill_per, BLOCK=BLOCK,
-                                       BLOCK_E=BLOCK_E, num_warps=4, **kw)
-        _align_grid_offsets_kernel[(1,)](part, G, E, block_m, max_blocks, block_expert, num_padded, BLOCK_G=64,
-                                         BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, num_warps=8, **kw)
-        _align_grid_place_kernel[(G,)](ids, P, E, expert_offset, sorted_ids, part, cap, BLOCK=BLOCK, BLOCK_E=BLOCK_E,
-                                       num_warps=4, **kw)
+        _align_grid_count_kernel[(G,)](
+            ids, P, E, expert_offset, sorted_ids, part, cap, fill_per, BLOCK=BLOCK, BLOCK_E=BLOCK_E, num_warps=4, **kw
+        )
+        _align_grid_offsets_kernel[(1,)](
+            part,
+            G,
+            E,
+            block_m,
+            max_blocks,
+            block_expert,
+            num_padded,
+            BLOCK_G=64,
+            BLOCK_E=BLOCK_E,
+            BLOCK_B=BLOCK_B,
+            num_warps=8,
+            **kw,
+        )
+        _align_grid_place_kernel[(G,)](
+            ids, P, E, expert_offset, sorted_ids, part, cap, BLOCK=BLOCK, BLOCK_E=BLOCK_E, num_warps=4, **kw
+        )
         return sorted_ids, block_expert, num_padded, max_blocks
     if (P <= ALIGN_ONE_PROGRAM_MAX_P) if one_program is None else one_program:
         BLOCK_C = max(16, min(triton.next_power_of_2(max(P, 1)), 8192 // BLOCK_E, 256))  # [C, BLOCK_E] int32
-        _align_one_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, block_expert, num_padded,
-                                cap, BLOCK_C=BLOCK_C, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B, BLOCK_F=1024, num_warps=8)
+        _align_one_kernel[(1,)](
+            ids,
+            P,
+            E,
+            expert_offset,
+            block_m,
+            max_blocks,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            cap,
+            BLOCK_C=BLOCK_C,
+            BLOCK_E=BLOCK_E,
+            BLOCK_B=BLOCK_B,
+            BLOCK_F=1024,
+            num_warps=8,
+        )
         return sorted_ids, block_expert, num_padded, max_blocks
     cursor = torch.empty((E,), dtype=torch.int32, device=dev)
-    _align_count_kernel[(1,)](ids, P, E, expert_offset, block_m, max_blocks, sorted_ids, cursor, block_expert,
-                              num_padded, cap, BLOCK_P=1024, BLOCK_E=BLOCK_E, BLOCK_B=BLOCK_B,
-                              num_warps=LAUNCH["align_count_warps"],
-                              **launch_kwargs(dev))
+    _align_count_kernel[(1,)](
+        ids,
+        P,
+        E,
+        expert_offset,
+        block_m,
+        max_blocks,
+        sorted_ids,
+        cursor,
+        block_expert,
+        num_padded,
+        cap,
+        BLOCK_P=1024,
+        BLOCK_E=BLOCK_E,
+        BLOCK_B=BLOCK_B,
+        num_warps=LAUNCH["align_count_warps"],
+        **launch_kwargs(dev),
+    )
     if P:
         sc = LAUNCH["align_scatter"]
-        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](ids, P, E, expert_offset, sorted_ids, cursor, cap,
-                                                              BLOCK=sc["block"], num_warps=sc["warps"],
-                                                              **launch_kwargs(dev))
+        _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](
+            ids,
+            P,
+            E,
+            expert_offset,
+            sorted_ids,
+            cursor,
+            cap,
+            BLOCK=sc["block"],
+            num_warps=sc["warps"],
+            **launch_kwargs(dev),
+        )
     return sorted_ids, block_expert, num_padded, max_blocks

@@ -57,8 +57,19 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
     HAS_TRITON = False
 
-__all__ = ["Fp8Config", "Fp8Linear", "fp8_linear", "fp8_linear_ref", "fp8_linear_dequant", "fp8_linear_small_m", "default_config",
-           "lookup", "load_table", "MAX_M", "HAS_TRITON"]
+__all__ = [
+    "HAS_TRITON",
+    "MAX_M",
+    "Fp8Config",
+    "Fp8Linear",
+    "default_config",
+    "fp8_linear",
+    "fp8_linear_dequant",
+    "fp8_linear_ref",
+    "fp8_linear_small_m",
+    "load_table",
+    "lookup",
+]
 
 MAX_M = 64
 TABLE_PATH = Path(__file__).with_name("linear_fp8_table.json")
@@ -96,8 +107,9 @@ def _check_weight(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, in
         raise ValueError(f"fp8_linear: bad block {block}")
     grid = (-(-N // bn), -(-K // bk))
     if tuple(scale_inv.shape) != grid:
-        raise ValueError(f"fp8_linear: scale_inv is {tuple(scale_inv.shape)}, want {grid} for w {tuple(w.shape)} "
-                         f"and block {block}")
+        raise ValueError(
+            f"fp8_linear: scale_inv is {tuple(scale_inv.shape)}, want {grid} for w {tuple(w.shape)} and block {block}"
+        )
 
 
 def _check_args(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
@@ -110,8 +122,9 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block
         raise ValueError(f"fp8_linear: x must be a floating (bf16 / fp16 / fp32) tensor, got {x.dtype}")
 
 
-def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
-                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """Reference: F.linear(x, dequant_fp8_block(w, scale_inv, block) rounded to x's dtype). x [..., K] floating,
     w [N, K] float8_e4m3fn, scale_inv [ceil(N / bn), ceil(K / bk)] float -> [..., N] in x's dtype. Raises
     ValueError for mismatched shapes / dtypes."""
@@ -122,8 +135,13 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
 DEQUANT_CHUNK_BYTES = 128 << 20  # transient float32 + x-dtype weight bytes per chunk of fp8_linear_dequant
 
 
-def fp8_linear_dequant(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
-                       block: tuple[int, int] = (128, 128), chunk_bytes: int | None = None) -> torch.Tensor:
+def fp8_linear_dequant(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    chunk_bytes: int | None = None,
+) -> torch.Tensor:
     """fp8_linear_ref computed over chunks of W's rows (whole scale tiles; the last one ragged), so the transient
     dequantised weight stays under chunk_bytes (default DEQUANT_CHUNK_BYTES) instead of N x K x 6 bytes (1.5 GB
     for layer 0's gate_up): each chunk's output columns are F.linear over that chunk. The same products as the
@@ -138,21 +156,44 @@ def fp8_linear_dequant(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor
     y = x.new_empty(*x.shape[:-1], N)
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
-        wc = dequant_fp8_block(w[n0:n1], scale_inv[n0 // bn: -(-n1 // bn)], block, torch.float32).to(x.dtype)
+        wc = dequant_fp8_block(w[n0:n1], scale_inv[n0 // bn : -(-n1 // bn)], block, torch.float32).to(x.dtype)
         y[..., n0:n1] = F.linear(x, wc)
     return y
 
 
 if HAS_TRITON:
-    from kimi.ops.linear_small_m import _counter_region, _store_tile, COUNTER_REGION
+    from kimi.ops.linear_small_m import COUNTER_REGION, _counter_region, _store_tile
     from kimi.ops.pdl import launch_kwargs, wait_and_release
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "KB_PER_SPLIT", "ITERS", "LAST_ITERS"])
     def _fp8_linear_kernel(
-        x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, n_kb, KB_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS,
-        stride_xm, stride_wn, stride_sn, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, SBN: tl.constexpr, KU: tl.constexpr,
-        USE_SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        n_kb,
+        KB_PER_SPLIT,
+        SPLIT_K,
+        ITERS,
+        LAST_ITERS,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BK: tl.constexpr,
+        SBN: tl.constexpr,
+        KU: tl.constexpr,
+        USE_SPLIT: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        PDL: tl.constexpr = False,
+        PREFETCH: tl.constexpr = 0,
     ):
         """Program (pid_n, pid_k) owns W rows [pid_n * BLOCK_N, +BLOCK_N) (= columns of y) and the K blocks
         [pid_k * KB_PER_SPLIT, +KB_PER_SPLIT) of BK columns (BK = the scale tile's width: one scale per row and
@@ -180,11 +221,12 @@ if HAS_TRITON:
         if PDL and PREFETCH > 0:  # weights only (no kernel of the step writes them): one line per 128 bytes
             for j in tl.static_range(PREFETCH):
                 p = w_ptr + rows_w * stride_wn + tl.minimum((kb0 + j) * BK, K - 1)
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32,
-                                          is_pure=False, pack=1)
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1
+                )
         wait_and_release(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for it in range(0, n_iters):
+        for it in range(n_iters):
             for u in tl.static_range(KU):
                 kb = kb0 + it * KU + u
                 valid = kb < kb_end
@@ -194,8 +236,9 @@ if HAS_TRITON:
                 xt = tl.load(x_ptr + rows_x[:, None] * stride_xm + cols[None, :], mask=kmask[None, :], other=0.0)
                 s = tl.load(s_ptr + s_rows + kb, mask=(rows_w >= 0) & valid, other=0.0)  # [BLOCK_N] fp32
                 acc += tl.dot(wt.to(xt.dtype), tl.trans(xt)) * s[:, None]  # [BLOCK_N, BLOCK_M]
-        _store_tile(acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k,
-                    BLOCK_M, BLOCK_N, USE_SPLIT, True)
+        _store_tile(
+            acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k, BLOCK_M, BLOCK_N, USE_SPLIT, True
+        )
 
 
 def _block_m(m: int) -> int:
@@ -253,7 +296,7 @@ def _m_bucket(m: int) -> int:
 _CHOSEN: dict[tuple, Fp8Config] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (132 off CUDA: the interpreter's stand-in), queried once."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -278,8 +321,14 @@ def lookup(M: int, N: int, K: int, device: torch.device) -> Fp8Config:
     return cfg
 
 
-def fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                       out: torch.Tensor | None = None, config: Fp8Config | None = None) -> torch.Tensor:
+def fp8_linear_small_m(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    out: torch.Tensor | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
     """y = x @ W^T with the Triton FP8 kernel (always; no dispatch).
 
     Args:
@@ -299,15 +348,19 @@ def fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor
         raise RuntimeError("fp8_linear_small_m needs Triton (not installed)")
     _check_args(x, w, scale_inv, block)
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
-        raise ValueError(f"fp8_linear_small_m: x must be [M <= {MAX_M}, K] with unit stride on K, "
-                         f"got {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"fp8_linear_small_m: x must be [M <= {MAX_M}, K] with unit stride on K, "
+            f"got {tuple(x.shape)} strides {x.stride()}"
+        )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp8_linear_small_m: x must be bf16 or fp16, got {x.dtype}")
     if not w.is_contiguous() or not scale_inv.is_contiguous() or scale_inv.dtype != torch.float32:
         raise ValueError("fp8_linear_small_m: w and scale_inv (float32) must be contiguous")
     if x.device != w.device or x.device != scale_inv.device or (x.device.type != "cuda" and not _INTERPRET):
-        raise ValueError(f"fp8_linear_small_m: tensors must be on one CUDA device (x {x.device}, w {w.device}, "
-                         f"scale_inv {scale_inv.device})")
+        raise ValueError(
+            f"fp8_linear_small_m: tensors must be on one CUDA device (x {x.device}, w {w.device}, "
+            f"scale_inv {scale_inv.device})"
+        )
     bn, bk = block
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8_linear_small_m: the scale tile width {bk} must be a power of two >= 16")
@@ -336,15 +389,42 @@ def fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor
     last_iters = triton.cdiv(n_kb - (split - 1) * kb_per, ku)
     kw = launch_kwargs(x.device)
     _fp8_linear_kernel[(n_tiles, split)](
-        x, w, scale_inv, out, ws, cnt, M, N, K, n_kb, kb_per, split, iters, last_iters,
-        x.stride(0), w.stride(0), scale_inv.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn_p, BK=bk, SBN=bn, KU=ku, USE_SPLIT=split > 1, EVEN_N=N % bn_p == 0,
-        PREFETCH=PREFETCH_TILES if kw["PDL"] else 0, num_warps=config.num_warps, num_stages=config.num_stages, **kw)
+        x,
+        w,
+        scale_inv,
+        out,
+        ws,
+        cnt,
+        M,
+        N,
+        K,
+        n_kb,
+        kb_per,
+        split,
+        iters,
+        last_iters,
+        x.stride(0),
+        w.stride(0),
+        scale_inv.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn_p,
+        BK=bk,
+        SBN=bn,
+        KU=ku,
+        USE_SPLIT=split > 1,
+        EVEN_N=N % bn_p == 0,
+        PREFETCH=PREFETCH_TILES if kw["PDL"] else 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **kw,
+    )
     return out
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
-               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """y = x @ W^T for FP8 block weights: x [..., K] (bf16 / fp16 / fp32) -> [..., N] in x's dtype. Dispatch: the
     Triton kernel for 1..64 rows of bf16 / fp16 on CUDA, else fp8_linear_dequant (the reference by row chunks). Raises
     ValueError for mismatched shapes / dtypes."""
@@ -352,8 +432,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     bk = block[1]
-    if (HAS_TRITON and x2.is_cuda and 1 <= M <= MAX_M and x2.dtype in (torch.bfloat16, torch.float16)
-            and bk >= 16 and not bk & (bk - 1)):
+    if (
+        HAS_TRITON
+        and x2.is_cuda
+        and 1 <= M <= MAX_M
+        and x2.dtype in (torch.bfloat16, torch.float16)
+        and bk >= 16
+        and not bk & (bk - 1)
+    ):
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         return fp8_linear_small_m(x2, w, scale_inv, block).view(*lead, w.shape[0])
@@ -406,8 +492,12 @@ class Fp8Linear(nn.Module):
             return False
         dev = self.weight.device
         with torch.cuda.device(dev):
-            hl = HummingLayer(shape_n=N, shape_k=K, weight_config=dict(quant_method="fp8", weight_block_size=[bn, bk]),
-                              torch_dtype=dtype)
+            hl = HummingLayer(
+                shape_n=N,
+                shape_k=K,
+                weight_config=dict(quant_method="fp8", weight_block_size=[bn, bk]),
+                torch_dtype=dtype,
+            )
             hl.to(dev)
             hl.load_from_tensors({"weight": self.weight.data, "weight_scale_inv": self.weight_scale_inv.data})
             hl.transform()
@@ -451,7 +541,7 @@ class Fp8Linear(nn.Module):
         return dequant_fp8_block(self.weight, self.weight_scale_inv, self.block, torch.float32).to(dtype)
 
     @classmethod
-    def cat(cls, parts: list["Fp8Linear"], pad_rows_to: int = 1) -> "Fp8Linear":
+    def cat(cls, parts: list[Fp8Linear], pad_rows_to: int = 1) -> Fp8Linear:
         """One layer whose output is the parts' outputs concatenated (weights stacked along N), e.g. gate + up or
         q_a + kv_a, followed by zero rows up to a multiple of pad_rows_to (so that humming can take a merge with a
         ragged last part: q_a 1536 + kv_a 576 rows -> 2176; callers slice the real columns). Every part but the last
@@ -465,8 +555,10 @@ class Fp8Linear(nn.Module):
                 raise ValueError(f"Fp8Linear.cat: parts differ in block / K ({p.block} {tuple(p.shape)})")
         for p in parts[:-1]:
             if p.out_features % block[0]:
-                raise ValueError(f"Fp8Linear.cat: a part of {p.out_features} rows is not a multiple of the "
-                                 f"{block[0]}-row scale tile (only the last part may be ragged)")
+                raise ValueError(
+                    f"Fp8Linear.cat: a part of {p.out_features} rows is not a multiple of the "
+                    f"{block[0]}-row scale tile (only the last part may be ragged)"
+                )
         if block[0] % pad_rows_to:
             raise ValueError(f"Fp8Linear.cat: pad_rows_to {pad_rows_to} must divide the tile's {block[0]} rows")
         rows = [p.weight.view(torch.uint8) for p in parts]

@@ -83,17 +83,17 @@ except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 __all__ = [
-    "SmallMConfig",
     "CONFIGS",
     "HAS_TRITON",
     "MAX_M",
     "M_BUCKETS",
-    "m_bucket",
-    "linear_small_m",
+    "SmallMConfig",
     "linear",
+    "linear_small_m",
     "load_table",
-    "prologue_config",
     "lookup",
+    "m_bucket",
+    "prologue_config",
 ]
 
 MAX_M = 64
@@ -127,8 +127,10 @@ class SmallMConfig:
     tma: bool = False
 
     def name(self) -> str:
-        return (f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_st{self.num_stages}"
-                f"{'_swap' if self.swap_ab else ''}{'_tma' if self.tma else ''}")
+        return (
+            f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_st{self.num_stages}"
+            f"{'_swap' if self.swap_ab else ''}{'_tma' if self.tma else ''}"
+        )
 
 
 # Tile configs the benchmark sweeps (each also with several split_k values). Kept small: every entry is a
@@ -164,7 +166,7 @@ def _block_m(m: int) -> int:
 SMEM_BUDGET = 220 * 1024  # H100/H200: 227 KiB of shared memory per block
 
 
-def _num_stages(cfg: "SmallMConfig", block_m: int, prologue: int = 0) -> int:
+def _num_stages(cfg: SmallMConfig, block_m: int, prologue: int = 0) -> int:
     """cfg.num_stages, lowered (not below 2) so that num_stages buffers of the x (two with the SiLU prologue) and
     W tiles fit SMEM_BUDGET."""
     stage_bytes = ((2 if prologue == 2 else 1) * block_m + cfg.block_n) * cfg.block_k * 2
@@ -190,8 +192,9 @@ if HAS_TRITON:
             if j < n_iters:
                 cols = tl.minimum(k0 + j * BLOCK_K + lines, K - 1)
                 p = w_ptr + rows_w[:, None] * stride_wn + cols[None, :]
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32,
-                                          is_pure=False, pack=1)
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1
+                )
 
     @triton.jit
     def _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -200,8 +203,9 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            xv = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                         mask=(k0 + offs_k)[None, :] < K, other=0.0).to(tl.float32)
+            xv = tl.load(
+                x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=(k0 + offs_k)[None, :] < K, other=0.0
+            ).to(tl.float32)
             ss += tl.sum(xv * xv, axis=1)
         return 1.0 / tl.sqrt(ss / K + eps)
 
@@ -222,8 +226,22 @@ if HAS_TRITON:
             return xt
 
     @triton.jit
-    def _store_tile(acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr):
+    def _store_tile(
+        acc,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        SPLIT_K,
+        stride_ym,
+        pid_n,
+        pid_k,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        USE_SPLIT: tl.constexpr,
+        SWAP_AB: tl.constexpr,
+    ):
         """Write the fp32 tile `acc` ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when SWAP_AB) of y; with split-K,
         via the workspace and the last-arrival reduction described in the module docstring."""
         offs_m = tl.arange(0, BLOCK_M)
@@ -254,12 +272,33 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "ITERS", "LAST_ITERS"])
     def _linear_small_m_kernel(
-        x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, g_ptr,
-        M, N, K, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS,
-        stride_xm, stride_wn, stride_ym, eps,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-        PROLOGUE: tl.constexpr = 0, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        g_ptr,
+        M,
+        N,
+        K,
+        K_PER_SPLIT,
+        SPLIT_K,
+        ITERS,
+        LAST_ITERS,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_SPLIT: tl.constexpr,
+        SWAP_AB: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        PROLOGUE: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
+        PREFETCH: tl.constexpr = 0,
     ):
         """Pointer (cp.async) variant. ITERS / LAST_ITERS: K steps of every split but the last / of the last
         (plain arguments: Triton's interpreter cannot bound a loop by a program_id-derived value). PDL /
@@ -290,7 +329,7 @@ if HAS_TRITON:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, num_iters):
+        for i in range(num_iters):
             ut = None
             if EVEN_K:
                 xt = tl.load(x_ptrs)
@@ -310,16 +349,39 @@ if HAS_TRITON:
                 acc = tl.dot(xt, tl.trans(wt), acc)  # [BLOCK_M, BLOCK_N]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        _store_tile(acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k,
-                    BLOCK_M, BLOCK_N, USE_SPLIT, SWAP_AB)
+        _store_tile(
+            acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k, BLOCK_M, BLOCK_N, USE_SPLIT, SWAP_AB
+        )
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "ITERS", "LAST_ITERS"])
     def _linear_small_m_tma_kernel(
-        x_desc, w_desc, y_ptr, ws_ptr, cnt_ptr, x_ptr, g_ptr, w_ptr,
-        M, N, K, K_PER_SPLIT, SPLIT_K, ITERS, LAST_ITERS, stride_ym, stride_xm, stride_wn, eps,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, PROLOGUE: tl.constexpr = 0,
-        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+        x_desc,
+        w_desc,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        x_ptr,
+        g_ptr,
+        w_ptr,
+        M,
+        N,
+        K,
+        K_PER_SPLIT,
+        SPLIT_K,
+        ITERS,
+        LAST_ITERS,
+        stride_ym,
+        stride_xm,
+        stride_wn,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_SPLIT: tl.constexpr,
+        SWAP_AB: tl.constexpr,
+        PROLOGUE: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
+        PREFETCH: tl.constexpr = 0,
     ):
         """TMA variant: x and W tiles come through host-built tensor descriptors (x: shape [M, K], box
         [BLOCK_M, BLOCK_K]; W: [N, K], box [BLOCK_N, BLOCK_K]); out-of-range rows / K are zero-filled by the
@@ -342,7 +404,7 @@ if HAS_TRITON:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if PROLOGUE == 1:
             rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_K)
-        for i in range(0, num_iters):
+        for i in range(num_iters):
             xt = x_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
             wt = w_desc.load([n0, k])  # [BLOCK_N, BLOCK_K]
             ut = None
@@ -354,8 +416,9 @@ if HAS_TRITON:
             else:
                 acc = tl.dot(xt, tl.trans(wt), acc)
             k += BLOCK_K
-        _store_tile(acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k,
-                    BLOCK_M, BLOCK_N, USE_SPLIT, SWAP_AB)
+        _store_tile(
+            acc, y_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_ym, pid_n, pid_k, BLOCK_M, BLOCK_N, USE_SPLIT, SWAP_AB
+        )
 
 
 _counter_lock = threading.Lock()
@@ -379,14 +442,19 @@ def _counter_region(device: torch.device) -> torch.Tensor | None:
             _counters[idx] = buf
         r = _next_region[0]
         _next_region[0] = (r + 1) % NUM_COUNTER_REGIONS
-    return buf[r * COUNTER_REGION:(r + 1) * COUNTER_REGION]
+    return buf[r * COUNTER_REGION : (r + 1) * COUNTER_REGION]
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor, bm: int, bn: int, bk: int) -> bool:
     """TMA descriptor requirements: 16-byte aligned bases and row strides, boxes of at most 256 per dim."""
     e = x.element_size()
-    return (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and (x.stride(0) * e) % 16 == 0
-            and (w.stride(0) * e) % 16 == 0 and max(bm, bn, bk) <= 256)
+    return (
+        x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and (x.stride(0) * e) % 16 == 0
+        and (w.stride(0) * e) % 16 == 0
+        and max(bm, bn, bk) <= 256
+    )
 
 
 def check_operands(x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int) -> None:
@@ -416,13 +484,21 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_pe
     check_operands(x, w, M, N, K)
     if out is not None:
         if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
-            raise ValueError(f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "
-                             f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}")
+            raise ValueError(
+                f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "
+                f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+            )
 
 
-def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                   config: SmallMConfig | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                   silu_mul: bool = False) -> torch.Tensor:
+def linear_small_m(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: SmallMConfig | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+) -> torch.Tensor:
     """y = x @ w^T with the Triton small-M kernel (always; no dispatch), optionally with a fused prologue.
 
     Args:
@@ -449,10 +525,13 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         raise ValueError("linear_small_m: norm_weight and silu_mul are exclusive")
     _check(x, w, out, 2 if silu_mul else 1)
     prologue = 1 if norm_weight is not None else (2 if silu_mul else 0)
-    if prologue == 1 and (norm_weight.shape != (w.shape[1],) or norm_weight.device != x.device
-                          or not norm_weight.is_contiguous()):
-        raise ValueError(f"norm_weight must be a contiguous [{w.shape[1]}] tensor on {x.device}, "
-                         f"got {tuple(norm_weight.shape)} on {norm_weight.device}")
+    if prologue == 1 and (
+        norm_weight.shape != (w.shape[1],) or norm_weight.device != x.device or not norm_weight.is_contiguous()
+    ):
+        raise ValueError(
+            f"norm_weight must be a contiguous [{w.shape[1]}] tensor on {x.device}, "
+            f"got {tuple(norm_weight.shape)} on {norm_weight.device}"
+        )
     M = x.shape[0]
     N, K = w.shape
     g = norm_weight if prologue == 1 else x  # any pointer when unused
@@ -472,8 +551,11 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         else:
             cnt = _counter_region(x.device)
             if cnt is None:
-                warnings.warn("linear_small_m: first split-K call is under CUDA-graph capture; using F.linear "
-                              "for it (call once eagerly before capturing)", stacklevel=2)
+                warnings.warn(
+                    "linear_small_m: first split-K call is under CUDA-graph capture; using F.linear "
+                    "for it (call once eagerly before capturing)",
+                    stacklevel=2,
+                )
                 return _unfused(x, w, y if out is not None else None, norm_weight, eps, silu_mul)
             ws = torch.empty((split, n_tiles, bm * bn), dtype=torch.float32, device=x.device)
     if split == 1:
@@ -488,19 +570,65 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         x_desc = TensorDescriptor(x, [M, x.shape[1]], [x.stride(0), 1], [bm, bk])
         w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
         _linear_small_m_tma_kernel[(n_tiles, split)](
-            x_desc, w_desc, y, ws, cnt, x, g, w,
-            M, N, K, k_per_split, split, iters, last_iters, y.stride(0), x.stride(0), w.stride(0), float(eps),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_SPLIT=use_split, SWAP_AB=config.swap_ab, PROLOGUE=prologue,
-            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue), **pdl,
+            x_desc,
+            w_desc,
+            y,
+            ws,
+            cnt,
+            x,
+            g,
+            w,
+            M,
+            N,
+            K,
+            k_per_split,
+            split,
+            iters,
+            last_iters,
+            y.stride(0),
+            x.stride(0),
+            w.stride(0),
+            float(eps),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            USE_SPLIT=use_split,
+            SWAP_AB=config.swap_ab,
+            PROLOGUE=prologue,
+            num_warps=config.num_warps,
+            num_stages=_num_stages(config, bm, prologue),
+            **pdl,
         )
     else:
         _linear_small_m_kernel[(n_tiles, split)](
-            x, w, y, ws, cnt, g,
-            M, N, K, k_per_split, split, iters, last_iters,
-            x.stride(0), w.stride(0), y.stride(0), float(eps),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            USE_SPLIT=use_split, SWAP_AB=config.swap_ab, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, PROLOGUE=prologue,
-            num_warps=config.num_warps, num_stages=_num_stages(config, bm, prologue), **pdl,
+            x,
+            w,
+            y,
+            ws,
+            cnt,
+            g,
+            M,
+            N,
+            K,
+            k_per_split,
+            split,
+            iters,
+            last_iters,
+            x.stride(0),
+            w.stride(0),
+            y.stride(0),
+            float(eps),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            USE_SPLIT=use_split,
+            SWAP_AB=config.swap_ab,
+            EVEN_K=K % bk == 0,
+            EVEN_N=N % bn == 0,
+            PROLOGUE=prologue,
+            num_warps=config.num_warps,
+            num_stages=_num_stages(config, bm, prologue),
+            **pdl,
         )
     return y
 
@@ -578,9 +706,18 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     stride on K, w has unit stride on K, and the table (see module docstring) has an entry for (bucket(M), N, K)
     on this GPU. Everything else, including CPU tensors, is exactly F.linear(x, w). Errors are F.linear's.
     """
-    if (not HAS_TRITON or not _ENABLED or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16)
-            or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1 or w.device != x.device or w.stride(-1) != 1
-            or x.shape[-1] != w.shape[1]):
+    if (
+        not HAS_TRITON
+        or not _ENABLED
+        or not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or w.dtype != x.dtype
+        or w.dim() != 2
+        or x.dim() < 1
+        or w.device != x.device
+        or w.stride(-1) != 1
+        or x.shape[-1] != w.shape[1]
+    ):
         return F.linear(x, w)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
@@ -607,10 +744,21 @@ def prologue_config(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) ->
     with silu_mul) and w [N, K], or None: then run the prologue op and `linear` apart. Not None only when `linear`
     itself would take the Triton path for (M, N, K) (the table's entry; the plain GEMM's config is used), and
     FUSE_PROLOGUE ($KIMI_FUSE_PROLOGUE=1; off by default, see above) is on."""
-    if not (HAS_TRITON and _ENABLED and FUSE_PROLOGUE and x.is_cuda and x.dim() == 2 and w.dim() == 2
-            and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
-            and w.stride(1) == 1 and w.device == x.device and x.shape[1] == w.shape[1] * (2 if silu_mul else 1)
-            and 1 <= x.shape[0] <= MAX_M):
+    if not (
+        HAS_TRITON
+        and _ENABLED
+        and FUSE_PROLOGUE
+        and x.is_cuda
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+        and w.stride(1) == 1
+        and w.device == x.device
+        and x.shape[1] == w.shape[1] * (2 if silu_mul else 1)
+        and 1 <= x.shape[0] <= MAX_M
+    ):
         return None
     return lookup(x.shape[0], w.shape[0], w.shape[1], x.device)
 

@@ -61,14 +61,14 @@ except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 __all__ = [
-    "HAS_TRITON",
-    "MLADecodeConfig",
     "CONFIGS",
     "DEFAULT_CONFIG",
-    "choose_num_splits",
-    "programs_per_split",
+    "HAS_TRITON",
     "MAX_SPLITS",
+    "MLADecodeConfig",
+    "choose_num_splits",
     "mla_decode",
+    "programs_per_split",
     "workspace_numel",
 ]
 
@@ -162,8 +162,9 @@ def choose_num_splits(
     on batch / num_sms / num_head_groups < 1.
     """
     if batch < 1 or num_sms < 1 or num_head_groups < 1:
-        raise ValueError(f"choose_num_splits: batch {batch}, num_sms {num_sms}, head groups {num_head_groups} "
-                         "must be >= 1")
+        raise ValueError(
+            f"choose_num_splits: batch {batch}, num_sms {num_sms}, head groups {num_head_groups} must be >= 1"
+        )
     s = -(-(programs_per_sm * num_sms) // (batch * num_head_groups))
     if max_ctx is not None:
         s = min(s, max(1, -(-max_ctx // max(1, min_tokens_per_split))))
@@ -192,13 +193,33 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["NUM_SPLITS"])
     def _mla_decode_stage1(
-        q_lat_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_ptr, o_part_ptr, lse_ptr, out_ptr,
-        H, NUM_SPLITS, qk_scale,
-        stride_qlb, stride_qlh, stride_qpb, stride_qph,
-        stride_kvb, stride_kvt, stride_btb,
-        stride_ob, stride_oh,
-        PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr,
+        q_lat_ptr,
+        q_pe_ptr,
+        kv_ptr,
+        bt_ptr,
+        seq_ptr,
+        o_part_ptr,
+        lse_ptr,
+        out_ptr,
+        H,
+        NUM_SPLITS,
+        qk_scale,
+        stride_qlb,
+        stride_qlh,
+        stride_qpb,
+        stride_qph,
+        stride_kvb,
+        stride_kvt,
+        stride_btb,
+        stride_ob,
+        stride_oh,
+        PAGE: tl.constexpr,
+        L: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):
         """One (head group x dv chunk, split, request) program; see the module docstring."""
         DV_CHUNKS: tl.constexpr = L // BLOCK_DV
@@ -220,10 +241,16 @@ if HAS_TRITON:
             offs_l = tl.arange(0, L)
             offs_r = tl.arange(0, R)
             offs_n = tl.arange(0, BLOCK_N)
-            q_lat = tl.load(q_lat_ptr + b64 * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
-                            mask=hmask[:, None], other=0.0)  # [BLOCK_H, L]
-            q_pe = tl.load(q_pe_ptr + b64 * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :],
-                           mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
+            q_lat = tl.load(
+                q_lat_ptr + b64 * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
+                mask=hmask[:, None],
+                other=0.0,
+            )  # [BLOCK_H, L]
+            q_pe = tl.load(
+                q_pe_ptr + b64 * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :],
+                mask=hmask[:, None],
+                other=0.0,
+            )  # [BLOCK_H, R]
             bt_row = bt_ptr + b64 * stride_btb
             m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -250,8 +277,11 @@ if HAS_TRITON:
                 m_i = m_new
             o = acc / l_i[:, None]
             if DIRECT:
-                tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+                tl.store(
+                    out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=hmask[:, None],
+                )
             else:
                 row = (b64 * NUM_SPLITS + split) * H + heads  # [BLOCK_H] index into [B, S, H]
                 tl.store(o_part_ptr + row[:, None] * L + offs_dv[None, :], o, mask=hmask[:, None])
@@ -259,15 +289,25 @@ if HAS_TRITON:
                     tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=hmask)
         else:
             if DIRECT:  # seq_len 0: zeros (nothing to attend to)
-                tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                         tl.zeros((BLOCK_H, BLOCK_DV), tl.float32).to(out_ptr.dtype.element_ty),
-                         mask=hmask[:, None])
+                tl.store(
+                    out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                    tl.zeros((BLOCK_H, BLOCK_DV), tl.float32).to(out_ptr.dtype.element_ty),
+                    mask=hmask[:, None],
+                )
 
     @triton.jit(do_not_specialize=["NUM_SPLITS"])
     def _mla_decode_combine(
-        o_part_ptr, lse_ptr, seq_ptr, out_ptr,
-        H, NUM_SPLITS, stride_ob, stride_oh,
-        L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+        o_part_ptr,
+        lse_ptr,
+        seq_ptr,
+        out_ptr,
+        H,
+        NUM_SPLITS,
+        stride_ob,
+        stride_oh,
+        L: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_S: tl.constexpr,
     ):
         """Merge the non-empty splits of (request b, head h): o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
         h = tl.program_id(0)
@@ -286,7 +326,7 @@ if HAS_TRITON:
         denom = tl.sum(w, 0)
         offs_l = tl.arange(0, L)
         acc = tl.zeros((L,), tl.float32)
-        for s in range(0, n_valid):
+        for s in range(n_valid):
             ws = tl.exp2(tl.load(lse_ptr + base + s * H) - m)
             acc += ws * tl.load(o_part_ptr + (base + s * H) * L + offs_l)
         o = tl.where(denom > 0, acc / tl.maximum(denom, 1e-30), 0.0)
@@ -299,8 +339,10 @@ def _is_pow2(n: int) -> bool:
 
 def _check(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, cfg: MLADecodeConfig, num_splits) -> None:
     if q_lat.dim() != 3 or q_pe.dim() != 3 or kv_cache.dim() != 3:
-        raise ValueError(f"expected q_lat [B, H, L], q_pe [B, H, R], kv_cache [num_blocks, block_size, L+R]; got "
-                         f"{tuple(q_lat.shape)}, {tuple(q_pe.shape)}, {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"expected q_lat [B, H, L], q_pe [B, H, R], kv_cache [num_blocks, block_size, L+R]; got "
+            f"{tuple(q_lat.shape)}, {tuple(q_pe.shape)}, {tuple(kv_cache.shape)}"
+        )
     B, H, L = q_lat.shape
     R = q_pe.shape[2]
     if q_pe.shape[:2] != (B, H):
@@ -314,8 +356,10 @@ def _check(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, cfg: MLADecodeCon
     if not (_is_pow2(L) and L >= 16 and _is_pow2(R) and R >= 16):
         raise ValueError(f"L ({L}) and R ({R}) must be powers of two >= 16")
     if q_lat.dtype not in (torch.bfloat16, torch.float16) or q_pe.dtype != q_lat.dtype or kv_cache.dtype != q_lat.dtype:
-        raise ValueError(f"q_lat, q_pe, kv_cache must share one dtype, bf16 or fp16; got {q_lat.dtype}, "
-                         f"{q_pe.dtype}, {kv_cache.dtype}")
+        raise ValueError(
+            f"q_lat, q_pe, kv_cache must share one dtype, bf16 or fp16; got {q_lat.dtype}, "
+            f"{q_pe.dtype}, {kv_cache.dtype}"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [B={B}, max_blocks >= 1], got {tuple(block_tables.shape)}")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != B:
@@ -330,15 +374,21 @@ def _check(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, cfg: MLADecodeCon
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, q_lat on {dev}: all tensors must be on one device")
     if q_lat.stride(2) != 1 or q_pe.stride(2) != 1 or kv_cache.stride(2) != 1:
-        raise ValueError(f"q_lat, q_pe and kv_cache need unit stride on the last dim; strides {q_lat.stride()}, "
-                         f"{q_pe.stride()}, {kv_cache.stride()}")
+        raise ValueError(
+            f"q_lat, q_pe and kv_cache need unit stride on the last dim; strides {q_lat.stride()}, "
+            f"{q_pe.stride()}, {kv_cache.stride()}"
+        )
     if block_tables.stride(1) != 1 or (B > 1 and seq_lens.stride(0) != 1):
-        raise ValueError(f"block_tables needs unit stride on its last dim and seq_lens unit stride; got "
-                         f"{block_tables.stride()}, {seq_lens.stride()}")
+        raise ValueError(
+            f"block_tables needs unit stride on its last dim and seq_lens unit stride; got "
+            f"{block_tables.stride()}, {seq_lens.stride()}"
+        )
     if out is not None:
         if out.shape != (B, H, L) or out.dtype != q_lat.dtype or out.device != dev or out.stride(2) != 1:
-            raise ValueError(f"out must be [{B}, {H}, {L}] {q_lat.dtype} on {dev} with unit stride on the last "
-                             f"dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}")
+            raise ValueError(
+                f"out must be [{B}, {H}, {L}] {q_lat.dtype} on {dev} with unit stride on the last "
+                f"dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+            )
     if cfg.block_n < 16 or not _is_pow2(cfg.block_n) or cfg.block_h < 16 or not _is_pow2(cfg.block_h):
         raise ValueError(f"config {cfg}: block_n and block_h must be powers of two >= 16")
     if not (_is_pow2(cfg.block_dv) and 16 <= cfg.block_dv <= L):
@@ -405,27 +455,63 @@ def mla_decode(
         n = workspace_numel(B, H, L, num_splits)
         if workspace is None:
             workspace = torch.empty(n, dtype=torch.float32, device=q_lat.device)
-        elif (workspace.dtype != torch.float32 or workspace.device != q_lat.device or workspace.numel() < n
-              or not workspace.is_contiguous()):
-            raise ValueError(f"workspace must be a contiguous float32 tensor of >= {n} elements on {q_lat.device}, "
-                             f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
+        elif (
+            workspace.dtype != torch.float32
+            or workspace.device != q_lat.device
+            or workspace.numel() < n
+            or not workspace.is_contiguous()
+        ):
+            raise ValueError(
+                f"workspace must be a contiguous float32 tensor of >= {n} elements on {q_lat.device}, "
+                f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}"
+            )
         workspace = workspace.view(-1)
         o_part = workspace[: B * num_splits * H * L]  # [B, S, H, L]
-        lse = workspace[B * num_splits * H * L: n]  # [B, S, H]
+        lse = workspace[B * num_splits * H * L : n]  # [B, S, H]
     _mla_decode_stage1[(head_groups * dv_chunks, num_splits, B)](
-        q_lat, q_pe, kv_cache, block_tables, seq_lens, o_part, lse, o,
-        H, num_splits, float(scale) * _LOG2E,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-        o.stride(0), o.stride(1),
-        PAGE=page, L=L, R=R, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, DIRECT=direct,
-        num_warps=cfg.num_warps, num_stages=_num_stages(cfg, block_h, L, R, q_lat.element_size()),
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        o_part,
+        lse,
+        o,
+        H,
+        num_splits,
+        float(scale) * _LOG2E,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_tables.stride(0),
+        o.stride(0),
+        o.stride(1),
+        PAGE=page,
+        L=L,
+        R=R,
+        BLOCK_H=block_h,
+        BLOCK_N=cfg.block_n,
+        BLOCK_DV=cfg.block_dv,
+        DIRECT=direct,
+        num_warps=cfg.num_warps,
+        num_stages=_num_stages(cfg, block_h, L, R, q_lat.element_size()),
     )
     if not direct:
         _mla_decode_combine[(H, B)](
-            o_part, lse, seq_lens, o,
-            H, num_splits, o.stride(0), o.stride(1),
-            L=L, BLOCK_N=cfg.block_n, BLOCK_S=_next_pow2(num_splits),
+            o_part,
+            lse,
+            seq_lens,
+            o,
+            H,
+            num_splits,
+            o.stride(0),
+            o.stride(1),
+            L=L,
+            BLOCK_N=cfg.block_n,
+            BLOCK_S=_next_pow2(num_splits),
             num_warps=4,
         )
     return o

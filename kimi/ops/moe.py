@@ -130,8 +130,14 @@ def run_experts(experts_impl, recv: DispatchResult) -> torch.Tensor:
     expert are 0.
     """
     if recv.expert_major and getattr(experts_impl, "expert_major_ok", False):
-        return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids, expert_major=True,
-                            max_pairs=recv.max_pairs, expected_pairs=recv.expected_pairs)
+        return experts_impl(
+            recv.hidden,
+            recv.topk_weights,
+            recv.topk_ids,
+            expert_major=True,
+            max_pairs=recv.max_pairs,
+            expected_pairs=recv.expected_pairs,
+        )
     return experts_impl(recv.hidden, recv.topk_weights, recv.topk_ids)
 
 

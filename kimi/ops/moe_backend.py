@@ -57,6 +57,7 @@ def expected_local_pairs(T: int, k: int, E: int, num_experts_total: int) -> int:
     expectation under uniform routing (at least 1): what the expert GEMMs' schedules are picked by."""
     return max(1, T * k * E // max(num_experts_total, E))
 
+
 # Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one
 # (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
 # ("" or "off": none), and used only on the GPU it was measured on. Format (JSON): {"gpu": name, "entries": [{"n": N,
@@ -102,8 +103,15 @@ def load_humming_table(path: str | os.PathLike | None = None) -> dict:
         raise ValueError(f"bad humming table {p}: {e!r}") from e
 
 
-def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict | None = None, weight: str = "int4",
-                         e_local: int | None = None) -> dict | None:
+def humming_table_config(
+    n: int,
+    k: int,
+    m_local: int,
+    gpu: str,
+    heuristic: dict | None = None,
+    weight: str = "int4",
+    e_local: int | None = None,
+) -> dict | None:
     """The measured config for a humming GEMM [n, k] of `weight` layers ("int4" / "fp8") at m_local expected pairs
     over e_local local experts on GPU `gpu`, or None (no entry). An over-heuristic entry is its fields over a copy of
     `heuristic` (humming's own schedule for the GEMM; raises ValueError when it is not given)."""
@@ -122,14 +130,26 @@ def humming_table_config(n: int, k: int, m_local: int, gpu: str, heuristic: dict
             if not over:
                 return copy.deepcopy(cfg)
             if heuristic is None:
-                raise ValueError(f"humming table entry [{n}, {k}] m {lo}-{hi} replaces fields of the heuristic "
-                                 "schedule; none given")
+                raise ValueError(
+                    f"humming table entry [{n}, {k}] m {lo}-{hi} replaces fields of the heuristic schedule; none given"
+                )
             return copy.deepcopy(heuristic) | copy.deepcopy(cfg)
     return None
 
 
-__all__ = ["BACKENDS", "load_humming_table", "humming_table_config", "HummingExperts", "HummingInt4Experts",
-           "HummingFp8Experts", "CudaInt4Experts", "TritonInt4Experts", "RefExperts", "make_experts", "dequant_fp8_parts"]
+__all__ = [
+    "BACKENDS",
+    "CudaInt4Experts",
+    "HummingExperts",
+    "HummingFp8Experts",
+    "HummingInt4Experts",
+    "RefExperts",
+    "TritonInt4Experts",
+    "dequant_fp8_parts",
+    "humming_table_config",
+    "load_humming_table",
+    "make_experts",
+]
 
 
 class RefExperts(nn.Module):
@@ -169,8 +189,15 @@ class TritonInt4Experts(nn.Module):
         from kimi.ops.moe_int4_triton import fused_experts_int4
 
         return fused_experts_int4(
-            x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, topk_weights, topk_ids,
-            self.expert_offset, num_experts_total=self.num_experts_total,
+            x,
+            self.w13_packed,
+            self.w13_scale,
+            self.w2_packed,
+            self.w2_scale,
+            topk_weights,
+            topk_ids,
+            self.expert_offset,
+            num_experts_total=self.num_experts_total,
         )
 
 
@@ -184,14 +211,27 @@ class HummingExperts(nn.Module):
     weight_kind = "int4"  # which humming_table.json entries apply (HummingFp8Experts: "fp8")
     glu_group = 0  # > 0: the gate_up rows are in kimi.ops.moe_int4_cuda.glu_interleave's order with this group
 
-    def _setup(self, wcfg: dict, dtype, t13: dict, t2: dict, E: int, D: int, inter: int, dev, expert_offset: int,
-               num_experts_total: int) -> None:
+    def _setup(
+        self,
+        wcfg: dict,
+        dtype,
+        t13: dict,
+        t2: dict,
+        E: int,
+        D: int,
+        inter: int,
+        dev,
+        expert_offset: int,
+        num_experts_total: int,
+    ) -> None:
         """The two HummingLayers (gate_up [2I, D], down [D, I] per expert) from the checkpoint-format tensors t13 / t2
         under humming weight config wcfg, transformed into humming's layout."""
         from humming.layer import HummingLayer
 
         with torch.cuda.device(dev):
-            self.l1 = HummingLayer(shape_n=2 * inter, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
+            self.l1 = HummingLayer(
+                shape_n=2 * inter, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype
+            )
             self.l2 = HummingLayer(shape_n=D, shape_k=inter, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype)
             self.l1.to(dev)
             self.l2.to(dev)
@@ -223,8 +263,15 @@ class HummingExperts(nn.Module):
             self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_major: bool = False,
-                max_pairs: int | None = None, expected_pairs: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_major: bool = False,
+        max_pairs: int | None = None,
+        expected_pairs: int | None = None,
+    ) -> torch.Tensor:
         """x [T, D], topk_weights [T, k] f32, topk_ids [T, k] global ids -> [T, D], the routing-weighted sum of
         each row's local experts (0 for rows without one). expert_major / max_pairs / expected_pairs: as
         kimi.ops.moe.DispatchResult (expert_major: k == 1, the weights are not applied and rows without a local
@@ -246,8 +293,15 @@ class HummingExperts(nn.Module):
         a1 = align(bm1)
         a2 = a1 if bm2 == bm1 else align(bm2)
         cc = {"gemm_type": "indexed"}
-        y1 = self.l1(x.contiguous(), sorted_ids=a1[0], expert_ids=a1[1], num_tokens_padded=a1[2].view(()), top_k=k,
-                     compute_config=cc, tuning_config=c1)  # [T*k, 2I] rows = pair ids (local pairs written)
+        y1 = self.l1(
+            x.contiguous(),
+            sorted_ids=a1[0],
+            expert_ids=a1[1],
+            num_tokens_padded=a1[2].view(()),
+            top_k=k,
+            compute_config=cc,
+            tuning_config=c1,
+        )  # [T*k, 2I] rows = pair ids (local pairs written)
         if silu_mul_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
             act = silu_mul_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
         else:
@@ -255,8 +309,15 @@ class HummingExperts(nn.Module):
 
             gate, up = glu_split(y1, self.inter, self.glu_group)
             act = F.silu(gate) * up  # [T*k, I]
-        y2 = self.l2(act, sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2].view(()), top_k=1,
-                     compute_config=cc, tuning_config=c2)  # [T*k, D]
+        y2 = self.l2(
+            act,
+            sorted_ids=a2[0],
+            expert_ids=a2[1],
+            num_tokens_padded=a2[2].view(()),
+            top_k=1,
+            compute_config=cc,
+            tuning_config=c2,
+        )  # [T*k, D]
         if expert_major and k == 1:  # rows = pairs, weights applied by the combine, unset rows never read
             return y2
         out = torch.empty_like(x)  # [T, D]; combine writes every element
@@ -277,8 +338,16 @@ class HummingInt4Experts(HummingExperts):
     ImportError when humming is not installed.
     """
 
-    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int,
-                 cuda_decode: bool = False):
+    def __init__(
+        self,
+        w13_packed,
+        w13_scale,
+        w2_packed,
+        w2_scale,
+        expert_offset: int,
+        num_experts_total: int,
+        cuda_decode: bool = False,
+    ):
         super().__init__()
         from kimi.ops import moe_int4_cuda as mc
 
@@ -288,19 +357,37 @@ class HummingInt4Experts(HummingExperts):
             w13_packed, w13_scale = mc.glu_interleave(w13_packed, w13_scale)
             self.glu_group = mc.GLU_GROUP
         self.cuda_glu = True
-        wcfg = dict(quant_method="compressed-tensors", format="pack-quantized", type="int", num_bits=4,
-                    strategy="group", group_size=32, symmetric=True)
+        wcfg = dict(
+            quant_method="compressed-tensors",
+            format="pack-quantized",
+            type="int",
+            num_bits=4,
+            strategy="group",
+            group_size=32,
+            symmetric=True,
+        )
         dtype = torch.bfloat16 if w13_scale.dtype != torch.float16 else torch.float16
         shp13 = torch.tensor([[two_i, D]] * E, dtype=torch.int64)
         shp2 = torch.tensor([[D, two_i // 2]] * E, dtype=torch.int64)
         # kimi's layout of expert 0's first 64 inputs of each GEMM, to check humming's transform against at the end
         probes = None
         if cuda_decode and w13_packed.is_cuda and D % 64 == 0 and two_i % 128 == 0:
-            probes = [mc.repack(p[:1, :, :8].contiguous(), sc[:1, :, :2].contiguous())
-                      for p, sc in ((w13_packed, w13_scale), (w2_packed, w2_scale))]
-        self._setup(wcfg, dtype, {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
-                    {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
-                    E, D, two_i // 2, w13_packed.device, expert_offset, num_experts_total)
+            probes = [
+                mc.repack(p[:1, :, :8].contiguous(), sc[:1, :, :2].contiguous())
+                for p, sc in ((w13_packed, w13_scale), (w2_packed, w2_scale))
+            ]
+        self._setup(
+            wcfg,
+            dtype,
+            {"weight_packed": w13_packed, "weight_scale": w13_scale.to(dtype), "weight_shape": shp13},
+            {"weight_packed": w2_packed, "weight_scale": w2_scale.to(dtype), "weight_shape": shp2},
+            E,
+            D,
+            two_i // 2,
+            w13_packed.device,
+            expert_offset,
+            num_experts_total,
+        )
         # kimi's CUDA GEMM over humming's tensors for steps of up to cuda_max_pairs expected local pairs (0: never);
         # its launch configurations: kimi.ops.moe_int4_cuda.config_for's per step size, or these where set
         self.cuda_max_pairs = 0
@@ -336,8 +423,15 @@ class HummingInt4Experts(HummingExperts):
             if layer.humming_config.b_dtype != hd.uint4:
                 return f"humming stores the [{n}, {k}] weights as {layer.humming_config.b_dtype!r}, not uint4 codes"
             E = self.E
-            if (w is None or sc is None or tuple(w.shape) != (E, k // 16, 2 * n) or tuple(sc.shape) != (E, k // 32, n)
-                    or w.dtype != torch.int32 or sc.dtype != torch.bfloat16 or not (w.is_contiguous() and sc.is_contiguous())):
+            if (
+                w is None
+                or sc is None
+                or tuple(w.shape) != (E, k // 16, 2 * n)
+                or tuple(sc.shape) != (E, k // 32, n)
+                or w.dtype != torch.int32
+                or sc.dtype != torch.bfloat16
+                or not (w.is_contiguous() and sc.is_contiguous())
+            ):
                 return f"humming's [{n}, {k}] tensors are not in the layout the kernel reads"
         if probes is None:
             return "the experts are not on a CUDA device or their shapes are not multiples of 64"
@@ -345,24 +439,48 @@ class HummingInt4Experts(HummingExperts):
             if not (torch.equal(layer.weight[:1, :4], pw) and torch.equal(layer.weight_scale[:1, :2], ps)):
                 import humming
 
-                return (f"humming {getattr(humming, '__version__', '?')}'s {name} tensors differ from kimi's layout "
-                        "(checked: humming-kernels 0.1.20)")
+                return (
+                    f"humming {getattr(humming, '__version__', '?')}'s {name} tensors differ from kimi's layout "
+                    "(checked: humming-kernels 0.1.20)"
+                )
         try:
             mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
-        except Exception as e:  # noqa: BLE001 - any build failure: say which, and run humming
+        except Exception as e:
             return f"its extension did not build ({type(e).__name__}: {e})"
         return None
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_major: bool = False,
-                max_pairs: int | None = None, expected_pairs: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_major: bool = False,
+        max_pairs: int | None = None,
+        expected_pairs: int | None = None,
+    ) -> torch.Tensor:
         """As HummingExperts.forward; steps of up to cuda_max_pairs expected local pairs run kimi's CUDA GEMM."""
         T, k = topk_ids.shape
         m_local = expected_pairs or self._m_local(T, k)
         if T and m_local <= self.cuda_max_pairs:  # cuda_max_pairs 0: never (m_local >= 1)
-            return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter,
-                                        self.l1.weight, self.l1.weight_scale, self.l2.weight, self.l2.weight_scale,
-                                        m_local, self.cuda_config13, self.cuda_config2, self.glu_group, self.cuda_glu,
-                                        expert_major=expert_major, max_pairs=max_pairs)
+            return cuda_experts_forward(
+                x,
+                topk_weights,
+                topk_ids,
+                self.E,
+                self.expert_offset,
+                self.inter,
+                self.l1.weight,
+                self.l1.weight_scale,
+                self.l2.weight,
+                self.l2.weight_scale,
+                m_local,
+                self.cuda_config13,
+                self.cuda_config2,
+                self.glu_group,
+                self.cuda_glu,
+                expert_major=expert_major,
+                max_pairs=max_pairs,
+            )
         return super().forward(x, topk_weights, topk_ids, expert_major, max_pairs, m_local)
 
 
@@ -385,23 +503,44 @@ class HummingFp8Experts(HummingExperts):
 
     weight_kind = "fp8"
 
-    def __init__(self, w13, w13_scale_inv, w2, w2_scale_inv, expert_offset: int, num_experts_total: int,
-                 block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        w13,
+        w13_scale_inv,
+        w2,
+        w2_scale_inv,
+        expert_offset: int,
+        num_experts_total: int,
+        block: tuple[int, int] = (128, 128),
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__()
         E, two_i, D = w13.shape
         inter = two_i // 2
         bn, bk = block
         if inter % bn or D % bn or D % bk or inter % bk:
             raise ValueError(f"FP8 experts: I {inter} and D {D} must be multiples of the {bn} x {bk} scale tiles")
-        for name, t, want in (("w13", w13, (E, 2 * inter, D)), ("w2", w2, (E, D, inter)),
-                              ("w13_scale_inv", w13_scale_inv, (E, 2 * inter // bn, D // bk)),
-                              ("w2_scale_inv", w2_scale_inv, (E, D // bn, inter // bk))):
+        for name, t, want in (
+            ("w13", w13, (E, 2 * inter, D)),
+            ("w2", w2, (E, D, inter)),
+            ("w13_scale_inv", w13_scale_inv, (E, 2 * inter // bn, D // bk)),
+            ("w2_scale_inv", w2_scale_inv, (E, D // bn, inter // bk)),
+        ):
             if tuple(t.shape) != want:
                 raise ValueError(f"FP8 experts: {name} is {tuple(t.shape)}, want {want}")
         wcfg = dict(quant_method="fp8", weight_block_size=[bn, bk])
-        self._setup(wcfg, dtype, {"weight": w13, "weight_scale_inv": w13_scale_inv.float()},
-                    {"weight": w2, "weight_scale_inv": w2_scale_inv.float()}, E, D, inter, w13.device,
-                    expert_offset, num_experts_total)
+        self._setup(
+            wcfg,
+            dtype,
+            {"weight": w13, "weight_scale_inv": w13_scale_inv.float()},
+            {"weight": w2, "weight_scale_inv": w2_scale_inv.float()},
+            E,
+            D,
+            inter,
+            w13.device,
+            expert_offset,
+            num_experts_total,
+        )
 
 
 class CudaInt4Experts(nn.Module):
@@ -445,22 +584,59 @@ class CudaInt4Experts(nn.Module):
         self.num_experts_total = num_experts_total
         mc.load_extension()  # built (or loaded from its cache) at model load, not in the first step
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_major: bool = False,
-                max_pairs: int | None = None, expected_pairs: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_major: bool = False,
+        max_pairs: int | None = None,
+        expected_pairs: int | None = None,
+    ) -> torch.Tensor:
         """x [T, D], topk_weights [T, k], topk_ids [T, k] -> [T, D] (`cuda_experts_forward`; the keywords as
         kimi.ops.moe.DispatchResult)."""
         T, k = topk_ids.shape
         m_local = expected_pairs or expected_local_pairs(T, k, self.E, self.num_experts_total)
-        return cuda_experts_forward(x, topk_weights, topk_ids, self.E, self.expert_offset, self.inter, self.w13,
-                                    self.w13_scale, self.w2, self.w2_scale, m_local, self.config13, self.config2,
-                                    self.glu_group, self.glu, expert_major=expert_major, max_pairs=max_pairs)
+        return cuda_experts_forward(
+            x,
+            topk_weights,
+            topk_ids,
+            self.E,
+            self.expert_offset,
+            self.inter,
+            self.w13,
+            self.w13_scale,
+            self.w2,
+            self.w2_scale,
+            m_local,
+            self.config13,
+            self.config2,
+            self.glu_group,
+            self.glu,
+            expert_major=expert_major,
+            max_pairs=max_pairs,
+        )
 
 
-def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,
-                         expert_offset: int, inter: int, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
-                         s2: torch.Tensor, m_local: int, config13: tuple[int, int, int] | None = None,
-                         config2: tuple[int, int, int] | None = None, glu_group: int = 0,
-                         fuse_glu: bool = True, expert_major: bool = False, max_pairs: int | None = None) -> torch.Tensor:
+def cuda_experts_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    E: int,
+    expert_offset: int,
+    inter: int,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    m_local: int,
+    config13: tuple[int, int, int] | None = None,
+    config2: tuple[int, int, int] | None = None,
+    glu_group: int = 0,
+    fuse_glu: bool = True,
+    expert_major: bool = False,
+    max_pairs: int | None = None,
+) -> torch.Tensor:
     """The routed experts through kimi's CUDA GEMM (kimi.ops.moe_int4_cuda.indexed_gemm): align in 16-row blocks
     (kimi.ops.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows -> down
     -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
@@ -485,8 +661,9 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     config2 = config2 or mc.config_for(D, inter, m_local)
     if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
         act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13,
-                        glu=True)
+        mc.indexed_gemm(
+            x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13, glu=True
+        )
     else:
         y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
         mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
@@ -494,8 +671,9 @@ def cuda_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
     # the align is two kernels back (gate_up, or gate_up + silu_mul_rows, each waiting before it releases): the down
     # GEMM may start loading its weights before it waits
-    mc.indexed_gemm(act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2,
-                    early_weights=mc.EARLY_WEIGHTS_DOWN)
+    mc.indexed_gemm(
+        act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2, early_weights=mc.EARLY_WEIGHTS_DOWN
+    )
     if expert_major and k == 1:  # rows = pairs, weights applied by the combine, unset rows never read
         return y2
     out = torch.empty_like(x)  # [T, D]; combine writes every element
@@ -539,8 +717,16 @@ def make_experts(
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if "w13_fp8" in parts:
         if backend in ("humming", "auto"):
-            return HummingFp8Experts(parts["w13_fp8"], parts["w13_scale_inv"], parts["w2_fp8"], parts["w2_scale_inv"],
-                                     expert_offset, num_experts_total, fp8_block, dtype)
+            return HummingFp8Experts(
+                parts["w13_fp8"],
+                parts["w13_scale_inv"],
+                parts["w2_fp8"],
+                parts["w2_scale_inv"],
+                expert_offset,
+                num_experts_total,
+                fp8_block,
+                dtype,
+            )
         parts = dequant_fp8_parts(parts, fp8_block, dtype)
     if "w13" in parts:
         return RefExperts(parts["w13"].to(dtype), parts["w2"].to(dtype), expert_offset)
@@ -550,22 +736,35 @@ def make_experts(
         def deq(p, s):
             return torch.stack([dequant_int4(p[e], s[e], 32, dtype) for e in range(p.shape[0])])
 
-        return RefExperts(deq(parts["w13_packed"], parts["w13_scale"]), deq(parts["w2_packed"], parts["w2_scale"]),
-                          expert_offset)
-    args = (parts["w13_packed"], parts["w13_scale"], parts["w2_packed"], parts["w2_scale"], expert_offset,
-            num_experts_total)
+        return RefExperts(
+            deq(parts["w13_packed"], parts["w13_scale"]), deq(parts["w2_packed"], parts["w2_scale"]), expert_offset
+        )
+    args = (
+        parts["w13_packed"],
+        parts["w13_scale"],
+        parts["w2_packed"],
+        parts["w2_scale"],
+        expert_offset,
+        num_experts_total,
+    )
     if backend == "auto":
         try:
             return HummingInt4Experts(*args, cuda_decode=True)
         except ImportError as e:
             if dtype != torch.bfloat16:
-                raise ValueError(f"MoE backend auto without humming-kernels ({e}) needs kimi's CUDA GEMM, which runs "
-                                 f"bf16 models only, not {dtype}") from e
-            log.warning("MoE backend auto: humming-kernels is not installed (%s); kimi's CUDA GEMM runs every step "
-                        "(about 2x slower prefill than humming's)", e)
+                raise ValueError(
+                    f"MoE backend auto without humming-kernels ({e}) needs kimi's CUDA GEMM, which runs "
+                    f"bf16 models only, not {dtype}"
+                ) from e
+            log.warning(
+                "MoE backend auto: humming-kernels is not installed (%s); kimi's CUDA GEMM runs every step "
+                "(about 2x slower prefill than humming's)",
+                e,
+            )
             backend = "cuda"
     if backend == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"MoE backend cuda runs bf16 models only, not {dtype}")
     cls = {"humming": HummingInt4Experts, "cuda": CudaInt4Experts}.get(backend, TritonInt4Experts)
-    return cls(parts["w13_packed"], parts["w13_scale"], parts["w2_packed"], parts["w2_scale"], expert_offset,
-               num_experts_total)
+    return cls(
+        parts["w13_packed"], parts["w13_scale"], parts["w2_packed"], parts["w2_scale"], expert_offset, num_experts_total
+    )

@@ -60,8 +60,18 @@ import torch
 
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
-__all__ = ["repack", "unrepack", "indexed_gemm", "config_for", "config_valid", "glu_interleave", "GLU_GROUP", "CONFIGS",
-           "TABLE", "load_extension"]
+__all__ = [
+    "CONFIGS",
+    "GLU_GROUP",
+    "TABLE",
+    "config_for",
+    "config_valid",
+    "glu_interleave",
+    "indexed_gemm",
+    "load_extension",
+    "repack",
+    "unrepack",
+]
 
 # glu_interleave's group: the gate_up weights' rows are stored as [gate 32 j .. + 31, up 32 j .. + 31] per n64 block,
 # so a CTA of the GEMM holds both halves of its outputs and its epilogue writes SiLU(gate) * up (indexed_gemm's glu).
@@ -69,7 +79,19 @@ GLU_GROUP = 32
 
 # (NT, KW, S) launch configurations compiled into the extension: NT 16-row N tiles per CTA, KW warps splitting K,
 # S k64 chunks per warp in its shared-memory ring (S - 1 in flight).
-CONFIGS = ((4, 4, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (4, 4, 3), (4, 2, 3), (8, 2, 3), (8, 4, 3), (8, 1, 3), (4, 4, 2), (8, 2, 2))
+CONFIGS = (
+    (4, 4, 4),
+    (4, 2, 4),
+    (8, 1, 4),
+    (8, 2, 4),
+    (4, 4, 3),
+    (4, 2, 3),
+    (8, 2, 3),
+    (8, 4, 3),
+    (8, 1, 3),
+    (4, 4, 2),
+    (8, 2, 2),
+)
 DEFAULT_CONFIG = (4, 4, 4)
 # Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
@@ -118,8 +140,10 @@ def config_for(n: int, k: int, m: int | None = None) -> tuple[int, int, int]:
     for cfg in [pick, DEFAULT_CONFIG, *CONFIGS]:
         if cfg is not None and config_valid(cfg, n, k):
             return cfg
-    raise ValueError(f"no configuration of kimi's CUDA W4A16 GEMM runs [{n}, {k}]: it needs N % 64 == 0, K % 64 == 0 "
-                     f"and a config of {CONFIGS} whose NT divides N / 16 and KW divides K / 64")
+    raise ValueError(
+        f"no configuration of kimi's CUDA W4A16 GEMM runs [{n}, {k}]: it needs N % 64 == 0, K % 64 == 0 "
+        f"and a config of {CONFIGS} whose NT divides N / 16 and KW divides K / 64"
+    )
 
 
 def _pos_index(device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +207,9 @@ def unrepack(weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q * s.repeat_interleave(32, dim=2)).to(torch.bfloat16).float()
 
 
-def glu_interleave(packed: torch.Tensor, scale: torch.Tensor,
-                   group: int = GLU_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def glu_interleave(
+    packed: torch.Tensor, scale: torch.Tensor, group: int = GLU_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder the rows of a gate_up weight [E, 2I, ...] (rows [0, I) gate, [I, 2I) up, as the checkpoints store
     them) to [gate 0 .. group-1, up 0 .. group-1, gate group .. 2 group-1, up group .. , ...]: packed [E, 2I, K/8]
     int32 and scale [E, 2I, K/32] -> the same shapes, new tensors. The GEMM's outputs then come in the same order:
@@ -192,8 +217,9 @@ def glu_interleave(packed: torch.Tensor, scale: torch.Tensor,
     block) kimi's kernel computes SiLU(gate) * up in its epilogue (`indexed_gemm(..., glu=True)`).
     Raises ValueError when 2I is not a multiple of 2 group or the shapes disagree."""
     if packed.dim() != 3 or scale.dim() != 3 or packed.shape[:2] != scale.shape[:2]:
-        raise ValueError(f"glu_interleave: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} "
-                         "(want [E, 2I, ...])")
+        raise ValueError(
+            f"glu_interleave: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} (want [E, 2I, ...])"
+        )
     two_i = packed.shape[1]
     if group <= 0 or two_i % (2 * group):
         raise ValueError(f"glu_interleave: {two_i} rows are not whole pairs of {group}-row gate / up groups")
@@ -218,10 +244,21 @@ def load_extension():
     return load("moe_w4a16", ["moe_w4a16_binding.cpp", "moe_w4a16.cu"])
 
 
-def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, sorted_ids: torch.Tensor,
-                 block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, out: torch.Tensor,
-                 config: tuple[int, int, int] | None = None, pdl: str | None = None, glu: bool = False,
-                 early_weights: bool = False, zero_pads: bool | None = None) -> torch.Tensor:
+def indexed_gemm(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    top_k: int,
+    out: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+    pdl: str | None = None,
+    glu: bool = False,
+    early_weights: bool = False,
+    zero_pads: bool | None = None,
+) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
@@ -245,13 +282,17 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     RuntimeError (from the extension) for tensors on another device.
     """
     if scales.dim() != 3 or weights.dim() != 3:
-        raise ValueError(f"indexed_gemm: weights {tuple(weights.shape)} / scales {tuple(scales.shape)} (want "
-                         "[E, K/16, 2N] and [E, K/32, N])")
+        raise ValueError(
+            f"indexed_gemm: weights {tuple(weights.shape)} / scales {tuple(scales.shape)} (want "
+            "[E, K/16, 2N] and [E, K/32, N])"
+        )
     E, G, N = scales.shape
     K = G * 32
     if tuple(weights.shape) != (E, K // 16, 2 * N) or weights.dtype != torch.int32 or scales.dtype != torch.bfloat16:
-        raise ValueError(f"indexed_gemm: weights {tuple(weights.shape)} {weights.dtype}, scales {tuple(scales.shape)} "
-                         f"{scales.dtype} (want [E, K/16, 2N] int32 and [E, K/32, N] bf16)")
+        raise ValueError(
+            f"indexed_gemm: weights {tuple(weights.shape)} {weights.dtype}, scales {tuple(scales.shape)} "
+            f"{scales.dtype} (want [E, K/16, 2N] int32 and [E, K/32, N] bf16)"
+        )
     if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[-1] != K or x.stride(-1) != 1:
         raise ValueError(f"indexed_gemm: x {tuple(x.shape)} {x.dtype} (want [R, {K}] bf16, unit stride)")
     if x.data_ptr() % 16 or x.stride(0) % 8:
@@ -265,8 +306,10 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
         raise ValueError(f"indexed_gemm: {sorted_ids.numel()} sorted ids for {block_expert.numel()} blocks of 16")
     cfg = tuple(config) if config is not None else config_for(N, K)
     if not config_valid(cfg, N, K):
-        raise ValueError(f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
-                         f"{N // 16}, KW must divide {K // 64})")
+        raise ValueError(
+            f"indexed_gemm: config {cfg} cannot run [{N}, {K}] (CONFIGS: {CONFIGS}; NT must divide "
+            f"{N // 16}, KW must divide {K // 64})"
+        )
     if block_expert.numel() > 65535:
         raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
@@ -276,7 +319,21 @@ def indexed_gemm(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, s
     modes = {"off": 0, "early": 1, "late": 2}
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
-    load_extension().indexed_gemm(x, weights, scales, sorted_ids, block_expert, num_padded, out, int(top_k),
-                                  int(cfg[0]), int(cfg[1]), int(cfg[2]), modes[pdl], bool(glu), bool(early_weights),
-                                  bool(ZERO_PAD_ROWS if zero_pads is None else zero_pads))
+    load_extension().indexed_gemm(
+        x,
+        weights,
+        scales,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        out,
+        int(top_k),
+        int(cfg[0]),
+        int(cfg[1]),
+        int(cfg[2]),
+        modes[pdl],
+        bool(glu),
+        bool(early_weights),
+        bool(ZERO_PAD_ROWS if zero_pads is None else zero_pads),
+    )
     return out

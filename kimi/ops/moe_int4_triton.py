@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover
 
 GROUP_SIZE = 32
 
-__all__ = ["MoeTileConfig", "moe_align", "fused_experts_int4", "default_config", "HAS_TRITON"]
+__all__ = ["HAS_TRITON", "MoeTileConfig", "default_config", "fused_experts_int4", "moe_align"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,9 @@ def default_config(num_tokens: int, top_k: int, num_experts_total: int) -> MoeTi
     """
     rows_per_expert = num_tokens * top_k / max(num_experts_total, 1)
     if rows_per_expert <= 16:
-        return MoeTileConfig(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4)
+        return MoeTileConfig(
+            block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4
+        )
     return MoeTileConfig(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3)
 
 
@@ -141,8 +143,9 @@ if HAS_TRITON:
     from kimi.ops.pdl import launch_kwargs, wait_and_release
 
     @triton.jit
-    def _load_dequant(wbase, sbase, offs_n, stride_wn, stride_sn, k0,
-                      BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    def _load_dequant(
+        wbase, sbase, offs_n, stride_wn, stride_sn, k0, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr
+    ):
         """Load and dequantise W[offs_n, k0:k0+BK] -> [BN, BK] OUT_DTYPE, W = (nibble - 8) * scale.
 
         Loads the [BN, BK/8] int32 words and [BN, BK/32] scales once and expands them with broadcast +
@@ -163,10 +166,26 @@ if HAS_TRITON:
 
     @triton.jit
     def _gate_up_kernel(
-        x_ptr, wp_ptr, ws_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-        K, I, num_pairs, top_k,
-        stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_act,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr,
+        wp_ptr,
+        ws_ptr,
+        act_ptr,
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        K,
+        I,
+        num_pairs,
+        top_k,
+        stride_xt,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_act,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -212,10 +231,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _down_kernel(
-        act_ptr, wp_ptr, ws_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-        K, num_pairs,
-        stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        act_ptr,
+        wp_ptr,
+        ws_ptr,
+        y_ptr,
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        K,
+        num_pairs,
+        stride_act,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_y,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -253,9 +286,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        y_ptr, w_ptr, ids_ptr, out_ptr, N, top_k, expert_lo, expert_hi,
-        stride_y, stride_out,
-        TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+        y_ptr,
+        w_ptr,
+        ids_ptr,
+        out_ptr,
+        N,
+        top_k,
+        expert_lo,
+        expert_hi,
+        stride_y,
+        stride_out,
+        TOPK_P2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         wait_and_release(PDL)  # kimi.ops.pdl
         t = tl.program_id(0)
@@ -344,21 +387,53 @@ def fused_experts_int4(
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)  # per pair, un-weighted
     grid1 = (max_blocks, inter // cfg.block_n1)
     _gate_up_kernel[grid1](
-        x, w13_packed, w13_scale, act, sorted_ids, block_expert, num_padded,
-        H, inter, P, k,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        x,
+        w13_packed,
+        w13_scale,
+        act,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        H,
+        inter,
+        P,
+        k,
+        x.stride(0),
+        w13_packed.stride(0),
+        w13_packed.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
         act.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SWAP_AB=cfg.swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n1,
+        BLOCK_K=cfg.block_k1,
+        SWAP_AB=cfg.swap_ab,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     grid2 = (max_blocks, H // cfg.block_n2)
     _down_kernel[grid2](
-        act, w2_packed, w2_scale, y, sorted_ids, block_expert, num_padded,
-        inter, P,
-        act.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        act,
+        w2_packed,
+        w2_scale,
+        y,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        inter,
+        P,
+        act.stride(0),
+        w2_packed.stride(0),
+        w2_packed.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
         y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, SWAP_AB=cfg.swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n2,
+        BLOCK_K=cfg.block_k2,
+        SWAP_AB=cfg.swap_ab,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     combine_into(y, topk_weights, topk_ids, expert_offset, E, out)
     return out
@@ -377,8 +452,19 @@ def combine_into(y, topk_weights, topk_ids, expert_offset, num_local_experts, ou
     ti = topk_ids.contiguous()
     bn = COMBINE_LAUNCH["block_n"] if block_n is None else block_n
     _combine_kernel[(T, triton.cdiv(H, bn))](
-        y, tw, ti, out, H, k, expert_offset, expert_offset + num_local_experts,
-        y.stride(0), out.stride(0),
-        TOPK_P2=triton.next_power_of_2(k), BLOCK_N=bn, num_warps=COMBINE_LAUNCH["warps"], **launch_kwargs(out.device),
+        y,
+        tw,
+        ti,
+        out,
+        H,
+        k,
+        expert_offset,
+        expert_offset + num_local_experts,
+        y.stride(0),
+        out.stride(0),
+        TOPK_P2=triton.next_power_of_2(k),
+        BLOCK_N=bn,
+        num_warps=COMBINE_LAUNCH["warps"],
+        **launch_kwargs(out.device),
     )
     return out

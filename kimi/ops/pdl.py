@@ -43,7 +43,7 @@ ENABLED = os.environ.get("KIMI_PDL", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 

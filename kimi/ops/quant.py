@@ -19,7 +19,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["pack_int4", "pack_nibbles", "unpack_int4", "dequant_int4", "quant_fp8_block", "dequant_fp8_block", "FP8_MAX"]
+__all__ = [
+    "FP8_MAX",
+    "dequant_fp8_block",
+    "dequant_int4",
+    "pack_int4",
+    "pack_nibbles",
+    "quant_fp8_block",
+    "unpack_int4",
+]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 

@@ -43,8 +43,8 @@ Shapes: logits [B, V] float32 (any float dtype is upcast). Token-history inputs 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -68,8 +68,14 @@ class SampleOutput:
 
 
 def _any_processing(params: Sequence[SamplingParams]) -> bool:
-    return any(p.logit_bias_ids or p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-               or p.frequency_penalty != 0.0 for p in params)
+    return any(
+        p.logit_bias_ids
+        or p.min_tokens > 0
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        for p in params
+    )
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -187,7 +193,11 @@ def process_logits_ref(
         gen = [t for t in token_ids[b][n_prompt:] if 0 <= t < V]  # type: ignore[index]
         if gen and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             counts = torch.zeros(V, dtype=out.dtype, device=out.device)
-            counts.index_add_(0, torch.tensor(gen, dtype=torch.long, device=out.device), torch.ones(len(gen), dtype=out.dtype, device=out.device))
+            counts.index_add_(
+                0,
+                torch.tensor(gen, dtype=torch.long, device=out.device),
+                torch.ones(len(gen), dtype=out.dtype, device=out.device),
+            )
             row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(out.dtype)
         out[b] = row
     return out
@@ -300,11 +310,16 @@ def process_logits(
             bias_c += p.logit_bias_ids
             bias_v += p.logit_bias_values
     if ban_c:  # step 2, before the bias (a banned token stays banned: -inf + bias = -inf)
-        out.index_put_((_h2d(ban_r, torch.long, dev), _h2d(ban_c, torch.long, dev)),
-                       torch.full((), _NEG_INF, dtype=out.dtype, device=dev))  # a fill, not a host copy
+        out.index_put_(
+            (_h2d(ban_r, torch.long, dev), _h2d(ban_c, torch.long, dev)),
+            torch.full((), _NEG_INF, dtype=out.dtype, device=dev),
+        )  # a fill, not a host copy
     if bias_c:  # step 3; repeated ids add up, as index_add_ does
-        out.index_put_((_h2d(bias_r, torch.long, dev), _h2d(bias_c, torch.long, dev)),
-                       _h2d(bias_v, out.dtype, dev), accumulate=True)
+        out.index_put_(
+            (_h2d(bias_r, torch.long, dev), _h2d(bias_c, torch.long, dev)),
+            _h2d(bias_v, out.dtype, dev),
+            accumulate=True,
+        )
     rep_rows = [b for b in pen_rows if params[b].repetition_penalty != 1.0]
     if rep_rows:
         rr: list[int] = []
@@ -315,8 +330,9 @@ def process_logits(
             rc += toks
         if rc:
             seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-            seen.index_put_((_h2d(rr, torch.long, dev), _h2d(rc, torch.long, dev)),
-                            torch.ones((), dtype=torch.bool, device=dev))  # not `= True`: that copies from the host
+            seen.index_put_(
+                (_h2d(rr, torch.long, dev), _h2d(rc, torch.long, dev)), torch.ones((), dtype=torch.bool, device=dev)
+            )  # not `= True`: that copies from the host
             r = _h2d([p.repetition_penalty for p in params], out.dtype, dev).unsqueeze(1)
             out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
     fp_rows = [b for b in pen_rows if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
@@ -324,13 +340,16 @@ def process_logits(
         cr: list[int] = []
         cc: list[int] = []
         for b in fp_rows:
-            gen = [t for t in token_ids[b][num_prompt_tokens[b]:] if 0 <= t < V]  # type: ignore[index]
+            gen = [t for t in token_ids[b][num_prompt_tokens[b] :] if 0 <= t < V]  # type: ignore[index]
             cr += [b] * len(gen)
             cc += gen
         if cc:
             counts = torch.zeros(B, V, dtype=out.dtype, device=dev)
-            counts.index_put_((_h2d(cr, torch.long, dev), _h2d(cc, torch.long, dev)),
-                              torch.ones((), dtype=out.dtype, device=dev).expand(len(cc)), accumulate=True)
+            counts.index_put_(
+                (_h2d(cr, torch.long, dev), _h2d(cc, torch.long, dev)),
+                torch.ones((), dtype=out.dtype, device=dev).expand(len(cc)),
+                accumulate=True,
+            )
             fp = _h2d([[p.frequency_penalty, p.presence_penalty] for p in params], out.dtype, dev)
             out = out - fp[:, 0:1] * counts - fp[:, 1:2] * (counts > 0).to(out.dtype)
     return out
@@ -376,7 +395,7 @@ def sample_launch(
     generators: Sequence[torch.Generator | None],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
-) -> "SampleLaunch":
+) -> SampleLaunch:
     """Sample one token per row (module docstring for the steps and their order), batched.
 
     logits: [B, V] float32 (other float dtypes are upcast), on any device. params[b].greedy (temperature < 1e-5) means
@@ -411,7 +430,9 @@ def sample_launch(
         ri = _h2d(rand, torch.long, dev) if greedy else None
         ps = [params[b] for b in rand]
         # per random row: temperature, min_p (0 = off), top_p (inf = off); top_k (V = off)
-        rp = _h2d([[p.temperature, p.min_p, p.top_p if p.top_p < 1.0 else float("inf")] for p in ps], torch.float32, dev)
+        rp = _h2d(
+            [[p.temperature, p.min_p, p.top_p if p.top_p < 1.0 else float("inf")] for p in ps], torch.float32, dev
+        )
         use_k = any(0 < p.top_k < V for p in ps)
         x = processed if ri is None else processed.index_select(0, ri)
         x = x / rp[:, 0:1]

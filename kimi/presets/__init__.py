@@ -14,10 +14,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
-__all__ = ["load_preset", "list_presets"]
+__all__ = ["list_presets", "load_preset"]
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,7 +27,7 @@ def list_presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(_DIR) if f.endswith(".json"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _read(name: str) -> dict[str, Any]:
     with open(os.path.join(_DIR, name + ".json")) as f:
         return json.load(f)

@@ -35,7 +35,7 @@ import torch
 
 from kimi.ops.attention import AttentionMetadata
 
-__all__ = ["bucket_sizes", "CudaGraphRunner"]
+__all__ = ["CudaGraphRunner", "bucket_sizes"]
 
 log = logging.getLogger("kimi.worker")
 
@@ -95,8 +95,16 @@ class CudaGraphRunner:
     # before (the A/B of tools/bench_graph_padding.py); read by each run_host
     mask_padding = True
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_batch: int, max_blocks_per_seq: int,
-                 buckets: list[int] | None = None, layers_per_graph: int | None = LAYERS_PER_GRAPH):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        buckets: list[int] | None = None,
+        layers_per_graph: int | None = LAYERS_PER_GRAPH,
+    ):
         from kimi.ops.attention_flashinfer import FlashInferMLADecode
 
         self.model = model
@@ -137,18 +145,28 @@ class CudaGraphRunner:
             self.attn_in = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch] seq_lens, then tables
             self.attn_host = torch.zeros(n, dtype=torch.int32, pin_memory=True)  # staging
             self.seq_lens = self.attn_in[: self.max_batch]  # [max_batch]
-            self.block_tables = self.attn_in[self.max_batch:].view(self.max_batch, mb)  # [max_batch, mb]
+            self.block_tables = self.attn_in[self.max_batch :].view(self.max_batch, mb)  # [max_batch, mb]
             self.fi = {
-                bs: TritonMLADecodeRun(self.seq_lens[:bs], self.block_tables[:bs], cfg.softmax_scale,
-                                       triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev,
-                                                         max_ctx=mb * block_size))
+                bs: TritonMLADecodeRun(
+                    self.seq_lens[:bs],
+                    self.block_tables[:bs],
+                    cfg.softmax_scale,
+                    triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev, max_ctx=mb * block_size),
+                )
                 for bs in self.buckets
             }
         else:
             self.fi = {
                 bs: FlashInferMLADecode(
-                    cfg.num_attention_heads, cfg.softmax_scale, dev, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                    use_cuda_graph=True, max_batch=bs, max_pages=bs * max_blocks_per_seq, dtype=model.dtype,
+                    cfg.num_attention_heads,
+                    cfg.softmax_scale,
+                    dev,
+                    cfg.kv_lora_rank,
+                    cfg.qk_rope_head_dim,
+                    use_cuda_graph=True,
+                    max_batch=bs,
+                    max_pages=bs * max_blocks_per_seq,
+                    dtype=model.dtype,
                     kv_indices=self.kv_indices,
                 )
                 for bs in self.buckets
@@ -233,8 +251,9 @@ class CudaGraphRunner:
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):
                 for _ in range(2):  # the captured calls, eagerly (Triton JIT, autotuning)
-                    self.model.layers_fused(*self.model.embed_fused(args[0]), args[1], attn, self.kv_caches, 0, n,
-                                            row_valid=valid)
+                    self.model.layers_fused(
+                        *self.model.embed_fused(args[0]), args[1], attn, self.kv_caches, 0, n, row_valid=valid
+                    )
             torch.cuda.current_stream(self.device).wait_stream(s)
             torch.cuda.synchronize(self.device)
             chain = []
@@ -244,8 +263,9 @@ class CudaGraphRunner:
                 with torch.cuda.graph(g, pool=self.pool):
                     if start == 0:
                         h, x = self.model.embed_fused(args[0])
-                    h, x = self.model.layers_fused(h, x, args[1], attn, self.kv_caches, start, end,
-                                                   row_valid=valid)  # [bs, D]
+                    h, x = self.model.layers_fused(
+                        h, x, args[1], attn, self.kv_caches, start, end, row_valid=valid
+                    )  # [bs, D]
                 if self.pool is None:
                     self.pool = g.pool()
                 chain.append(g)
@@ -256,11 +276,15 @@ class CudaGraphRunner:
     def can_run_host(self, seq_lens: list[int], block_size: int) -> bool:
         """`can_run` for run_host's host lists (a pure decode batch by construction)."""
         B = len(seq_lens)
-        return (0 < B <= self.max_batch and block_size == self.block_size
-                and -(-max(seq_lens) // block_size) <= self.max_blocks_per_seq)
+        return (
+            0 < B <= self.max_batch
+            and block_size == self.block_size
+            and -(-max(seq_lens) // block_size) <= self.max_blocks_per_seq
+        )
 
-    def run_host(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
-                 block_tables: list[list[int]], fill=None) -> torch.Tensor:
+    def run_host(
+        self, input_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]], fill=None
+    ) -> torch.Tensor:
         """Replay a decode batch given as host lists (the worker's fast path: no AttentionMetadata, no device
         kernels before the replay): token id, position (= seq_len - 1), context length and block ids per
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
@@ -279,8 +303,10 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         B = len(input_ids)
         if B == 0 or not len(positions) == len(seq_lens) == len(block_tables) == B:
-            raise ValueError(f"run_host: {B} input ids, {len(positions)} positions, {len(seq_lens)} lengths, "
-                             f"{len(block_tables)} block tables (want the same number, at least 1)")
+            raise ValueError(
+                f"run_host: {B} input ids, {len(positions)} positions, {len(seq_lens)} lengths, "
+                f"{len(block_tables)} block tables (want the same number, at least 1)"
+            )
         bs = self.bucket_for(B)
         blk = self.block_size
         pad = bs - B
@@ -291,8 +317,10 @@ class CudaGraphRunner:
             mx = self.max_blocks_per_seq
             if max(ks) > mx or any(map(operator.gt, ks, map(len, block_tables))):
                 b = next(b for b, (t, k) in enumerate(zip(block_tables, ks)) if k > len(t) or k > mx)
-                raise ValueError(f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
-                                 f"{len(block_tables[b])}, the graphs at most {mx}")
+                raise ValueError(
+                    f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
+                    f"{len(block_tables[b])}, the graphs at most {mx}"
+                )
             W = self._page_stride(max(ks))
         t_built = time.perf_counter()
         if self._host_in_free is not None:
@@ -308,7 +336,7 @@ class CudaGraphRunner:
             if not self.mask_padding:
                 h[3, B:bs] = 1
         if not self.triton_attn:
-            if W != self.page_stride:  # another layout: every row is written again
+            if self.page_stride != W:  # another layout: every row is written again
                 self._forget_pages()
                 self.page_stride = W
             hi = self._stage_pages(block_tables, ks, B, bs)
@@ -358,12 +386,13 @@ class CudaGraphRunner:
             if k_next <= self.max_blocks_per_seq:
                 try:
                     self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk, self._page_stride(k_next))
-                except Exception as e:  # noqa: BLE001 - the step has run; the next one then plans as usual
+                except Exception as e:
                     self.fi[bs]._ahead = None
                     if not self._ahead_failed:
                         self._ahead_failed = True
-                        log.warning("plan ahead failed (%s: %s); the next step plans before its replay",
-                                    type(e).__name__, e)
+                        log.warning(
+                            "plan ahead failed (%s: %s); the next step plans before its replay", type(e).__name__, e
+                        )
         return self.outputs[bs][:B]
 
     def _page_stride(self, max_pages: int) -> int:
@@ -419,4 +448,6 @@ class CudaGraphRunner:
         """`run_host` for a decode batch given as tensors + AttentionMetadata (GPUKimiForCausalLM.forward):
         input_ids / positions [B] -> hidden [B, D]. Copies the ids, positions and block tables to the host first
         (a device sync); the worker's decode path calls run_host with its host lists instead."""
-        return self.run_host(input_ids.tolist(), positions.tolist(), list(attn.seq_lens_cpu), attn.block_tables.tolist())
+        return self.run_host(
+            input_ids.tolist(), positions.tolist(), list(attn.seq_lens_cpu), attn.block_tables.tolist()
+        )

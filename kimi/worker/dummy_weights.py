@@ -42,12 +42,14 @@ def random_fp8_experts(E: int, N: int, K: int, gen: torch.Generator, device, blo
 
 
 @torch.no_grad()
-def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype, seed: int = 0,
-               fp8_dense: str = "off") -> None:
+def fill_dummy(
+    model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype, seed: int = 0, fp8_dense: str = "off"
+) -> None:
     """Fill every parameter of a build_gpu_model() model and set each MoE layer's experts_impl (through
     kimi.worker.gpu_model.make_experts_or_ref: shapes a kernel rejects fall back to the dequantised reference, with a
     warning, as when loading a checkpoint)."""
     from kimi.worker.gpu_model import make_experts_or_ref
+
     dev = model.embed_tokens.device
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
@@ -93,6 +95,7 @@ def fill_dummy(model, cfg: ModelConfig, *, moe_backend: str, dtype: torch.dtype,
             p2, s2 = random_packed_experts(E, D, inter, gen, dev)
             parts = {"w13_packed": p13, "w13_scale": s13, "w2_packed": p2, "w2_scale": s2}
         block = cfg.quant.block if fp8 else (128, 128)
-        mlp.experts_impl = make_experts_or_ref(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype,
-                                               fp8_block=block)
+        mlp.experts_impl = make_experts_or_ref(
+            moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype, fp8_block=block
+        )
         del parts

@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
+from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
+from kimi.ops.bmm_small_m import bmm_heads
 from kimi.ops.linear_fp8 import Fp8Linear
 from kimi.ops.linear_small_m import linear as _bf16_linear
 from kimi.ops.linear_small_m import linear_small_m, prologue_config
-from kimi.ops.bmm_small_m import bmm_heads
-from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
 from kimi.ops.moe_backend import make_experts
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
@@ -67,7 +67,7 @@ def _prologue_config(x: torch.Tensor, w, silu_mul: bool = False):
     return None if isinstance(w, Fp8Linear) else prologue_config(x, w, silu_mul=silu_mul)
 
 
-__all__ = ["GPUAttnPlan", "GPUMLAAttention", "GPUKimiForCausalLM", "build_gpu_model", "load_gpu_model"]
+__all__ = ["GPUAttnPlan", "GPUKimiForCausalLM", "GPUMLAAttention", "build_gpu_model", "load_gpu_model"]
 
 
 @dataclass
@@ -112,8 +112,17 @@ class TritonMLADecodeRun:
         """q_lat [B, H, L], q_pe [B, H, R] -> o_lat [B, H, L] (see mla_decode; ValueError on mismatched shapes)."""
         from kimi.ops.mla_decode_triton import mla_decode
 
-        return mla_decode(q_lat, q_pe, kv_cache, self.block_tables, self.seq_lens, self.scale, out=out,
-                          num_splits=self.num_splits, config=self.config)
+        return mla_decode(
+            q_lat,
+            q_pe,
+            kv_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.scale,
+            out=out,
+            num_splits=self.num_splits,
+            config=self.config,
+        )
 
 
 def triton_mla_config():
@@ -141,8 +150,9 @@ def triton_mla_splits(batch: int, num_heads: int, kv_lora_rank: int, device, max
 
     idx = device.index if device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
-    return mdt.choose_num_splits(batch, sms, mdt.programs_per_split(num_heads, kv_lora_rank, triton_mla_config()),
-                                 max_ctx=max_ctx)
+    return mdt.choose_num_splits(
+        batch, sms, mdt.programs_per_split(num_heads, kv_lora_rank, triton_mla_config()), max_ctx=max_ctx
+    )
 
 
 class GPUMLAAttention(MLAAttention):
@@ -201,7 +211,9 @@ class GPUMLAAttention(MLAAttention):
         """Torch fallback for decode rows (latent sizes FlashInfer has no kernel for, e.g. tiny models): q_nope
         [Bd, H, N], q_pe [Bd, H, R] of the sequences plan.decode_seqs -> o [Bd, H, V] float32 (`mla_decode_ref`)."""
         sel = plan.decode_seqs
-        q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk_t.float().transpose(1, 2)).transpose(0, 1)  # [Bd, H, L]
+        q_lat = torch.bmm(q_nope.transpose(0, 1).float(), self.w_uk_t.float().transpose(1, 2)).transpose(
+            0, 1
+        )  # [Bd, H, L]
         o_lat = mla_decode_ref(q_lat, q_pe, kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale)
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv.float().transpose(1, 2)).transpose(0, 1)  # [Bd, H, V]
 
@@ -232,8 +244,18 @@ class GPUMLAAttention(MLAAttention):
         q = q.view(T, H, N + R)
         q_nope = q[..., :N]  # [T, H, N]
         if hidden.is_cuda:
-            q_pe = fused.mla_rope_kv_write(q, kv_a, self.kv_a_layernorm, LATENT_NORM_EPS, rope.cos_cache,
-                                           rope.sin_cache, positions, plan.slot_mapping, kv_cache, N)  # [T, H, R]
+            q_pe = fused.mla_rope_kv_write(
+                q,
+                kv_a,
+                self.kv_a_layernorm,
+                LATENT_NORM_EPS,
+                rope.cos_cache,
+                rope.sin_cache,
+                positions,
+                plan.slot_mapping,
+                kv_cache,
+                N,
+            )  # [T, H, R]
         else:
             ckv = rms_norm(kv_a[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)  # [T, L]
             q_pe, k_pe = rope(positions, q[..., N:], kv_a[:, L:])  # [T, H, R], [T, R]
@@ -265,7 +287,9 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     # pure decode attention: "triton" (kimi.ops.mla_decode_triton, no host plan) or "flashinfer"; prefill and mixed
     # batches always run FlashInfer
     decode_attention = "flashinfer"
-    overlap_shared = True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
+    overlap_shared = (
+        True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
+    )
     _side = None
 
     def _side_stream(self):
@@ -291,8 +315,9 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         all_decode = all(q == 1 for q in qlens)
         dev = attn.slot_mapping.device
         if self.flashinfer_ok and attn.slot_mapping.is_cuda and all_decode and self.decode_attention == "triton":
-            splits = triton_mla_splits(len(qlens), self.cfg.num_attention_heads, self.cfg.kv_lora_rank, dev,
-                                       max_ctx=max(attn.seq_lens_cpu))
+            splits = triton_mla_splits(
+                len(qlens), self.cfg.num_attention_heads, self.cfg.kv_lora_rank, dev, max_ctx=max(attn.seq_lens_cpu)
+            )
             run = TritonMLADecodeRun(attn.seq_lens, attn.block_tables, self.cfg.softmax_scale, splits)
             plan = GPUAttnPlan(run, attn.slot_mapping, True)
         elif self.flashinfer_ok and attn.slot_mapping.is_cuda:
@@ -300,8 +325,12 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
             if self.fi_eager is None:
                 self.fi_eager = FlashInferMLA(
-                    self.cfg.num_attention_heads, self.cfg.softmax_scale, dev,
-                    self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, dtype=self.dtype,
+                    self.cfg.num_attention_heads,
+                    self.cfg.softmax_scale,
+                    dev,
+                    self.cfg.kv_lora_rank,
+                    self.cfg.qk_rope_head_dim,
+                    dtype=self.dtype,
                 )
             self.fi_eager.plan_from_metadata(attn, causal=not all_decode)
             plan = GPUAttnPlan(self.fi_eager, attn.slot_mapping, all_decode)
@@ -329,8 +358,16 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             return super().forward(input_ids, positions, attn, kv_caches)
         return self._forward_fused(input_ids, positions, attn, kv_caches)
 
-    def forward_decode(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
-                       block_tables: list[list[int]], block_size: int, kv_caches, fill=None) -> torch.Tensor:
+    def forward_decode(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches,
+        fill=None,
+    ) -> torch.Tensor:
         """One decode step from host lists (one new token per sequence: positions[b] = seq_lens[b] - 1) ->
         hidden [B, D] after the final norm. Replays a CUDA graph through `CudaGraphRunner.run_host` when one
         fits (no AttentionMetadata is built), else builds the metadata and runs `forward`.
@@ -371,8 +408,17 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         x = fused.rms_norm(h, self.layers[0].input_layernorm, self.cfg.rms_norm_eps) if self.layers else h
         return h, x
 
-    def layers_fused(self, h: torch.Tensor, x: torch.Tensor, positions, attn: AttentionMetadata, kv_caches,
-                     start: int, end: int, row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def layers_fused(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        positions,
+        attn: AttentionMetadata,
+        kv_caches,
+        start: int,
+        end: int,
+        row_valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, end) of _forward_fused: (h, x) in -> (h, x) out, x being the next layer's input norm of h
         (the final norm after the last layer). The CUDA-graph runner captures the layers in segments with it.
         row_valid: None, or [T] int64 on the device; the MoE router gives rows where it is 0 no expert
@@ -392,28 +438,45 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
         return h, x
 
-    def capture_cuda_graphs(self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int,
-                            layers_per_graph: int | None = None) -> None:
+    def capture_cuda_graphs(
+        self, kv_caches, block_size: int, max_batch: int, max_blocks_per_seq: int, layers_per_graph: int | None = None
+    ) -> None:
         """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py); layers_per_graph:
         layers per graph segment (default cuda_graph.LAYERS_PER_GRAPH; 0: one graph)."""
         from kimi.worker.cuda_graph import LAYERS_PER_GRAPH, CudaGraphRunner
 
         if not self.flashinfer_ok:
-            log.warning("CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
-                        self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
+            log.warning(
+                "CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
+                self.cfg.kv_lora_rank,
+                self.cfg.qk_rope_head_dim,
+            )
             return
-        bad = [type(layer.mlp.experts_impl).__name__ for layer in self.layers
-               if isinstance(layer.mlp, MoELayer) and not getattr(layer.mlp.experts_impl, "graph_safe", False)]
+        bad = [
+            type(layer.mlp.experts_impl).__name__
+            for layer in self.layers
+            if isinstance(layer.mlp, MoELayer) and not getattr(layer.mlp.experts_impl, "graph_safe", False)
+        ]
         if bad:
             log.warning("CUDA graphs off: MoE backend %s cannot be captured", bad[0])
             return
         t0 = time.monotonic()
-        runner = CudaGraphRunner(self, kv_caches, block_size, max_batch, max_blocks_per_seq,
-                                 layers_per_graph=LAYERS_PER_GRAPH if layers_per_graph is None else layers_per_graph)
+        runner = CudaGraphRunner(
+            self,
+            kv_caches,
+            block_size,
+            max_batch,
+            max_blocks_per_seq,
+            layers_per_graph=LAYERS_PER_GRAPH if layers_per_graph is None else layers_per_graph,
+        )
         runner.capture()
         self.graphs = runner
-        log.info("captured %d decode CUDA graphs (buckets %s) in %.1f s", len(runner.buckets), runner.buckets,
-                 time.monotonic() - t0)
+        log.info(
+            "captured %d decode CUDA graphs (buckets %s) in %.1f s",
+            len(runner.buckets),
+            runner.buckets,
+            time.monotonic() - t0,
+        )
 
 
 def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
@@ -429,8 +492,9 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return dense_linear(fused.silu_mul(y13), m.down_proj)
 
 
-def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None,
-               row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mlp_fused(
+    mlp: nn.Module, x: torch.Tensor, side=None, row_valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
     adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
     as MoELayer.forward.
@@ -459,8 +523,9 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None,
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = _dense_mlp_fused(mlp.shared_experts, x)
-    topk_weights, topk_ids = fused.router_topk(x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k,
-                                               mlp.routed_scaling_factor, mlp.norm_topk_prob, row_valid)
+    topk_weights, topk_ids = fused.router_topk(
+        x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k, mlp.routed_scaling_factor, mlp.norm_topk_prob, row_valid
+    )
     recv = a2a.dispatch(x, topk_weights, topk_ids)
     y = run_experts(mlp.experts_impl, recv)  # [T_recv, D]
     out = a2a.combine(y, recv)  # [T, D]
@@ -471,17 +536,19 @@ def _mlp_fused(mlp: nn.Module, x: torch.Tensor, side=None,
     return out, shared
 
 
-def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_total: int, dtype,
-                        fp8_block: tuple[int, int] = (128, 128)) -> nn.Module:
+def make_experts_or_ref(
+    backend: str, parts, expert_offset: int, num_experts_total: int, dtype, fp8_block: tuple[int, int] = (128, 128)
+) -> nn.Module:
     """make_experts, falling back to the dequantised reference (with a warning naming the error) when the INT4 or
     FP8 kernel rejects the shapes (e.g. tiny test models: Triton tiles need D % 128 == 0 and I % 128 == 0)."""
     if "w13_fp8" in parts:
         if backend in ("humming", "auto"):
             try:
                 return make_experts(backend, parts, expert_offset, num_experts_total, dtype, fp8_block)
-            except Exception as e:  # noqa: BLE001 - any kernel set-up failure: say so, run the reference
-                log.warning("FP8 experts on humming failed to set up (%s: %s); dequantised, using ref",
-                            type(e).__name__, e)
+            except Exception as e:
+                log.warning(
+                    "FP8 experts on humming failed to set up (%s: %s); dequantised, using ref", type(e).__name__, e
+                )
         return make_experts("ref", parts, expert_offset, num_experts_total, dtype, fp8_block)
     if backend != "ref" and "w13_packed" in parts:
         D, inter = parts["w2_packed"].shape[1], parts["w2_packed"].shape[2] * 8
@@ -490,7 +557,7 @@ def make_experts_or_ref(backend: str, parts, expert_offset: int, num_experts_tot
             backend = "ref"
         try:
             return make_experts(backend, parts, expert_offset, num_experts_total, dtype)
-        except Exception as e:  # noqa: BLE001 - any kernel set-up failure: say so, run the reference
+        except Exception as e:
             log.warning("MoE backend %s failed to set up (%s: %s); using ref", backend, type(e).__name__, e)
             backend = "ref"
     return make_experts(backend, parts, expert_offset, num_experts_total, dtype)
@@ -512,13 +579,16 @@ def build_gpu_model(
 ) -> GPUKimiForCausalLM:
     """An unloaded GPUKimiForCausalLM: every parameter allocated (uninitialised) on `device` except the stacked
     bf16 expert parameters, which stay on `meta`; MLA layers are GPUMLAAttention."""
-    model = GPUKimiForCausalLM(cfg, ep_rank=ep_rank, ep_size=ep_size, dtype=dtype, device="meta", a2a=a2a,
-                               max_positions=max_positions)
+    model = GPUKimiForCausalLM(
+        cfg, ep_rank=ep_rank, ep_size=ep_size, dtype=dtype, device="meta", a2a=a2a, max_positions=max_positions
+    )
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None or _is_expert_param(module, name):
                 continue
-            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+            module._parameters[name] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False
+            )
         if isinstance(module, MLAAttention):
             module.__class__ = GPUMLAAttention
     model.rope = RotaryEmbedding(cfg, max_positions, device)
@@ -585,8 +655,9 @@ def check_fp8_dense(fp8_dense: str) -> None:
         raise ValueError(f"fp8_dense {fp8_dense!r}: want one of {', '.join(FP8_DENSE_CHOICES)}")
 
 
-def install_fp8(model: GPUKimiForCausalLM, name: str, w: torch.Tensor, scale_inv: torch.Tensor,
-                block: tuple[int, int]) -> None:
+def install_fp8(
+    model: GPUKimiForCausalLM, name: str, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> None:
     """Replace the bf16 parameter of canonical `name` (e.g. model.layers.3.self_attn.o_proj.weight) by an Fp8Linear
     of w [N, K] float8_e4m3fn and scale_inv (on the parameter's device); the bf16 parameter is freed. Raises
     ValueError when the shape differs from the parameter's."""
@@ -614,8 +685,11 @@ def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCaus
     if fp8:
         log.info("FP8 dense layers kept FP8: %d on humming, %d on kimi's Triton kernel", taken, len(fp8) - taken)
     elif fp8_dense != "off":
-        log.warning("fp8_dense %s: no dense weight was kept FP8 (the checkpoint has no FP8 dense weights, or the "
-                    "device is not CUDA); they run as bf16", fp8_dense)
+        log.warning(
+            "fp8_dense %s: no dense weight was kept FP8 (the checkpoint has no FP8 dense weights, or the "
+            "device is not CUDA); they run as bf16",
+            fp8_dense,
+        )
     model.eval()
     return model
 
@@ -646,8 +720,9 @@ def load_gpu_model(
     from kimi.checkpoint import load_checkpoint
     from kimi.ops.quant import dequant_fp8_block
 
-    model = build_gpu_model(cfg, ep_rank=ep_rank, ep_size=ep_size, a2a=a2a, dtype=dtype, device=device,
-                            max_positions=max_positions)
+    model = build_gpu_model(
+        cfg, ep_rank=ep_rank, ep_size=ep_size, a2a=a2a, dtype=dtype, device=device, max_positions=max_positions
+    )
     if load_format == "dummy":
         from kimi.worker.dummy_weights import fill_dummy
 
@@ -655,8 +730,9 @@ def load_gpu_model(
         return _finish(model, fp8_dense)
     if load_format != "auto":
         raise ValueError(f"unknown load format {load_format!r} (auto, dummy)")
-    ws = load_checkpoint(model_dir, cfg, ep_rank=ep_rank, ep_size=ep_size, dequantize=False, dtype=dtype,
-                         device="cpu", progress=progress)
+    ws = load_checkpoint(
+        model_dir, cfg, ep_rank=ep_rank, ep_size=ep_size, dequantize=False, dtype=dtype, device="cpu", progress=progress
+    )
     block = cfg.quant.block if cfg.quant is not None else (128, 128)
 
     def dense(name: str) -> torch.Tensor:
@@ -704,8 +780,11 @@ def load_gpu_model(
                 "w2_packed": stack(("down_proj",), ".weight_packed"),
                 "w2_scale": stack(("down_proj",), ".weight_scale"),
             }
-        elif (moe_backend in ("humming", "auto") and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
-              and cfg.moe_intermediate_size % block[0] == 0):
+        elif (
+            moe_backend in ("humming", "auto")
+            and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
+            and cfg.moe_intermediate_size % block[0] == 0
+        ):
             # FP8 experts stay FP8 (HummingFp8Experts); gate and up tiles stack along N (I a multiple of the tile)
             parts = {
                 "w13_fp8": stack(("gate_proj", "up_proj"), ".weight"),
@@ -715,15 +794,20 @@ def load_gpu_model(
             }
         else:
             parts = {
-                "w13": torch.stack([torch.cat([dense(n + "gate_proj.weight"), dense(n + "up_proj.weight")], 0).to(device, dtype)
-                                    for n in names]),
+                "w13": torch.stack(
+                    [
+                        torch.cat([dense(n + "gate_proj.weight"), dense(n + "up_proj.weight")], 0).to(device, dtype)
+                        for n in names
+                    ]
+                ),
                 "w2": torch.stack([dense(n + "down_proj.weight").to(device, dtype) for n in names]),
             }
         for n in names:
             for k in [k for k in ws if k.startswith(n)]:
                 del ws[k]
-        mlp.experts_impl = make_experts_or_ref(moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype,
-                                               fp8_block=block)
+        mlp.experts_impl = make_experts_or_ref(
+            moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype, fp8_block=block
+        )
         del parts
-    del ws
+    ws.clear()  # the loaded tensors are freed here, before the model is returned
     return _finish(model, fp8_dense)

@@ -44,7 +44,12 @@ def available_bytes(device: torch.device | str) -> int | None:
 
 
 def check_kv_cache_fits(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str, flag: str,
+    cfg: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    flag: str,
     available: int | None = None,
 ) -> None:
     """Raise KVCacheSizeError when num_blocks blocks (kv_cache_bytes_per_block each) exceed `available` bytes

@@ -46,25 +46,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
-    p.add_argument("--controller-timeout", type=float, default=15.0, help="exit after this long without a message (the controller pings every second)")
+    p.add_argument(
+        "--controller-timeout",
+        type=float,
+        default=15.0,
+        help="exit after this long without a message (the controller pings every second)",
+    )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=LOG_LEVELS,
-                   help="the rank's log level (kimi serve passes its own; trace logs as debug); above info the "
-                        "checkpoint-loading progress bar is off too")
-    p.add_argument("--a2a-backend", default=None, choices=["local", "gloo", "nccl", "deepep"],
-                   help="MoE all-to-all (default: local for 1 rank, gloo on cpu, nccl on cuda)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="the rank's log level (kimi serve passes its own; trace logs as debug); above info the "
+        "checkpoint-loading progress bar is off too",
+    )
+    p.add_argument(
+        "--a2a-backend",
+        default=None,
+        choices=["local", "gloo", "nccl", "deepep"],
+        help="MoE all-to-all (default: local for 1 rank, gloo on cpu, nccl on cuda)",
+    )
     p.add_argument("--dist-timeout", type=float, default=600.0, help="torch.distributed collective timeout, seconds")
-    p.add_argument("--ll-max-tokens", type=int, default=128,
-                   help="decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)")
-    p.add_argument("--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)")
-    p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKENDS),
-                   help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="cuda: largest decode CUDA graph bucket (0 = eager)")
-    p.add_argument("--fp8-dense", default="off", choices=["off", "triton", "humming"],
-                   help="cuda: FP8 dense projections kept FP8 (kimi.worker.gpu_model.FP8_DENSE_CHOICES)")
+    p.add_argument(
+        "--ll-max-tokens",
+        type=int,
+        default=128,
+        help="decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)",
+    )
+    p.add_argument(
+        "--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)"
+    )
+    p.add_argument(
+        "--moe-backend",
+        default="auto",
+        choices=list(MOE_BACKENDS),
+        help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs", type=int, default=0, help="cuda: largest decode CUDA graph bucket (0 = eager)"
+    )
+    p.add_argument(
+        "--fp8-dense",
+        default="off",
+        choices=["off", "triton", "humming"],
+        help="cuda: FP8 dense projections kept FP8 (kimi.worker.gpu_model.FP8_DENSE_CHOICES)",
+    )
     return p.parse_args(argv)
 
 
@@ -92,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model.startswith("preset:"):
             from kimi.presets import load_preset
 
-            cfg = ModelConfig.from_dict(load_preset(args.model[len("preset:"):]))
+            cfg = ModelConfig.from_dict(load_preset(args.model[len("preset:") :]))
         else:
             cfg = ModelConfig.from_dir(args.model)
         if args.num_hidden_layers is not None:
@@ -111,15 +144,32 @@ def main(argv: list[str] | None = None) -> int:
             backend = args.a2a_backend or default_backend(world_size, args.device)
             group = init_distributed(backend, torch.device(device), args.dist_timeout)
             a2a = make_all_to_all(
-                backend, num_experts=cfg.n_routed_experts, hidden=cfg.hidden_size, ep_rank=rank, ep_size=world_size,
-                group=group, ll_max_tokens_per_rank=args.ll_max_tokens,
+                backend,
+                num_experts=cfg.n_routed_experts,
+                hidden=cfg.hidden_size,
+                ep_rank=rank,
+                ep_size=world_size,
+                group=group,
+                ll_max_tokens_per_rank=args.ll_max_tokens,
             )
             log.info("rank %d of %d: all-to-all backend %s", rank, world_size, backend)
             runner = ModelRunner(
-                args.model, cfg, cache, rank=rank, world_size=world_size, device=device, dtype=dtype,
-                progress=not (args.no_progress or quiet) and rank == 0, a2a=a2a, ll_max_tokens_per_rank=args.ll_max_tokens,
-                gpu_options=dict(moe_backend=args.moe_backend, load_format=args.load_format,
-                                 cuda_graph_max_bs=args.cuda_graph_max_bs, fp8_dense=args.fp8_dense),
+                args.model,
+                cfg,
+                cache,
+                rank=rank,
+                world_size=world_size,
+                device=device,
+                dtype=dtype,
+                progress=not (args.no_progress or quiet) and rank == 0,
+                a2a=a2a,
+                ll_max_tokens_per_rank=args.ll_max_tokens,
+                gpu_options=dict(
+                    moe_backend=args.moe_backend,
+                    load_format=args.load_format,
+                    cuda_graph_max_bs=args.cuda_graph_max_bs,
+                    fp8_dense=args.fp8_dense,
+                ),
             )
     except Exception as e:
         if not isinstance(e, (CheckpointError, ConfigError, KVCacheSizeError)):  # these name the file / field / flag
@@ -180,15 +230,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         log.info(
-            "rank %d served %d requests, sampled %d tokens, %d steps (%d idle)", rank,
-            getattr(runner, "num_requests", 0), getattr(runner, "num_sampled", 0), last_step,
+            "rank %d served %d requests, sampled %d tokens, %d steps (%d idle)",
+            rank,
+            getattr(runner, "num_requests", 0),
+            getattr(runner, "num_sampled", 0),
+            last_step,
             getattr(runner, "num_idle_steps", 0),
         )
         graphs = getattr(getattr(runner, "model", None), "graphs", None)
         if graphs is not None:  # CUDA-graph decode: replays, and decode steps whose attention was planned ahead
             fis = [f for f in getattr(graphs, "fi", {}).values() if hasattr(f, "ahead_hits")]
-            log.info("rank %d: %d graph replays; plan ahead %d hits, %d misses", rank, graphs.num_replays,
-                     sum(f.ahead_hits for f in fis), sum(f.ahead_misses for f in fis))
+            log.info(
+                "rank %d: %d graph replays; plan ahead %d hits, %d misses",
+                rank,
+                graphs.num_replays,
+                sum(f.ahead_hits for f in fis),
+                sum(f.ahead_misses for f in fis),
+            )
         heartbeat.stop()
         transport.close()
 

@@ -144,14 +144,30 @@ class ModelRunner:
             from kimi.worker.gpu_model import load_gpu_model
 
             self.model = load_gpu_model(
-                model_dir, cfg, ep_rank=rank, ep_size=world_size, a2a=a2a, dtype=dtype, device=self.device,
-                progress=progress, **gpu_opts,
+                model_dir,
+                cfg,
+                ep_rank=rank,
+                ep_size=world_size,
+                a2a=a2a,
+                dtype=dtype,
+                device=self.device,
+                progress=progress,
+                **gpu_opts,
             )
         else:
             weights = load_checkpoint(
-                model_dir, cfg, ep_rank=rank, ep_size=world_size, dequantize=True, dtype=dtype, device="cpu", progress=progress
+                model_dir,
+                cfg,
+                ep_rank=rank,
+                ep_size=world_size,
+                dequantize=True,
+                dtype=dtype,
+                device="cpu",
+                progress=progress,
             )
-            self.model = KimiForCausalLM(cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device, a2a=a2a)
+            self.model = KimiForCausalLM(
+                cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device, a2a=a2a
+            )
             self.model.load_weights(weights)
             del weights
             self.model.eval()
@@ -188,8 +204,10 @@ class ModelRunner:
         n = int(budget // per_block)
         if n < 2:
             what = "--kv-cache-memory-gib" if cc.kv_cache_memory_gib is not None else "the free memory"
-            raise KVCacheSizeError(f"no room for the KV cache: {what} leaves {budget / 2**20:.1f} MiB, less than two "
-                                   f"blocks of {per_block} bytes (block 0 is the null block)")
+            raise KVCacheSizeError(
+                f"no room for the KV cache: {what} leaves {budget / 2**20:.1f} MiB, less than two "
+                f"blocks of {per_block} bytes (block 0 is the null block)"
+            )
         return n
 
     # ---- one step -------------------------------------------------------------------------------------
@@ -226,8 +244,9 @@ class ModelRunner:
                 wr.token_ids.append(tok)
                 wr.pending = False
                 self.num_sampled += 1
-                outputs.append(protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j],
-                                                    *handle.plp[j]))
+                outputs.append(
+                    protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j], *handle.plp[j])
+                )
         handle.outputs = outputs
         return outputs
 
@@ -270,7 +289,11 @@ class ModelRunner:
                 continue
             self.num_requests += 1
             wr = WorkerRequest(
-                list(nr.token_ids), nr.num_computed_tokens, list(nr.block_ids), nr.sampling, self._new_generator(nr.sampling),
+                list(nr.token_ids),
+                nr.num_computed_tokens,
+                list(nr.block_ids),
+                nr.sampling,
+                self._new_generator(nr.sampling),
                 num_prompt_tokens=nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids),
             )
             if nr.sampling.prompt_logprobs >= 0:
@@ -377,7 +400,10 @@ class ModelRunner:
                 wr = batch[i][1]
                 g.manual_seed(position_seed(wr.sampling.seed, len(wr.token_ids)))
         res = sample_launch(  # batched on the logits' device; one device->host copy for the whole step
-            logits, params, gens, [batch[i][1].token_ids for i in sample_idx],
+            logits,
+            params,
+            gens,
+            [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],
         )
         sampled, plp, row_of = [], [], {}
@@ -386,8 +412,9 @@ class ModelRunner:
             wr.pending = True
             sampled.append((rid, wr))
             row_of[rid] = j
-            plp.append((wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None
-                       else (None, None, None))
+            plp.append(
+                (wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None else (None, None, None)
+            )
             wr.prompt_lp = wr.prompt_top_ids = wr.prompt_top_lps = None  # sent once
         return StepHandle(plan.step, sampled, res, plp, row_of)
 

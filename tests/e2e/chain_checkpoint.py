@@ -25,7 +25,6 @@ import math
 import os
 import shutil
 
-import torch
 from safetensors.torch import load_file, save_file
 
 IM_MIDDLE, IM_END = 163601, 163586
@@ -65,8 +64,10 @@ def make_chain_checkpoint(src_dir: str, dst_dir: str, edges: list[tuple[int, int
     tok = KimiTokenizer.from_dir(src_dir)
     want = {I_: " I", THINK_W: " think", OK: "OK", DONE: "Done"}
     if any(tok.decode([t]) != s for t, s in want.items()) or tok.decode(HEADER) != "functions.get_weather:0":
-        raise RuntimeError("the chain checkpoint needs the real Kimi vocabulary (../shared/kimi-tokenizer or "
-                           "$KIMI_TOKENIZER_DIR) in the tiny checkpoint; its token ids are hard-coded")
+        raise RuntimeError(
+            "the chain checkpoint needs the real Kimi vocabulary (../shared/kimi-tokenizer or "
+            "$KIMI_TOKENIZER_DIR) in the tiny checkpoint; its token ids are hard-coded"
+        )
     shutil.copytree(src_dir, dst_dir)
     with open(os.path.join(dst_dir, "model.safetensors.index.json")) as f:
         wmap = json.load(f)["weight_map"]
@@ -96,4 +97,3 @@ def make_chain_checkpoint(src_dir: str, dst_dir: str, edges: list[tuple[int, int
     for path, tensors in loaded.items():
         save_file(tensors, path, metadata={"format": "pt"})
     return dst_dir
-

@@ -17,8 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
-from kimi.controller.transport import free_tcp_port  # noqa: E402
 from make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+
+from kimi.controller.transport import free_tcp_port  # noqa: E402
 
 
 @dataclass
@@ -45,7 +46,11 @@ def worker_pids(model_dir: str) -> list[int]:
             state = Path(f"/proc/{d}/stat").read_text().split()[2]
         except OSError:
             continue
-        if model_dir in cmd and ("kimi.worker.main" in cmd or "kimi.worker.launch" in cmd or "torch.distributed.run" in cmd) and state != "Z":
+        if (
+            model_dir in cmd
+            and ("kimi.worker.main" in cmd or "kimi.worker.launch" in cmd or "torch.distributed.run" in cmd)
+            and state != "Z"
+        ):
             out.append(int(d))
     return out
 
@@ -53,8 +58,21 @@ def worker_pids(model_dir: str) -> list[int]:
 def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 120.0) -> Server:
     port = free_tcp_port()
     zport = free_tcp_port()
-    cmd = [sys.executable, "-m", "kimi", "serve", "--model", model_dir, "--port", str(port),
-           "--zmq-submit-addr", f"tcp://127.0.0.1:{zport}", "--served-model-name", "tiny", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kimi",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--zmq-submit-addr",
+        f"tcp://127.0.0.1:{zport}",
+        "--served-model-name",
+        "tiny",
+        *extra,
+    ]
     if os.environ.get("KIMI_TEST_DEVICE") == "cuda":  # run the e2e suite on the GPU path (kimi/worker/gpu_model.py)
         cmd += ["--device", "cuda"]
     if os.environ.get("KIMI_TEST_A2A"):  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
@@ -114,8 +132,20 @@ def tiny_k26(tmp_path_factory) -> str:
 def server(tiny_k26, tmp_path_factory):
     """Small blocks and a small token budget so that prompts span blocks and prefills are chunked."""
     log = str(tmp_path_factory.mktemp("log") / "server.log")
-    srv = start_server(tiny_k26, log, "--block-size", "16", "--token-budget", "48", "--max-model-len", "512",
-                       "--num-blocks", "400", "--request-body-timeout", "2")
+    srv = start_server(
+        tiny_k26,
+        log,
+        "--block-size",
+        "16",
+        "--token-budget",
+        "48",
+        "--max-model-len",
+        "512",
+        "--num-blocks",
+        "400",
+        "--request-body-timeout",
+        "2",
+    )
     yield srv
     rc = stop_server(srv)
     assert rc == 0, srv.log()
@@ -130,7 +160,8 @@ def fake_srv(tiny_k26, tmp_path_factory):
     """`kimi serve --fake-workers` (pseudo-random tokens through the real ZeroMQ / torchrun path, no weights): 2000
     blocks of 16 tokens, up to 64 running requests."""
     log = str(tmp_path_factory.mktemp("log") / "fake_workers.log")
-    srv = start_server(tiny_k26, log, "--fake-workers", "--block-size", "16", "--num-blocks", "2000",
-                       "--max-num-seqs", "64")
+    srv = start_server(
+        tiny_k26, log, "--fake-workers", "--block-size", "16", "--num-blocks", "2000", "--max-num-seqs", "64"
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()

@@ -18,12 +18,11 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import raw_dealer, start_server, stop_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from kimi import protocol
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
-
-from conftest import raw_dealer, start_server, stop_server
 
 KEY = "edge-key"
 KV_TOKENS = 19 * 16  # --num-blocks 20 (block 0 is the null block) x --block-size 16
@@ -33,8 +32,20 @@ MSGS = [{"role": "user", "content": "What is 1+1?"}]
 @pytest.fixture(scope="module")
 def srv(tiny_k26, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("log") / "edges.log")
-    s = start_server(tiny_k26, log, "--max-model-len", "1024", "--num-blocks", "20", "--block-size", "16",
-                     "--max-waiting", "2", "--api-key", KEY)
+    s = start_server(
+        tiny_k26,
+        log,
+        "--max-model-len",
+        "1024",
+        "--num-blocks",
+        "20",
+        "--block-size",
+        "16",
+        "--max-waiting",
+        "2",
+        "--api-key",
+        KEY,
+    )
     yield s
     assert stop_server(s) == 0, s.log()
 
@@ -61,25 +72,38 @@ def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
     supported by this server", which the server does support, on the other endpoint); other unknown fields keep
     the plain message."""
     tools = [{"type": "function", "function": {"name": "f"}}]
-    for field, value in (("tools", tools), ("top_logprobs", 2), ("response_format", {"type": "text"}),
-                         ("chat_template_kwargs", {}), ("parallel_tool_calls", True)):
-        msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value}),
-                   field)
+    for field, value in (
+        ("tools", tools),
+        ("top_logprobs", 2),
+        ("response_format", {"type": "text"}),
+        ("chat_template_kwargs", {}),
+        ("parallel_tool_calls", True),
+    ):
+        msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value}), field)
         assert msg == f"'{field}' is not supported on this endpoint; it is a field of /v1/chat/completions", msg
     for field, value in (("echo", True), ("suffix", "x")):
-        msg = _bad(_post(srv, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 2, field: value}), field)
+        msg = _bad(
+            _post(
+                srv,
+                "chat/completions",
+                {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value},
+            ),
+            field,
+        )
         assert msg == f"'{field}' is not supported on this endpoint; it is a field of /v1/completions", msg
-    msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frobnicate": 1}),
-               "frobnicate")
+    msg = _bad(
+        _post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frobnicate": 1}), "frobnicate"
+    )
     assert msg == "'frobnicate' is not supported by this server"
 
 
 # ---- 1. n beyond --max-waiting ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [3, 4])
 def test_n_beyond_queue_capacity_is_a_400_not_a_503(srv, n):
-    for path, body in (("completions", {"prompt": "Hi", "max_tokens": 2}),
-                       ("chat/completions", {"messages": MSGS, "max_tokens": 2})):
+    for path, body in (
+        ("completions", {"prompt": "Hi", "max_tokens": 2}),
+        ("chat/completions", {"messages": MSGS, "max_tokens": 2}),
+    ):
         r = _post(srv, path, {"model": "tiny", "n": n, **body})
         msg = _bad(r, "n")
         assert "retry-after" not in r.headers
@@ -100,8 +124,9 @@ def test_zmq_request_is_admitted_by_an_idle_server(srv):
 # ---- 2. the default max_tokens fits the KV cache ---------------------------------------------------------------
 def test_chat_default_max_tokens_is_clamped_to_the_kv_cache(client):
     def prompt_tokens(n: int) -> int:
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * n}],
-                                           temperature=0, max_tokens=1)
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "word " * n}], temperature=0, max_tokens=1
+        )
         return r.usage.prompt_tokens
 
     # a prompt that leaves a few tokens of the 304-token KV cache, whatever the vocabulary (the real one or the
@@ -119,8 +144,9 @@ def test_chat_default_max_tokens_is_clamped_to_the_kv_cache(client):
 
 
 def test_completions_default_max_tokens_is_clamped_too(client):
-    r = client.completions.create(model="tiny", prompt=[7] * (KV_TOKENS - 5), temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt=[7] * (KV_TOKENS - 5), temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
 
 
@@ -145,8 +171,11 @@ INT_FIELDS = {
 @pytest.mark.parametrize("path", list(INT_FIELDS))
 @pytest.mark.parametrize("value", [1.0, True, "1"])
 def test_integer_fields_refuse_floats_and_booleans(srv, path, value):
-    base = {"model": "tiny", "prompt": "Hi"} if path == "completions" else {"model": "tiny", "messages": MSGS,
-                                                                              "logprobs": True}
+    base = (
+        {"model": "tiny", "prompt": "Hi"}
+        if path == "completions"
+        else {"model": "tiny", "messages": MSGS, "logprobs": True}
+    )
     for name in INT_FIELDS[path]:
         msg = _bad(_post(srv, path, {**base, name: value}), name)
         assert "integer" in msg, msg
@@ -156,8 +185,17 @@ def test_integer_fields_refuse_floats_and_booleans(srv, path, value):
 
 
 def test_boolean_noop_fields_refuse_integers(srv):
-    r = _post(srv, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "stream": True,
-                                   "stream_options": {"continuous_usage_stats": 0}})
+    r = _post(
+        srv,
+        "completions",
+        {
+            "model": "tiny",
+            "prompt": "Hi",
+            "max_tokens": 1,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": 0},
+        },
+    )
     _bad(r, "stream_options.continuous_usage_stats")  # nested fields are named by their path
 
 
@@ -172,16 +210,18 @@ def test_zmq_integer_fields_refuse_floats_and_booleans(srv):
 
 
 # ---- 4. logit_bias keys ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key", [" 5", "5 ", "+5", "-5", "-0", "05", "00", "\u0665", "1_0", "5.0", "0x5", "", "5\n",
-                                 "9" * 5000])
+@pytest.mark.parametrize(
+    "key", [" 5", "5 ", "+5", "-5", "-0", "05", "00", "\u0665", "1_0", "5.0", "0x5", "", "5\n", "9" * 5000]
+)
 def test_logit_bias_keys_must_be_canonical_decimal_ids(srv, key):
     r = _post(srv, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "logit_bias": {key: 1}})
     _bad(r, "logit_bias")
 
 
 def test_logit_bias_canonical_keys_are_accepted(client):
-    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, temperature=0,
-                                  logit_bias={"0": 0, "5": 1, "163839": -1, "5000": 100})
+    r = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=1, temperature=0, logit_bias={"0": 0, "5": 1, "163839": -1, "5000": 100}
+    )
     assert r.choices[0].text is not None
     r = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, temperature=0, logit_bias={"5000": 100})
     assert r.choices[0].logprobs is None and r.usage.completion_tokens == 1
@@ -202,9 +242,12 @@ def _check_offsets(text: str, lp: dict) -> None:
 
 
 def test_completion_text_offset_counts_characters_of_the_echoed_text(srv):
-    prompt = "\u00e9\U0001F600x"  # 2 + 4 + 1 bytes, 3 characters
-    r = _post(srv, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0,
-                                   "temperature": 0})
+    prompt = "\u00e9\U0001f600x"  # 2 + 4 + 1 bytes, 3 characters
+    r = _post(
+        srv,
+        "completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
     text, lp = c["text"], c["logprobs"]
@@ -219,8 +262,13 @@ def test_completion_text_offset_counts_characters_of_the_echoed_text(srv):
 
 def _stream_completion(srv, body: dict) -> tuple[str, dict]:
     text, lp = "", {"tokens": [], "text_offset": [], "token_logprobs": []}
-    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json={**body, "stream": True}, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{srv.base_url}/v1/completions",
+        json={**body, "stream": True},
+        timeout=120,
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -231,8 +279,9 @@ def _stream_completion(srv, body: dict) -> tuple[str, dict]:
                     # each chunk's tokens sit at or after the text returned so far (past its own text only where
                     # text is held back for a stop string), within it in the last chunk
                     last = ch["finish_reason"] is not None
-                    assert all(len(text) <= o and (not last or o <= len(text) + len(ch["text"]))
-                               for o in part["text_offset"]), ch
+                    assert all(
+                        len(text) <= o and (not last or o <= len(text) + len(ch["text"])) for o in part["text_offset"]
+                    ), ch
                     for k in lp:
                         lp[k] += part[k]
                 text += ch["text"]
@@ -242,8 +291,15 @@ def _stream_completion(srv, body: dict) -> tuple[str, dict]:
 @pytest.mark.parametrize("echo", [False, True])
 @pytest.mark.parametrize("bias", ["240", "134750"])  # byte tokens / a token ending mid-character (vocab-dependent)
 def test_streamed_text_offsets_equal_the_non_streaming_ones(srv, echo, bias):
-    body = {"model": "tiny", "prompt": "\u00e9\U0001F600x", "max_tokens": 4, "logprobs": 1, "temperature": 0,
-            "echo": echo, "logit_bias": {bias: 100}}
+    body = {
+        "model": "tiny",
+        "prompt": "\u00e9\U0001f600x",
+        "max_tokens": 4,
+        "logprobs": 1,
+        "temperature": 0,
+        "echo": echo,
+        "logit_bias": {bias: 100},
+    }
     r = _post(srv, "completions", body)
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
@@ -265,7 +321,7 @@ def test_text_held_back_for_a_stop_string_does_not_move_the_offsets(srv):
     assert r.status_code == 200, r.text
     ref = r.json()["choices"][0]
     toks = ref["logprobs"]["tokens"]
-    j = next((i for i in range(len(toks) - 2) if all(t and "\ufffd" not in t for t in toks[i:i + 3])), None)
+    j = next((i for i in range(len(toks) - 2) if all(t and "\ufffd" not in t for t in toks[i : i + 3])), None)
     if j is None:
         pytest.skip(f"no two whole-character tokens in a row to hold back: {toks}")
     stop = toks[j][-1] + toks[j + 1] + "\u0007\u0007"
@@ -290,28 +346,42 @@ def test_a_prompt_surely_too_long_is_refused_before_tokenizing(srv):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     msg = r.json()["error"]["message"]
     assert "maximum context length is 1024 tokens; the prompt has at least" in msg, msg
-    with KimiClient(srv.zmq_addr, timeout_s=30) as c:
-        with pytest.raises(KimiError) as e:
-            list(c.generate(prompt, max_tokens=1))
+    with KimiClient(srv.zmq_addr, timeout_s=30) as c, pytest.raises(KimiError) as e:
+        list(c.generate(prompt, max_tokens=1))
     assert str(e.value) == msg
     # chat: the messages' text together (two halves here) bounds the prompt; it was tokenized in full first (a
     # newcomer's 30 MB message took ~10 s of CPU before its 400 gave the exact count)
-    msgs = [{"role": "system", "content": "ab" * 75000}, {"role": "user", "content": [{"type": "text", "text": "ab" * 75000}]}]
+    msgs = [
+        {"role": "system", "content": "ab" * 75000},
+        {"role": "user", "content": [{"type": "text", "text": "ab" * 75000}]},
+    ]
     r = _post(srv, "chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "maximum context length is 1024 tokens; the messages' text has at least" in r.json()["error"]["message"]
-    r = _post(srv, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    r = _post(
+        srv, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    )
     assert r.status_code == 200, r.text
 
 
 def test_openai_platform_fields_at_their_defaults_are_accepted(srv):
     ok = {"store": False, "service_tier": "auto", "metadata": {"team": "a"}}
-    r = _post(srv, "chat/completions", {"model": "tiny", "messages": [{"role": "developer", "content": "be brief"},
-                                                                     {"role": "user", "content": "hi"}],
-                                        "max_tokens": 1, **ok})
+    r = _post(
+        srv,
+        "chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            **ok,
+        },
+    )
     assert r.status_code == 200, r.text
-    for body, param in [({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
-                        ({"metadata": "x"}, "metadata")]:
+    for body, param in [
+        ({"store": True}, "store"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"metadata": "x"}, "metadata"),
+    ]:
         r = _post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -351,7 +421,10 @@ def test_placeholder_character_in_tools_is_a_400_not_a_500(srv, client):
     tools = [{"type": "function", "function": {"name": "f", "description": f"x{mark}99{mark}y"}}]
     r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 2, "tools": tools})
     assert "U+F0000" in _bad(r, "tools[0].function.description")
-    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices[0].finish_reason in ("length", "stop")
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices[0].finish_reason in (
+        "length",
+        "stop",
+    )
 
 
 def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(srv):
@@ -362,12 +435,18 @@ def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(
     msgs = [{"role": "user", "content": f"a{mark}b"}]
     r = _post(srv, "chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 2})
     assert "U+F0000" in _bad(r, "messages[0].content")
-    r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 2,
-                                        "chat_template_kwargs": {"thinking": False, "x": mark}})
+    r = _post(
+        srv,
+        "chat/completions",
+        {"model": "tiny", "messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {"thinking": False, "x": mark}},
+    )
     assert "U+F0000" in _bad(r, "chat_template_kwargs.x")
     prompt = f"Hi {mark} there"
-    r = _post(srv, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, "echo": True,
-                                   "stop": [mark], "user": mark})
+    r = _post(
+        srv,
+        "completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 2, "echo": True, "stop": [mark], "user": mark},
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"].startswith(prompt) and choice["finish_reason"] in ("length", "stop")
@@ -383,62 +462,88 @@ def test_models_retrieve(client, srv):
     assert e.value.status_code == 404
     assert e.value.body["code"] == "model_not_found" and e.value.body["type"] == "invalid_request_error"
     assert httpx.get(f"{srv.base_url}/v1/models/tiny").status_code == 401  # behind the key like the list
-    assert httpx.get(f"{srv.base_url}/v1/models/org/name", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    assert (
+        httpx.get(f"{srv.base_url}/v1/models/org/name", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    )
 
 
 # ---- 7. chat_template_kwargs -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["bos_token", "eos_token"])
 def test_chat_template_kwargs_may_not_set_the_tokenizer_tokens(srv, name):
-    r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 1,
-                                        "chat_template_kwargs": {name: {"x": 1}}})
+    r = _post(
+        srv,
+        "chat/completions",
+        {"model": "tiny", "messages": MSGS, "max_tokens": 1, "chat_template_kwargs": {name: {"x": 1}}},
+    )
     msg = _bad(r, "chat_template_kwargs")
     assert name in msg and "TypeError" not in msg
 
 
 def test_chat_template_kwargs_are_still_passed_to_the_template(client):
-    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    )
     assert r.usage.completion_tokens == 1
 
 
 def test_chat_template_kwargs_thinking_must_be_a_boolean(srv):
     for value in ("maybe", 1, None, {}):
-        r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 1,
-                                            "chat_template_kwargs": {"thinking": value}})
+        r = _post(
+            srv,
+            "chat/completions",
+            {"model": "tiny", "messages": MSGS, "max_tokens": 1, "chat_template_kwargs": {"thinking": value}},
+        )
         assert "boolean" in _bad(r, "chat_template_kwargs.thinking")
     for value in (True, False):
-        r = _post(srv, "chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 1,
-                                            "chat_template_kwargs": {"thinking": value}})
+        r = _post(
+            srv,
+            "chat/completions",
+            {"model": "tiny", "messages": MSGS, "max_tokens": 1, "chat_template_kwargs": {"thinking": value}},
+        )
         assert r.status_code == 200, r.text
 
 
 # ---- 7b. string fields ------------------------------------------------------------------------------------------------------
 def _post_raw(srv, path: str, body: dict) -> httpx.Response:
     """Posts json.dumps(body) as is: a lone surrogate travels as the JSON escape "\\ud800"."""
-    return httpx.post(f"{srv.base_url}/v1/{path}", content=json.dumps(body).encode(), timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    return httpx.post(
+        f"{srv.base_url}/v1/{path}",
+        content=json.dumps(body).encode(),
+        timeout=120,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("path,body,param", [
-    ("completions", {"prompt": "a\ud800b", "echo": True}, "prompt"),
-    ("completions", {"prompt": "Hi", "stop": ["x", "\udfff"]}, "stop[1]"),
-    ("completions", {"prompt": ["a\udc00"]}, "prompt[0]"),
-    ("chat/completions", {"messages": [MSGS[0], {"role": "user", "content": "a\ud800"}]}, "messages[1].content"),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     "messages[0].content[0].text"),
-    ("chat/completions", {"messages": MSGS, "stop": "\ud800"}, "stop"),
-    ("chat/completions", {"messages": MSGS, "user": "\ud800"}, "user"),
-    ("chat/completions", {"messages": MSGS, "chat_template_kwargs": {"x": "\ud800"}}, "chat_template_kwargs.x"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("completions", {"prompt": "a\ud800b", "echo": True}, "prompt"),
+        ("completions", {"prompt": "Hi", "stop": ["x", "\udfff"]}, "stop[1]"),
+        ("completions", {"prompt": ["a\udc00"]}, "prompt[0]"),
+        ("chat/completions", {"messages": [MSGS[0], {"role": "user", "content": "a\ud800"}]}, "messages[1].content"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ("chat/completions", {"messages": MSGS, "stop": "\ud800"}, "stop"),
+        ("chat/completions", {"messages": MSGS, "user": "\ud800"}, "user"),
+        ("chat/completions", {"messages": MSGS, "chat_template_kwargs": {"x": "\ud800"}}, "chat_template_kwargs.x"),
+    ],
+)
 def test_lone_surrogates_are_a_400_naming_the_field(srv, path, body, param, stream):
     r = _post_raw(srv, path, {"model": "tiny", "max_tokens": 1, "stream": stream, **body})
     assert "surrogate" in _bad(r, param)
 
 
 def test_surrogate_pairs_are_still_accepted(srv):
-    r = _post_raw(srv, "completions", {"model": "tiny", "prompt": "a\U0001F600b", "max_tokens": 1, "echo": True})
-    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("a\U0001F600b"), r.text
+    r = _post_raw(srv, "completions", {"model": "tiny", "prompt": "a\U0001f600b", "max_tokens": 1, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("a\U0001f600b"), r.text
 
 
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
@@ -578,6 +683,7 @@ def test_a_closed_client_says_so(srv):
 
     asyncio.run(go())
 
+
 def test_old_format_submit_still_decodes(srv):
     """Nothing on the wire changed: a raw SubmitRequest still round-trips through the server."""
     with raw_dealer(srv.zmq_addr) as s:
@@ -597,8 +703,11 @@ def test_sigterm_ends_in_flight_non_streaming_requests_with_a_503(tiny_k26, tmp_
     bodies = {"completions": {"prompt": [1, 2, 3]}, "chat/completions": {"messages": MSGS}}
 
     def go(path: str) -> None:
-        got[path] = httpx.post(f"{s.base_url}/v1/{path}", timeout=60, json={
-            "model": "tiny", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, **bodies[path]})
+        got[path] = httpx.post(
+            f"{s.base_url}/v1/{path}",
+            timeout=60,
+            json={"model": "tiny", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, **bodies[path]},
+        )
 
     threads = [threading.Thread(target=go, args=(p,)) for p in bodies]
     try:
@@ -663,8 +772,11 @@ def test_a_huge_prompt_does_not_stall_the_server(srv, api):
             out["r"] = _post(srv, "completions", {"model": "tiny", "prompt": text, "max_tokens": 1})
         elif api == "chat/completions":
             tools = [{"type": "function", "function": {"name": "f", "description": text}}]
-            out["r"] = _post(srv, "chat/completions", {"model": "tiny", "max_tokens": 1, "tools": tools,
-                                                        "messages": [{"role": "user", "content": "hi"}]})
+            out["r"] = _post(
+                srv,
+                "chat/completions",
+                {"model": "tiny", "max_tokens": 1, "tools": tools, "messages": [{"role": "user", "content": "hi"}]},
+            )
         else:
             with KimiClient(srv.zmq_addr, timeout_s=120) as c:
                 try:
@@ -691,5 +803,6 @@ def test_a_huge_prompt_does_not_stall_the_server(srv, api):
         tries.append((worst, took))
         if worst < max(0.3, 0.25 * took):
             break
-    assert any(w < max(0.3, 0.25 * t) for w, t in tries), \
-        "; ".join(f"/health waited {w:.2f} s while a {t:.2f} s request was tokenized" for w, t in tries)
+    assert any(w < max(0.3, 0.25 * t) for w, t in tries), "; ".join(
+        f"/health waited {w:.2f} s while a {t:.2f} s request was tokenized" for w, t in tries
+    )

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import start_server, worker_pids
 
 ARGS = ("--block-size", "16", "--max-model-len", "256", "--num-blocks", "200", "--nproc", "2")
@@ -47,26 +46,32 @@ def _agent_pid(model_dir: str) -> int:
     raise AssertionError("no torchrun process")
 
 
-async def _stream(ac: openai.AsyncOpenAI, prompt: list[int], started: asyncio.Event, chunks: list) -> BaseException | None:
+async def _stream(
+    ac: openai.AsyncOpenAI, prompt: list[int], started: asyncio.Event, chunks: list
+) -> BaseException | None:
     try:
-        stream = await ac.completions.create(model="tiny", prompt=prompt, max_tokens=240, temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
+        stream = await ac.completions.create(
+            model="tiny", prompt=prompt, max_tokens=240, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         async for ch in stream:
             chunks.append(ch)
             started.set()
-    except BaseException as e:  # noqa: BLE001 - the error is what the test is about
+    except BaseException as e:
         return e
     return None
 
 
 async def _plain(base_url: str, prompt: list[int]) -> httpx.Response:
     async with httpx.AsyncClient(timeout=60) as c:
-        return await c.post(f"{base_url}/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True})
+        return await c.post(
+            f"{base_url}/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True},
+        )
 
 
-def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str, agent: bool = False
-               ) -> tuple[list, list, float, float, int]:
+def _fault_run(
+    model_dir: str, log_path: str, sig: int, *extra: str, agent: bool = False
+) -> tuple[list, list, float, float, int]:
     """Start a 2-rank server, run 4 streaming + 2 non-streaming requests, send `sig` to rank 1 (agent: to the
     torchrun agent instead) once every stream has produced a chunk. Returns (stream results, plain responses,
     seconds from the signal until every client had its error, seconds from the signal to the server's exit, server
@@ -75,13 +80,16 @@ def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str, agent: bool
     victim = _agent_pid(model_dir) if agent else _rank_pid(model_dir, 1)
     sent_at = 0.0
     try:
+
         async def go():
             nonlocal sent_at
             ac = openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
             try:
                 events = [asyncio.Event() for _ in range(4)]
                 chunks: list[list] = [[] for _ in range(4)]
-                streams = [asyncio.create_task(_stream(ac, [10 + i, 20, 30 + i], events[i], chunks[i])) for i in range(4)]
+                streams = [
+                    asyncio.create_task(_stream(ac, [10 + i, 20, 30 + i], events[i], chunks[i])) for i in range(4)
+                ]
                 plains = [asyncio.create_task(_plain(srv.base_url, [40 + i, 50])) for i in range(2)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
                 assert all(not t.done() for t in streams + plains), "requests ended before the fault"
@@ -118,7 +126,9 @@ def _fault_run(model_dir: str, log_path: str, sig: int, *extra: str, agent: bool
 def _check_errors(streams: list, plains: list[httpx.Response], log: str) -> None:
     for e in streams:
         assert isinstance(e, openai.APIError), (e, log)
-        assert "rank" in str(e.message) and ("died" in e.message or "failed" in e.message or "stopped" in e.message), e.message
+        assert "rank" in str(e.message) and ("died" in e.message or "failed" in e.message or "stopped" in e.message), (
+            e.message
+        )
     for r in plains:
         assert r.status_code >= 500, (r.status_code, r.text)
         err = r.json()["error"]
@@ -185,8 +195,9 @@ def test_sigterm_ends_open_streams_with_an_error_and_exits_0(tiny_k26, tmp_path,
     until their silence timeout: found by an operator-side tester)."""
     srv = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256")
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-    stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3000, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny", prompt=[1, 2, 3], max_tokens=3000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     got, err = 0, None
     t_sig = None
     try:

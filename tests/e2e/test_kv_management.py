@@ -70,9 +70,12 @@ class LiveEngine:
 
         self.transport.send = recording_send
         self.engine = Engine(
-            tok, frozenset(cfg.eos_token_ids) | {tok.im_end_id},
+            tok,
+            frozenset(cfg.eos_token_ids) | {tok.im_end_id},
             SchedulerConfig(max_num_seqs=16, token_budget=48, max_model_len=512),
-            CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS), self.transport, vocab_size=cfg.vocab_size,
+            CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
+            self.transport,
+            vocab_size=cfg.vocab_size,
             step_timeout_s=120,
         )
         args = ServeArgs(model=self.model_dir, block_size=BS, num_blocks=NUM_BLOCKS)
@@ -111,6 +114,7 @@ class LiveEngine:
         async def stop():
             await self.engine.shutdown()
             self.task.cancel()
+
         try:
             self.call(stop(), timeout=30)
         finally:
@@ -191,7 +195,9 @@ def test_long_prompt_mid_decode_leaves_streams_unchanged_and_never_stalls_them(l
     done_short: set[int] = set()
     started: set[int] = set()
     for p in plans:
-        longs = [nr.num_new_tokens for nr in p.new if nr.rid == rids[2]] + [c.num_new_tokens for c in p.cont if c.rid == rids[2]]
+        longs = [nr.num_new_tokens for nr in p.new if nr.rid == rids[2]] + [
+            c.num_new_tokens for c in p.cont if c.rid == rids[2]
+        ]
         done_short |= {r for r in rids[:2] if r in p.finished}
         if longs and longs[0] > 1:
             prefill_steps += 1
@@ -206,8 +212,10 @@ def test_long_prompt_mid_decode_leaves_streams_unchanged_and_never_stalls_them(l
 
 def test_kv_pressure_preempts_and_everyone_finishes_with_their_alone_tokens(live):
     rng = random.Random(3)
-    reqs = [(_rand(rng, 20 + 3 * i), 30, GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, seed=100 + i))
-            for i in range(6)]
+    reqs = [
+        (_rand(rng, 20 + 3 * i), 30, GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, seed=100 + i))
+        for i in range(6)
+    ]
     alone = [live.generate_many([r])[0]["tokens"] for r in reqs]
     pre = live.engine.schedulers[0].num_preemptions
     n0 = len(live.plans)
@@ -235,8 +243,23 @@ def test_kv_pressure_preempts_and_everyone_finishes_with_their_alone_tokens(live
 @pytest.fixture(scope="module")
 def fake_server(tiny_k26, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("log") / "fake.log")
-    srv = start_server(tiny_k26, log, "--fake-workers", "--block-size", "16", "--num-blocks", "4000",
-                       "--max-model-len", "16384", "--max-num-seqs", "4", "--max-waiting", "8", "--token-budget", "256")
+    srv = start_server(
+        tiny_k26,
+        log,
+        "--fake-workers",
+        "--block-size",
+        "16",
+        "--num-blocks",
+        "4000",
+        "--max-model-len",
+        "16384",
+        "--max-num-seqs",
+        "4",
+        "--max-waiting",
+        "8",
+        "--token-budget",
+        "256",
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
@@ -245,7 +268,7 @@ def _fake_expected(prompt: list[int], n: int) -> list[int]:
     toks = list(prompt)
     for _ in range(n):
         toks.append(fake_token(toks[-1], len(toks), 0))
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 def test_full_waiting_queue_answers_503_with_retry_after(fake_server):
@@ -257,8 +280,13 @@ def test_full_waiting_queue_answers_503_with_retry_after(fake_server):
             body = {"model": "tiny", "max_tokens": 10000, "temperature": 0, "stream": True, "ignore_eos": True}
             # 4 run (max-num-seqs) and 8 wait (max-waiting): a streaming response's headers arrive once admitted.
             for i in range(12):
-                cm = c.stream("POST", url, json={**body, "prompt": [i + 1, 2, 3]} if i < 4 else
-                              {**body, "prompt": [i + 1, 5], "max_tokens": 5})
+                cm = c.stream(
+                    "POST",
+                    url,
+                    json={**body, "prompt": [i + 1, 2, 3]}
+                    if i < 4
+                    else {**body, "prompt": [i + 1, 5], "max_tokens": 5},
+                )
                 r = await cm.__aenter__()
                 assert r.status_code == 200
                 streams.append((cm, r))
@@ -290,7 +318,9 @@ def test_many_requests_sharing_prefixes_get_the_fake_models_tokens(fake_server):
 
     async def one(c, p):
         while True:
-            r = await c.post(url, json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            r = await c.post(
+                url, json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            )
             if r.status_code == 503:
                 await asyncio.sleep(float(r.headers["retry-after"]) / 4)
                 continue

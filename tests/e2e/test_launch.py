@@ -28,8 +28,9 @@ time.sleep(60)
 def test_the_first_failed_rank_is_named(tmp_path, capfd, how, want):
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)
-    w = WorkerProcess([sys.executable, "-m", "kimi.worker.launch", "--standalone", "--nproc-per-node", "2",
-                       str(script), how], nproc=2)
+    w = WorkerProcess(
+        [sys.executable, "-m", "kimi.worker.launch", "--standalone", "--nproc-per-node", "2", str(script), how], nproc=2
+    )
     try:
         deadline = time.monotonic() + 60
         while (msg := w.check()) is None and time.monotonic() < deadline:

@@ -19,8 +19,8 @@ import time
 
 import openai
 import pytest
-
 from conftest import REPO, start_server, stop_server, worker_pids
+
 from kimi.controller.transport import free_tcp_port
 
 ARGS = ("--block-size", "16", "--token-budget", "64", "--max-model-len", "256", "--num-blocks", "200")
@@ -37,10 +37,14 @@ def _run_concurrent(base_url: str, prompts: list[list[int]], max_tokens: list[in
     async def go():
         ac = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         try:
-            rs = await asyncio.gather(*[
-                ac.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
-                for p, m in zip(prompts, max_tokens)
-            ])
+            rs = await asyncio.gather(
+                *[
+                    ac.completions.create(
+                        model="tiny", prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True}
+                    )
+                    for p, m in zip(prompts, max_tokens)
+                ]
+            )
         finally:
             await ac.close()
         return [(r.choices[0].text, r.usage.completion_tokens) for r in rs]
@@ -61,7 +65,10 @@ def _stop_and_check(srv, model_dir: str) -> str:
 
 def _served(log: str) -> dict[int, tuple[int, int]]:
     """rank -> (requests run, tokens sampled), from the workers' exit lines."""
-    return {int(m[0]): (int(m[1]), int(m[2])) for m in re.findall(r"rank (\d+) served (\d+) requests, sampled (\d+) tokens", log)}
+    return {
+        int(m[0]): (int(m[1]), int(m[2]))
+        for m in re.findall(r"rank (\d+) served (\d+) requests, sampled (\d+) tokens", log)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +85,9 @@ def reference(tiny_k26, tmp_path_factory) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_many_ranks_match_one_rank_and_spread(tiny_k26, tmp_path, reference, nproc):
-    srv = start_server(tiny_k26, str(tmp_path / "server.log"), *ARGS, "--nproc", str(nproc), "--a2a-backend", "gloo",
-                       timeout_s=180)
+    srv = start_server(
+        tiny_k26, str(tmp_path / "server.log"), *ARGS, "--nproc", str(nproc), "--a2a-backend", "gloo", timeout_s=180
+    )
     try:
         got = _run_concurrent(srv.base_url, _prompts(), MAX_TOKENS)
     finally:
@@ -100,18 +108,52 @@ def test_attach_two_nodes(tiny_k26, tmp_path, reference):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = []
     for node_rank in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
-               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master),
-               "-m", "kimi.worker.main", "--model", tiny_k26, "--plan-addr", f"tcp://127.0.0.1:{plan}",
-               "--result-addr", f"tcp://127.0.0.1:{result}", "--block-size", "16", "--num-blocks", "200",
-               "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node_rank),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(master),
+            "-m",
+            "kimi.worker.main",
+            "--model",
+            tiny_k26,
+            "--plan-addr",
+            f"tcp://127.0.0.1:{plan}",
+            "--result-addr",
+            f"tcp://127.0.0.1:{result}",
+            "--block-size",
+            "16",
+            "--num-blocks",
+            "200",
+            "--no-progress",
+        ]
         logf = open(tmp_path / f"node{node_rank}.log", "w")
-        nodes.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                      start_new_session=True))
+        nodes.append(
+            subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        )
     try:
-        srv = start_server(tiny_k26, str(tmp_path / "server.log"), *ARGS, "--attach", "--nproc", "2",
-                           "--plan-addr", f"tcp://0.0.0.0:{plan}", "--result-addr", f"tcp://0.0.0.0:{result}",
-                           timeout_s=120)
+        srv = start_server(
+            tiny_k26,
+            str(tmp_path / "server.log"),
+            *ARGS,
+            "--attach",
+            "--nproc",
+            "2",
+            "--plan-addr",
+            f"tcp://0.0.0.0:{plan}",
+            "--result-addr",
+            f"tcp://0.0.0.0:{result}",
+            timeout_s=120,
+        )
         try:
             got = _run_concurrent(srv.base_url, _prompts()[:6], MAX_TOKENS[:6])
         finally:

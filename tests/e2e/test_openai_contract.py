@@ -29,28 +29,58 @@ from kimi.controller.chat import encode_chat
 from kimi.tokenizer import KimiTokenizer, default_tokenizer_source
 
 if default_tokenizer_source() is None:
-    pytest.skip("the chain checkpoint's token ids are those of the real Kimi vocabulary, which is absent "
-                "(../shared/kimi-tokenizer or $KIMI_TOKENIZER_DIR)", allow_module_level=True)
+    pytest.skip(
+        "the chain checkpoint's token ids are those of the real Kimi vocabulary, which is absent "
+        "(../shared/kimi-tokenizer or $KIMI_TOKENIZER_DIR)",
+        allow_module_level=True,
+    )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chain_checkpoint import CB, CHAIN_TOKENS, IM_MIDDLE, OK, make_chain_checkpoint  # noqa: E402
-from conftest import start_server, stop_server  # noqa: E402
+from chain_checkpoint import CB, CHAIN_TOKENS, IM_MIDDLE, OK, make_chain_checkpoint
+from conftest import start_server, stop_server
 
 KEY = "sekrit-key"
 MAX_BODY = 65536
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
-CALL = {"id": "functions.get_weather:0", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+CALL = {
+    "id": "functions.get_weather:0",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+}
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_k26, tmp_path_factory):
     d = make_chain_checkpoint(tiny_k26, str(tmp_path_factory.mktemp("chain") / "chain"))
     log = str(tmp_path_factory.mktemp("log") / "contract.log")
-    s = start_server(d, log, "--block-size", "16", "--num-blocks", "200", "--max-model-len", "512",
-                     "--token-budget", "64", "--reasoning", "on", "--api-key", KEY, "--max-body-bytes", str(MAX_BODY))
+    s = start_server(
+        d,
+        log,
+        "--block-size",
+        "16",
+        "--num-blocks",
+        "200",
+        "--max-model-len",
+        "512",
+        "--token-budget",
+        "64",
+        "--reasoning",
+        "on",
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        str(MAX_BODY),
+    )
     yield s
     assert stop_server(s) == 0, s.log()
 
@@ -87,7 +117,14 @@ def _stream_chat(client, **kw):
         if d.content:
             content.append(d.content)
         for tc in d.tool_calls or []:
-            cur = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": [], })
+            cur = calls.setdefault(
+                tc.index,
+                {
+                    "id": None,
+                    "name": None,
+                    "arguments": [],
+                },
+            )
             if tc.id:
                 assert cur["id"] is None, "a call's head must come once"
                 cur["id"], cur["name"] = tc.id, tc.function.name
@@ -209,13 +246,15 @@ def test_stop_string_reaching_into_a_marker_cuts_the_call_there(client):
     marker text in them), or, cut in its header, is in neither response. (Before: the cut `<|tool_call_end|>` still
     closed the call, giving "tool_calls" with cut JSON; part of a cut marker's text landed in the arguments; a cut
     `<|tool_call_argument_begin|>` still opened the call, with a truncated name.) Streamed the same."""
-    cases = [('"}<|tool_call_end|>', [(CALL["id"], "get_weather", '{"city":"Paris')]),
-             ('}<|tool_call_end|><|tool_calls_section_end|>', [(CALL["id"], "get_weather", '{"city":"Paris"')]),
-             ('Paris"}<|tool_call_end|>', [(CALL["id"], "get_weather", '{"city":"')]),
-             ("_end|>", [(CALL["id"], "get_weather", '{"city":"Paris"}')]),
-             ("weather:0<|tool_call_argument_begin|>", []),
-             ("0<|tool_call_argument_begin|>", []),
-             (":0<|tool_call_argument_begin|>", [])]
+    cases = [
+        ('"}<|tool_call_end|>', [(CALL["id"], "get_weather", '{"city":"Paris')]),
+        ("}<|tool_call_end|><|tool_calls_section_end|>", [(CALL["id"], "get_weather", '{"city":"Paris"')]),
+        ('Paris"}<|tool_call_end|>', [(CALL["id"], "get_weather", '{"city":"')]),
+        ("_end|>", [(CALL["id"], "get_weather", '{"city":"Paris"}')]),
+        ("weather:0<|tool_call_argument_begin|>", []),
+        ("0<|tool_call_argument_begin|>", []),
+        (":0<|tool_call_argument_begin|>", []),
+    ]
     for stop, want in cases:
         kw = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, stop=[stop], logit_bias={str(CB): -10})
         c = client.chat.completions.create(model="tiny", **kw).choices[0]
@@ -224,8 +263,15 @@ def test_stop_string_reaching_into_a_marker_cuts_the_call_there(client):
         _, content, calls, reasons, _ = _stream_chat(client, **kw)
         assert reasons == ["stop"] and content == "OK" and _streamed_calls(calls) == want, (stop, calls)
     # the same stop strings kept in the output (include_stop_str_in_output): the markers they hold are in the output
-    kw = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, stop=['"}<|tool_call_end|>'],
-              logit_bias={str(CB): -10}, extra_body={"include_stop_str_in_output": True})
+    kw = dict(
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=60,
+        temperature=0,
+        stop=['"}<|tool_call_end|>'],
+        logit_bias={str(CB): -10},
+        extra_body={"include_stop_str_in_output": True},
+    )
     c = client.chat.completions.create(model="tiny", **kw).choices[0]
     assert c.finish_reason == "tool_calls" and _calls_of(c.message) == [(CALL["id"], "get_weather", '{"city":"Paris"}')]
 
@@ -247,8 +293,9 @@ def test_tool_marker_as_stop_token_without_tools_leaves_its_text_out(client):
 
 
 def test_section_closed_then_content_then_eos(client):
-    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-                                       logit_bias={str(CB): -10})
+    r = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, logit_bias={str(CB): -10}
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content == "OKDone"
     assert [t.model_dump(exclude_none=True) for t in c.message.tool_calls] == [CALL]
@@ -256,21 +303,37 @@ def test_section_closed_then_content_then_eos(client):
 
 
 def test_tool_choice_variants(srv, client):
-    none = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none",
-                                          max_tokens=12, temperature=0)
+    none = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=12, temperature=0
+    )
     m = none.choices[0].message
     assert not m.tool_calls and none.choices[0].finish_reason == "length"
     assert m.content.startswith("OK<|tool_calls_section_begin|><|tool_call_begin|>functions")  # markers as text
-    named = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=34, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                           parallel_tool_calls=False)
+    named = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=34,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )
     assert [t.id for t in named.choices[0].message.tool_calls] == [CALL["id"]]  # parallel off: first call only
-    req = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                         max_tokens=60, temperature=0, logit_bias={str(CB): -10})  # one call, EOS
+    req = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+        logit_bias={str(CB): -10},
+    )  # one call, EOS
     assert req.choices[0].finish_reason == "tool_calls" and _calls_of(req.choices[0].message) == [
-        (CALL["id"], "get_weather", '{"city":"Paris"}')]
-    cut = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                         max_tokens=20, temperature=0)  # token 20 completes call 1: cut there
+        (CALL["id"], "get_weather", '{"city":"Paris"}')
+    ]
+    cut = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=20, temperature=0
+    )  # token 20 completes call 1: cut there
     assert cut.choices[0].finish_reason == "length" and len(cut.choices[0].message.tool_calls) == 1
     for body, param in [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -282,23 +345,39 @@ def test_tool_choice_variants(srv, client):
         ({"tools": [{"type": "function", "function": {"name": "x", "strict": "yes"}}]}, "tools[0].function.strict"),
         ({"tools": [{"type": "function", "function": {"name": "x", "foo": 1}}]}, "tools[0].function.foo"),
         ({"tools": [{"type": "function", "function": {"name": "x"}, "extra": 1}]}, "tools[0].extra"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}, "foo": 1}},
-         "tool_choice.foo"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}},
-         "tool_choice.function.x"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}, "foo": 1}},
+            "tool_choice.foo",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}},
+            "tool_choice.function.x",
+        ),
     ]:
-        r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
-                       json={"model": "tiny", "messages": ASK, "max_tokens": 2, **body})
+        r = httpx.post(
+            f"{srv.base_url}/v1/chat/completions",
+            headers=_auth(),
+            json={"model": "tiny", "messages": ASK, "max_tokens": 2, **body},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     ok = [{"type": "function", "function": {"name": "x", "strict": False, "description": "d", "parameters": {}}}]
-    r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
-                   json={"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": ok})
+    r = httpx.post(
+        f"{srv.base_url}/v1/chat/completions",
+        headers=_auth(),
+        json={"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": ok},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_thinking_off_via_chat_template_kwargs(client):
-    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=20, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    )
     m = r.choices[0].message
     assert m.content == "OK" and m.model_extra.get("reasoning_content") is None
     assert [t.id for t in m.tool_calls] == [CALL["id"]]
@@ -307,9 +386,14 @@ def test_thinking_off_via_chat_template_kwargs(client):
 def test_history_with_non_canonical_tool_call_ids(srv, client):
     msgs = [
         {"role": "user", "content": "find it"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "search:0", "type": "function", "function": {"name": "search", "arguments": '{"q":"a"}'}},
-            {"id": "call_0af3", "type": "function", "function": {"name": "my.tool-v2", "arguments": {"x": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "search:0", "type": "function", "function": {"name": "search", "arguments": '{"q":"a"}'}},
+                {"id": "call_0af3", "type": "function", "function": {"name": "my.tool-v2", "arguments": {"x": 1}}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "search:0", "content": "found"},
         {"role": "tool", "tool_call_id": "call_0af3", "content": "done"},
     ]
@@ -318,8 +402,8 @@ def test_history_with_non_canonical_tool_call_ids(srv, client):
     ids = encode_chat(tok, msgs, None, {})
     assert r.usage.prompt_tokens == len(ids)
     text = tok.decode(ids)
-    assert "<|tool_call_begin|>search:0<|tool_call_argument_begin|>{\"q\":\"a\"}<|tool_call_end|>" in text
-    assert "<|tool_call_begin|>call_0af3<|tool_call_argument_begin|>{\"x\":1}<|tool_call_end|>" in text
+    assert '<|tool_call_begin|>search:0<|tool_call_argument_begin|>{"q":"a"}<|tool_call_end|>' in text
+    assert '<|tool_call_begin|>call_0af3<|tool_call_argument_begin|>{"x":1}<|tool_call_end|>' in text
     assert "## Return of call_0af3\ndone" in text
 
 
@@ -345,17 +429,22 @@ def test_stop_strings_tokens_and_hold_back(client):
 
 
 def test_text_held_for_a_stop_string_stays_in_the_reasoning_it_came_from(client):
-    """" think" (end of the reasoning) may begin the stop string "thinkX", so it is held back until "OK" (after
+    """ " think" (end of the reasoning) may begin the stop string "thinkX", so it is held back until "OK" (after
     </think>) shows no match: it must come out as reasoning, not content. A stop string spanning </think> with
     include_stop_str_in_output splits at it. Streamed and not (found by an adversarial tester)."""
     kw = dict(messages=ASK, temperature=0, max_tokens=5)
-    for stop, include, want in ((["thinkX"], False, (" I think", "OK", "length")),
-                                ([" thinkOK"], True, (" I think", "OK", "stop")),
-                                ([" thinkOK"], False, (" I", None, "stop"))):
+    for stop, include, want in (
+        (["thinkX"], False, (" I think", "OK", "length")),
+        ([" thinkOK"], True, (" I think", "OK", "stop")),
+        ([" thinkOK"], False, (" I", None, "stop")),
+    ):
         extra = {"extra_body": {"include_stop_str_in_output": include}}
         m = client.chat.completions.create(model="tiny", **kw, stop=stop, **extra)
-        got = (m.choices[0].message.model_extra["reasoning_content"], m.choices[0].message.content,
-               m.choices[0].finish_reason)
+        got = (
+            m.choices[0].message.model_extra["reasoning_content"],
+            m.choices[0].message.content,
+            m.choices[0].finish_reason,
+        )
         assert got == want, (stop, include, got)
         reasoning, content, _, reasons, _ = _stream_chat(client, **kw, stop=stop, **extra)
         assert (reasoning, content or None, reasons) == (want[0], want[1], [want[2]]), (stop, include)
@@ -398,8 +487,14 @@ def test_completion_logprobs_and_echo_match_the_sampler(srv, client):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for t in content:
@@ -411,8 +506,16 @@ def test_chat_logprobs(client):
 def test_seed_reproducible_and_n_siblings(client):
     # banning the chain's tokens keeps random sampling out of the deterministic chain
     ban = {str(t): -100 for t in CHAIN_TOKENS}
-    kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=1.0, seed=7, n=2, logit_bias=ban,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt=[5, 6, 7],
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        logit_bias=ban,
+        extra_body={"ignore_eos": True},
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
@@ -422,9 +525,15 @@ def test_seed_reproducible_and_n_siblings(client):
     finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
     assert finals == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
-    greedy = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0,
-                                       presence_penalty=1.5, frequency_penalty=1.0,
-                                       extra_body={"repetition_penalty": 1.3, "min_p": 0.1, "top_k": 5})
+    greedy = client.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7],
+        max_tokens=6,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.1, "top_k": 5},
+    )
     assert greedy.usage.completion_tokens >= 1
 
 
@@ -432,11 +541,16 @@ def test_tiny_temperature_and_top_p_sample_the_greedy_tokens(client):
     """temperature 1e-38 (below 1e-5: greedy) and top_p 1e-300 (rounds to 0 in fp32; the most likely token
     is always kept) give the greedy output; both used to give token id 0 at every step."""
     ban = {str(t): -100 for t in CHAIN_TOKENS}
-    kw = dict(model="tiny", prompt=[11, 12, 13], max_tokens=6, logit_bias=ban, logprobs=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt=[11, 12, 13], max_tokens=6, logit_bias=ban, logprobs=0, extra_body={"ignore_eos": True}
+    )
     want = client.completions.create(**kw, temperature=0)
-    for extra in (dict(temperature=1e-38), dict(temperature=1e-300, seed=3), dict(temperature=1.0, top_p=1e-300),
-                  dict(temperature=0.7, top_p=1e-46, seed=9)):
+    for extra in (
+        dict(temperature=1e-38),
+        dict(temperature=1e-300, seed=3),
+        dict(temperature=1.0, top_p=1e-300),
+        dict(temperature=0.7, top_p=1e-46, seed=9),
+    ):
         got = client.completions.create(**kw, **extra)
         assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens, extra
         assert got.choices[0].text == want.choices[0].text, extra
@@ -446,12 +560,25 @@ def test_n_siblings_share_the_prompt_kv(srv, client):
     """n = 4: the prompt is computed once; the 3 other choices reuse its 6 full 16-token blocks."""
     prompt = list(range(3000, 3100))  # 100 tokens: 6 full blocks
     before = _metrics(srv)["kimi:prefix_cache_hits_total"]
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, n=4,
-                                  logit_bias={str(t): -100 for t in CHAIN_TOKENS}, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        n=4,
+        logit_bias={str(t): -100 for t in CHAIN_TOKENS},
+        extra_body={"ignore_eos": True},
+    )
     hits = _metrics(srv)["kimi:prefix_cache_hits_total"] - before
     assert hits == 3 * 96, hits
-    alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
-                                      logit_bias={str(t): -100 for t in CHAIN_TOKENS}, extra_body={"ignore_eos": True})
+    alone = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(t): -100 for t in CHAIN_TOKENS},
+        extra_body={"ignore_eos": True},
+    )
     assert {c.text for c in r.choices} == {alone.choices[0].text}  # greedy: sharing changes no token
 
 
@@ -485,18 +612,27 @@ BAD = [
 
 @pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])
 def test_bad_sampling_fields_are_400(srv, extra, param):
-    r = httpx.post(f"{srv.base_url}/v1/completions", headers=_auth(),
-                   json={"model": "tiny", "prompt": "hi", "max_tokens": 4, **extra})
+    r = httpx.post(
+        f"{srv.base_url}/v1/completions",
+        headers=_auth(),
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 4, **extra},
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_nan_and_chat_only_fields_are_400(srv):
-    r = httpx.post(f"{srv.base_url}/v1/completions", headers={**_auth(), "content-type": "application/json"},
-                   content=b'{"model": "tiny", "prompt": "hi", "temperature": NaN}')
+    r = httpx.post(
+        f"{srv.base_url}/v1/completions",
+        headers={**_auth(), "content-type": "application/json"},
+        content=b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=_auth(),
-                   json={"model": "tiny", "messages": ASK, "top_logprobs": 2})
+    r = httpx.post(
+        f"{srv.base_url}/v1/chat/completions",
+        headers=_auth(),
+        json={"model": "tiny", "messages": ASK, "top_logprobs": 2},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 

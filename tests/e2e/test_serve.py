@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import raw_dealer
 
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
-
-from conftest import raw_dealer
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +74,12 @@ def test_chat(client):
 
 def test_chat_user_text_never_becomes_control_tokens(server, client):
     """A user's literal '<|im_end|>' is text: the prompt is longer than the one-token control version."""
-    a = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x<|im_end|>"}],
-                                       max_tokens=1, temperature=0)
-    b = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=1, temperature=0)
+    a = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x<|im_end|>"}], max_tokens=1, temperature=0
+    )
+    b = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1, temperature=0
+    )
     assert a.usage.prompt_tokens > b.usage.prompt_tokens + 1
 
 
@@ -100,10 +100,14 @@ def test_concurrent_greedy_requests_match_alone(server, client):
     async def together():
         ac = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         try:
-            return await asyncio.gather(*[
-                ac.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
-                for p, m in zip(prompts, max_tokens)
-            ])
+            return await asyncio.gather(
+                *[
+                    ac.completions.create(
+                        model="tiny", prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True}
+                    )
+                    for p, m in zip(prompts, max_tokens)
+                ]
+            )
         finally:
             await ac.close()
 
@@ -139,8 +143,10 @@ def test_zmq_async_client_and_abort(server):
             return text, got
 
     text, got = asyncio.run(go())
-    http = httpx.post(f"{server.base_url}/v1/completions",
-                      json={"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0}).json()
+    http = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0},
+    ).json()
     assert text == http["choices"][0]["text"]
     assert got[-1].finished and got[-1].finish_reason == "abort"
     assert len(got) < 50
@@ -177,8 +183,10 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "presence_penalty": -(10**400)}, "presence_penalty"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10**400}}, "logit_bias"),
     # nested fields are named with their path
-    ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
-     "stream_options.include_usage"),
+    (
+        {"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+    ),
     ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"foo": True}}, "stream_options.foo"),
     # a field that must be an object, given something else
     ({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": []}, "stream_options"),
@@ -205,9 +213,14 @@ def test_an_unknown_model_is_404(server):
 def test_prompt_list_errors_say_what_is_wrong(server):
     """A list prompt of non-integers is refused as such (not as a batch of prompts), naming the item, also when a
     string or list follows token ids; a list of strings (or lists) is a batch."""
-    for prompt, words in (([1.0, 2], "integer token ids"), ([True, False], "integer token ids"),
-                          ([1, "a"], "integer token ids; it holds 'a'"), ([1, [2]], "it holds [2]"),
-                          (["a", "b"], "batches of several prompts"), ([[1], [2]], "batches of several prompts")):
+    for prompt, words in (
+        ([1.0, 2], "integer token ids"),
+        ([True, False], "integer token ids"),
+        ([1, "a"], "integer token ids; it holds 'a'"),
+        ([1, [2]], "it holds [2]"),
+        (["a", "b"], "batches of several prompts"),
+        ([[1], [2]], "batches of several prompts"),
+    ):
         r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": prompt})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -219,18 +232,40 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
-     "messages[0].content[0]"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
-     "max_completion_tokens"),
+    (
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+        },
+        "messages[0].content[0]",
+    ),
+    (
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2},
+        "max_completion_tokens",
+    ),
+    (
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
+        "max_completion_tokens",
+    ),
     # an assistant message's tool calls in the history: each must be an object, its function an object, its type
     # "function"
     ({"model": "tiny", "messages": [{"role": "assistant", "tool_calls": ["x"]}]}, "messages[0].tool_calls[0]"),
-    ({"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": "x"}]}]},
-     "messages[0].tool_calls[0].function"),
-    ({"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [
-        {"id": "a", "type": "xx", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].type"),
+    (
+        {"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": "x"}]}]},
+        "messages[0].tool_calls[0].function",
+    ),
+    (
+        {
+            "model": "tiny",
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "a", "type": "xx", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ],
+        },
+        "messages[0].tool_calls[0].type",
+    ),
 ]
 
 
@@ -265,7 +300,11 @@ def test_errors_name_max_completion_tokens_when_that_was_sent_and_modalities_tex
 
 
 def test_malformed_json_is_400_and_changes_nothing(server, client):
-    r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=b'{"model": "tiny", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
@@ -281,8 +320,10 @@ def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server
 
     u = urlparse(server.base_url)
     with socket.create_connection((u.hostname, u.port), timeout=20) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: 100\r\n\r\n" + b'{"model": "tiny"')
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n" + b'{"model": "tiny"'
+        )
         t0 = time.monotonic()
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
@@ -294,8 +335,11 @@ def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"not received within 2 s" in reply
     assert 1.5 <= waited <= 15, waited
-    r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
 
@@ -304,9 +348,12 @@ def test_integer_literal_over_the_parse_limit_is_400(server, client):
     """A JSON integer of more digits than Python parses (4300 by default) in any field, known or not, top-level or
     nested: a 400 naming that field (not a 500, not "malformed JSON"), and the server keeps serving. One digit
     fewer parses and meets the field's own range check."""
-    cases = [(b'"max_tokens": ' + b"1" + b"0" * 4300, "max_tokens"), (b'"foo": -' + b"9" * 4301, "foo"),
-             (b'"logit_bias": {"5": ' + b"9" * 5000 + b"}", "logit_bias.5"),
-             (b'"prompt": [1, ' + b"2" * 4301 + b"]", "prompt[1]")]
+    cases = [
+        (b'"max_tokens": ' + b"1" + b"0" * 4300, "max_tokens"),
+        (b'"foo": -' + b"9" * 4301, "foo"),
+        (b'"logit_bias": {"5": ' + b"9" * 5000 + b"}", "logit_bias.5"),
+        (b'"prompt": [1, ' + b"2" * 4301 + b"]", "prompt[1]"),
+    ]
     for fields, param in cases:
         body = b'{"model": "tiny", "prompt": "hi", ' + fields + b"}"
         r = httpx.post(f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -318,8 +365,9 @@ def test_integer_literal_over_the_parse_limit_is_400(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
     def post(body: bytes) -> httpx.Response:
-        return httpx.post(f"{server.base_url}/v1/completions", content=body,
-                          headers={"content-type": "application/json"})
+        return httpx.post(
+            f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
 
     # a duplicate key keeps its last value, so a replaced long literal is no error
     r = post(b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 4301 + b', "max_tokens": 1}')

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 import torch
-
 from conftest import REPO, start_server, stop_server, worker_pids
+
 from kimi.controller.transport import free_tcp_port
 
 
@@ -30,8 +30,14 @@ def model(tiny_k26, tmp_path) -> str:
 
 
 def _serve(model: str, *args: str, timeout_s: float = 60) -> tuple[int, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi", "serve", "--model", model, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -82,18 +88,23 @@ def test_host_that_cannot_be_bound(model):
 _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
-@pytest.mark.parametrize("flags,expect", [
-    (("--num-hidden-layers", "999"), ["--num-hidden-layers 999"]),
-    (("--max-model-len", "1000000"), ["--max-model-len 1000000", "262144"]),
-    pytest.param(("--device", "cuda"), ["--device cuda: CUDA is not available"], marks=_NO_CUDA),
-    # the tiny checkpoint's 16 routed experts do not split over 3 ranks (each rank raised it after launch)
-    (("--nproc", "3"), ["--nproc 3", "16 routed experts", "divisor of 16"]),
-], ids=["num-hidden-layers", "max-model-len", "device-cuda", "nproc-experts"])
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (("--num-hidden-layers", "999"), ["--num-hidden-layers 999"]),
+        (("--max-model-len", "1000000"), ["--max-model-len 1000000", "262144"]),
+        pytest.param(("--device", "cuda"), ["--device cuda: CUDA is not available"], marks=_NO_CUDA),
+        # the tiny checkpoint's 16 routed experts do not split over 3 ranks (each rank raised it after launch)
+        (("--nproc", "3"), ["--nproc 3", "16 routed experts", "divisor of 16"]),
+    ],
+    ids=["num-hidden-layers", "max-model-len", "device-cuda", "nproc-experts"],
+)
 def test_config_or_machine_check_exits_2_before_launching(model, flags, expect):
     """Flags checked once the config is read (or against the machine): one error line naming the flag, exit 2,
     no worker launched, no traceback."""
-    rc, out = _serve(model, *flags, "--port", str(free_tcp_port()),
-                     "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}")
+    rc, out = _serve(
+        model, *flags, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}"
+    )
     assert rc == 2, out
     errors = _error_lines(out)
     assert len(errors) == 1 and all(e in errors[0] for e in expect), out
@@ -113,10 +124,27 @@ def _start_ready(model: str, *args: str, wait_s: float = 90) -> tuple[subprocess
     import httpx
 
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--fake-workers", *args,
-                             "--port", str(port), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kimi",
+            "serve",
+            "--model",
+            model,
+            "--fake-workers",
+            *args,
+            "--port",
+            str(port),
+            "--zmq-submit-addr",
+            f"tcp://127.0.0.1:{free_tcp_port()}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline, ready = time.monotonic() + wait_s, False
     while time.monotonic() < deadline and proc.poll() is None and not ready:
         try:
@@ -153,8 +181,9 @@ def test_log_level_reaches_the_worker_ranks(model, tmp_path, level, quiet):
 
     srv = start_server(model, str(tmp_path / "serve.log"), "--log-level", level)
     try:
-        r = httpx.post(f"{srv.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                       timeout=60)
+        r = httpx.post(
+            f"{srv.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60
+        )
         assert r.status_code == 200, r.text
     finally:
         assert stop_server(srv) == 0
@@ -170,8 +199,18 @@ def test_log_level_reaches_the_worker_ranks(model, tmp_path, level, quiet):
 def test_worker_start_up_failure_stops_every_worker(model):
     """Workers launched, then start-up fails (a KV cache too small for one block): the whole torchrun process
     group is gone when kimi exits."""
-    rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}",
-                     "--kv-cache-memory-gib", "1e-9", "--startup-timeout", "60", timeout_s=120)
+    rc, out = _serve(
+        model,
+        "--port",
+        str(free_tcp_port()),
+        "--zmq-submit-addr",
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        "--kv-cache-memory-gib",
+        "1e-9",
+        "--startup-timeout",
+        "60",
+        timeout_s=120,
+    )
     assert rc == 1, out
     errors = _error_lines(out)  # no traceback: neither the worker's nor torchrun's
     assert len(errors) == 1 and "start-up failed" in errors[0] and "--kv-cache-memory-gib" in errors[0], out
@@ -181,8 +220,18 @@ def test_worker_start_up_failure_stops_every_worker(model):
 def test_kv_cache_larger_than_memory_fails_before_the_weights_load(model):
     """--num-blocks far beyond the machine's memory: the worker refuses it before loading any weight (for a real
     checkpoint, minutes), with one error line naming the flag and the sizes, and exits; no traceback."""
-    rc, out = _serve(model, "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}",
-                     "--num-blocks", str(10**12), "--startup-timeout", "60", timeout_s=120)
+    rc, out = _serve(
+        model,
+        "--port",
+        str(free_tcp_port()),
+        "--zmq-submit-addr",
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        "--num-blocks",
+        str(10**12),
+        "--startup-timeout",
+        "60",
+        timeout_s=120,
+    )
     assert rc == 1, out
     errors = _error_lines(out)
     assert len(errors) == 1 and "--num-blocks: the KV cache of 1000000000000 blocks needs" in errors[0], out
@@ -198,13 +247,13 @@ def test_model_folder_without_its_tokenizer(tiny_k26, tmp_path):
     broken = tmp_path / f"ckpt-{uuid.uuid4().hex}"
     shutil.copytree(tiny_k26, broken)
     (broken / "tiktoken.model").unlink()
-    rc, out = _serve(str(broken), "--port", str(free_tcp_port()), "--zmq-submit-addr",
-                     f"tcp://127.0.0.1:{free_tcp_port()}")
+    rc, out = _serve(
+        str(broken), "--port", str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}"
+    )
     assert rc == 2, out
     errors = _error_lines(out)
     assert len(errors) == 1 and "tiktoken.model" in errors[0], out
     assert "kimi.worker.launch" not in out and "rank0" not in out, "workers were launched"
-
 
 
 # `kimi serve` (kimi.cli.main on the command line), paused at the start of reading the model's config and tokenizer
@@ -234,10 +283,26 @@ def test_stop_signal_during_start_up_exits_0_with_one_line(model, tmp_path, sig)
 
     fifo = tmp_path / "pause"
     os.mkfifo(fifo)
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_SERVE, str(fifo), "serve", "--model", model, "--port",
-                             str(free_tcp_port()), "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _PAUSED_SERVE,
+            str(fifo),
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(free_tcp_port()),
+            "--zmq-submit-addr",
+            f"tcp://127.0.0.1:{free_tcp_port()}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     fd, deadline = None, time.monotonic() + 60
     try:
         while fd is None:  # a non-blocking open for writing succeeds once the server has the FIFO open to read
@@ -281,9 +346,26 @@ def test_ipv6_host_serves_http_and_zeromq(model):
     from kimi.client import KimiClient
 
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimi", "serve", "--model", model, "--host", "::1", "--port",
-                             str(port), "--fake-workers"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kimi",
+            "serve",
+            "--model",
+            model,
+            "--host",
+            "::1",
+            "--port",
+            str(port),
+            "--fake-workers",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
@@ -318,8 +400,17 @@ def test_start_up_is_bounded_by_startup_timeout_not_worker_timeout(model):
     finally:
         _stop(proc)
 
-    rc, out = _serve(model, "--fake-workers", "--startup-timeout", "0.5", "--port", str(free_tcp_port()),
-                     "--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", timeout_s=90)
+    rc, out = _serve(
+        model,
+        "--fake-workers",
+        "--startup-timeout",
+        "0.5",
+        "--port",
+        str(free_tcp_port()),
+        "--zmq-submit-addr",
+        f"tcp://127.0.0.1:{free_tcp_port()}",
+        timeout_s=90,
+    )
     assert rc == 1, out
     errors = _error_lines(out)
     assert len(errors) == 1 and "workers not ready after 0.5 s" in errors[0] and "--startup-timeout" in errors[0], out

@@ -25,7 +25,7 @@ def _events(raw: bytes) -> list[dict]:
     events = []
     for block in raw.split(b"\n\n")[:-2]:
         assert block.startswith(b"data: "), block
-        payload = block[len(b"data: "):].decode()
+        payload = block[len(b"data: ") :].decode()
         obj = json.loads(payload)
         assert json.dumps(obj, ensure_ascii=False) == payload
         events.append(obj)
@@ -53,7 +53,7 @@ COMPLETIONS = [
     {"stop": ["1", "\n"]},
     {"stop": ["2"], "include_stop_str_in_output": True},
     {"max_tokens": 1},
-    {"prompt": "h\u00e9llo \"w\u00f6rld\"\t\u4e2d"},
+    {"prompt": 'h\u00e9llo "w\u00f6rld"\t\u4e2d'},
 ]
 
 
@@ -79,12 +79,24 @@ def test_completions_stream_is_json_dumps_and_matches_non_streaming(fake_srv, ex
         assert all("usage" not in e for e in events)
 
 
-@pytest.mark.parametrize("extra", [{}, {"logprobs": True, "top_logprobs": 2}, {"stop": ["3"]},
-                                   {"stream_options": {"include_usage": True}},
-                                   {"chat_template_kwargs": {"thinking": True}}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"logprobs": True, "top_logprobs": 2},
+        {"stop": ["3"]},
+        {"stream_options": {"include_usage": True}},
+        {"chat_template_kwargs": {"thinking": True}},
+    ],
+)
 def test_chat_stream_is_json_dumps_and_matches_non_streaming(fake_srv, extra):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi \u00e9\u4e2d"}], "max_tokens": 20,
-            "temperature": 0, **extra}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi \u00e9\u4e2d"}],
+        "max_tokens": 20,
+        "temperature": 0,
+        **extra,
+    }
     with httpx.Client(base_url=fake_srv.base_url, timeout=60) as c:
         raw = c.post("/v1/chat/completions", json={**body, "stream": True}).content
         plain = c.post("/v1/chat/completions", json={k: v for k, v in body.items() if k != "stream_options"}).json()
@@ -110,8 +122,9 @@ def test_many_concurrent_streams_each_get_their_own_tokens_in_order(fake_srv):
         return "".join(e["choices"][0]["text"] for e in _events(raw)), plain
 
     async def main():
-        async with httpx.AsyncClient(base_url=fake_srv.base_url, timeout=120,
-                                     limits=httpx.Limits(max_connections=100)) as c:
+        async with httpx.AsyncClient(
+            base_url=fake_srv.base_url, timeout=120, limits=httpx.Limits(max_connections=100)
+        ) as c:
             return await asyncio.gather(*[one(c, i) for i in range(48)])
 
     results = asyncio.run(main())

@@ -64,8 +64,9 @@ class FakeServer:
         ident, data = self.sock.recv_multipart()
         msg = protocol.decode_to_controller(data)
         assert isinstance(msg, protocol.SubmitRequest)
-        out = protocol.RequestOutput(request_id=msg.request_id, token_ids=[7], text="x", finished=True,
-                                     finish_reason="length")
+        out = protocol.RequestOutput(
+            request_id=msg.request_id, token_ids=[7], text="x", finished=True, finish_reason="length"
+        )
         self.sock.send_multipart([ident, protocol.encode(out)])
         return msg
 
@@ -143,8 +144,13 @@ def test_bad_prompt_is_a_clear_type_error_before_sending(fake, prompt):
 
 def test_good_prompts_still_go_out(fake):
     with KimiClient(fake.addr, timeout_s=5) as c:
-        for prompt, want in (("Hello", ("Hello", None)), (PROMPT, (None, PROMPT)), (tuple(PROMPT), (None, PROMPT)),
-                             (np.array(PROMPT), (None, PROMPT)), (range(3), (None, [0, 1, 2]))):
+        for prompt, want in (
+            ("Hello", ("Hello", None)),
+            (PROMPT, (None, PROMPT)),
+            (tuple(PROMPT), (None, PROMPT)),
+            (np.array(PROMPT), (None, PROMPT)),
+            (range(3), (None, [0, 1, 2])),
+        ):
             rid = c.submit(prompt, max_tokens=1)
             msg = fake.finish_one()
             assert (msg.prompt, msg.prompt_token_ids) == want and msg.request_id == rid
@@ -161,10 +167,16 @@ def test_unknown_parameter_is_a_clear_error_before_sending(fake):
         assert fake.finish_one().request_id == rid
 
 
-@pytest.mark.parametrize("params,field", [({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
-                                          ({"stop_token_ids": [1, 2**70]}, "stop_token_ids"),
-                                          ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
-                                          ({"max_tokens": 10**30}, "max_tokens")])
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop_token_ids": [1, 2**70]}, "stop_token_ids"),
+        ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+    ],
+)
 def test_int_outside_the_wire_range_names_the_field_before_sending(fake, params, field):
     """msgpack carries integers in [-2**63, 2**64): one outside is a KimiError naming its field (not msgspec's
     OverflowError), nothing is sent, and the client keeps working."""
@@ -179,9 +191,15 @@ def test_int_outside_the_wire_range_names_the_field_before_sending(fake, params,
             c.submit([1, 2**64], max_tokens=1)
 
 
-@pytest.mark.parametrize("prompt,params,field", [("\ud800", {}, "prompt"), ("a\udfffb", {}, "prompt"),
-                                                 ("hi", {"stop": ["ok", "\udc00"]}, "stop[1]"),
-                                                 ("hi", {"stop": "x\ud83d"}, "stop")])
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ("\ud800", {}, "prompt"),
+        ("a\udfffb", {}, "prompt"),
+        ("hi", {"stop": ["ok", "\udc00"]}, "stop[1]"),
+        ("hi", {"stop": "x\ud83d"}, "stop"),
+    ],
+)
 def test_lone_surrogate_names_the_field_before_sending(fake, prompt, params, field):
     """A str holding a lone UTF-16 surrogate has no UTF-8 form: a KimiError naming its field with HTTP's message
     (not the encoder's UnicodeEncodeError), nothing is sent, and the client (sync and async) keeps working."""
@@ -224,8 +242,12 @@ def test_bad_logit_bias_names_the_field_before_sending(fake, lb, msg):
 
 def test_int_logit_bias_keys_still_go_out(fake):
     with KimiClient(fake.addr, timeout_s=5) as c:
-        for lb, want in (({5: 1.0, 7: -2}, {5: 1.0, 7: -2.0}), ({np.int64(5): np.float64(3.0)}, {5: 3.0}),
-                         (None, None), ({}, {})):
+        for lb, want in (
+            ({5: 1.0, 7: -2}, {5: 1.0, 7: -2.0}),
+            ({np.int64(5): np.float64(3.0)}, {5: 3.0}),
+            (None, None),
+            ({}, {}),
+        ):
             rid = c.submit(PROMPT, max_tokens=1, logit_bias=lb)
             assert fake.finish_one().logit_bias == want
             assert list(c.stream(rid))[-1].finished

@@ -14,8 +14,8 @@ import contextlib
 import time
 
 import httpx
-
 from conftest import raw_dealer
+
 from kimi import protocol
 from kimi.client import AsyncKimiClient, KimiClient
 
@@ -58,8 +58,13 @@ def test_a_client_that_disconnects_gets_its_requests_aborted(fake_srv):
     aborted0 = _metric(fake_srv, 'kimi:request_success_total{finished_reason="abort"}')
     with raw_dealer(fake_srv.zmq_addr) as s:
         for i in range(2):
-            s.send(protocol.encode(protocol.SubmitRequest(request_id=f"long{i}", prompt_token_ids=PROMPT,
-                                                          max_tokens=20000, ignore_eos=True)))
+            s.send(
+                protocol.encode(
+                    protocol.SubmitRequest(
+                        request_id=f"long{i}", prompt_token_ids=PROMPT, max_tokens=20000, ignore_eos=True
+                    )
+                )
+            )
         assert s.poll(30000), "no output"
         s.recv()
     took = _wait_idle(fake_srv, 60)
@@ -83,8 +88,9 @@ def test_async_reusing_an_id_after_leaving_its_stream_early(fake_srv):
     async def main():
         async with AsyncKimiClient(fake_srv.zmq_addr) as c:
             for _ in range(3):
-                async with contextlib.aclosing(c.generate(PROMPT, max_tokens=5000, ignore_eos=True,
-                                                          request_id="same")) as outs:
+                async with contextlib.aclosing(
+                    c.generate(PROMPT, max_tokens=5000, ignore_eos=True, request_id="same")
+                ) as outs:
                     i = 0
                     async for _out in outs:
                         i += 1
@@ -104,8 +110,11 @@ def test_a_raw_duplicate_id_error_names_the_clients_id(fake_srv):
     controller's internal per-connection key); the running request goes on to its end."""
     with raw_dealer(fake_srv.zmq_addr) as s:
         for _ in range(2):
-            s.send(protocol.encode(protocol.SubmitRequest(request_id="dup", prompt_token_ids=PROMPT, max_tokens=50,
-                                                          ignore_eos=True)))
+            s.send(
+                protocol.encode(
+                    protocol.SubmitRequest(request_id="dup", prompt_token_ids=PROMPT, max_tokens=50, ignore_eos=True)
+                )
+            )
         outs = []
         while not outs or not (outs[-1].finished and outs[-1].error is None):
             assert s.poll(30000), "no output"

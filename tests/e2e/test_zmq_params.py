@@ -24,26 +24,54 @@ import httpx
 import msgspec
 import openai
 import pytest
+from conftest import raw_dealer
 
 from kimi import protocol
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
 from kimi.tokenizer import KimiTokenizer
-
-from conftest import raw_dealer
 
 PROMPT = [34335, 43309, 63183]
 MAX_TOKENS = 16
 # Eight token ids the tiny model does not generate on its own, pushed up together: greedy then repeats
 # one of them, so the penalties have something to act on, and sampling at temperature 1 stays among them.
 SET = [1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
-BIAS = {t: 30.0 for t in SET}
+BIAS = dict.fromkeys(SET, 30.0)
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 1.0, "seed": 7}}
-OLD_FIELDS = ("request_id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
-              "stop_token_ids", "ignore_eos", "skip_special_tokens", "logprobs")
-NEW_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-              "stop", "include_stop_str_in_output")
-HTTP_TOP_LEVEL = {"max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                  "stop", "logprobs"}  # the openai client's own parameters; the rest go in extra_body
+OLD_FIELDS = (
+    "request_id",
+    "prompt",
+    "prompt_token_ids",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "logprobs",
+)
+NEW_FIELDS = (
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop",
+    "include_stop_str_in_output",
+)
+HTTP_TOP_LEVEL = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop",
+    "logprobs",
+}  # the openai client's own parameters; the rest go in extra_body
 
 
 @dataclass
@@ -117,9 +145,13 @@ def run_both(server, tok: KimiTokenizer, cases: dict[Any, dict[str, Any]]) -> di
         try:
             async with AsyncKimiClient(server.zmq_addr) as zc:
                 keys = list(cases)
-                runs = await asyncio.wait_for(asyncio.gather(
-                    *[zmq_run(zc, tok, {**cases[k], "logprobs": 0}) for k in keys],
-                    *[http_run(hc, {**cases[k], "logprobs": 0}) for k in keys]), 60)
+                runs = await asyncio.wait_for(
+                    asyncio.gather(
+                        *[zmq_run(zc, tok, {**cases[k], "logprobs": 0}) for k in keys],
+                        *[http_run(hc, {**cases[k], "logprobs": 0}) for k in keys],
+                    ),
+                    60,
+                )
                 return {k: (runs[i], runs[len(keys) + i]) for i, k in enumerate(keys)}
         finally:
             await hc.close()
@@ -156,7 +188,7 @@ def boundary_stops(r: Run) -> dict[str, tuple[int, str]]:
         if len(p) >= 2 and "\ufffd" not in p and r.text.count(p) == 1 and "one" not in out:
             out["one"] = (j, p)
     for k in range(1, len(r.pieces) - 3):
-        a, b, c = r.pieces[k:k + 3]
+        a, b, c = r.pieces[k : k + 3]
         s = a[-1:] + b + c[:1]
         if a and b and c and r.text.find(s) == offsets[k] + len(a) - 1 and r.text.count(s) == 1 and "three" not in out:
             out["three"] = (k, s)
@@ -177,8 +209,15 @@ def eos(tok) -> int:
 @pytest.fixture(scope="module")
 def runs(server, tok, eos):
     """Phase 1: the baselines (no new field; the biased set alone); phase 2: every case, both modes."""
-    base = run_both(server, tok, {(m, b): {**s, "max_tokens": MAX_TOKENS, **({"logit_bias": BIAS} if b == "bias" else {})}
-                                  for m, s in MODES.items() for b in ("plain", "bias")})
+    base = run_both(
+        server,
+        tok,
+        {
+            (m, b): {**s, "max_tokens": MAX_TOKENS, **({"logit_bias": BIAS} if b == "bias" else {})}
+            for m, s in MODES.items()
+            for b in ("plain", "bias")
+        },
+    )
     cases: dict[Any, dict[str, Any]] = {}
     stops: dict[str, Any] = {}
     for m, s in MODES.items():
@@ -195,9 +234,18 @@ def runs(server, tok, eos):
         cases[(m, "repetition_penalty")] = {**biased, "repetition_penalty": 3.0}
         # EOS pushed to the top: min_tokens keeps it (and the stop ids) out until then, as HTTP does
         cases[(m, "min_tokens")] = {**common, "logit_bias": {eos: 100.0}, "min_tokens": 4}
-        cases[(m, "min_tokens_stop_id")] = {**common, "logit_bias": {SET[0]: 100.0}, "stop_token_ids": [SET[0]],
-                                            "min_tokens": 3}
-        cases[(m, "min_tokens_ignore_eos")] = {**common, "logit_bias": {eos: 100.0}, "min_tokens": 4, "ignore_eos": True}
+        cases[(m, "min_tokens_stop_id")] = {
+            **common,
+            "logit_bias": {SET[0]: 100.0},
+            "stop_token_ids": [SET[0]],
+            "min_tokens": 3,
+        }
+        cases[(m, "min_tokens_ignore_eos")] = {
+            **common,
+            "logit_bias": {eos: 100.0},
+            "min_tokens": 4,
+            "ignore_eos": True,
+        }
         k, stop = stops[m] = spanning_stop(base[(m, "plain")][0])
         cases[(m, "stop")] = {**common, "stop": ["zzz", stop]}
         cases[(m, "stop_str")] = {**common, "stop": stop}
@@ -264,10 +312,10 @@ def test_stop_strings_match_http(runs, mode):
         assert z.text == plain.text[:at] and len(z.ids) == k + 2
         assert (z.finish_reason, z.stop_reason) == ("stop", stop)
         # hold-back: the two characters that begin the stop string did not go out with token k
-        assert "".join(z.pieces[:k + 1]) == plain.text[:at]
+        assert "".join(z.pieces[: k + 1]) == plain.text[:at]
     z, h = got[(mode, "include_stop_str_in_output")]
     assert_same(z, h)
-    assert z.text == plain.text[:at + len(stop)] and z.stop_reason == stop
+    assert z.text == plain.text[: at + len(stop)] and z.stop_reason == stop
     z, h = got[(mode, "stop_min_tokens")]  # not looked for before min_tokens tokens: runs to max_tokens
     assert_same(z, h)
     assert z.ids == plain.ids and z.text == plain.text and z.finish_reason == "length"
@@ -299,7 +347,7 @@ BAD = [  # (ZeroMQ parameters, the field), value errors: the HTTP request with t
     ({"logit_bias": {V: 1.0}}, "logit_bias"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias"),
     ({"logit_bias": {5: 101.0}}, "logit_bias"),
-    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -343,16 +391,28 @@ def test_bad_values_name_the_field_like_http(server):
         # the server kept serving, on the same connection and over HTTP
         outs = list(c.generate(PROMPT, max_tokens=3, temperature=0.0, min_tokens=2, stop=["zzz"]))
         assert outs[-1].finished and outs[-1].num_output_tokens == 3 and outs[-1].finish_reason == "length"
-    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=30)
+    r = httpx.post(
+        f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=30
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 # ---- the append-only wire format ---------------------------------------------------------------------------------
 def test_new_fields_are_appended_at_the_end():
     assert protocol.SubmitRequest.__struct_fields__ == OLD_FIELDS + NEW_FIELDS
-    msg = protocol.SubmitRequest(request_id="r", prompt_token_ids=[1, 2], max_tokens=3, temperature=0.5, top_p=0.9,
-                                 top_k=4, seed=5, stop_token_ids=[6], ignore_eos=True, skip_special_tokens=False,
-                                 logprobs=2)
+    msg = protocol.SubmitRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        max_tokens=3,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=4,
+        seed=5,
+        stop_token_ids=[6],
+        ignore_eos=True,
+        skip_special_tokens=False,
+        logprobs=2,
+    )
     raw = msgspec.msgpack.decode(protocol.encode(msg))
     assert raw[:13] == [30, "r", None, [1, 2], 3, 0.5, 0.9, 4, 5, [6], True, False, 2]  # the old layout, unchanged
     assert raw[13:] == [0.0, 0.0, 0.0, 1.0, None, 0, None, False]  # the new fields' defaults

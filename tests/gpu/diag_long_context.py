@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_gpu_model import make_ckpt, report  # noqa: E402
-from test_long_context_gpu import DECODE_STEPS, run_long  # noqa: E402
+from test_gpu_model import make_ckpt, report
+from test_long_context_gpu import DECODE_STEPS, run_long
 
 ROUTES: list = []  # filled by the patched routers: one [T, k] id tensor per MoE layer call
 
@@ -69,7 +69,7 @@ def run(model, cfg, dtype, n_ctx):
     t0 = time.time()
     logits = run_long(model, cfg, "cuda", dtype, n_ctx, poison=dtype == torch.bfloat16)
     n_moe = sum(1 for layer in model.layers if getattr(layer, "is_moe", False))
-    routes = [ROUTES[s * n_moe:(s + 1) * n_moe] for s in range(DECODE_STEPS)]
+    routes = [ROUTES[s * n_moe : (s + 1) * n_moe] for s in range(DECODE_STEPS)]
     return logits, routes, time.time() - t0
 
 
@@ -96,11 +96,16 @@ def main():
             got, rg, tg = run(model, cfg, torch.bfloat16, n_ctx)
             lg = torch.log_softmax(got, -1)
             diff = (lw.gather(1, top[:, None]) - lg.gather(1, top[:, None])).abs()[:, 0]
-            flips = [[li for li, (a, b) in enumerate(zip(rs, gs)) if set(a[0].tolist()) != set(b[0].tolist())]
-                     for rs, gs in zip(rw, rg)]
-            res[name] = dict(seconds=round(tg, 1), top1_agree=int((got.argmax(-1) == top).sum()),
-                             per_step_logprob_diff=[round(float(x), 4) for x in diff],
-                             routing_flip_layers_per_step=flips)
+            flips = [
+                [li for li, (a, b) in enumerate(zip(rs, gs)) if set(a[0].tolist()) != set(b[0].tolist())]
+                for rs, gs in zip(rw, rg)
+            ]
+            res[name] = dict(
+                seconds=round(tg, 1),
+                top1_agree=int((got.argmax(-1) == top).sum()),
+                per_step_logprob_diff=[round(float(x), 4) for x in diff],
+                routing_flip_layers_per_step=flips,
+            )
         # G vs R16 directly: how far apart the two bf16 computations are
         report(dict(diag="long_context", context=n_ctx, **res))
 

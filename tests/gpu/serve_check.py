@@ -40,36 +40,64 @@ async def main() -> int:
         body = {"model": a.model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
         r1 = (await c.post("/v1/completions", json=body)).json()
         r2 = (await c.post("/v1/completions", json=body)).json()
-        check("greedy_repeatable", r1["choices"][0]["text"] == r2["choices"][0]["text"],
-              {"text": r1["choices"][0]["text"], "usage": r1["usage"]})
+        check(
+            "greedy_repeatable",
+            r1["choices"][0]["text"] == r2["choices"][0]["text"],
+            {"text": r1["choices"][0]["text"], "usage": r1["usage"]},
+        )
         msgs = [{"role": "user", "content": "Say hello."}]
-        ch = (await c.post("/v1/chat/completions", json={"model": a.model, "messages": msgs, "max_tokens": 12,
-                                                          "temperature": 0})).json()
+        ch = (
+            await c.post(
+                "/v1/chat/completions", json={"model": a.model, "messages": msgs, "max_tokens": 12, "temperature": 0}
+            )
+        ).json()
         parts = []
-        async with c.stream("POST", "/v1/chat/completions", json={"model": a.model, "messages": msgs,
-                                                                  "max_tokens": 12, "temperature": 0, "stream": True}) as s:
+        async with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": a.model, "messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True},
+        ) as s:
             async for line in s.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     d = json.loads(line[6:])
                     if d.get("choices"):
                         parts.append(d["choices"][0]["delta"].get("content") or "")
         msg = ch["choices"][0]["message"]
-        check("chat_stream_equals_non_stream", "".join(parts) == (msg.get("content") or ""),
-              {"content": msg.get("content"), "reasoning": msg.get("reasoning_content")})
+        check(
+            "chat_stream_equals_non_stream",
+            "".join(parts) == (msg.get("content") or ""),
+            {"content": msg.get("content"), "reasoning": msg.get("reasoning_content")},
+        )
 
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 100000) for _ in range(rng.randrange(16, 512))] for _ in range(a.concurrency)]
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*[
-            c.post("/v1/completions", json={"model": a.model, "prompt": p, "max_tokens": 64, "temperature": 0,
-                                            "ignore_eos": True}) for p in prompts])
+        outs = await asyncio.gather(
+            *[
+                c.post(
+                    "/v1/completions",
+                    json={"model": a.model, "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True},
+                )
+                for p in prompts
+            ]
+        )
         wall = time.perf_counter() - t0
         js = [o.json() for o in outs]
         good = all(o.status_code == 200 and j["usage"]["completion_tokens"] == 64 for o, j in zip(outs, js))
-        check("concurrent_distinct", good, {"n": a.concurrency, "wall_s": round(wall, 3),
-                                            "output_tok_per_s": round(64 * a.concurrency / wall, 1)})
-        alone = [(await c.post("/v1/completions", json={"model": a.model, "prompt": p, "max_tokens": 64, "temperature": 0,
-                                                         "ignore_eos": True})).json() for p in prompts[:4]]
+        check(
+            "concurrent_distinct",
+            good,
+            {"n": a.concurrency, "wall_s": round(wall, 3), "output_tok_per_s": round(64 * a.concurrency / wall, 1)},
+        )
+        alone = [
+            (
+                await c.post(
+                    "/v1/completions",
+                    json={"model": a.model, "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True},
+                )
+            ).json()
+            for p in prompts[:4]
+        ]
         same = sum(x["choices"][0]["text"] == y["choices"][0]["text"] for x, y in zip(alone, js[:4]))
         res["batched_vs_alone_identical"] = f"{same}/4 (bf16: batch shape may change rounding; reported, not asserted)"
         print("INFO batched vs alone identical:", res["batched_vs_alone_identical"], flush=True)
@@ -77,7 +105,9 @@ async def main() -> int:
         m = (await c.get("/metrics")).text
         vals = {}
         for line in m.splitlines():
-            if line.startswith(("kimi:num_requests_running ", "kimi:num_requests_waiting ", "kimi:kv_cache_used_blocks ")):
+            if line.startswith(
+                ("kimi:num_requests_running ", "kimi:num_requests_waiting ", "kimi:kv_cache_used_blocks ")
+            ):
                 k, v = line.rsplit(" ", 1)
                 vals[k] = float(v)
         check("idle_after", bool(vals) and all(v == 0 for v in vals.values()), vals)

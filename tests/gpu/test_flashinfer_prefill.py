@@ -32,7 +32,6 @@ import os
 
 import pytest
 import torch
-
 from test_gpu_model import cpu_model, make_ckpt, report
 
 pytestmark = pytest.mark.gpu
@@ -136,10 +135,18 @@ def test_flashinfer_mla_causal_prefill(case, H):
     # per sequence, to name the failing one
     per_seq, row = [], 0
     for q, s in zip(qo_lens, seq_lens):
-        per_seq.append(dict(qo_len=q, kv_len=s, rel_max=round(float(err[row:row + q].max() / ref.abs().max()), 5)))
+        per_seq.append(dict(qo_len=q, kv_len=s, rel_max=round(float(err[row : row + q].max() / ref.abs().max()), 5)))
         row += q
-    report(dict(test="flashinfer_mla_causal_prefill", case=case, heads=H, rel_max=round(rel_max, 5),
-                rel_norm=round(rel_norm, 6), per_seq=per_seq))
+    report(
+        dict(
+            test="flashinfer_mla_causal_prefill",
+            case=case,
+            heads=H,
+            rel_max=round(rel_max, 5),
+            rel_norm=round(rel_norm, 6),
+            per_seq=per_seq,
+        )
+    )
     assert rel_max <= TOL, per_seq
 
 
@@ -263,12 +270,13 @@ def check_reference(dev: str) -> None:
     row = 0
     for b, (q, s) in enumerate(zip(qo_lens, seq_lens)):
         latent = gather_kv_cache(kv, tables[b], s)
-        want = mla_prefill_ref(q_nope[row:row + q], q_pe[row:row + q], latent, kv_b, H, N, V, SCALE)
-        torch.testing.assert_close(o[row:row + q], want, rtol=1e-4, atol=1e-4)
+        want = mla_prefill_ref(q_nope[row : row + q], q_pe[row : row + q], latent, kv_b, H, N, V, SCALE)
+        torch.testing.assert_close(o[row : row + q], want, rtol=1e-4, atol=1e-4)
         if q == 1:
-            d = mla_decode_ref(q_lat[row:row + 1], q_pe[row:row + 1], kv, tables[b:b + 1],
-                               torch.tensor([s], device=dev), SCALE)
-            torch.testing.assert_close(o_lat[row:row + 1], d, rtol=1e-4, atol=1e-4)
+            d = mla_decode_ref(
+                q_lat[row : row + 1], q_pe[row : row + 1], kv, tables[b : b + 1], torch.tensor([s], device=dev), SCALE
+            )
+            torch.testing.assert_close(o_lat[row : row + 1], d, rtol=1e-4, atol=1e-4)
         row += q
 
 
@@ -293,7 +301,7 @@ def run_schedule(model, cfg, device, dtype, poison: bool, on_step):
 
     g = torch.Generator().manual_seed(21)
     toks = {n: torch.randint(0, 163000, (p,), generator=g).tolist() for n, p in PROMPTS.items()}
-    done = {n: 0 for n in PROMPTS}
+    done = dict.fromkeys(PROMPTS, 0)
     nblk = {n: -(-(p + len(SCHEDULE)) // BS) for n, p in PROMPTS.items()}
     perm = (torch.randperm(sum(nblk.values()), generator=g) + 1).tolist()
     tables, used = {}, 0
@@ -314,7 +322,7 @@ def run_schedule(model, cfg, device, dtype, poison: bool, on_step):
                 qlens.append(q)
                 slens.append(s)
                 tabs.append(tables[n])
-                ids += toks[n][done[n]:s]
+                ids += toks[n][done[n] : s]
                 pos += list(range(done[n], s))
                 done[n] = s
             a = build_attention_metadata(qlens, slens, tabs, BS, device)
@@ -349,13 +357,25 @@ class RowStats:
         self.s_agree += int(hit[last].sum())
         self.s_rows += len(last)
         self.s_max = max(self.s_max, float(d[last].max()))
-        self.per_step.append(dict(step=step, rows=len(top), top1=int(hit.sum()), mean_lp=round(float(d.mean()), 4),
-                                  max_lp=round(float(d.max()), 4), sampled_lp=[round(float(x), 4) for x in d[last]]))
+        self.per_step.append(
+            dict(
+                step=step,
+                rows=len(top),
+                top1=int(hit.sum()),
+                mean_lp=round(float(d.mean()), 4),
+                max_lp=round(float(d.max()), 4),
+                sampled_lp=[round(float(x), 4) for x in d[last]],
+            )
+        )
 
     def record(self) -> dict:
-        return dict(top1_all=f"{self.agree}/{self.rows}", mean_logprob_diff_all=round(self.lp_sum / self.rows, 4),
-                    top1_sampled=f"{self.s_agree}/{self.s_rows}", max_logprob_diff_sampled=round(self.s_max, 4),
-                    per_step=self.per_step)
+        return dict(
+            top1_all=f"{self.agree}/{self.rows}",
+            mean_logprob_diff_all=round(self.lp_sum / self.rows, 4),
+            top1_sampled=f"{self.s_agree}/{self.s_rows}",
+            max_logprob_diff_sampled=round(self.s_max, 4),
+            per_step=self.per_step,
+        )
 
     def check(self) -> None:
         """Tolerances (bf16): sampled rows as test_gpu_model.py (top-1 >= 90%, max logprob diff <= 0.25 nats);

@@ -48,7 +48,13 @@ def test_add_rms_norm(T, D):
     big = torch.randn(T, D + 576, generator=g, device=DEV).to(torch.bfloat16)
     out = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=DEV)
     fused.rms_norm(big[:, :D], w, 1e-6, out=out)
-    assert rel_err(out, fused.add_rms_norm_ref(big[:, :D], torch.zeros(T, D, dtype=torch.bfloat16, device=DEV), None, w, 1e-6)[1]) <= REL_TOL
+    assert (
+        rel_err(
+            out,
+            fused.add_rms_norm_ref(big[:, :D], torch.zeros(T, D, dtype=torch.bfloat16, device=DEV), None, w, 1e-6)[1],
+        )
+        <= REL_TOL
+    )
 
 
 @pytest.mark.parametrize("M,I", [(8, 18432), (512, 2048), (64, 4096)])
@@ -113,8 +119,11 @@ def test_router_topk(T, path):
     from kimi.ops import fused
 
     x, gw, bias = _router_inputs(T, 200 + T)
-    w, ids = fused.router_topk(x, gw, bias, 8, 2.827) if path is None else fused._router_topk(
-        x, gw, bias, 8, 2.827, True, path)
+    w, ids = (
+        fused.router_topk(x, gw, bias, 8, 2.827)
+        if path is None
+        else fused._router_topk(x, gw, bias, 8, 2.827, True, path)
+    )
     rw, rids = fused.router_topk_ref(x, gw, bias, 8, 2.827)
     _check_router(w, ids, rw, rids)
     for _ in range(3):  # run-to-run deterministic, bit for bit
@@ -177,8 +186,9 @@ def test_silu_mul_rows(T, bm):
 
 
 @pytest.mark.parametrize("one", [None, True, False, "grid"])  # default dispatch, one program, two kernels, grid
-@pytest.mark.parametrize("T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (256, 8), (512, 64), (2048, 64),
-                                  (16384, 96)])
+@pytest.mark.parametrize(
+    "T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (256, 8), (512, 64), (2048, 64), (16384, 96)]
+)
 def test_moe_align_fused(T, bm, one):
     from kimi.ops import fused
     from kimi.ops.moe_int4_triton import moe_align
@@ -214,8 +224,15 @@ def test_moe_align_fused_max_pairs(one):
     row = torch.arange(slab, device=DEV)
     ids = torch.where(row[None, :] < counts[:, None], torch.arange(E, device=DEV)[:, None] + off, -1).reshape(-1, 1)
     real = int(counts.sum())
-    run = lambda mp: fused._moe_align(ids, E, off, bm, None if one == "grid" else one, grid=one == "grid",  # noqa: E731
-                                      max_pairs=mp)
+    run = lambda mp: fused._moe_align(
+        ids,
+        E,
+        off,
+        bm,
+        None if one == "grid" else one,
+        grid=one == "grid",
+        max_pairs=mp,
+    )
     s0, be0, n0, mb0 = run(None)
     bound = real + 5
     s, be, n, mb = run(bound)
@@ -250,12 +267,18 @@ def test_moe_align_fused_too_small_bound_stays_in_bounds():
     import subprocess
     import sys
 
-    cs = shutil.which("compute-sanitizer") or ("/usr/local/cuda/bin/compute-sanitizer"
-                                                if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None)
+    cs = shutil.which("compute-sanitizer") or (
+        "/usr/local/cuda/bin/compute-sanitizer" if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None
+    )
     if cs is None:
         pytest.skip("compute-sanitizer not installed")
     # without torch's caching allocator every tensor is its own cudaMalloc, so memcheck sees a write past one
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    r = subprocess.run([cs, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _TOO_SMALL_BOUND],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(
+        [cs, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _TOO_SMALL_BOUND],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])

@@ -23,7 +23,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def make_int4_experts(E: int, H: int, I: int, gen: torch.Generator, device="cuda"):
     """Random experts quantised with kimi.ops.quant.pack_int4; returns packed, scales and fp32 dequantised."""
-    from kimi.ops.quant import dequant_int4, pack_int4
+    from kimi.ops.quant import pack_int4
 
     p13, s13, p2, s2 = [], [], [], []
     for _ in range(E):

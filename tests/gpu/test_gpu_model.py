@@ -29,9 +29,18 @@ pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
-MLA_DIMS = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=16,
-                num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                v_head_dim=128)
+MLA_DIMS = dict(
+    hidden_size=1024,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=256,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
 
 
 def report(rec: dict) -> None:
@@ -96,7 +105,10 @@ def run_steps(model, cfg, device, dtype, poison: bool):
         for c in kv:
             c[1:].fill_(1e4)  # unwritten slots would swamp the attention if read
     g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(0, 163000, (21,), generator=g).tolist(), torch.randint(0, 163000, (37,), generator=g).tolist()]
+    seqs = [
+        torch.randint(0, 163000, (21,), generator=g).tolist(),
+        torch.randint(0, 163000, (37,), generator=g).tolist(),
+    ]
     tabs = [[3, 1, 5, 9], [2, 7, 4, 11]]
     out = []
     qlens = [len(s) for s in seqs]
@@ -138,14 +150,26 @@ def ref_bf16_on_gpu(path, cfg):
     return m.eval()
 
 
-@pytest.mark.parametrize("name,backend,attn,fp8_dense", [
-    ("tiny-mla", "humming", None, "off"), ("tiny-mla", "triton", None, "off"), ("tiny-mla", "ref", None, "off"),
-    ("tiny-mla", "humming", "triton", "off"), ("tiny-mla", "humming", "flashinfer", "off"),
-    ("tiny-k2.6", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "off"),
-    ("tiny-k2-instruct-i128", "humming", None, "off"), ("tiny-k2-instruct", "humming", None, "triton"),
-    ("tiny-k2-instruct-i128", "humming", None, "triton"), ("tiny-k2-instruct-i128", "humming", None, "humming"),
-    ("tiny-mla", "cuda", None, "off"), ("tiny-k2.6", "cuda", None, "off"), ("tiny-mla", "auto", None, "off"),
-    ("tiny-k2.6", "auto", None, "off")])
+@pytest.mark.parametrize(
+    "name,backend,attn,fp8_dense",
+    [
+        ("tiny-mla", "humming", None, "off"),
+        ("tiny-mla", "triton", None, "off"),
+        ("tiny-mla", "ref", None, "off"),
+        ("tiny-mla", "humming", "triton", "off"),
+        ("tiny-mla", "humming", "flashinfer", "off"),
+        ("tiny-k2.6", "humming", None, "off"),
+        ("tiny-k2-instruct", "humming", None, "off"),
+        ("tiny-k2-instruct-i128", "humming", None, "off"),
+        ("tiny-k2-instruct", "humming", None, "triton"),
+        ("tiny-k2-instruct-i128", "humming", None, "triton"),
+        ("tiny-k2-instruct-i128", "humming", None, "humming"),
+        ("tiny-mla", "cuda", None, "off"),
+        ("tiny-k2.6", "cuda", None, "off"),
+        ("tiny-mla", "auto", None, "off"),
+        ("tiny-k2.6", "auto", None, "off"),
+    ],
+)
 def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
     """Bound per logits row: |GPU - CPU f32| <= max(0.25, |R16 - CPU f32| + 0.1) nats, where R16 is the reference
     model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
@@ -156,8 +180,9 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
 
     path = ckpts[name]
     cfg, ref = cpu_model(path)
-    gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False,
-                        fp8_dense=fp8_dense)
+    gm = load_gpu_model(
+        path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend=backend, progress=False, fp8_dense=fp8_dense
+    )
     if attn:  # decode attention backend (None: the model's default)
         gm.decode_attention = attn
     impl = type(gm.layers[1].mlp.experts_impl).__name__
@@ -169,7 +194,9 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
         assert impl == "HummingInt4Experts" and gm.layers[1].mlp.experts_impl.cuda_max_pairs > 0, impl
     fp8_layers = [m for m in gm.modules() if isinstance(m, Fp8Linear)]
     if fp8_dense != "off":  # dense FP8 weights kept FP8: o_proj / q_b of every layer at least
-        assert isinstance(gm.layers[0].self_attn.o_proj, Fp8Linear) and isinstance(gm.layers[-1].self_attn.q_b_proj, Fp8Linear)
+        assert isinstance(gm.layers[0].self_attn.o_proj, Fp8Linear) and isinstance(
+            gm.layers[-1].self_attn.q_b_proj, Fp8Linear
+        )
         assert isinstance(gm.layers[0].self_attn.w_qkv_a, Fp8Linear) == (name == "tiny-k2-instruct-i128")
         assert isinstance(gm.layers[1].mlp.shared_experts.w13, Fp8Linear) == (name == "tiny-k2-instruct-i128")
         # humming takes the whole-tile layers (the i128 checkpoint's o_proj: 128 x 128); kimi's kernel the rest
@@ -183,18 +210,37 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
         assert torch.isfinite(o).all()
     agree, rows, diffs = _rows(want, got)
     agree16, _, diffs16 = _rows(want, r16)
-    report(dict(test="gpu_model_vs_cpu", checkpoint=name, moe_backend=backend, experts_impl=impl,
-                decode_attention=gm.decode_attention, fp8_dense=fp8_dense, fp8_dense_layers=len(fp8_layers),
-                flashinfer=gm.flashinfer_ok, top1_agree=f"{agree}/{rows}", max_logprob_diff=round(max(diffs), 4),
-                ref_bf16_top1_agree=f"{agree16}/{rows}", ref_bf16_max_logprob_diff=round(max(diffs16), 4)))
+    report(
+        dict(
+            test="gpu_model_vs_cpu",
+            checkpoint=name,
+            moe_backend=backend,
+            experts_impl=impl,
+            decode_attention=gm.decode_attention,
+            fp8_dense=fp8_dense,
+            fp8_dense_layers=len(fp8_layers),
+            flashinfer=gm.flashinfer_ok,
+            top1_agree=f"{agree}/{rows}",
+            max_logprob_diff=round(max(diffs), 4),
+            ref_bf16_top1_agree=f"{agree16}/{rows}",
+            ref_bf16_max_logprob_diff=round(max(diffs16), 4),
+        )
+    )
     assert agree >= min(0.9 * rows, agree16 - 1)
     for i, (d, d16) in enumerate(zip(diffs, diffs16)):
         assert d <= max(0.25, d16 + 0.1), f"row {i}: |GPU - CPU| {d:.4f} nats, bf16 reference {d16:.4f}"
 
 
-@pytest.mark.parametrize("backend,attn,lpg", [("humming", "flashinfer", None), ("triton", "flashinfer", 0),
-                                              ("humming", "triton", 1), ("cuda", "flashinfer", None),
-                                              ("auto", "flashinfer", None)])
+@pytest.mark.parametrize(
+    "backend,attn,lpg",
+    [
+        ("humming", "flashinfer", None),
+        ("triton", "flashinfer", 0),
+        ("humming", "triton", 1),
+        ("cuda", "flashinfer", None),
+        ("auto", "flashinfer", None),
+    ],
+)
 def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     """Every bucket up to 16: a decode batch of B sequences (B = bucket and B = bucket - 1 where > 0), the
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
@@ -250,8 +296,15 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
                 rel = float((graph.float() - eager.float()).norm() / eager.float().norm())
                 results.append((bucket, B, diff, rel))
                 assert rel <= 1e-2, (bucket, B, diff, rel)
-    report(dict(test="cuda_graph_replay_vs_eager", moe_backend=backend, decode_attention=attn, layers_per_graph=lpg,
-                cases=[dict(bucket=b, batch=B, max_abs=round(d, 5), rel=round(r, 6)) for b, B, d, r in results]))
+    report(
+        dict(
+            test="cuda_graph_replay_vs_eager",
+            moe_backend=backend,
+            decode_attention=attn,
+            layers_per_graph=lpg,
+            cases=[dict(bucket=b, batch=B, max_abs=round(d, 5), rel=round(r, 6)) for b, B, d, r in results],
+        )
+    )
 
 
 @pytest.mark.parametrize("backend", ["cuda", "humming", "triton"])

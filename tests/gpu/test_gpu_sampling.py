@@ -46,7 +46,13 @@ def _mixed(B: int, V: int) -> list[SamplingParams]:
         SamplingParams(temperature=0.0, num_logprobs=5),
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, num_logprobs=0),
         SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2),
-        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias_ids=[1, 2], logit_bias_values=[3.0, -3.0]),
+        SamplingParams(
+            temperature=0.0,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logit_bias_ids=[1, 2],
+            logit_bias_values=[3.0, -3.0],
+        ),
         SamplingParams(temperature=1.2, min_tokens=3, min_tokens_block_ids=[0, V - 1], num_logprobs=20),
         SamplingParams(temperature=0.6, top_p=0.5, seed=1),
     ]
@@ -58,10 +64,20 @@ def test_greedy_identical_to_cpu_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, V, generator=g) * 4
     toks, n_prompt = _history(B, V, 1)
-    params = [SamplingParams(temperature=0.0, num_logprobs=3 if b % 2 else -1, repetition_penalty=1.0 + 0.1 * (b % 3),
-                             presence_penalty=0.4 * (b % 2), frequency_penalty=0.2 * (b % 4),
-                             logit_bias_ids=[b, b + 100], logit_bias_values=[2.0, -1.0],
-                             min_tokens=4 * (b % 2), min_tokens_block_ids=[int(x[b].argmax())]) for b in range(B)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            num_logprobs=3 if b % 2 else -1,
+            repetition_penalty=1.0 + 0.1 * (b % 3),
+            presence_penalty=0.4 * (b % 2),
+            frequency_penalty=0.2 * (b % 4),
+            logit_bias_ids=[b, b + 100],
+            logit_bias_values=[2.0, -1.0],
+            min_tokens=4 * (b % 2),
+            min_tokens_block_ids=[int(x[b].argmax())],
+        )
+        for b in range(B)
+    ]
     proc_gpu = S.process_logits(x.to(DEV), params, toks, n_prompt).cpu()
     proc_cpu = S.process_logits_ref(x, params, toks, n_prompt)
     assert torch.equal(proc_gpu, proc_cpu)  # divisions, products and distinct-index adds are exact on both
@@ -87,9 +103,13 @@ def test_masks_identical_to_cpu_reference():
     ps = [[1.0, 0.01, 0.3, 0.6, 0.9, 0.95, 0.999][r % 7] for r in range(R)]
     mps = [[0.0, 0.0, 0.01, 0.1, 0.3, 0.001][r % 6] for r in range(R)]
     xt = x / torch.tensor(temps).unsqueeze(1)
-    only_k = S.filter_logits(xt.to(DEV), None, torch.tensor([k if 0 < k < V else V for k in ks], device=DEV), None).cpu()
+    only_k = S.filter_logits(
+        xt.to(DEV), None, torch.tensor([k if 0 < k < V else V for k in ks], device=DEV), None
+    ).cpu()
     got = S.filter_logits(
-        xt.to(DEV), torch.tensor(mps, device=DEV), torch.tensor([k if 0 < k < V else V for k in ks], device=DEV),
+        xt.to(DEV),
+        torch.tensor(mps, device=DEV),
+        torch.tensor([k if 0 < k < V else V for k in ks], device=DEV),
         torch.tensor([p if p < 1 else float("inf") for p in ps], device=DEV),
     ).cpu()
     n_ambiguous = 0
@@ -101,7 +121,11 @@ def test_masks_identical_to_cpu_reference():
         diff = torch.isfinite(got[r]) != want
         if diff.any():  # only where the reference sits on a threshold, in float64
             p64 = torch.softmax(row.double(), -1)
-            near = ((p64 - mps[r] * p64.max()).abs() < MARGIN * p64.max()) if mps[r] > 0 else torch.zeros(V, dtype=torch.bool)
+            near = (
+                ((p64 - mps[r] * p64.max()).abs() < MARGIN * p64.max())
+                if mps[r] > 0
+                else torch.zeros(V, dtype=torch.bool)
+            )
             k_row = S._filter_top_k_top_p(after_min_p, ks[r], 1.0).double()
             sv, si = torch.sort(k_row, descending=True, stable=True)
             sp = torch.softmax(sv, -1)
@@ -143,15 +167,28 @@ def test_seeded_rows_reproducible_across_batches_and_equal_to_reference():
     for rows in ([target], [0, 1, 2, 3, 4, 5], list(range(B))[::-1], [5, 5, 7, 8]):
         seq = []
         for pos in range(10):
-            gens = [torch.Generator(device=DEV).manual_seed(77 + pos) if r == target else
-                    (torch.Generator(device=DEV).manual_seed(r) if params[r].temperature > 0 and r % 2 else None)
-                    for r in rows]
-            res = S.sample(x[rows], [params[r] for r in rows], gens, [toks[r] for r in rows], [n_prompt[r] for r in rows])
+            gens = [
+                torch.Generator(device=DEV).manual_seed(77 + pos)
+                if r == target
+                else (torch.Generator(device=DEV).manual_seed(r) if params[r].temperature > 0 and r % 2 else None)
+                for r in rows
+            ]
+            res = S.sample(
+                x[rows], [params[r] for r in rows], gens, [toks[r] for r in rows], [n_prompt[r] for r in rows]
+            )
             seq.append(res.token_ids[rows.index(target)])
         out.append(seq)
     assert all(s == out[0] for s in out) and len(set(out[0])) > 1
-    ref = [S.sample_ref(x[[target]], [params[target]], [torch.Generator(device=DEV).manual_seed(77 + pos)],
-                        [toks[target]], [n_prompt[target]]).token_ids[0] for pos in range(10)]
+    ref = [
+        S.sample_ref(
+            x[[target]],
+            [params[target]],
+            [torch.Generator(device=DEV).manual_seed(77 + pos)],
+            [toks[target]],
+            [n_prompt[target]],
+        ).token_ids[0]
+        for pos in range(10)
+    ]
     assert ref == out[0]
 
 
@@ -165,7 +202,9 @@ def test_one_device_to_host_copy_per_call(monkeypatch):
     params = _mixed(B, V)
 
     def gens():
-        return [torch.Generator(device=DEV).manual_seed(b) if p.seed is not None else None for b, p in enumerate(params)]
+        return [
+            torch.Generator(device=DEV).manual_seed(b) if p.seed is not None else None for b, p in enumerate(params)
+        ]
 
     S.sample(x, params, gens(), toks, n_prompt)  # warm-up (allocator, pinned host blocks)
     copies: list[int] = []
@@ -199,8 +238,12 @@ def test_tiny_temperature_and_top_p_sample_the_argmax_on_the_gpu():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(B, V, generator=g) * 4
     x[:, 0] = -50.0  # id 0 is never the argmax
-    kinds = [dict(temperature=1e-38), dict(temperature=1e-300, seed=3), dict(temperature=1.0, top_p=1e-46),
-             dict(temperature=0.5, top_p=1e-300, seed=11)]
+    kinds = [
+        dict(temperature=1e-38),
+        dict(temperature=1e-300, seed=3),
+        dict(temperature=1.0, top_p=1e-46),
+        dict(temperature=0.5, top_p=1e-300, seed=11),
+    ]
     params = [SamplingParams(**kinds[b % len(kinds)]) for b in range(B)]
     gens = [torch.Generator(device=DEV).manual_seed(p.seed) if p.seed is not None else None for p in params]
     got = S.sample(x.to(DEV), params, gens).token_ids

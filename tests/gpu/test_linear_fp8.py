@@ -21,8 +21,18 @@ pytestmark = [
 
 # K2-Instruct's dense FP8 shapes (N, K): q_a + kv_a merged, q_b, o_proj, shared gate_up / down, layer-0 gate_up /
 # down; plus ragged ones (N, K not multiples of 128 or of the block_n's).
-SHAPES = [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048), (36864, 7168), (7168, 18432),
-          (208, 128), (200, 96), (1000, 333)]
+SHAPES = [
+    (2112, 7168),
+    (12288, 1536),
+    (7168, 8192),
+    (4096, 7168),
+    (7168, 2048),
+    (36864, 7168),
+    (7168, 18432),
+    (208, 128),
+    (200, 96),
+    (1000, 333),
+]
 MS = [1, 3, 8, 16, 32, 33, 64]
 
 
@@ -48,8 +58,13 @@ def test_shapes_vs_fp32_reference(N, K):
     worst = 0.0
     for M in MS:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        cfgs = {lf.lookup(M, N, K, x.device), lf.default_config(N, K), lf.Fp8Config(16, 4, 4, 4, 0),
-                lf.Fp8Config(128, 8, 3, 1, 1), lf.Fp8Config(64, 4, 3, 2, 4)}
+        cfgs = {
+            lf.lookup(M, N, K, x.device),
+            lf.default_config(N, K),
+            lf.Fp8Config(16, 4, 4, 4, 0),
+            lf.Fp8Config(128, 8, 3, 1, 1),
+            lf.Fp8Config(64, 4, 3, 2, 4),
+        }
         for cfg in cfgs:
             y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             lf.fp8_linear_small_m(x, q, s, out=y, config=cfg)

@@ -20,8 +20,16 @@ pytestmark = [
 
 # Kimi-K2.6 decode shapes (N, K); lm_head at reduced N (the kernel does not depend on N beyond the grid; 20000
 # is not a multiple of 64/128, which exercises the clamped-row path).
-SHAPES = [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048), (36864, 7168), (7168, 18432),
-          (20000, 7168)]
+SHAPES = [
+    (2112, 7168),
+    (12288, 1536),
+    (7168, 8192),
+    (4096, 7168),
+    (7168, 2048),
+    (36864, 7168),
+    (7168, 18432),
+    (20000, 7168),
+]
 MS = [1, 3, 8, 16, 24, 33, 64]
 
 
@@ -111,10 +119,16 @@ def test_strided_views_and_fp16():
     _check(xh, wh, lsm.linear_small_m(xh, wh, config=lsm.SmallMConfig()))
 
 
-@pytest.mark.parametrize("cfg", [lsm.SmallMConfig(), lsm.SmallMConfig(split_k=4),
-                                 lsm.SmallMConfig(block_n=128, block_k=128, split_k=3, swap_ab=True),
-                                 lsm.SmallMConfig(split_k=4, tma=True)],
-                         ids=lambda c: c.name())
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        lsm.SmallMConfig(),
+        lsm.SmallMConfig(split_k=4),
+        lsm.SmallMConfig(block_n=128, block_k=128, split_k=3, swap_ab=True),
+        lsm.SmallMConfig(split_k=4, tma=True),
+    ],
+    ids=lambda c: c.name(),
+)
 def test_cuda_graph_replay_equals_eager(cfg):
     torch.manual_seed(4)
     N, K, M = 2112, 7168, 16
@@ -200,8 +214,11 @@ def test_fused_prologues_vs_unfused(kind):
             xin = (F.silu(x[:, :K].float()).to(torch.bfloat16).float() * x[:, K:].float()).to(torch.bfloat16)
             kw = dict(silu_mul=True)
         base = lsm.lookup(M, N, K, torch.device("cuda")) or lsm.SmallMConfig()
-        cfgs = [base, lsm.SmallMConfig(**{**lsm.table_entry(base), "tma": False}),
-                lsm.SmallMConfig(**{**lsm.table_entry(base), "split_k": 2})]
+        cfgs = [
+            base,
+            lsm.SmallMConfig(**{**lsm.table_entry(base), "tma": False}),
+            lsm.SmallMConfig(**{**lsm.table_entry(base), "split_k": 2}),
+        ]
         for cfg in cfgs:
             y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             lsm.linear_small_m(x, w, out=y, config=cfg, **kw)
@@ -230,8 +247,8 @@ def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
         return (torch.randn(*shape, generator=g, device="cuda") * s).to(torch.bfloat16)
 
     w_n1, w_n2 = rnd(D, s=0.1) + 1, rnd(Q, s=0.1) + 1
-    w_a, w_b, w_o = rnd(Q + 576, D, s=D ** -0.5), rnd(H * N, Q, s=Q ** -0.5), rnd(D, H * N, s=(H * N) ** -0.5)
-    w_h = rnd(H, N, N, s=N ** -0.5)
+    w_a, w_b, w_o = rnd(Q + 576, D, s=D**-0.5), rnd(H * N, Q, s=Q**-0.5), rnd(D, H * N, s=(H * N) ** -0.5)
+    w_h = rnd(H, N, N, s=N**-0.5)
 
     def chain(x):
         h = fused.rms_norm(x, w_n1, 1e-6)

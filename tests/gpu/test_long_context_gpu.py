@@ -24,7 +24,6 @@ import random
 
 import pytest
 import torch
-
 from test_gpu_model import make_ckpt, report
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +53,9 @@ def run_long(model, cfg, device, dtype, n_ctx: int, poison: bool) -> torch.Tenso
         while done < n_ctx:
             q = min(CHUNK, n_ctx - done)
             a = build_attention_metadata([q], [done + q], [table], BS, device)
-            h = model(torch.tensor(toks[done:done + q], device=device), torch.arange(done, done + q, device=device), a, kv)
+            h = model(
+                torch.tensor(toks[done : done + q], device=device), torch.arange(done, done + q, device=device), a, kv
+            )
             done += q
         for step in range(DECODE_STEPS):
             toks.append(1000 + 17 * step)
@@ -99,10 +100,20 @@ def test_gpu_decode_past_32k_matches_reference(tmp_path_factory):
     agree, diff = _per_step(want, got)
     agree16, diff16 = _per_step(want, refs["R16"])
     bound = [max(0.25, d16 + 0.1) for d16 in diff16]
-    report(dict(test="gpu_long_context_vs_reference", checkpoint="tiny-mla", context=n_ctx,
-                top1_agree=f"{agree}/{DECODE_STEPS}", top1_agree_ref_bf16=f"{agree16}/{DECODE_STEPS}",
-                per_step_logprob_diff=[round(x, 4) for x in diff], ref_bf16_per_step=[round(x, 4) for x in diff16],
-                max_logprob_diff=round(max(diff), 4)))
+    report(
+        dict(
+            test="gpu_long_context_vs_reference",
+            checkpoint="tiny-mla",
+            context=n_ctx,
+            top1_agree=f"{agree}/{DECODE_STEPS}",
+            top1_agree_ref_bf16=f"{agree16}/{DECODE_STEPS}",
+            per_step_logprob_diff=[round(x, 4) for x in diff],
+            ref_bf16_per_step=[round(x, 4) for x in diff16],
+            max_logprob_diff=round(max(diff), 4),
+        )
+    )
     assert agree >= max(DECODE_STEPS - 2, agree16 - 1)
     for step, (d, b) in enumerate(zip(diff, bound)):
-        assert d <= b, f"decode step {step}: |GPU - R32| {d:.4f} nats > bound {b:.4f} (bf16 reference: {diff16[step]:.4f})"
+        assert d <= b, (
+            f"decode step {step}: |GPU - R32| {d:.4f} nats > bound {b:.4f} (bf16 reference: {diff16[step]:.4f})"
+        )

@@ -24,8 +24,12 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
     gen = torch.Generator(device="cuda").manual_seed(T)
     p13, s13 = random_packed_experts(E, 2 * inter, D, gen, "cuda")
     p2, s2 = random_packed_experts(E, D, inter, gen, "cuda")
-    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
-                     "w2_scale": s2.clone()}
+    parts = lambda: {
+        "w13_packed": p13.clone(),
+        "w13_scale": s13.clone(),
+        "w2_packed": p2.clone(),
+        "w2_scale": s2.clone(),
+    }
     hum = make_experts("humming", parts(), offset, E_total, torch.bfloat16)
     x = torch.randn((T, D), device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand((T, E_total), device="cuda", generator=gen).topk(k, dim=-1).indices
@@ -45,8 +49,10 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
     assert torch.isfinite(y).all()
     err = (y - y_ref).abs().max().item()
     scale = y_ref.abs().max().item()
-    print(f"T={T} gate_up {c1.get('block_shape')} ctas/SM {c1.get('num_ctas_per_sm')}, down {c2.get('block_shape')}: "
-          f"max err {err:.3g} of max |ref| {scale:.3g}")
+    print(
+        f"T={T} gate_up {c1.get('block_shape')} ctas/SM {c1.get('num_ctas_per_sm')}, down {c2.get('block_shape')}: "
+        f"max err {err:.3g} of max |ref| {scale:.3g}"
+    )
     assert scale > 0 and err <= 2e-2 * scale, f"max err {err:.3g} vs max |ref| {scale:.3g}"
 
 
@@ -65,8 +71,12 @@ def test_humming_fp8_backend_matches_ref(T, E):
     gen = torch.Generator(device="cuda").manual_seed(2000 + T)
     w13, s13 = random_fp8_experts(E, 2 * inter, D, gen, "cuda")
     w2, s2 = random_fp8_experts(E, D, inter, gen, "cuda")
-    parts = lambda: {"w13_fp8": w13.clone(), "w13_scale_inv": s13.clone(), "w2_fp8": w2.clone(),  # noqa: E731
-                     "w2_scale_inv": s2.clone()}
+    parts = lambda: {
+        "w13_fp8": w13.clone(),
+        "w13_scale_inv": s13.clone(),
+        "w2_fp8": w2.clone(),
+        "w2_scale_inv": s2.clone(),
+    }
     ckpt_bytes = sum(t.numel() * t.element_size() for t in (w13, s13, w2, s2))
     hum = make_experts("humming", parts(), offset, E_total, torch.bfloat16)
     assert isinstance(hum, HummingFp8Experts)
@@ -95,8 +105,10 @@ def test_humming_fp8_backend_matches_ref(T, E):
     err = (y - y_ref).abs().max().item()
     gerr = (out - y).abs().max().item()
     scale = y_ref.abs().max().item()
-    print(f"T={T} fp8 gate_up {c1.get('block_shape')}, down {c2.get('block_shape')}: max err {err:.3g} of max |ref| "
-          f"{scale:.3g}; graph vs eager {gerr:.3g}; {held / 2**20:.0f} MiB held for {ckpt_bytes / 2**20:.0f} MiB")
+    print(
+        f"T={T} fp8 gate_up {c1.get('block_shape')}, down {c2.get('block_shape')}: max err {err:.3g} of max |ref| "
+        f"{scale:.3g}; graph vs eager {gerr:.3g}; {held / 2**20:.0f} MiB held for {ckpt_bytes / 2**20:.0f} MiB"
+    )
     assert scale > 0 and err <= 2e-2 * scale, f"max err {err:.3g} vs max |ref| {scale:.3g}"
     assert gerr <= 2e-2 * scale, f"graph replay vs eager {gerr:.3g}"
 

@@ -26,12 +26,15 @@ def _routing(T, E_total, k, gen):
     return torch.rand((T, E_total), device="cuda", generator=gen).topk(k, dim=-1).indices
 
 
-@pytest.mark.parametrize("E,N,K,T,k,E_total,offset", [
-    (8, 256, 512, 5, 4, 16, 4),     # small: pads, experts with 0..several pairs
-    (8, 128, 1024, 64, 8, 8, 0),    # every pair local, blocks with > 8 rows (second n8 half)
-    (48, 4096, 7168, 64, 8, 384, 96),  # Kimi gate_up at 8 local sequences under EP8
-    (48, 7168, 2048, 256, 8, 384, 96),  # Kimi down at 32 local sequences
-])
+@pytest.mark.parametrize(
+    "E,N,K,T,k,E_total,offset",
+    [
+        (8, 256, 512, 5, 4, 16, 4),  # small: pads, experts with 0..several pairs
+        (8, 128, 1024, 64, 8, 8, 0),  # every pair local, blocks with > 8 rows (second n8 half)
+        (48, 4096, 7168, 64, 8, 384, 96),  # Kimi gate_up at 8 local sequences under EP8
+        (48, 7168, 2048, 256, 8, 384, 96),  # Kimi down at 32 local sequences
+    ],
+)
 def test_indexed_gemm_matches_dequant_reference(E, N, K, T, k, E_total, offset):
     from kimi.ops.fused import moe_align_fused
 
@@ -62,11 +65,14 @@ def test_indexed_gemm_matches_dequant_reference(E, N, K, T, k, E_total, offset):
             assert torch.isnan(out[others]).all(), f"config {cfg}: a row that is not listed was written"
 
 
-@pytest.mark.parametrize("E,N,K,T,k,E_total,offset", [
-    (8, 128, 1024, 60, 8, 8, 0),        # 60 pairs per expert: a last block of 12 rows (pads in the second half)
-    (8, 256, 512, 5, 4, 16, 4),         # few pairs: mostly pad rows
-    (48, 7168, 2048, 256, 8, 384, 96),  # Kimi down at 32 local sequences
-])
+@pytest.mark.parametrize(
+    "E,N,K,T,k,E_total,offset",
+    [
+        (8, 128, 1024, 60, 8, 8, 0),  # 60 pairs per expert: a last block of 12 rows (pads in the second half)
+        (8, 256, 512, 5, 4, 16, 4),  # few pairs: mostly pad rows
+        (48, 7168, 2048, 256, 8, 384, 96),  # Kimi down at 32 local sequences
+    ],
+)
 def test_zero_filled_pad_rows_change_no_output(E, N, K, T, k, E_total, offset):
     """zero_pads (the pad rows' inputs zero-filled, no read) against token 0's row as the pads' inputs: bit-equal
     outputs at every configuration, both row modes (x[pair // k] and x[pair]), glu off; rows not listed keep their
@@ -86,12 +92,12 @@ def test_zero_filled_pad_rows_change_no_output(E, N, K, T, k, E_total, offset):
             outs = []
             for zero in (True, False):
                 out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-                mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, top_k, out, config=cfg,
-                                zero_pads=zero)
+                mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, top_k, out, config=cfg, zero_pads=zero)
                 outs.append(out)
             assert not torch.isnan(outs[0][rows]).any(), f"config {cfg}: a listed row was not written"
             assert torch.equal(torch.nan_to_num(outs[0], 1e9), torch.nan_to_num(outs[1], 1e9)), (
-                f"config {cfg}, top_k {top_k}: zero-filled pads changed the outputs")
+                f"config {cfg}, top_k {top_k}: zero-filled pads changed the outputs"
+            )
 
 
 def test_indexed_gemm_in_a_cuda_graph():
@@ -125,10 +131,13 @@ def test_indexed_gemm_in_a_cuda_graph():
     assert not torch.equal(torch.nan_to_num(out, 1e9), torch.nan_to_num(eager, 1e9)), "the replay read stale inputs"
 
 
-@pytest.mark.parametrize("E,I,K,T,k,E_total,offset", [
-    (8, 128, 512, 9, 4, 16, 4),        # small: pads, blocks with > 8 rows
-    (48, 2048, 7168, 256, 8, 384, 96),  # Kimi gate_up at 32 local sequences under EP8
-])
+@pytest.mark.parametrize(
+    "E,I,K,T,k,E_total,offset",
+    [
+        (8, 128, 512, 9, 4, 16, 4),  # small: pads, blocks with > 8 rows
+        (48, 2048, 7168, 256, 8, 384, 96),  # Kimi gate_up at 32 local sequences under EP8
+    ],
+)
 def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, offset):
     """indexed_gemm(glu=True) over glu_interleave'd weights = silu_mul_rows(interleave=32) of the plain GEMM's output
     on the same weights (both round the GEMM output and the SiLU to bf16; the SiLU's exp / division may differ in the
@@ -169,10 +178,13 @@ def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, off
         mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, y, glu=True)  # [P, 2I]: not [P, I]
 
 
-@pytest.mark.parametrize("E,I,D,T,k,E_total,offset", [
-    (8, 128, 512, 9, 4, 16, 4),          # small: pads, blocks with > 8 rows, empty blocks
-    (48, 2048, 7168, 256, 8, 384, 96),   # Kimi at 32 local sequences under EP8
-])
+@pytest.mark.parametrize(
+    "E,I,D,T,k,E_total,offset",
+    [
+        (8, 128, 512, 9, 4, 16, 4),  # small: pads, blocks with > 8 rows, empty blocks
+        (48, 2048, 7168, 256, 8, 384, 96),  # Kimi at 32 local sequences under EP8
+    ],
+)
 def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offset):
     """The down GEMM with early_weights (expert and first weight chunks read before griddepcontrol.wait) behind a
     gate_up GEMM, as cuda_experts_forward runs them (SiLU·up fused, and the plain gate_up + silu_mul_rows): bit-equal
@@ -196,14 +208,14 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
     def run(early, cfg2, pdl, out, fused=True):
         sorted_ids, block_expert, num_padded, _ = moe_align_fused(ids, E, offset, 16)
         if fused:
-            mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, act, config=cfg13, pdl=pdl,
-                            glu=True)
+            mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, act, config=cfg13, pdl=pdl, glu=True)
             a = act
         else:
             mc.indexed_gemm(x, w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=cfg13, pdl=pdl)
             a = silu_mul_rows(y1, sorted_ids, num_padded, I, interleave=mc.GLU_GROUP)
-        mc.indexed_gemm(a, w2, s2, sorted_ids, block_expert, num_padded, 1, out, config=cfg2, pdl=pdl,
-                        early_weights=early)
+        mc.indexed_gemm(
+            a, w2, s2, sorted_ids, block_expert, num_padded, 1, out, config=cfg2, pdl=pdl, early_weights=early
+        )
         return out
 
     def listed():
@@ -249,8 +261,12 @@ def test_cuda_backend_matches_ref_backend():
     E, D, inter, T, k, E_total, offset = 8, 512, 256, 12, 4, 32, 8
     p13, s13 = _experts(E, 2 * inter, D, gen)
     p2, s2 = _experts(E, D, inter, gen)
-    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
-                     "w2_scale": s2.clone()}
+    parts = lambda: {
+        "w13_packed": p13.clone(),
+        "w13_scale": s13.clone(),
+        "w2_packed": p2.clone(),
+        "w2_scale": s2.clone(),
+    }
     ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
     ours = make_experts("cuda", parts(), offset, E_total, torch.bfloat16)
     x = torch.randn((T, D), device="cuda", generator=gen).to(torch.bfloat16)
@@ -277,8 +293,12 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
     E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
     p13, s13 = _experts(E, 2 * inter, D, gen)
     p2, s2 = _experts(E, D, inter, gen)
-    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
-                     "w2_scale": s2.clone()}
+    parts = lambda: {
+        "w13_packed": p13.clone(),
+        "w13_scale": s13.clone(),
+        "w2_packed": p2.clone(),
+        "w2_scale": s2.clone(),
+    }
     auto = make_experts("auto", parts(), offset, E_total, torch.bfloat16)
     assert isinstance(auto, HummingInt4Experts) and auto.cuda_max_pairs > 0
     assert auto.glu_group == mc.GLU_GROUP  # gate_up rows interleaved (kimi's GEMM writes SiLU(gate) * up)
@@ -288,7 +308,10 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
     ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
     calls = []
     orig = mc.indexed_gemm
-    for T in (4, 64):  # 4 * 4 * 8 / 32 = 4 expected local pairs: kimi's GEMM; 64 tokens with max pairs set to 8: humming's
+    for T in (
+        4,
+        64,
+    ):  # 4 * 4 * 8 / 32 = 4 expected local pairs: kimi's GEMM; 64 tokens with max pairs set to 8: humming's
         auto.cuda_max_pairs = 512 if T == 4 else 8
         x = torch.randn((T, D), device="cuda", generator=gen).to(torch.bfloat16)
         ids = _routing(T, E_total, k, gen)
@@ -318,8 +341,12 @@ def test_auto_uses_hummings_gemm_where_humming_re_encodes_the_weights(caplog):
     nib = p13.view(torch.uint8)  # two nibbles per byte: a 0 nibble becomes 1, so no weight is -8
     lo, hi = nib & 0x0F, nib >> 4
     nib.copy_(torch.where(lo == 0, 1, lo) | (torch.where(hi == 0, 1, hi) << 4))
-    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
-                     "w2_scale": s2.clone()}
+    parts = lambda: {
+        "w13_packed": p13.clone(),
+        "w13_scale": s13.clone(),
+        "w2_packed": p2.clone(),
+        "w2_scale": s2.clone(),
+    }
     with caplog.at_level("WARNING", logger="kimi.worker"):
         auto = make_experts("auto", parts(), offset, E_total, torch.bfloat16)
     assert isinstance(auto, HummingInt4Experts) and auto.cuda_max_pairs == 0
@@ -345,8 +372,8 @@ def _low_latency_layout(E_local, E_total, offset, ranks, tokens_per_rank, k, D, 
     ids = torch.full((E_local * slab, 1), -1, device="cuda", dtype=torch.int64)
     for e in range(E_local):
         c = int((route == offset + e).any(1).sum())
-        x[e * slab: e * slab + c] = torch.randn((c, D), device="cuda", generator=gen).to(torch.bfloat16)
-        ids[e * slab: e * slab + c] = offset + e
+        x[e * slab : e * slab + c] = torch.randn((c, D), device="cuda", generator=gen).to(torch.bfloat16)
+        ids[e * slab : e * slab + c] = offset + e
     return x, ids, ids[:, 0] >= 0, n_tok
 
 
@@ -366,8 +393,12 @@ def test_expert_major_rows_match_the_reference(backend):
     E, D, inter, k, E_total, offset, ranks, m = 8, 512, 256, 4, 32, 8, 4, 16
     p13, s13 = _experts(E, 2 * inter, D, gen)
     p2, s2 = _experts(E, D, inter, gen)
-    parts = lambda: {"w13_packed": p13.clone(), "w13_scale": s13.clone(), "w2_packed": p2.clone(),  # noqa: E731
-                     "w2_scale": s2.clone()}
+    parts = lambda: {
+        "w13_packed": p13.clone(),
+        "w13_scale": s13.clone(),
+        "w2_packed": p2.clone(),
+        "w2_scale": s2.clone(),
+    }
     ours = make_experts(backend, parts(), offset, E_total, torch.bfloat16)
     assert ours.expert_major_ok
     ref = make_experts("ref", parts(), offset, E_total, torch.bfloat16)
@@ -411,8 +442,9 @@ def test_a_failed_launch_raises_runtime_error():
     x = torch.randn((T, K), device="cuda", generator=gen).to(torch.bfloat16)
     out = torch.empty((T * k, N), dtype=torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match=r"kimi_w4a16_indexed_gemm: .*\(nt=3, kw=1, stages=1, n=128, k=256\)"):
-        mc.load_extension().indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, out, k, 3, 1, 1, 0, False,
-                                         False, True)
+        mc.load_extension().indexed_gemm(
+            x, w, s, sorted_ids, block_expert, num_padded, out, k, 3, 1, 1, 0, False, False, True
+        )
     torch.cuda.synchronize()  # the device is still usable
     mc.indexed_gemm(x, w, s, sorted_ids, block_expert, num_padded, k, out)
     torch.cuda.synchronize()

@@ -36,8 +36,15 @@ def _runner(path):
     from kimi.worker.runner import ModelRunner
 
     cfg = ModelConfig.from_dir(path)
-    return ModelRunner(path, cfg, CacheConfig(block_size=16, num_blocks=400), device="cuda", dtype=torch.bfloat16,
-                       progress=False, gpu_options=dict(moe_backend="humming", cuda_graph_max_bs=16))
+    return ModelRunner(
+        path,
+        cfg,
+        CacheConfig(block_size=16, num_blocks=400),
+        device="cuda",
+        dtype=torch.bfloat16,
+        progress=False,
+        gpu_options=dict(moe_backend="humming", cuda_graph_max_bs=16),
+    )
 
 
 def _tokens(outs: dict) -> list:
@@ -45,8 +52,9 @@ def _tokens(outs: dict) -> list:
 
 
 def test_pipelined_steps_equal_one_at_a_time_on_cuda(ckpt):
-    from kimi.config import ModelConfig
     from test_worker_overlap import BS, _plans
+
+    from kimi.config import ModelConfig
 
     assert BS == 16
     plans = _plans(ModelConfig.from_dir(ckpt).vocab_size, seed=3)

@@ -34,15 +34,38 @@ E, K, D, INTER = 16, 4, 32, 24
 
 
 def _cfg() -> ModelConfig:
-    return ModelConfig.from_dict(dict(
-        hidden_size=D, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=48,
-        moe_intermediate_size=INTER, n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1,
-        num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, max_position_embeddings=256, vocab_size=50, routed_scaling_factor=2.827,
-        rope_theta=50000.0, rms_norm_eps=1e-5,
-        rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=64, beta_fast=32,
-                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-    ))
+    return ModelConfig.from_dict(
+        dict(
+            hidden_size=D,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            intermediate_size=48,
+            moe_intermediate_size=INTER,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_shared_experts=1,
+            num_attention_heads=2,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            max_position_embeddings=256,
+            vocab_size=50,
+            routed_scaling_factor=2.827,
+            rope_theta=50000.0,
+            rms_norm_eps=1e-5,
+            rope_scaling=dict(
+                type="yarn",
+                factor=32.0,
+                original_max_position_embeddings=64,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+        )
+    )
 
 
 def _full_layer(seed: int) -> MoELayer:
@@ -86,7 +109,9 @@ def _rank_main(rank: int, world: int, port: int, token_counts: list[list[int]]) 
             recv = a2a.dispatch(x, tw, tid)
             want_rows = sum(int(((ids // n_local) == rank).any(dim=1).sum()) for _, ids in routed)
             assert recv.hidden.shape == (want_rows, D), (recv.hidden.shape, want_rows)
-            y = fused_experts_ref(recv.hidden, layer.w13, layer.w2, recv.topk_weights, recv.topk_ids, layer.expert_offset)
+            y = fused_experts_ref(
+                recv.hidden, layer.w13, layer.w2, recv.topk_weights, recv.topk_ids, layer.expert_offset
+            )
             out = a2a.combine(y, recv)
             ref = fused_experts_ref(x, full.w13, full.w2, tw, tid)
             assert out.shape == (counts[rank], D)
@@ -97,10 +122,13 @@ def _rank_main(rank: int, world: int, port: int, token_counts: list[list[int]]) 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,token_counts", [
-    (2, [[6, 0], [3, 5]]),
-    (4, [[5, 0, 3, 9], [0, 0, 0, 2], [0, 0, 0, 0]]),
-])
+@pytest.mark.parametrize(
+    "world,token_counts",
+    [
+        (2, [[6, 0], [3, 5]]),
+        (4, [[5, 0, 3, 9], [0, 0, 0, 2], [0, 0, 0, 0]]),
+    ],
+)
 def test_gloo_dispatch_combine_matches_single_process(world, token_counts):
     mp.spawn(_rank_main, args=(world, free_tcp_port(), token_counts), nprocs=world, join=True)
 
@@ -151,7 +179,9 @@ def test_run_experts_passes_expert_major_only_to_backends_that_take_it():
 
     g = torch.Generator().manual_seed(5)
     E_local, D, inter, offset = 2, 16, 8, 2
-    ref = RefExperts(torch.randn(E_local, 2 * inter, D, generator=g), torch.randn(E_local, D, inter, generator=g), offset)
+    ref = RefExperts(
+        torch.randn(E_local, 2 * inter, D, generator=g), torch.randn(E_local, D, inter, generator=g), offset
+    )
     x = torch.randn(6, D, generator=g)
     ids = torch.tensor([[2], [2], [-1], [3], [-1], [-1]])
     w = torch.ones(6, 1)

@@ -74,11 +74,19 @@ def _workload(seed: int):
     reqs = []
     for i in range(40):
         n = rng.randrange(1, 5 * BS)
-        prompt = (shared[: rng.randrange(0, 3 * BS)] if i % 3 == 0 else []) + [rng.randrange(1, FAKE_VOCAB) for _ in range(n)]
-        sampling = protocol.SamplingParams(temperature=0.0) if i % 2 else protocol.SamplingParams(temperature=0.8, seed=i)
+        prompt = (shared[: rng.randrange(0, 3 * BS)] if i % 3 == 0 else []) + [
+            rng.randrange(1, FAKE_VOCAB) for _ in range(n)
+        ]
+        sampling = (
+            protocol.SamplingParams(temperature=0.0) if i % 2 else protocol.SamplingParams(temperature=0.8, seed=i)
+        )
         stop_ids = frozenset({rng.randrange(FAKE_VOCAB) for _ in range(50)}) if i % 5 == 0 else frozenset()
-        stop = StopParams(max_tokens=rng.randrange(1, 60), stop_token_ids=stop_ids, ignore_eos=i % 7 == 0,
-                          min_tokens=3 if i % 4 == 0 else 0)
+        stop = StopParams(
+            max_tokens=rng.randrange(1, 60),
+            stop_token_ids=stop_ids,
+            ignore_eos=i % 7 == 0,
+            min_tokens=3 if i % 4 == 0 else 0,
+        )
         reqs.append((f"r{i}", prompt, sampling, stop))
     return reqs
 
@@ -86,12 +94,21 @@ def _workload(seed: int):
 async def _serve(tok, async_scheduling: bool, num_blocks: int, delays: list[float], workload, abort_after=None):
     world = len(delays)
     cfg = ModelConfig.from_dict(load_preset("kimi-k2.6"))  # the fake runner only sizes blocks with it
-    runners = [FakeRunner(cfg, CacheConfig(block_size=BS, num_blocks=num_blocks), rank=r, world_size=world)
-               for r in range(world)]
+    runners = [
+        FakeRunner(cfg, CacheConfig(block_size=BS, num_blocks=num_blocks), rank=r, world_size=world)
+        for r in range(world)
+    ]
     transport = LoopbackTransport(runners, delays)
-    engine = Engine(tok, EOS, SchedulerConfig(max_num_seqs=8, token_budget=40, max_model_len=4096),
-                    CacheConfig(block_size=BS, num_blocks=num_blocks), transport, vocab_size=163840,
-                    step_timeout_s=30.0, async_scheduling=async_scheduling)
+    engine = Engine(
+        tok,
+        EOS,
+        SchedulerConfig(max_num_seqs=8, token_budget=40, max_model_len=4096),
+        CacheConfig(block_size=BS, num_blocks=num_blocks),
+        transport,
+        vocab_size=163840,
+        step_timeout_s=30.0,
+        async_scheduling=async_scheduling,
+    )
     await engine.start(world, timeout_s=10)
     loop = asyncio.create_task(engine.run())
 
@@ -124,8 +141,11 @@ def tok(tmp_path_factory):
     return KimiTokenizer.from_dir(d)
 
 
-@pytest.mark.parametrize("num_blocks,delays", [(400, [0.0]), (40, [0.0]), (60, [0.0, 0.003]), (30, [0.002, 0.0])],
-                         ids=["roomy-1rank", "preempting-1rank", "2ranks-slow1", "preempting-2ranks-slow0"])
+@pytest.mark.parametrize(
+    "num_blocks,delays",
+    [(400, [0.0]), (40, [0.0]), (60, [0.0, 0.003]), (30, [0.002, 0.0])],
+    ids=["roomy-1rank", "preempting-1rank", "2ranks-slow1", "preempting-2ranks-slow0"],
+)
 def test_async_outputs_equal_sync_outputs(tok, num_blocks, delays):
     work = _workload(num_blocks)
     sync, e_sync = asyncio.run(_serve(tok, False, num_blocks, delays, work))

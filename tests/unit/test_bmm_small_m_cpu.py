@@ -12,7 +12,6 @@ from kimi.ops import bmm_small_m as bmm
 from tests.unit.triton_interp import run_interpreted
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_dispatch_is_torch_path(dtype):
     torch.manual_seed(0)

@@ -19,13 +19,16 @@ def _param(text: str) -> str | None:
     return e.value.param
 
 
-@pytest.mark.parametrize("text,path", [
-    ('{"a": %s}' % LONG, "a"),
-    ('{"a": [1, {"b": [2, -%s]}]}' % LONG, "a[1].b[1]"),
-    ('{"x.y": {"[0]": %s}}' % LONG, "x.y.[0]"),
-    ('{"": %s}' % LONG, ""),
-    ('[[[%s]]]' % LONG, "[0][0][0]"),
-])
+@pytest.mark.parametrize(
+    "text,path",
+    [
+        ('{"a": %s}' % LONG, "a"),
+        ('{"a": [1, {"b": [2, -%s]}]}' % LONG, "a[1].b[1]"),
+        ('{"x.y": {"[0]": %s}}' % LONG, "x.y.[0]"),
+        ('{"": %s}' % LONG, ""),
+        ("[[[%s]]]" % LONG, "[0][0][0]"),
+    ],
+)
 def test_long_integer_paths(text, path):
     assert _param(text) == path
 

@@ -38,26 +38,41 @@ def test_plain_user_turn_gets_default_system(tok):
 def test_system_and_user(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"}]
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
-        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>ann<|im_middle|>Hi<|im_end|>")
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>ann<|im_middle|>Hi<|im_end|>"
+    )
 
 
 def test_tools_declared_first_as_compact_json(tok):
     out = tok.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL])
-    tools_json = ('[{"type":"function","function":{"name":"get_weather","description":"Météo d\'une ville",'
-                  '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]')
-    assert out == ("<|im_system|>tool_declare<|im_middle|>" + tools_json + "<|im_end|>" + SYS
-                   + "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>" + GEN)
+    tools_json = (
+        '[{"type":"function","function":{"name":"get_weather","description":"Météo d\'une ville",'
+        '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]'
+    )
+    assert out == (
+        "<|im_system|>tool_declare<|im_middle|>"
+        + tools_json
+        + "<|im_end|>"
+        + SYS
+        + "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
+        + GEN
+    )
 
 
 def test_tool_calls_and_results_in_history(tok):
     msgs = [
         {"role": "user", "content": "Search and look up."},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "search:0", "type": "function",
-             "function": {"name": "search", "arguments": '{"q": "kimi"}'}},
-            {"id": "call_abc123", "type": "function",
-             "function": {"name": "db.lookup-v2", "arguments": {"key": "é", "n": [1, 2]}}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "search:0", "type": "function", "function": {"name": "search", "arguments": '{"q": "kimi"}'}},
+                {
+                    "id": "call_abc123",
+                    "type": "function",
+                    "function": {"name": "db.lookup-v2", "arguments": {"key": "é", "n": [1, 2]}},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "search:0", "content": "result one"},
         {"role": "tool", "tool_call_id": "call_abc123", "content": [{"type": "text", "text": "row"}]},
     ]
@@ -71,28 +86,42 @@ def test_tool_calls_and_results_in_history(tok):
         + "<|tool_calls_section_end|><|im_end|>"
         + "<|im_system|>tool<|im_middle|>## Return of search:0\nresult one<|im_end|>"
         + "<|im_system|>tool<|im_middle|>## Return of call_abc123\nrow<|im_end|>"
-        + GEN)
+        + GEN
+    )
 
 
 def test_assistant_content_before_tool_calls_and_none_content(tok):
-    msgs = [{"role": "user", "content": "x"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "functions.f:0", "function": {"name": "f", "arguments": "{}"}}]},
-            {"role": "assistant", "content": "Let me check.", "tool_calls": [
-                {"id": "functions.f:1", "function": {"name": "f", "arguments": {}}}]}]
+    msgs = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "functions.f:0", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [{"id": "functions.f:1", "function": {"name": "f", "arguments": {}}}],
+        },
+    ]
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
-        SYS + "<|im_user|>user<|im_middle|>x<|im_end|>"
+        SYS
+        + "<|im_user|>user<|im_middle|>x<|im_end|>"
         + "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
-          "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
         + "<|im_assistant|>assistant<|im_middle|>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>"
-          "functions.f:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+        "functions.f:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+    )
 
 
 def test_empty_assistant_content_in_history(tok):
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "b"}]
     assert tok.apply_chat_template(msgs) == (
-        SYS + "<|im_user|>user<|im_middle|>a<|im_end|><|im_assistant|>assistant<|im_middle|><|im_end|>"
-        + "<|im_user|>user<|im_middle|>b<|im_end|>" + GEN)
+        SYS
+        + "<|im_user|>user<|im_middle|>a<|im_end|><|im_assistant|>assistant<|im_middle|><|im_end|>"
+        + "<|im_user|>user<|im_middle|>b<|im_end|>"
+        + GEN
+    )
 
 
 def test_list_of_text_parts(tok):
@@ -111,19 +140,38 @@ def test_thinking_off(tok):
 def test_rendered_prompt_encodes_to_control_tokens(tok):
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}], thinking=False), allow_special=True)
     b = list  # built-in vocabulary: ordinary text is one token per byte
-    assert ids == ([163594] + b(b"system") + [163601]
-                   + b(b"You are Kimi, an AI assistant created by Moonshot AI.") + [163586]
-                   + [163587] + b(b"user") + [163601] + b(b"Hi") + [163586]
-                   + [163588] + b(b"assistant") + [163601, 163606, 163607])
+    assert ids == (
+        [163594]
+        + b(b"system")
+        + [163601]
+        + b(b"You are Kimi, an AI assistant created by Moonshot AI.")
+        + [163586]
+        + [163587]
+        + b(b"user")
+        + [163601]
+        + b(b"Hi")
+        + [163586]
+        + [163588]
+        + b(b"assistant")
+        + [163601, 163606, 163607]
+    )
 
 
-@pytest.mark.parametrize("messages, match", [
-    ([{"role": "developer", "content": "x"}], "unsupported message role: developer"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}], "content part type: image_url"),
-    ([{"role": "tool", "content": "x"}], "tool_call_id"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
-     "tool call needs an id"),
-])
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([{"role": "developer", "content": "x"}], "unsupported message role: developer"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+            "content part type: image_url",
+        ),
+        ([{"role": "tool", "content": "x"}], "tool_call_id"),
+        (
+            [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
+            "tool call needs an id",
+        ),
+    ],
+)
 def test_bad_messages_raise_value_error(tok, messages, match):
     with pytest.raises(ValueError, match=match):
         tok.apply_chat_template(messages)
@@ -133,7 +181,8 @@ def test_custom_template_tojson_and_errors(tok):
     t = copy.copy(tok)
     t.chat_template = "{{ messages | tojson(separators=(',', ':'), ensure_ascii=True) }}|{{ flag | tojson }}"
     assert t.apply_chat_template([{"role": "user", "content": "é<"}], flag=None) == (
-        '[{"role":"user","content":"\\u00e9<"}]|null')
+        '[{"role":"user","content":"\\u00e9<"}]|null'
+    )
     t.chat_template = "{% for m in messages %}{{ m.content }"
     with pytest.raises(ValueError, match="does not compile"):
         t.apply_chat_template([])
@@ -157,8 +206,9 @@ def _real_tokenizer():
 
 def test_real_vocabulary_prompt_ids():
     real = _real_tokenizer()
-    prompt = real.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
-                                      add_generation_prompt=False)
+    prompt = real.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], add_generation_prompt=False
+    )
     assert real.encode(prompt, allow_special=True)[-5:] == [163587, 2482, 163601, 18699, 163586]
 
 
@@ -180,17 +230,37 @@ def test_encode_chat_blames_chat_template_kwargs_only_when_they_break_the_templa
 
 
 JOINT_CASES = {
-    "tool_result": ([{"role": "user", "content": "weather?"},
-                     {"role": "assistant", "content": None, "tool_calls": [
-                         {"id": "functions.get_weather:0", "type": "function",
-                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny, 21C"}],
-                    [WEATHER_TOOL]),
-    "text_parts": ([{"role": "user", "content": [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}]}],
-                   None),
-    "names_cjk_emoji": ([{"role": "system", "content": "  Be brief. "},
-                         {"role": "user", "name": "alice", "content": "日本語で答えて 🙂\n\n  "},
-                         {"role": "assistant", "content": "はい。"}, {"role": "user", "content": "x"}], None),
+    "tool_result": (
+        [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "functions.get_weather:0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny, 21C"},
+        ],
+        [WEATHER_TOOL],
+    ),
+    "text_parts": (
+        [{"role": "user", "content": [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}]}],
+        None,
+    ),
+    "names_cjk_emoji": (
+        [
+            {"role": "system", "content": "  Be brief. "},
+            {"role": "user", "name": "alice", "content": "日本語で答えて 🙂\n\n  "},
+            {"role": "assistant", "content": "はい。"},
+            {"role": "user", "content": "x"},
+        ],
+        None,
+    ),
 }
 
 
@@ -204,20 +274,24 @@ def test_encode_chat_equals_encoding_the_rendered_prompt(case):
 
     real = _real_tokenizer()
     msgs, tools = JOINT_CASES[case]
-    want = real.encode(real.apply_chat_template(copy.deepcopy(msgs), tools=tools, add_generation_prompt=True),
-                       allow_special=True)
+    want = real.encode(
+        real.apply_chat_template(copy.deepcopy(msgs), tools=tools, add_generation_prompt=True), allow_special=True
+    )
     assert encode_chat(real, copy.deepcopy(msgs), tools, {}) == want
 
 
 def test_encode_chat_keeps_control_token_strings_in_messages_as_text():
     """The joint encoding still never turns a request's text into control tokens."""
-    from kimi.controller.chat import encode_chat
-
     from collections import Counter
 
+    from kimi.controller.chat import encode_chat
+
     real = _real_tokenizer()
-    specials = [s for s in ("<|im_end|>", "<|im_assistant|>", "<|tool_calls_section_begin|>", "[EOS]")
-                if len(real.encode(s, allow_special=True)) == 1]
+    specials = [
+        s
+        for s in ("<|im_end|>", "<|im_assistant|>", "<|tool_calls_section_begin|>", "[EOS]")
+        if len(real.encode(s, allow_special=True)) == 1
+    ]
     assert len(specials) >= 3
     ctrl = {real.encode(s, allow_special=True)[0] for s in specials}
     plain = encode_chat(real, [{"role": "user", "content": "a b"}], None, {})
@@ -226,10 +300,18 @@ def test_encode_chat_keeps_control_token_strings_in_messages_as_text():
     assert count(evil) == count(plain)
 
 
-@pytest.mark.parametrize("where,param", [("tools", "tools[0].function.description"), ("kwargs", "chat_template_kwargs.note"),
-                                         ("kwkey", "chat_template_kwargs"), ("refusal", "messages[0].refusal"),
-                                         ("content", "messages[0].content"), ("callkey", "messages[0].tool_calls[0]"),
-                                         ("part", "messages[0].content[1].text")])
+@pytest.mark.parametrize(
+    "where,param",
+    [
+        ("tools", "tools[0].function.description"),
+        ("kwargs", "chat_template_kwargs.note"),
+        ("kwkey", "chat_template_kwargs"),
+        ("refusal", "messages[0].refusal"),
+        ("content", "messages[0].content"),
+        ("callkey", "messages[0].tool_calls[0]"),
+        ("part", "messages[0].content[1].text"),
+    ],
+)
 def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
     """U+F0000 marks message text inside the rendered prompt; in tools, chat_template_kwargs or any message field
     it is a 400 naming the field by its path (in a tool's description it crashed the request with an IndexError, or
@@ -247,9 +329,16 @@ def test_the_placeholder_character_is_refused_everywhere(tok, where, param):
     elif where == "kwkey":
         kwargs = {f"k{mark}": 1}
     elif where == "callkey":
-        msgs = [{"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}, f"x{mark}": 1}]},
-            {"role": "tool", "tool_call_id": "c0", "content": "r"}]
+        msgs = [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}, f"x{mark}": 1}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c0", "content": "r"},
+        ]
     elif where == "refusal":
         msgs = [{"role": "assistant", "content": "a", "refusal": f"{mark}0{mark}"}, {"role": "user", "content": "hi"}]
     elif where == "part":

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import os
+import re
 import shutil
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import safetensors
@@ -20,8 +20,8 @@ from kimi.config import ModelConfig
 from kimi.presets import load_preset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint  # noqa: E402
-from make_tiny_checkpoint import generate_tiny_weights as _generate  # noqa: E402
+from make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint
+from make_tiny_checkpoint import generate_tiny_weights as _generate
 
 # The generator is deterministic; share its output between tests (they never modify it).
 generate_tiny_weights = functools.lru_cache(maxsize=None)(_generate)
@@ -77,12 +77,19 @@ def test_expected_tensors_k26_int4_real_shapes() -> None:
 
 def test_expected_tensors_k2_instruct_fp8_real_shapes() -> None:
     text = load_preset("kimi-k2.6")["text_config"]
-    text["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                   "weight_block_size": [128, 128]}
+    text["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     cfg = ModelConfig.from_dict(text)
     exp = expected_tensors(cfg)
     p = "model.layers."
-    assert exp["model.embed_tokens.weight"] == ((163840, 7168), BF16) and exp["lm_head.weight"] == ((163840, 7168), BF16)
+    assert exp["model.embed_tokens.weight"] == ((163840, 7168), BF16) and exp["lm_head.weight"] == (
+        (163840, 7168),
+        BF16,
+    )
     assert exp[p + "3.self_attn.q_a_proj.weight"] == ((1536, 7168), FP8)
     assert exp[p + "3.self_attn.q_a_proj.weight_scale_inv"] == ((12, 56), F32)
     assert exp[p + "3.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == ((5, 56), F32)  # 576 rows: ragged
@@ -135,8 +142,10 @@ def test_roundtrip_dequantised(tiny: dict[str, str], layout: str) -> None:
     half = load_checkpoint(d, cfg, dtype=torch.bfloat16, progress=False)
     assert half["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert half["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.bfloat16
-    assert torch.equal(half["model.layers.1.mlp.experts.3.up_proj.weight"],
-                       truth["model.layers.1.mlp.experts.3.up_proj.weight"].to(torch.bfloat16))
+    assert torch.equal(
+        half["model.layers.1.mlp.experts.3.up_proj.weight"],
+        truth["model.layers.1.mlp.experts.3.up_proj.weight"].to(torch.bfloat16),
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -210,7 +219,9 @@ def test_ep_rank_reads_only_local_experts(tiny: dict[str, str], layout: str, mon
         loaded = {int(k.split(".")[5]) for k in got if k.startswith(f"model.layers.{layer}.mlp.experts.")}
         assert loaded == {8, 9, 10, 11}
     _, truth = generate_tiny_weights(layout, seed=0)
-    assert torch.equal(got["model.layers.2.mlp.experts.10.down_proj.weight"], truth["model.layers.2.mlp.experts.10.down_proj.weight"])
+    assert torch.equal(
+        got["model.layers.2.mlp.experts.10.down_proj.weight"], truth["model.layers.2.mlp.experts.10.down_proj.weight"]
+    )
     # Everything else is shared by all ranks.
     assert set(got) == {k for k in truth if ".mlp.experts." not in k or int(k.split(".")[5]) in range(8, 12)}
 
@@ -256,7 +267,7 @@ def _rewrite(src: str, dst, edit: Callable[[dict[str, torch.Tensor]], None], ind
     for fn in files:
         shard = {k: v.contiguous() for k, v in tensors.items() if wmap.get(k, files[0]) == fn}
         save_file(shard, os.path.join(dst, fn))
-        new_map.update({k: fn for k in shard})
+        new_map.update(dict.fromkeys(shard, fn))
     if index:
         with open(os.path.join(dst, INDEX_FILE), "w") as f:
             json.dump({"metadata": {}, "weight_map": new_map}, f)
@@ -293,15 +304,19 @@ def test_misshapen_tensor(tiny: dict[str, str], tmp_path) -> None:
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
 
 
-@pytest.mark.parametrize("layout,name", [
-    ("k2-instruct", "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"),
-    ("k2-instruct", "model.layers.0.self_attn.o_proj.weight_scale_inv"),
-    ("k2.6", P + "model.layers.2.mlp.experts.5.gate_proj.weight_scale"),
-])
+@pytest.mark.parametrize(
+    "layout,name",
+    [
+        ("k2-instruct", "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"),
+        ("k2-instruct", "model.layers.0.self_attn.o_proj.weight_scale_inv"),
+        ("k2.6", P + "model.layers.2.mlp.experts.5.gate_proj.weight_scale"),
+    ],
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_scale_is_refused(tiny: dict[str, str], tmp_path, layout: str, name: str, bad: float) -> None:
     """A NaN / inf quantisation scale (FP8 weight_scale_inv, INT4 weight_scale) stops loading with an error naming
     the tensor, raw or dequantised, rather than loading and answering garbage."""
+
     def edit(t):
         t[name] = t[name].clone()
         t[name].view(-1)[-1] = bad
@@ -335,12 +350,15 @@ def test_unexpected_tensor(tiny: dict[str, str], tmp_path) -> None:
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
 
 
-@pytest.mark.parametrize("name", [
-    "model.layers.3.self_attn.o_proj.weight",          # a layer the config does not have
-    "model.layers.1.mlp.experts.16.gate_proj.weight",  # an expert id past n_routed_experts
-    "model.layers.0.mlp.experts.0.gate_proj.weight",   # experts in the dense layer
-    "model.layers.2.mlp.experts.3.gate_proj.weight_packed",  # INT4 parts in an FP8 checkpoint
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.3.self_attn.o_proj.weight",  # a layer the config does not have
+        "model.layers.1.mlp.experts.16.gate_proj.weight",  # an expert id past n_routed_experts
+        "model.layers.0.mlp.experts.0.gate_proj.weight",  # experts in the dense layer
+        "model.layers.2.mlp.experts.3.gate_proj.weight_packed",  # INT4 parts in an FP8 checkpoint
+    ],
+)
 def test_unexpected_tensor_even_for_other_ranks(tiny: dict[str, str], tmp_path, name: str) -> None:
     def edit(t):
         t[name] = torch.zeros(2, 2, dtype=torch.bfloat16)
@@ -444,8 +462,9 @@ def test_make_tiny_checkpoint_says_which_vocabulary(tmp_path, capsys, monkeypatc
     assert "with the built-in byte-level vocabulary (no $KIMI_TOKENIZER_DIR" in err, err
 
 
-@pytest.mark.parametrize("weight_map,match", [(5, "got int"), (["a"], "got list"),
-                                              ({"x.weight": None}, "'x.weight' maps to None")])
+@pytest.mark.parametrize(
+    "weight_map,match", [(5, "got int"), (["a"], "got list"), ({"x.weight": None}, "'x.weight' maps to None")]
+)
 def test_index_whose_weight_map_is_not_names_to_files(tiny: dict[str, str], tmp_path, weight_map, match) -> None:
     """An index whose weight_map is not {tensor name: file name} is a CheckpointError naming the index (it was an
     AttributeError in the worker: found by an operator-side tester)."""

@@ -12,7 +12,7 @@ from kimi.config import ConfigError, ModelConfig
 from kimi.presets import list_presets, load_preset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint  # noqa: E402
+from make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,18 @@ def test_k26_preset_values() -> None:
     assert cfg.weight_prefix == "language_model."
     assert cfg.model_type == "kimi_k2"
     assert cfg.quant is not None and cfg.quant.method == "int4" and cfg.quant.group_size == 32
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.intermediate_size) == (7168, 61, 1, 18432)
-    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.moe_intermediate_size) == (384, 8, 1, 2048)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.intermediate_size) == (
+        7168,
+        61,
+        1,
+        18432,
+    )
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.moe_intermediate_size) == (
+        384,
+        8,
+        1,
+        2048,
+    )
     assert (cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (64, 1536, 512)
     assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (128, 64, 128)
     assert cfg.qk_head_dim == 192 and cfg.kv_cache_dim == 576
@@ -47,7 +57,12 @@ def test_k26_preset_values() -> None:
     assert not cfg.is_moe_layer(0) and all(cfg.is_moe_layer(i) for i in range(1, 61))
     # The INT4 config keeps only routed experts quantised.
     qc = raw["text_config"]["quantization_config"]
-    assert qc["ignore"] == ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+    assert qc["ignore"] == [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    ]
 
 
 def test_softmax_scale_factor_32_at_real_head_dims() -> None:
@@ -55,7 +70,7 @@ def test_softmax_scale_factor_32_at_real_head_dims() -> None:
     raw["text_config"]["rope_scaling"]["factor"] = 32.0
     assert ModelConfig.from_dict(raw).softmax_scale == pytest.approx(0.130861, abs=5e-7)
     raw["text_config"].pop("rope_scaling")
-    assert ModelConfig.from_dict(raw).softmax_scale == pytest.approx(192 ** -0.5)
+    assert ModelConfig.from_dict(raw).softmax_scale == pytest.approx(192**-0.5)
 
 
 def test_load_preset_returns_a_copy_and_rejects_unknown() -> None:
@@ -68,9 +83,25 @@ def test_load_preset_returns_a_copy_and_rejects_unknown() -> None:
 
 EXPECT = {
     # layout: (prefix, quant method, eos ids, max_pos, eps, (factor, beta_fast, beta_slow), softmax scale)
-    "k2.6": ("language_model.", "int4", (163586,), 262144, 1e-5, (64, 32, 1), (48 ** -0.5) * (0.1 * 4.1588830833596715 + 1) ** 2),
-    "k2-thinking": ("", "int4", (163586,), 262144, 1e-5, (64, 1, 1), (48 ** -0.5) * (0.1 * 4.1588830833596715 + 1) ** 2),
-    "k2-instruct": ("", "fp8", (163585, 163586), 131072, 1e-6, (32, 1, 1), (48 ** -0.5) * (0.1 * 3.4657359027997265 + 1) ** 2),
+    "k2.6": (
+        "language_model.",
+        "int4",
+        (163586,),
+        262144,
+        1e-5,
+        (64, 32, 1),
+        (48**-0.5) * (0.1 * 4.1588830833596715 + 1) ** 2,
+    ),
+    "k2-thinking": ("", "int4", (163586,), 262144, 1e-5, (64, 1, 1), (48**-0.5) * (0.1 * 4.1588830833596715 + 1) ** 2),
+    "k2-instruct": (
+        "",
+        "fp8",
+        (163585, 163586),
+        131072,
+        1e-6,
+        (32, 1, 1),
+        (48**-0.5) * (0.1 * 3.4657359027997265 + 1) ** 2,
+    ),
 }
 
 
@@ -90,12 +121,22 @@ def test_tiny_layouts_parse(tiny_dirs: dict[str, str], layout: str) -> None:
     assert text["model_type"] == "kimi_k2" and text["architectures"] == ["DeepseekV3ForCausalLM"]
     if method == "fp8":
         assert text["quantization_config"] == {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
     else:
         qc = text["quantization_config"]
         assert (qc["quant_method"], qc["format"]) == ("compressed-tensors", "pack-quantized")
         w = qc["config_groups"]["group_0"]["weights"]
-        assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"]) == (4, "int", True, "group", 32)
+        assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"]) == (
+            4,
+            "int",
+            True,
+            "group",
+            32,
+        )
         assert qc["config_groups"]["group_0"]["input_activations"] is None
         assert "re:.*self_attn.*" in qc["ignore"] and "lm_head" in qc["ignore"]
 
@@ -113,7 +154,12 @@ def test_tiny_layouts_parse(tiny_dirs: dict[str, str], layout: str) -> None:
     assert cfg.softmax_scale == pytest.approx(scale, rel=1e-12)
     # Tiny dims, real structure.
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace) == (128, 3, 1)
-    assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (256, 64, 16, 4)
+    assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (
+        256,
+        64,
+        16,
+        4,
+    )
     assert (cfg.n_shared_experts, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (1, 4, 96, 64)
     assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.vocab_size) == (32, 16, 32, 163840)
     assert cfg.routed_scaling_factor == 2.827 and cfg.rope_theta == 50000 and cfg.tie_word_embeddings is False
@@ -152,24 +198,43 @@ def _with(path: list[str], value):
     return raw
 
 
-@pytest.mark.parametrize("raw,match", [
-    ([1, 2], "must be a JSON object"),
-    (_with(["text_config"], 5), "text_config must be an object"),
-    (_with(["text_config", "quantization_config", "config_groups"], ["x"]), "config_groups must be an object"),
-    (_with(["text_config", "hidden_size"], None), "hidden_size must be an integer"),
-    (_with(["text_config", "hidden_size"], "abc"), "config.json: text_config.hidden_size must be an integer"),
-    (_with(["text_config", "hidden_size"], "128"), "hidden_size must be an integer"),
-    (_with(["text_config", "num_hidden_layers"], 3.5), "num_hidden_layers must be an integer"),
-    (_with(["text_config", "max_position_embeddings"], -5), "max_position_embeddings must be an integer >= 1"),
-    (_with(["text_config", "rope_scaling"], "yarn"), "rope_scaling must be an object"),
-    (_with(["text_config", "rope_scaling"], {"type": "yarn"}), "rope_scaling has no 'factor'"),
-    (_with(["text_config", "rope_scaling", "factor"], "x"), "rope_scaling.factor must be a finite number"),
-    (_with(["text_config", "quantization_config"], "int4"), "quantization_config must be an object"),
-    (_with(["text_config", "eos_token_id"], "x"), "eos_token_id must be an integer"),
-    (_with(["text_config", "norm_topk_prob"], "yes"), "norm_topk_prob must be true or false"),
-    (_with(["text_config", "rms_norm_eps"], float("nan")), "rms_norm_eps must be a finite number"),
-], ids=["list", "text_config-number", "config-groups-list", "null", "string", "numeric-string", "fraction", "negative", "rope-string",
-        "rope-no-factor", "rope-factor-string", "quant-string", "eos-string", "bool-string", "nan"])
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ([1, 2], "must be a JSON object"),
+        (_with(["text_config"], 5), "text_config must be an object"),
+        (_with(["text_config", "quantization_config", "config_groups"], ["x"]), "config_groups must be an object"),
+        (_with(["text_config", "hidden_size"], None), "hidden_size must be an integer"),
+        (_with(["text_config", "hidden_size"], "abc"), "config.json: text_config.hidden_size must be an integer"),
+        (_with(["text_config", "hidden_size"], "128"), "hidden_size must be an integer"),
+        (_with(["text_config", "num_hidden_layers"], 3.5), "num_hidden_layers must be an integer"),
+        (_with(["text_config", "max_position_embeddings"], -5), "max_position_embeddings must be an integer >= 1"),
+        (_with(["text_config", "rope_scaling"], "yarn"), "rope_scaling must be an object"),
+        (_with(["text_config", "rope_scaling"], {"type": "yarn"}), "rope_scaling has no 'factor'"),
+        (_with(["text_config", "rope_scaling", "factor"], "x"), "rope_scaling.factor must be a finite number"),
+        (_with(["text_config", "quantization_config"], "int4"), "quantization_config must be an object"),
+        (_with(["text_config", "eos_token_id"], "x"), "eos_token_id must be an integer"),
+        (_with(["text_config", "norm_topk_prob"], "yes"), "norm_topk_prob must be true or false"),
+        (_with(["text_config", "rms_norm_eps"], float("nan")), "rms_norm_eps must be a finite number"),
+    ],
+    ids=[
+        "list",
+        "text_config-number",
+        "config-groups-list",
+        "null",
+        "string",
+        "numeric-string",
+        "fraction",
+        "negative",
+        "rope-string",
+        "rope-no-factor",
+        "rope-factor-string",
+        "quant-string",
+        "eos-string",
+        "bool-string",
+        "nan",
+    ],
+)
 def test_malformed_config_values_name_the_field(raw, match) -> None:
     """A wrong value or type in config.json is a ConfigError naming the field (it was an AttributeError, TypeError or
     KeyError traceback at start-up, a message without the field, or silently truncated: found by an operator-side

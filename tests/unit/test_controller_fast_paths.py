@@ -28,34 +28,60 @@ from kimi.controller.transport import free_tcp_port
 from kimi.server import _Server
 from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer, default_tokenizer_source, write_tokenizer_files
 
-AWKWARD = ["", " tok123", "a\"b\\c", "\n\r\t\b\f", "\x00\x01\x1f\x7f", "é中文🙂", "\u2028\u2029", "\ufffd",
-           "</script>", "'single'", "\\u0000", "x" * 300]
+AWKWARD = [
+    "",
+    " tok123",
+    'a"b\\c',
+    "\n\r\t\b\f",
+    "\x00\x01\x1f\x7f",
+    "é中文🙂",
+    "\u2028\u2029",
+    "\ufffd",
+    "</script>",
+    "'single'",
+    "\\u0000",
+    "x" * 300,
+]
 
 
 def _random_text(rng: random.Random) -> str:
-    alphabet = ["a", " ", "\"", "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "中", "🙂", "\u2028", "/", "'"]
+    alphabet = ["a", " ", '"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "中", "🙂", "\u2028", "/", "'"]
     return "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12)))
 
 
-@pytest.mark.parametrize("model", ["tiny", "fä\"ke/mödel\\x", "中文"])
+@pytest.mark.parametrize("model", ["tiny", 'fä"ke/mödel\\x', "中文"])
 def test_event_template_is_json_dumps_byte_for_byte(model):
     base = {"id": "cmpl-0123", "object": "text_completion", "created": 1700000000, "model": model}
-    tmpl = _EventTemplate(lambda i: {**base, "choices": [{"index": i, "text": _SLOT, "logprobs": None,
-                                                          "finish_reason": None}]})
-    chat = _EventTemplate(lambda i: {**base, "choices": [{"index": i, "delta": {"content": _SLOT}, "logprobs": None,
-                                                          "finish_reason": None}]})
+    tmpl = _EventTemplate(
+        lambda i: {**base, "choices": [{"index": i, "text": _SLOT, "logprobs": None, "finish_reason": None}]}
+    )
+    chat = _EventTemplate(
+        lambda i: {
+            **base,
+            "choices": [{"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}],
+        }
+    )
     rng = random.Random(0)
     for text in AWKWARD + [_random_text(rng) for _ in range(300)]:
         for i in (0, 1, 15):
-            want = b"data: " + json.dumps({**base, "choices": [{"index": i, "text": text, "logprobs": None,
-                                                                 "finish_reason": None}]}, ensure_ascii=False).encode() + b"\n\n"
+            want = (
+                b"data: "
+                + json.dumps(
+                    {**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]},
+                    ensure_ascii=False,
+                ).encode()
+                + b"\n\n"
+            )
             assert tmpl.fill(i, text) == want
-            assert sse_event({**base, "choices": [{"index": i, "text": text, "logprobs": None,
-                                                   "finish_reason": None}]}) == want
+            assert (
+                sse_event({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
+                == want
+            )
             pre, post = tmpl.parts(i)
             assert pre + json.dumps(text, ensure_ascii=False).encode() + post == want
-            want_chat = sse_event({**base, "choices": [{"index": i, "delta": {"content": text}, "logprobs": None,
-                                                        "finish_reason": None}]})
+            want_chat = sse_event(
+                {**base, "choices": [{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
+            )
             assert chat.fill(i, text) == want_chat
 
 

@@ -13,9 +13,7 @@ expert) and the P threshold dispatch, and sized by a max_pairs bound; silu_mul_r
 
 import textwrap
 
-
 from tests.unit.triton_interp import run_interpreted
-
 
 _PRELUDE = textwrap.dedent("""
     import torch
@@ -249,7 +247,6 @@ _SILU_ROWS = textwrap.dedent("""
         assert "interleave 7" in str(e)
     print("OK silu_rows")
 """)
-
 
 
 def _run(body: str, tag: str) -> None:

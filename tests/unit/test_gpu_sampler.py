@@ -6,7 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from bench_util import SW_POWER_CAP, parse_smi_sample, summarize_samples  # noqa: E402
+from bench_util import SW_POWER_CAP, parse_smi_sample, summarize_samples
 
 
 def test_a_sample_line_parses_to_local_epoch_seconds():
@@ -16,14 +16,27 @@ def test_a_sample_line_parses_to_local_epoch_seconds():
 
 
 def test_lines_that_are_not_samples_are_skipped():
-    for line in ["", "timestamp, clocks.sm [MHz], power.draw [W]", "2026/11/30 15:26:47.123, [N/A], 694.25, 700.00, 0x0",
-                 "Failed to initialize NVML: Unknown Error", "2026/11/30 15:26:47.123, 1755, 694.25, 700.00"]:
+    for line in [
+        "",
+        "timestamp, clocks.sm [MHz], power.draw [W]",
+        "2026/11/30 15:26:47.123, [N/A], 694.25, 700.00, 0x0",
+        "Failed to initialize NVML: Unknown Error",
+        "2026/11/30 15:26:47.123, 1755, 694.25, 700.00",
+    ]:
         assert parse_smi_sample(line) is None, line
 
 
 def test_summary_gives_clock_percentiles_and_the_power_capped_share():
-    samples = [{"t": i, "sm_MHz": 1000.0 + 100 * i, "power_W": 690.0 + i, "limit_W": 700.0,
-                "reasons": SW_POWER_CAP if i % 2 else 0} for i in range(10)]
+    samples = [
+        {
+            "t": i,
+            "sm_MHz": 1000.0 + 100 * i,
+            "power_W": 690.0 + i,
+            "limit_W": 700.0,
+            "reasons": SW_POWER_CAP if i % 2 else 0,
+        }
+        for i in range(10)
+    ]
     out = summarize_samples(samples)
     assert out["samples"] == 10 and out["limit_W"] == 700.0
     assert out["sm_clock_MHz"] == {"median": 1450.0, "p10": 1100.0, "p90": 1900.0, "min": 1000.0}

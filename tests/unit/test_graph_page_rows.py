@@ -12,8 +12,12 @@ from kimi.worker.cuda_graph import CudaGraphRunner
 
 
 def _runner(max_batch: int, width: int):
-    r = types.SimpleNamespace(max_batch=max_batch, max_blocks_per_seq=width, page_stride=width,
-                              _host_kv=np.full(max_batch * width, -1, dtype=np.int32))
+    r = types.SimpleNamespace(
+        max_batch=max_batch,
+        max_blocks_per_seq=width,
+        page_stride=width,
+        _host_kv=np.full(max_batch * width, -1, dtype=np.int32),
+    )
     CudaGraphRunner._forget_pages(r)
     return r
 

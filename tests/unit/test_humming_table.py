@@ -30,10 +30,13 @@ def test_shipped_table_parses():
 
 
 def test_ranges_and_gpu(tmp_path, monkeypatch):
-    p = _write(tmp_path, [
-        {"n": 10, "k": 20, "m_min": 1, "m_max": 64, "config": {"block_shape": [8, 1, 1]}},
-        {"n": 10, "k": 20, "m_min": 161, "m_max": 256, "config": {"block_shape": [8, 2, 2]}},
-    ])
+    p = _write(
+        tmp_path,
+        [
+            {"n": 10, "k": 20, "m_min": 1, "m_max": 64, "config": {"block_shape": [8, 1, 1]}},
+            {"n": 10, "k": 20, "m_min": 161, "m_max": 256, "config": {"block_shape": [8, 2, 2]}},
+        ],
+    )
     monkeypatch.setenv("KIMI_HUMMING_TABLE", str(p))
     assert mb.humming_table_config(10, 20, 1, "GPU-A") == {"block_shape": [8, 1, 1]}
     assert mb.humming_table_config(10, 20, 64, "GPU-A") == {"block_shape": [8, 1, 1]}
@@ -49,10 +52,19 @@ def test_ranges_and_gpu(tmp_path, monkeypatch):
 
 def test_over_heuristic_entry(tmp_path, monkeypatch):
     """An over_heuristic entry replaces its fields in the heuristic schedule given; the rest are kept."""
-    p = _write(tmp_path, [
-        {"n": 10, "k": 20, "m_min": 100, "m_max": 300, "over_heuristic": True,
-         "config": {"block_shape": [8, 512, 64], "num_ctas_per_sm": 2}},
-    ])
+    p = _write(
+        tmp_path,
+        [
+            {
+                "n": 10,
+                "k": 20,
+                "m_min": 100,
+                "m_max": 300,
+                "over_heuristic": True,
+                "config": {"block_shape": [8, 512, 64], "num_ctas_per_sm": 2},
+            },
+        ],
+    )
     monkeypatch.setenv("KIMI_HUMMING_TABLE", str(p))
     h = {"block_shape": [8, 128, 64], "num_ctas_per_sm": 4, "use_stream_k": True}
     c = mb.humming_table_config(10, 20, 256, "GPU-A", h)
@@ -68,11 +80,22 @@ def test_over_heuristic_entry(tmp_path, monkeypatch):
 def test_weight_and_e_local_scope(tmp_path, monkeypatch):
     """An entry applies only to its weight kind (int4 when not named) and, when it names e_local, to layers with that
     many local experts; the first entry in scope wins."""
-    p = _write(tmp_path, [
-        {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "weight": "fp8", "e_local": 24, "config": {"block_shape": [16, 1, 1]}},
-        {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "weight": "fp8", "config": {"block_shape": [8, 2, 2]}},
-        {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "config": {"block_shape": [8, 3, 3]}},
-    ])
+    p = _write(
+        tmp_path,
+        [
+            {
+                "n": 10,
+                "k": 20,
+                "m_min": 1,
+                "m_max": 300,
+                "weight": "fp8",
+                "e_local": 24,
+                "config": {"block_shape": [16, 1, 1]},
+            },
+            {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "weight": "fp8", "config": {"block_shape": [8, 2, 2]}},
+            {"n": 10, "k": 20, "m_min": 1, "m_max": 300, "config": {"block_shape": [8, 3, 3]}},
+        ],
+    )
     monkeypatch.setenv("KIMI_HUMMING_TABLE", str(p))
     assert mb.humming_table_config(10, 20, 256, "GPU-A", weight="fp8", e_local=24) == {"block_shape": [16, 1, 1]}
     assert mb.humming_table_config(10, 20, 256, "GPU-A", weight="fp8", e_local=48) == {"block_shape": [8, 2, 2]}
@@ -102,14 +125,17 @@ def test_missing_file(tmp_path):
     assert mb.load_humming_table(tmp_path / "none.json")["entries"] == {}
 
 
-@pytest.mark.parametrize("entries", [
-    [{"n": 1, "k": 1, "m_min": 5, "m_max": 4, "config": {}}],  # empty range
-    [{"n": 1, "k": 1, "m_min": 0, "m_max": 4, "config": {}}],  # m_min < 1
-    [{"n": 1, "k": 1, "m_max": 4, "config": {}}],  # no m_min
-    [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "over_heuristic": "yes", "config": {}}],  # not a bool
-    [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "weight": "int8", "config": {}}],  # unknown weight kind
-    "not a list",
-])
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [{"n": 1, "k": 1, "m_min": 5, "m_max": 4, "config": {}}],  # empty range
+        [{"n": 1, "k": 1, "m_min": 0, "m_max": 4, "config": {}}],  # m_min < 1
+        [{"n": 1, "k": 1, "m_max": 4, "config": {}}],  # no m_min
+        [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "over_heuristic": "yes", "config": {}}],  # not a bool
+        [{"n": 1, "k": 1, "m_min": 1, "m_max": 4, "weight": "int8", "config": {}}],  # unknown weight kind
+        "not a list",
+    ],
+)
 def test_malformed(tmp_path, entries):
     p = _write(tmp_path, entries)
     with pytest.raises(ValueError, match="bad humming table"):

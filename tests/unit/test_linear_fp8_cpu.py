@@ -18,7 +18,7 @@ from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
 from tests.unit.triton_interp import run_interpreted
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from make_tiny_checkpoint import TINY_DIMS, tiny_config  # noqa: E402
+from make_tiny_checkpoint import TINY_DIMS, tiny_config
 
 
 def _fp8(n, k, seed=0, block=(128, 128)):
@@ -32,7 +32,7 @@ def test_reference_is_dequantised_linear_by_hand():
     w = q.float().clone()
     for i in range(200):  # the block layout written out: W[i, j] = float(q[i, j]) * s[i // 128, j // 128]
         for jb in range(3):
-            w[i, jb * 128:(jb + 1) * 128] *= s[i // 128, jb]
+            w[i, jb * 128 : (jb + 1) * 128] *= s[i // 128, jb]
     torch.testing.assert_close(lf.fp8_linear_ref(x, q, s), x @ w.T, rtol=1e-5, atol=1e-5)
     # the CPU dispatch is the reference, leading dims kept
     y = lf.fp8_linear(x.view(5, 1, 300), q, s)
@@ -70,8 +70,9 @@ def test_cat_is_concatenated_outputs():
     assert m.shape == (336, 300) and m.weight_scale_inv.shape == (3, 3) and m.weight.dtype == torch.float8_e4m3fn
     x = torch.randn(3, 300)
     torch.testing.assert_close(m(x), torch.cat([a(x), b(x)], -1), rtol=0, atol=0)
-    torch.testing.assert_close(m.dequantized(torch.float32), torch.cat([a.dequantized(torch.float32),
-                                                                        b.dequantized(torch.float32)]))
+    torch.testing.assert_close(
+        m.dequantized(torch.float32), torch.cat([a.dequantized(torch.float32), b.dequantized(torch.float32)])
+    )
     with pytest.raises(ValueError, match="multiple"):
         lf.Fp8Linear.cat([b, a])  # a ragged part that is not last would straddle a scale row
     p = lf.Fp8Linear.cat([a, b], pad_rows_to=128)  # zero rows to whole tiles, no new scale rows
@@ -97,8 +98,16 @@ def test_split_k_choice():
 def test_table_file(tmp_path):
     assert lf.load_table(tmp_path / "missing.json") == {"gpu": None, "entries": {}}
     p = tmp_path / "t.json"
-    p.write_text(json.dumps({"gpu": "NVIDIA H200", "table": {"32,2112,7168": {"block_n": 16, "num_warps": 4,
-                                                                              "num_stages": 8, "k_unroll": 4, "split_k": 2}}}))
+    p.write_text(
+        json.dumps(
+            {
+                "gpu": "NVIDIA H200",
+                "table": {
+                    "32,2112,7168": {"block_n": 16, "num_warps": 4, "num_stages": 8, "k_unroll": 4, "split_k": 2}
+                },
+            }
+        )
+    )
     assert lf.load_table(p) == {"gpu": "NVIDIA H200", "entries": {(32, 2112, 7168): lf.Fp8Config(16, 4, 8, 4, 2)}}
     p.write_text(json.dumps({"gpu": "x", "table": {"8,2112": {}}}))
     with pytest.raises(ValueError):
@@ -141,8 +150,10 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
     assert (shared_gate in names) == (moe_inter % 128 == 0)  # 1 shared expert of I = moe_intermediate_size
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in names
-    assert not any(".experts." in n and "shared" not in n or "lm_head" in n or "embed" in n or "mlp.gate.weight" in n
-                   for n in names)
+    assert not any(
+        (".experts." in n and "shared" not in n) or "lm_head" in n or "embed" in n or "mlp.gate.weight" in n
+        for n in names
+    )
     assert fp8_dense_names(model, (128, 128), lambda n: False) == set()
     from kimi.worker.gpu_model import check_fp8_dense, load_gpu_model
 
@@ -166,19 +177,29 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
     at0 = model.layers[0].self_attn
     if q_lora % 128 == 0:
         assert isinstance(at0.w_qkv_a, lf.Fp8Linear) and at0.q_a_proj is None and at0.kv_a_proj_with_mqa is None
-        want = torch.cat([F.linear(x, dense["model.layers.0.self_attn.q_a_proj.weight"]),
-                          F.linear(x, dense["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])], -1)
+        want = torch.cat(
+            [
+                F.linear(x, dense["model.layers.0.self_attn.q_a_proj.weight"]),
+                F.linear(x, dense["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]),
+            ],
+            -1,
+        )
         got = at0.w_qkv_a(x)  # zero columns pad the merge to whole 128-row tiles
         assert got.shape[-1] == -(-want.shape[-1] // 128) * 128
         torch.testing.assert_close(got[:, : want.shape[-1]], want, rtol=1e-5, atol=1e-5)
-        assert not got[:, want.shape[-1]:].any()
+        assert not got[:, want.shape[-1] :].any()
     else:
         assert not isinstance(getattr(at0, "w_qkv_a", None), lf.Fp8Linear)
     assert isinstance(at0.o_proj, lf.Fp8Linear) and isinstance(at0.q_b_proj, lf.Fp8Linear)
     mlp0 = model.layers[0].mlp
     assert isinstance(mlp0.w13, lf.Fp8Linear) and mlp0.gate_proj is None
-    want = torch.cat([F.linear(x, dense["model.layers.0.mlp.gate_proj.weight"]),
-                      F.linear(x, dense["model.layers.0.mlp.up_proj.weight"])], -1)
+    want = torch.cat(
+        [
+            F.linear(x, dense["model.layers.0.mlp.gate_proj.weight"]),
+            F.linear(x, dense["model.layers.0.mlp.up_proj.weight"]),
+        ],
+        -1,
+    )
     torch.testing.assert_close(mlp0.w13(x), want, rtol=1e-5, atol=1e-5)
     sh = model.layers[1].mlp.shared_experts
     assert isinstance(sh.down_proj, lf.Fp8Linear)

@@ -14,7 +14,6 @@ from kimi.ops import linear_small_m as lsm
 from tests.unit.triton_interp import run_interpreted
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_dispatch_is_f_linear(dtype):
     torch.manual_seed(0)
@@ -34,9 +33,23 @@ def test_m_bucket():
 def test_table_file(tmp_path):
     assert lsm.load_table(tmp_path / "missing.json") == {"gpu": None, "entries": {}}
     p = tmp_path / "t.json"
-    p.write_text(json.dumps({"gpu": "NVIDIA H200", "table": {
-        "8,2112,7168": {"block_n": 64, "block_k": 256, "split_k": 4, "num_warps": 4, "num_stages": 4,
-                        "swap_ab": False}}}))
+    p.write_text(
+        json.dumps(
+            {
+                "gpu": "NVIDIA H200",
+                "table": {
+                    "8,2112,7168": {
+                        "block_n": 64,
+                        "block_k": 256,
+                        "split_k": 4,
+                        "num_warps": 4,
+                        "num_stages": 4,
+                        "swap_ab": False,
+                    }
+                },
+            }
+        )
+    )
     t = lsm.load_table(p)
     assert t["gpu"] == "NVIDIA H200"
     assert t["entries"] == {(8, 2112, 7168): lsm.SmallMConfig(block_n=64, block_k=256, split_k=4)}

@@ -15,7 +15,6 @@ from kimi.ops import mla_decode_triton as mdt
 from tests.unit.triton_interp import run_interpreted
 
 
-
 def test_choose_num_splits():
     # 1 program per SM (the default) over B * head groups programs per split, capped at 64
     assert mdt.choose_num_splits(8, 132) == 17
@@ -54,8 +53,14 @@ def test_without_triton_raises():
         pytest.skip("Triton installed (the kernels are tested under the interpreter below)")
     q = torch.zeros(1, 16, 512, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
-        mdt.mla_decode(q, torch.zeros(1, 16, 64, dtype=torch.bfloat16), torch.zeros(2, 16, 576, dtype=torch.bfloat16),
-                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+        mdt.mla_decode(
+            q,
+            torch.zeros(1, 16, 64, dtype=torch.bfloat16),
+            torch.zeros(2, 16, 576, dtype=torch.bfloat16),
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            0.1,
+        )
 
 
 _INTERP_SCRIPT = textwrap.dedent("""

@@ -60,7 +60,7 @@ def read_dequantised_independently(ckpt: str) -> dict[str, torch.Tensor]:
         with safe_open(os.path.join(ckpt, fn), "pt") as f:
             for k in f.keys():
                 if k.startswith(prefix) and not k.startswith(("vision_tower.", "mm_projector.")):
-                    raw[k[len(prefix):]] = f.get_tensor(k)
+                    raw[k[len(prefix) :]] = f.get_tensor(k)
     out: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         if name.endswith((".weight_scale", ".weight_shape", ".weight_scale_inv")):
@@ -90,20 +90,39 @@ def build_hf(ckpt: str, weights: dict[str, torch.Tensor]) -> DeepseekV3ForCausal
     t = cfg.get("text_config", cfg)
     rs = t["rope_scaling"]
     hf_cfg = DeepseekV3Config(
-        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
-        moe_intermediate_size=t["moe_intermediate_size"], num_hidden_layers=t["num_hidden_layers"],
-        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_attention_heads"],
-        n_shared_experts=t["n_shared_experts"], n_routed_experts=t["n_routed_experts"],
-        routed_scaling_factor=t["routed_scaling_factor"], kv_lora_rank=t["kv_lora_rank"],
-        q_lora_rank=t["q_lora_rank"], qk_rope_head_dim=t["qk_rope_head_dim"], v_head_dim=t["v_head_dim"],
-        qk_nope_head_dim=t["qk_nope_head_dim"], n_group=t["n_group"], topk_group=t["topk_group"],
-        num_experts_per_tok=t["num_experts_per_tok"], first_k_dense_replace=t["first_k_dense_replace"],
-        norm_topk_prob=t["norm_topk_prob"], max_position_embeddings=t["max_position_embeddings"],
-        rms_norm_eps=t["rms_norm_eps"], tie_word_embeddings=False, attention_bias=False, rope_interleave=True,
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        moe_intermediate_size=t["moe_intermediate_size"],
+        num_hidden_layers=t["num_hidden_layers"],
+        num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_attention_heads"],
+        n_shared_experts=t["n_shared_experts"],
+        n_routed_experts=t["n_routed_experts"],
+        routed_scaling_factor=t["routed_scaling_factor"],
+        kv_lora_rank=t["kv_lora_rank"],
+        q_lora_rank=t["q_lora_rank"],
+        qk_rope_head_dim=t["qk_rope_head_dim"],
+        v_head_dim=t["v_head_dim"],
+        qk_nope_head_dim=t["qk_nope_head_dim"],
+        n_group=t["n_group"],
+        topk_group=t["topk_group"],
+        num_experts_per_tok=t["num_experts_per_tok"],
+        first_k_dense_replace=t["first_k_dense_replace"],
+        norm_topk_prob=t["norm_topk_prob"],
+        max_position_embeddings=t["max_position_embeddings"],
+        rms_norm_eps=t["rms_norm_eps"],
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_interleave=True,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": t["rope_theta"], "factor": rs["factor"],
+            "rope_type": "yarn",
+            "rope_theta": t["rope_theta"],
+            "factor": rs["factor"],
             "original_max_position_embeddings": rs["original_max_position_embeddings"],
-            "beta_fast": rs["beta_fast"], "beta_slow": rs["beta_slow"], "mscale": rs["mscale"],
+            "beta_fast": rs["beta_fast"],
+            "beta_slow": rs["beta_slow"],
+            "mscale": rs["mscale"],
             "mscale_all_dim": rs["mscale_all_dim"],
         },
         attn_implementation="eager",
@@ -180,13 +199,15 @@ class KimiRunner:
         ids = torch.cat([c[1] for c in chunks])
         pos = torch.cat([torch.arange(s, s + len(t)) for _, t, s in chunks])
         md = build_attention_metadata(
-            [len(t) for _, t, _ in chunks], [s + len(t) for _, t, s in chunks],
-            [self.tables[b] for b, _, _ in chunks], BLOCK_SIZE,
+            [len(t) for _, t, _ in chunks],
+            [s + len(t) for _, t, s in chunks],
+            [self.tables[b] for b, _, _ in chunks],
+            BLOCK_SIZE,
         )
         logits = self.model.compute_logits(self.model(ids, pos, md, self.caches))  # [T, V] f32
         assert logits.dtype == torch.float32
         qsl = md.query_start_loc.tolist()
-        return [logits[qsl[j]: qsl[j + 1]] for j in range(len(chunks))]
+        return [logits[qsl[j] : qsl[j + 1]] for j in range(len(chunks))]
 
 
 def kimi_logprobs(model: KimiForCausalLM, prompts: list[torch.Tensor], plan) -> tuple[list[torch.Tensor], int]:
@@ -204,7 +225,7 @@ def kimi_logprobs(model: KimiForCausalLM, prompts: list[torch.Tensor], plan) -> 
         for b in order:
             q = min(plan(step, b, done[b], len(prompts[b])), len(prompts[b]) - done[b])
             if q > 0:
-                chunks.append((b, prompts[b][done[b]: done[b] + q], done[b]))
+                chunks.append((b, prompts[b][done[b] : done[b] + q], done[b]))
         qlens = [len(c[1]) for c in chunks]
         mixed += 1 in qlens and any(q > 1 for q in qlens)
         for (b, t, s), lg in zip(chunks, runner.step(chunks)):
@@ -243,8 +264,9 @@ def setup(request, tiny_ckpts):
     kimi.eval()
     hf = build_hf(ckpt, read_dequantised_independently(ckpt))
     # the two YaRN implementations agree (HF keeps evens/odds de-interleaved but the same frequencies)
-    torch.testing.assert_close(hf.model.rotary_emb.inv_freq.float(),
-                               rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling))
+    torch.testing.assert_close(
+        hf.model.rotary_emb.inv_freq.float(), rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    )
     assert hf.model.layers[0].self_attn.scaling == pytest.approx(cfg.softmax_scale, rel=1e-12)
 
     g = torch.Generator().manual_seed(1234)
@@ -260,16 +282,19 @@ def setup(request, tiny_ckpts):
     ref = [hf_logprobs(hf, p) for p in prompts]
     stats: dict[str, float] = {}
     yield dict(layout=layout, kimi=kimi, hf=hf, prompts=prompts, ref=ref, stats=stats)
-    print(f"\n[{layout}] max |kimi - HF| teacher-forced logprob: "
-          + ", ".join(f"{k} {v:.2e}" for k, v in stats.items()))
+    print(
+        f"\n[{layout}] max |kimi - HF| teacher-forced logprob: " + ", ".join(f"{k} {v:.2e}" for k, v in stats.items())
+    )
 
 
 def compare(setup, got: list[torch.Tensor], mode: str, capsys) -> None:
     diff = max(float((a - b).abs().max()) for a, b in zip(got, setup["ref"]))
     setup["stats"][mode] = diff
     with capsys.disabled():
-        print(f"\n[{setup['layout']}] {mode}: max |kimi - HF logprob| = {diff:.3e} over "
-              f"{sum(len(r) for r in setup['ref'])} tokens")
+        print(
+            f"\n[{setup['layout']}] {mode}: max |kimi - HF logprob| = {diff:.3e} over "
+            f"{sum(len(r) for r in setup['ref'])} tokens"
+        )
     assert diff < TOL, f"{setup['layout']} {mode}: {diff}"
 
 

@@ -8,10 +8,16 @@ import torch
 from kimi.ops.moe_int4_triton import moe_align
 
 
-@pytest.mark.parametrize("T,k,E_total,E,offset,bm", [(40, 8, 32, 12, 8, 8),  # experts with 1 and with 2 blocks
-                                                     (256, 8, 384, 48, 96, 8),  # 32 local seqs under EP8
-                                                     (5, 4, 16, 8, 4, 16), (200, 8, 32, 12, 8, 64),
-                                                     (0, 8, 32, 12, 8, 8)])
+@pytest.mark.parametrize(
+    "T,k,E_total,E,offset,bm",
+    [
+        (40, 8, 32, 12, 8, 8),  # experts with 1 and with 2 blocks
+        (256, 8, 384, 48, 96, 8),  # 32 local seqs under EP8
+        (5, 4, 16, 8, 4, 16),
+        (200, 8, 32, 12, 8, 64),
+        (0, 8, 32, 12, 8, 8),
+    ],
+)
 def test_moe_align_lists_each_local_pair_once(T, k, E_total, E, offset, bm):
     g = torch.Generator().manual_seed(T + bm)
     ids = torch.rand((T, E_total), generator=g).topk(k, dim=-1).indices

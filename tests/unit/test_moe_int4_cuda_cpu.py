@@ -53,17 +53,32 @@ def test_indexed_gemm_refuses_wrong_dtypes_and_layouts():
     with pytest.raises(ValueError, match="x"):
         mc.indexed_gemm(torch.zeros((2, 64)), wq, ws, ids, ids[:1], ids[:1], 1, out)
     with pytest.raises(ValueError, match="want \\[E, K/16, 2N\\]"):  # weights of another layout
-        mc.indexed_gemm(torch.zeros((2, 64), dtype=torch.bfloat16), wq.view(1, 1, 4, 32, 4), ws, ids, ids[:1],
-                        ids[:1], 1, out)
+        mc.indexed_gemm(
+            torch.zeros((2, 64), dtype=torch.bfloat16), wq.view(1, 1, 4, 32, 4), ws, ids, ids[:1], ids[:1], 1, out
+        )
     with pytest.raises(ValueError, match="want \\[E, K/16, 2N\\] int32 and \\[E, K/32, N\\] bf16"):
         mc.indexed_gemm(torch.zeros((2, 64), dtype=torch.bfloat16), wq, ws.float(), ids, ids[:1], ids[:1], 1, out)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (compile check of csrc/)")
 def test_kernel_compiles_for_sm90a(tmp_path):
-    r = subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c",
-                        str(CSRC / "moe_w4a16.cu"), "-o", str(tmp_path / "moe_w4a16.o"), "-Xptxas", "-v"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            "nvcc",
+            "-std=c++17",
+            "-O3",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            "-c",
+            str(CSRC / "moe_w4a16.cu"),
+            "-o",
+            str(tmp_path / "moe_w4a16.o"),
+            "-Xptxas",
+            "-v",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "spill stores" in r.stderr and " 0 bytes spill stores" in r.stderr
     assert not [ln for ln in r.stderr.splitlines() if "spill stores" in ln and not ln.strip().startswith("0 bytes")]
@@ -101,9 +116,9 @@ def _mma_emulation(wq, ws, x):
                             for e in range(2):
                                 Bm[2 * t + 8 * q + e, :] = x[:, 16 * j + 2 * t + 8 * q + e].double()
                     part += A @ Bm - 136 * Bm.sum(0, keepdim=True)
-                sc = ws[grp_g, 64 * nb: 64 * nb + 64].double()
+                sc = ws[grp_g, 64 * nb : 64 * nb + 64].double()
                 scale = torch.tensor([sc[8 * (i % 8) + 2 * c + i // 8] for i in range(16)], dtype=torch.float64)
-                y[64 * nb + 16 * c: 64 * nb + 16 * c + 16] += scale[:, None] * part
+                y[64 * nb + 16 * c : 64 * nb + 16 * c + 16] += scale[:, None] * part
     return y
 
 
@@ -161,7 +176,7 @@ def test_glu_interleave_orders_gate_and_up_rows_in_groups():
     and scales alike); a row count that is not whole pairs of groups is refused."""
     torch.manual_seed(0)
     E, I, K, G = 2, 96, 64, 32
-    packed = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, K // 8), dtype=torch.int32)
+    packed = torch.randint(-(2**31), 2**31 - 1, (E, 2 * I, K // 8), dtype=torch.int32)
     scale = torch.rand(E, 2 * I, K // 32).to(torch.bfloat16)
     p, s = mc.glu_interleave(packed, scale, G)
     for pos, src in [(0, 0), (31, 31), (32, I), (63, I + 31), (64, 32), (96, I + 32), (2 * I - 1, 2 * I - 1)]:

@@ -25,22 +25,53 @@ from kimi.worker.model import KimiForCausalLM
 
 def small_cfg(**over) -> ModelConfig:
     d = dict(
-        hidden_size=64, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=96,
-        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-        num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, max_position_embeddings=1024, vocab_size=97, routed_scaling_factor=2.827,
-        rope_theta=50000.0, rms_norm_eps=1e-5,
-        rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=64, beta_fast=32,
-                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        hidden_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        num_attention_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=1024,
+        vocab_size=97,
+        routed_scaling_factor=2.827,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        rope_scaling=dict(
+            type="yarn",
+            factor=32.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
     )
     d.update(over)
     return ModelConfig.from_dict(d)
 
 
 def kimi_cfg(factor: float, beta_fast: float, beta_slow: float) -> ModelConfig:
-    return small_cfg(qk_nope_head_dim=128, qk_rope_head_dim=64, rope_scaling=dict(
-        type="yarn", factor=factor, original_max_position_embeddings=4096, beta_fast=beta_fast,
-        beta_slow=beta_slow, mscale=1.0, mscale_all_dim=1.0))
+    return small_cfg(
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        rope_scaling=dict(
+            type="yarn",
+            factor=factor,
+            original_max_position_embeddings=4096,
+            beta_fast=beta_fast,
+            beta_slow=beta_slow,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    )
 
 
 # ---- norm -----------------------------------------------------------------------------------------------
@@ -62,8 +93,10 @@ def test_rms_norm_formula_and_dtype():
 
 def direct_yarn(dim, base, factor, orig, beta_fast, beta_slow):
     """KIMI.md section 3, written out element by element."""
+
     def corr(r):
         return dim * math.log(orig / (r * 2 * math.pi)) / (2 * math.log(base))
+
     low = max(math.floor(corr(beta_fast)), 0)
     high = min(math.ceil(corr(beta_slow)), dim - 1)
     if low == high:
@@ -90,8 +123,12 @@ def test_yarn_inv_freq_matches_formula(dim, factor, orig, bf, bs):
     assert yarn_correction_range(bf, bs, dim, 50000.0, orig) == (low, high)
     # the scaled frequencies really differ from plain rope: the high-index (low-frequency) end is interpolated
     plain = rope_inv_freq(dim, 50000.0, None)
-    torch.testing.assert_close(plain.double(), torch.tensor([50000.0 ** (-2 * i / dim) for i in range(dim // 2)],
-                                                            dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        plain.double(),
+        torch.tensor([50000.0 ** (-2 * i / dim) for i in range(dim // 2)], dtype=torch.float64),
+        rtol=1e-6,
+        atol=0,
+    )
     assert torch.allclose(got[-1], plain[-1] / factor, rtol=1e-6)
     assert torch.allclose(got[0], plain[0])
 
@@ -138,10 +175,12 @@ def test_rope_cache_and_interleaved_rotation():
     assert apply_rope_interleaved(x[:, 0].bfloat16(), cos, sin).dtype == torch.bfloat16
     # relative property: q(p).k(p') depends only on p - p'
     q, k = x[0, 0], x[1, 0]
+
     def dot(pq, pk):
         c, s = rope.cos_sin(torch.tensor([pq, pk]))
         r = apply_rope_interleaved(torch.stack([q, k]), c, s)
         return float(r[0] @ r[1])
+
     assert dot(10, 3) == pytest.approx(dot(110, 103), rel=1e-4)
 
 
@@ -207,10 +246,11 @@ def test_absorbed_decode_equals_naive():
     o = torch.einsum("bhl,hvl->bhv", o_lat, w3[:, N:])
     for b in range(3):
         lat = gather_kv_cache(cache, md.block_tables[b], seq_lens[b])
-        want = naive_attention(q_nope[b:b + 1], q_pe[b:b + 1], lat[:, :L], lat[:, L:], w, H, N, V, scale,
-                               [seq_lens[b] - 1])
-        torch.testing.assert_close(o[b:b + 1].double(), want, atol=1e-5, rtol=1e-5)
-        got_naive = mla_prefill_ref(q_nope[b:b + 1], q_pe[b:b + 1], lat, w, H, N, V, scale)
+        want = naive_attention(
+            q_nope[b : b + 1], q_pe[b : b + 1], lat[:, :L], lat[:, L:], w, H, N, V, scale, [seq_lens[b] - 1]
+        )
+        torch.testing.assert_close(o[b : b + 1].double(), want, atol=1e-5, rtol=1e-5)
+        got_naive = mla_prefill_ref(q_nope[b : b + 1], q_pe[b : b + 1], lat, w, H, N, V, scale)
         torch.testing.assert_close(got_naive.double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -281,7 +321,7 @@ def test_fused_experts_ref_and_expert_range():
     parts = []
     for r in range(2):
         lo = r * 4
-        part = fused_experts_ref(x, w13[lo:lo + 4], w2[lo:lo + 4], tw, tid, expert_offset=lo)
+        part = fused_experts_ref(x, w13[lo : lo + 4], w2[lo : lo + 4], tw, tid, expert_offset=lo)
         torch.testing.assert_close(part.double(), moe_loop(x, w13, w2, tw, tid, lo, lo + 4), atol=1e-5, rtol=1e-5)
         assert not torch.allclose(part, full)
         parts.append(part)
@@ -373,7 +413,7 @@ def test_random_model_prefill_decode_chunked_mixed_agree(rand_model):
             rows = []
             for i in range(len(p)):
                 md = build_attention_metadata([1], [i + 1], [bt], bs)
-                rows.append(m.compute_logits(m(p[i:i + 1], torch.tensor([i]), md, caches)))
+                rows.append(m.compute_logits(m(p[i : i + 1], torch.tensor([i]), md, caches)))
             torch.testing.assert_close(torch.cat(rows), want, atol=1e-4, rtol=1e-4)
         # (d) mixed: first 5 / 1 / 4 tokens, then the rest of seq 0, one decode of seq 1, rest of seq 2
         caches = allocate_kv_caches(cfg, 12, bs, torch.float32, "cpu")
@@ -381,14 +421,15 @@ def test_random_model_prefill_decode_chunked_mixed_agree(rand_model):
         outs = [[], [], []]
         for step in ([5, 1, 4], [8, 1, 2], [0, 7, 0]):
             sel = [b for b in range(3) if step[b] > 0]
-            ids = torch.cat([prompts[b][done[b]:done[b] + step[b]] for b in sel])
+            ids = torch.cat([prompts[b][done[b] : done[b] + step[b]] for b in sel])
             pos = torch.cat([torch.arange(done[b], done[b] + step[b]) for b in sel])
-            md = build_attention_metadata([step[b] for b in sel], [done[b] + step[b] for b in sel],
-                                          [tables[b] for b in sel], bs)
+            md = build_attention_metadata(
+                [step[b] for b in sel], [done[b] + step[b] for b in sel], [tables[b] for b in sel], bs
+            )
             logits = m.compute_logits(m(ids, pos, md, caches))
             qsl = md.query_start_loc.tolist()
             for j, b in enumerate(sel):
-                outs[b].append(logits[qsl[j]:qsl[j + 1]])
+                outs[b].append(logits[qsl[j] : qsl[j + 1]])
                 done[b] += step[b]
         for b in range(3):
             torch.testing.assert_close(torch.cat(outs[b]), full[b], atol=1e-4, rtol=1e-4)
@@ -428,8 +469,11 @@ def test_kv_cache_size_checked_against_free_memory():
     cfg = small_cfg()
     per = kv_cache_bytes_per_block(cfg, 4, torch.bfloat16)  # 640 bytes
     check_kv_cache_fits(cfg, 10, 4, torch.bfloat16, "cpu", "--num-blocks", available=10 * per)
-    with pytest.raises(KVCacheSizeError, match=r"--num-blocks: the KV cache of 11 blocks needs .*640 bytes per block "
-                                               r"of 4 tokens over 2 layers"):
+    with pytest.raises(
+        KVCacheSizeError,
+        match=r"--num-blocks: the KV cache of 11 blocks needs .*640 bytes per block "
+        r"of 4 tokens over 2 layers",
+    ):
         check_kv_cache_fits(cfg, 11, 4, torch.bfloat16, "cpu", "--num-blocks", available=10 * per)
     assert available_bytes("meta") is None
     check_kv_cache_fits(cfg, 10**15, 4, torch.bfloat16, "meta", "--num-blocks")  # unknown: no check

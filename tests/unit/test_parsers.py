@@ -48,7 +48,7 @@ def chunk(text: str, sizes: list[int] | None) -> list[str]:
     out, i, k = [], 0, 0
     while i < len(text):
         n = sizes[k % len(sizes)]
-        out.append(text[i:i + n])
+        out.append(text[i : i + n])
         i += n
         k += 1
     return out
@@ -189,8 +189,9 @@ WEATHER_ARGS = '{"city": "Tokyo", "unit": "c", "note": "東京 🌧 \\"q\\""}'
 @pytest.mark.parametrize("sizes", CHUNKINGS)
 @pytest.mark.parametrize("marker_text", [False, True])
 def test_single_call_any_chunking_stream_equals_full(sizes, marker_text):
-    pairs = toks("Checking.", SB, CB, "functions.get_weather:0", AB, WEATHER_ARGS, CE, SE,
-                 sizes=sizes, marker_text=marker_text)
+    pairs = toks(
+        "Checking.", SB, CB, "functions.get_weather:0", AB, WEATHER_ARGS, CE, SE, sizes=sizes, marker_text=marker_text
+    )
     c, r, calls, p, _ = stream(pairs, TOOLS)
     assert c == "Checking." and r == ""
     assert calls == {0: ["functions.get_weather:0", "get_weather", WEATHER_ARGS]}
@@ -210,8 +211,11 @@ def test_header_delta_is_emitted_at_argument_begin_then_fragments():
     assert p.feed(TEXT_ID, "f:0").is_empty()  # header is buffered until argument-begin
     d = p.feed(AB)
     assert d.tool_calls == [ToolCallDelta(index=0, id="functions.f:0", name="f", arguments="")]
-    assert d.to_openai() == {"tool_calls": [{"index": 0, "id": "functions.f:0", "type": "function",
-                                             "function": {"name": "f", "arguments": ""}}]}
+    assert d.to_openai() == {
+        "tool_calls": [
+            {"index": 0, "id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": ""}}
+        ]
+    }
     d = p.feed(TEXT_ID, '{"a"')
     assert d.to_openai() == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
     assert p.feed(TEXT_ID, "").is_empty()
@@ -223,27 +227,46 @@ def test_header_delta_is_emitted_at_argument_begin_then_fragments():
 
 @pytest.mark.parametrize("sizes", CHUNKINGS)
 def test_two_calls_in_one_section(sizes):
-    pairs = toks(SB, CB, "functions.search:0", AB, '{"q": "a"}', CE, "\n",
-                 CB, "functions.fetch:1", AB, '{"url": "http://x/y?z=1"}', CE, SE, sizes=sizes)
+    pairs = toks(
+        SB,
+        CB,
+        "functions.search:0",
+        AB,
+        '{"q": "a"}',
+        CE,
+        "\n",
+        CB,
+        "functions.fetch:1",
+        AB,
+        '{"url": "http://x/y?z=1"}',
+        CE,
+        SE,
+        sizes=sizes,
+    )
     c, r, calls, p, _ = stream(pairs, TOOLS)
-    want = {0: ["functions.search:0", "search", '{"q": "a"}'],
-            1: ["functions.fetch:1", "fetch", '{"url": "http://x/y?z=1"}']}
+    want = {
+        0: ["functions.search:0", "search", '{"q": "a"}'],
+        1: ["functions.fetch:1", "fetch", '{"url": "http://x/y?z=1"}'],
+    }
     assert calls == want and c == ""
     content, reasoning, tcs = full(pairs, TOOLS)
     assert content is None and reasoning is None
     assert [[t.id, t.name, t.arguments] for t in tcs] == [want[0], want[1]]
 
 
-@pytest.mark.parametrize("header,name", [
-    ("functions.my.tool-v2:3", "my.tool-v2"),
-    ("functions.a-b.c-d.e:12", "a-b.c-d.e"),
-    ("search:0", "search"),
-    ("web.search-v1:7", "web.search-v1"),
-    ("call_9f3a0c1e", "call_9f3a0c1e"),
-    ("functions.ns:tool:3", "ns:tool"),
-    ("functions.get_weather", "get_weather"),
-    ("  functions.pad:1 \n", "pad"),
-])
+@pytest.mark.parametrize(
+    "header,name",
+    [
+        ("functions.my.tool-v2:3", "my.tool-v2"),
+        ("functions.a-b.c-d.e:12", "a-b.c-d.e"),
+        ("search:0", "search"),
+        ("web.search-v1:7", "web.search-v1"),
+        ("call_9f3a0c1e", "call_9f3a0c1e"),
+        ("functions.ns:tool:3", "ns:tool"),
+        ("functions.get_weather", "get_weather"),
+        ("  functions.pad:1 \n", "pad"),
+    ],
+)
 def test_tool_names_and_ids(header, name):
     assert parse_tool_call_id(header) == (header.strip(), name)
     pairs = toks(SB, CB, header, AB, "{}", CE, SE, sizes=[1])
@@ -320,8 +343,11 @@ def test_cut_inside_arguments_live_mode():
     assert p.incomplete_tool_call and p.partial_tool_call_emitted
     assert p.finish_reason("length") == "length"
     # non-streaming: the calls the stream carried, the cut one with its arguments so far; never content
-    assert full(pairs, TOOLS) == ("x", None, [ToolCall("functions.a:0", "a", '{"k": 1}'),
-                                              ToolCall("functions.b:1", "b", '{"k": ')])
+    assert full(pairs, TOOLS) == (
+        "x",
+        None,
+        [ToolCall("functions.a:0", "a", '{"k": 1}'), ToolCall("functions.b:1", "b", '{"k": ')],
+    )
 
 
 @pytest.mark.parametrize("cfg", [TOOLS, TOOLS_WHOLE], ids=["live", "whole"])
@@ -330,8 +356,9 @@ def test_streamed_and_non_streamed_calls_agree_at_every_cut(cfg):
     the stream equal the non-streamed message's calls, and the finish reason is "tool_calls" only for an output
     that ended by itself ("stop") with no call cut mid-stream; a "length" cut is always "length" (a newcomer
     found "tool_calls" for output cut just after a complete call, and streamed calls the response lacked)."""
-    pairs = toks("pre", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"x": "yz"}', CE, SE,
-                 sizes=[2])
+    pairs = toks(
+        "pre", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"x": "yz"}', CE, SE, sizes=[2]
+    )
     for n in range(len(pairs) + 1):
         _, _, calls, p, _ = stream(pairs[:n], cfg)
         streamed = [ToolCall(*calls[i]) for i in sorted(calls)]
@@ -387,8 +414,7 @@ def test_cut_inside_arguments_whole_mode_never_emits_broken_call(sizes):
 
 
 def test_whole_mode_equals_live_mode_for_complete_output():
-    pairs = toks("pre", SB, CB, "functions.x.y-z:0", AB, WEATHER_ARGS, CE, CB, "search:1", AB, "{}", CE, SE,
-                 sizes=[1])
+    pairs = toks("pre", SB, CB, "functions.x.y-z:0", AB, WEATHER_ARGS, CE, CB, "search:1", AB, "{}", CE, SE, sizes=[1])
     live = stream(pairs, TOOLS)[:3]
     whole = stream(pairs, TOOLS_WHOLE)[:3]
     assert live == whole
@@ -422,8 +448,21 @@ def test_empty_text_deltas_produce_empty_deltas():
 def test_tool_section_inside_think_ends_reasoning_when_tools_active(sizes):
     # Kimi-K2-Thinking / K2.5 sometimes open a tool section without `</think>` (vLLM PR 33646)
     cfg = ParserConfig(tools=True, thinking=True)
-    pairs = toks(TS, "I should look it up.", SB, CB, "functions.lookup:0", AB, '{"q": "x"}', CE, SE, TE, "ok",
-                 sizes=sizes, marker_text=True)
+    pairs = toks(
+        TS,
+        "I should look it up.",
+        SB,
+        CB,
+        "functions.lookup:0",
+        AB,
+        '{"q": "x"}',
+        CE,
+        SE,
+        TE,
+        "ok",
+        sizes=sizes,
+        marker_text=True,
+    )
     c, r, calls, p, _ = stream(pairs, cfg)
     assert r == "I should look it up."
     assert calls == {0: ["functions.lookup:0", "lookup", '{"q": "x"}']}
@@ -435,7 +474,10 @@ def test_section_begin_inside_think_ends_reasoning_immediately():
     # text between the section begin and the first call (or a cut) must not land in reasoning
     cfg = ParserConfig(tools=True, thinking=True)
     assert full(toks("r", SB, "\n", CB, "functions.f:0", AB, "{}", CE, SE), cfg) == (
-        None, "r", [ToolCall("functions.f:0", "f", "{}")])
+        None,
+        "r",
+        [ToolCall("functions.f:0", "f", "{}")],
+    )
     c, r, calls, p, _ = stream(toks("r", SB, " partial"), cfg)
     assert (c, r, calls) == ("", "r", {}) and p.finish_reason("length") == "length"
 
@@ -450,8 +492,10 @@ def test_tool_markers_inside_think_are_reasoning_text_when_tools_off():
     cfg = ParserConfig(tools=False, thinking=True)
     pairs = toks(TS, "r ", SB, CB, "functions.f:0", AB, "{}", CE, SE, TE, "answer", sizes=[2], marker_text=True)
     c, r, calls, p, _ = stream(pairs, cfg)
-    assert r == ("r <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
-                 "<|tool_call_end|><|tool_calls_section_end|>")
+    assert r == (
+        "r <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
     assert c == "answer" and calls == {} and p.finish_reason("stop") == "stop"
 
 
@@ -460,25 +504,45 @@ def test_tools_off_renders_markers_verbatim_in_content(marker_text):
     """Without tools a marker's detokenized text is ordinary text: the marker string, as the detokenizer gives it
     (skip_special_tokens keeps these); an empty text (a stop token whose text is left out) adds nothing."""
     pairs = toks("x", SB, CB, "functions.f:0", AB, "{}", CE, SE, marker_text=marker_text)
-    raw = ("x<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
-           "<|tool_call_end|><|tool_calls_section_end|>")
+    raw = (
+        "x<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
     assert full(pairs, ParserConfig()) == (raw if marker_text else "xfunctions.f:0{}", None, [])
 
 
 def test_think_markers_inside_arguments_are_dropped():
-    pairs = toks(SB, CB, "functions.f:0", AB, '{"a":', TE, TS, ' 1}', CE, SE)
+    pairs = toks(SB, CB, "functions.f:0", AB, '{"a":', TE, TS, " 1}", CE, SE)
     assert full(pairs, TOOLS)[2] == [ToolCall("functions.f:0", "f", '{"a": 1}')]
 
 
 # ---- whole-output fuzz: streaming == non-streaming == expected under random chunkings ------------------
 def test_random_chunkings_agree():
     rng = random.Random(1234)
-    parts = [TS, "Plan: call two tools. 東京?", TE, "Sure — ", SB,
-             CB, "functions.weather.get-v2:0", AB, WEATHER_ARGS, CE,
-             CB, "functions.clock:1", AB, '{"tz": "Asia/Tokyo"}', CE, SE, "Done ✅"]
+    parts = [
+        TS,
+        "Plan: call two tools. 東京?",
+        TE,
+        "Sure — ",
+        SB,
+        CB,
+        "functions.weather.get-v2:0",
+        AB,
+        WEATHER_ARGS,
+        CE,
+        CB,
+        "functions.clock:1",
+        AB,
+        '{"tz": "Asia/Tokyo"}',
+        CE,
+        SE,
+        "Done ✅",
+    ]
     cfg = ParserConfig(tools=True, thinking=True)
-    want_calls = [ToolCall("functions.weather.get-v2:0", "weather.get-v2", WEATHER_ARGS),
-                  ToolCall("functions.clock:1", "clock", '{"tz": "Asia/Tokyo"}')]
+    want_calls = [
+        ToolCall("functions.weather.get-v2:0", "weather.get-v2", WEATHER_ARGS),
+        ToolCall("functions.clock:1", "clock", '{"tz": "Asia/Tokyo"}'),
+    ]
     for _ in range(200):
         sizes = [rng.randint(1, 6) for _ in range(rng.randint(1, 4))]
         pairs = toks(*parts, sizes=sizes, marker_text=rng.random() < 0.5)
@@ -538,8 +602,11 @@ def test_parser_delta_to_openai_omits_empty_fields():
     assert d.to_openai() == {"content": "c"}
     d = ParserDelta(reasoning_content="r", tool_calls=[ToolCallDelta(2, arguments="{")])
     assert d.to_openai() == {"reasoning_content": "r", "tool_calls": [{"index": 2, "function": {"arguments": "{"}}]}
-    assert ToolCall("i", "n", "{}").to_openai() == {"id": "i", "type": "function",
-                                                     "function": {"name": "n", "arguments": "{}"}}
+    assert ToolCall("i", "n", "{}").to_openai() == {
+        "id": "i",
+        "type": "function",
+        "function": {"name": "n", "arguments": "{}"},
+    }
 
 
 def test_marker_text_of_another_vocabulary_stays_out_of_the_fields():
@@ -602,8 +669,11 @@ def test_released_text_goes_with_the_token_that_produced_it():
     " I" " think" </think> "OK" with stop " thinkOK")."""
     tokens = [(TEXT_ID, " I"), (TEXT_ID, " think"), (TE, ""), (TEXT_ID, "OK"), (TEXT_ID, " more")]
     cfg = ParserConfig(thinking=True)
-    for stops, include, want in (([" thinkOK"], True, (" I think", "OK")), ([" thinkOK"], False, (" I", "")),
-                                 (["thinkX"], False, (" I think", "OK more"))):
+    for stops, include, want in (
+        ([" thinkOK"], True, (" I think", "OK")),
+        ([" thinkOK"], False, (" I", "")),
+        (["thinkX"], False, (" I think", "OK more")),
+    ):
         outs, _ = _controller_outputs(tokens, stops, include)
         c, r, _ = _feed_released(outs, cfg)
         assert (r, c) == want, (stops, include)
@@ -632,13 +702,13 @@ def test_released_text_attribution_matches_per_token_parsing_fuzz():
         for _ in range(rng.randint(1, 3)):
             if stream and rng.random() < 0.8:
                 i = rng.randrange(len(stream))
-                stops.append(stream[i:i + rng.randint(1, 9)])
+                stops.append(stream[i : i + rng.randint(1, 9)])
             else:
                 stops.append(rng.choice(["zz", "thinkX", "OKa"]))
         include = rng.random() < 0.5
         cfg = ParserConfig(tools=tools, thinking=rng.random() < 0.7)
         outs, released = _controller_outputs(seq, stops, include)
-        fed = seq[:len(outs)]
+        fed = seq[: len(outs)]
         # reference: every fed token with its own text cut at the released length; a marker (as the parser treats
         # it) only when the cut did not reach it
         probe = OutputParser(cfg)
@@ -646,7 +716,7 @@ def test_released_text_attribution_matches_per_token_parsing_fuzz():
         for tid, t in fed:
             if not (probe.is_marker(tid) and pos + len(t) > released):
                 ids.append(tid)
-                cut.append(t[:max(0, released - pos)])
+                cut.append(t[: max(0, released - pos)])
             pos += len(t)
         want = parse_output(ids, cut, cfg)
         c, r, calls = _feed_released(outs, cfg)

@@ -28,7 +28,12 @@ def test_env(value, expected):
     env = {k: v for k, v in os.environ.items() if k != "KIMI_PDL"}
     if value is not None:
         env["KIMI_PDL"] = value
-    r = subprocess.run([sys.executable, "-c", "from kimi.ops import pdl; print(pdl.ENABLED)"], env=env,
-                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-c", "from kimi.ops import pdl; print(pdl.ENABLED)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(expected)

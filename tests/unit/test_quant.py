@@ -137,7 +137,7 @@ def test_fp8_block_dequant_by_explicit_loops(n: int, k: int, block: tuple[int, i
     # Each tile's absmax maps to the e4m3 max, and the reconstruction is within e4m3 precision (3 mantissa bits).
     for bi in range(scale_inv.shape[0]):
         for bj in range(scale_inv.shape[1]):
-            tile = q.float()[bi * b0:(bi + 1) * b0, bj * b1:(bj + 1) * b1]
+            tile = q.float()[bi * b0 : (bi + 1) * b0, bj * b1 : (bj + 1) * b1]
             assert tile.abs().max().item() == FP8_MAX
     assert ((deq - w).abs() <= w.abs() * 2**-4 + scale_inv.max() * 2**-9).all()
     assert deq.dtype == torch.float32
@@ -166,8 +166,12 @@ def test_make_experts_dequantises_fp8_parts_without_an_fp8_kernel():
     w2 = torch.randn((E, D, inter), generator=g) / 11
     q13 = [quant_fp8_block(w13[e]) for e in range(E)]
     q2 = [quant_fp8_block(w2[e]) for e in range(E)]
-    parts = {"w13_fp8": torch.stack([q for q, _ in q13]), "w13_scale_inv": torch.stack([s for _, s in q13]),
-             "w2_fp8": torch.stack([q for q, _ in q2]), "w2_scale_inv": torch.stack([s for _, s in q2])}
+    parts = {
+        "w13_fp8": torch.stack([q for q, _ in q13]),
+        "w13_scale_inv": torch.stack([s for _, s in q13]),
+        "w2_fp8": torch.stack([q for q, _ in q2]),
+        "w2_scale_inv": torch.stack([s for _, s in q2]),
+    }
     want13 = torch.stack([dequant_fp8_block(q, s) for q, s in q13])
     assert torch.equal(dequant_fp8_parts(parts, (128, 128), torch.float32)["w13"], want13)
     x = torch.randn((5, D), generator=g)

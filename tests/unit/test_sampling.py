@@ -139,7 +139,9 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     exp = probs[m].double() * n
     chi2 = float(((counts[m].double() - exp) ** 2 / exp).sum())
     df = int(m.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64))
+    )
 
 
 def _mixed_params() -> list[SamplingParams]:
@@ -156,7 +158,14 @@ def _mixed_params() -> list[SamplingParams]:
         SamplingParams(temperature=0.0, min_tokens=2, min_tokens_block_ids=[4]),
         SamplingParams(temperature=2.0, top_k=1),
         SamplingParams(temperature=1.0, top_k=V, top_p=1.0, frequency_penalty=-0.5),
-        SamplingParams(temperature=0.5, top_k=V + 7, top_p=0.999, presence_penalty=2.0, logit_bias_ids=[11], logit_bias_values=[-100.0]),
+        SamplingParams(
+            temperature=0.5,
+            top_k=V + 7,
+            top_p=0.999,
+            presence_penalty=2.0,
+            logit_bias_ids=[11],
+            logit_bias_values=[-100.0],
+        ),
     ]
 
 
@@ -166,7 +175,9 @@ def _history(B: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     for b in range(B):
         n_p = int(torch.randint(1, 12, (1,), generator=g))
         n_o = b % 4  # 0..3 generated: min_tokens rows see both sides of their threshold
-        toks.append(torch.randint(0, V, (n_p + n_o,), generator=g).tolist() + [V + 3] * (b == 5))  # an id >= V is ignored
+        toks.append(
+            torch.randint(0, V, (n_p + n_o,), generator=g).tolist() + [V + 3] * (b == 5)
+        )  # an id >= V is ignored
         n_prompt.append(n_p)
     return toks, n_prompt
 
@@ -222,8 +233,10 @@ def test_greedy_batched_equals_reference_and_ties_go_to_lowest_id():
     B = 32
     x = torch.randint(-3, 3, (B, V)).float()  # many ties
     toks, n_prompt = _history(B, seed=2)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.0 + 0.1 * (b % 3), presence_penalty=0.5 * (b % 2))
-              for b in range(B)]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.0 + 0.1 * (b % 3), presence_penalty=0.5 * (b % 2))
+        for b in range(B)
+    ]
     got = sample(x, params, [None] * B, toks, n_prompt).token_ids
     assert got == sample_ref(x, params, [None] * B, toks, n_prompt).token_ids
     proc = process_logits_ref(x, params, toks, n_prompt)
@@ -244,7 +257,9 @@ def test_filter_logits_masks_equal_reference():
     ks, ps, mps = ks[:R], ps[:R], mps[:R]
     xt = x / temps.unsqueeze(1)
     got = filter_logits(
-        xt, torch.tensor(mps), torch.tensor([k if 0 < k < V else V for k in ks]),
+        xt,
+        torch.tensor(mps),
+        torch.tensor([k if 0 < k < V else V for k in ks]),
         torch.tensor([p if p < 1 else float("inf") for p in ps]),
     )
     for r in range(R):
@@ -253,7 +268,9 @@ def test_filter_logits_masks_equal_reference():
         assert torch.equal(got[r], want), r
         assert torch.isfinite(got[r]).any()  # the top token always survives
     only_k = filter_logits(xt, None, torch.tensor([2] * R), None)
-    assert (torch.isfinite(only_k).sum(-1) >= 2).all() and torch.isfinite(only_k[0]).sum() == 10  # ties with the 2nd kept
+    assert (torch.isfinite(only_k).sum(-1) >= 2).all() and torch.isfinite(
+        only_k[0]
+    ).sum() == 10  # ties with the 2nd kept
 
 
 def test_top_k_1_equals_greedy():
@@ -295,20 +312,34 @@ def test_seeded_rows_reproducible_across_batch_compositions_and_with_reference()
     x = _logits(6, seed=8)
     toks, n_prompt = _history(6, seed=8)
     mixes = [[2], [0, 2, 5], [5, 4, 3, 2, 1, 0], [2, 2, 1]]  # row 2 seeded (temperature 1, top_p), others vary
-    params_of = {0: SamplingParams(temperature=0.0), 1: SamplingParams(temperature=1.0), 2: SamplingParams(top_p=0.95),
-                 3: SamplingParams(temperature=0.5, top_k=3, presence_penalty=1.0), 4: SamplingParams(min_p=0.1, num_logprobs=2),
-                 5: SamplingParams(temperature=1.0)}
+    params_of = {
+        0: SamplingParams(temperature=0.0),
+        1: SamplingParams(temperature=1.0),
+        2: SamplingParams(top_p=0.95),
+        3: SamplingParams(temperature=0.5, top_k=3, presence_penalty=1.0),
+        4: SamplingParams(min_p=0.1, num_logprobs=2),
+        5: SamplingParams(temperature=1.0),
+    }
     seqs = []
     for rows in mixes:
         out = []
         for pos in range(15):
-            gens = [torch.Generator().manual_seed(1000 + pos) if r == 2 else
-                    (torch.Generator().manual_seed(7 + pos) if r == 1 else None) for r in rows]
-            res = sample(x[rows], [params_of[r] for r in rows], gens, [toks[r] for r in rows], [n_prompt[r] for r in rows])
+            gens = [
+                torch.Generator().manual_seed(1000 + pos)
+                if r == 2
+                else (torch.Generator().manual_seed(7 + pos) if r == 1 else None)
+                for r in rows
+            ]
+            res = sample(
+                x[rows], [params_of[r] for r in rows], gens, [toks[r] for r in rows], [n_prompt[r] for r in rows]
+            )
             out.append(res.token_ids[rows.index(2)])
         seqs.append(out)
     assert all(s == seqs[0] for s in seqs) and len(set(seqs[0])) > 1
-    ref = [sample_ref(x[[2]], [params_of[2]], [torch.Generator().manual_seed(1000 + pos)]).token_ids[0] for pos in range(15)]
+    ref = [
+        sample_ref(x[[2]], [params_of[2]], [torch.Generator().manual_seed(1000 + pos)]).token_ids[0]
+        for pos in range(15)
+    ]
     assert ref == seqs[0]
 
 

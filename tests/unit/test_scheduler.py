@@ -208,8 +208,9 @@ def test_engine_routes_a_shared_prefix_to_the_rank_that_caches_it(tmp_path):
     cfg = SchedulerConfig(max_num_seqs=64, token_budget=512, max_model_len=4096)
     from kimi.config import CacheConfig
 
-    eng = Engine(KimiTokenizer.from_dir(tmp_path), frozenset(), cfg, CacheConfig(block_size=BS), transport=None,
-                 vocab_size=1000)
+    eng = Engine(
+        KimiTokenizer.from_dir(tmp_path), frozenset(), cfg, CacheConfig(block_size=BS), transport=None, vocab_size=1000
+    )
     eng.schedulers = [Scheduler(cfg, BlockPool(200, BS), dp_rank=r) for r in range(2)]
     eng.router = DPRouter(eng.schedulers)
     eng.world_size, eng.kv_capacity_tokens, eng.ready = 2, 199 * BS, True
@@ -231,6 +232,7 @@ def test_short_request_behind_a_long_prompt_starts_within_a_step():
     a short request arriving behind it starts (whole prompt) in the next step and finishes long before the long
     prompt does; the long prompt's chunks shrink only while something waits. With waiting_reserve 0 the short
     request waits for the whole long prompt (the former rule)."""
+
     def run(reserve: int) -> tuple[int, int, list[int]]:
         cfg = SchedulerConfig(max_num_seqs=8, token_budget=64, max_model_len=4096, waiting_reserve=reserve)
         s = Scheduler(cfg, BlockPool(512, BS, enable_caching=True))

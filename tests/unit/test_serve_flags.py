@@ -12,14 +12,34 @@ from kimi import cli
 from kimi.server import NUMERIC_LIMITS, ServeArgs, add_serve_args, check_serve_args, cuda_only_flags_set, serve
 
 BAD = [
-    ("--port", "99999"), ("--port", "0"), ("--port", "-1"), ("--port", "http"),
-    ("--nproc", "0"), ("--block-size", "0"), ("--block-size", "-16"), ("--num-blocks", "0"), ("--num-blocks", "1"),
-    ("--kv-cache-memory-gib", "0"), ("--kv-cache-memory-gib", "inf"),
-    ("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "nan"),
-    ("--max-model-len", "0"), ("--max-num-seqs", "0"), ("--token-budget", "0"), ("--num-hidden-layers", "0"),
-    ("--worker-timeout", "0"), ("--worker-timeout", "-5"), ("--max-waiting", "0"), ("--max-body-bytes", "0"),
-    ("--request-body-timeout", "0"), ("--heartbeat-timeout", "-1"), ("--heartbeat-timeout", "nan"),
-    ("--heartbeat-timeout", "0.001"), ("--heartbeat-timeout", "1.9"), ("--startup-timeout", "0"),
+    ("--port", "99999"),
+    ("--port", "0"),
+    ("--port", "-1"),
+    ("--port", "http"),
+    ("--nproc", "0"),
+    ("--block-size", "0"),
+    ("--block-size", "-16"),
+    ("--num-blocks", "0"),
+    ("--num-blocks", "1"),
+    ("--kv-cache-memory-gib", "0"),
+    ("--kv-cache-memory-gib", "inf"),
+    ("--gpu-memory-utilization", "0"),
+    ("--gpu-memory-utilization", "1.5"),
+    ("--gpu-memory-utilization", "nan"),
+    ("--max-model-len", "0"),
+    ("--max-num-seqs", "0"),
+    ("--token-budget", "0"),
+    ("--num-hidden-layers", "0"),
+    ("--worker-timeout", "0"),
+    ("--worker-timeout", "-5"),
+    ("--max-waiting", "0"),
+    ("--max-body-bytes", "0"),
+    ("--request-body-timeout", "0"),
+    ("--heartbeat-timeout", "-1"),
+    ("--heartbeat-timeout", "nan"),
+    ("--heartbeat-timeout", "0.001"),
+    ("--heartbeat-timeout", "1.9"),
+    ("--startup-timeout", "0"),
     ("--startup-timeout", "-1"),
 ]
 
@@ -57,8 +77,26 @@ def test_port_65535_needs_a_zmq_submit_addr(capsys, monkeypatch):
 def test_good_values_pass(value, monkeypatch):
     seen = []
     monkeypatch.setattr("kimi.server.run", lambda a: seen.append(a) or 0)
-    assert cli.main(["serve", "--model", "/x", "--kv-cache-memory-gib", value, "--heartbeat-timeout", "0",
-                     "--gpu-memory-utilization", "1", "--block-size", "48", "--num-blocks", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--model",
+                "/x",
+                "--kv-cache-memory-gib",
+                value,
+                "--heartbeat-timeout",
+                "0",
+                "--gpu-memory-utilization",
+                "1",
+                "--block-size",
+                "48",
+                "--num-blocks",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert seen[0].kv_cache_memory_gib == float(value) and seen[0].block_size == 48 and seen[0].heartbeat_timeout == 0
 
 
@@ -83,7 +121,9 @@ def test_cuda_only_flags_are_named_when_the_device_is_cpu():
     assert cuda_only_flags_set(ServeArgs(model="/x")) == []
     assert cuda_only_flags_set(ServeArgs(model="/x", device="cuda", moe_backend="cuda", enforce_eager=True)) == []
     assert cuda_only_flags_set(ServeArgs(model="/x", moe_backend="cuda", enforce_eager=True)) == [
-        "--moe-backend", "--enforce-eager"]
+        "--moe-backend",
+        "--enforce-eager",
+    ]
     assert cuda_only_flags_set(ServeArgs(model="/x", fp8_dense="triton")) == ["--fp8-dense"]
 
 
@@ -99,10 +139,10 @@ def test_fp8_dense_reaches_the_worker():
     with pytest.raises(SystemExit):
         p.parse_args(["--model", "/x", "--fp8-dense", "on"])
     cmd = worker_command(ServeArgs(model="/x", device="cuda", fp8_dense="triton"), "tcp://a", "tcp://b")
-    worker_argv = cmd[cmd.index("kimi.worker.main") + 1:]
+    worker_argv = cmd[cmd.index("kimi.worker.main") + 1 :]
     assert parse_args(worker_argv).fp8_dense == "triton"
     cmd = worker_command(ServeArgs(model="/x"), "tcp://a", "tcp://b")
-    assert parse_args(cmd[cmd.index("kimi.worker.main") + 1:]).fp8_dense == "off"
+    assert parse_args(cmd[cmd.index("kimi.worker.main") + 1 :]).fp8_dense == "off"
 
 
 @pytest.mark.parametrize("level", ["warning", "trace", "info"])
@@ -112,7 +152,7 @@ def test_log_level_reaches_the_worker(level):
     from kimi.worker.main import parse_args
 
     cmd = worker_command(ServeArgs(model="/x", log_level=level), "tcp://a", "tcp://b")
-    assert parse_args(cmd[cmd.index("kimi.worker.main") + 1:]).log_level == level
+    assert parse_args(cmd[cmd.index("kimi.worker.main") + 1 :]).log_level == level
 
 
 def test_heartbeat_timeout_is_off_or_spans_two_pings(capsys, monkeypatch):

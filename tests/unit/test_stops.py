@@ -170,14 +170,15 @@ def test_random_chunkings_match_reference(seed, cases, unmatched):
     rng = random.Random(seed)
     alphabet = "ab\n"
     for _ in range(cases):
-        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
-                      for _ in range(rng.randint(1, 4))})
+        stops = list(
+            {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 4))}
+        )
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
         include = rng.random() < 0.5
         pieces, i = [], 0
         while i < len(text):
             n = rng.randint(0 if unmatched else 1, 5)
-            pieces.append(text[i:i + n])
+            pieces.append(text[i : i + n])
             i += n
         k = rng.randint(0, len(pieces)) if unmatched else 0
         sc = StopChecker(stops, include)

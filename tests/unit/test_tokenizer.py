@@ -76,8 +76,7 @@ def test_real_check_values(real):
 
 def test_real_properties(real, real_dir):
     assert real.vocab_size == 163842
-    assert (real.im_end_id, real.eos_token_id, real.bos_token_id, real.pad_token_id) == (163586, 163585, 163584,
-                                                                                          163839)
+    assert (real.im_end_id, real.eos_token_id, real.bos_token_id, real.pad_token_id) == (163586, 163585, 163584, 163839)
     assert real.token_to_id("<|im_middle|>") == 163601
     assert real.token_to_id("<|reserved_token_163600|>") == 163600
     assert real.token_to_id("Hello") == 19180
@@ -117,11 +116,16 @@ def test_special_text_is_not_control_by_default(any_tok):
 
 
 def test_skip_special_tokens_keeps_tool_tokens(any_tok):
-    ids = any_tok.encode("<|im_assistant|>assistant<|im_middle|>ok<|tool_calls_section_begin|><|tool_call_begin|>"
-                         "functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
-                         "<|im_end|>[EOS]", allow_special=True)
-    expected = ("assistantok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-                "{}<|tool_call_end|><|tool_calls_section_end|>")
+    ids = any_tok.encode(
+        "<|im_assistant|>assistant<|im_middle|>ok<|tool_calls_section_begin|><|tool_call_begin|>"
+        "functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+        "<|im_end|>[EOS]",
+        allow_special=True,
+    )
+    expected = (
+        "assistantok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        "{}<|tool_call_end|><|tool_calls_section_end|>"
+    )
     assert any_tok.decode(ids, skip_special_tokens=True) == expected
     assert "".join(stream(any_tok, ids, skip=True)) == expected
     assert any_tok.decode(ids).endswith("<|im_end|>[EOS]")
@@ -225,8 +229,18 @@ def test_megabyte_whitespace_heavy_input(any_tok):
     rng = random.Random(1)
     parts = []
     while sum(map(len, parts)) < 1_000_000:
-        parts.append(rng.choice([" " * rng.randrange(1, 80_000), "\n" * rng.randrange(1, 3000), "\t \n" * 500,
-                                 "word " * 200, "x" * rng.randrange(1, 40_000), MIXED]))
+        parts.append(
+            rng.choice(
+                [
+                    " " * rng.randrange(1, 80_000),
+                    "\n" * rng.randrange(1, 3000),
+                    "\t \n" * 500,
+                    "word " * 200,
+                    "x" * rng.randrange(1, 40_000),
+                    MIXED,
+                ]
+            )
+        )
     text = "".join(parts)[:1_000_000]
     t0 = time.perf_counter()
     ids = any_tok.encode(text)
@@ -245,12 +259,22 @@ def test_builtin_files(builtin_dir):
     cfg = json.loads((builtin_dir / "tokenizer_config.json").read_text())
     decoder = cfg["added_tokens_decoder"]
     assert sorted(map(int, decoder)) == list(range(163584, 163842))
-    assert decoder["163586"] == {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False,
-                                 "single_word": False, "special": True}
+    assert decoder["163586"] == {
+        "content": "<|im_end|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
     assert decoder["163607"]["content"] == "</think>" and decoder["163607"]["special"] is False
     assert decoder["163600"]["content"] == "<|reserved_token_163600|>"
-    assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"], cfg["unk_token"]) == ("[BOS]", "[EOS]", "[PAD]",
-                                                                                        "[UNK]")
+    assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"], cfg["unk_token"]) == (
+        "[BOS]",
+        "[EOS]",
+        "[PAD]",
+        "[UNK]",
+    )
     assert isinstance(cfg["model_max_length"], int)
     assert cfg["chat_template"] == (builtin_dir / "chat_template.jinja").read_text()
 

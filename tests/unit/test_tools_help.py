@@ -45,8 +45,12 @@ sys.stdout.write(json.dumps(res))
 
 def _run_all(scripts, args) -> dict[str, tuple[int, str, str]]:
     """{script name: (exit code, stdout, stderr)} of every script run with args (see _RUNNER)."""
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(list(args)), json.dumps([str(p) for p in scripts])],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps(list(args)), json.dumps([str(p) for p in scripts])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: tuple(v) for name, v in json.loads(proc.stdout).items()}
 
@@ -54,8 +58,11 @@ def _run_all(scripts, args) -> dict[str, tuple[int, str, str]]:
 def test_every_tool_prints_help_without_gpu_packages():
     scripts = sorted(p for p in TOOLS.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
     assert len(scripts) >= 15
-    bad = [f"{name}: rc {rc}, stderr {err.strip()[-300:]!r}" for name, (rc, out, err) in _run_all(scripts, ["--help"]).items()
-           if rc != 0 or "usage:" not in out or "Traceback" in err]
+    bad = [
+        f"{name}: rc {rc}, stderr {err.strip()[-300:]!r}"
+        for name, (rc, out, err) in _run_all(scripts, ["--help"]).items()
+        if rc != 0 or "usage:" not in out or "Traceback" in err
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -93,22 +100,36 @@ def test_decode_runs_by_clock_reads_headlines_and_splits_by_clock(tmp_path):
     import decode_runs_by_clock as d
 
     def case(seqs, ctx, x, clock, pip=None):
-        c = {"local_seqs": seqs, "ctx": ctx, "graph_over_floor": x,
-             "graph": {"median_ms": 20 * x, "gpu_clock": {"sm_clock_MHz": {"median": clock}}},
-             "graph_control0": {"median_ms": 1.0, "gpu_clock": {"sm_clock_MHz": {"median": 999}}}}
+        c = {
+            "local_seqs": seqs,
+            "ctx": ctx,
+            "graph_over_floor": x,
+            "graph": {"median_ms": 20 * x, "gpu_clock": {"sm_clock_MHz": {"median": clock}}},
+            "graph_control0": {"median_ms": 1.0, "gpu_clock": {"sm_clock_MHz": {"median": 999}}},
+        }
         if pip is not None:
             c["graph_pipelined_over_floor"] = pip
         return c
 
-    (tmp_path / "decode_a.json").write_text(json.dumps(
-        {"cases": [case(8, 2048, 1.2, 1900), case(32, 2048, 1.33, 1640, 1.32), case(32, 8192, 1.24, 1725)]}))
-    (tmp_path / "decode_b.json").write_text(json.dumps(
-        {"cases": [case(32, 2048, 1.25, 1800), {"local_seqs": 32, "ctx": 2048, "graph_over_floor": 1.5,
-                                                "graph": {"median_ms": 30.0}}]}))
+    (tmp_path / "decode_a.json").write_text(
+        json.dumps({"cases": [case(8, 2048, 1.2, 1900), case(32, 2048, 1.33, 1640, 1.32), case(32, 8192, 1.24, 1725)]})
+    )
+    (tmp_path / "decode_b.json").write_text(
+        json.dumps(
+            {
+                "cases": [
+                    case(32, 2048, 1.25, 1800),
+                    {"local_seqs": 32, "ctx": 2048, "graph_over_floor": 1.5, "graph": {"median_ms": 30.0}},
+                ]
+            }
+        )
+    )
     paths = sorted(str(p) for p in tmp_path.glob("decode_*.json"))
     rows = d.read_runs(paths, {32}, 2048)
     assert [(r["file"], r["graph_x"], r["sm_clock_MHz"], r["pipelined_x"]) for r in rows] == [
-        ("decode_a.json", 1.33, 1640, 1.32), ("decode_b.json", 1.25, 1800, None)]
+        ("decode_a.json", 1.33, 1640, 1.32),
+        ("decode_b.json", 1.25, 1800, None),
+    ]
     assert len(d.read_runs(paths)) == 4  # no filters: every case with a clock
     s = d.summarize(rows, 1700.0)
     assert s[32]["below"] == {"runs": 1, "min": 1.33, "median": 1.33, "max": 1.33}

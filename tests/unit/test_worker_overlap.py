@@ -24,7 +24,7 @@ from kimi.config import CacheConfig, ModelConfig
 from kimi.worker.runner import ModelRunner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from make_tiny_checkpoint import make_tiny_checkpoint
 
 BS = 16
 
@@ -38,10 +38,13 @@ def _sampling(i: int, vocab: int) -> protocol.SamplingParams:
     kinds = [
         protocol.SamplingParams(temperature=0.0),
         protocol.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, num_logprobs=2),
-        protocol.SamplingParams(temperature=0.7, seed=7 * i, presence_penalty=0.5, frequency_penalty=0.3,
-                                repetition_penalty=1.2),
+        protocol.SamplingParams(
+            temperature=0.7, seed=7 * i, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2
+        ),
         protocol.SamplingParams(temperature=0.0, min_tokens=3, min_tokens_block_ids=[1, 2, 3], num_logprobs=0),
-        protocol.SamplingParams(temperature=1.0, seed=i, min_p=0.05, logit_bias_ids=[5, 9], logit_bias_values=[3.0, -2.0]),
+        protocol.SamplingParams(
+            temperature=1.0, seed=i, min_p=0.05, logit_bias_ids=[5, 9], logit_bias_values=[3.0, -2.0]
+        ),
         protocol.SamplingParams(temperature=0.0, prompt_logprobs=1),
     ]
     return kinds[i % len(kinds)]
@@ -62,8 +65,15 @@ def _plans(vocab: int, seed: int = 0, budget: int = 24) -> list[protocol.StepPla
             n = rng.randrange(3, 40)
             max_tokens = rng.randrange(1, 12)
             nb = -(-(n + max_tokens) // BS)
-            reqs[i] = dict(prompt=[rng.randrange(1, vocab) for _ in range(n)], computed=0, known=n, left=max_tokens,
-                           blocks=list(range(next_block, next_block + nb)), sent=False, sampling=_sampling(i, vocab))
+            reqs[i] = dict(
+                prompt=[rng.randrange(1, vocab) for _ in range(n)],
+                computed=0,
+                known=n,
+                left=max_tokens,
+                blocks=list(range(next_block, next_block + nb)),
+                sent=False,
+                sampling=_sampling(i, vocab),
+            )
             next_block += nb
         new, cont, left = [], [], budget
         for i, r in sorted(reqs.items(), key=lambda kv: kv[1]["known"] - kv[1]["computed"] != 1):
@@ -73,8 +83,11 @@ def _plans(vocab: int, seed: int = 0, budget: int = 24) -> list[protocol.StepPla
             n = min(todo, left)
             left -= n
             if not r["sent"]:
-                new.append(protocol.NewRequest(i, 0, list(r["prompt"]), 0, n, list(r["blocks"]), r["sampling"],
-                                               len(r["prompt"])))
+                new.append(
+                    protocol.NewRequest(
+                        i, 0, list(r["prompt"]), 0, n, list(r["blocks"]), r["sampling"], len(r["prompt"])
+                    )
+                )
                 r["sent"] = True
             else:
                 cont.append(protocol.ContinueRequest(i, n, []))
@@ -93,8 +106,9 @@ def _plans(vocab: int, seed: int = 0, budget: int = 24) -> list[protocol.StepPla
 
 def _runner(ckpt):
     cfg = ModelConfig.from_dir(ckpt)
-    return ModelRunner(ckpt, cfg, CacheConfig(block_size=BS, num_blocks=400), device="cpu", dtype=torch.float32,
-                       progress=False)
+    return ModelRunner(
+        ckpt, cfg, CacheConfig(block_size=BS, num_blocks=400), device="cpu", dtype=torch.float32, progress=False
+    )
 
 
 def test_pipelined_steps_equal_one_at_a_time(ckpt):
@@ -158,8 +172,10 @@ def test_position_seed_streams_differ_on_the_cpu_for_seeds_2_pow_32_apart():
     groups = [[5, 5 + (1 << 32), 5 + (1 << 33)], [-1, (1 << 63) - 1], [0, -(1 << 63)], [7, 7 + (1 << 40)]]
     for pos in (0, 1, 4095):
         for seeds in groups:
-            draws = [tuple(torch.rand(4, generator=torch.Generator().manual_seed(position_seed(s, pos))).tolist())
-                     for s in seeds]
+            draws = [
+                tuple(torch.rand(4, generator=torch.Generator().manual_seed(position_seed(s, pos))).tolist())
+                for s in seeds
+            ]
             assert len(set(draws)) == len(draws), (pos, seeds)
     # and the low 32 bits of consecutive seeds / positions are all distinct over a small sweep
     lows = {position_seed(s, p) & 0xFFFFFFFF for s in range(-64, 64) for p in range(16)}

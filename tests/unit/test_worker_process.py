@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import time
-
 from pathlib import Path
 
 from kimi.server import WorkerProcess
@@ -21,8 +20,9 @@ def _alive(pid: int, start: int) -> bool:
         data = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return False
-    fields = data[data.rindex(b")") + 2:].split()
+    fields = data[data.rindex(b")") + 2 :].split()
     return int(fields[19]) == start and fields[0] != b"Z"
+
 
 _FAKE_TORCHRUN = (
     "import subprocess, sys, time\n"
@@ -39,7 +39,7 @@ def test_stop_kills_the_ranks_of_a_torchrun_that_was_killed():
             assert w.check() is None
             time.sleep(0.05)
         assert w._ranks, "the rank was never seen under the fake torchrun"
-        (rank, start), = w._ranks.items()
+        ((rank, start),) = w._ranks.items()
         os.kill(w.proc.pid, signal.SIGKILL)  # torchrun dies; its rank lives on, orphaned
         w.proc.wait(10)
         assert "exited with code -9" in (w.check() or "")

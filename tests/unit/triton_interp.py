@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-_PROBE = ("import warnings, numpy, triton\n"
-          "with warnings.catch_warnings():\n"
-          "    warnings.simplefilter('ignore')\n"
-          "    int(numpy.array([1]))  # Triton 3.6's interpreter needs this; numpy >= 2.3 refuses it\n")
+_PROBE = (
+    "import warnings, numpy, triton\n"
+    "with warnings.catch_warnings():\n"
+    "    warnings.simplefilter('ignore')\n"
+    "    int(numpy.array([1]))  # Triton 3.6's interpreter needs this; numpy >= 2.3 refuses it\n"
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,4 +1,4 @@
-"""Command line: `kimi serve ...` (see `kimi serve --help`). The tiny test checkpoint is made by
+"""Command line: `kimi serve ...` (see `kimi serve --help`), `kimi --version`. The tiny test checkpoint is made by
 `tools/make_tiny_checkpoint.py OUT` (`make tiny`)."""
 
 from __future__ import annotations
@@ -27,13 +27,23 @@ def _install_start_up_signal_handlers() -> None:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line (`kimi serve` / `python -m kimi`), not a call from Python code
         _install_start_up_signal_handlers()
-    p = argparse.ArgumentParser(prog="kimi", description="Inference server for the Kimi-K2 family")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    from kimi.server import ServeArgs, add_serve_args, check_serve_args
+    from kimi import __version__
+    from kimi.server import HelpFormatter, ServeArgs, add_serve_args, check_serve_args
 
-    serve_p = sub.add_parser("serve", help="serve a checkpoint over OpenAI-compatible HTTP and ZeroMQ")
+    p = argparse.ArgumentParser(prog="kimi", description="Inference server for the Kimi-K2 family")
+    p.add_argument("--version", action="version", version=f"kimi {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    serve_p = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over OpenAI-compatible HTTP and ZeroMQ",
+        description="Serve a Kimi-K2 checkpoint over OpenAI-compatible HTTP and the ZeroMQ API (docs/cli.md).",
+        formatter_class=HelpFormatter,
+    )
     add_serve_args(serve_p)
     args = p.parse_args(argv)  # exits 2 naming the flag on a value no server can run with
+    if args.cmd is None:  # bare `kimi`: what it can do, not an argparse error
+        p.print_help()
+        return 0
     if args.cmd == "serve":
         from kimi.server import run
 

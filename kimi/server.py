@@ -185,57 +185,102 @@ def check_serve_args(a: ServeArgs) -> str | None:
     return None
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each flag's default appended, `(default: X)`, unless the help text already states it
+    or the default is None / False (a flag that is off, or a value derived at start-up)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.required:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Declare every `kimi serve` flag on p (docs/cli.md has the long form of each)."""
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_numeric("port"), default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--port", type=_numeric("port"), default=8000, help="HTTP port")
+    p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the folder name)")
     p.add_argument("--zmq-submit-addr", default=None, help="ZeroMQ submit API address (default tcp://HOST:PORT+1)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the workers run the model")
     p.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default fp32 cpu, bf16 cuda"
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="weights, activations and KV cache (default: float32 on cpu, bfloat16 on cuda)",
     )
     p.add_argument(
-        "--nproc", type=_numeric("nproc"), default=1, help="worker ranks on this node (DP attention x EP MoE)"
+        "--nproc",
+        type=_numeric("nproc"),
+        default=1,
+        help="worker ranks on this node (DP attention x EP MoE); must divide the routed experts",
     )
     p.add_argument("--block-size", type=_numeric("block_size"), default=64, help="KV-cache block size in tokens")
     p.add_argument(
-        "--num-blocks", type=_numeric("num_blocks"), default=None, help="KV blocks per rank (default: from memory)"
+        "--num-blocks",
+        type=_numeric("num_blocks"),
+        default=None,
+        help="KV-cache blocks per rank (default: from free memory, 0.5 GiB on cpu)",
     )
     p.add_argument(
-        "--kv-cache-memory-gib", type=_numeric("kv_cache_memory_gib"), default=None, help="KV-cache memory per rank"
+        "--kv-cache-memory-gib",
+        type=_numeric("kv_cache_memory_gib"),
+        default=None,
+        help="KV-cache memory per rank in GiB, instead of --num-blocks (default: from free memory)",
     )
-    p.add_argument("--gpu-memory-utilization", type=_numeric("gpu_memory_utilization"), default=0.9)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_numeric("gpu_memory_utilization"),
+        default=0.9,
+        help="share of GPU memory kimi may use (weights, activations and the KV cache)",
+    )
     p.add_argument(
         "--max-model-len",
         type=_numeric("max_model_len"),
         default=None,
-        help="prompt + output tokens (default: config's)",
+        help="prompt + output tokens per request (default: the config's max_position_embeddings)",
     )
-    p.add_argument("--max-num-seqs", type=_numeric("max_num_seqs"), default=256, help="running requests per DP rank")
     p.add_argument(
-        "--token-budget", type=_numeric("token_budget"), default=2048, help="tokens per step per rank (chunked prefill)"
+        "--max-num-seqs",
+        type=_numeric("max_num_seqs"),
+        default=256,
+        help="running requests per DP rank (also the largest decode CUDA graph)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=_numeric("token_budget"),
+        default=2048,
+        help="tokens per step per rank; longer prompts are prefilled in chunks",
     )
     p.add_argument(
         "--num-hidden-layers",
         type=_numeric("num_hidden_layers"),
         default=None,
-        help="use only the first N layers (benchmarks)",
+        help="use only the first N layers (benchmarks; default: all of the config's)",
     )
     p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
-    p.add_argument("--plan-addr", default=None, help="ZeroMQ address workers read plans from (default: free port)")
-    p.add_argument("--result-addr", default=None, help="ZeroMQ address workers send results to")
+    p.add_argument(
+        "--plan-addr",
+        default=None,
+        help="with --attach: ZeroMQ address the workers read step plans from (default: a free port)",
+    )
+    p.add_argument(
+        "--result-addr",
+        default=None,
+        help="with --attach: ZeroMQ address the workers send results to (default: a free port)",
+    )
     p.add_argument(
         "--worker-timeout",
         type=_numeric("worker_timeout"),
         default=600.0,
-        help="seconds a step may take before failing",
+        help="seconds one step may take before the server declares the workers dead",
     )
     p.add_argument(
         "--startup-timeout",
         type=_numeric("startup_timeout"),
         default=3600.0,
-        help="seconds the workers may take to load the model and report ready (default 3600)",
+        help="seconds the workers may take to load the model and report ready",
     )
     p.add_argument(
         "--log-level",
@@ -249,7 +294,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-waiting",
         type=_numeric("max_waiting"),
         default=1024,
-        help="waiting requests before new ones get HTTP 503 + Retry-After (default 1024)",
+        help="waiting requests beyond which new ones get HTTP 503 with Retry-After",
     )
     p.add_argument(
         "--fake-workers",
@@ -266,13 +311,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-body-bytes",
         type=_numeric("max_body_bytes"),
         default=32 << 20,
-        help="larger HTTP request bodies get 413 (default 32 MiB)",
+        help="larger HTTP request bodies get 413 (default: 32 MiB)",
     )
     p.add_argument(
         "--request-body-timeout",
         type=_numeric("request_body_timeout"),
         default=30.0,
-        help="seconds to receive a request body after its headers, else HTTP 408 (default 30)",
+        help="seconds to receive a request body after its headers, else HTTP 408",
     )
     p.add_argument(
         "--reasoning",
@@ -292,7 +337,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=_numeric("heartbeat_timeout"),
         default=10.0,
         help=f"fail when a worker rank answers no ping for this many seconds (0 = off, else at least "
-        f"{HEARTBEAT_MIN_S:g}; default 10)",
+        f"{HEARTBEAT_MIN_S:g})",
     )
     p.add_argument(
         "--moe-backend",
@@ -300,7 +345,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=list(MOE_BACKENDS),
         help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
         "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
-        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref) (default auto)",
+        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref)",
     )
     p.add_argument(
         "--load-format",
@@ -315,7 +360,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["off", "triton", "humming"],
         help="--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
         "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
-        "decode (default off)",
+        "decode",
     )
     p.add_argument(
         "--no-async-scheduling",
@@ -715,6 +760,7 @@ async def serve(a: ServeArgs) -> int:
         max_body_bytes=a.max_body_bytes,
         body_timeout_s=a.request_body_timeout,
         thinking_model=thinking_model,
+        chat_max_tokens=cfg.max_new_tokens,
     )
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()

@@ -170,3 +170,34 @@ def test_heartbeat_timeout_is_off_or_spans_two_pings(capsys, monkeypatch):
     assert [a.heartbeat_timeout for a in seen] == [0.0, 2.0, 2.5]
     assert seen[0].startup_timeout == 3600.0 and seen[0].worker_timeout == 600.0
     assert "--heartbeat-timeout" in check_serve_args(ServeArgs(model="/x", heartbeat_timeout=1.0))
+
+
+def test_version_and_bare_kimi(capsys):
+    """`kimi --version` prints the installed version; bare `kimi` prints the commands (exit 0), not an error."""
+    from kimi import __version__
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kimi {__version__}"
+    assert __version__ != "0.0.0+unknown"  # the test venv installs the package
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: kimi" in out and "serve" in out and "required" not in out
+
+
+def test_every_serve_flag_has_help_and_shows_its_default():
+    """Each flag of `kimi serve --help` says what it does, and its default where the default is a value."""
+    from kimi.server import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="kimi serve", formatter_class=HelpFormatter)
+    add_serve_args(p)
+    text = p.format_help()
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{action.option_strings[0]} has no help text"
+        shown = HelpFormatter("kimi serve")._get_help_string(action) or ""
+        if action.default not in (None, False) and not action.required:
+            assert "default" in shown, f"{action.option_strings[0]}: its default {action.default!r} is not shown"
+    assert "(default: 8000)" in text and "(default: 0.9)" in text and "(default: cpu)" in text

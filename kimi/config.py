@@ -73,7 +73,8 @@ class ModelConfig:
     Field names follow config.json. Derived values are properties. `weight_prefix` is "" for flat
     checkpoints and "language_model." for nested (K2.5/K2.6) ones; canonical tensor names used inside kimi
     never carry it. `eos_token_ids` is the union of config.json's and generation_config.json's EOS ids
-    (the controller adds `<|im_end|>`).
+    (the controller adds `<|im_end|>`). `max_new_tokens`: generation_config.json's `max_new_tokens` when it has one,
+    the default `max_tokens` of a chat request that sends none (as vLLM reads it); None: the rest of the context.
     """
 
     model_type: str
@@ -108,6 +109,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     weight_prefix: str = ""
     quant: QuantConfig | None = None
+    max_new_tokens: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------------------
@@ -274,8 +276,13 @@ class ModelConfig:
                     eos.append(x)
 
         add_eos(text.get("eos_token_id", cfg.get("eos_token_id")), None)
+        max_new_tokens = None
         if generation_config:
             add_eos(generation_config.get("eos_token_id"), "generation_config.json: ")
+            if generation_config.get("max_new_tokens") is not None:
+                max_new_tokens = as_int(
+                    "max_new_tokens", generation_config["max_new_tokens"], file="generation_config.json: "
+                )
 
         q_lora = text.get("q_lora_rank")
         return cls(
@@ -311,6 +318,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             weight_prefix=prefix,
             quant=quant,
+            max_new_tokens=max_new_tokens,
             raw=cfg,
         )
 

@@ -546,6 +546,8 @@ class OpenAIServer:
     not fully received this many seconds after the headers gets a 408 (a client that sends fewer bytes than its
     Content-Length holds no request slot or KV, but would otherwise hold a connection forever). thinking_model:
     chat output starts in reasoning (`reasoning_content`) unless `chat_template_kwargs.thinking` is false.
+    chat_max_tokens: the `max_tokens` of a chat request that sends none (generation_config.json's
+    `max_new_tokens`); None: the rest of the context. Either is clamped to what the context leaves.
     Attaches a `Metrics` to the engine (`engine.observer`).
     """
 
@@ -560,8 +562,10 @@ class OpenAIServer:
         max_body_bytes: int = MAX_BODY_BYTES,
         body_timeout_s: float = 30.0,
         thinking_model: bool = False,
+        chat_max_tokens: int | None = None,
     ) -> None:
         self.engine = engine
+        self.chat_max_tokens = chat_max_tokens
         self.tokenizer = tokenizer
         self.model_name = served_model_name
         self.vocab_size = vocab_size
@@ -1194,7 +1198,11 @@ class OpenAIServer:
                 f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs, self.engine.max_model_len
             )
             g = self._common(
-                f, ids, max_tokens_default=None, logprobs=(top or 0) if want_lp else None, prompt_logprobs=-1
+                f,
+                ids,
+                max_tokens_default=self.chat_max_tokens,
+                logprobs=(top or 0) if want_lp else None,
+                prompt_logprobs=-1,
             )
             f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False

@@ -257,3 +257,13 @@ def test_config_file_errors_name_the_folder_and_file(tmp_path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
     with pytest.raises(ConfigError, match=f"^{tmp_path}: generation_config.json: eos_token_id must be an integer"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_generation_config_max_new_tokens(tiny_dirs: dict[str, str]) -> None:
+    """generation_config.json's max_new_tokens becomes ModelConfig.max_new_tokens; a bad value names the file."""
+    cfg = ModelConfig.from_dir(tiny_dirs["k2.6"]).raw
+    assert ModelConfig.from_dict(cfg, {"eos_token_id": 163586}).max_new_tokens is None
+    assert ModelConfig.from_dict(cfg, {"max_new_tokens": 256}).max_new_tokens == 256
+    for bad in (0, -1, "256", 1.5, True):
+        with pytest.raises(ConfigError, match="generation_config.json: max_new_tokens"):
+            ModelConfig.from_dict(cfg, {"max_new_tokens": bad})

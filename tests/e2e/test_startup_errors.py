@@ -214,7 +214,13 @@ def test_worker_start_up_failure_stops_every_worker(model):
     assert rc == 1, out
     errors = _error_lines(out)  # no traceback: neither the worker's nor torchrun's
     assert len(errors) == 1 and "start-up failed" in errors[0] and "--kv-cache-memory-gib" in errors[0], out
-    assert "kimi.worker.launch: worker rank 0 exited with code 1" in out, out
+    # torchrun's last word depends on which comes first, the failed rank's own exit or the server's stop of
+    # torchrun one second after the error: either is a clean end (no process is left: _serve checks that)
+    launch = [line for line in out.splitlines() if line.startswith("kimi.worker.launch:")]
+    assert launch in (
+        ["kimi.worker.launch: worker rank 0 exited with code 1"],
+        ["kimi.worker.launch: stopped by SIGTERM"],
+    ), out
 
 
 def test_kv_cache_larger_than_memory_fails_before_the_weights_load(model):

@@ -166,7 +166,8 @@ def test_a_failed_extension_build_is_not_retried(tmp_path, monkeypatch):
         t0 = time.perf_counter()
         with pytest.raises(Exception) as again:
             cuda_ext.load(name, [str(bad)])
-        assert again.value is first.value and time.perf_counter() - t0 < 0.5
+        assert again.value is first.value  # the cached failure, not a second build
+        assert time.perf_counter() - t0 < 5.0  # a rebuild runs the compiler: seconds
     finally:
         cuda_ext._failed.pop(name, None)
 

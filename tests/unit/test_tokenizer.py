@@ -246,14 +246,15 @@ def test_megabyte_whitespace_heavy_input(any_tok):
     ids = any_tok.encode(text)
     elapsed = time.perf_counter() - t0
     assert any_tok.decode(ids) == text
-    assert elapsed < 3.0, f"encoding 1 MB took {elapsed:.2f} s"
+    assert elapsed < 15.0, f"encoding 1 MB took {elapsed:.2f} s"  # a bound a loaded 2-core CI machine meets; a
+    # pathological split (quadratic in a run of one character class) takes minutes
 
 
 # ------------------------------------------------------------------------------------------ built-in vocabulary
 def test_builtin_files(builtin_dir):
     t0 = time.perf_counter()
     write_tokenizer_files(builtin_dir / "again")
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 10.0  # generous: a loaded CI machine; a per-token Python loop is far slower
     lines = (builtin_dir / "tiktoken.model").read_bytes().splitlines()
     assert len(lines) == 163584
     cfg = json.loads((builtin_dir / "tokenizer_config.json").read_text())

@@ -1,6 +1,7 @@
 # kimi: two commands do all the set-up on a fresh machine.
 #   make serve   venv + install + (no MODEL given) a tiny random K2.6-layout checkpoint, then serve on 127.0.0.1:8000
 #   make test    venv + install + the CPU test suite
+#   make lint    the gates CI runs before the tests: ruff (lint, format), mypy, clang-format (docs/development.md)
 PY         ?= python3
 VENV       ?= .venv
 BIN        := $(VENV)/bin
@@ -23,7 +24,7 @@ PYTEST_ARGS ?=
 TVENV      ?= .venv-triton
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: install serve test test-gpu tiny wheelhouse clean triton-venv
+.PHONY: install serve test test-gpu tiny wheelhouse clean triton-venv lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +51,12 @@ triton-venv: $(TVENV)/.installed
 
 test: install triton-venv
 	KIMI_TRITON_PYTHON=$(CURDIR)/$(TVENV)/bin/python $(BIN)/python -m pytest -q -m "not gpu" tests $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/clang-format --dry-run --Werror csrc/*.cu csrc/*.cpp
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)

@@ -107,11 +107,12 @@ struct alignas(16) Slot {
 };
 
 template <int NT, int KW, int S>
-__global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
-    const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-    const int* __restrict__ num_padded, __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out,
-    int top_k, int n, int k_chunks, int trigger_late, int glu, int early_weights, int zero_pads) {
+__global__ void __launch_bounds__(32 * KW, 1)
+    w4a16_indexed_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ wq,
+                         const uint4* __restrict__ wsc, const int* __restrict__ sorted_ids,
+                         const int* __restrict__ block_expert, const int* __restrict__ num_padded,
+                         __nv_bfloat16* __restrict__ out, int64_t out_stride, int num_rows_out, int top_k, int n,
+                         int k_chunks, int trigger_late, int glu, int early_weights, int zero_pads) {
   static_assert(NT % 4 == 0, "NT counts 16-row tiles in whole n64 blocks");
   constexpr int NB = NT / 4;  // n64 blocks per CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     if (b * kBlockRows >= __ldcg(num_padded)) return;
     e = __ldcg(block_expert + b);
   } else {
-    grid_dependency_wait();  // x, the align's ids and the output rows come from kernels ahead
+    grid_dependency_wait();                  // x, the align's ids and the output rows come from kernels ahead
     if (!trigger_late) launch_dependents();  // else after the main loop (the next kernel then waits less long)
     if (b * kBlockRows >= num_padded[0]) {
       if (trigger_late) launch_dependents();
@@ -177,7 +178,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
     grid_dependency_wait();  // x comes from the kernel ahead
     if (!trigger_late) launch_dependents();
   }
-  const bool half1 = __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
+  const bool half1 =
+      __any_sync(0xffffffffu, sorted_ids[b * kBlockRows + 8 + g] < num_rows_out);  // rows 8..15 hold pairs
 
   // Input rows. With both halves in use lane L copies pieces 4 (L & 1) .. + 3 of block row L / 2; with one, pieces
   // 2 (L & 3), + 1 of row L / 4. A pad row's MMA column is never stored, so what it holds does not matter and the
@@ -352,7 +354,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       const int id = sorted_ids[b * kBlockRows + r];
       if (id >= num_rows_out) continue;
       const int cg = (op >> 4) * 64 + 2 * (op & 15);  // the CTA's column of the gate pair; up: + 32
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // gate, gate + 1, up, up + 1
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};          // gate, gate + 1, up, up + 1
 #pragma unroll
       for (int w = 0; w < KW; ++w) {
         const float* pw = partial + (size_t)w * NT * 16 * kP + r;
@@ -368,8 +370,8 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
         const float up = __bfloat162float(__float2bfloat16_rn(v[2 + j]));
         a[j] = __bfloat162float(__float2bfloat16_rn(gt / (1.0f + __expf(-gt)))) * up;
       }
-      *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + nb0 * 32 + (op >> 4) * 32 +
-                                         2 * (op & 15)) = __floats2bfloat162_rn(a[0], a[1]);
+      *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + nb0 * 32 + (op >> 4) * 32 + 2 * (op & 15)) =
+          __floats2bfloat162_rn(a[0], a[1]);
     }
     return;
   }
@@ -385,8 +387,7 @@ __global__ void __launch_bounds__(32 * KW, 1) w4a16_indexed_kernel(
       s0 += partial[((size_t)w * NT * 16 + 2 * np) * kP + r];
       s1 += partial[((size_t)w * NT * 16 + 2 * np + 1) * kP + r];
     }
-    *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + col0 + 2 * np) =
-        __floats2bfloat162_rn(s0, s1);
+    *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)id * out_stride + col0 + 2 * np) = __floats2bfloat162_rn(s0, s1);
   }
 }
 
@@ -412,8 +413,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(attr_set.load() & bit)) {
-    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               (int)smem);
+    err = cudaFuncSetAttribute(w4a16_indexed_kernel<NT, KW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) return err;
     attr_set.fetch_or(bit);
   }
@@ -429,8 +429,8 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
   cfg.numAttrs = pdl ? 1 : 0;  // pdl: 0 off, 1 on (trigger the next kernel at the start), 2 on (trigger late)
   return cudaLaunchKernelEx(&cfg, w4a16_indexed_kernel<NT, KW, S>, static_cast<const __nv_bfloat16*>(x), x_stride,
                             static_cast<const uint4*>(wq), static_cast<const uint4*>(wsc), sorted_ids, block_expert,
-                            num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k,
-                            n, k_chunks, pdl == 2 ? 1 : 0, glu, early_weights, zero_pads);
+                            num_padded, static_cast<__nv_bfloat16*>(out), out_stride, num_rows_out, top_k, n, k_chunks,
+                            pdl == 2 ? 1 : 0, glu, early_weights, zero_pads);
 }
 
 }  // namespace
@@ -449,15 +449,15 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 // (no read), 0 reads token 0's row for them; the outputs are the same. Returns cudaErrorInvalidValue for anything else.
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
-                                               void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
-                                               int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int zero_pads, cudaStream_t stream) {
+                                               void* out, int64_t out_stride, int num_rows_out, int top_k, int n, int k,
+                                               int num_blocks, int nt, int kw, int stages, int pdl, int glu,
+                                               int early_weights, int zero_pads, cudaStream_t stream) {
   if (n % 64 != 0 || k % 64 != 0 || num_blocks <= 0 || num_blocks > 65535 || top_k <= 0 || nt <= 0 || kw <= 0 ||
       (n / 16) % nt != 0 || (k / 64) % kw != 0 || pdl < 0 || pdl > 2 || glu < 0 || glu > 1 || early_weights < 0 ||
       early_weights > 1 || zero_pads < 0 || zero_pads > 1)
     return cudaErrorInvalidValue;
-#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                         \
-  if (nt == NT_ && kw == KW_ && stages == S_)                                                                  \
+#define KIMI_W4A16_CASE(NT_, KW_, S_)                                                                        \
+  if (nt == NT_ && kw == KW_ && stages == S_)                                                                \
     return launch<NT_, KW_, S_>(x, x_stride, wq, wsc, sorted_ids, block_expert, num_padded, out, out_stride, \
                                 num_rows_out, top_k, n, k, num_blocks, pdl, glu, early_weights, zero_pads, stream);
   KIMI_W4A16_CASE(4, 4, 4)

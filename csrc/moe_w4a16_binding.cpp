@@ -9,9 +9,9 @@
 
 extern "C" cudaError_t kimi_w4a16_indexed_gemm(const void* x, int64_t x_stride, const void* wq, const void* wsc,
                                                const int* sorted_ids, const int* block_expert, const int* num_padded,
-                                               void* out, int64_t out_stride, int num_rows_out, int top_k, int n,
-                                               int k, int num_blocks, int nt, int kw, int stages, int pdl,
-                                               int glu, int early_weights, int zero_pads, cudaStream_t stream);
+                                               void* out, int64_t out_stride, int num_rows_out, int top_k, int n, int k,
+                                               int num_blocks, int nt, int kw, int stages, int pdl, int glu,
+                                               int early_weights, int zero_pads, cudaStream_t stream);
 
 static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wsc,
                          const torch::Tensor& sorted_ids, const torch::Tensor& block_expert,

@@ -81,7 +81,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 # ---- marker token ids (KIMI.md section 4) -------------------------------------------------------------
 TOOL_CALLS_SECTION_BEGIN_ID = 163595
@@ -169,12 +169,18 @@ class ParserConfig:
         itself; K2-Instruct does not reason).
         """
         tail = list(prompt_token_ids[-2:])
-        kw = dict(tools=tools, stream_tool_arguments=stream_tool_arguments, marker_text=marker_text)
+        thinking, ends_in_think = thinking_model, False
         if tail == [THINK_START_ID, THINK_END_ID]:
-            return cls(thinking=False, **kw)
-        if tail and tail[-1] == THINK_START_ID:
-            return cls(thinking=True, prompt_ends_in_think=True, **kw)
-        return cls(thinking=thinking_model, **kw)
+            thinking = False
+        elif tail and tail[-1] == THINK_START_ID:
+            thinking, ends_in_think = True, True
+        return cls(
+            thinking=thinking,
+            prompt_ends_in_think=ends_in_think,
+            tools=tools,
+            stream_tool_arguments=stream_tool_arguments,
+            marker_text=marker_text,
+        )
 
 
 # ---- output types -------------------------------------------------------------------------------------
@@ -404,8 +410,8 @@ class OutputParser:
             if not self._call_valid:
                 return
             self._args.append(text)
-            if self._head_sent:
-                out._add_fragment(self._call[0], text)  # type: ignore[index]
+            if self._head_sent and self._call is not None:
+                out._add_fragment(self._call[0], text)
         # _SECTION: text between calls is dropped
 
     def _marker(self, tid: int, out: ParserDelta) -> None:
@@ -441,8 +447,8 @@ class OutputParser:
                 self._open_args(out)
                 if self._call_valid:
                     self._args.append("{}")
-                    if self._head_sent:
-                        out._add_fragment(self._call[0], "{}")  # type: ignore[index]
+                    if self._head_sent and self._call is not None:
+                        out._add_fragment(self._call[0], "{}")
                 self._close_call(out)
                 self._state = _SECTION
             elif st == _ARGS:
@@ -498,6 +504,7 @@ class OutputParser:
 
 
 # ---- non-streaming helper -----------------------------------------------------------------------------
+@runtime_checkable
 class _Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
 
@@ -589,13 +596,12 @@ def parse_output(
         content.append(d.content)
         reasoning.append(d.reasoning_content)
 
-    if hasattr(text_deltas, "push"):
-        detok = text_deltas
+    if isinstance(text_deltas, _Detokenizer):
         for tid in token_ids:
-            take(parser.feed(tid, detok.push(tid)))  # type: ignore[union-attr]
-        text_tail = detok.flush() + text_tail  # type: ignore[union-attr]
+            take(parser.feed(tid, text_deltas.push(tid)))
+        text_tail = text_deltas.flush() + text_tail
     else:
-        deltas = list(text_deltas)  # type: ignore[arg-type]
+        deltas = list(text_deltas)
         if len(deltas) != len(token_ids):
             raise ValueError(f"parse_output: {len(token_ids)} token ids but {len(deltas)} text deltas")
         for tid, text in zip(token_ids, deltas):

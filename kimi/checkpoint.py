@@ -24,12 +24,16 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from kimi.config import ModelConfig
 from kimi.ops.quant import dequant_fp8_block, dequant_int4
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 __all__ = [
     "INDEX_FILE",
@@ -69,13 +73,13 @@ class CheckpointError(ValueError):
     """A checkpoint does not match its config: names the offending tensor and, where known, its file."""
 
 
-def _open_shard(path: str, **kw):
-    """safetensors' `safe_open(path, framework="pt", **kw)`; a file it cannot read (truncated, bad header, not
+def _open_shard(path: str, device: str = "cpu") -> safe_open:
+    """safetensors' `safe_open(path, framework="pt", device=device)`; a file it cannot read (truncated, bad header, not
     safetensors, unreadable) raises CheckpointError naming the file instead of safetensors' bare message."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        return safe_open(path, framework="pt", **kw)
+        return safe_open(path, framework="pt", device=device)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
 
@@ -242,7 +246,8 @@ def _file_map(model_dir: str) -> dict[str, str]:
 def _raw_num_layers(cfg: ModelConfig) -> int:
     """Decoder layers the checkpoint itself holds (config.json's count, incl. MTP layers), >= cfg's."""
     raw = cfg.raw or {}
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    nested = raw.get("text_config")
+    text = nested if isinstance(nested, dict) else raw
     n = int(text.get("num_hidden_layers", cfg.num_hidden_layers)) + int(text.get("num_nextn_predict_layers") or 0)
     return max(n, cfg.num_hidden_layers)
 

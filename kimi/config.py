@@ -124,7 +124,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """`qk_head_dim ** -0.5 * m * m`, m = yarn_get_mscale(factor, mscale_all_dim) (KIMI.md section 3)."""
-        scale = self.qk_head_dim**-0.5
+        scale: float = self.qk_head_dim**-0.5
         if self.rope_scaling is not None:
             m = yarn_get_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale = scale * m * m
@@ -236,7 +236,7 @@ class ModelConfig:
                     raise ConfigError(
                         f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}"
                     )
-                group = next(iter(groups.values()), {}) if groups else {}
+                group: Any = next(iter(groups.values()), {}) if groups else {}
                 weights = group.get("weights") if isinstance(group, dict) else None
                 if weights is None:
                     weights = {}

@@ -193,10 +193,11 @@ class KimiTokenizer:
         self.eos_token_id = special_map.get(eos_token) if eos_token else None
         self.pad_token_id = special_map.get(pad_token) if pad_token else None
         self.im_end_id = special_map["<|im_end|>"] if "<|im_end|>" in special_map else None
+        self._longest_token_bytes: int | None = None  # min_num_tokens computes it on first use
 
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> KimiTokenizer:
+    def from_dir(cls, path: str | os.PathLike[str]) -> KimiTokenizer:
         """Load a tokenizer from a checkpoint (or tokenizer) folder.
 
         Reads `tiktoken.model`; special tokens and bos/eos/pad strings from `tokenizer_config.json` (or, when
@@ -262,9 +263,10 @@ class KimiTokenizer:
 
     def id_to_bytes(self, token_id: int) -> bytes:
         """The bytes of one token (a special token's are its UTF-8 content). Raises ValueError if unknown."""
-        if not (0 <= token_id < len(self._table)) or self._table[token_id] is None:
+        b = self._table[token_id] if 0 <= token_id < len(self._table) else None
+        if b is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {len(self._table)})")
-        return self._table[token_id]  # type: ignore[return-value]
+        return b
 
     # ---------------------------------------------------------------------------------------- encode/decode
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
@@ -287,7 +289,7 @@ class KimiTokenizer:
         """A lower bound on len(self.encode(text)) (allow_special False) in one pass over the text, without
         encoding it: its UTF-8 bytes over the longest ordinary token's bytes (every token of it is one ordinary
         vocabulary entry). Lets the API refuse a huge prompt before spending seconds tokenizing it."""
-        longest = getattr(self, "_longest_token_bytes", None)
+        longest = self._longest_token_bytes
         if longest is None:
             longest = self._longest_token_bytes = max(len(b) for b in self._ordinary_to_id)
         return -(-len(text.encode("utf-8", "replace")) // max(1, longest))  # a lone surrogate: 1 byte, not more
@@ -300,13 +302,14 @@ class KimiTokenizer:
         empty text, because a model with a padded vocabulary can sample one).
         """
         table = self._table
-        parts = []
+        parts: list[bytes] = []
         for i in ids:
             if skip_special_tokens and i in self.special_ids:
                 continue
-            if not (0 <= i < len(table)) or table[i] is None:
+            b = table[i] if 0 <= i < len(table) else None
+            if b is None:
                 raise ValueError(f"token id {i} is outside the vocabulary (size {len(table)})")
-            parts.append(table[i])
+            parts.append(b)
         return b"".join(parts).decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------------------------------ chat template
@@ -318,7 +321,7 @@ class KimiTokenizer:
     @chat_template.setter
     def chat_template(self, source: str | None) -> None:
         self._chat_template = source
-        self._compiled_template = None
+        self._compiled_template: jinja2.Template | None = None
 
     def apply_chat_template(
         self,
@@ -412,7 +415,7 @@ def _builtin_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def write_tokenizer_files(dst_dir: str | os.PathLike, source_dir: str | os.PathLike | None = None) -> None:
+def write_tokenizer_files(dst_dir: str | os.PathLike[str], source_dir: str | os.PathLike[str] | None = None) -> None:
     """Write tiktoken.model, tokenizer_config.json and chat_template.jinja into `dst_dir` (created if needed).
 
     With `source_dir` (a folder holding `tiktoken.model` and `special_tokens.json` or `tokenizer_config.json`

@@ -30,7 +30,8 @@ def list_presets() -> list[str]:
 @cache
 def _read(name: str) -> dict[str, Any]:
     with open(os.path.join(_DIR, name + ".json")) as f:
-        return json.load(f)
+        preset: dict[str, Any] = json.load(f)
+    return preset
 
 
 def load_preset(name: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kimi.config import ModelConfig
+from kimi.config import ModelConfig, QuantConfig
 from kimi.ops.quant import dequant_fp8_block, dequant_int4
 
 if TYPE_CHECKING:
@@ -149,14 +149,14 @@ def _canonical_expected(cfg: ModelConfig, ep_rank: int, ep_size: int) -> dict[st
     lo, hi = local_expert_range(cfg, ep_rank, ep_size)
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
-    def linear(name: str, shape: tuple[int, int], quant: str | None) -> None:
+    def linear(name: str, shape: tuple[int, int], quant: QuantConfig | None) -> None:
         o, i = shape
-        if quant == "fp8":
-            b0, b1 = cfg.quant.block  # type: ignore[union-attr]
+        if quant is not None and quant.method == "fp8":
+            b0, b1 = quant.block
             out[name + ".weight"] = ((o, i), torch.float8_e4m3fn)
             out[name + ".weight_scale_inv"] = ((_ceil(o, b0), _ceil(i, b1)), f32)
-        elif quant == "int4":
-            g = cfg.quant.group_size  # type: ignore[union-attr]
+        elif quant is not None and quant.method == "int4":
+            g = quant.group_size
             if i % g or i % 8:
                 raise ValueError(f"{name}: input dim {i} is not a multiple of group_size {g} and 8")
             out[name + ".weight_packed"] = ((o, i // 8), torch.int32)
@@ -174,14 +174,14 @@ def _canonical_expected(cfg: ModelConfig, ep_rank: int, ep_size: int) -> dict[st
             out[p + "self_attn.q_a_layernorm.weight"] = ((cfg.q_lora_rank,), bf16)
         out[p + "self_attn.kv_a_layernorm.weight"] = ((cfg.kv_lora_rank,), bf16)
         for name, shape in linear_shapes(cfg, layer).items():
-            linear(name, shape, "fp8" if method == "fp8" else None)
+            linear(name, shape, cfg.quant if method == "fp8" else None)
         if cfg.is_moe_layer(layer):
             e = cfg.n_routed_experts
             out[p + "mlp.gate.weight"] = ((e, h), bf16)
             out[p + "mlp.gate.e_score_correction_bias"] = ((e,), f32)
             for expert in range(lo, hi):
                 for name, shape in _expert_shapes(cfg, layer, expert).items():
-                    linear(name, shape, method)
+                    linear(name, shape, cfg.quant)
     out["model.norm.weight"] = ((h,), bf16)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ((v, h), bf16)
@@ -351,7 +351,10 @@ def load_checkpoint(
     out: dict[str, Tensor] = {}
     pending: dict[str, dict[str, Tensor]] = {}  # quantised module -> parts read so far
     method = cfg.quant.method if cfg.quant is not None else None
-    parts_needed = {"int4": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale_inv")}
+    parts_needed: dict[str | None, tuple[str, ...]] = {
+        "int4": ("weight_packed", "weight_scale", "weight_shape"),
+        "fp8": ("weight", "weight_scale_inv"),
+    }
 
     def emit(name: str, t: Tensor) -> None:
         if t.is_floating_point() and not name.endswith("e_score_correction_bias"):
@@ -359,6 +362,8 @@ def load_checkpoint(
         out[name] = t.to(device)
 
     def finish_module(module: str, parts: dict[str, Tensor], fname: str, fpath: str) -> None:
+        quant = cfg.quant
+        assert quant is not None, "only a quantised checkpoint has modules in parts"
         if "weight_packed" in parts:
             o, i = parts["weight_packed"].shape[0], parts["weight_packed"].shape[1] * 8
             ws = parts["weight_shape"].tolist()
@@ -367,14 +372,14 @@ def load_checkpoint(
                     f"tensor {cfg.weight_prefix + module + '.weight_shape'!r} in {fpath} is {ws}, expected [{o}, {i}]"
                 )
             if dequantize:
-                w = dequant_int4(parts["weight_packed"], parts["weight_scale"], cfg.quant.group_size, dtype)  # type: ignore[union-attr]
+                w = dequant_int4(parts["weight_packed"], parts["weight_scale"], quant.group_size, dtype)
                 out[module + ".weight"] = w.to(device)
             else:
                 out[module + ".weight_packed"] = parts["weight_packed"].to(device)
                 out[module + ".weight_scale"] = parts["weight_scale"].to(device)
         else:
             if dequantize:
-                w = dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], cfg.quant.block, dtype)  # type: ignore[union-attr]
+                w = dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], quant.block, dtype)
                 out[module + ".weight"] = w.to(device)
             else:
                 out[module + ".weight"] = parts["weight"].to(device)
@@ -423,7 +428,7 @@ def load_checkpoint(
                     if quantised:
                         parts = pending.setdefault(module, {})
                         parts[part] = t
-                        if all(p in parts for p in parts_needed[method]):  # type: ignore[index]
+                        if all(p in parts for p in parts_needed[method]):
                             finish_module(module, pending.pop(module), fname, fpath)
                     else:
                         emit(name, t)

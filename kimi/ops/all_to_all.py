@@ -355,7 +355,7 @@ def make_all_to_all(
     ep_size: int,
     group: dist.ProcessGroup | None = None,
     ll_max_tokens_per_rank: int = 128,
-):
+) -> LocalBackend | TorchAllToAll | DeepEPAllToAll:
     """The backend object for `backend` (one of BACKENDS). `torch.distributed` must be initialised for all
     but `local`. Raises ValueError for an unknown name or a local backend with ep_size > 1."""
     if backend == "local":
@@ -365,5 +365,8 @@ def make_all_to_all(
     if backend in ("gloo", "nccl"):
         return TorchAllToAll(group, num_experts, ep_rank, ep_size)
     if backend == "deepep":
+        check_deepep_experts(num_experts, ep_size)
+        if group is None:
+            raise ValueError("the deepep all-to-all backend needs a process group (init_distributed)")
         return DeepEPAllToAll(group, num_experts, hidden, ep_rank, ep_size, ll_max_tokens_per_rank)
     raise ValueError(f"unknown all-to-all backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -16,6 +16,7 @@ Both forms compute in float32 and can share one forward (mixed batches).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch import nn
 from kimi.config import ModelConfig
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kimi.worker.gpu_model import GPUAttnPlan
 
 
 @dataclass
@@ -44,6 +48,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    gpu: GPUAttnPlan | None = None  # the GPU model's plan for this batch (kimi.worker.gpu_model), set by that model
 
     @property
     def num_seqs(self) -> int:

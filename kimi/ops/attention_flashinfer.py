@@ -161,10 +161,10 @@ class FlashInferMLA:
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self.workspace, use_cuda_graph=use_cuda_graph, backend=backend, **kwargs
         )
-        self.block_size = None
-        self.batch = None
+        self.block_size: int | None = None
+        self.batch: int | None = None
         self.num_rows = 0  # sum of qo_lens of the current plan: rows of q_lat / q_pe / o_lat
-        self.causal = None
+        self.causal: bool | None = None
         self._plan_done: torch.cuda.Event | None = None
         self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
         self._idx_done: torch.cuda.Event | None = None  # recorded after each `_copy_indices` (decode plan_pages)
@@ -344,9 +344,11 @@ class FlashInferMLA:
         staging buffer, reused once the previous such copy has run)."""
         if self._idx_done is not None:
             self._idx_done.synchronize()
+        dev = self._kv_indices_dev
+        assert dev is not None, "the CUDA-graph wrapper (use_cuda_graph) owns a kv_indices buffer"
         host = self._pinned("kv_indices_decode", len(flat))  # [total_pages] host, pinned
         host.numpy()[:] = flat
-        self._kv_indices_dev[: len(flat)].copy_(host, non_blocking=True)
+        dev[: len(flat)].copy_(host, non_blocking=True)
         if self._idx_done is None:
             self._idx_done = torch.cuda.Event()
         self._idx_done.record(torch.cuda.current_stream(self.device))
@@ -379,10 +381,9 @@ class FlashInferMLA:
         kv_indptr_h.numpy()[:] = kv_indptr
         kv_len = self._pinned("kv_len", B)  # [B]
         kv_len.numpy()[:] = seq_lens
-        kv_indptr = kv_indptr_h
         self.wrapper.plan(
             qo_indptr,
-            kv_indptr,
+            kv_indptr_h,
             kv_indices,
             kv_len,
             self.num_heads,
@@ -428,7 +429,7 @@ class FlashInferMLADecode(FlashInferMLA):
     """FlashInferMLA for pure decode batches (one query row per request, non-causal plan): the CUDA-graph
     decode path (kimi/worker/cuda_graph.py) and tools/bench_mla.py. Same constructor as FlashInferMLA."""
 
-    def plan(  # type: ignore[override]
+    def plan(  # type: ignore[override]  # decode only: no qo_lens (all 1), never causal
         self, seq_lens_cpu: list[int], block_tables: torch.Tensor, block_size: int
     ) -> None:
         """Plan one decode step (host work; call outside CUDA graphs).

@@ -525,7 +525,7 @@ def linear_small_m(
         raise ValueError("linear_small_m: norm_weight and silu_mul are exclusive")
     _check(x, w, out, 2 if silu_mul else 1)
     prologue = 1 if norm_weight is not None else (2 if silu_mul else 0)
-    if prologue == 1 and (
+    if norm_weight is not None and (
         norm_weight.shape != (w.shape[1],) or norm_weight.device != x.device or not norm_weight.is_contiguous()
     ):
         raise ValueError(

@@ -36,6 +36,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -175,6 +176,10 @@ class TritonInt4Experts(nn.Module):
     """
 
     graph_safe = True
+    w13_packed: torch.Tensor  # the buffers `__init__` registers
+    w13_scale: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
@@ -283,12 +288,13 @@ class HummingExperts(nn.Module):
             return torch.empty_like(x) if T == 0 or (expert_major and k == 1) else torch.zeros_like(x)
         c1, c2 = self._configs(expected_pairs or self._m_local(T, k))
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
+        act_rows: Callable[..., torch.Tensor] | None = None  # SiLU * up of the local pairs' rows only (CUDA)
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py), sized by max_pairs
             from kimi.ops.fused import moe_align_fused, silu_mul_rows
 
+            act_rows = silu_mul_rows
             align = lambda bm: moe_align_fused(topk_ids, self.E, self.expert_offset, bm, max_pairs)  # noqa: E731
         else:
-            silu_mul_rows = None
             align = lambda bm: moe_align(topk_ids, self.E, self.expert_offset, bm)  # noqa: E731
         a1 = align(bm1)
         a2 = a1 if bm2 == bm1 else align(bm2)
@@ -302,8 +308,8 @@ class HummingExperts(nn.Module):
             compute_config=cc,
             tuning_config=c1,
         )  # [T*k, 2I] rows = pair ids (local pairs written)
-        if silu_mul_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
-            act = silu_mul_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
+        if act_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
+            act = act_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
         else:
             from kimi.ops.fused import glu_split
 
@@ -558,6 +564,10 @@ class CudaInt4Experts(nn.Module):
 
     graph_safe = True
     expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
+    w13: torch.Tensor  # the buffers `__init__` registers
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()

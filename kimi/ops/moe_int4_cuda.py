@@ -125,7 +125,7 @@ TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]
 }
 
 
-def config_valid(cfg: tuple[int, int, int], n: int, k: int) -> bool:
+def config_valid(cfg: tuple[int, ...], n: int, k: int) -> bool:
     """Whether configuration cfg = (NT, KW, S) can run a GEMM [n, k]: n % 64 == k % 64 == 0, NT divides n / 16 and
     KW divides k / 64."""
     return cfg in CONFIGS and n % 64 == 0 and k % 64 == 0 and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0

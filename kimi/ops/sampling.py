@@ -167,9 +167,11 @@ def process_logits_ref(
     pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
+    history: Sequence[Sequence[int]] = token_ids if token_ids is not None else ()  # read for pen_rows only
+    n_prompts: Sequence[int] = num_prompt_tokens if num_prompt_tokens is not None else ()
     for b, p in enumerate(params):
         if p.min_tokens > 0 and p.min_tokens_block_ids:
-            n_out = len(token_ids[b]) - num_prompt_tokens[b]  # type: ignore[index]
+            n_out = len(history[b]) - n_prompts[b]
             if n_out < p.min_tokens:
                 ids = torch.tensor([i for i in p.min_tokens_block_ids if 0 <= i < V], dtype=torch.long)
                 out[b, ids.to(out.device)] = _NEG_INF
@@ -181,8 +183,8 @@ def process_logits_ref(
         p = params[b]
         if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
             continue
-        toks = [t for t in token_ids[b] if 0 <= t < V]  # type: ignore[index]
-        n_prompt = num_prompt_tokens[b]  # type: ignore[index]
+        toks = [t for t in history[b] if 0 <= t < V]
+        n_prompt = n_prompts[b]
         row = out[b]
         if p.repetition_penalty != 1.0 and toks:
             seen = torch.zeros(V, dtype=torch.bool, device=out.device)
@@ -190,7 +192,7 @@ def process_logits_ref(
             r = p.repetition_penalty
             penalised = torch.where(row > 0, row / r, row * r)
             row = torch.where(seen, penalised, row)
-        gen = [t for t in token_ids[b][n_prompt:] if 0 <= t < V]  # type: ignore[index]
+        gen = [t for t in history[b][n_prompt:] if 0 <= t < V]
         if gen and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             counts = torch.zeros(V, dtype=out.dtype, device=out.device)
             counts.index_add_(
@@ -289,6 +291,8 @@ def process_logits(
     pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
+    history: Sequence[Sequence[int]] = token_ids if token_ids is not None else ()  # read for pen_rows only
+    n_prompts: Sequence[int] = num_prompt_tokens if num_prompt_tokens is not None else ()
     ban_r: list[int] = []
     ban_c: list[int] = []
     bias_r: list[int] = []
@@ -296,7 +300,7 @@ def process_logits(
     bias_v: list[float] = []
     for b, p in enumerate(params):
         if p.min_tokens > 0 and p.min_tokens_block_ids:
-            if len(token_ids[b]) - num_prompt_tokens[b] < p.min_tokens:  # type: ignore[index]
+            if len(history[b]) - n_prompts[b] < p.min_tokens:
                 ids = [i for i in p.min_tokens_block_ids if 0 <= i < V]
                 ban_r += [b] * len(ids)
                 ban_c += ids
@@ -325,7 +329,7 @@ def process_logits(
         rr: list[int] = []
         rc: list[int] = []
         for b in rep_rows:
-            toks = [t for t in token_ids[b] if 0 <= t < V]  # type: ignore[index]
+            toks = [t for t in history[b] if 0 <= t < V]
             rr += [b] * len(toks)
             rc += toks
         if rc:
@@ -340,7 +344,7 @@ def process_logits(
         cr: list[int] = []
         cc: list[int] = []
         for b in fp_rows:
-            gen = [t for t in token_ids[b][num_prompt_tokens[b] :] if 0 <= t < V]  # type: ignore[index]
+            gen = [t for t in history[b][n_prompts[b] :] if 0 <= t < V]
             cr += [b] * len(gen)
             cc += gen
         if cc:
@@ -463,7 +467,7 @@ def sample_launch(
     return SampleLaunch(ids, host, event, B, want, K, [p.num_logprobs for p in params], V)
 
 
-def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, object]:
+def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """The one device->host copy of a `sample_launch` (also the decode benchmark's): on CUDA started non-blocking into pinned memory, with an
     event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor itself, no event."""
     if packed.device.type != "cuda":
@@ -484,7 +488,7 @@ class SampleLaunch:
 
     ids: torch.Tensor
     _host: torch.Tensor
-    _event: object
+    _event: torch.cuda.Event | None
     _B: int
     _want: list
     _K: int

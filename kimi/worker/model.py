@@ -8,6 +8,9 @@ experts); final `model.norm`, untied `lm_head`. Attention is MLA over the paged 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, overload
+
 import torch
 from torch import nn
 
@@ -44,7 +47,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.post_attention_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.self_attn = MLAAttention(cfg, dtype, device)
-        self.mlp: nn.Module
+        self.mlp: MoELayer | DenseMLP
         if self.is_moe:
             self.mlp = MoELayer(cfg, ep_rank, ep_size, a2a, dtype, device)
         else:
@@ -61,6 +64,22 @@ class DecoderLayer(nn.Module):
         """h [T, D] -> [T, D] (pre-norm residual block)."""
         h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), positions, attn, kv_cache, rope)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class DecoderLayers(nn.ModuleList):
+    """The model's decoder layers: an nn.ModuleList whose items the type checker knows as DecoderLayer."""
+
+    if TYPE_CHECKING:
+
+        @overload
+        def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+        def __getitem__(self, idx: int | slice) -> DecoderLayer | nn.ModuleList: ...
+
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
 
 
 class KimiForCausalLM(nn.Module):
@@ -88,7 +107,7 @@ class KimiForCausalLM(nn.Module):
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.dtype = dtype
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(
+        self.layers = DecoderLayers(
             DecoderLayer(cfg, i, ep_rank, ep_size, a2a, dtype, device) for i in range(cfg.num_hidden_layers)
         )
         self.norm = _param((cfg.hidden_size,), dtype, device)

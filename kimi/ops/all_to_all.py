@@ -31,7 +31,7 @@ import datetime
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -346,6 +346,10 @@ class DeepEPAllToAll:
         self.buffer.destroy()
 
 
+Backend: TypeAlias = LocalBackend | TorchAllToAll | DeepEPAllToAll
+"""What `make_all_to_all` builds: a kimi.ops.moe.AllToAllBackend with the `set_mode` step hook."""
+
+
 def make_all_to_all(
     backend: str,
     *,
@@ -355,7 +359,7 @@ def make_all_to_all(
     ep_size: int,
     group: dist.ProcessGroup | None = None,
     ll_max_tokens_per_rank: int = 128,
-) -> LocalBackend | TorchAllToAll | DeepEPAllToAll:
+) -> Backend:
     """The backend object for `backend` (one of BACKENDS). `torch.distributed` must be initialised for all
     but `local`. Raises ValueError for an unknown name or a local backend with ep_size > 1."""
     if backend == "local":

@@ -16,6 +16,7 @@ weights being applied by that backend's combine instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,7 +122,7 @@ class DispatchResult:
     expected_pairs: int | None = None
 
 
-def run_experts(experts_impl, recv: DispatchResult) -> torch.Tensor:
+def run_experts(experts_impl: Callable[..., torch.Tensor], recv: DispatchResult) -> torch.Tensor:
     """The local routed experts over what dispatch delivered -> [T_recv, D] for the combine.
 
     An expert-major DispatchResult goes to backends that declare `expert_major_ok` with those hints (they skip

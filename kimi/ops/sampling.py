@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -252,7 +253,7 @@ def sample_ref(
 # ---- batched: no per-row host synchronisation -------------------------------------------------------
 
 
-def _h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _h2d(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`. On CUDA: staged in pinned memory and copied non-blocking.
 
     The pinned block is not reused before the copy has run (PyTorch's caching host allocator records the
@@ -490,9 +491,9 @@ class SampleLaunch:
     _host: torch.Tensor
     _event: torch.cuda.Event | None
     _B: int
-    _want: list
+    _want: list[int]
     _K: int
-    _num_logprobs: list
+    _num_logprobs: list[int]
     _V: int
 
     def done(self) -> bool:

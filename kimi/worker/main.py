@@ -33,6 +33,7 @@ from kimi.controller.transport import Heartbeat, WorkerTransport
 from kimi.worker.kv_cache import KVCacheSizeError
 
 if TYPE_CHECKING:
+    from kimi.ops.all_to_all import Backend
     from kimi.worker.fake import FakeRunner
     from kimi.worker.runner import ModelRunner, StepHandle
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kimi.worker")
     transport = WorkerTransport(args.plan_addr, args.result_addr)
     heartbeat = Heartbeat(args.plan_addr, args.result_addr, rank, args.controller_timeout + 5.0).start()
-    a2a: object = None
+    a2a: Backend | None = None
     runner: FakeRunner | ModelRunner
     try:
         from kimi.ops.all_to_all import default_backend, init_distributed, make_all_to_all

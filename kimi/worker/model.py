@@ -63,7 +63,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """h [T, D] -> [T, D] (pre-norm residual block)."""
         h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), positions, attn, kv_cache, rope)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        out: torch.Tensor = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        return out
 
 
 class DecoderLayers(nn.ModuleList):

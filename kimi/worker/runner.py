@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import torch
 
 from kimi import protocol
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
-from kimi.ops.all_to_all import step_mode
+from kimi.ops.all_to_all import Backend, step_mode
 from kimi.ops.attention import build_attention_metadata
 from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
 from kimi.worker.kv_cache import KVCacheSizeError, allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
@@ -71,6 +73,12 @@ class WorkerRequest:
     pending: bool = False
 
 
+PromptLogprobs: TypeAlias = tuple[
+    list[float | None] | None, list[list[int] | None] | None, list[list[float] | None] | None
+]
+"""A request's prompt logprobs, top ids and top logprobs (per prompt token; None where not computed), or Nones."""
+
+
 @dataclass
 class StepHandle:
     """A step `ModelRunner.launch` started: its sampled tokens may still be on their way to the host.
@@ -82,7 +90,7 @@ class StepHandle:
     step: int
     sampled: list[tuple[int, WorkerRequest]]
     launch: SampleLaunch | None
-    plp: list[tuple]
+    plp: list[PromptLogprobs]
     row_of: dict[int, int]
     outputs: list[protocol.TokenOutput] | None = None
 
@@ -116,9 +124,9 @@ class ModelRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         progress: bool = True,
-        a2a=None,
+        a2a: Backend | None = None,
         ll_max_tokens_per_rank: int = 128,
-        gpu_options: dict | None = None,
+        gpu_options: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.a2a = a2a
@@ -252,14 +260,19 @@ class ModelRunner:
         handle.outputs = outputs
         return outputs
 
-    def _finish_prev(self, prev: StepHandle | None, on_prev) -> None:
+    def _finish_prev(self, prev: StepHandle | None, on_prev: Callable[[StepHandle], None] | None) -> None:
         if prev is not None and prev.outputs is None:
             self.finish(prev)
             if on_prev is not None:
                 on_prev(prev)
 
     @torch.inference_mode()
-    def launch(self, plan: protocol.StepPlan, prev: StepHandle | None = None, on_prev=None) -> StepHandle:
+    def launch(
+        self,
+        plan: protocol.StepPlan,
+        prev: StepHandle | None = None,
+        on_prev: Callable[[StepHandle], None] | None = None,
+    ) -> StepHandle:
         """Start a step: apply the plan's diff, launch the forward over this rank's scheduled tokens and the
         sampling; returns its StepHandle (`finish` waits for the tokens).
 
@@ -413,7 +426,8 @@ class ModelRunner:
             [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],
         )
-        sampled, plp, row_of = [], [], {}
+        sampled, row_of = [], {}
+        plp: list[PromptLogprobs] = []
         for j, i in enumerate(sample_idx):
             rid, wr, _ = batch[i]
             wr.pending = True

@@ -1,6 +1,6 @@
 """Kimi-K2 safetensors checkpoints -> per-rank tensors (canonical names, optionally dequantised).
 
-Formats (../shared/KIMI.md sections 1-2):
+Formats (docs/model-format.md, Checkpoint variants, and docs/model-format.md, Tensors):
 
 - BF16 everywhere by default; the router `mlp.gate.weight` is bf16 and `mlp.gate.e_score_correction_bias`
   float32 in every variant.
@@ -196,7 +196,7 @@ def expected_tensors(
     Returns file names (with `cfg.weight_prefix`, e.g. "language_model.model.layers.1.mlp.gate.weight")
     -> (shape, dtype), in model order. Routed experts are limited to `local_expert_range`. Layers are
     `range(cfg.num_hidden_layers)` (so an overridden, smaller layer count lists fewer tensors).
-    Format per KIMI.md section 2; see the module docstring.
+    Format per docs/model-format.md, Tensors; see the module docstring.
 
     Raises:
         ValueError: ep_size does not divide n_routed_experts, or an INT4 input dim is not group-aligned.

@@ -8,7 +8,7 @@ Controller -> workers (PUB/SUB, broadcast): `Ping`, `StepPlan`, `Shutdown`.
 Workers -> controller (PUSH/PULL): `Ready`, `StepResult`, `WorkerError`, `Pong`.
 Client <-> controller (DEALER/ROUTER): `SubmitRequest`, `AbortRequest` / `RequestOutput`.
 
-A step plan is a diff against what the workers already hold (DESIGN.md, "Step plan and result"):
+A step plan is a diff against what the workers already hold (docs/design.md, Step plan and result):
 new requests carry their token ids once; continuing requests carry only how many tokens to compute and the
 block ids appended since the last step; finished / aborted / preempted rids are dropped. A worker computes
 tokens `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of a request and samples the next token

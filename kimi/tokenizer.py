@@ -1,6 +1,6 @@
 """Kimi-K2 tokenizer: tiktoken BPE vocabulary, special tokens, chat template, incremental detokenizer.
 
-Format (see ../shared/KIMI.md sections 4 and 5):
+Format (see docs/model-format.md, Tokenizer, and docs/model-format.md, Chat and tool-call format):
 
 - `tiktoken.model`: one line per ordinary token, `base64(bytes) rank`, ranks 0..163583 (the same file for
   K2 through K2.6).
@@ -35,7 +35,7 @@ SPECIAL_ID_START = 163584
 SPECIAL_ID_END = 163842  # exclusive: specials are 163584..163841
 MODEL_VOCAB_SIZE = 163840  # the model's embedding rows (config vocab_size)
 
-# KIMI.md section 4, joined by "|".
+# docs/model-format.md, Tokenizer, joined by "|".
 PAT_STR = "|".join(
     [
         r"[\p{Han}]+",
@@ -54,7 +54,7 @@ PAT_STR = "|".join(
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
-DEFAULT_SPECIAL_TOKENS: dict[int, tuple[str, bool]] = {  # id -> (content, special); KIMI.md section 4
+DEFAULT_SPECIAL_TOKENS: dict[int, tuple[str, bool]] = {  # id -> (content, special); docs/model-format.md, Tokenizer
     163584: ("[BOS]", True),
     163585: ("[EOS]", True),
     163586: ("<|im_end|>", True),
@@ -138,7 +138,8 @@ def _raise_exception(message: str) -> None:
 
 
 class KimiTokenizer:
-    """The Kimi-K2 tiktoken tokenizer (KIMI.md section 4) and its chat template (section 5).
+    """The Kimi-K2 tiktoken tokenizer (docs/model-format.md, Tokenizer) and its chat template
+    (docs/model-format.md, Chat and tool-call format).
 
     Build with `KimiTokenizer.from_dir(path)`. Ids: ordinary tokens 0..163583, specials 163584..163841;
     `vocab_size` counts both (163842), which is more than the model's 163840 embedding rows.
@@ -330,7 +331,7 @@ class KimiTokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """Render the checkpoint's chat template (KIMI.md section 5) to a prompt string.
+        """Render the checkpoint's chat template (docs/model-format.md, Chat and tool-call format) to a prompt string.
 
         Encode the result with `encode(prompt, allow_special=True)`. The template sees `messages`, `tools`,
         `add_generation_prompt`, `bos_token`, `eos_token` and every extra keyword (e.g. `thinking=False`);

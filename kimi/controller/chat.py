@@ -2,7 +2,7 @@
 control tokens.
 
 Rendering the template and encoding the result with special tokens allowed would turn a user's literal
-`<|im_end|>` into the control token (a prompt-injection hole; KIMI.md section 4). Instead every piece of
+`<|im_end|>` into the control token (a prompt-injection hole; docs/model-format.md, Tokenizer). Instead every piece of
 message text is replaced by a private-use marker (U+F0000, refused anywhere in a chat request's rendered text)
 before rendering; the rendered prompt is then split at control tokens found in the template's own text only, and
 each run of text between two control tokens (template text and message text together) is encoded whole with special

@@ -4,7 +4,7 @@ The controller feeds every generated token of a chat request to one `OutputParse
 `(token_id, text_delta)`, where `text_delta` is what the incremental detokenizer produced for that token.
 The parser splits the output into OpenAI `reasoning_content`, `content` and `tool_calls` deltas.
 
-Format (../shared/KIMI.md sections 4 and 5):
+Format (docs/model-format.md, Tokenizer, and docs/model-format.md, Chat and tool-call format):
 
     [<think>] reasoning text </think> content text
     <|tool_calls_section_begin|>
@@ -83,7 +83,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-# ---- marker token ids (KIMI.md section 4) -------------------------------------------------------------
+# ---- marker token ids (docs/model-format.md, Tokenizer) -------------------------------------------------------------
 TOOL_CALLS_SECTION_BEGIN_ID = 163595
 TOOL_CALLS_SECTION_END_ID = 163596
 TOOL_CALL_BEGIN_ID = 163597
@@ -267,7 +267,7 @@ def parse_tool_call_id(header: str) -> tuple[str, str] | None:
 
     id = the stripped header; name = id without an optional `functions.` prefix and without a trailing
     `:DIGITS` suffix. Names may contain dots, dashes and colons (`functions.my.tool-v2:3` -> `my.tool-v2`;
-    `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: KIMI.md section 5.
+    `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: docs/model-format.md, Chat and tool-call format.
     """
     call_id = header.strip()
     body = call_id[len(_FUNCTIONS_PREFIX) :] if call_id.startswith(_FUNCTIONS_PREFIX) else call_id
@@ -298,8 +298,8 @@ class OutputParser:
     returns a `ParserDelta` (possibly empty). After `finish()`: `tool_calls` (complete calls),
     `has_tool_calls`, `incomplete_tool_call`, `partial_tool_call_emitted`, `finish_reason(base)`.
 
-    Raises RuntimeError on `feed`/`finish` after `finish()`. Never raises on model output, however
-    malformed. See the module docstring for every behaviour choice; format source: KIMI.md section 5.
+    Raises RuntimeError on `feed`/`finish` after `finish()`. Never raises on model output, however malformed. See the
+    module docstring for every behaviour choice; format source: docs/model-format.md, Chat and tool-call format.
     """
 
     def __init__(self, config: ParserConfig) -> None:

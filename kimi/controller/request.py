@@ -32,7 +32,7 @@ class OutputStream:
     (the HTTP layer wrote the SSE chunk to the connection) and the reader is not woken at all; False, or
     an exception (logged; the sink is then dropped), queues it for the reader as usual. So outputs reach the
     client in order whichever way each one goes. At 1024 streaming requests this saves a task wake-up and
-    the async hops per request per step (docs/benchmarks-serving.md).
+    the async hops per request per step (docs/benchmarks.md).
     """
 
     __slots__ = ("_buf", "_waiter", "sink")
@@ -104,9 +104,9 @@ class Request:
     `token_ids` is the prompt followed by the generated tokens. `num_computed_tokens` counts tokens whose KV
     the workers hold (as of the last applied step); `num_scheduled_tokens` also counts the tokens of steps sent
     and not applied yet (async scheduling: the next plan goes out while a step runs), and
-    `num_inflight_samples` the tokens those steps will sample (both equal num_computed_tokens / 0 between
-    steps without async scheduling); `block_table` lists the KV blocks (append-only while the request runs). `outputs` is
-    the stream of `RequestOutput` deltas that front-ends (HTTP, ZeroMQ) read.
+    `num_inflight_samples` the tokens those steps will sample (both equal num_computed_tokens / 0 between steps without
+    async scheduling); `block_table` lists the KV blocks (append-only while the request runs). `outputs` is the stream
+    of `RequestOutput` deltas that front-ends (HTTP, ZeroMQ) read.
     """
 
     rid: int

@@ -2,7 +2,7 @@
 
 Rank r of N owns routed experts [r * E / N, (r + 1) * E / N). Every MoE layer of every rank calls
 `dispatch` then `combine` once per step, also with zero local tokens (an idle DP rank), so that all ranks
-issue the same sequence of collectives (DESIGN.md, "Parallelism").
+issue the same sequence of collectives (docs/design.md, Parallelism).
 
 Backends (`kimi serve --a2a-backend`):
 
@@ -152,10 +152,10 @@ def _rows_per_rank(topk_ids: torch.Tensor, num_local_experts: int, ep_size: int)
 class TorchAllToAll:
     """`gloo` / `nccl`: torch.distributed.all_to_all_single with variable splits.
 
-    group: the EP process group (all ranks, in rank order); num_experts: E (global); ep_rank / ep_size.
-    dispatch: 4 collectives (counts, token rows, routing metadata as float32 [S, 2k] = weights | ids: ids
-    are exact in float32 below 2^24), combine: 1. A failed collective raises PeerFailure. The counts are read on the host (`tolist`), so this backend
-    is not CUDA-graph capturable; DeepEP's low-latency mode is the capturable one.
+    group: the EP process group (all ranks, in rank order); num_experts: E (global); ep_rank / ep_size. dispatch: 4
+    collectives (counts, token rows, routing metadata as float32 [S, 2k] = weights | ids: ids are exact in float32 below
+    2^24), combine: 1. A failed collective raises PeerFailure. The counts are read on the host (`tolist`), so this
+    backend is not CUDA-graph capturable; DeepEP's low-latency mode is the capturable one.
     Raises ValueError if E is not divisible by ep_size or too large for the float32 id encoding.
     """
 

@@ -1,8 +1,8 @@
 """FP8 block-quantised dense linear layers kept in FP8 on the GPU (K2-Instruct's attention projections, shared
 experts and dense layer-0 MLP).
 
-Format (DeepSeek-V3 / K2-Instruct, KIMI.md section 2): W [N, K] float8_e4m3fn with one float32 `weight_scale_inv`
-per (bn, bk) tile (128 x 128 in every Kimi checkpoint), ragged last tiles by ceil:
+Format (DeepSeek-V3 / K2-Instruct, docs/model-format.md, Tensors): W [N, K] float8_e4m3fn with one float32
+`weight_scale_inv` per (bn, bk) tile (128 x 128 in every Kimi checkpoint), ragged last tiles by ceil:
 ``W[n, k] = float(w[n, k]) * scale_inv[n // bn, k // bk]``.
 
 Math: y[m, n] = sum_k x[m, k] * W[n, k] (weight-only quantisation, W8A16: the activations stay bf16). The kernel
@@ -14,9 +14,9 @@ F.linear; the two differ by that rounding of W*s to bf16 (the kernel keeps the p
 bf16 GEMM's own rounding.
 
 Why: in FP8 K2-Instruct's dense weights take half the memory of the bf16 copy the loader makes otherwise
-(attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half the bytes, but at these
-sizes (15-60 MB per GEMM) the kernel does not turn that into time: measured 1-2% slower per step than the bf16 path
-(docs/benchmarks.md, session 11), so kimi.worker.gpu_model keeps them FP8 only on request (`fp8_dense`).
+(attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half
+the bytes, but at these sizes (15-60 MB per GEMM) the kernel does not turn that into time: 1-2% slower per step than
+the bf16 path (docs/performance.md), so kimi.worker.gpu_model keeps them FP8 only on request (`fp8_dense`).
 
 Paths (`fp8_linear`):
 - M <= 64 rows on CUDA: the Triton kernel below, one program per BLOCK_N rows of W and split-K range (split-K

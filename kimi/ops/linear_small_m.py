@@ -508,7 +508,7 @@ def linear_small_m(
         config: kernel variant; default: the table's pick for this shape, else SmallMConfig().
         norm_weight: [K] RMSNorm weight: y = rmsnorm(x) @ w^T, rmsnorm(x)[m, k] = norm_weight[k] * x[m, k] /
             sqrt(mean_k(x[m]^2) + eps) in fp32, rounded to x's dtype before the product (as kimi.ops.fused.rms_norm
-            then a GEMM; KIMI.md section 3's q_a_layernorm).
+            then a GEMM; the q_a_layernorm of docs/model-format.md, Math).
         silu_mul: y = (silu(x[:, :K]) * x[:, K:]) @ w^T, silu rounded to x's dtype first and the product rounded
             again (as kimi.ops.fused.silu_mul then a GEMM; the gated MLP's down projection).
 
@@ -733,9 +733,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # Off by default: in the K2.6 decode step on an H200 the fused q_b / shared-down GEMMs cost more than the norm and
-# SiLU kernels they replace (bench/decode_2026-11-29_v6.json: eager Triton GEMM time 4.92 -> 5.96 ms per step at 8
-# local sequences; graph step 26.41 ms on vs 26.31 off). $KIMI_FUSE_PROLOGUE=1 turns it on; tools/bench_decode.py
-# A/Bs it (--ab prologue_on).
+# SiLU kernels they replace (eager Triton GEMM time 4.92 -> 5.96 ms per step at 8 local sequences; the graph step
+# 0.1 ms slower; docs/performance.md, Tried and not kept). $KIMI_FUSE_PROLOGUE=1 turns it on; tools/bench_decode.py
+# compares the two (--ab prologue_on).
 FUSE_PROLOGUE = os.environ.get("KIMI_FUSE_PROLOGUE", "0") == "1"
 
 

@@ -29,10 +29,10 @@ p_i = 0 scores 0 and never wins (E is clamped away from 0, and the top token's s
 Two implementations of the same semantics:
 
 - `sample` / `process_logits`: batched tensor ops over the rows, for the GPU. No device->host
-  synchronisation per row: the only device->host copy is one packed float64 tensor at the end (token ids,
-  chosen logprobs, top-k ids and logprobs), started by `sample_launch` (`start_host_copy`: non-blocking, into pinned memory)
-  and waited for by `SampleLaunch.result()`, so a caller can queue more device work before it waits. Host->device inputs (row indices,
-  per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
+  synchronisation per row: the only device->host copy is one packed float64 tensor at the end (token ids, chosen
+  logprobs, top-k ids and logprobs), started by `sample_launch` (`start_host_copy`: non-blocking, into pinned memory)
+  and waited for by `SampleLaunch.result()`, so a caller can queue more device work before it waits. Host->device inputs
+  (row indices, per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
   non-blocking copies from pinned memory (`_h2d`), which do not make the host wait either.
 - `sample_ref` / `process_logits_ref`: one row at a time in plain PyTorch, the reference the batched path
   is tested against (tests/unit/test_sampling.py on CPU, tests/gpu/test_gpu_sampling.py on CUDA). With the
@@ -160,7 +160,8 @@ def process_logits_ref(
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Per-row reference of `process_logits` (same arguments and result; IndexError for logit_bias ids outside [0, V))."""
+    """Per-row reference of `process_logits` (same arguments and result; IndexError for logit_bias ids outside
+    [0, V))."""
     if not _any_processing(params):
         return logits.float()
     out = logits.float().clone()
@@ -469,8 +470,9 @@ def sample_launch(
 
 
 def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """The one device->host copy of a `sample_launch` (also the decode benchmark's): on CUDA started non-blocking into pinned memory, with an
-    event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor itself, no event."""
+    """The one device->host copy of a `sample_launch` (also the decode benchmark's): on CUDA started non-blocking into
+    pinned memory, with an event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor
+    itself, no event."""
     if packed.device.type != "cuda":
         return packed, None
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)

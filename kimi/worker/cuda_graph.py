@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (DESIGN.md "Forward on the GPU").
+"""CUDA graphs for decode steps (docs/design.md, Forward on the GPU).
 
 Per decode batch bucket (`bucket_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to the largest, which
 is max_batch), captured largest first into one shared memory pool: the whole model forward (embedding -> final
@@ -49,10 +49,9 @@ log = logging.getLogger("kimi.worker")
 
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Layers per captured graph (0: the whole forward in one graph). A chain of smaller graphs lets the GPU run segment
-# k while the host launches segment k + 1. Measured on the H200 (K2.6, 61 layers): after a torch.profiler session in
-# the same process 8-layer segments were 0.5 ms faster (bench/decode_2026-11-29_v9.json: 23.66 vs 24.19 ms at 8
-# local seqs), without one they were not (v10: one graph 23.44 / 32.25 ms, 8-layer segments 23.51 / 32.40, 2 and 4
-# likewise), so one graph is the default.
+# k while the host launches segment k + 1. On the H200 (K2.6, 61 layers) that gains nothing: one graph 23.44 / 32.25
+# ms at 8 / 32 local seqs, 8-layer segments 23.51 / 32.40, 2 and 4 likewise (segments are faster only after a
+# torch.profiler run in the same process; docs/performance.md), so one graph is the default.
 LAYERS_PER_GRAPH = 0
 
 # Plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same batch
@@ -99,8 +98,9 @@ class CudaGraphRunner:
     segment (None or <= 0: one graph for the whole forward).
     """
 
-    # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows, as
-    # before (the A/B of tools/bench_graph_padding.py); read by each run_host
+    # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows (for
+    # comparisons; tests/gpu/test_gpu_model.py checks the batch's outputs are bit-equal either way); read by each
+    # run_host
     mask_padding = True
 
     def __init__(
@@ -125,9 +125,9 @@ class CudaGraphRunner:
         self.device = dev
         cfg = model.cfg
         self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
-        # static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots, row_valid) and,
-        # for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time; row
-        # b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
+        # static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots, row_valid)
+        # and, for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time;
+        # row b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
         # (run_host) sends a step's inputs in ONE pinned, non-blocking copy
         mb, nb = self.max_batch, 4 * self.max_batch
         kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)

@@ -7,8 +7,8 @@ Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k
   and bf16 scales 1 / (4.6 * sqrt(in_features)) * U(0.5, 1.5), stacked per layer over the local experts,
   exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead;
 - FP8 routed experts (configs with FP8 quantisation, K2-Instruct; every backend): float8_e4m3fn
-  N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128
-  tile, as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts);
+  N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128 tile,
+  as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts);
   with fp8_dense "triton" / "humming", the dense weights a checkpoint load keeps FP8 (kimi.worker.gpu_model.
   fp8_dense_names, on CUDA) are the random bf16 ones above quantised to FP8 128 x 128 tiles (quant_fp8_block).
 Deterministic for a given seed on a given device.

@@ -433,9 +433,9 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         (kimi.ops.fused.router_topk), so padding rows of a decode graph cost no expert work."""
         eps = self.cfg.rms_norm_eps
         n = len(self.layers)
-        # the side stream only inside CUDA-graph capture, where its gain was measured (bench/decode_2026-11-29_v4.json);
-        # eager steps (prefill, mixed) keep the inline shared expert: eager decode got slower and noisier after the
-        # side stream came in (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
+        # the side stream only inside CUDA-graph capture, where it is faster (docs/performance.md); eager steps
+        # (prefill, mixed) keep the inline shared expert: with the side stream eager decode is slower and noisier
+        # (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
         side = self._side_stream() if self.overlap_shared and torch.cuda.is_current_stream_capturing() else None
         for i in range(start, end):
             layer = self.layers[i]
@@ -625,8 +625,7 @@ on CUDA. "off" (default): dequantised to the model dtype on load (the fastest de
 q_a norm and SiLU*up fused in). "triton": kept FP8 (half their memory, ~8.7 GB less per rank at K2-Instruct's
 shapes) and run by kimi's Triton FP8 kernel (kimi.ops.linear_fp8), deterministic. "humming": kept FP8 and run by
 humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
-GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured in bench/fp8_linear_2026-11-30*.json and
-bench/decode_2026-11-30_s11_fp8_dense*.json."""
+GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured: docs/performance.md."""
 
 
 def fp8_dense_names(model: GPUKimiForCausalLM, block: tuple[int, int], is_fp8) -> set[str]:

@@ -1,6 +1,6 @@
 """KimiForCausalLM: the DeepSeek-V3 / Kimi-K2 text backbone in plain PyTorch (the CPU reference path).
 
-Layer (KIMI.md section 3): `h = x + attn(rmsnorm(x)); out = h + mlp(rmsnorm(h))`; layers below
+Layer (docs/model-format.md, Math): `h = x + attn(rmsnorm(x)); out = h + mlp(rmsnorm(h))`; layers below
 first_k_dense_replace use a dense SwiGLU MLP, the rest MoE (noaux_tc router + routed experts + shared
 experts); final `model.norm`, untied `lm_head`. Attention is MLA over the paged latent cache
 (kimi/ops/attention.py). Inference only.
@@ -20,7 +20,7 @@ from kimi.ops.moe import AllToAllBackend, DenseMLP, MoELayer
 from kimi.ops.norm import rms_norm
 from kimi.ops.rope import RotaryEmbedding
 
-# Names some dumps carry that the model does not use (KIMI.md section 2).
+# Names some dumps carry that the model does not use (docs/model-format.md, Tensors).
 _IGNORED_SUFFIXES = ("self_attn.rotary_emb.inv_freq",)
 
 
@@ -84,7 +84,7 @@ class DecoderLayers(nn.ModuleList):
 
 
 class KimiForCausalLM(nn.Module):
-    """The Kimi-K2 causal LM (docs/contracts.md), one expert-parallel rank of it.
+    """The Kimi-K2 causal LM (docs/architecture.md, Interfaces), one expert-parallel rank of it.
 
     cfg: the text backbone's ModelConfig; ep_rank / ep_size: this rank holds routed experts
     [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size); a2a: the MoE all-to-all backend (None = local,
@@ -156,8 +156,8 @@ class KimiForCausalLM(nn.Module):
         Names are canonical (no `language_model.` prefix), experts per expert
         (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight` [out, in], only this rank's E), stacked
         here into w13 / w2. Values are cast to the parameter dtype (the correction bias stays float32).
-        `*.self_attn.rotary_emb.inv_freq` entries (and `lm_head.weight` when tied) are ignored. Raises ValueError naming missing or unexpected
-        tensors, or a tensor whose shape differs; nothing is copied in that case.
+        `*.self_attn.rotary_emb.inv_freq` entries (and `lm_head.weight` when tied) are ignored. Raises ValueError naming
+        missing or unexpected tensors, or a tensor whose shape differs; nothing is copied in that case.
         """
         targets = self._weight_targets()
         names = {n for n in weights if not n.endswith(_IGNORED_SUFFIXES)}

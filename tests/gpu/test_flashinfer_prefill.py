@@ -37,7 +37,7 @@ from test_gpu_model import cpu_model, make_ckpt, report
 pytestmark = pytest.mark.gpu
 
 L, R, BS = 512, 64, 64
-SCALE = 0.130861  # Kimi softmax scale (192^-0.5 * mscale^2), KIMI.md section 3
+SCALE = 0.130861  # Kimi softmax scale (192^-0.5 * mscale^2), docs/model-format.md, Math
 TOL = 1e-2  # max |out - ref| / max |ref|, bf16
 POISON = 1e4
 

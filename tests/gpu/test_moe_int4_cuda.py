@@ -430,8 +430,8 @@ def test_expert_major_rows_match_the_reference(backend):
 
 def test_a_failed_launch_raises_runtime_error():
     """A configuration the extension was not built with (the launcher returns cudaErrorInvalidValue) is a
-    RuntimeError naming the launcher and the configuration: the message is formatted before TORCH_CHECK, after
-    streaming int64 values into it segfaulted the process (session 22)."""
+    RuntimeError naming the launcher and the configuration: the message is formatted before TORCH_CHECK (streaming
+    int64 values into TORCH_CHECK's message segfaults the process)."""
     from kimi.ops.fused import moe_align_fused
 
     gen = torch.Generator(device="cuda").manual_seed(11)

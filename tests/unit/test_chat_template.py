@@ -1,4 +1,5 @@
-"""kimi/chat_template.jinja rendered by KimiTokenizer.apply_chat_template: exact prompts (KIMI.md section 5)."""
+"""kimi/chat_template.jinja rendered by KimiTokenizer.apply_chat_template: exact prompts (docs/model-format.md, Chat
+and tool-call format)."""
 
 from __future__ import annotations
 
@@ -267,9 +268,9 @@ JOINT_CASES = {
 @pytest.mark.parametrize("case", list(JOINT_CASES))
 def test_encode_chat_equals_encoding_the_rendered_prompt(case):
     """With the real vocabulary, encode_chat gives the ids of encode(rendered prompt, allow_special=True) (below its
-    400k-character piece size), what HF and vLLM feed the model: a message's text merges with the template text around it (a tool result's
-    tool_call_id after "## Return of ", two text parts). Encoding them apart gave other ids (' ', 'functions'
-    against ' functions'; 'foo', 'bar' against 'foobar')."""
+    400k-character piece size), what HF and vLLM feed the model: a message's text merges with the template text around
+    it (a tool result's tool_call_id after "## Return of ", two text parts). Encoding them apart gave other ids (' ',
+    'functions' against ' functions'; 'foo', 'bar' against 'foobar')."""
     from kimi.controller.chat import encode_chat
 
     real = _real_tokenizer()

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {layout: make_tiny_checkpoint(root / layout, layout, seed=0, tokenizer_source=None) for layout in LAYOUTS}
 
 
-# ---- expected_tensors at real sizes (KIMI.md section 2) ---------------------------------------------
+# ---- expected_tensors at real sizes (docs/model-format.md, Tensors) ---------------------------------------------
 
 
 def test_expected_tensors_k26_int4_real_shapes() -> None:
@@ -68,7 +68,7 @@ def test_expected_tensors_k26_int4_real_shapes() -> None:
     assert p + "1.mlp.experts.0.down_proj.weight" not in exp
     # 3 top-level + 9 per layer + 3 dense MLP + 60 MoE layers x (3 shared + 2 router + 384 experts x 3 x 3).
     assert len(exp) == 3 + 61 * 9 + 3 + 60 * (5 + 384 * 9)
-    # Sizes from KIMI.md: one INT4 expert is 22.0 MB packed + 2.75 MB scales.
+    # Sizes from docs/model-format.md, Tensors: one INT4 expert is 22.0 MB packed + 2.75 MB scales.
     e = {k: v for k, v in exp.items() if ".layers.1.mlp.experts.0." in k}
     packed = sum(torch.Size(s).numel() * 4 for k, (s, _) in e.items() if k.endswith("weight_packed"))
     scales = sum(torch.Size(s).numel() * 2 for k, (s, _) in e.items() if k.endswith("weight_scale"))

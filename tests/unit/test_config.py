@@ -1,4 +1,5 @@
-"""ModelConfig parsing of the three tiny layouts and of the K2.6 preset (values from ../shared/KIMI.md section 1)."""
+"""ModelConfig parsing of the three tiny layouts and of the K2.6 preset (values from docs/model-format.md, Checkpoint
+variants)."""
 
 from __future__ import annotations
 

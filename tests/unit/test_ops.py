@@ -1,4 +1,4 @@
-"""Unit tests of the model ops against direct, independent formula computations (KIMI.md section 3)."""
+"""Unit tests of the model ops against direct, independent formula computations (docs/model-format.md, Math)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_rms_norm_formula_and_dtype():
 
 
 def direct_yarn(dim, base, factor, orig, beta_fast, beta_slow):
-    """KIMI.md section 3, written out element by element."""
+    """The formula of docs/model-format.md, Math, written out element by element."""
 
     def corr(r):
         return dim * math.log(orig / (r * 2 * math.pi)) / (2 * math.log(base))

@@ -1,9 +1,9 @@
 """Tests for kimi.controller.parsers: reasoning + kimi_k2 tool-call parsing at the token-id level.
 
-Covers the failure classes of ../shared/KIMI.md section 5 at the parser level: text split across deltas
-(one character per delta and odd-sized chunks), two calls in one section, a section cut by max_tokens,
-names with dots / dashes, ids without the `functions.` prefix, empty content, markers inside `<think>`,
-reasoning with / without `<think>` in the prompt, thinking off.
+Covers the failure classes of docs/model-format.md, Chat and tool-call format at the parser level: text split across
+deltas (one character per delta and odd-sized chunks), two calls in one section, a section cut by max_tokens, names with
+dots / dashes, ids without the `functions.` prefix, empty content, markers inside `<think>`, reasoning with / without
+`<think>` in the prompt, thinking off.
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def test_multiple_sections():
 def test_cut_inside_arguments_live_mode():
     pairs = toks("x", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"k": ', sizes=[3])
     c, _, calls, p, _ = stream(pairs, TOOLS)
-    # the client has seen the head and fragments of call 1 already; it must be told "length"
+    # the client has seen the head and fragments of the second call (index 1) already; it must be told "length"
     assert calls[1][:2] == ["functions.b:1", "b"]
     assert p.tool_calls == [ToolCall("functions.a:0", "a", '{"k": 1}')]
     assert p.incomplete_tool_call and p.partial_tool_call_emitted

@@ -1,4 +1,4 @@
-"""kimi.tokenizer: real-vocabulary check values (KIMI.md section 4), special-token safety, streaming
+"""kimi.tokenizer: real-vocabulary check values (docs/model-format.md, Tokenizer), special-token safety, streaming
 detokenization, long inputs, and the built-in byte-level vocabulary."""
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def _file_map(model_dir: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for fname in files:
         with _open_shard(os.path.join(model_dir, fname)) as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118  # a safetensors handle: keys() is its API, `in` is not
                 if key in out:
                     raise CheckpointError(f"tensor {key!r} is in both {out[key]} and {fname}")
                 out[key] = fname
@@ -286,9 +286,8 @@ def _classify(
             me = _EXPERT_RE.match(name)
             if me and layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer):
                 expert = int(me.group(2))
-                if 0 <= expert < cfg.n_routed_experts and not lo <= expert < hi:
-                    if name[me.end() :] in expert_suffixes:
-                        continue  # another EP rank's expert: not read
+                if 0 <= expert < cfg.n_routed_experts and not lo <= expert < hi and name[me.end() :] in expert_suffixes:
+                    continue  # another EP rank's expert: not read
         raise CheckpointError(f"unexpected tensor {fname!r} in {fpath} (not part of the configured text model)")
     return to_read, local
 

@@ -17,8 +17,6 @@ exactly when that reaches the end of the request's known tokens.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 # temperatures below this sample greedily (argmax: the tempered distribution's limit as T -> 0), vLLM's sampler
@@ -160,8 +158,8 @@ class Pong(msgspec.Struct, array_like=True, frozen=True, tag=24):
     step: int
 
 
-ToWorker = Union[StepPlan, Ping, Shutdown]
-FromWorker = Union[Ready, StepResult, WorkerError, Pong]
+ToWorker = StepPlan | Ping | Shutdown
+FromWorker = Ready | StepResult | WorkerError | Pong
 
 
 # ---- client <-> controller -----------------------------------------------------------------------------
@@ -238,7 +236,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, tag=32, kw_onl
     prompt_top_logprobs: list[list[float] | None] | None = None
 
 
-ToController = Union[SubmitRequest, AbortRequest]
+ToController = SubmitRequest | AbortRequest
 
 _worker_decoder = msgspec.msgpack.Decoder(ToWorker)
 _controller_decoder = msgspec.msgpack.Decoder(FromWorker)

@@ -671,10 +671,9 @@ async def serve(a: ServeArgs) -> int:
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
     # an IPv6 literal host goes in brackets: tcp://[::1]:port
     submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
-    if a.api_key:
+    if a.api_key and a.zmq_submit_addr is None:
         # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        if a.zmq_submit_addr is None:
-            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
 
     # Bind everything before anything is launched.
     transport = None

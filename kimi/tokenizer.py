@@ -81,7 +81,7 @@ _TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 # the maximal whitespace / non-whitespace runs longer than MAX_RUN_CHARS (the only ones _split_for_encode cuts): a
 # match may start only where a run starts (the lookbehinds), so shorter runs cost one failed attempt each and no
 # Python-level iteration
-_LONG_RUN_RE = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+_LONG_RUN_RE = re.compile(rf"(?<!\s)\s{{{MAX_RUN_CHARS + 1},}}|(?<!\S)\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def _reserved_name(token_id: int) -> str:
@@ -193,7 +193,7 @@ class KimiTokenizer:
         self.bos_token_id = special_map.get(bos_token) if bos_token else None
         self.eos_token_id = special_map.get(eos_token) if eos_token else None
         self.pad_token_id = special_map.get(pad_token) if pad_token else None
-        self.im_end_id = special_map["<|im_end|>"] if "<|im_end|>" in special_map else None
+        self.im_end_id = special_map.get("<|im_end|>")
         self._longest_token_bytes: int | None = None  # min_num_tokens computes it on first use
 
     # ----------------------------------------------------------------------------------------------- loading

@@ -147,7 +147,7 @@ def mla_decode_ref(
     qk_head_dim-based). score[b, h, s] = (q_lat . ckv_s + q_pe . k_pe_s) * scale over s < seq_lens[b];
     returns o_lat [B, H, L] = softmax(score) @ ckv, float32 (multiply by W_UV^T per head to get o).
     """
-    B, H, L = q_lat.shape
+    B, _H, L = q_lat.shape
     bs = kv_cache.shape[1]
     max_blocks = block_tables.shape[1]
     kv = kv_cache[block_tables].reshape(B, max_blocks * bs, -1).float()  # [B, S, L + R]

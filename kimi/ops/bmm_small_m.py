@@ -153,12 +153,13 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
     if Hw != H or Kw != K:
         raise ValueError(f"head / K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
     _lsm.check_operands(x, w, M, N, K)
-    if out is not None:
-        if out.shape != (M, H, N) or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1:
-            raise ValueError(
-                f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "
-                f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
-            )
+    if out is not None and (
+        out.shape != (M, H, N) or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "
+            f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
 
 
 def bmm_small_m(

@@ -500,7 +500,7 @@ def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
     from kimi.ops.norm import rms_norm as ref_norm
     from kimi.ops.rope import apply_rope_interleaved
 
-    T, H, NR = q.shape
+    _T, _H, NR = q.shape
     R = NR - nope
     L = kv_a.shape[1] - R
     cos, sin = cos_cache[positions], sin_cache[positions]
@@ -896,7 +896,7 @@ def router_topk(
 
 def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None):
     """router_topk with the path forced (fused True / False; None: by T). For tests and tools/bench_fused.py."""
-    T, D = x.shape
+    T, _D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
     if row_valid is not None and (

@@ -404,7 +404,7 @@ if HAS_TRITON:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if PROLOGUE == 1:
             rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_K)
-        for i in range(num_iters):
+        for _i in range(num_iters):
             xt = x_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
             wt = w_desc.load([n0, k])  # [BLOCK_N, BLOCK_K]
             ut = None
@@ -482,12 +482,13 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_pe
     if Kw != K or Kx != K * x_cols_per_k:
         raise ValueError(f"K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
     check_operands(x, w, M, N, K)
-    if out is not None:
-        if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
-            raise ValueError(
-                f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "
-                f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
-            )
+    if out is not None and (
+        out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "
+            f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
 
 
 def linear_small_m(

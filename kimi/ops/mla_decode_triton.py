@@ -384,12 +384,13 @@ def _check(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, cfg: MLADecodeCon
             f"block_tables needs unit stride on its last dim and seq_lens unit stride; got "
             f"{block_tables.stride()}, {seq_lens.stride()}"
         )
-    if out is not None:
-        if out.shape != (B, H, L) or out.dtype != q_lat.dtype or out.device != dev or out.stride(2) != 1:
-            raise ValueError(
-                f"out must be [{B}, {H}, {L}] {q_lat.dtype} on {dev} with unit stride on the last "
-                f"dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
-            )
+    if out is not None and (
+        out.shape != (B, H, L) or out.dtype != q_lat.dtype or out.device != dev or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be [{B}, {H}, {L}] {q_lat.dtype} on {dev} with unit stride on the last "
+            f"dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
     if cfg.block_n < 16 or not _is_pow2(cfg.block_n) or cfg.block_h < 16 or not _is_pow2(cfg.block_h):
         raise ValueError(f"config {cfg}: block_n and block_h must be powers of two >= 16")
     if not (_is_pow2(cfg.block_dv) and 16 <= cfg.block_dv <= L):

@@ -165,7 +165,7 @@ def process_logits_ref(
     if not _any_processing(params):
         return logits.float()
     out = logits.float().clone()
-    B, V = out.shape
+    _B, V = out.shape
     pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
@@ -219,7 +219,7 @@ def sample_ref(
     Each random row draws its exponentials with `_draw_exponential(V, device, generators[b])`, exactly as
     `sample` does, so a seeded row samples the same token in both.
     """
-    B, V = logits.shape
+    B, _V = logits.shape
     logits = logits.float()
     processed = process_logits_ref(logits, params, token_ids, num_prompt_tokens)
     ids = torch.empty(B, dtype=torch.long)
@@ -301,11 +301,10 @@ def process_logits(
     bias_c: list[int] = []
     bias_v: list[float] = []
     for b, p in enumerate(params):
-        if p.min_tokens > 0 and p.min_tokens_block_ids:
-            if len(history[b]) - n_prompts[b] < p.min_tokens:
-                ids = [i for i in p.min_tokens_block_ids if 0 <= i < V]
-                ban_r += [b] * len(ids)
-                ban_c += ids
+        if p.min_tokens > 0 and p.min_tokens_block_ids and len(history[b]) - n_prompts[b] < p.min_tokens:
+            ids = [i for i in p.min_tokens_block_ids if 0 <= i < V]
+            ban_r += [b] * len(ids)
+            ban_c += ids
         if p.logit_bias_ids:
             if len(p.logit_bias_ids) != len(p.logit_bias_values):
                 raise ValueError(f"row {b}: {len(p.logit_bias_ids)} logit_bias ids, {len(p.logit_bias_values)} values")

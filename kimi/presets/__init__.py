@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 __all__ = ["list_presets", "load_preset"]

@@ -616,7 +616,7 @@ def test_closing_the_async_client_aborts_its_streaming_requests(srv):
             rid = await c.submit([4, 5, 6], **LONG)  # submitted, never streamed
             return gen, rid
 
-    gen, _ = asyncio.run(go())
+    _gen, _ = asyncio.run(go())
     _wait_aborted(srv, before, 2)
 
 

@@ -240,7 +240,7 @@ def test_moe_align_fused_max_pairs(one):
     assert mb == -(-bound // bm) + E and mb < mb0 and s.numel() == mb * bm
     assert torch.equal(n, n0) and torch.equal(be, be0[:mb])
     npd = int(n)
-    key = lambda sv, bev: (bev.repeat_interleave(bm)[:npd].long() * (ids.numel() + 1) + sv[:npd].long()).sort().values  # noqa: E731
+    key = lambda sv, bev: (bev.repeat_interleave(bm)[:npd].long() * (ids.numel() + 1) + sv[:npd].long()).sort().values
     assert torch.equal(key(s, be), key(s0, be0))
 
 

@@ -139,7 +139,7 @@ def test_local_backend_is_the_single_rank_layer():
     local = _shard(full, 0, 1, make_all_to_all("local", num_experts=E, hidden=D, ep_rank=0, ep_size=1))
     assert isinstance(local.a2a, LocalBackend)
     torch.testing.assert_close(local(x), full(x), atol=0, rtol=0)
-    tw, tid = select_experts(x, full.gate, full.e_score_correction_bias, K, 2.827)
+    tw, _tid = select_experts(x, full.gate, full.e_score_correction_bias, K, 2.827)
     # the routing weights carry routed_scaling_factor exactly once
     torch.testing.assert_close(tw.sum(1), torch.full((7,), 2.827), atol=1e-5, rtol=1e-5)
 

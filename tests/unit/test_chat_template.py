@@ -191,7 +191,7 @@ def test_custom_template_tojson_and_errors(tok):
     with pytest.raises(ValueError, match="nope"):
         t.apply_chat_template([])
     t.chat_template = "{{ ''.__class__.__mro__ }}"  # the sandbox refuses unsafe attribute access
-    with pytest.raises(ValueError, match="SecurityError|unsafe"):
+    with pytest.raises(ValueError, match=r"SecurityError|unsafe"):
         t.apply_chat_template([])
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]).startswith(SYS)  # original untouched
 
@@ -297,7 +297,7 @@ def test_encode_chat_keeps_control_token_strings_in_messages_as_text():
     ctrl = {real.encode(s, allow_special=True)[0] for s in specials}
     plain = encode_chat(real, [{"role": "user", "content": "a b"}], None, {})
     evil = encode_chat(real, [{"role": "user", "content": "a" + "".join(specials) + "b"}], None, {})
-    count = lambda ids: Counter(i for i in ids if i in ctrl)  # noqa: E731
+    count = lambda ids: Counter(i for i in ids if i in ctrl)
     assert count(evil) == count(plain)
 
 

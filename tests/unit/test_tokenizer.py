@@ -310,5 +310,5 @@ def test_default_tokenizer_source_env(monkeypatch, tmp_path):
 
 
 def test_from_dir_missing_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tiktoken.model"):
+    with pytest.raises(FileNotFoundError, match=r"tiktoken\.model"):
         KimiTokenizer.from_dir(tmp_path)

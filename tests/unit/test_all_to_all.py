@@ -164,6 +164,8 @@ def test_backend_choice_and_step_mode():
     check_backend("nccl", 2, "cuda", 384)  # only DeepEP has the limit
     with pytest.raises(ValueError, match="192 per rank"):  # checked before deep_ep is imported (absent on CPU)
         make_all_to_all("deepep", num_experts=384, hidden=7168, ep_rank=0, ep_size=2)
+    with pytest.raises(ValueError, match="needs a process group"):  # also before deep_ep is imported
+        make_all_to_all("deepep", num_experts=384, hidden=7168, ep_rank=0, ep_size=8)
     assert step_mode([3, 0, 128], True, 128) == DECODE
     assert step_mode([3, 0, 129], True, 128) == PREFILL
     assert step_mode([1, 1], False, 128) == PREFILL

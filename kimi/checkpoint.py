@@ -1,6 +1,6 @@
 """Kimi-K2 safetensors checkpoints -> per-rank tensors (canonical names, optionally dequantised).
 
-Formats (../shared/KIMI.md sections 1-2):
+Formats (docs/model-format.md, Checkpoint variants, and docs/model-format.md, Tensors):
 
 - BF16 everywhere by default; the router `mlp.gate.weight` is bf16 and `mlp.gate.e_score_correction_bias`
   float32 in every variant.
@@ -24,12 +24,16 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from kimi.config import ModelConfig
+from kimi.config import ModelConfig, QuantConfig
 from kimi.ops.quant import dequant_fp8_block, dequant_int4
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 __all__ = [
     "INDEX_FILE",
@@ -69,13 +73,13 @@ class CheckpointError(ValueError):
     """A checkpoint does not match its config: names the offending tensor and, where known, its file."""
 
 
-def _open_shard(path: str, **kw):
-    """safetensors' `safe_open(path, framework="pt", **kw)`; a file it cannot read (truncated, bad header, not
+def _open_shard(path: str, device: str = "cpu") -> safe_open:
+    """safetensors' `safe_open(path, framework="pt", device=device)`; a file it cannot read (truncated, bad header, not
     safetensors, unreadable) raises CheckpointError naming the file instead of safetensors' bare message."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        return safe_open(path, framework="pt", **kw)
+        return safe_open(path, framework="pt", device=device)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
 
@@ -145,14 +149,14 @@ def _canonical_expected(cfg: ModelConfig, ep_rank: int, ep_size: int) -> dict[st
     lo, hi = local_expert_range(cfg, ep_rank, ep_size)
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
-    def linear(name: str, shape: tuple[int, int], quant: str | None) -> None:
+    def linear(name: str, shape: tuple[int, int], quant: QuantConfig | None) -> None:
         o, i = shape
-        if quant == "fp8":
-            b0, b1 = cfg.quant.block  # type: ignore[union-attr]
+        if quant is not None and quant.method == "fp8":
+            b0, b1 = quant.block
             out[name + ".weight"] = ((o, i), torch.float8_e4m3fn)
             out[name + ".weight_scale_inv"] = ((_ceil(o, b0), _ceil(i, b1)), f32)
-        elif quant == "int4":
-            g = cfg.quant.group_size  # type: ignore[union-attr]
+        elif quant is not None and quant.method == "int4":
+            g = quant.group_size
             if i % g or i % 8:
                 raise ValueError(f"{name}: input dim {i} is not a multiple of group_size {g} and 8")
             out[name + ".weight_packed"] = ((o, i // 8), torch.int32)
@@ -170,14 +174,14 @@ def _canonical_expected(cfg: ModelConfig, ep_rank: int, ep_size: int) -> dict[st
             out[p + "self_attn.q_a_layernorm.weight"] = ((cfg.q_lora_rank,), bf16)
         out[p + "self_attn.kv_a_layernorm.weight"] = ((cfg.kv_lora_rank,), bf16)
         for name, shape in linear_shapes(cfg, layer).items():
-            linear(name, shape, "fp8" if method == "fp8" else None)
+            linear(name, shape, cfg.quant if method == "fp8" else None)
         if cfg.is_moe_layer(layer):
             e = cfg.n_routed_experts
             out[p + "mlp.gate.weight"] = ((e, h), bf16)
             out[p + "mlp.gate.e_score_correction_bias"] = ((e,), f32)
             for expert in range(lo, hi):
                 for name, shape in _expert_shapes(cfg, layer, expert).items():
-                    linear(name, shape, method)
+                    linear(name, shape, cfg.quant)
     out["model.norm.weight"] = ((h,), bf16)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ((v, h), bf16)
@@ -192,7 +196,7 @@ def expected_tensors(
     Returns file names (with `cfg.weight_prefix`, e.g. "language_model.model.layers.1.mlp.gate.weight")
     -> (shape, dtype), in model order. Routed experts are limited to `local_expert_range`. Layers are
     `range(cfg.num_hidden_layers)` (so an overridden, smaller layer count lists fewer tensors).
-    Format per KIMI.md section 2; see the module docstring.
+    Format per docs/model-format.md, Tensors; see the module docstring.
 
     Raises:
         ValueError: ep_size does not divide n_routed_experts, or an INT4 input dim is not group-aligned.
@@ -232,7 +236,7 @@ def _file_map(model_dir: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for fname in files:
         with _open_shard(os.path.join(model_dir, fname)) as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118  # a safetensors handle: keys() is its API, `in` is not
                 if key in out:
                     raise CheckpointError(f"tensor {key!r} is in both {out[key]} and {fname}")
                 out[key] = fname
@@ -242,7 +246,8 @@ def _file_map(model_dir: str) -> dict[str, str]:
 def _raw_num_layers(cfg: ModelConfig) -> int:
     """Decoder layers the checkpoint itself holds (config.json's count, incl. MTP layers), >= cfg's."""
     raw = cfg.raw or {}
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    nested = raw.get("text_config")
+    text = nested if isinstance(nested, dict) else raw
     n = int(text.get("num_hidden_layers", cfg.num_hidden_layers)) + int(text.get("num_nextn_predict_layers") or 0)
     return max(n, cfg.num_hidden_layers)
 
@@ -281,9 +286,8 @@ def _classify(
             me = _EXPERT_RE.match(name)
             if me and layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer):
                 expert = int(me.group(2))
-                if 0 <= expert < cfg.n_routed_experts and not lo <= expert < hi:
-                    if name[me.end() :] in expert_suffixes:
-                        continue  # another EP rank's expert: not read
+                if 0 <= expert < cfg.n_routed_experts and not lo <= expert < hi and name[me.end() :] in expert_suffixes:
+                    continue  # another EP rank's expert: not read
         raise CheckpointError(f"unexpected tensor {fname!r} in {fpath} (not part of the configured text model)")
     return to_read, local
 
@@ -346,7 +350,10 @@ def load_checkpoint(
     out: dict[str, Tensor] = {}
     pending: dict[str, dict[str, Tensor]] = {}  # quantised module -> parts read so far
     method = cfg.quant.method if cfg.quant is not None else None
-    parts_needed = {"int4": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale_inv")}
+    parts_needed: dict[str | None, tuple[str, ...]] = {
+        "int4": ("weight_packed", "weight_scale", "weight_shape"),
+        "fp8": ("weight", "weight_scale_inv"),
+    }
 
     def emit(name: str, t: Tensor) -> None:
         if t.is_floating_point() and not name.endswith("e_score_correction_bias"):
@@ -354,6 +361,8 @@ def load_checkpoint(
         out[name] = t.to(device)
 
     def finish_module(module: str, parts: dict[str, Tensor], fname: str, fpath: str) -> None:
+        quant = cfg.quant
+        assert quant is not None, "only a quantised checkpoint has modules in parts"
         if "weight_packed" in parts:
             o, i = parts["weight_packed"].shape[0], parts["weight_packed"].shape[1] * 8
             ws = parts["weight_shape"].tolist()
@@ -362,14 +371,14 @@ def load_checkpoint(
                     f"tensor {cfg.weight_prefix + module + '.weight_shape'!r} in {fpath} is {ws}, expected [{o}, {i}]"
                 )
             if dequantize:
-                w = dequant_int4(parts["weight_packed"], parts["weight_scale"], cfg.quant.group_size, dtype)  # type: ignore[union-attr]
+                w = dequant_int4(parts["weight_packed"], parts["weight_scale"], quant.group_size, dtype)
                 out[module + ".weight"] = w.to(device)
             else:
                 out[module + ".weight_packed"] = parts["weight_packed"].to(device)
                 out[module + ".weight_scale"] = parts["weight_scale"].to(device)
         else:
             if dequantize:
-                w = dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], cfg.quant.block, dtype)  # type: ignore[union-attr]
+                w = dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], quant.block, dtype)
                 out[module + ".weight"] = w.to(device)
             else:
                 out[module + ".weight"] = parts["weight"].to(device)
@@ -418,7 +427,7 @@ def load_checkpoint(
                     if quantised:
                         parts = pending.setdefault(module, {})
                         parts[part] = t
-                        if all(p in parts for p in parts_needed[method]):  # type: ignore[index]
+                        if all(p in parts for p in parts_needed[method]):
                             finish_module(module, pending.pop(module), fname, fpath)
                     else:
                         emit(name, t)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from types import FrameType
 
 
-def _stop_during_start_up(signum: int, frame) -> None:
+def _stop_during_start_up(signum: int, frame: FrameType | None) -> None:
     """SIGINT / SIGTERM / SIGHUP before the server's own handlers are installed (imports, flag checks, the model's
     config and tokenizer, binding the sockets; no worker has been started yet): one line and exit 0, as a stop signal
     later gives, instead of a KeyboardInterrupt traceback or death by the signal (exit 128 + N)."""

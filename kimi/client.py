@@ -40,15 +40,18 @@ import collections
 import contextlib
 import operator
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 import zmq.asyncio
 
 from kimi import protocol
 from kimi.protocol import RequestOutput
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class KimiError(RuntimeError):
@@ -350,7 +353,7 @@ class AsyncKimiClient:
         await self._sock.send(msg)
         return rid
 
-    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """`KimiClient.stream` (an async iterator; an unknown request id raises KimiError at once): leaving it
         before the last output aborts the request."""
         q = self._queues.get(request_id)
@@ -358,7 +361,7 @@ class AsyncKimiClient:
             raise _unknown_id(request_id)
         return self._stream(request_id, q)
 
-    async def _stream(self, request_id: str, q: Any) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, q: Any) -> AsyncGenerator[RequestOutput, None]:
         done = False
         try:
             while True:
@@ -378,7 +381,7 @@ class AsyncKimiClient:
             if not done and not last_here and self._abort_quietly(request_id):
                 self._draining[request_id] = self._asyncio.Event()
 
-    async def generate(self, prompt: str | list[int], **params: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], **params: Any) -> AsyncGenerator[RequestOutput, None]:
         rid = await self.submit(prompt, **params)
         async with contextlib.aclosing(self.stream(rid)) as outs:  # closing this generator closes (aborts) that one
             async for out in outs:
@@ -394,7 +397,10 @@ class AsyncKimiClient:
         if self._sock.closed:
             return False
         try:
-            fut = self._sock.send(protocol.encode(protocol.AbortRequest(request_id)), zmq.DONTWAIT)
+            # zmq.asyncio's send returns an asyncio Future (its stub says only Awaitable)
+            fut = cast(
+                "asyncio.Future[Any]", self._sock.send(protocol.encode(protocol.AbortRequest(request_id)), zmq.DONTWAIT)
+            )
         except zmq.ZMQError:
             return False
         if fut.done():  # DONTWAIT: it was sent, or it failed (socket full); never left pending

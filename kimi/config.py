@@ -1,7 +1,7 @@
 """Frozen configuration dataclasses.
 
 `ModelConfig` is read from a checkpoint's `config.json` (and `generation_config.json`); it understands every
-Kimi-K2 text-backbone layout (see ../shared/KIMI.md section 1):
+Kimi-K2 text-backbone layout (see docs/model-format.md, Checkpoint variants):
 
 - flat K2-Instruct / K2-Instruct-0905 (`model_type: kimi_k2`, FP8 128x128 block-quantised weights),
 - flat K2-Thinking (INT4 compressed-tensors routed experts),
@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (KIMI.md section 1)
+IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (docs/model-format.md, Checkpoint variants)
 # --moe-backend choices (kimi.ops.moe_backend: what each runs); here so the controller's CLI needs no torch import
 MOE_BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
 # --log-level of `kimi serve` and of each worker rank: uvicorn's levels (trace is its most verbose; Python's logging
@@ -125,8 +125,8 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """`qk_head_dim ** -0.5 * m * m`, m = yarn_get_mscale(factor, mscale_all_dim) (KIMI.md section 3)."""
-        scale = self.qk_head_dim**-0.5
+        """`qk_head_dim ** -0.5 * m * m`, m = yarn_get_mscale(factor, mscale_all_dim) (docs/model-format.md, Math)."""
+        scale: float = self.qk_head_dim**-0.5
         if self.rope_scaling is not None:
             m = yarn_get_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale = scale * m * m
@@ -238,7 +238,7 @@ class ModelConfig:
                     raise ConfigError(
                         f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}"
                     )
-                group = next(iter(groups.values()), {}) if groups else {}
+                group: Any = next(iter(groups.values()), {}) if groups else {}
                 weights = group.get("weights") if isinstance(group, dict) else None
                 if weights is None:
                     weights = {}

@@ -8,7 +8,7 @@ Controller -> workers (PUB/SUB, broadcast): `Ping`, `StepPlan`, `Shutdown`.
 Workers -> controller (PUSH/PULL): `Ready`, `StepResult`, `WorkerError`, `Pong`.
 Client <-> controller (DEALER/ROUTER): `SubmitRequest`, `AbortRequest` / `RequestOutput`.
 
-A step plan is a diff against what the workers already hold (DESIGN.md, "Step plan and result"):
+A step plan is a diff against what the workers already hold (docs/design.md, Step plan and result):
 new requests carry their token ids once; continuing requests carry only how many tokens to compute and the
 block ids appended since the last step; finished / aborted / preempted rids are dropped. A worker computes
 tokens `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of a request and samples the next token
@@ -16,8 +16,6 @@ exactly when that reaches the end of the request's known tokens.
 """
 
 from __future__ import annotations
-
-from typing import Union
 
 import msgspec
 
@@ -160,8 +158,8 @@ class Pong(msgspec.Struct, array_like=True, frozen=True, tag=24):
     step: int
 
 
-ToWorker = Union[StepPlan, Ping, Shutdown]
-FromWorker = Union[Ready, StepResult, WorkerError, Pong]
+ToWorker = StepPlan | Ping | Shutdown
+FromWorker = Ready | StepResult | WorkerError | Pong
 
 
 # ---- client <-> controller -----------------------------------------------------------------------------
@@ -238,7 +236,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, tag=32, kw_onl
     prompt_top_logprobs: list[list[float] | None] | None = None
 
 
-ToController = Union[SubmitRequest, AbortRequest]
+ToController = SubmitRequest | AbortRequest
 
 _worker_decoder = msgspec.msgpack.Decoder(ToWorker)
 _controller_decoder = msgspec.msgpack.Decoder(FromWorker)

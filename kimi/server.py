@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,13 +129,13 @@ def _limit_error(name: str, v: float) -> str | None:
     return None
 
 
-def _numeric(name: str):
+def _numeric(name: str) -> Callable[[str], float]:
     """An argparse `type` for the flag `name`: parses, then checks NUMERIC_LIMITS (ArgumentTypeError names why)."""
     kind = NUMERIC_LIMITS[name][0]
 
-    def parse(text: str):
+    def parse(text: str) -> float:
         try:
-            v = kind(text)
+            v: float = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
         err = _limit_error(name, v)
@@ -429,7 +430,7 @@ class _Server(uvicorn.Server):
     controller before it stops its workers); `serve` installs handlers that set `should_exit`."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self) -> Generator[None, None, None]:
         yield
 
 
@@ -587,6 +588,15 @@ def load_model_meta(a: ServeArgs) -> tuple[ModelConfig, KimiTokenizer]:
         return cfg, KimiTokenizer.from_dir(d)
 
 
+def eos_token_ids(cfg: ModelConfig, tokenizer: KimiTokenizer) -> frozenset[int]:
+    """The ids that end a request: the checkpoint's EOS ids (`cfg.eos_token_ids`) and the tokenizer's `<|im_end|>`
+    (the end of a chat turn) when its vocabulary has one."""
+    ids = set(cfg.eos_token_ids)
+    if tokenizer.im_end_id is not None:
+        ids.add(tokenizer.im_end_id)
+    return frozenset(ids)
+
+
 def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
     """Listening TCP sockets for `host`:`port`, bound the way asyncio's `create_server(host=, port=)` (what
     uvicorn does itself) binds them: every address `host` resolves to, SO_REUSEADDR, IPv6 sockets v6-only.
@@ -608,8 +618,9 @@ def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
             try:
                 sock.bind(sockaddr)
             except OSError as e:
+                ip = str(sockaddr[0])  # a str for AF_INET / AF_INET6, the families a TCP getaddrinfo gives
                 raise OSError(
-                    f"cannot bind HTTP on {sockaddr[0]}:{sockaddr[1]} (--host {host} --port {port}): {e.strerror or e}"
+                    f"cannot bind HTTP on {ip}:{port} (--host {host} --port {port}): {e.strerror or e}"
                 ) from None
             sock.listen(2048)  # uvicorn's default backlog
             sock.setblocking(False)
@@ -700,15 +711,14 @@ async def serve(a: ServeArgs) -> int:
         except ValueError as e:
             log.error("%s", e)
             return 2
-    eos = frozenset(cfg.eos_token_ids) | {tokenizer.im_end_id}
+    eos = eos_token_ids(cfg, tokenizer)
     max_model_len = a.max_model_len or cfg.max_position_embeddings
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
     # an IPv6 literal host goes in brackets: tcp://[::1]:port
     submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
-    if a.api_key:
+    if a.api_key and a.zmq_submit_addr is None:
         # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        if a.zmq_submit_addr is None:
-            submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
 
     # Bind everything before anything is launched.
     transport = None
@@ -850,7 +860,7 @@ async def serve(a: ServeArgs) -> int:
     return rc
 
 
-def _http_end(http_task: asyncio.Task, http: uvicorn.Server) -> int:
+def _http_end(http_task: asyncio.Task[None], http: uvicorn.Server) -> int:
     """The exit status once the HTTP server has stopped: 0 after a signal, 1 when it stopped by itself."""
     if http.should_exit:
         return 0

@@ -1,6 +1,6 @@
 """Kimi-K2 tokenizer: tiktoken BPE vocabulary, special tokens, chat template, incremental detokenizer.
 
-Format (see ../shared/KIMI.md sections 4 and 5):
+Format (see docs/model-format.md, Tokenizer, and docs/model-format.md, Chat and tool-call format):
 
 - `tiktoken.model`: one line per ordinary token, `base64(bytes) rank`, ranks 0..163583 (the same file for
   K2 through K2.6).
@@ -35,7 +35,7 @@ SPECIAL_ID_START = 163584
 SPECIAL_ID_END = 163842  # exclusive: specials are 163584..163841
 MODEL_VOCAB_SIZE = 163840  # the model's embedding rows (config vocab_size)
 
-# KIMI.md section 4, joined by "|".
+# docs/model-format.md, Tokenizer, joined by "|".
 PAT_STR = "|".join(
     [
         r"[\p{Han}]+",
@@ -54,7 +54,7 @@ PAT_STR = "|".join(
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
-DEFAULT_SPECIAL_TOKENS: dict[int, tuple[str, bool]] = {  # id -> (content, special); KIMI.md section 4
+DEFAULT_SPECIAL_TOKENS: dict[int, tuple[str, bool]] = {  # id -> (content, special); docs/model-format.md, Tokenizer
     163584: ("[BOS]", True),
     163585: ("[EOS]", True),
     163586: ("<|im_end|>", True),
@@ -81,7 +81,7 @@ _TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 # the maximal whitespace / non-whitespace runs longer than MAX_RUN_CHARS (the only ones _split_for_encode cuts): a
 # match may start only where a run starts (the lookbehinds), so shorter runs cost one failed attempt each and no
 # Python-level iteration
-_LONG_RUN_RE = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+_LONG_RUN_RE = re.compile(rf"(?<!\s)\s{{{MAX_RUN_CHARS + 1},}}|(?<!\S)\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def _reserved_name(token_id: int) -> str:
@@ -138,7 +138,8 @@ def _raise_exception(message: str) -> None:
 
 
 class KimiTokenizer:
-    """The Kimi-K2 tiktoken tokenizer (KIMI.md section 4) and its chat template (section 5).
+    """The Kimi-K2 tiktoken tokenizer (docs/model-format.md, Tokenizer) and its chat template
+    (docs/model-format.md, Chat and tool-call format).
 
     Build with `KimiTokenizer.from_dir(path)`. Ids: ordinary tokens 0..163583, specials 163584..163841;
     `vocab_size` counts both (163842), which is more than the model's 163840 embedding rows.
@@ -192,11 +193,12 @@ class KimiTokenizer:
         self.bos_token_id = special_map.get(bos_token) if bos_token else None
         self.eos_token_id = special_map.get(eos_token) if eos_token else None
         self.pad_token_id = special_map.get(pad_token) if pad_token else None
-        self.im_end_id = special_map["<|im_end|>"] if "<|im_end|>" in special_map else None
+        self.im_end_id = special_map.get("<|im_end|>")
+        self._longest_token_bytes: int | None = None  # min_num_tokens computes it on first use
 
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> KimiTokenizer:
+    def from_dir(cls, path: str | os.PathLike[str]) -> KimiTokenizer:
         """Load a tokenizer from a checkpoint (or tokenizer) folder.
 
         Reads `tiktoken.model`; special tokens and bos/eos/pad strings from `tokenizer_config.json` (or, when
@@ -262,9 +264,10 @@ class KimiTokenizer:
 
     def id_to_bytes(self, token_id: int) -> bytes:
         """The bytes of one token (a special token's are its UTF-8 content). Raises ValueError if unknown."""
-        if not (0 <= token_id < len(self._table)) or self._table[token_id] is None:
+        b = self._table[token_id] if 0 <= token_id < len(self._table) else None
+        if b is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {len(self._table)})")
-        return self._table[token_id]  # type: ignore[return-value]
+        return b
 
     # ---------------------------------------------------------------------------------------- encode/decode
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
@@ -287,7 +290,7 @@ class KimiTokenizer:
         """A lower bound on len(self.encode(text)) (allow_special False) in one pass over the text, without
         encoding it: its UTF-8 bytes over the longest ordinary token's bytes (every token of it is one ordinary
         vocabulary entry). Lets the API refuse a huge prompt before spending seconds tokenizing it."""
-        longest = getattr(self, "_longest_token_bytes", None)
+        longest = self._longest_token_bytes
         if longest is None:
             longest = self._longest_token_bytes = max(len(b) for b in self._ordinary_to_id)
         return -(-len(text.encode("utf-8", "replace")) // max(1, longest))  # a lone surrogate: 1 byte, not more
@@ -300,13 +303,14 @@ class KimiTokenizer:
         empty text, because a model with a padded vocabulary can sample one).
         """
         table = self._table
-        parts = []
+        parts: list[bytes] = []
         for i in ids:
             if skip_special_tokens and i in self.special_ids:
                 continue
-            if not (0 <= i < len(table)) or table[i] is None:
+            b = table[i] if 0 <= i < len(table) else None
+            if b is None:
                 raise ValueError(f"token id {i} is outside the vocabulary (size {len(table)})")
-            parts.append(table[i])
+            parts.append(b)
         return b"".join(parts).decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------------------------------ chat template
@@ -318,7 +322,7 @@ class KimiTokenizer:
     @chat_template.setter
     def chat_template(self, source: str | None) -> None:
         self._chat_template = source
-        self._compiled_template = None
+        self._compiled_template: jinja2.Template | None = None
 
     def apply_chat_template(
         self,
@@ -327,7 +331,7 @@ class KimiTokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """Render the checkpoint's chat template (KIMI.md section 5) to a prompt string.
+        """Render the checkpoint's chat template (docs/model-format.md, Chat and tool-call format) to a prompt string.
 
         Encode the result with `encode(prompt, allow_special=True)`. The template sees `messages`, `tools`,
         `add_generation_prompt`, `bos_token`, `eos_token` and every extra keyword (e.g. `thinking=False`);
@@ -412,7 +416,7 @@ def _builtin_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def write_tokenizer_files(dst_dir: str | os.PathLike, source_dir: str | os.PathLike | None = None) -> None:
+def write_tokenizer_files(dst_dir: str | os.PathLike[str], source_dir: str | os.PathLike[str] | None = None) -> None:
     """Write tiktoken.model, tokenizer_config.json and chat_template.jinja into `dst_dir` (created if needed).
 
     With `source_dir` (a folder holding `tiktoken.model` and `special_tokens.json` or `tokenizer_config.json`

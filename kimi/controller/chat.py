@@ -2,7 +2,7 @@
 control tokens.
 
 Rendering the template and encoding the result with special tokens allowed would turn a user's literal
-`<|im_end|>` into the control token (a prompt-injection hole; KIMI.md section 4). Instead every piece of
+`<|im_end|>` into the control token (a prompt-injection hole; docs/model-format.md, Tokenizer). Instead every piece of
 message text is replaced by a private-use marker (U+F0000, refused anywhere in a chat request's rendered text)
 before rendering; the rendered prompt is then split at control tokens found in the template's own text only, and
 each run of text between two control tokens (template text and message text together) is encoded whole with special
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
+from collections.abc import Collection
 from typing import Any
 
 from kimi.controller.validation import BadRequest, check_prompt_text_fits, first_path, json_path
@@ -110,7 +112,7 @@ _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
-def no_other_keys(obj: dict, allowed: frozenset | tuple, path: str) -> None:
+def no_other_keys(obj: dict[str, Any], allowed: Collection[str], path: str) -> None:
     """BadRequest naming the first key of obj outside `allowed` (in the order sent)."""
     for k in obj:
         if k not in allowed:
@@ -162,19 +164,24 @@ def validate_tools(tools: Any) -> list[str]:
     return names
 
 
-def _special_ids(tokenizer: KimiTokenizer) -> tuple[re.Pattern, dict[str, int]]:
+_SPECIAL_IDS: weakref.WeakKeyDictionary[KimiTokenizer, tuple[re.Pattern[str], dict[str, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _special_ids(tokenizer: KimiTokenizer) -> tuple[re.Pattern[str], dict[str, int]]:
     """(a regex matching any control-token string, longest first; string -> id) for the ids from 163584 up,
-    built once and cached on the tokenizer."""
-    cached = getattr(tokenizer, "_kimi_special_ids", None)
+    built once per tokenizer."""
+    cached = _SPECIAL_IDS.get(tokenizer)
     if cached is None:
-        ids = {}
+        ids: dict[str, int] = {}
         for s in {tokenizer.decode([i]) for i in range(163584, tokenizer.vocab_size)} - {""}:
             got = tokenizer.encode(s, allow_special=True)
             if len(got) == 1:
                 ids[s] = got[0]
         alts = "|".join(re.escape(s) for s in sorted(ids, key=len, reverse=True))
         cached = (re.compile(alts or r"(?!)"), ids)  # (?!) never matches: a vocabulary without control tokens
-        tokenizer._kimi_special_ids = cached  # type: ignore[attr-defined]
+        _SPECIAL_IDS[tokenizer] = cached
     return cached
 
 

@@ -29,8 +29,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -86,6 +87,14 @@ class EngineStats:
     steps_ahead: int = 0  # plans sent while another step was in flight (async scheduling)
 
 
+class EngineObserver(Protocol):
+    """What the engine reports per token and per finished request (kimi.controller.metrics.Metrics)."""
+
+    def on_token(self, req: Request, now: float) -> None: ...
+
+    def on_finish(self, req: Request, now: float) -> None: ...
+
+
 class Engine:
     """Owns all requests; drives the workers through `transport`.
 
@@ -123,7 +132,7 @@ class Engine:
         self._ping_seq = itertools.count(1 << 20)
         self._alive_since = 0.0
         self.schedulers: list[Scheduler] = []
-        self.router: DPRouter | None = None
+        self.router = DPRouter(self.schedulers)  # replaced by `start`, once the ranks are known
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[int, Request] = {}
         self._rids = itertools.count(1)
@@ -141,7 +150,7 @@ class Engine:
         self.liveness_checks: list[Callable[[], str | None]] = []
         # metrics hook (kimi.controller.metrics.Metrics): on_token(req, now) before each output token is
         # applied, on_finish(req, now) when a request ends for any reason; None = no metrics.
-        self.observer = None
+        self.observer: EngineObserver | None = None
         self.enable_prefix_caching = enable_prefix_caching
         self.max_waiting = max_waiting
 
@@ -313,7 +322,7 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Admit (AdmissionError raised here, before anything is yielded) and stream the request's deltas.
 
         The last delta has finished=True. If the consumer stops early (client gone), the request is aborted.
@@ -330,7 +339,7 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
-    ) -> AsyncIterator[list[RequestOutput]]:
+    ) -> AsyncGenerator[list[RequestOutput], None]:
         """`generate`, but each item is a non-empty list of the deltas that arrived since the last item.
 
         The reader wakes once per engine step (not once per delta), which is what the HTTP streaming path
@@ -339,13 +348,13 @@ class Engine:
         req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
         return self._stream_batches(req)
 
-    async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, req: Request) -> AsyncGenerator[RequestOutput, None]:
         async with contextlib.aclosing(self._stream_batches(req)) as batches:  # closing aborts an unfinished request
             async for batch in batches:
                 for out in batch:
                     yield out
 
-    async def _stream_batches(self, req: Request) -> AsyncIterator[list[RequestOutput]]:
+    async def _stream_batches(self, req: Request) -> AsyncGenerator[list[RequestOutput], None]:
         try:
             while True:
                 batch = await req.outputs.get_batch()

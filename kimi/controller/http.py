@@ -26,7 +26,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses for every str (C)
 from typing import Any
@@ -131,6 +131,12 @@ class _Choice:
     request: Request | None = None  # the engine's request (chat: its stop_held attributes held-back text)
     feeder: ReleasedTextFeeder | None = None
 
+    @property
+    def final(self) -> RequestOutput:
+        """The last output; set for every choice once `_collect` has returned None."""
+        assert self.last is not None, "the choice has no output yet"
+        return self.last
+
     def add(self, o: RequestOutput) -> None:
         self.last = o
         self.outputs.append(o)
@@ -175,10 +181,10 @@ def _token_logprobs(o: RequestOutput) -> tuple[list[float | None], list[list[int
     """Per token of `o`: its logprob, top ids and top logprobs (None where not reported), as `_Choice.add`
     accumulates them."""
     n = len(o.token_ids)
-    lps = list(o.logprobs) if o.logprobs else [None] * n
-    tops = list(o.top_ids) if o.top_ids else [None] * n
-    top_lps = list(o.top_logprobs) if o.top_logprobs else [None] * n
-    return lps, tops, top_lps  # type: ignore[return-value]
+    lps: list[float | None] = list(o.logprobs) if o.logprobs else [None] * n
+    tops: list[list[int] | None] = list(o.top_ids) if o.top_ids else [None] * n
+    top_lps: list[list[float] | None] = list(o.top_logprobs) if o.top_logprobs else [None] * n
+    return lps, tops, top_lps
 
 
 def sse_event(chunk: dict[str, Any]) -> bytes:
@@ -230,7 +236,7 @@ class _Siblings:
         self,
         engine: Engine,
         ids: list[str],
-        streams: list[AsyncIterator[list[RequestOutput]]],
+        streams: list[AsyncGenerator[list[RequestOutput], None]],
         outputs: list[OutputStream] | None = None,
         requests: list[Request] | None = None,
     ) -> None:
@@ -239,8 +245,8 @@ class _Siblings:
         self.streams = streams
         self.outputs = outputs or []  # the requests' OutputStreams (for _SSE's synchronous sink)
         self.requests = requests or []  # the engine's Request objects, in the same order
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
+        self.queue: asyncio.Queue[tuple[int, list[RequestOutput] | None]] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
 
     async def _pump(self, i: int) -> None:
@@ -258,11 +264,11 @@ class _Siblings:
         self.tasks = [asyncio.ensure_future(self._pump(i)) for i in range(len(self.streams))]
         live = len(self.streams)
         while live:
-            i, batch = await self.queue.get()
-            if batch is None:
+            i, got = await self.queue.get()
+            if got is None:
                 live -= 1
                 continue
-            yield i, batch
+            yield i, got
 
     async def close(self) -> None:
         if self.closed:
@@ -275,7 +281,7 @@ class _Siblings:
                 t.cancel()
         for s in self.streams:
             try:
-                await s.aclose()  # type: ignore[attr-defined]
+                await s.aclose()
             except Exception:
                 pass
 
@@ -376,7 +382,7 @@ class _SSE:
         # (plain completions); the sink then does that itself instead of calling render
         self.text_only = text_only
 
-    async def _chunks(self) -> AsyncIterator[bytes]:
+    async def _chunks(self) -> AsyncGenerator[bytes, None]:
         if self.first:
             yield self.first
         render = self.render
@@ -458,9 +464,10 @@ class _SSE:
             )
             started = True
             out = raw or send
-            writer = _BodyWriter.attach(raw) if raw is not None and stream is not None else None
-            if writer is not None:
-                stream.sink = self._sink(writer)  # type: ignore[union-attr]
+            if raw is not None and stream is not None:
+                writer = _BodyWriter.attach(raw)
+                if writer is not None:
+                    stream.sink = self._sink(writer)
             async for data in chunks:
                 await out({"type": "http.response.body", "body": data, "more_body": True})
             await out({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -481,17 +488,12 @@ class _SSE:
                 await chunks.aclose()
             except Exception:
                 pass
-        if (
-            prod.done()
-            and not prod.cancelled()
-            and prod.exception() is not None
-            and not isinstance(prod.exception(), OSError)
-        ):
-            exc = prod.exception()
+        exc = prod.exception() if prod.done() and not prod.cancelled() else None
+        if exc is not None and not isinstance(exc, OSError):
             if raw is not None and started:
                 log.error("streaming response failed after it started", exc_info=exc)
                 return
-            raise exc  # type: ignore[misc]
+            raise exc
 
 
 class _Auth:
@@ -789,7 +791,7 @@ class OpenAIServer:
                 "n",
             )
         ids: list[str] = []
-        streams: list[AsyncIterator[list[RequestOutput]]] = []
+        streams: list[AsyncGenerator[list[RequestOutput], None]] = []
         outputs: list[OutputStream] = []
         reqs: list[Request] = []
         try:
@@ -894,16 +896,18 @@ class OpenAIServer:
 
         `tokens[i]` is `tokenizer.decode([id])` (U+FFFD for a token holding only part of a UTF-8 character).
         `offsets` (one per id, from `_prompt_offsets` / `_piece_offsets`) become text_offset: see there."""
-        tokens, tl = [], []
+        tokens: list[str] = []
+        tl: list[dict[str, float | None] | None] = []
         for j, tid in enumerate(ids):
             s = self._token_str(tid)
             tokens.append(s)
             if lps[j] is None:
                 tl.append(None)
                 continue
-            d = {}
-            if tops[j] is not None:
-                d = {self._token_str(t): _finite(v) for t, v in zip(tops[j], top_lps[j])}  # type: ignore[arg-type]
+            d: dict[str, float | None] = {}
+            top_ids, top_values = tops[j], top_lps[j]
+            if top_ids is not None and top_values is not None:
+                d = {self._token_str(t): _finite(v) for t, v in zip(top_ids, top_values)}
             d.setdefault(s, _finite(lps[j]))
             tl.append(d)
         return {
@@ -935,7 +939,7 @@ class OpenAIServer:
             pos += len(detok.push(tid))
         return out
 
-    def _piece_offsets(self, skip_special_tokens: bool, first: int):
+    def _piece_offsets(self, skip_special_tokens: bool, first: int) -> Callable[[RequestOutput, int], list[int]]:
         """A function (o, start) -> text_offset of the tokens of engine output `o`, whose text delta starts at
         offset `start`, for one choice's outputs in order: each token at the end of the earlier tokens' pieces
         (`first` for the first token: 0, or the echoed prompt's length); in the last output (finished) clamped to
@@ -954,7 +958,7 @@ class OpenAIServer:
 
         return offsets
 
-    async def completions(self, request: HTTPRequest) -> Response:
+    async def completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
             f = await self._body(request)
             prompt = f._get("prompt")
@@ -988,9 +992,9 @@ class OpenAIServer:
                     "prompt",
                 )
             elif isinstance(prompt, list):
-                bad = next(x for x in prompt if not isinstance(x, int) or isinstance(x, bool))
+                item = next(x for x in prompt if not isinstance(x, int) or isinstance(x, bool))
                 raise BadRequest(
-                    f"'prompt' must be a string or a list of integer token ids; it holds {bad!r}", "prompt"
+                    f"'prompt' must be a string or a list of integer token ids; it holds {item!r}", "prompt"
                 )
             else:
                 raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
@@ -1038,8 +1042,8 @@ class OpenAIServer:
                         pos += len(o.text)
                     lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, offs)
                     if echo:
-                        e = echo_logprobs(c)
-                        lp = {k: e[k] + lp[k] for k in lp}
+                        prompt_lp = echo_logprobs(c)
+                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
                 if echo:
                     text = prompt_text + text
                 out.append(
@@ -1047,8 +1051,8 @@ class OpenAIServer:
                         "index": c.index,
                         "text": text,
                         "logprobs": lp,
-                        "finish_reason": c.last.finish_reason,
-                        "stop_reason": c.last.stop_reason,
+                        "finish_reason": c.final.finish_reason,
+                        "stop_reason": c.final.stop_reason,
                     }
                 )
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
@@ -1116,7 +1120,7 @@ class OpenAIServer:
             return sse_event({**base, "choices": [], "usage": self._usage_of(g, choices)}) if g.include_usage else b""
 
         text_only = (choices[0], text_event) if plain and not echo and len(choices) == 1 else None
-        return _SSE(sib, render, b"", tail, text_only)  # type: ignore[return-value]
+        return _SSE(sib, render, b"", tail, text_only)
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
     def _chat_logprobs(
@@ -1125,11 +1129,12 @@ class OpenAIServer:
         content = []
         for j, tid in enumerate(ids):
             alts = []
-            if tops[j] is not None:
+            top_ids, top_values = tops[j], top_lps[j]
+            if top_ids is not None and top_values is not None:
                 alts = [
                     {"token": self._token_str(t), "logprob": _finite(v), "bytes": self._token_bytes(t)}
-                    for t, v in zip(tops[j], top_lps[j])
-                ]  # type: ignore[arg-type]
+                    for t, v in zip(top_ids, top_values)
+                ]
             content.append(
                 {
                     "token": self._token_str(tid),
@@ -1169,7 +1174,7 @@ class OpenAIServer:
             return tools, True, parallel
         raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
 
-    async def chat_completions(self, request: HTTPRequest) -> Response:
+    async def chat_completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
             f = await self._body(request)
             messages = f._get("messages")
@@ -1223,7 +1228,8 @@ class OpenAIServer:
         def finish_reason(c: _Choice) -> str | None:
             base_reason = c.last.finish_reason if c.last else None
             if base_reason in ("stop", "length"):
-                return c.parser.finish_reason(base_reason)  # type: ignore[union-attr]
+                assert c.parser is not None, "every chat choice has a parser"
+                return c.parser.finish_reason(base_reason)
             return base_reason
 
         if not g.stream:
@@ -1267,7 +1273,7 @@ class OpenAIServer:
                         "message": msg,
                         "logprobs": lp,
                         "finish_reason": finish_reason(c),
-                        "stop_reason": c.last.stop_reason,
+                        "stop_reason": c.final.stop_reason,
                     }
                 )
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
@@ -1371,7 +1377,7 @@ class OpenAIServer:
             )
             for c in choices
         )
-        return _SSE(sib, render, first, usage)  # type: ignore[return-value]
+        return _SSE(sib, render, first, usage)
 
 
 def _decode_body(text: str) -> Any:

@@ -117,10 +117,12 @@ class OutputProcessor:
             reason = "length"
         # a stop token's (stop_token_ids, EOS) text is not output unless include_stop_str_in_output, as vLLM's
         # detokenizer leaves it out; its id still counts (token_ids, usage, logprobs)
-        text = "" if reason == "stop" and not stop.include_stop_str_in_output else req.detokenizer.push(tok)
+        detok = req.detokenizer
+        assert detok is not None, "OutputProcessor.start attaches the detokenizer"
+        text = "" if reason == "stop" and not stop.include_stop_str_in_output else detok.push(tok)
         if reason is not None:
-            text += req.detokenizer.flush()
-        checker: StopChecker | None = req.stop_checker  # type: ignore[assignment]
+            text += detok.flush()
+        checker = req.stop_checker
         if checker is not None:
             produced = len(checker.held) + len(text)  # characters not emitted yet, this token's included
             text, stopped, matched = checker.feed(text, match=n_out > stop.min_tokens)
@@ -130,7 +132,8 @@ class OutputProcessor:
                 text += checker.flush()
             # characters produced and not emitted after this token: held back, or (a stop string matched) cut for
             # good; chat's ReleasedTextFeeder attributes the emitted text to tokens by these counts
-            req.stop_held.append(produced - len(text) if stopped else len(checker.held))  # type: ignore[union-attr]
+            assert req.stop_held is not None, "start() sets stop_held with the stop checker"
+            req.stop_held.append(produced - len(text) if stopped else len(checker.held))
         if reason is not None:
             req.finish_reason = reason
         plp = ptid = ptlp = None

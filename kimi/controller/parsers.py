@@ -4,7 +4,7 @@ The controller feeds every generated token of a chat request to one `OutputParse
 `(token_id, text_delta)`, where `text_delta` is what the incremental detokenizer produced for that token.
 The parser splits the output into OpenAI `reasoning_content`, `content` and `tool_calls` deltas.
 
-Format (../shared/KIMI.md sections 4 and 5):
+Format (docs/model-format.md, Tokenizer, and docs/model-format.md, Chat and tool-call format):
 
     [<think>] reasoning text </think> content text
     <|tool_calls_section_begin|>
@@ -81,9 +81,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-# ---- marker token ids (KIMI.md section 4) -------------------------------------------------------------
+# ---- marker token ids (docs/model-format.md, Tokenizer) -------------------------------------------------------------
 TOOL_CALLS_SECTION_BEGIN_ID = 163595
 TOOL_CALLS_SECTION_END_ID = 163596
 TOOL_CALL_BEGIN_ID = 163597
@@ -169,12 +169,18 @@ class ParserConfig:
         itself; K2-Instruct does not reason).
         """
         tail = list(prompt_token_ids[-2:])
-        kw = dict(tools=tools, stream_tool_arguments=stream_tool_arguments, marker_text=marker_text)
+        thinking, ends_in_think = thinking_model, False
         if tail == [THINK_START_ID, THINK_END_ID]:
-            return cls(thinking=False, **kw)
-        if tail and tail[-1] == THINK_START_ID:
-            return cls(thinking=True, prompt_ends_in_think=True, **kw)
-        return cls(thinking=thinking_model, **kw)
+            thinking = False
+        elif tail and tail[-1] == THINK_START_ID:
+            thinking, ends_in_think = True, True
+        return cls(
+            thinking=thinking,
+            prompt_ends_in_think=ends_in_think,
+            tools=tools,
+            stream_tool_arguments=stream_tool_arguments,
+            marker_text=marker_text,
+        )
 
 
 # ---- output types -------------------------------------------------------------------------------------
@@ -261,7 +267,7 @@ def parse_tool_call_id(header: str) -> tuple[str, str] | None:
 
     id = the stripped header; name = id without an optional `functions.` prefix and without a trailing
     `:DIGITS` suffix. Names may contain dots, dashes and colons (`functions.my.tool-v2:3` -> `my.tool-v2`;
-    `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: KIMI.md section 5.
+    `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: docs/model-format.md, Chat and tool-call format.
     """
     call_id = header.strip()
     body = call_id[len(_FUNCTIONS_PREFIX) :] if call_id.startswith(_FUNCTIONS_PREFIX) else call_id
@@ -292,8 +298,8 @@ class OutputParser:
     returns a `ParserDelta` (possibly empty). After `finish()`: `tool_calls` (complete calls),
     `has_tool_calls`, `incomplete_tool_call`, `partial_tool_call_emitted`, `finish_reason(base)`.
 
-    Raises RuntimeError on `feed`/`finish` after `finish()`. Never raises on model output, however
-    malformed. See the module docstring for every behaviour choice; format source: KIMI.md section 5.
+    Raises RuntimeError on `feed`/`finish` after `finish()`. Never raises on model output, however malformed. See the
+    module docstring for every behaviour choice; format source: docs/model-format.md, Chat and tool-call format.
     """
 
     def __init__(self, config: ParserConfig) -> None:
@@ -404,8 +410,8 @@ class OutputParser:
             if not self._call_valid:
                 return
             self._args.append(text)
-            if self._head_sent:
-                out._add_fragment(self._call[0], text)  # type: ignore[index]
+            if self._head_sent and self._call is not None:
+                out._add_fragment(self._call[0], text)
         # _SECTION: text between calls is dropped
 
     def _marker(self, tid: int, out: ParserDelta) -> None:
@@ -441,8 +447,8 @@ class OutputParser:
                 self._open_args(out)
                 if self._call_valid:
                     self._args.append("{}")
-                    if self._head_sent:
-                        out._add_fragment(self._call[0], "{}")  # type: ignore[index]
+                    if self._head_sent and self._call is not None:
+                        out._add_fragment(self._call[0], "{}")
                 self._close_call(out)
                 self._state = _SECTION
             elif st == _ARGS:
@@ -498,6 +504,7 @@ class OutputParser:
 
 
 # ---- non-streaming helper -----------------------------------------------------------------------------
+@runtime_checkable
 class _Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
 
@@ -589,13 +596,12 @@ def parse_output(
         content.append(d.content)
         reasoning.append(d.reasoning_content)
 
-    if hasattr(text_deltas, "push"):
-        detok = text_deltas
+    if isinstance(text_deltas, _Detokenizer):
         for tid in token_ids:
-            take(parser.feed(tid, detok.push(tid)))  # type: ignore[union-attr]
-        text_tail = detok.flush() + text_tail  # type: ignore[union-attr]
+            take(parser.feed(tid, text_deltas.push(tid)))
+        text_tail = text_deltas.flush() + text_tail
     else:
-        deltas = list(text_deltas)  # type: ignore[arg-type]
+        deltas = list(text_deltas)
         if len(deltas) != len(token_ids):
             raise ValueError(f"parse_output: {len(token_ids)} token ids but {len(deltas)} text deltas")
         for tid, text in zip(token_ids, deltas):

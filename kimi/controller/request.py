@@ -8,9 +8,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from kimi.controller.output import FastDetokenizer
+    from kimi.controller.stops import StopChecker
 
 log = logging.getLogger("kimi.request")
 
@@ -28,14 +32,14 @@ class OutputStream:
     (the HTTP layer wrote the SSE chunk to the connection) and the reader is not woken at all; False, or
     an exception (logged; the sink is then dropped), queues it for the reader as usual. So outputs reach the
     client in order whichever way each one goes. At 1024 streaming requests this saves a task wake-up and
-    the async hops per request per step (docs/benchmarks-serving.md).
+    the async hops per request per step (docs/benchmarks.md).
     """
 
     __slots__ = ("_buf", "_waiter", "sink")
 
     def __init__(self) -> None:
-        self._buf: list = []
-        self._waiter: asyncio.Future | None = None
+        self._buf: list[Any] = []
+        self._waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[Any], bool] | None = None
 
     def put(self, out: Any) -> None:
@@ -55,7 +59,7 @@ class OutputStream:
                 w.set_result(None)
         self._buf.append(out)
 
-    async def get_batch(self) -> list:
+    async def get_batch(self) -> list[Any]:
         """Every output queued since the last call, oldest first; waits while there is none (cancel-safe)."""
         while not self._buf:
             w = asyncio.get_running_loop().create_future()
@@ -100,9 +104,9 @@ class Request:
     `token_ids` is the prompt followed by the generated tokens. `num_computed_tokens` counts tokens whose KV
     the workers hold (as of the last applied step); `num_scheduled_tokens` also counts the tokens of steps sent
     and not applied yet (async scheduling: the next plan goes out while a step runs), and
-    `num_inflight_samples` the tokens those steps will sample (both equal num_computed_tokens / 0 between
-    steps without async scheduling); `block_table` lists the KV blocks (append-only while the request runs). `outputs` is
-    the stream of `RequestOutput` deltas that front-ends (HTTP, ZeroMQ) read.
+    `num_inflight_samples` the tokens those steps will sample (both equal num_computed_tokens / 0 between steps without
+    async scheduling); `block_table` lists the KV blocks (append-only while the request runs). `outputs` is the stream
+    of `RequestOutput` deltas that front-ends (HTTP, ZeroMQ) read.
     """
 
     rid: int
@@ -123,10 +127,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_reason: str | None = None
-    outputs: OutputStream | None = None
-    detokenizer: object | None = None
+    outputs: OutputStream = field(default_factory=OutputStream)
+    detokenizer: FastDetokenizer | None = None  # set by OutputProcessor.start
     leader: Request | None = None  # n > 1: the first sibling; this one starts after the leader's prompt is cached
-    stop_checker: object | None = None  # kimi.controller.stops.StopChecker (output.py)
+    stop_checker: StopChecker | None = None  # set by OutputProcessor.start when there are stop strings
     # with a stop checker: after each generated token, the characters of generated text it holds back (output.py;
     # after the token that completes a stop string: the characters that string cut);
     # the chat front-end attributes released text to the tokens that produced it (parsers.ReleasedTextFeeder)

@@ -98,7 +98,7 @@ class SubmitServer:
             self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.bind(addr)
         self.addr = addr
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def _key(self, ident: bytes, request_id: str) -> str:
         return f"zmq-{ident.hex()}-{request_id}"
@@ -128,13 +128,12 @@ class SubmitServer:
         make them (`generation_params`: min_tokens' blocked ids, stop strings), so the same request gives
         the same tokens and text over HTTP and ZeroMQ.
         """
-        if (r.prompt is None) == (r.prompt_token_ids is None):
-            raise BadRequest("give exactly one of 'prompt' and 'prompt_token_ids'", "prompt")
-        if r.prompt is not None:
+        if r.prompt is not None and r.prompt_token_ids is None:
             if not r.prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
+            assert prompt_ids is not None, "_admit tokenizes a non-empty string prompt"
             ids = prompt_ids
-        else:
+        elif r.prompt_token_ids is not None and r.prompt is None:
             ids = list(r.prompt_token_ids)
             if not ids:
                 raise BadRequest("'prompt_token_ids' must not be empty", "prompt_token_ids")
@@ -143,6 +142,8 @@ class SubmitServer:
                 raise BadRequest(
                     f"'prompt_token_ids' holds token id {bad[0]}, outside [0, {self.vocab_size})", "prompt_token_ids"
                 )
+        else:
+            raise BadRequest("give exactly one of 'prompt' and 'prompt_token_ids'", "prompt")
         f = Fields(msgspec.structs.asdict(r), "message")
         logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)  # where /v1/completions reads it
         sampling = read_sampling(f)
@@ -153,7 +154,7 @@ class SubmitServer:
         ignore_eos = f.bool("ignore_eos", False)
         f.bool("skip_special_tokens", True)
         max_tokens = f.int("max_tokens", 16, lo=1)
-        min_tokens = read_min_tokens(f, max_tokens)  # type: ignore[arg-type]
+        min_tokens = read_min_tokens(f, max_tokens)
         sp, st = generation_params(
             sampling,
             logprobs=logprobs,
@@ -166,7 +167,7 @@ class SubmitServer:
             ignore_eos=ignore_eos,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
-            eos_token_ids=self.engine.eos_token_ids,  # type: ignore[arg-type]
+            eos_token_ids=self.engine.eos_token_ids,
         )
         return ids, sp, st
 

@@ -24,6 +24,7 @@ import random
 import socket
 import threading
 import time
+from typing import TypeAlias, TypeGuard
 
 import msgspec
 import zmq
@@ -63,7 +64,11 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+WorkerReply: TypeAlias = protocol.Ready | protocol.StepResult | protocol.WorkerError
+"""What a worker rank sends the controller, other than a `Pong`."""
 
 
 class ControllerTransport:
@@ -90,14 +95,16 @@ class ControllerTransport:
         self.result_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.last_seen: dict[int, float] = {}
         self.last_step: dict[int, int] = {}
-        self._pending: collections.deque = collections.deque()
-        self._pull_sync = zmq.Socket.shadow(self.pull.underlying)  # non-blocking reads outside a coroutine
+        self._pending: collections.deque[WorkerReply] = collections.deque()
+        self._pull_sync: zmq.Socket[bytes] = zmq.Socket.shadow(
+            self.pull.underlying
+        )  # non-blocking reads outside a coroutine
 
     async def send(self, msg: msgspec.Struct) -> None:
         """Broadcast a Ping / StepPlan / Shutdown to every connected rank."""
         await self.pub.send(protocol.encode(msg))
 
-    def _note(self, msg) -> bool:
+    def _note(self, msg: WorkerReply | protocol.Pong) -> TypeGuard[WorkerReply]:
         """Record liveness; True if msg is for the caller (not a Pong)."""
         rank = getattr(msg, "rank", None)
         if rank is not None:
@@ -107,7 +114,7 @@ class ControllerTransport:
             return False
         return True
 
-    async def recv(self) -> protocol.Ready | protocol.StepResult | protocol.WorkerError:
+    async def recv(self) -> WorkerReply:
         """The next non-Pong message from any rank (waits; cancel-safe). Raises msgspec.DecodeError on garbage."""
         if self._pending:
             return self._pending.popleft()

@@ -7,11 +7,12 @@ schema: `{"error": {"message", "type": "invalid_request_error", "param", "code"}
 
 from __future__ import annotations
 
+import builtins
 import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from kimi.controller.request import StopParams
 from kimi.controller.stops import MAX_STOP_STRINGS
@@ -63,7 +64,7 @@ class Fields:
             raise BadRequest(f"'{name}' must be a string", name)
         return v
 
-    def bool(self, name: str, default: bool) -> bool:
+    def bool(self, name: builtins.str, default: builtins.bool) -> builtins.bool:
         v = self._get(name)
         if v is None:
             return default
@@ -71,7 +72,24 @@ class Fields:
             raise BadRequest(f"'{name}' must be a boolean", name)
         return v
 
-    def int(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    @overload
+    def int(
+        self, name: builtins.str, default: builtins.int, lo: builtins.int | None = None, hi: builtins.int | None = None
+    ) -> builtins.int: ...
+
+    @overload
+    def int(
+        self, name: builtins.str, default: None, lo: builtins.int | None = None, hi: builtins.int | None = None
+    ) -> builtins.int | None: ...
+
+    def int(
+        self,
+        name: builtins.str,
+        default: builtins.int | None,
+        lo: builtins.int | None = None,
+        hi: builtins.int | None = None,
+    ) -> builtins.int | None:
+        """The field as an integer in [lo, hi] (a JSON integer, not a float or a boolean); `default` if absent."""
         v = self._get(name)
         if v is None:
             return default
@@ -85,7 +103,13 @@ class Fields:
             raise BadRequest(f"'{name}' must be <= {hi}, got {v}", name)
         return v
 
-    def float(self, name: str, default: float, check: Callable[[float], bool] | None = None, what: str = "") -> float:
+    def float(
+        self,
+        name: builtins.str,
+        default: builtins.float,
+        check: Callable[[builtins.float], builtins.bool] | None = None,
+        what: builtins.str = "",
+    ) -> builtins.float:
         v = self._get(name)
         if v is None:
             return default
@@ -103,7 +127,7 @@ class Fields:
             raise BadRequest(f"'{name}' must be {what}, got {v}", name)
         return v
 
-    def int_list(self, name: str, lo: int, hi: int) -> list[int]:
+    def int_list(self, name: builtins.str, lo: builtins.int, hi: builtins.int) -> list[builtins.int]:
         v = self._get(name)
         if v is None:
             return []
@@ -114,7 +138,7 @@ class Fields:
                 raise BadRequest(f"'{name}' holds {x}, outside [{lo}, {hi})", name)
         return v
 
-    def noop(self, name: str, allowed: tuple[Any, ...], why: str = "is not supported") -> None:
+    def noop(self, name: builtins.str, allowed: tuple[Any, ...], why: builtins.str = "is not supported") -> None:
         """Accept the field only at one of its no-op values (None always allowed), of the same JSON type: 1.0 and
         true are not the integer 1, 0 is not false. A value of another JSON type is refused as such."""
         v = self._get(name)
@@ -126,11 +150,11 @@ class Fields:
         if not any(v == a and _json_type(v) == _json_type(a) for a in allowed):  # False == 0 in Python
             raise BadRequest(f"'{name}'={v!r} {why}; only {', '.join(repr(a) for a in allowed)} is accepted", name)
 
-    def accept(self, *names: str) -> None:
+    def accept(self, *names: builtins.str) -> None:
         """Fields that change nothing about generation (e.g. `user`), accepted as given."""
         self.seen.update(names)
 
-    def reject_unknown(self, elsewhere: tuple[str, frozenset[str]] | None = None) -> None:
+    def reject_unknown(self, elsewhere: tuple[builtins.str, frozenset[builtins.str]] | None = None) -> None:
         """A 400 naming the first field of the body that no check read (None values pass). elsewhere: (path, fields)
         of the other endpoint, whose fields the message then points to (e.g. `tools` sent to /v1/completions)."""
         for k, v in self.body.items():
@@ -226,7 +250,7 @@ def read_sampling(f: Fields) -> SamplingFields:
     frequency = f.float("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
     repetition = f.float("repetition_penalty", 1.0, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
     seed = f.int("seed", None, lo=-(2**63), hi=2**63 - 1)
-    return SamplingFields(temperature, top_p, top_k, min_p, presence, frequency, repetition, seed)  # type: ignore[arg-type]
+    return SamplingFields(temperature, top_p, top_k, min_p, presence, frequency, repetition, seed)
 
 
 def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]:
@@ -294,9 +318,9 @@ def read_stop_token_ids(f: Fields, vocab_size: int) -> list[int]:
 def read_min_tokens(f: Fields, max_tokens: int, max_field: str = "max_tokens") -> int:
     """`min_tokens`: 0 .. max_tokens (max_field: the request field max_tokens came from, named in the error)."""
     min_tokens = f.int("min_tokens", 0, lo=0)
-    if min_tokens > max_tokens:  # type: ignore[operator]
+    if min_tokens > max_tokens:
         raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed {max_field} ({max_tokens})", "min_tokens")
-    return min_tokens  # type: ignore[return-value]
+    return min_tokens
 
 
 def generation_params(

@@ -2,7 +2,7 @@
 
 Rank r of N owns routed experts [r * E / N, (r + 1) * E / N). Every MoE layer of every rank calls
 `dispatch` then `combine` once per step, also with zero local tokens (an idle DP rank), so that all ranks
-issue the same sequence of collectives (DESIGN.md, "Parallelism").
+issue the same sequence of collectives (docs/design.md, Parallelism).
 
 Backends (`kimi serve --a2a-backend`):
 
@@ -31,7 +31,7 @@ import datetime
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -152,10 +152,10 @@ def _rows_per_rank(topk_ids: torch.Tensor, num_local_experts: int, ep_size: int)
 class TorchAllToAll:
     """`gloo` / `nccl`: torch.distributed.all_to_all_single with variable splits.
 
-    group: the EP process group (all ranks, in rank order); num_experts: E (global); ep_rank / ep_size.
-    dispatch: 4 collectives (counts, token rows, routing metadata as float32 [S, 2k] = weights | ids: ids
-    are exact in float32 below 2^24), combine: 1. A failed collective raises PeerFailure. The counts are read on the host (`tolist`), so this backend
-    is not CUDA-graph capturable; DeepEP's low-latency mode is the capturable one.
+    group: the EP process group (all ranks, in rank order); num_experts: E (global); ep_rank / ep_size. dispatch: 4
+    collectives (counts, token rows, routing metadata as float32 [S, 2k] = weights | ids: ids are exact in float32 below
+    2^24), combine: 1. A failed collective raises PeerFailure. The counts are read on the host (`tolist`), so this
+    backend is not CUDA-graph capturable; DeepEP's low-latency mode is the capturable one.
     Raises ValueError if E is not divisible by ep_size or too large for the float32 id encoding.
     """
 
@@ -346,6 +346,10 @@ class DeepEPAllToAll:
         self.buffer.destroy()
 
 
+Backend: TypeAlias = LocalBackend | TorchAllToAll | DeepEPAllToAll
+"""What `make_all_to_all` builds: a kimi.ops.moe.AllToAllBackend with the `set_mode` step hook."""
+
+
 def make_all_to_all(
     backend: str,
     *,
@@ -355,7 +359,7 @@ def make_all_to_all(
     ep_size: int,
     group: dist.ProcessGroup | None = None,
     ll_max_tokens_per_rank: int = 128,
-):
+) -> Backend:
     """The backend object for `backend` (one of BACKENDS). `torch.distributed` must be initialised for all
     but `local`. Raises ValueError for an unknown name or a local backend with ep_size > 1."""
     if backend == "local":
@@ -365,5 +369,8 @@ def make_all_to_all(
     if backend in ("gloo", "nccl"):
         return TorchAllToAll(group, num_experts, ep_rank, ep_size)
     if backend == "deepep":
+        check_deepep_experts(num_experts, ep_size)
+        if group is None:
+            raise ValueError("the deepep all-to-all backend needs a process group (init_distributed)")
         return DeepEPAllToAll(group, num_experts, hidden, ep_rank, ep_size, ll_max_tokens_per_rank)
     raise ValueError(f"unknown all-to-all backend {backend!r}; choose one of {', '.join(BACKENDS)}")

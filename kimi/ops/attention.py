@@ -1,6 +1,6 @@
 """Multi-head Latent Attention (MLA) over a paged latent KV cache: the plain PyTorch reference.
 
-Math: DeepSeek-V2/V3 papers (MLA) and KIMI.md section 3. Per token and layer the cache holds
+Math: DeepSeek-V2/V3 papers (MLA) and docs/model-format.md, Math. Per token and layer the cache holds
 `[rmsnorm(ckv) (kv_lora_rank) | roped k_pe (qk_rope_head_dim)]` (576 values for Kimi) at
 `slot = block_tables[b, p // block_size] * block_size + p % block_size`.
 
@@ -16,6 +16,7 @@ Both forms compute in float32 and can share one forward (mixed batches).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,13 @@ from kimi.config import ModelConfig
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from kimi.worker.gpu_model import GPUAttnPlan
+
 
 @dataclass
 class AttentionMetadata:
-    """Where the rows of one flat batch live (docs/contracts.md).
+    """Where the rows of one flat batch live (docs/architecture.md, Interfaces).
 
     query_start_loc: [B+1] int64, rows of sequence b are [qsl[b], qsl[b+1]).
     seq_lens: [B] int64, context length after this step (cached + new).
@@ -44,6 +48,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    gpu: GPUAttnPlan | None = None  # the GPU model's plan for this batch (kimi.worker.gpu_model), set by that model
 
     @property
     def num_seqs(self) -> int:
@@ -63,7 +68,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Build AttentionMetadata from per-sequence python lists (docs/contracts.md).
+    """Build AttentionMetadata from per-sequence python lists (docs/architecture.md, Interfaces).
 
     query_lens[b] new tokens of sequence b, seq_lens[b] its context length after this step, block_tables[b]
     its block ids (at least ceil(seq_len / block_size) of them). Raises ValueError on inconsistent input
@@ -135,14 +140,14 @@ def mla_decode_ref(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed MLA decode: MQA of H query heads over the 576-wide latent cache (KIMI.md section 3).
+    """Absorbed MLA decode: MQA of H query heads over the 576-wide latent cache (docs/model-format.md, Math).
 
     q_lat: [B, H, L] (= q_nope @ W_UK per head); q_pe: [B, H, R] (roped); kv_cache: [num_blocks, bs, L + R];
     block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (>= 1); scale: cfg.softmax_scale (still
     qk_head_dim-based). score[b, h, s] = (q_lat . ckv_s + q_pe . k_pe_s) * scale over s < seq_lens[b];
     returns o_lat [B, H, L] = softmax(score) @ ckv, float32 (multiply by W_UV^T per head to get o).
     """
-    B, H, L = q_lat.shape
+    B, _H, L = q_lat.shape
     bs = kv_cache.shape[1]
     max_blocks = block_tables.shape[1]
     kv = kv_cache[block_tables].reshape(B, max_blocks * bs, -1).float()  # [B, S, L + R]
@@ -165,7 +170,7 @@ def mla_prefill_ref(
     v_head_dim: int,
     scale: float,
 ) -> torch.Tensor:
-    """Naive MLA over one sequence's whole context, causal (DeepSeek-V3 reference, KIMI.md section 3).
+    """Naive MLA over one sequence's whole context, causal (DeepSeek-V3 reference, docs/model-format.md, Math).
 
     q_nope: [Q, H, N]; q_pe: [Q, H, R] (roped) for the LAST Q tokens of the context; latent: [S, L + R]
     (`[rmsnorm(ckv) | roped k_pe]` of all S >= Q context tokens, as gathered from the cache); kv_b_weight:

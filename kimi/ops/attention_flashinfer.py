@@ -1,8 +1,8 @@
 """Absorbed MLA on the GPU through FlashInfer's paged MLA kernel (`BatchMLAPagedAttentionWrapper`, FA3 on Hopper):
 decode, prefill and chunked prefill, mixed in one plan / one run.
 
-Math (KIMI.md section 3, absorbed form; the same function as `kimi.ops.attention.mla_decode_ref` for one query
-row, and as `mla_prefill_ref` after the W_UK / W_UV absorption): MQA of H query heads over the 576-wide latent
+Math (docs/model-format.md, Math: the absorbed form; the same function as `kimi.ops.attention.mla_decode_ref` for one
+query row, and as `mla_prefill_ref` after the W_UK / W_UV absorption): MQA of H query heads over the 576-wide latent
 cache. For a sequence with qo_len Q new rows and kv_len S context tokens (the new ones included), query row i
 (0 <= i < Q) sits at position S - Q + i and, with ``causal=True``,
 
@@ -33,7 +33,7 @@ Cost note: in the absorbed form every (query, key, head) costs 2 * (576 + 512) F
 the naive 192/128 form, but nothing is expanded with kv_b (the naive form re-expands the whole cached prefix for
 every chunk). For long fresh prompts a ragged 192/128 prefill kernel may be faster: measure before choosing.
 
-Cache layout (docs/DESIGN.md "KV cache"): ONE buffer per layer ``kv_cache [num_blocks, block_size, 576]`` (bf16):
+Cache layout (docs/design.md, KV cache): ONE buffer per layer ``kv_cache [num_blocks, block_size, 576]`` (bf16):
 ``[..., :512]`` is rmsnorm(ckv), ``[..., 512:]`` the roped k_pe. FlashInfer's MLA kernels take ckv and kpe as
 separate tensors but read their page / token strides (``ckv_cache.stride(0)``, ``stride(1)``,
 csrc/batch_mla_sm90_run.cu:48-57), so two strided *views* of the one buffer are passed without a copy.
@@ -90,7 +90,7 @@ class FlashInferMLA:
 
     Args:
         num_heads: query heads per rank (64 for Kimi).
-        sm_scale: softmax scale (cfg.softmax_scale, qk_head_dim 192-based, see KIMI.md section 3).
+        sm_scale: softmax scale (cfg.softmax_scale, qk_head_dim 192-based, see docs/model-format.md, Math).
         device: CUDA device.
         kv_lora_rank: L (512); rope_dim: R (64); kimi uses FlashInfer only for 512 / 64
             (GPUKimiForCausalLM.flashinfer_ok), other sizes run the torch references.
@@ -161,10 +161,10 @@ class FlashInferMLA:
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self.workspace, use_cuda_graph=use_cuda_graph, backend=backend, **kwargs
         )
-        self.block_size = None
-        self.batch = None
+        self.block_size: int | None = None
+        self.batch: int | None = None
         self.num_rows = 0  # sum of qo_lens of the current plan: rows of q_lat / q_pe / o_lat
-        self.causal = None
+        self.causal: bool | None = None
         self._plan_done: torch.cuda.Event | None = None
         self._pin: dict[str, torch.Tensor] = {}  # pinned int32 staging buffers of the plan's host arrays
         self._idx_done: torch.cuda.Event | None = None  # recorded after each `_copy_indices` (decode plan_pages)
@@ -344,9 +344,11 @@ class FlashInferMLA:
         staging buffer, reused once the previous such copy has run)."""
         if self._idx_done is not None:
             self._idx_done.synchronize()
+        dev = self._kv_indices_dev
+        assert dev is not None, "the CUDA-graph wrapper (use_cuda_graph) owns a kv_indices buffer"
         host = self._pinned("kv_indices_decode", len(flat))  # [total_pages] host, pinned
         host.numpy()[:] = flat
-        self._kv_indices_dev[: len(flat)].copy_(host, non_blocking=True)
+        dev[: len(flat)].copy_(host, non_blocking=True)
         if self._idx_done is None:
             self._idx_done = torch.cuda.Event()
         self._idx_done.record(torch.cuda.current_stream(self.device))
@@ -379,10 +381,9 @@ class FlashInferMLA:
         kv_indptr_h.numpy()[:] = kv_indptr
         kv_len = self._pinned("kv_len", B)  # [B]
         kv_len.numpy()[:] = seq_lens
-        kv_indptr = kv_indptr_h
         self.wrapper.plan(
             qo_indptr,
-            kv_indptr,
+            kv_indptr_h,
             kv_indices,
             kv_len,
             self.num_heads,
@@ -428,7 +429,7 @@ class FlashInferMLADecode(FlashInferMLA):
     """FlashInferMLA for pure decode batches (one query row per request, non-causal plan): the CUDA-graph
     decode path (kimi/worker/cuda_graph.py) and tools/bench_mla.py. Same constructor as FlashInferMLA."""
 
-    def plan(  # type: ignore[override]
+    def plan(  # type: ignore[override]  # decode only: no qo_lens (all 1), never causal
         self, seq_lens_cpu: list[int], block_tables: torch.Tensor, block_size: int
     ) -> None:
         """Plan one decode step (host work; call outside CUDA graphs).

@@ -1,10 +1,10 @@
 """Per-head bf16 GEMM for decode-sized M (Triton): y[m, h, :] = x[m, h, :] @ W[h]^T, M <= 64 rows.
 
-Why: absorbed MLA (KIMI.md section 3) multiplies every query row by two per-head matrices of kv_b_proj in
+Why: absorbed MLA (docs/model-format.md, Math) multiplies every query row by two per-head matrices of kv_b_proj in
 each layer: q_lat = q_nope @ W_UK (64 heads x [128 -> 512]) and o = o_lat @ W_UV^T (64 heads x [512 -> 128]),
 8.4 MB of bf16 weights each. With torch.bmm this needs the head-major transposes around it (a copy kernel for
 q_lat) and cuBLAS's batched kernel reads the weights at a fraction of copy bandwidth at M = 8 (measured: ~1.2
-ms of a 25 ms decode step for the 2 x 61 calls, bench/decode_2026-11-29_v4.json). This kernel reads x and writes
+ms of a 25 ms decode step for the 2 x 61 calls; docs/performance.md). This kernel reads x and writes
 y through strides in the token-major layouts the model already has ([M, H, K] views, e.g. q_nope is a slice of
 q [M, H, 192]; y can be written straight into [M, H * N] for o_proj), one launch, no copies.
 
@@ -153,12 +153,13 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
     if Hw != H or Kw != K:
         raise ValueError(f"head / K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
     _lsm.check_operands(x, w, M, N, K)
-    if out is not None:
-        if out.shape != (M, H, N) or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1:
-            raise ValueError(
-                f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "
-                f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
-            )
+    if out is not None and (
+        out.shape != (M, H, N) or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be [{M}, {H}, {N}] {x.dtype} on {x.device} with unit stride on N, "
+            f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
 
 
 def bmm_small_m(

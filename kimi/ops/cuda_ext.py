@@ -12,16 +12,17 @@ import os
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"  # the checkout's csrc/ (an editable install, as the README's)
-_built: dict[str, object] = {}
+_built: dict[str, ModuleType] = {}
 _failed: dict[str, BaseException] = {}
 _lock = threading.Lock()
 
 
-def load(name: str, sources: list[str]):
+def load(name: str, sources: list[str]) -> ModuleType:
     """The extension `name` built from csrc/`sources` (file names), imported; built on the first call."""
     with _lock:
         if name in _failed:

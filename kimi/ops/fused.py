@@ -63,14 +63,14 @@ __all__ = [
     "silu_mul_rows",
 ]
 
-# Both one-kernel paths below measured SLOWER than the two-kernel paths in the K2.6 decode step on an H200
-# (bench/decode_2026-11-29_v6.json, eager kernel time per step at 8 / 32 local sequences: router 1.27 / 3.42 ms
-# against 0.57 / 0.61, align 0.95 / 3.49 ms against 0.29 / 0.48), so they are off (thresholds 0); they stay
-# selectable (router_topk(fused=True), moe_align_fused(one_program=True)) and tested.
+# Both one-kernel paths below are SLOWER than the two-kernel paths in the K2.6 decode step on an H200 (eager kernel
+# time per step at 8 / 32 local sequences: router 1.27 / 3.42 ms against 0.57 / 0.61, align 0.95 / 3.49 ms against
+# 0.29 / 0.48; docs/performance.md, Tried and not kept), so they are off (thresholds 0); they stay selectable
+# (router_topk(fused=True), moe_align_fused(one_program=True)) and tested.
 ROUTER_FUSED_MAX_T = 0  # router_topk: one fused kernel up to this many rows, the two-kernel path above
 ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (token, slot) pairs
-# moe_align_fused from this many pairs on: the grid path. tools/bench_fused.py --ops align_grid (H200,
-# bench/fused_prefill_2026-11-30.json; grid vs two kernels at block 16 / 96): 12.8 / 11.7 vs 6.1 / 5.2 us at 2048
+# moe_align_fused from this many pairs on: the grid path. tools/bench_fused.py --ops align_grid (H200; grid vs two
+# kernels at block 16 / 96): 12.8 / 11.7 vs 6.1 / 5.2 us at 2048
 # pairs, 16.2 / 13.0 vs 12.3 / 10.0 at 8192, 20.6 / 13.2 vs 20.7 / 14.7 at 16384, 105 / 50 vs 141 / 94 at 131072.
 # ALIGN_GRID_BLOCK pairs per program.
 ALIGN_GRID_MIN_P = 16384
@@ -78,8 +78,8 @@ ALIGN_GRID_BLOCK = 256
 
 # Launch parameters of the decode-path kernels below (read at each call; CUDA graphs keep the values of their
 # capture). tools/sweep_small_kernels.py times alternatives at the K2.6 decode shapes and checks their outputs;
-# the values below are its picks where one beat the previous value by > 3% (bench/small_kernels_2026-11-29.json;
-# the decode step A/B of the picks: 22.63 vs 22.59 ms at 8 seqs, 30.84 vs 31.01 at 32, bench/decode_2026-11-29_v16.json).
+# the values below are its picks where one beat the previous value by > 3% (in the decode step the picks are within
+# 0.2 ms of the earlier values: 22.63 vs 22.59 ms at 8 seqs, 30.84 vs 31.01 at 32).
 #   rmsnorm_warps: None = by the row width (_nw); silu_rows: rows per program, column block, warps;
 #   router_logits: row / expert / K tiles, warps, K elements per split (at most 16 splits); router_topk_warps;
 #   align_count_warps; align_scatter: pairs per program, warps.
@@ -87,8 +87,8 @@ LAUNCH: dict = {
     "rmsnorm_warps": None,
     "silu_rows": {"rows": 2, "block": 2048, "warps": 8},  # 1.88 / 2.30 us vs 2.54 / 3.02 at 8 / 32 local rows
     "router_logits": {"bt": 16, "be": 32, "bk": 128, "warps": 4, "split_elems": 512},
-    # from min_t rows on (prefill): bigger tiles, K unsplit. tools/bench_fused.py --ops router_large (H200,
-    # bench/fused_prefill_2026-11-30.json), router logits + top-k, this vs the decode launch above: 48.5 vs 40.5 us
+    # from min_t rows on (prefill): bigger tiles, K unsplit. tools/bench_fused.py --ops router_large (H200), router
+    # logits + top-k, this vs the decode launch above: 48.5 vs 40.5 us
     # at 512 rows, 59 vs 147 at 2048, 170 vs 557 at 8192 (same top-k sets on every row)
     "router_logits_large": {"min_t": 1024, "bt": 64, "be": 64, "bk": 64, "warps": 4, "split_elems": 1 << 30},
     "router_topk_warps": 2,
@@ -143,8 +143,8 @@ def _rmsnorm_kernel(
 def _nw(block: int) -> int:
     if LAUNCH["rmsnorm_warps"]:
         return LAUNCH["rmsnorm_warps"]
-    # 8 warps from 2048 columns (was 4096): rms_norm [8 / 32, 1536] + add_rms_norm [8 / 32, 7168] 5.72 vs 5.98 us
-    # (bench/small_kernels_2026-11-29.json)
+    # 8 warps from 2048 columns: rms_norm [8 / 32, 1536] + add_rms_norm [8 / 32, 7168] 5.72 us, 5.98 with 8 warps
+    # only from 4096 (tools/sweep_small_kernels.py)
     return 8 if block >= 2048 else (4 if block >= 1024 else 2)
 
 
@@ -500,7 +500,7 @@ def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
     from kimi.ops.norm import rms_norm as ref_norm
     from kimi.ops.rope import apply_rope_interleaved
 
-    T, H, NR = q.shape
+    _T, _H, NR = q.shape
     R = NR - nope
     L = kv_a.shape[1] - R
     cos, sin = cos_cache[positions], sin_cache[positions]
@@ -896,7 +896,7 @@ def router_topk(
 
 def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None):
     """router_topk with the path forced (fused True / False; None: by T). For tests and tools/bench_fused.py."""
-    T, D = x.shape
+    T, _D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
     if row_valid is not None and (

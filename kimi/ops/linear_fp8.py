@@ -1,8 +1,8 @@
 """FP8 block-quantised dense linear layers kept in FP8 on the GPU (K2-Instruct's attention projections, shared
 experts and dense layer-0 MLP).
 
-Format (DeepSeek-V3 / K2-Instruct, KIMI.md section 2): W [N, K] float8_e4m3fn with one float32 `weight_scale_inv`
-per (bn, bk) tile (128 x 128 in every Kimi checkpoint), ragged last tiles by ceil:
+Format (DeepSeek-V3 / K2-Instruct, docs/model-format.md, Tensors): W [N, K] float8_e4m3fn with one float32
+`weight_scale_inv` per (bn, bk) tile (128 x 128 in every Kimi checkpoint), ragged last tiles by ceil:
 ``W[n, k] = float(w[n, k]) * scale_inv[n // bn, k // bk]``.
 
 Math: y[m, n] = sum_k x[m, k] * W[n, k] (weight-only quantisation, W8A16: the activations stay bf16). The kernel
@@ -14,9 +14,9 @@ F.linear; the two differ by that rounding of W*s to bf16 (the kernel keeps the p
 bf16 GEMM's own rounding.
 
 Why: in FP8 K2-Instruct's dense weights take half the memory of the bf16 copy the loader makes otherwise
-(attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half the bytes, but at these
-sizes (15-60 MB per GEMM) the kernel does not turn that into time: measured 1-2% slower per step than the bf16 path
-(docs/benchmarks.md, session 11), so kimi.worker.gpu_model keeps them FP8 only on request (`fp8_dense`).
+(attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half
+the bytes, but at these sizes (15-60 MB per GEMM) the kernel does not turn that into time: 1-2% slower per step than
+the bf16 path (docs/performance.md), so kimi.worker.gpu_model keeps them FP8 only on request (`fp8_dense`).
 
 Paths (`fp8_linear`):
 - M <= 64 rows on CUDA: the Triton kernel below, one program per BLOCK_N rows of W and split-K range (split-K
@@ -40,6 +40,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -380,10 +381,11 @@ def fp8_linear_small_m(
     split = triton.cdiv(n_kb, kb_per)  # no empty splits
     ws = cnt = out  # unused without split-K; any pointer
     if split > 1:
-        cnt = _counter_region(x.device)
-        if cnt is None:  # first split-K call under capture: no counters yet, no split this time
-            split, kb_per, cnt = 1, n_kb, out
+        region = _counter_region(x.device)
+        if region is None:  # first split-K call under capture: no counters yet, no split this time
+            split, kb_per = 1, n_kb
         else:
+            cnt = region
             ws = torch.empty((split, n_tiles, bm * bn_p), dtype=torch.float32, device=x.device)
     iters = triton.cdiv(kb_per, ku)
     last_iters = triton.cdiv(n_kb - (split - 1) * kb_per, ku)
@@ -459,11 +461,14 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)):
         super().__init__()
         _check_weight(weight, weight_scale_inv, block)
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(weight_scale_inv.float().contiguous(), requires_grad=False)
+        # both None once `to_humming` handed them over
+        self.weight: nn.Parameter | None = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.weight_scale_inv: nn.Parameter | None = nn.Parameter(
+            weight_scale_inv.float().contiguous(), requires_grad=False
+        )
         self.block = (int(block[0]), int(block[1]))
         self.out_features, self.in_features = weight.shape
-        self.hl = None  # a humming-kernels HummingLayer once `to_humming` succeeded (then weight / scale are None)
+        self.hl: Any = None  # a humming-kernels HummingLayer once `to_humming` succeeded
         self._tuning: dict[int, dict] = {}
 
     @property
@@ -471,9 +476,15 @@ class Fp8Linear(nn.Module):
         """(N, K), as the bf16 weight it replaces."""
         return torch.Size((self.out_features, self.in_features))
 
+    def _fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, weight_scale_inv); RuntimeError after to_humming."""
+        if self.weight is None or self.weight_scale_inv is None:
+            raise RuntimeError("Fp8Linear: the weight was handed to humming")
+        return self.weight, self.weight_scale_inv
+
     @property
     def is_cuda(self) -> bool:
-        return (self.weight if self.hl is None else self.hl.weight).is_cuda
+        return bool((self._fp8()[0] if self.hl is None else self.hl.weight).is_cuda)
 
     def to_humming(self, dtype: torch.dtype = torch.bfloat16) -> bool:
         """Hand the weight to humming-kernels' dense W8A16 GEMM (its `fp8` schema, layout transformed once; the
@@ -484,13 +495,14 @@ class Fp8Linear(nn.Module):
         bn, bk = self.block
         if self.hl is not None:
             return True
-        if not self.weight.is_cuda or N % bn or K % bk:
+        weight, scale = self._fp8()
+        if not weight.is_cuda or N % bn or K % bk:
             return False
         try:
             from humming.layer import HummingLayer
         except ImportError:
             return False
-        dev = self.weight.device
+        dev = weight.device
         with torch.cuda.device(dev):
             hl = HummingLayer(
                 shape_n=N,
@@ -499,7 +511,7 @@ class Fp8Linear(nn.Module):
                 torch_dtype=dtype,
             )
             hl.to(dev)
-            hl.load_from_tensors({"weight": self.weight.data, "weight_scale_inv": self.weight_scale_inv.data})
+            hl.load_from_tensors({"weight": weight.data, "weight_scale_inv": scale.data})
             hl.transform()
         self.weight = self.weight_scale_inv = None
         self.hl = hl
@@ -522,7 +534,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         if self.hl is None:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+            w, s = self.weight, self.weight_scale_inv
+            assert w is not None and s is not None, "released only by to_humming, which sets hl"
+            return fp8_linear(x, w, s, self.block)
         K = self.in_features
         if x.shape[-1] != K:
             raise ValueError(f"Fp8Linear: x has {x.shape[-1]} columns, the layer {K}")
@@ -538,7 +552,7 @@ class Fp8Linear(nn.Module):
         """The weight dequantised: [N, K] `dtype` (not after to_humming: RuntimeError)."""
         if self.hl is not None:
             raise RuntimeError("Fp8Linear.dequantized: the weight was handed to humming")
-        return dequant_fp8_block(self.weight, self.weight_scale_inv, self.block, torch.float32).to(dtype)
+        return dequant_fp8_block(*self._fp8(), self.block, torch.float32).to(dtype)
 
     @classmethod
     def cat(cls, parts: list[Fp8Linear], pad_rows_to: int = 1) -> Fp8Linear:
@@ -561,12 +575,12 @@ class Fp8Linear(nn.Module):
                 )
         if block[0] % pad_rows_to:
             raise ValueError(f"Fp8Linear.cat: pad_rows_to {pad_rows_to} must divide the tile's {block[0]} rows")
-        rows = [p.weight.view(torch.uint8) for p in parts]
+        rows = [p._fp8()[0].view(torch.uint8) for p in parts]
         n = sum(r.shape[0] for r in rows)
         if n % pad_rows_to:  # zero rows (FP8 0) inside the last scale tile: no new scale rows
             rows.append(torch.zeros((pad_rows_to - n % pad_rows_to, K), dtype=torch.uint8, device=rows[0].device))
         w = torch.cat(rows, 0).view(torch.float8_e4m3fn)
-        s = torch.cat([p.weight_scale_inv for p in parts], 0)
+        s = torch.cat([p._fp8()[1] for p in parts], 0)
         return cls(w, s, block)
 
     def extra_repr(self) -> str:

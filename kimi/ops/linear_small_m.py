@@ -404,7 +404,7 @@ if HAS_TRITON:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if PROLOGUE == 1:
             rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_K)
-        for i in range(num_iters):
+        for _i in range(num_iters):
             xt = x_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
             wt = w_desc.load([n0, k])  # [BLOCK_N, BLOCK_K]
             ut = None
@@ -482,12 +482,13 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, x_cols_pe
     if Kw != K or Kx != K * x_cols_per_k:
         raise ValueError(f"K mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)}")
     check_operands(x, w, M, N, K)
-    if out is not None:
-        if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
-            raise ValueError(
-                f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "
-                f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
-            )
+    if out is not None and (
+        out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride on N, "
+            f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
 
 
 def linear_small_m(
@@ -508,7 +509,7 @@ def linear_small_m(
         config: kernel variant; default: the table's pick for this shape, else SmallMConfig().
         norm_weight: [K] RMSNorm weight: y = rmsnorm(x) @ w^T, rmsnorm(x)[m, k] = norm_weight[k] * x[m, k] /
             sqrt(mean_k(x[m]^2) + eps) in fp32, rounded to x's dtype before the product (as kimi.ops.fused.rms_norm
-            then a GEMM; KIMI.md section 3's q_a_layernorm).
+            then a GEMM; the q_a_layernorm of docs/model-format.md, Math).
         silu_mul: y = (silu(x[:, :K]) * x[:, K:]) @ w^T, silu rounded to x's dtype first and the product rounded
             again (as kimi.ops.fused.silu_mul then a GEMM; the gated MLP's down projection).
 
@@ -525,7 +526,7 @@ def linear_small_m(
         raise ValueError("linear_small_m: norm_weight and silu_mul are exclusive")
     _check(x, w, out, 2 if silu_mul else 1)
     prologue = 1 if norm_weight is not None else (2 if silu_mul else 0)
-    if prologue == 1 and (
+    if norm_weight is not None and (
         norm_weight.shape != (w.shape[1],) or norm_weight.device != x.device or not norm_weight.is_contiguous()
     ):
         raise ValueError(
@@ -733,9 +734,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # Off by default: in the K2.6 decode step on an H200 the fused q_b / shared-down GEMMs cost more than the norm and
-# SiLU kernels they replace (bench/decode_2026-11-29_v6.json: eager Triton GEMM time 4.92 -> 5.96 ms per step at 8
-# local sequences; graph step 26.41 ms on vs 26.31 off). $KIMI_FUSE_PROLOGUE=1 turns it on; tools/bench_decode.py
-# A/Bs it (--ab prologue_on).
+# SiLU kernels they replace (eager Triton GEMM time 4.92 -> 5.96 ms per step at 8 local sequences; the graph step
+# 0.1 ms slower; docs/performance.md, Tried and not kept). $KIMI_FUSE_PROLOGUE=1 turns it on; tools/bench_decode.py
+# compares the two (--ab prologue_on).
 FUSE_PROLOGUE = os.environ.get("KIMI_FUSE_PROLOGUE", "0") == "1"
 
 

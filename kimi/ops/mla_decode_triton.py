@@ -5,7 +5,7 @@ the critical path) and its run time grows with B. This kernel reads seq_lens / b
 tensors; its grid depends only on (B, H, num_splits, config), so a decode step can be captured once per batch
 size in a CUDA graph and replayed with new lengths / tables written into the same static buffers.
 
-Math (KIMI.md section 3, absorbed form; the same function as `kimi.ops.attention.mla_decode_ref`): MQA of H
+Math (docs/model-format.md, Math: the absorbed form; the same function as `kimi.ops.attention.mla_decode_ref`): MQA of H
 query heads over the (L + R)-wide latent cache,
 
     score[b, h, s] = (q_lat[b, h] . ckv_s + q_pe[b, h] . kpe_s) * scale     for s < seq_lens[b],
@@ -101,7 +101,7 @@ class MLADecodeConfig:
         return f"h{self.block_h}_n{self.block_n}_dv{self.block_dv}_w{self.num_warps}_st{self.num_stages}"
 
 
-# Configs the benchmark sweeps (tools/bench_mla_triton.py); each is a separate compile. Register budget per
+# The configs DEFAULT_CONFIG was chosen from (the GPU tests run each); each is a separate compile. Register budget per
 # thread (fp32 accumulator): block_h * block_dv / (32 * num_warps), e.g. 64 * 512 / 256 = 128.
 CONFIGS: tuple[MLADecodeConfig, ...] = (
     MLADecodeConfig(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2),
@@ -112,9 +112,10 @@ CONFIGS: tuple[MLADecodeConfig, ...] = (
     MLADecodeConfig(block_h=16, block_n=32, block_dv=512, num_warps=4, num_stages=3),
     MLADecodeConfig(block_h=16, block_n=64, block_dv=512, num_warps=4, num_stages=2),
 )
-# The fastest config of bench/mla_triton_2026-11-29.json (H200, 64 heads, ctx 2048) at B = 8 and 32, with about one
-# stage-1 program per SM (16 splits at B = 8: 33.9 us; 4 at B = 32: 80.4 us). FlashInfer fa3 took 24.9 / 42.2 us
-# in the same run, so this kernel is NOT kimi's default decode attention (GPUKimiForCausalLM.decode_attention).
+# The fastest config of a sweep on the H200 (64 heads, ctx 2048) at B = 8 and 32, with about one
+# stage-1 program per SM (16 splits at B = 8: 33.9 us; 4 at B = 32: 80.4 us). FlashInfer fa3 takes 24.9 / 42.2 us
+# there, so this kernel is NOT kimi's default decode attention (GPUKimiForCausalLM.decode_attention;
+# docs/performance.md).
 DEFAULT_CONFIG = MLADecodeConfig(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2)
 
 
@@ -383,12 +384,13 @@ def _check(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, cfg: MLADecodeCon
             f"block_tables needs unit stride on its last dim and seq_lens unit stride; got "
             f"{block_tables.stride()}, {seq_lens.stride()}"
         )
-    if out is not None:
-        if out.shape != (B, H, L) or out.dtype != q_lat.dtype or out.device != dev or out.stride(2) != 1:
-            raise ValueError(
-                f"out must be [{B}, {H}, {L}] {q_lat.dtype} on {dev} with unit stride on the last "
-                f"dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
-            )
+    if out is not None and (
+        out.shape != (B, H, L) or out.dtype != q_lat.dtype or out.device != dev or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be [{B}, {H}, {L}] {q_lat.dtype} on {dev} with unit stride on the last "
+            f"dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
     if cfg.block_n < 16 or not _is_pow2(cfg.block_n) or cfg.block_h < 16 or not _is_pow2(cfg.block_h):
         raise ValueError(f"config {cfg}: block_n and block_h must be powers of two >= 16")
     if not (_is_pow2(cfg.block_dv) and 16 <= cfg.block_dv <= L):

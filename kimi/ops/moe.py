@@ -1,7 +1,7 @@
 """Mixture of experts: noaux_tc routing, the grouped SwiGLU expert reference, and the MoE layer.
 
 Math: DeepSeek-V3 paper (section 2.1.2, auxiliary-loss-free balancing: the correction bias only affects
-selection) and KIMI.md section 3 (router bullet). Routing weights (normalised, times routed_scaling_factor)
+selection) and docs/model-format.md, Math (router). Routing weights (normalised, times routed_scaling_factor)
 are applied exactly once, inside `fused_experts_ref`.
 
 Expert parallelism: rank `ep_rank` of `ep_size` holds experts [ep_rank * E / ep_size, (ep_rank + 1) * E /
@@ -16,6 +16,7 @@ weights being applied by that backend's combine instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +35,7 @@ def select_experts(
     routed_scaling_factor: float,
     norm_topk_prob: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc routing with sigmoid scores (KIMI.md section 3; DeepSeek-V3 reference `Gate`).
+    """noaux_tc routing with sigmoid scores (docs/model-format.md, Math; DeepSeek-V3 reference `Gate`).
 
     hidden: [T, D]; gate_weight: [E, D]; e_score_correction_bias: [E] float32.
     `s = sigmoid(hidden.float() @ gate_weight.float().T)`; the top_k experts of `s + bias` are chosen (bias for
@@ -59,7 +60,7 @@ def fused_experts_ref(
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
 ) -> torch.Tensor:
-    """Weighted sum of SwiGLU experts, grouped by expert (docs/contracts.md).
+    """Weighted sum of SwiGLU experts, grouped by expert (docs/architecture.md, Interfaces).
 
     x: [T, D]; w13: [E_local, 2I, D] = cat(gate, up) rows; w2: [E_local, D, I]; topk_weights: [T, k] float32;
     topk_ids: [T, k] int64 global expert ids. Only (token, slot) pairs whose id is in
@@ -121,7 +122,7 @@ class DispatchResult:
     expected_pairs: int | None = None
 
 
-def run_experts(experts_impl, recv: DispatchResult) -> torch.Tensor:
+def run_experts(experts_impl: Callable[..., torch.Tensor], recv: DispatchResult) -> torch.Tensor:
     """The local routed experts over what dispatch delivered -> [T_recv, D] for the combine.
 
     An expert-major DispatchResult goes to backends that declare `expert_major_ok` with those hints (they skip
@@ -190,7 +191,7 @@ class DenseMLP(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """DeepSeek-V3 MoE block: router (`gate`), local routed experts, shared experts (KIMI.md section 3).
+    """DeepSeek-V3 MoE block: router (`gate`), local routed experts, shared experts (docs/model-format.md, Math).
 
     Parameters: gate [E, D] (router weight, used in float32), e_score_correction_bias [E] float32,
     w13 [E_local, 2I, D] (gate rows then up rows per expert), w2 [E_local, D, I], shared_experts (DenseMLP with

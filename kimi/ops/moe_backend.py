@@ -10,16 +10,15 @@ experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept 
   kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   With `cuda_decode` (backend `auto`), steps of up to AUTO_CUDA_MAX_PAIRS expected local pairs run kimi's CUDA
   GEMM instead (csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves both), larger steps
-  (prefill) humming's: the faster of the two at each size (docs/benchmarks.md, session 15). The gate_up rows are
+  (prefill) humming's: the faster of the two at each size (docs/performance.md). The gate_up rows are
   stored interleaved (kimi.ops.moe_int4_cuda.glu_interleave), so kimi's gate_up GEMM writes silu(gate) * up from
-  its epilogue and silu_mul_rows reads humming's output in that order (docs/benchmarks.md, session 16).
+  its epilogue and silu_mul_rows reads humming's output in that order.
 - `HummingFp8Experts` (humming backend, FP8 checkpoints: K2-Instruct): the same steps over humming's W8A16 indexed
   GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
 - `CudaInt4Experts` (`cuda`): kimi's CUDA W4A16 indexed GEMM at every size (csrc/moe_w4a16.cu via
   kimi.ops.moe_int4_cuda; weights repacked once at load by kimi.ops.moe_int4_cuda.repack, no humming needed), in
   the same steps as humming's (align in 16-row blocks). Faster than humming at decode sizes, about 2x slower at
-  prefill sizes (it streams an expert's weights once per 16-row block): docs/benchmarks.md, session 14. bf16 models
-  only.
+  prefill sizes (it streams an expert's weights once per 16-row block; docs/performance.md). bf16 models only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
   expert counts on the host). Used for `--moe-backend ref`, and for FP8 experts under the backends without an FP8
@@ -36,6 +35,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from kimi.ops.moe import fused_experts_ref
 log = logging.getLogger("kimi.worker")
 
 # Backend "auto": the largest step, in expected local pairs (T * top_k * E_local / E_total), that runs kimi's CUDA
-# GEMM; larger ones run humming's. Measured: docs/benchmarks.md, session 15.
+# GEMM; larger ones run humming's (the crossover of the two: docs/performance.md).
 AUTO_CUDA_MAX_PAIRS = 512
 
 
@@ -175,6 +175,10 @@ class TritonInt4Experts(nn.Module):
     """
 
     graph_safe = True
+    w13_packed: torch.Tensor  # the buffers `__init__` registers
+    w13_scale: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
@@ -283,12 +287,13 @@ class HummingExperts(nn.Module):
             return torch.empty_like(x) if T == 0 or (expert_major and k == 1) else torch.zeros_like(x)
         c1, c2 = self._configs(expected_pairs or self._m_local(T, k))
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
+        act_rows: Callable[..., torch.Tensor] | None = None  # SiLU * up of the local pairs' rows only (CUDA)
         if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py), sized by max_pairs
             from kimi.ops.fused import moe_align_fused, silu_mul_rows
 
+            act_rows = silu_mul_rows
             align = lambda bm: moe_align_fused(topk_ids, self.E, self.expert_offset, bm, max_pairs)  # noqa: E731
         else:
-            silu_mul_rows = None
             align = lambda bm: moe_align(topk_ids, self.E, self.expert_offset, bm)  # noqa: E731
         a1 = align(bm1)
         a2 = a1 if bm2 == bm1 else align(bm2)
@@ -302,8 +307,8 @@ class HummingExperts(nn.Module):
             compute_config=cc,
             tuning_config=c1,
         )  # [T*k, 2I] rows = pair ids (local pairs written)
-        if silu_mul_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
-            act = silu_mul_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
+        if act_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
+            act = act_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
         else:
             from kimi.ops.fused import glu_split
 
@@ -492,8 +497,9 @@ class HummingFp8Experts(HummingExperts):
     humming's fp8 schema turns the tile scales into per-row group scales along K (group block_k) in the model
     dtype, so W[n, k] = float(w[n, k]) * bf16(scale_inv[n // block_n, k // block_k]): the scale is rounded to bf16
     (relative 2^-9) where `kimi.ops.quant.dequant_fp8_block` keeps it in float32. The GPU tests bound the output's
-    distance from the dequantised reference (RefExperts) by 2e-2 of its max |ref| (measured <= 1.01e-2). Half the bytes of bf16 experts (dequantised on load, the `ref` path), and CUDA-graph
-    capturable. Schedules: humming_table.json's "fp8" entries, else humming's heuristic.
+    distance from the dequantised reference (RefExperts) by 2e-2 of its max |ref| (measured <= 1.01e-2). Half the bytes
+    of bf16 experts (dequantised on load, the `ref` path), and CUDA-graph capturable. Schedules: humming_table.json's
+    "fp8" entries, else humming's heuristic.
 
     Args: w13 [E, 2I, D] float8_e4m3fn (gate rows then up rows), w13_scale_inv [E, 2I / block_n, D / block_k]
     float32, w2 [E, D, I] float8_e4m3fn, w2_scale_inv [E, D / block_n, I / block_k] float32, all on the device;
@@ -558,6 +564,10 @@ class CudaInt4Experts(nn.Module):
 
     graph_safe = True
     expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
+    w13: torch.Tensor  # the buffers `__init__` registers
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()

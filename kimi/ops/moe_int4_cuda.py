@@ -9,8 +9,8 @@ scale multiplies that sum in fp32, and the result is rounded once to bf16. So th
 at most 2^-9 per weight). Rows not listed are not written.
 
 Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read
-of the packed weights, and the decode step runs at the H200's 700 W power cap (bench/power_2026-11-30_s14.json:
-SM clocks 1.3-2.0 GHz in the step), where each instruction issued per weight costs clock. Per weight the kernel
+of the packed weights, and the decode step runs at the H200's 700 W power cap (SM clocks 1.3-2.0 GHz in the step;
+docs/performance.md), where each instruction issued per weight costs clock. Per weight the kernel
 issues little beyond the conversion: each warp loads 16 bytes per lane per tile (one coalesced 512-byte read per
 warp) into shared memory, several chunks in flight, and a LOP3 (plus a shift for three of every four) turns two
 nibbles into the bf16 pair (128 + nibble); the MMA multiplies those raw values, an MMA with the constant -136 adds
@@ -37,12 +37,11 @@ halves of the MMA) and NT 16-row tiles of N; its warps split K, each streaming i
 shared-memory slots filled by cp.async (S - 1 chunks of weights, scales and activation fragments in flight), and
 sum their partials in shared memory at the end. With `glu` (the gate_up weights' rows in `glu_interleave`'s order:
 each n64 block holds 32 gate rows, then the 32 matching up rows) that final sum writes SiLU(gate) * up, the down
-GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept:
-split-K over CTAs, and persistent CTAs that stream unit after unit without a break: bench/moe_cuda_2026-11-30.json's
-notes, and again with equal shares of work per CTA in docs/benchmarks.md, session 18; the down GEMM chained to
-gate_up per align block: session 16; a 200-register build for 5 CTAs per SM: session 18; a warp-specialised
-stream-K kernel, a producer warp filling a ring of k64 stages for 7-8 computing warps, and two CTAs per block, one
-per n8 half (fewer registers, more warps): session 22.)
+GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept,
+docs/performance.md, Tried and not kept: split-K over CTAs; persistent CTAs that stream unit after unit without a
+break, also with equal shares of work per CTA; the down GEMM chained to gate_up per align block; a 200-register
+build for 5 CTAs per SM; a warp-specialised stream-K kernel, a producer warp filling a ring of k64 stages for 7-8
+computing warps; two CTAs per block, one per n8 half (fewer registers, more warps).)
 Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
 reads anything, then lets the next kernel launch). With `early_weights` (the down GEMM of `cuda_experts_forward`,
 whose align is two kernels back) a CTA reads its block's expert and issues its first S - 1 chunks of weights before
@@ -105,27 +104,20 @@ EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
 # tensor cores of a step that runs at the power cap. Read at each call; CUDA graphs keep the value of their capture
 # (tools/bench_decode.py A/Bs it as `pads_token0`).
 ZERO_PAD_ROWS = os.environ.get("KIMI_MOE_CUDA_ZERO_PADS", "1") != "0"
-# Measured picks (tools/bench_moe_cuda.py): GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None:
-# no bound) is at least the step's expected local pairs. From the sweeps of sessions 6 and 14
-# (bench/moe_cuda_2026-11-30.json, ..._s14_c4_v9.json: the configurations within a few % of the best at 64 and 256
-# MoE tokens) and session 15's (bench/moe_cuda_2026-11-30_s15_c2_v10.json: at 512 tokens gate_up (8, 2, 2) takes
-# 255.2 us, (4, 4, 4) 280.7, humming 262.5; at 256 (4, 4, 4) 190.0, (8, 2, 2) 205.6; at 64 down (4, 2, 4) 72.7,
-# (8, 2, 2) 79.4, as in session 14 (72.4 / 79.3), and in the 8-sequence decode step 21.85 against 22.27 ms:
-# bench/decode_2026-11-30_s15_c4_auto.json). Session 17: down (8, 2, 3) from 129 to 384 pairs (32 local sequences:
-# 256), after the sweeps' 256-token rows ((8, 2, 3) 108.6 us, (8, 2, 2) 113.6-113.7 in s14_c4 / s15_c2) and the
-# decode step at 32 sequences, same-run paired rounds against (8, 2, 2): -0.49, -0.14, -0.14, -0.22 ms in four runs,
-# -0.11 and -0.01 (within noise) in two (bench/decode_2026-11-30_s17_c*.json; docs/benchmarks.md, session 17).
-# Session 25: gate_up (8, 2, 3) from 129 to 384 pairs, after the decode step at 32 sequences with the pad rows
-# zero-filled, same-run paired rounds against (4, 4, 4): (8, 2, 3) -0.23 ms (9 of 10 rounds faster), (8, 2, 2) -0.22
-# and -0.37, control capture -0.04 / -0.09; at 16 sequences (128 pairs) every NT 8 configuration was +0.05..+0.14
-# (control +0.07), at 8 (8, 2, 2) +1.27 (bench/decode_2026-12-02_s25_c*.json; docs/benchmarks.md, session 25).
+# Measured picks (tools/bench_moe_cuda.py sweeps, then paired runs of the decode step in tools/bench_decode.py):
+# GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None: no bound) is at least the step's expected
+# local pairs. At 512 MoE tokens gate_up (8, 2, 2) takes 255.2 us against (4, 4, 4) 280.7 and humming 262.5; at 256
+# tokens (4, 4, 4) 190.0 against (8, 2, 2) 205.6; at 64 tokens down (4, 2, 4) 72.7 against (8, 2, 2) 79.4. From 129
+# to 384 pairs (32 local sequences: 256) (8, 2, 3) wins for down (108.6 us against (8, 2, 2) 113.6; 0.1-0.5 ms per
+# decode step at 32 sequences) and for gate_up (0.23 ms per step against (4, 4, 4) with the pad rows zero-filled); at
+# 16 sequences (128 pairs) every NT 8 configuration is slower than (4, 4, 4). Current numbers: docs/performance.md.
 TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     (4096, 7168): ((128, (4, 4, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # gate_up
     (7168, 2048): ((128, (4, 2, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # down
 }
 
 
-def config_valid(cfg: tuple[int, int, int], n: int, k: int) -> bool:
+def config_valid(cfg: tuple[int, ...], n: int, k: int) -> bool:
     """Whether configuration cfg = (NT, KW, S) can run a GEMM [n, k]: n % 64 == k % 64 == 0, NT divides n / 16 and
     KW divides k / 64."""
     return cfg in CONFIGS and n % 64 == 0 and k % 64 == 0 and (n // 16) % cfg[0] == 0 and (k // 64) % cfg[1] == 0
@@ -262,9 +254,10 @@ def indexed_gemm(
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
-    contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped in blocks of 16 rows of one expert
-    (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads); block_expert: [cap / 16] int32;
-    num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16 (rows not listed are left as
+    contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped in
+    blocks of 16 rows of one expert (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads);
+    block_expert: [cap / 16] int32; num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16
+    (rows not listed are left as
     they are). glu: the weights' rows are in `glu_interleave`'s order (group GLU_GROUP) and out is [P, N/2]:
     out[r, 32 j + i] = silu(y[64 j + i]) * y[64 j + 32 + i] of the GEMM's y = W x (y and the SiLU rounded to bf16
     first, as `kimi.ops.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`,

@@ -1,7 +1,7 @@
 """Fused W4A16 MoE (routed experts, INT4 pack-quantized weights) in Triton.
 
 `fused_experts_int4` computes the same function as `kimi.ops.moe.fused_experts_ref` but reads the
-checkpoint's compressed-tensors **pack-quantized** INT4 weights directly (KIMI.md section 2):
+checkpoint's compressed-tensors **pack-quantized** INT4 weights directly (docs/model-format.md, Tensors):
 
 - `w13_packed` int32 [E, 2I, H/8]: rows 0..I-1 are gate_proj, rows I..2I-1 up_proj; element k of row n is the
   nibble in bits [4*(k%8), 4*(k%8)+4) of word k//8, signed value = nibble - 8.
@@ -65,7 +65,7 @@ class MoeTileConfig:
     num_warps / num_stages: Triton launch parameters of both GEMMs.
     swap_ab: compute (W x^T) so the dequantised weight tile is the left (register) MMA operand and the
         few token rows the narrow side (the small-M trick for decode). Correct, but measured no faster
-        on H200 with Triton 3.6 (bench/moe_int4_2026-11-29_v2.json), so off by default.
+        on H200 with Triton 3.6 (docs/performance.md, Tried and not kept), so off by default.
     """
 
     block_m: int = 16
@@ -83,7 +83,7 @@ def default_config(num_tokens: int, top_k: int, num_experts_total: int) -> MoeTi
 
     Decode (few rows per expert) is weight-bandwidth-bound: smallest BLOCK_M the tensor cores take (16).
     Prefill: larger BLOCK_M to re-use each dequantised weight tile over more rows. Both picks are the fastest
-    of the configs swept on an H200 (bench/moe_int4_2026-11-29_v*.json), not a full autotune.
+    of the configs swept on an H200, not a full autotune.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts_total, 1)
     if rows_per_expert <= 16:

@@ -1,6 +1,6 @@
 """Weight quantisation formats of the Kimi-K2 checkpoints (plain PyTorch reference; CPU or GPU).
 
-INT4 "pack-quantized" (compressed-tensors; K2-Thinking, K2.5, K2.6 routed experts; KIMI.md section 2):
+INT4 "pack-quantized" (compressed-tensors; K2-Thinking, K2.5, K2.6 routed experts; docs/model-format.md, Tensors):
 symmetric, one scale per `group_size` (32) consecutive inputs of a row,
 ``q = clamp(round(w / scale), -8, 7)``, stored nibble ``q + 8``; element k of row n sits in bits
 ``[4*(k % 8), 4*(k % 8) + 4)`` of ``weight_packed[n, k // 8]`` (lowest nibble first, packed along the

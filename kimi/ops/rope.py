@@ -1,6 +1,6 @@
 """Rotary position embedding with YaRN scaling, interleaved pairs (DeepSeek-V3 reference layout).
 
-Math: KIMI.md section 3 (YaRN bullet) = DeepSeek-V3 reference `precompute_freqs_cis` /
+Math: docs/model-format.md, Math (YaRN) = DeepSeek-V3 reference `precompute_freqs_cis` /
 `yarn_find_correction_range` / `yarn_linear_ramp_factor`, and `apply_rotary_emb` which rotates the pairs
 (x[2i], x[2i+1]) by angle `pos * inv_freq[i]`. q_pe, k_pe and the k_pe stored in the latent KV cache all
 keep this interleaved layout (q.k is the same as HF's de-interleaved "rotate-half" form).
@@ -18,7 +18,7 @@ from kimi.config import ModelConfig, RopeScaling, yarn_get_mscale
 def yarn_correction_range(
     beta_fast: float, beta_slow: float, dim: int, base: float, original_max_position_embeddings: int
 ) -> tuple[float, float]:
-    """The YaRN ramp's [low, high] pair-index bounds (KIMI.md section 3).
+    """The YaRN ramp's [low, high] pair-index bounds (docs/model-format.md, Math).
 
     `corr(r) = dim * ln(orig / (r * 2 pi)) / (2 ln base)`; `low = max(floor(corr(beta_fast)), 0)`,
     `high = min(ceil(corr(beta_slow)), dim - 1)`; when equal, `high += 0.001` (avoids a 0 division in the ramp).
@@ -40,7 +40,7 @@ def rope_inv_freq(dim: int, base: float, scaling: RopeScaling | None) -> torch.T
 
     Without scaling: `base^(-2i/dim)`. With YaRN (always applied when configured, not only past the original
     context): `inv_freq = f_extra / factor * ramp + f_extra * (1 - ramp)`, `ramp = clamp((i - low) / (high - low),
-    0, 1)` with (low, high) from `yarn_correction_range` (KIMI.md section 3). Computed in float64, returned
+    0, 1)` with (low, high) from `yarn_correction_range` (docs/model-format.md, Math). Computed in float64, returned
     as float32.
     """
     i = torch.arange(dim // 2, dtype=torch.float64)  # [dim/2]
@@ -80,7 +80,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class RotaryEmbedding:
-    """cos/sin cache for the model's rotary dim (`qk_rope_head_dim`) with YaRN (KIMI.md section 3).
+    """cos/sin cache for the model's rotary dim (`qk_rope_head_dim`) with YaRN (docs/model-format.md, Math).
 
     `cos_cache`, `sin_cache`: [max_positions, R/2] float32 (mscale folded in), built eagerly;
     max_positions defaults to cfg.max_position_embeddings (64 MiB for Kimi's 262144 x 32 x 2 floats).

@@ -29,10 +29,10 @@ p_i = 0 scores 0 and never wins (E is clamped away from 0, and the top token's s
 Two implementations of the same semantics:
 
 - `sample` / `process_logits`: batched tensor ops over the rows, for the GPU. No device->host
-  synchronisation per row: the only device->host copy is one packed float64 tensor at the end (token ids,
-  chosen logprobs, top-k ids and logprobs), started by `sample_launch` (`start_host_copy`: non-blocking, into pinned memory)
-  and waited for by `SampleLaunch.result()`, so a caller can queue more device work before it waits. Host->device inputs (row indices,
-  per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
+  synchronisation per row: the only device->host copy is one packed float64 tensor at the end (token ids, chosen
+  logprobs, top-k ids and logprobs), started by `sample_launch` (`start_host_copy`: non-blocking, into pinned memory)
+  and waited for by `SampleLaunch.result()`, so a caller can queue more device work before it waits. Host->device inputs
+  (row indices, per-row parameters, token-history index pairs) are built from Python lists once per step and sent with
   non-blocking copies from pinned memory (`_h2d`), which do not make the host wait either.
 - `sample_ref` / `process_logits_ref`: one row at a time in plain PyTorch, the reference the batched path
   is tested against (tests/unit/test_sampling.py on CPU, tests/gpu/test_gpu_sampling.py on CUDA). With the
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -159,17 +160,20 @@ def process_logits_ref(
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Per-row reference of `process_logits` (same arguments and result; IndexError for logit_bias ids outside [0, V))."""
+    """Per-row reference of `process_logits` (same arguments and result; IndexError for logit_bias ids outside
+    [0, V))."""
     if not _any_processing(params):
         return logits.float()
     out = logits.float().clone()
-    B, V = out.shape
+    _B, V = out.shape
     pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
+    history: Sequence[Sequence[int]] = token_ids if token_ids is not None else ()  # read for pen_rows only
+    n_prompts: Sequence[int] = num_prompt_tokens if num_prompt_tokens is not None else ()
     for b, p in enumerate(params):
         if p.min_tokens > 0 and p.min_tokens_block_ids:
-            n_out = len(token_ids[b]) - num_prompt_tokens[b]  # type: ignore[index]
+            n_out = len(history[b]) - n_prompts[b]
             if n_out < p.min_tokens:
                 ids = torch.tensor([i for i in p.min_tokens_block_ids if 0 <= i < V], dtype=torch.long)
                 out[b, ids.to(out.device)] = _NEG_INF
@@ -181,8 +185,8 @@ def process_logits_ref(
         p = params[b]
         if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
             continue
-        toks = [t for t in token_ids[b] if 0 <= t < V]  # type: ignore[index]
-        n_prompt = num_prompt_tokens[b]  # type: ignore[index]
+        toks = [t for t in history[b] if 0 <= t < V]
+        n_prompt = n_prompts[b]
         row = out[b]
         if p.repetition_penalty != 1.0 and toks:
             seen = torch.zeros(V, dtype=torch.bool, device=out.device)
@@ -190,7 +194,7 @@ def process_logits_ref(
             r = p.repetition_penalty
             penalised = torch.where(row > 0, row / r, row * r)
             row = torch.where(seen, penalised, row)
-        gen = [t for t in token_ids[b][n_prompt:] if 0 <= t < V]  # type: ignore[index]
+        gen = [t for t in history[b][n_prompt:] if 0 <= t < V]
         if gen and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             counts = torch.zeros(V, dtype=out.dtype, device=out.device)
             counts.index_add_(
@@ -215,7 +219,7 @@ def sample_ref(
     Each random row draws its exponentials with `_draw_exponential(V, device, generators[b])`, exactly as
     `sample` does, so a seeded row samples the same token in both.
     """
-    B, V = logits.shape
+    B, _V = logits.shape
     logits = logits.float()
     processed = process_logits_ref(logits, params, token_ids, num_prompt_tokens)
     ids = torch.empty(B, dtype=torch.long)
@@ -250,7 +254,7 @@ def sample_ref(
 # ---- batched: no per-row host synchronisation -------------------------------------------------------
 
 
-def _h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _h2d(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`. On CUDA: staged in pinned memory and copied non-blocking.
 
     The pinned block is not reused before the copy has run (PyTorch's caching host allocator records the
@@ -289,17 +293,18 @@ def process_logits(
     pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
+    history: Sequence[Sequence[int]] = token_ids if token_ids is not None else ()  # read for pen_rows only
+    n_prompts: Sequence[int] = num_prompt_tokens if num_prompt_tokens is not None else ()
     ban_r: list[int] = []
     ban_c: list[int] = []
     bias_r: list[int] = []
     bias_c: list[int] = []
     bias_v: list[float] = []
     for b, p in enumerate(params):
-        if p.min_tokens > 0 and p.min_tokens_block_ids:
-            if len(token_ids[b]) - num_prompt_tokens[b] < p.min_tokens:  # type: ignore[index]
-                ids = [i for i in p.min_tokens_block_ids if 0 <= i < V]
-                ban_r += [b] * len(ids)
-                ban_c += ids
+        if p.min_tokens > 0 and p.min_tokens_block_ids and len(history[b]) - n_prompts[b] < p.min_tokens:
+            ids = [i for i in p.min_tokens_block_ids if 0 <= i < V]
+            ban_r += [b] * len(ids)
+            ban_c += ids
         if p.logit_bias_ids:
             if len(p.logit_bias_ids) != len(p.logit_bias_values):
                 raise ValueError(f"row {b}: {len(p.logit_bias_ids)} logit_bias ids, {len(p.logit_bias_values)} values")
@@ -325,7 +330,7 @@ def process_logits(
         rr: list[int] = []
         rc: list[int] = []
         for b in rep_rows:
-            toks = [t for t in token_ids[b] if 0 <= t < V]  # type: ignore[index]
+            toks = [t for t in history[b] if 0 <= t < V]
             rr += [b] * len(toks)
             rc += toks
         if rc:
@@ -340,7 +345,7 @@ def process_logits(
         cr: list[int] = []
         cc: list[int] = []
         for b in fp_rows:
-            gen = [t for t in token_ids[b][num_prompt_tokens[b] :] if 0 <= t < V]  # type: ignore[index]
+            gen = [t for t in history[b][n_prompts[b] :] if 0 <= t < V]
             cr += [b] * len(gen)
             cc += gen
         if cc:
@@ -463,9 +468,10 @@ def sample_launch(
     return SampleLaunch(ids, host, event, B, want, K, [p.num_logprobs for p in params], V)
 
 
-def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """The one device->host copy of a `sample_launch` (also the decode benchmark's): on CUDA started non-blocking into pinned memory, with an
-    event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor itself, no event."""
+def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """The one device->host copy of a `sample_launch` (also the decode benchmark's): on CUDA started non-blocking into
+    pinned memory, with an event recorded after it (SampleLaunch.result waits for that event); on the CPU the tensor
+    itself, no event."""
     if packed.device.type != "cuda":
         return packed, None
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -484,11 +490,11 @@ class SampleLaunch:
 
     ids: torch.Tensor
     _host: torch.Tensor
-    _event: object
+    _event: torch.cuda.Event | None
     _B: int
-    _want: list
+    _want: list[int]
     _K: int
-    _num_logprobs: list
+    _num_logprobs: list[int]
     _V: int
 
     def done(self) -> bool:

@@ -1,8 +1,8 @@
 """Built-in model configs (the `config.json` of real checkpoints), for tests, tools and sanity checks.
 
-`kimi-k2.6.json` is the K2.6 text model as a nested `kimi_k25` config (../shared/KIMI.md section 1 and
-"Shared by all"; INT4 compressed-tensors routed experts). The vision tower's config is left out: kimi
-serves the text backbone only.
+`kimi-k2.6.json` is the K2.6 text model as a nested `kimi_k25` config (docs/model-format.md, Checkpoint variants: the
+K2.5 / K2.6 column and the values common to every variant; INT4 compressed-tensors routed experts). The vision tower's
+config is left out: kimi serves the text backbone only.
 
     >>> from kimi.config import ModelConfig
     >>> ModelConfig.from_dict(load_preset("kimi-k2.6")).n_routed_experts
@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 __all__ = ["list_presets", "load_preset"]
@@ -30,7 +30,8 @@ def list_presets() -> list[str]:
 @cache
 def _read(name: str) -> dict[str, Any]:
     with open(os.path.join(_DIR, name + ".json")) as f:
-        return json.load(f)
+        preset: dict[str, Any] = json.load(f)
+    return preset
 
 
 def load_preset(name: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (DESIGN.md "Forward on the GPU").
+"""CUDA graphs for decode steps (docs/design.md, Forward on the GPU).
 
 Per decode batch bucket (`bucket_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to the largest, which
 is max_batch), captured largest first into one shared memory pool: the whole model forward (embedding -> final
@@ -29,11 +29,19 @@ import logging
 import operator
 import os
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kimi.ops.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from kimi.ops.attention_flashinfer import FlashInferMLADecode
+    from kimi.worker.gpu_model import TritonMLADecodeRun
 
 __all__ = ["CudaGraphRunner", "bucket_sizes"]
 
@@ -41,10 +49,9 @@ log = logging.getLogger("kimi.worker")
 
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Layers per captured graph (0: the whole forward in one graph). A chain of smaller graphs lets the GPU run segment
-# k while the host launches segment k + 1. Measured on the H200 (K2.6, 61 layers): after a torch.profiler session in
-# the same process 8-layer segments were 0.5 ms faster (bench/decode_2026-11-29_v9.json: 23.66 vs 24.19 ms at 8
-# local seqs), without one they were not (v10: one graph 23.44 / 32.25 ms, 8-layer segments 23.51 / 32.40, 2 and 4
-# likewise), so one graph is the default.
+# k while the host launches segment k + 1. On the H200 (K2.6, 61 layers) that gains nothing: one graph 23.44 / 32.25
+# ms at 8 / 32 local seqs, 8-layer segments 23.51 / 32.40, 2 and 4 likewise (segments are faster only after a
+# torch.profiler run in the same process; docs/performance.md), so one graph is the default.
 LAYERS_PER_GRAPH = 0
 
 # Plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same batch
@@ -91,8 +98,9 @@ class CudaGraphRunner:
     segment (None or <= 0: one graph for the whole forward).
     """
 
-    # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows, as
-    # before (the A/B of tools/bench_graph_padding.py); read by each run_host
+    # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows (for
+    # comparisons; tests/gpu/test_gpu_model.py checks the batch's outputs are bit-equal either way); read by each
+    # run_host
     mask_padding = True
 
     def __init__(
@@ -117,9 +125,9 @@ class CudaGraphRunner:
         self.device = dev
         cfg = model.cfg
         self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
-        # static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots, row_valid) and,
-        # for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time; row
-        # b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
+        # static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots, row_valid)
+        # and, for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time;
+        # row b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
         # (run_host) sends a step's inputs in ONE pinned, non-blocking copy
         mb, nb = self.max_batch, 4 * self.max_batch
         kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
@@ -138,6 +146,9 @@ class CudaGraphRunner:
         self._forget_pages()  # run_host's page rows (FlashInfer): which table each row of kv_indices holds
         self.page_rows_copied = 0  # the last run_host's copy covered page rows [0, this) (0: none changed; tests)
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
+        # per bucket, its attention run: `fi`; the same objects when they are FlashInfer's, else empty: `fi_flashinfer`
+        self.fi: Mapping[int, TritonMLADecodeRun | FlashInferMLADecode]
+        self.fi_flashinfer: dict[int, FlashInferMLADecode] = {}
         if self.triton_attn:
             from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
 
@@ -156,7 +167,7 @@ class CudaGraphRunner:
                 for bs in self.buckets
             }
         else:
-            self.fi = {
+            self.fi = self.fi_flashinfer = {
                 bs: FlashInferMLADecode(
                     cfg.num_attention_heads,
                     cfg.softmax_scale,
@@ -177,7 +188,7 @@ class CudaGraphRunner:
         self.segments = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.num_replays = 0
         self.plan_ahead = PLAN_AHEAD and not self.triton_attn
         self._ahead_failed = False  # a plan-ahead error was logged (once)
@@ -214,7 +225,7 @@ class CudaGraphRunner:
         bt = torch.zeros((bs, width), dtype=torch.int64, device=self.device)  # [bs, width], 0 = null block
         if B:
             bt[:B, : block_tables.shape[1]] = block_tables
-        fi = self.fi[bs]
+        fi = self.fi_flashinfer[bs]
         self._forget_pages()  # plan writes kv_indices in its own (concatenated) layout
         fi.plan(list(seq_lens_cpu) + [1] * (bs - B), bt, self.block_size)
         return fi
@@ -231,7 +242,7 @@ class CudaGraphRunner:
             query_lens_cpu=[1] * bs,
             seq_lens_cpu=[1] * bs,
         )
-        attn.gpu = GPUAttnPlan(fi, self.slot_mapping[:bs], True)  # type: ignore[attr-defined]
+        attn.gpu = GPUAttnPlan(fi, self.slot_mapping[:bs], True)
         return attn
 
     @torch.inference_mode()
@@ -257,7 +268,8 @@ class CudaGraphRunner:
             torch.cuda.current_stream(self.device).wait_stream(s)
             torch.cuda.synchronize(self.device)
             chain = []
-            h = x = None
+            h: torch.Tensor | None = None
+            x: torch.Tensor | None = None
             for start, end in self.segments:  # one graph per segment of layers, replayed in this order
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
@@ -270,6 +282,7 @@ class CudaGraphRunner:
                     self.pool = g.pool()
                 chain.append(g)
             self.graphs[bs] = chain
+            assert x is not None, "segments start at layer 0, whose graph runs embed_fused"
             self.outputs[bs] = x
         torch.cuda.synchronize(self.device)
 
@@ -374,7 +387,7 @@ class CudaGraphRunner:
             self._host_in_free = torch.cuda.Event()
         self._host_in_free.record(torch.cuda.current_stream(self.device))
         if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
-            self.fi[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk, W)
+            self.fi_flashinfer[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk, W)
         t2 = time.perf_counter()
         self.replay(bs)
         self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
@@ -385,9 +398,11 @@ class CudaGraphRunner:
             k_next = -(-(max(seq_lens) + 1) // blk)
             if k_next <= self.max_blocks_per_seq:
                 try:
-                    self.fi[bs].plan_ahead([n + 1 for n in seq_lens] + [1] * pad, blk, self._page_stride(k_next))
+                    self.fi_flashinfer[bs].plan_ahead(
+                        [n + 1 for n in seq_lens] + [1] * pad, blk, self._page_stride(k_next)
+                    )
                 except Exception as e:
-                    self.fi[bs]._ahead = None
+                    self.fi_flashinfer[bs]._ahead = None
                     if not self._ahead_failed:
                         self._ahead_failed = True
                         log.warning(
@@ -434,7 +449,9 @@ class CudaGraphRunner:
 
     def _forget_pages(self) -> None:
         """Mark every row's page ids unknown (after something else wrote the kv_indices buffer: `_plan`)."""
-        self._row_tables = [None] * self.max_batch  # per row: the table list staged there (_PAD_ROW: padding)
+        self._row_tables: list[list[int] | None] = [
+            None
+        ] * self.max_batch  # per row: the table list staged there (_PAD_ROW: padding)
         self._row_pages = [0] * self.max_batch  # per row: its pages staged
 
     def replay(self, bs: int) -> None:

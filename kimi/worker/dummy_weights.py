@@ -7,8 +7,8 @@ Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k
   and bf16 scales 1 / (4.6 * sqrt(in_features)) * U(0.5, 1.5), stacked per layer over the local experts,
   exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead;
 - FP8 routed experts (configs with FP8 quantisation, K2-Instruct; every backend): float8_e4m3fn
-  N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128
-  tile, as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts);
+  N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128 tile,
+  as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts);
   with fp8_dense "triton" / "humming", the dense weights a checkpoint load keeps FP8 (kimi.worker.gpu_model.
   fp8_dense_names, on CUDA) are the random bf16 ones above quantised to FP8 128 x 128 tiles (quant_fp8_block).
 Deterministic for a given seed on a given device.
@@ -64,16 +64,18 @@ def fill_dummy(
             p.copy_(torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32).to(p.dtype))
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-    fp8 = cfg.quant is not None and cfg.quant.method == "fp8"
-    if fp8 and fp8_dense != "off" and dev.type == "cuda":  # the dense weights a checkpoint load keeps FP8
+    fp8_block = cfg.quant.block if cfg.quant is not None and cfg.quant.method == "fp8" else None
+    if (
+        fp8_block is not None and fp8_dense != "off" and dev.type == "cuda"
+    ):  # the dense weights a checkpoint load keeps FP8
         from kimi.ops.quant import quant_fp8_block
         from kimi.worker.gpu_model import fp8_dense_names, install_fp8
 
         targets = model._weight_targets()
-        names = fp8_dense_names(model, cfg.quant.block, lambda n: n in targets)
+        names = fp8_dense_names(model, fp8_block, lambda n: n in targets)
         for n in sorted(names):
-            q, s = quant_fp8_block(targets.pop(n).detach(), cfg.quant.block)  # pop: the bf16 tensor is freed
-            install_fp8(model, n, q, s, cfg.quant.block)
+            q, s = quant_fp8_block(targets.pop(n).detach(), fp8_block)  # pop: the bf16 tensor is freed
+            install_fp8(model, n, q, s, fp8_block)
             del q, s
     inter, D = cfg.moe_intermediate_size, cfg.hidden_size
     for layer in model.layers:
@@ -81,9 +83,11 @@ def fill_dummy(
         if not isinstance(mlp, MoELayer):
             continue
         E = mlp.num_local_experts
-        if fp8:  # humming keeps them FP8; the other backends dequantise them (make_experts), as from a checkpoint
-            w13, s13 = random_fp8_experts(E, 2 * inter, D, gen, dev, cfg.quant.block)
-            w2, s2 = random_fp8_experts(E, D, inter, gen, dev, cfg.quant.block)
+        if (
+            fp8_block is not None
+        ):  # humming keeps them FP8; the other backends dequantise them (make_experts), as from a checkpoint
+            w13, s13 = random_fp8_experts(E, 2 * inter, D, gen, dev, fp8_block)
+            w2, s2 = random_fp8_experts(E, D, inter, gen, dev, fp8_block)
             parts = {"w13_fp8": w13, "w13_scale_inv": s13, "w2_fp8": w2, "w2_scale_inv": s2}
         elif moe_backend == "ref":
             parts = {
@@ -94,7 +98,7 @@ def fill_dummy(
             p13, s13 = random_packed_experts(E, 2 * inter, D, gen, dev)
             p2, s2 = random_packed_experts(E, D, inter, gen, dev)
             parts = {"w13_packed": p13, "w13_scale": s13, "w2_packed": p2, "w2_scale": s2}
-        block = cfg.quant.block if fp8 else (128, 128)
+        block = fp8_block if fp8_block is not None else (128, 128)
         mlp.experts_impl = make_experts_or_ref(
             moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype, fp8_block=block
         )

@@ -37,10 +37,14 @@ import random
 import time
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kimi import protocol
 from kimi.config import CacheConfig, ModelConfig
 from kimi.worker.kv_cache import kv_cache_bytes_per_block
+
+if TYPE_CHECKING:
+    import torch
 
 FAKE_VOCAB = 100_000
 _MASK = (1 << 64) - 1
@@ -97,7 +101,7 @@ class FakeRunner:
         self._record = bool(path) and rank == 0
         self.step_s = float(os.environ.get("KIMI_FAKE_STEP_MS", "0") or 0) / 1000.0
         self.token_s = float(os.environ.get("KIMI_FAKE_TOKEN_US", "0") or 0) / 1e6
-        if self._record:
+        if path and self._record:
             atexit.register(self._dump, path)
 
     def _dump(self, path: str) -> None:
@@ -137,14 +141,14 @@ class FakeRunner:
             self.num_requests += 1
             batch.append((nr.rid, fr, nr.num_new_tokens))
         for c in plan.cont:
-            fr = self.requests.get(c.rid)
-            if fr is None:
+            known = self.requests.get(c.rid)
+            if known is None:
                 continue  # another DP rank's request
-            fr.block_table.extend(c.new_block_ids)
-            p = fr.num_computed_tokens - 1
-            if p >= 0 and kv[self._slot(fr.block_table, p)] != fr.token_ids[p]:
+            known.block_table.extend(c.new_block_ids)
+            p = known.num_computed_tokens - 1
+            if p >= 0 and kv[self._slot(known.block_table, p)] != known.token_ids[p]:
                 raise RuntimeError(f"rid {c.rid}: KV slot of position {p} was overwritten by another request")
-            batch.append((c.rid, fr, c.num_new_tokens))
+            batch.append((c.rid, known, c.num_new_tokens))
         outputs: list[protocol.TokenOutput] = []
         num_tokens = 0
         for rid, fr, n in batch:
@@ -161,8 +165,9 @@ class FakeRunner:
             num_tokens += n
             if end == len(toks):
                 sp = fr.sampling
-                if sp.greedy or sp.seed is not None:
-                    tok = fake_token(toks[-1], end, 0 if sp.greedy else sp.seed)
+                seed = 0 if sp.greedy else sp.seed
+                if seed is not None:
+                    tok = fake_token(toks[-1], end, seed)
                 else:
                     tok = random.randrange(FAKE_VOCAB)
                 toks.append(tok)
@@ -180,7 +185,7 @@ class FakeRunner:
         return outputs
 
 
-def _bf16():
+def _bf16() -> torch.dtype:
     import torch
 
     return torch.bfloat16

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +47,14 @@ from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
 from kimi.worker.model import KimiForCausalLM
 
+if TYPE_CHECKING:
+    from kimi.ops.attention_flashinfer import FlashInferMLA
+    from kimi.worker.cuda_graph import CudaGraphRunner
+
 try:  # Triton: the fused GPU kernels (absent on CPU-only installs, where the GPU model is never run)
     from kimi.ops import fused
 except ImportError:  # pragma: no cover
-    fused = None
+    fused = None  # type: ignore[assignment]  # a module or None; every use is on CUDA, where it imported
 
 log = logging.getLogger("kimi.worker")
 
@@ -163,6 +168,8 @@ class GPUMLAAttention(MLAAttention):
     the weights are loaded (W_UK [H, N, L] and W_UV^T [H, L, V] as contiguous bf16 copies of kv_b_proj).
     """
 
+    w_qkv_a: torch.Tensor | Fp8Linear  # set by `prepare` when the two projections merge
+
     def prepare(self) -> None:
         """Also merges q_a_proj and kv_a_proj_with_mqa into one [q_lora + L + R, D] weight `w_qkv_a` (the two
         parameters become views of it, no extra memory) so the GPU forward runs one GEMM for both; FP8 layers
@@ -226,6 +233,7 @@ class GPUMLAAttention(MLAAttention):
         w_qkv_a = getattr(self, "w_qkv_a", None)
         if w_qkv_a is not None:  # merged q_a + kv_a projection (one GEMM), fused norms / rope / cache write
             ql = self.cfg.q_lora_rank
+            assert ql is not None, "prepare merges q_a_proj only with a q_lora_rank"
             qkv_a = dense_linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
             q_a = qkv_a[:, :ql]  # [T, q_lora]
             cfg = _prologue_config(q_a, self.q_b_proj)
@@ -282,8 +290,8 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     Built by `build_gpu_model` (never directly). `graphs`: a kimi.worker.cuda_graph.CudaGraphRunner or None.
     """
 
-    fi_eager = None
-    graphs = None
+    fi_eager: FlashInferMLA | None = None
+    graphs: CudaGraphRunner | None = None
     # pure decode attention: "triton" (kimi.ops.mla_decode_triton, no host plan) or "flashinfer"; prefill and mixed
     # batches always run FlashInfer
     decode_attention = "flashinfer"
@@ -346,7 +354,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
                 if decode:
                     plan.decode_rows = torch.tensor([qsl[b] for b in decode], dtype=torch.int64, device=dev)
                 plan.prefill = [(qsl[b], qsl[b + 1], b) for b, q in enumerate(qlens) if q != 1]
-        attn.gpu = plan  # type: ignore[attr-defined]
+        attn.gpu = plan
         return plan
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches):
@@ -425,9 +433,9 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         (kimi.ops.fused.router_topk), so padding rows of a decode graph cost no expert work."""
         eps = self.cfg.rms_norm_eps
         n = len(self.layers)
-        # the side stream only inside CUDA-graph capture, where its gain was measured (bench/decode_2026-11-29_v4.json);
-        # eager steps (prefill, mixed) keep the inline shared expert: eager decode got slower and noisier after the
-        # side stream came in (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
+        # the side stream only inside CUDA-graph capture, where it is faster (docs/performance.md); eager steps
+        # (prefill, mixed) keep the inline shared expert: with the side stream eager decode is slower and noisier
+        # (70.8 -> 121-132 ms median at 8 seqs, cause not isolated)
         side = self._side_stream() if self.overlap_shared and torch.cuda.is_current_stream_capturing() else None
         for i in range(start, end):
             layer = self.layers[i]
@@ -493,7 +501,7 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_fused(
-    mlp: nn.Module, x: torch.Tensor, side=None, row_valid: torch.Tensor | None = None
+    mlp: MoELayer | DenseMLP, x: torch.Tensor, side=None, row_valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
     adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
@@ -617,8 +625,7 @@ on CUDA. "off" (default): dequantised to the model dtype on load (the fastest de
 q_a norm and SiLU*up fused in). "triton": kept FP8 (half their memory, ~8.7 GB less per rank at K2-Instruct's
 shapes) and run by kimi's Triton FP8 kernel (kimi.ops.linear_fp8), deterministic. "humming": kept FP8 and run by
 humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
-GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured in bench/fp8_linear_2026-11-30*.json and
-bench/decode_2026-11-30_s11_fp8_dense*.json."""
+GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured: docs/performance.md."""
 
 
 def fp8_dense_names(model: GPUKimiForCausalLM, block: tuple[int, int], is_fp8) -> set[str]:
@@ -673,7 +680,9 @@ def install_fp8(
 
 def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCausalLM:
     for layer in model.layers:
-        layer.self_attn.prepare()
+        attn = layer.self_attn
+        assert isinstance(attn, GPUMLAAttention), "build_gpu_model made every MLAAttention a GPUMLAAttention"
+        attn.prepare()
         mlp = layer.mlp
         if isinstance(mlp, DenseMLP):
             _merge_gate_up(mlp)

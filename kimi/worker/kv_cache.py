@@ -1,4 +1,4 @@
-"""The paged MLA latent KV cache buffers (docs/contracts.md; DESIGN.md "KV cache").
+"""The paged MLA latent KV cache buffers (docs/architecture.md, Interfaces; docs/design.md, KV cache).
 
 One buffer per layer `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (576 for Kimi): the
 rms-normed ckv (512) then the roped, interleaved k_pe (64). Block 0 is the null block padded rows write into.

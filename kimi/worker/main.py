@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,11 @@ from kimi.checkpoint import CheckpointError
 from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
 from kimi.controller.transport import Heartbeat, WorkerTransport
 from kimi.worker.kv_cache import KVCacheSizeError
+
+if TYPE_CHECKING:
+    from kimi.ops.all_to_all import Backend
+    from kimi.worker.fake import FakeRunner
+    from kimi.worker.runner import ModelRunner, StepHandle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kimi.worker")
     transport = WorkerTransport(args.plan_addr, args.result_addr)
     heartbeat = Heartbeat(args.plan_addr, args.result_addr, rank, args.controller_timeout + 5.0).start()
-    a2a = None
+    a2a: Backend | None = None
+    runner: FakeRunner | ModelRunner
     try:
         from kimi.ops.all_to_all import default_backend, init_distributed, make_all_to_all
         from kimi.worker.runner import ModelRunner
@@ -184,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     # A launched step whose result is not sent yet (ModelRunner.launch / finish). While it runs, the worker
     # waits for whichever comes first: the next plan (launched right away, its forward queued behind this step;
     # the controller sends it early with async scheduling), or the step's end (then its result goes out).
-    pending = None
-    pipelined = hasattr(runner, "launch")
+    pending: StepHandle | None = None
+    pipelined = runner if isinstance(runner, ModelRunner) else None  # a FakeRunner runs one step at a time
 
-    def send_result(h) -> None:
-        transport.send(protocol.StepResult(h.step, rank, runner.finish(h)))
+    def send_result(h: StepHandle) -> None:
+        assert pipelined is not None, "only a ModelRunner launches steps"
+        transport.send(protocol.StepResult(h.step, rank, pipelined.finish(h)))
         heartbeat.step = h.step
 
     try:
@@ -219,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             if msg.step != last_step + 1:
                 raise RuntimeError(f"step plan gap: expected step {last_step + 1}, got {msg.step}")
             last_step = msg.step
-            if pipelined:
-                pending = runner.launch(msg, pending, on_prev=send_result)  # sends pending's result when it is done
+            if pipelined is not None:
+                pending = pipelined.launch(msg, pending, on_prev=send_result)  # sends pending's result when it is done
             else:
                 transport.send(protocol.StepResult(msg.step, rank, runner.execute(msg)))
                 heartbeat.step = msg.step
@@ -251,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         transport.close()
 
 
-def _close_distributed(a2a) -> None:
+def _close_distributed(a2a: object) -> None:
     """Clean shutdown only (every rank got Shutdown): release the backend's buffers and the process group."""
     import torch.distributed as dist
 

@@ -1,12 +1,15 @@
 """KimiForCausalLM: the DeepSeek-V3 / Kimi-K2 text backbone in plain PyTorch (the CPU reference path).
 
-Layer (KIMI.md section 3): `h = x + attn(rmsnorm(x)); out = h + mlp(rmsnorm(h))`; layers below
+Layer (docs/model-format.md, Math): `h = x + attn(rmsnorm(x)); out = h + mlp(rmsnorm(h))`; layers below
 first_k_dense_replace use a dense SwiGLU MLP, the rest MoE (noaux_tc router + routed experts + shared
 experts); final `model.norm`, untied `lm_head`. Attention is MLA over the paged latent cache
 (kimi/ops/attention.py). Inference only.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
@@ -17,7 +20,7 @@ from kimi.ops.moe import AllToAllBackend, DenseMLP, MoELayer
 from kimi.ops.norm import rms_norm
 from kimi.ops.rope import RotaryEmbedding
 
-# Names some dumps carry that the model does not use (KIMI.md section 2).
+# Names some dumps carry that the model does not use (docs/model-format.md, Tensors).
 _IGNORED_SUFFIXES = ("self_attn.rotary_emb.inv_freq",)
 
 
@@ -44,7 +47,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.post_attention_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.self_attn = MLAAttention(cfg, dtype, device)
-        self.mlp: nn.Module
+        self.mlp: MoELayer | DenseMLP
         if self.is_moe:
             self.mlp = MoELayer(cfg, ep_rank, ep_size, a2a, dtype, device)
         else:
@@ -60,11 +63,28 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """h [T, D] -> [T, D] (pre-norm residual block)."""
         h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), positions, attn, kv_cache, rope)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        out: torch.Tensor = h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        return out
+
+
+class DecoderLayers(nn.ModuleList):
+    """The model's decoder layers: an nn.ModuleList whose items the type checker knows as DecoderLayer."""
+
+    if TYPE_CHECKING:
+
+        @overload
+        def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+        def __getitem__(self, idx: int | slice) -> DecoderLayer | nn.ModuleList: ...
+
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
 
 
 class KimiForCausalLM(nn.Module):
-    """The Kimi-K2 causal LM (docs/contracts.md), one expert-parallel rank of it.
+    """The Kimi-K2 causal LM (docs/architecture.md, Interfaces), one expert-parallel rank of it.
 
     cfg: the text backbone's ModelConfig; ep_rank / ep_size: this rank holds routed experts
     [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size); a2a: the MoE all-to-all backend (None = local,
@@ -88,7 +108,7 @@ class KimiForCausalLM(nn.Module):
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.dtype = dtype
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(
+        self.layers = DecoderLayers(
             DecoderLayer(cfg, i, ep_rank, ep_size, a2a, dtype, device) for i in range(cfg.num_hidden_layers)
         )
         self.norm = _param((cfg.hidden_size,), dtype, device)
@@ -136,8 +156,8 @@ class KimiForCausalLM(nn.Module):
         Names are canonical (no `language_model.` prefix), experts per expert
         (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight` [out, in], only this rank's E), stacked
         here into w13 / w2. Values are cast to the parameter dtype (the correction bias stays float32).
-        `*.self_attn.rotary_emb.inv_freq` entries (and `lm_head.weight` when tied) are ignored. Raises ValueError naming missing or unexpected
-        tensors, or a tensor whose shape differs; nothing is copied in that case.
+        `*.self_attn.rotary_emb.inv_freq` entries (and `lm_head.weight` when tied) are ignored. Raises ValueError naming
+        missing or unexpected tensors, or a tensor whose shape differs; nothing is copied in that case.
         """
         targets = self._weight_targets()
         names = {n for n in weights if not n.endswith(_IGNORED_SUFFIXES)}

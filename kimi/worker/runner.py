@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import torch
 
 from kimi import protocol
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
-from kimi.ops.all_to_all import step_mode
+from kimi.ops.all_to_all import Backend, step_mode
 from kimi.ops.attention import build_attention_metadata
 from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
 from kimi.worker.kv_cache import KVCacheSizeError, allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
@@ -71,6 +73,12 @@ class WorkerRequest:
     pending: bool = False
 
 
+PromptLogprobs: TypeAlias = tuple[
+    list[float | None] | None, list[list[int] | None] | None, list[list[float] | None] | None
+]
+"""A request's prompt logprobs, top ids and top logprobs (per prompt token; None where not computed), or Nones."""
+
+
 @dataclass
 class StepHandle:
     """A step `ModelRunner.launch` started: its sampled tokens may still be on their way to the host.
@@ -82,7 +90,7 @@ class StepHandle:
     step: int
     sampled: list[tuple[int, WorkerRequest]]
     launch: SampleLaunch | None
-    plp: list[tuple]
+    plp: list[PromptLogprobs]
     row_of: dict[int, int]
     outputs: list[protocol.TokenOutput] | None = None
 
@@ -116,9 +124,9 @@ class ModelRunner:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         progress: bool = True,
-        a2a=None,
+        a2a: Backend | None = None,
         ll_max_tokens_per_rank: int = 128,
-        gpu_options: dict | None = None,
+        gpu_options: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.a2a = a2a
@@ -140,10 +148,12 @@ class ModelRunner:
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
         self._check_requested_cache(cache_config)  # before the weights: a cache that cannot fit fails at once
+        self.model: KimiForCausalLM
+        gpu_model = None  # the same model when it is the GPU one
         if self.device.type == "cuda":
             from kimi.worker.gpu_model import load_gpu_model
 
-            self.model = load_gpu_model(
+            self.model = gpu_model = load_gpu_model(
                 model_dir,
                 cfg,
                 ep_rank=rank,
@@ -174,9 +184,9 @@ class ModelRunner:
         log.info("rank %d: weights loaded in %.1f s", rank, time.monotonic() - t0)
         self.num_blocks = self._num_blocks(cache_config)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, dtype, self.device)
-        if self.device.type == "cuda" and graph_max_bs > 0 and world_size == 1:
+        if gpu_model is not None and graph_max_bs > 0 and world_size == 1:
             max_blocks = -(-cfg.max_position_embeddings // self.block_size)
-            self.model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
+            gpu_model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
         self.requests: dict[int, WorkerRequest] = {}
 
     def _check_requested_cache(self, cc: CacheConfig) -> None:
@@ -250,14 +260,19 @@ class ModelRunner:
         handle.outputs = outputs
         return outputs
 
-    def _finish_prev(self, prev: StepHandle | None, on_prev) -> None:
+    def _finish_prev(self, prev: StepHandle | None, on_prev: Callable[[StepHandle], None] | None) -> None:
         if prev is not None and prev.outputs is None:
             self.finish(prev)
             if on_prev is not None:
                 on_prev(prev)
 
     @torch.inference_mode()
-    def launch(self, plan: protocol.StepPlan, prev: StepHandle | None = None, on_prev=None) -> StepHandle:
+    def launch(
+        self,
+        plan: protocol.StepPlan,
+        prev: StepHandle | None = None,
+        on_prev: Callable[[StepHandle], None] | None = None,
+    ) -> StepHandle:
         """Start a step: apply the plan's diff, launch the forward over this rank's scheduled tokens and the
         sampling; returns its StepHandle (`finish` waits for the tokens).
 
@@ -302,11 +317,11 @@ class ModelRunner:
             self.requests[nr.rid] = wr
             batch.append((nr.rid, wr, nr.num_new_tokens))
         for c in plan.cont:
-            wr = self.requests.get(c.rid)
-            if wr is None:
+            req = self.requests.get(c.rid)
+            if req is None:
                 continue  # another DP rank's request
-            wr.block_table.extend(c.new_block_ids)
-            batch.append((c.rid, wr, c.num_new_tokens))
+            req.block_table.extend(c.new_block_ids)
+            batch.append((c.rid, req, c.num_new_tokens))
         if not batch:
             self._finish_prev(prev, on_prev)
             if self.world_size > 1:
@@ -327,6 +342,7 @@ class ModelRunner:
         fills: list[tuple[int, int]] = []  # (input row, row of prev's sampled ids): tokens still on the device
         plp_rows: list[tuple[int, int, int]] = []  # (batch index, first flat row, prompt position of that row)
         row = 0
+        prev_rows = prev.row_of if prev is not None else {}  # a pending token's row in prev's sampling
         for i, (rid, wr, n) in enumerate(batch):
             start = wr.num_computed_tokens
             end = start + n
@@ -336,7 +352,7 @@ class ModelRunner:
             if len(wr.block_table) * self.block_size < end:
                 raise RuntimeError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
             if wr.pending:  # its input is the token prev sampled (start == len(token_ids), n == 1)
-                fills.append((row, prev.row_of[rid]))  # type: ignore[union-attr]
+                fills.append((row, prev_rows[rid]))
                 input_ids.append(0)
             else:
                 input_ids.extend(wr.token_ids[start:end])
@@ -355,10 +371,11 @@ class ModelRunner:
         dev = self.device
         fill = None
         if fills:  # (input rows, prev's sampled ids, their rows): applied on the device before the forward reads
+            assert prev is not None and prev.launch is not None, "pending tokens come from prev's sampling"
             idx = torch.tensor(fills, dtype=torch.long)  # [P, 2]
             if dev.type == "cuda":
                 idx = idx.pin_memory().to(dev, non_blocking=True)
-            fill = (idx[:, 0], prev.launch.ids, idx[:, 1])  # type: ignore[union-attr]
+            fill = (idx[:, 0], prev.launch.ids, idx[:, 1])
         fast = getattr(self.model, "forward_decode", None)
         if fast is not None and not plp_rows and all(q == 1 for q in query_lens):
             # pure decode on the GPU model: host lists straight into a CUDA graph replay (kimi/worker/cuda_graph.py)
@@ -380,11 +397,13 @@ class ModelRunner:
             lp, tids, tlps = prompt_logprobs(
                 self.model.compute_logits(hidden[rows]), wr.token_ids[start + 1 : stop + 1], wr.sampling.prompt_logprobs
             )
+            p_lp, p_ids, p_lps = wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps
+            assert p_lp is not None and p_ids is not None and p_lps is not None, "execute sets all three"
             for j in range(stop - start):
-                wr.prompt_lp[start + 1 + j] = lp[j]  # type: ignore[index]
-                if tids is not None:
-                    wr.prompt_top_ids[start + 1 + j] = tids[j]  # type: ignore[index]
-                    wr.prompt_top_lps[start + 1 + j] = tlps[j]  # type: ignore[index]
+                p_lp[start + 1 + j] = lp[j]
+                if tids is not None and tlps is not None:
+                    p_ids[start + 1 + j] = tids[j]
+                    p_lps[start + 1 + j] = tlps[j]
         if not sample_rows:
             return StepHandle(plan.step, [], None, [], {})
         if len(sample_rows) == hidden.shape[0]:  # every row is sampled (decode): no gather
@@ -398,6 +417,7 @@ class ModelRunner:
                 # A seeded draw depends only on (seed, position), so a request recomputed after preemption
                 # (a fresh WorkerRequest) samples exactly what it would have sampled uninterrupted.
                 wr = batch[i][1]
+                assert wr.sampling.seed is not None, "only a seeded request has a generator"
                 g.manual_seed(position_seed(wr.sampling.seed, len(wr.token_ids)))
         res = sample_launch(  # batched on the logits' device; one device->host copy for the whole step
             logits,
@@ -406,7 +426,8 @@ class ModelRunner:
             [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],
         )
-        sampled, plp, row_of = [], [], {}
+        sampled, row_of = [], {}
+        plp: list[PromptLogprobs] = []
         for j, i in enumerate(sample_idx):
             rid, wr, _ = batch[i]
             wr.pending = True

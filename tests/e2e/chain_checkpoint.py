@@ -20,6 +20,7 @@ How (all other tensors are the random tiny checkpoint's):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -38,7 +39,7 @@ HEADER = [41937, 1150, 21055, 2800, 25, 15]  # "functions.get_weather:0"
 ARGS = [8264, 37666, 7471, 113476, 16934]  # '{"city":"Paris"}'
 
 MAIN = [IM_MIDDLE, THINK, I_, THINK_W, THINK_END, OK, SB, CB, *HEADER, AB, *ARGS, CE]
-EDGES: list[tuple[int, int, float]] = [(a, b, 60.0) for a, b in zip(MAIN, MAIN[1:])] + [
+EDGES: list[tuple[int, int, float]] = [(a, b, 60.0) for a, b in itertools.pairwise(MAIN)] + [
     (GT, OK, 60.0),
     (CE, CB, 40.0),
     (CE, SE, 35.0),

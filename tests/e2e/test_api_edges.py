@@ -227,7 +227,7 @@ def test_logit_bias_canonical_keys_are_accepted(client):
     assert r.choices[0].logprobs is None and r.usage.completion_tokens == 1
 
 
-# ---- 4b. logprobs.text_offset with multi-byte characters ----------------------------------------------------------------
+# ---- 4b. logprobs.text_offset with multi-byte characters -------------------------------------------------------------
 # The rule (LLMServer._completion_logprobs / _prompt_offsets / _piece_offsets in kimi/controller/http.py):
 # text_offset[i] is the character offset, in the whole returned text (echoed prompt + completion), where the piece
 # of text that token i completes starts; a token ending mid-character completes nothing and sits where the
@@ -386,7 +386,7 @@ def test_openai_platform_fields_at_their_defaults_are_accepted(srv):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-# ---- 5. Authorization scheme, any case --------------------------------------------------------------------------------
+# ---- 5. Authorization scheme, any case -------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
 def test_bearer_scheme_is_case_insensitive(srv, scheme):
     r = httpx.get(f"{srv.base_url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
@@ -452,7 +452,7 @@ def test_placeholder_character_is_refused_only_where_a_chat_template_renders_it(
     assert choice["text"].startswith(prompt) and choice["finish_reason"] in ("length", "stop")
 
 
-# ---- 6. GET /v1/models/{id} --------------------------------------------------------------------------------------------
+# ---- 6. GET /v1/models/{id} ------------------------------------------------------------------------------------------
 def test_models_retrieve(client, srv):
     m = client.models.retrieve("tiny")
     assert m.id == "tiny" and m.object == "model"
@@ -467,7 +467,7 @@ def test_models_retrieve(client, srv):
     )
 
 
-# ---- 7. chat_template_kwargs -----------------------------------------------------------------------------------------------
+# ---- 7. chat_template_kwargs -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["bos_token", "eos_token"])
 def test_chat_template_kwargs_may_not_set_the_tokenizer_tokens(srv, name):
     r = _post(
@@ -507,7 +507,7 @@ def test_chat_template_kwargs_thinking_must_be_a_boolean(srv):
         assert r.status_code == 200, r.text
 
 
-# ---- 7b. string fields ------------------------------------------------------------------------------------------------------
+# ---- 7b. string fields -----------------------------------------------------------------------------------------------
 def _post_raw(srv, path: str, body: dict) -> httpx.Response:
     """Posts json.dumps(body) as is: a lone surrogate travels as the JSON escape "\\ud800"."""
     return httpx.post(
@@ -556,7 +556,7 @@ def test_user_must_be_a_string(srv, path):
         assert r.status_code == 200, r.text
 
 
-# ---- 8. ZeroMQ client lifetime -------------------------------------------------------------------------------------------
+# ---- 8. ZeroMQ client lifetime ---------------------------------------------------------------------------------------
 def _aborts(srv) -> float:
     text = httpx.get(f"{srv.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for fam in text_string_to_metric_families(text):
@@ -616,7 +616,7 @@ def test_closing_the_async_client_aborts_its_streaming_requests(srv):
             rid = await c.submit([4, 5, 6], **LONG)  # submitted, never streamed
             return gen, rid
 
-    gen, _ = asyncio.run(go())
+    _gen, _ = asyncio.run(go())
     _wait_aborted(srv, before, 2)
 
 
@@ -695,7 +695,7 @@ def test_old_format_submit_still_decodes(srv):
         assert out.request_id == "raw" and out.finish_reason == "length"
 
 
-# ---- 9. shutdown --------------------------------------------------------------------------------------------------------------
+# ---- 9. shutdown -----------------------------------------------------------------------------------------------------
 def test_sigterm_ends_in_flight_non_streaming_requests_with_a_503(tiny_k26, tmp_path):
     """Shutting down is not a server fault: an in-flight non-streaming request gets a (retryable) 503."""
     s = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256")

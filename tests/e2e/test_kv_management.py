@@ -292,7 +292,7 @@ def test_full_waiting_queue_answers_503_with_retry_after(fake_server):
                 streams.append((cm, r))
             full = await c.post(url, json={"model": "tiny", "prompt": [9, 9], "max_tokens": 2})
             # free the running slots: closing the long streams aborts them; the waiting ones then finish
-            for cm, r in streams[:4]:
+            for cm, _ in streams[:4]:
                 await cm.__aexit__(None, None, None)
             texts = []
             for cm, r in streams[4:]:

@@ -173,7 +173,7 @@ def test_an_answer_cut_inside_its_reasoning_has_null_content(client):
 
 
 def test_two_calls_in_one_section_streaming_equals_non_streaming(client):
-    kw = dict(messages=ASK, tools=TOOLS, max_tokens=34, temperature=0)  # 34 tokens end right after call 2
+    kw = dict(messages=ASK, tools=TOOLS, max_tokens=34, temperature=0)  # 34 tokens end right after the second call
     r = client.chat.completions.create(model="tiny", **kw)
     c = r.choices[0]
     assert c.finish_reason == "length"  # max_tokens ended it (the chain goes on with more calls): not "tool_calls"
@@ -198,7 +198,7 @@ def _streamed_calls(calls: dict) -> list[tuple[str, str, str]]:
 
 
 def test_section_cut_by_max_tokens(client):
-    kw = dict(messages=ASK, tools=TOOLS, max_tokens=29, temperature=0)  # cut inside call 2's arguments
+    kw = dict(messages=ASK, tools=TOOLS, max_tokens=29, temperature=0)  # cut inside the second call's arguments
     r = client.chat.completions.create(model="tiny", **kw)
     c = r.choices[0]
     assert c.finish_reason == "length"
@@ -209,10 +209,10 @@ def test_section_cut_by_max_tokens(client):
 
 
 def test_cut_by_max_tokens_is_length_and_streams_the_same_calls(client):
-    """max_tokens anywhere from inside call 1's arguments to just after call 2 (complete at token 34): always
-    "length", even just after a complete call or inside the next call's header (it said "tool_calls", so an agent
-    would run the calls of a truncated turn); and the non-streamed calls equal the streamed ones at every cut
-    (the non-streamed response used to drop a call whose head and argument fragments the stream had sent)."""
+    """max_tokens anywhere from inside the first call's arguments to just after the second (complete at token 34):
+    always "length", even just after a complete call or inside the next call's header (it said "tool_calls", so an agent
+    would run the calls of a truncated turn); and the non-streamed calls equal the streamed ones at every cut (the
+    non-streamed response used to drop a call whose head and argument fragments the stream had sent)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def both(n: int):  # the non-streamed response and the stream of the same request (batched together)
@@ -333,7 +333,7 @@ def test_tool_choice_variants(srv, client):
     ]
     cut = client.chat.completions.create(
         model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=20, temperature=0
-    )  # token 20 completes call 1: cut there
+    )  # token 20 completes the first call: cut there
     assert cut.choices[0].finish_reason == "length" and len(cut.choices[0].message.tool_calls) == 1
     for body, param in [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),

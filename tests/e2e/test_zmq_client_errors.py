@@ -186,9 +186,8 @@ def test_int_outside_the_wire_range_names_the_field_before_sending(fake, params,
         assert c._pending == {}
         rid = c.submit(PROMPT, max_tokens=1)
         assert fake.finish_one().request_id == rid
-    with KimiClient(fake.addr, timeout_s=5) as c:
-        with pytest.raises(KimiError, match="'prompt' holds an integer outside"):
-            c.submit([1, 2**64], max_tokens=1)
+    with KimiClient(fake.addr, timeout_s=5) as c, pytest.raises(KimiError, match="'prompt' holds an integer outside"):
+        c.submit([1, 2**64], max_tokens=1)
 
 
 @pytest.mark.parametrize(

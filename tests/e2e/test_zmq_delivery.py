@@ -24,7 +24,7 @@ PROMPT = [34335, 43309, 63183]
 
 def _metric(srv, name: str) -> float:
     for line in httpx.get(f"{srv.base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
 

@@ -225,9 +225,9 @@ def runs(server, tok, eos):
         biased = {**common, "logit_bias": BIAS}
         # min_p 0.99: only tokens within ~1% of the most likely one survive (0.3 cut nothing on the GPU's bf16 logits:
         # a test that proved nothing). The seeded baseline must draw a token other than the most likely one somewhere
-        # for it to change anything: the tiny model's top biased token has p ~0.8, so 8 tokens were all the top one
-        # with the seed mapping of session 25 (test_sampling_fields_match_http's guard failed); 16 tokens have 3
-        # other draws, and all 16 would be the top one with p ~0.03.
+        # for it to change anything: the tiny model's top biased token has p ~0.8, so 8 tokens can all be the top one
+        # (then test_sampling_fields_match_http's guard fails); 16 tokens have 3 other draws with the current seed
+        # mapping, and all 16 would be the top one with p ~0.03.
         cases[(m, "min_p")] = {**biased, "min_p": 0.99}
         cases[(m, "presence_penalty")] = {**biased, "presence_penalty": 2.0}
         cases[(m, "frequency_penalty")] = {**biased, "frequency_penalty": 2.0}

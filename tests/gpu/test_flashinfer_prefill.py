@@ -37,7 +37,7 @@ from test_gpu_model import cpu_model, make_ckpt, report
 pytestmark = pytest.mark.gpu
 
 L, R, BS = 512, 64, 64
-SCALE = 0.130861  # Kimi softmax scale (192^-0.5 * mscale^2), KIMI.md section 3
+SCALE = 0.130861  # Kimi softmax scale (192^-0.5 * mscale^2), docs/model-format.md, Math
 TOL = 1e-2  # max |out - ref| / max |ref|, bf16
 POISON = 1e4
 
@@ -221,7 +221,7 @@ def test_flashinfer_mla_graph_decode_plans():
     check([300, 8, 9, 10], False)  # plan_pages of other lengths: a miss
     assert (dec.ahead_hits, dec.ahead_misses) == (1, 2)
     assert dec.plan_ahead([7, 8, 9, 10], BS)
-    q_lat, q_pe, kv, tables = make_batch([1] * B, [7, 8, 9, 10], H, gen)
+    _q_lat, _q_pe, _kv, tables = make_batch([1] * B, [7, 8, 9, 10], H, gen)
     dec.plan([7, 8, 9, 10], tables, BS)  # any other plan drops the one made ahead
     check([7, 8, 9, 10], True)  # so these lengths are planned afresh: no hit
     assert (dec.ahead_hits, dec.ahead_misses) == (1, 2)

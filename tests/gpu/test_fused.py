@@ -1,10 +1,11 @@
 """Fused Triton kernels (kimi/ops/fused.py) against their plain-PyTorch references on the GPU.
 
 Fresh random inputs per test, outputs (and the KV cache) poisoned with NaN before the run, bf16 relative error
-||out - ref|| / ||ref|| <= 1e-2; router ids and align outputs compared exactly (align: identical to moe_align on
-the single-program path, as sets per row block on the two-kernel path). Both paths of router_topk (one fused
-kernel / two kernels) and moe_align_fused (one program / two kernels / the grid path, which must equal moe_align
-exactly; the two kernels' pairs per expert as sets) are tested forced and by their default dispatch at small and large T (up to 131k pairs), the fused router also replayed in a CUDA graph (arrival counters reset).
+||out - ref|| / ||ref|| <= 1e-2; router ids and align outputs compared exactly (align: identical to moe_align on the
+single-program path, as sets per row block on the two-kernel path). Both paths of router_topk (one fused kernel / two
+kernels) and moe_align_fused (one program / two kernels / the grid path, which must equal moe_align exactly; the two
+kernels' pairs per expert as sets) are tested forced and by their default dispatch at small and large T (up to 131k
+pairs), the fused router also replayed in a CUDA graph (arrival counters reset).
 Shapes: the real Kimi-K2.6 ones (D 7168, q_lora 1536, latent 512 + 64, 64 heads, 384 experts top-8, 48 local).
 CPU interpreter versions: tests/unit/test_fused_cpu.py.
 """
@@ -239,7 +240,7 @@ def test_moe_align_fused_max_pairs(one):
     assert mb == -(-bound // bm) + E and mb < mb0 and s.numel() == mb * bm
     assert torch.equal(n, n0) and torch.equal(be, be0[:mb])
     npd = int(n)
-    key = lambda sv, bev: (bev.repeat_interleave(bm)[:npd].long() * (ids.numel() + 1) + sv[:npd].long()).sort().values  # noqa: E731
+    key = lambda sv, bev: (bev.repeat_interleave(bm)[:npd].long() * (ids.numel() + 1) + sv[:npd].long()).sort().values
     assert torch.equal(key(s, be), key(s0, be0))
 
 

@@ -117,7 +117,7 @@ def test_flashinfer_mla_decode(B):
     kv_cache = torch.randn(num_blocks, bs, L + R, generator=gen, device="cuda").to(torch.bfloat16)
     q_lat = torch.randn(B, H, L, generator=gen, device="cuda").to(torch.bfloat16)
     q_pe = torch.randn(B, H, R, generator=gen, device="cuda").to(torch.bfloat16)
-    scale = 0.130861  # Kimi softmax scale (192^-0.5 * mscale^2), KIMI.md section 3
+    scale = 0.130861  # Kimi softmax scale (192^-0.5 * mscale^2), docs/model-format.md, Math
     mla = FlashInferMLADecode(H, scale)
     mla.plan(seq_lens.tolist(), block_tables, bs)
     out = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")

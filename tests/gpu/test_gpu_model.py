@@ -5,13 +5,13 @@ layout with Kimi's real attention widths (kv_lora 512, rope 64, nope 128, v 128;
 expert I 256) so that FlashInfer's MLA kernel and the INT4 MoE kernels actually run (the stock tiny model's
 64-wide latent has no FlashInfer kernel: it runs the torch decode fallback).
 
-Comparison: CPU model in float32 vs GPU model in bf16, same tokens, a prefill of two sequences then decode
-steps. Reported per case (printed, and appended as JSON lines to $KIMI_GPU_REPORT when set): top-1 agreement
-of the logits rows and max |logprob difference| of the CPU's top-1 token. bf16 tolerances: per row, the
-difference <= max(0.25 nats, the bf16 reference model's own difference + 0.1), top-1 agreement >= min(90% of
-rows, the bf16 reference's - 1) (tiny random models have nearly flat logits and near-tied routing, so bf16
-rounding alone can flip a top-1 token or an expert choice; see test_gpu_model_matches_cpu). The GPU KV cache is poisoned (1e4) before the run except the null block;
-graph output buffers are poisoned (NaN) before each replay.
+Comparison: CPU model in float32 vs GPU model in bf16, same tokens, a prefill of two sequences then decode steps.
+Reported per case (printed, and appended as JSON lines to $KIMI_GPU_REPORT when set): top-1 agreement of the logits rows
+and max |logprob difference| of the CPU's top-1 token. bf16 tolerances: per row, the difference <= max(0.25 nats, the
+bf16 reference model's own difference + 0.1), top-1 agreement >= min(90% of rows, the bf16 reference's - 1) (tiny random
+models have nearly flat logits and near-tied routing, so bf16 rounding alone can flip a top-1 token or an expert choice;
+see test_gpu_model_matches_cpu). The GPU KV cache is poisoned (1e4) before the run except the null block; graph output
+buffers are poisoned (NaN) before each replay.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
 def test_cuda_graph_padding_rows_route_to_no_expert(ckpts, backend, monkeypatch):
     """A batch of B < bucket rows: the padding rows' routing in the replayed graph is id -1 / weight 0 in every MoE
     layer (row_valid), the batch's rows keep their experts, and their hidden outputs are bit-equal to a replay that
-    routes the padding rows (CudaGraphRunner.mask_padding False, the old behaviour), for B = 1..bucket."""
+    routes the padding rows (CudaGraphRunner.mask_padding False), for B = 1..bucket."""
     from kimi.config import ModelConfig
     from kimi.worker import gpu_model
     from kimi.worker.gpu_model import load_gpu_model

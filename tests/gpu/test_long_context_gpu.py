@@ -10,7 +10,7 @@ unwritten slot would show.
 References: R32 = the reference model in float32 (TF32 off; run on the GPU: the same code as on the CPU, and
 a 33k-token float32 prefill on the CPU takes minutes); R16 = the same reference model with bf16 weights and
 activations. On this near-flat random model a bf16 rounding can flip a near-tied expert choice, which moves
-a logprob by ~0.5 nats (bench/long_context_diag_2026-11-29.json: at 33000 tokens R16 and the GPU model both
+a logprob by ~0.5 nats (tests/gpu/diag_long_context.py shows it: at 33000 tokens R16 and the GPU model both
 flip layer 1's routing at one step and both miss by 0.51). So the bound is relative to bf16's own error:
 per decode step, |GPU - R32| <= max(0.25, |R16 - R32| + 0.1) nats on R32's top-1 token, and top-1 agreement
 with R32 >= R16's agreement - 1 (and >= 6/8). A position bug past 32768 (rope, slots, planning) moves every

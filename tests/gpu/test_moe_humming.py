@@ -60,9 +60,9 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
 def test_humming_fp8_backend_matches_ref(T, E):
     """FP8 block-quantised experts (K2-Instruct format: float8_e4m3fn, float32 scale per 128 x 128 tile) kept FP8 by
     HummingFp8Experts, against the reference backend on the same weights dequantised (kimi.ops.quant), at the real
-    shapes (48 local of 384 under EP8, 24 under EP16, D 7168, I 2048); tolerance max |y - ref| <= 2e-2 * max |ref|. The weights on the device
-    take FP8 bytes (at most 1.1x the checkpoint's, humming's bf16 group scales included), and a CUDA graph's replay
-    equals the eager call (allclose at the same tolerance: stream-K sums may differ in order)."""
+    shapes (48 local of 384 under EP8, 24 under EP16, D 7168, I 2048); tolerance max |y - ref| <= 2e-2 * max |ref|. The
+    weights on the device take FP8 bytes (at most 1.1x the checkpoint's, humming's bf16 group scales included), and a
+    CUDA graph's replay equals the eager call (allclose at the same tolerance: stream-K sums may differ in order)."""
     pytest.importorskip("humming")
     from kimi.ops.moe_backend import HummingFp8Experts, make_experts
     from kimi.worker.dummy_weights import random_fp8_experts

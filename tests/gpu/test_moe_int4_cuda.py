@@ -224,7 +224,7 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
         others[rows] = False
         return rows, others
 
-    nan = lambda: torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    nan = lambda: torch.full((P, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     cases = [(c, pdl, True) for c in mc.CONFIGS if mc.config_valid(c, D, I) for pdl in ("early", "late", "off")]
     cases += [(mc.config_for(D, I, P // 8), pdl, False) for pdl in ("early", "off")]
     for cfg2, pdl, fused in cases:
@@ -316,7 +316,7 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
         x = torch.randn((T, D), device="cuda", generator=gen).to(torch.bfloat16)
         ids = _routing(T, E_total, k, gen)
         wts = torch.rand((T, k), device="cuda", generator=gen)
-        mc.indexed_gemm = lambda *a, **kw: (calls.append(T), orig(*a, **kw))[1]
+        mc.indexed_gemm = lambda *a, _T=T, **kw: (calls.append(_T), orig(*a, **kw))[1]
         try:
             y = auto(x, wts, ids).float()
         finally:
@@ -430,8 +430,8 @@ def test_expert_major_rows_match_the_reference(backend):
 
 def test_a_failed_launch_raises_runtime_error():
     """A configuration the extension was not built with (the launcher returns cudaErrorInvalidValue) is a
-    RuntimeError naming the launcher and the configuration: the message is formatted before TORCH_CHECK, after
-    streaming int64 values into it segfaulted the process (session 22)."""
+    RuntimeError naming the launcher and the configuration: the message is formatted before TORCH_CHECK (streaming
+    int64 values into TORCH_CHECK's message segfaults the process)."""
     from kimi.ops.fused import moe_align_fused
 
     gen = torch.Generator(device="cuda").manual_seed(11)

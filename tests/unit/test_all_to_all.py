@@ -139,7 +139,7 @@ def test_local_backend_is_the_single_rank_layer():
     local = _shard(full, 0, 1, make_all_to_all("local", num_experts=E, hidden=D, ep_rank=0, ep_size=1))
     assert isinstance(local.a2a, LocalBackend)
     torch.testing.assert_close(local(x), full(x), atol=0, rtol=0)
-    tw, tid = select_experts(x, full.gate, full.e_score_correction_bias, K, 2.827)
+    tw, _tid = select_experts(x, full.gate, full.e_score_correction_bias, K, 2.827)
     # the routing weights carry routed_scaling_factor exactly once
     torch.testing.assert_close(tw.sum(1), torch.full((7,), 2.827), atol=1e-5, rtol=1e-5)
 
@@ -164,6 +164,8 @@ def test_backend_choice_and_step_mode():
     check_backend("nccl", 2, "cuda", 384)  # only DeepEP has the limit
     with pytest.raises(ValueError, match="192 per rank"):  # checked before deep_ep is imported (absent on CPU)
         make_all_to_all("deepep", num_experts=384, hidden=7168, ep_rank=0, ep_size=2)
+    with pytest.raises(ValueError, match="needs a process group"):  # also before deep_ep is imported
+        make_all_to_all("deepep", num_experts=384, hidden=7168, ep_rank=0, ep_size=8)
     assert step_mode([3, 0, 128], True, 128) == DECODE
     assert step_mode([3, 0, 129], True, 128) == PREFILL
     assert step_mode([1, 1], False, 128) == PREFILL

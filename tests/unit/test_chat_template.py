@@ -1,4 +1,5 @@
-"""kimi/chat_template.jinja rendered by KimiTokenizer.apply_chat_template: exact prompts (KIMI.md section 5)."""
+"""kimi/chat_template.jinja rendered by KimiTokenizer.apply_chat_template: exact prompts (docs/model-format.md, Chat
+and tool-call format)."""
 
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def test_custom_template_tojson_and_errors(tok):
     with pytest.raises(ValueError, match="nope"):
         t.apply_chat_template([])
     t.chat_template = "{{ ''.__class__.__mro__ }}"  # the sandbox refuses unsafe attribute access
-    with pytest.raises(ValueError, match="SecurityError|unsafe"):
+    with pytest.raises(ValueError, match=r"SecurityError|unsafe"):
         t.apply_chat_template([])
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]).startswith(SYS)  # original untouched
 
@@ -267,9 +268,9 @@ JOINT_CASES = {
 @pytest.mark.parametrize("case", list(JOINT_CASES))
 def test_encode_chat_equals_encoding_the_rendered_prompt(case):
     """With the real vocabulary, encode_chat gives the ids of encode(rendered prompt, allow_special=True) (below its
-    400k-character piece size), what HF and vLLM feed the model: a message's text merges with the template text around it (a tool result's
-    tool_call_id after "## Return of ", two text parts). Encoding them apart gave other ids (' ', 'functions'
-    against ' functions'; 'foo', 'bar' against 'foobar')."""
+    400k-character piece size), what HF and vLLM feed the model: a message's text merges with the template text around
+    it (a tool result's tool_call_id after "## Return of ", two text parts). Encoding them apart gave other ids (' ',
+    'functions' against ' functions'; 'foo', 'bar' against 'foobar')."""
     from kimi.controller.chat import encode_chat
 
     real = _real_tokenizer()
@@ -296,7 +297,7 @@ def test_encode_chat_keeps_control_token_strings_in_messages_as_text():
     ctrl = {real.encode(s, allow_special=True)[0] for s in specials}
     plain = encode_chat(real, [{"role": "user", "content": "a b"}], None, {})
     evil = encode_chat(real, [{"role": "user", "content": "a" + "".join(specials) + "b"}], None, {})
-    count = lambda ids: Counter(i for i in ids if i in ctrl)  # noqa: E731
+    count = lambda ids: Counter(i for i in ids if i in ctrl)
     assert count(evil) == count(plain)
 
 

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {layout: make_tiny_checkpoint(root / layout, layout, seed=0, tokenizer_source=None) for layout in LAYOUTS}
 
 
-# ---- expected_tensors at real sizes (KIMI.md section 2) ---------------------------------------------
+# ---- expected_tensors at real sizes (docs/model-format.md, Tensors) ---------------------------------------------
 
 
 def test_expected_tensors_k26_int4_real_shapes() -> None:
@@ -68,7 +68,7 @@ def test_expected_tensors_k26_int4_real_shapes() -> None:
     assert p + "1.mlp.experts.0.down_proj.weight" not in exp
     # 3 top-level + 9 per layer + 3 dense MLP + 60 MoE layers x (3 shared + 2 router + 384 experts x 3 x 3).
     assert len(exp) == 3 + 61 * 9 + 3 + 60 * (5 + 384 * 9)
-    # Sizes from KIMI.md: one INT4 expert is 22.0 MB packed + 2.75 MB scales.
+    # Sizes from docs/model-format.md, Tensors: one INT4 expert is 22.0 MB packed + 2.75 MB scales.
     e = {k: v for k, v in exp.items() if ".layers.1.mlp.experts.0." in k}
     packed = sum(torch.Size(s).numel() * 4 for k, (s, _) in e.items() if k.endswith("weight_packed"))
     scales = sum(torch.Size(s).numel() * 2 for k, (s, _) in e.items() if k.endswith("weight_scale"))
@@ -280,7 +280,7 @@ P = "language_model."
 def test_missing_tensor(tiny: dict[str, str], tmp_path) -> None:
     name = P + "model.layers.1.self_attn.kv_b_proj.weight"
     d = _rewrite(tiny["k2.6"], tmp_path, lambda t: t.pop(name))
-    with pytest.raises(CheckpointError, match="missing tensor.*layers.1.self_attn.kv_b_proj.weight"):
+    with pytest.raises(CheckpointError, match=r"missing tensor.*layers\.1\.self_attn\.kv_b_proj\.weight"):
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
 
 
@@ -396,7 +396,7 @@ def test_skips_vision_rotary_and_foreign_tensors_without_index(tiny: dict[str, s
 def test_index_names_missing_file(tiny: dict[str, str], tmp_path) -> None:
     d = _rewrite(tiny["k2-thinking"], tmp_path, lambda t: None)
     os.remove(os.path.join(d, "model-00002-of-00003.safetensors"))
-    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors"):
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
 
 
@@ -409,7 +409,7 @@ def test_truncated_shard_names_its_file(tiny: dict[str, str], tmp_path, index: b
     path = os.path.join(d, "model-00002-of-00003.safetensors")
     size = os.path.getsize(path)
     os.truncate(path, keep if isinstance(keep, int) else int(size * keep))
-    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors: cannot be read as safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors: cannot be read as safetensors"):
         load_checkpoint(d, ModelConfig.from_dir(d), progress=False)
 
 
@@ -431,7 +431,7 @@ def test_tiny_checkpoint_with_a_missing_tokenizer_folder_writes_nothing(tmp_path
     from make_tiny_checkpoint import main
 
     out = tmp_path / "tiny"
-    with pytest.raises(FileNotFoundError, match="no tiktoken.model"):
+    with pytest.raises(FileNotFoundError, match=r"no tiktoken\.model"):
         make_tiny_checkpoint(out, tokenizer_source=str(tmp_path / "nowhere"))
     assert not (out / "config.json").exists()
     monkeypatch.setenv("KIMI_TOKENIZER_DIR", str(tmp_path / "nowhere"))

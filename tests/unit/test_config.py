@@ -1,4 +1,5 @@
-"""ModelConfig parsing of the three tiny layouts and of the K2.6 preset (values from ../shared/KIMI.md section 1)."""
+"""ModelConfig parsing of the three tiny layouts and of the K2.6 preset (values from docs/model-format.md, Checkpoint
+variants)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_load_preset_returns_a_copy_and_rejects_unknown() -> None:
     a = load_preset("kimi-k2.6")
     a["text_config"]["hidden_size"] = 1
     assert load_preset("kimi-k2.6")["text_config"]["hidden_size"] == 7168
-    with pytest.raises(KeyError, match="kimi-k2.6"):
+    with pytest.raises(KeyError, match=r"kimi-k2\.6"):
         load_preset("no-such-model")
 
 
@@ -180,7 +181,7 @@ def test_config_errors(tmp_path) -> None:
     raw["text_config"]["scoring_func"] = "softmax"
     with pytest.raises(ConfigError, match="scoring_func"):
         ModelConfig.from_dict(raw)
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         ModelConfig.from_dir(tmp_path)
     with pytest.raises(ConfigError, match="no such directory"):
         ModelConfig.from_dir(tmp_path / "missing")
@@ -252,7 +253,7 @@ def test_config_file_errors_name_the_folder_and_file(tmp_path) -> None:
         ModelConfig.from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(load_preset("kimi-k2.6")))
     (tmp_path / "generation_config.json").write_text("{bad")
-    with pytest.raises(ConfigError, match="generation_config.json: not valid JSON"):
+    with pytest.raises(ConfigError, match=r"generation_config\.json: not valid JSON"):
         ModelConfig.from_dir(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
     with pytest.raises(ConfigError, match=f"^{tmp_path}: generation_config.json: eos_token_id must be an integer"):

@@ -103,7 +103,7 @@ def test_fast_detokenizer_equals_incremental_detokenizer(tmp_path):
         partial = [i for i, b in enumerate(tok._table) if b and i < 300000 and b[-1] >= 0x80][:2000]
         for skip in (True, False):
             texts = FastDetokenizer.texts(tok, skip)
-            for trial in range(200):
+            for _trial in range(200):
                 ids = []
                 for _ in range(rng.randrange(1, 40)):
                     r = rng.random()
@@ -186,7 +186,7 @@ def test_latency_histogram_exposition_matches_prometheus_client():
     for v in values:
         a.observe(v)
         b.observe(v)
-    norm = lambda t: re.sub(rb"_created \S+", b"_created T", t)  # noqa: E731
+    norm = lambda t: re.sub(rb"_created \S+", b"_created T", t)
     assert norm(generate_latest(reg_a)) == norm(generate_latest(reg_b))
     assert b.count == len(values)
 

@@ -3,12 +3,13 @@ subprocess: the variable must be set before Triton is imported), against the pla
 random inputs. fp16 / fp32 only (the interpreter's bf16 arithmetic is not faithful). Skipped, with the reason,
 where Triton is not installed or its interpreter does not work with the installed numpy.
 
-Covered: rms_norm / add_rms_norm (odd D, strided rows, out=); mla_rope_kv_write (both head-group sizes, odd H
-and L, nothing but the mapped cache slots written); router_topk on both paths (one fused kernel with arrival
-counters, and the two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several
-row tiles, counters back at zero, bitwise run-to-run determinism, exact ties, rows marked invalid (row_valid); moe_align_fused on both paths
-(the single program's and the grid path's outputs equal moe_align's exactly; the two-kernel path's as sets per
-expert) and the P threshold dispatch, and sized by a max_pairs bound; silu_mul_rows over an align's listed rows (exactly the local pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
+Covered: rms_norm / add_rms_norm (odd D, strided rows, out=); mla_rope_kv_write (both head-group sizes, odd H and L,
+nothing but the mapped cache slots written); router_topk on both paths (one fused kernel with arrival counters, and the
+two-kernel path) incl. several split-K pieces, E not a multiple of the expert tile, several row tiles, counters back at
+zero, bitwise run-to-run determinism, exact ties, rows marked invalid (row_valid); moe_align_fused on both paths (the
+single program's and the grid path's outputs equal moe_align's exactly; the two-kernel path's as sets per expert) and
+the P threshold dispatch, and sized by a max_pairs bound; silu_mul_rows over an align's listed rows (exactly the local
+pairs). The GPU versions of these checks: tests/gpu/test_fused.py.
 """
 
 import textwrap
@@ -149,7 +150,8 @@ _ROUTER = textwrap.dedent("""
 _ALIGN = textwrap.dedent("""
     from kimi.ops.moe_int4_triton import moe_align
     # (40, 8, 8) / (24, 8, 8): experts with one and with two blocks in one align
-    for T, k, bm in [(0, 8, 16), (1, 8, 8), (8, 8, 16), (33, 4, 16), (200, 8, 64), (200, 8, 16), (40, 8, 8), (24, 8, 8)]:
+    cases = [(0, 8, 16), (1, 8, 8), (8, 8, 16), (33, 4, 16), (200, 8, 64), (200, 8, 16), (40, 8, 8), (24, 8, 8)]
+    for T, k, bm in cases:
         ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
         rs, rbe, rn, rmb = moe_align(ids, 12, 8, bm)
         for one in (True, False):
@@ -205,7 +207,8 @@ _ALIGN = textwrap.dedent("""
 
 _SILU_ROWS = textwrap.dedent("""
     from kimi.ops.moe_int4_triton import moe_align
-    for T, k, bm, I, R in [(1, 8, 8, 40, 4), (9, 8, 16, 100, 8), (33, 4, 16, 64, 3), (20, 8, 8, 48, 1), (0, 8, 8, 16, 4)]:
+    cases = [(1, 8, 8, 40, 4), (9, 8, 16, 100, 8), (33, 4, 16, 64, 3), (20, 8, 8, 48, 1), (0, 8, 8, 16, 4)]
+    for T, k, bm, I, R in cases:
         ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
         s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, False)
         P = T * k

@@ -62,7 +62,7 @@ def test_forgotten_rows_are_written_again():
 def test_page_stride_is_the_next_power_of_two_within_bounds():
     """pages per row: the next power of two of the longest table (at least 16), never past max_blocks_per_seq"""
     r = _runner(4, 4096)
-    stride = lambda k: CudaGraphRunner._page_stride(r, k)  # noqa: E731
+    stride = lambda k: CudaGraphRunner._page_stride(r, k)
     assert [stride(k) for k in (1, 16, 17, 32, 33, 100, 4096)] == [16, 16, 32, 32, 64, 128, 4096]
     r.max_blocks_per_seq = 40
     assert [stride(k) for k in (1, 33, 40)] == [16, 40, 40]

@@ -216,7 +216,8 @@ _INTERP_SCRIPT = textwrap.dedent("""
     from kimi.ops.quant import quant_fp8_block
     torch.manual_seed(0)
     cases = [(1, 64, 128, (128, 128), Fp8Config(16, 4, 2, 1, 1)), (3, 200, 300, (128, 128), Fp8Config(16, 4, 3, 2, 0)),
-             (16, 256, 640, (128, 128), Fp8Config(64, 4, 3, 2, 2)), (33, 130, 128, (128, 128), Fp8Config(32, 2, 2, 1, 1)),
+             (16, 256, 640, (128, 128), Fp8Config(64, 4, 3, 2, 2)),
+             (33, 130, 128, (128, 128), Fp8Config(32, 2, 2, 1, 1)),
              (64, 96, 500, (64, 64), Fp8Config(32, 4, 2, 3, 3)), (8, 300, 1000, (128, 128), Fp8Config(16, 4, 2, 4, 2))]
     for M, N, K, block, cfg in cases:
         q, s = quant_fp8_block(torch.randn(N, K) / K ** 0.5, block)

@@ -1,11 +1,11 @@
 """Long context: paged decode at positions past 8192 matches a differently chunked prefill of the same tokens.
 
 Path under test (what the server does): chunked prefill (2048-token chunks) of 8200 tokens into a shuffled,
-non-contiguous block table, then 32 single-token decode steps (the absorbed MLA decode path) at positions
-8200..8231. Reference: the same 8232 tokens prefilled in 4100-token chunks into a contiguous block table
-(the naive MLA prefill path, a different chunking and a different kernel), reading the logits of the last 32
-positions. Tiny K2.6 model cut to 2 layers (one dense, one MoE; YaRN factor 64 over 4096 original
-positions, so these positions use the scaled rope), fp32; log-probabilities must agree within 1e-3 and the argmax must be the same.
+non-contiguous block table, then 32 single-token decode steps (the absorbed MLA decode path) at positions 8200..8231.
+Reference: the same 8232 tokens prefilled in 4100-token chunks into a contiguous block table (the naive MLA prefill
+path, a different chunking and a different kernel), reading the logits of the last 32 positions. Tiny K2.6 model cut to
+2 layers (one dense, one MoE; YaRN factor 64 over 4096 original positions, so these positions use the scaled rope),
+fp32; log-probabilities must agree within 1e-3 and the argmax must be the same.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def read_dequantised_independently(ckpt: str) -> dict[str, torch.Tensor]:
     raw: dict[str, torch.Tensor] = {}
     for fn in files:
         with safe_open(os.path.join(ckpt, fn), "pt") as f:
-            for k in f.keys():
+            for k in f.keys():  # noqa: SIM118  # a safetensors handle: keys() is its API, `in` is not
                 if k.startswith(prefix) and not k.startswith(("vision_tower.", "mm_projector.")):
                     raw[k[len(prefix) :]] = f.get_tensor(k)
     out: dict[str, torch.Tensor] = {}
@@ -228,7 +228,7 @@ def kimi_logprobs(model: KimiForCausalLM, prompts: list[torch.Tensor], plan) -> 
                 chunks.append((b, prompts[b][done[b] : done[b] + q], done[b]))
         qlens = [len(c[1]) for c in chunks]
         mixed += 1 in qlens and any(q > 1 for q in qlens)
-        for (b, t, s), lg in zip(chunks, runner.step(chunks)):
+        for (b, t, _s), lg in zip(chunks, runner.step(chunks)):
             rows[b].append(lg)
             done[b] += len(t)
         step += 1

@@ -1,9 +1,9 @@
 """Tests for kimi.controller.parsers: reasoning + kimi_k2 tool-call parsing at the token-id level.
 
-Covers the failure classes of ../shared/KIMI.md section 5 at the parser level: text split across deltas
-(one character per delta and odd-sized chunks), two calls in one section, a section cut by max_tokens,
-names with dots / dashes, ids without the `functions.` prefix, empty content, markers inside `<think>`,
-reasoning with / without `<think>` in the prompt, thinking off.
+Covers the failure classes of docs/model-format.md, Chat and tool-call format at the parser level: text split across
+deltas (one character per delta and odd-sized chunks), two calls in one section, a section cut by max_tokens, names with
+dots / dashes, ids without the `functions.` prefix, empty content, markers inside `<think>`, reasoning with / without
+`<think>` in the prompt, thinking off.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def test_two_calls_in_one_section(sizes):
         SE,
         sizes=sizes,
     )
-    c, r, calls, p, _ = stream(pairs, TOOLS)
+    c, _r, calls, _p, _ = stream(pairs, TOOLS)
     want = {
         0: ["functions.search:0", "search", '{"q": "a"}'],
         1: ["functions.fetch:1", "fetch", '{"url": "http://x/y?z=1"}'],
@@ -336,8 +336,8 @@ def test_multiple_sections():
 # ---- cut by max_tokens --------------------------------------------------------------------------------
 def test_cut_inside_arguments_live_mode():
     pairs = toks("x", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"k": ', sizes=[3])
-    c, _, calls, p, _ = stream(pairs, TOOLS)
-    # the client has seen the head and fragments of call 1 already; it must be told "length"
+    _c, _, calls, p, _ = stream(pairs, TOOLS)
+    # the client has seen the head and fragments of the second call (index 1) already; it must be told "length"
     assert calls[1][:2] == ["functions.b:1", "b"]
     assert p.tool_calls == [ToolCall("functions.a:0", "a", '{"k": 1}')]
     assert p.incomplete_tool_call and p.partial_tool_call_emitted
@@ -404,7 +404,7 @@ def test_cut_right_after_section_begin():
 @pytest.mark.parametrize("sizes", [[1], None])
 def test_cut_inside_arguments_whole_mode_never_emits_broken_call(sizes):
     pairs = toks(SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"k": ', sizes=sizes)
-    c, _, calls, p, deltas = stream(pairs, TOOLS_WHOLE)
+    _c, _, calls, p, deltas = stream(pairs, TOOLS_WHOLE)
     assert calls == {0: ["functions.a:0", "a", '{"k": 1}']}
     assert p.incomplete_tool_call and not p.partial_tool_call_emitted
     assert p.finish_reason("length") == "length" and p.finish_reason("stop") == "tool_calls"
@@ -463,7 +463,7 @@ def test_tool_section_inside_think_ends_reasoning_when_tools_active(sizes):
         sizes=sizes,
         marker_text=True,
     )
-    c, r, calls, p, _ = stream(pairs, cfg)
+    c, r, calls, _p, _ = stream(pairs, cfg)
     assert r == "I should look it up."
     assert calls == {0: ["functions.lookup:0", "lookup", '{"q": "x"}']}
     assert c == "ok"  # the late `</think>` is dropped

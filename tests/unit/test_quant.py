@@ -95,7 +95,7 @@ def test_int4_bit_layout_and_dequant_formula_by_explicit_index_math() -> None:
             assert deq[r, c].item() == pytest.approx((nibble - 8) * sc[r][c // 32], abs=0, rel=1e-6)
             q_expect = max(-8, min(7, round(w[r, c].item() / sc[r][c // 32])))
             assert nibble - 8 == q_expect or abs(w[r, c].item() / sc[r][c // 32] % 1 - 0.5) < 1e-4
-    # Little-endian byte view (KIMI.md section 2): byte b holds k = 2b (low nibble) and k = 2b + 1 (high).
+    # Little-endian byte view (docs/model-format.md, Tensors): byte b holds k = 2b (low nibble) and k = 2b + 1 (high).
     by = packed.view(torch.uint8)
     assert by.shape == (n, k // 2)
     assert torch.equal((by & 0xF).to(torch.int16) - 8, q[:, 0::2].to(torch.int16))

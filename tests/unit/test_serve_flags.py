@@ -201,3 +201,37 @@ def test_every_serve_flag_has_help_and_shows_its_default():
         if action.default not in (None, False) and not action.required:
             assert "default" in shown, f"{action.option_strings[0]}: its default {action.default!r} is not shown"
     assert "(default: 8000)" in text and "(default: 0.9)" in text and "(default: cpu)" in text
+
+
+def test_eos_token_ids_hold_only_ids():
+    """The request-ending ids are the checkpoint's EOS ids plus `<|im_end|>` when the vocabulary has one; a
+    vocabulary without it adds nothing (a None in the set made min_tokens' sorted block list raise TypeError)."""
+    from types import SimpleNamespace
+
+    from kimi.controller.validation import SamplingFields, generation_params
+    from kimi.server import eos_token_ids
+    from kimi.tokenizer import KimiTokenizer
+
+    ranks = {bytes([i]): i for i in range(256)}
+    cfg = SimpleNamespace(eos_token_ids=(163585,))
+    with_im_end = KimiTokenizer(ranks, {163586: ("<|im_end|>", True)})
+    without = KimiTokenizer(ranks, {})
+    assert without.im_end_id is None
+    assert eos_token_ids(cfg, with_im_end) == frozenset({163585, 163586})
+    eos = eos_token_ids(cfg, without)
+    assert eos == frozenset({163585})
+    sampling, _ = generation_params(
+        SamplingFields(1.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None),
+        logprobs=None,
+        prompt_logprobs=-1,
+        logit_bias_ids=[],
+        logit_bias_values=[],
+        stop=(),
+        include_stop_str_in_output=False,
+        stop_token_ids=[7],
+        ignore_eos=False,
+        max_tokens=8,
+        min_tokens=2,
+        eos_token_ids=eos,
+    )
+    assert sampling.min_tokens_block_ids == [7, 163585]

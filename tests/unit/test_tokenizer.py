@@ -1,4 +1,4 @@
-"""kimi.tokenizer: real-vocabulary check values (KIMI.md section 4), special-token safety, streaming
+"""kimi.tokenizer: real-vocabulary check values (docs/model-format.md, Tokenizer), special-token safety, streaming
 detokenization, long inputs, and the built-in byte-level vocabulary."""
 
 from __future__ import annotations
@@ -311,5 +311,5 @@ def test_default_tokenizer_source_env(monkeypatch, tmp_path):
 
 
 def test_from_dir_missing_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tiktoken.model"):
+    with pytest.raises(FileNotFoundError, match=r"tiktoken\.model"):
         KimiTokenizer.from_dir(tmp_path)

@@ -66,7 +66,7 @@ from kimi.controller.transport import free_tcp_port  # noqa: E402
 
 def make_model_dir(path: str) -> str:
     """A folder with the tiny K2.6 config.json, generation_config.json and tokenizer files (no weights)."""
-    from make_tiny_checkpoint import tiny_config
+    from kimi.tiny_checkpoint import tiny_config
 
     from kimi.tokenizer import write_tokenizer_files
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download every wheel an offline x86-64 Linux GPU host with Python 3.12 needs to run kimi (air-gapped clusters),
 # except PyTorch itself (install the CUDA build of your cluster first; 2.11 + CUDA 13 is what kimi was measured on).
-# Usage: bash tools/wheelhouse.sh [DIR]     (default .whl; `make wheelhouse` runs it)
+# Usage: bash scripts/wheelhouse.sh [DIR]     (default .whl; `make wheelhouse` runs it)
 # On the host (its CUDA PyTorch and numpy installed):
 #               python3 -m pip install --no-index --no-deps DIR/*.whl
 #               python3 -m pip install --no-index --no-deps --find-links DIR -e .     (in the kimi checkout)
@@ -11,7 +11,7 @@
 set -euo pipefail
 case "${1:-}" in
   -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-  -*) echo "wheelhouse.sh: unknown option $1 (usage: bash tools/wheelhouse.sh [DIR])" >&2; exit 2 ;;
+  -*) echo "wheelhouse.sh: unknown option $1 (usage: bash scripts/wheelhouse.sh [DIR])" >&2; exit 2 ;;
 esac
 dir=${1:-.whl}
 py=${PYTHON:-python3}
@@ -22,7 +22,7 @@ for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manyli
   plat+=(--platform "$p")
 done
 dl() { "$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" -d "$dir" "$@"; }
-# GPU kernels, pinned to the versions measured in docs/benchmarks.md; no dependency resolution (it would pull torch)
+# GPU kernels, pinned as pyproject.toml's gpu extra (the versions of the snapshots); no dependency resolution (it would pull torch)
 dl --no-deps flashinfer-python==0.6.4 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0 \
   humming-kernels==0.1.20 tokenspeed-deepep==1.2.1.post20251110 ninja==1.13.2 "setuptools>=68"
 # kimi's runtime dependencies (pyproject.toml, torch excepted) and the GPU set's (their metadata; torch, triton and

@@ -5,7 +5,7 @@ request and a streamed chat request agree; N concurrent distinct greedy requests
 finish_reason and the asked token count; /metrics returns to 0 running requests and 0 KV blocks in use.
 Exit status 1 if any check fails.
 
-    python tests/gpu/serve_check.py --base-url http://127.0.0.1:8000 --model NAME [--concurrency 32] [--out F]
+    python scripts/serve_check.py --base-url http://127.0.0.1:8000 --model NAME [--concurrency 32] [--out F]
 """
 
 from __future__ import annotations

@@ -4,15 +4,12 @@
 #  2. kimi serve --device cuda --nproc 2 with --a2a-backend nccl, then deepep, on the tiny K2.6 checkpoint
 #     (or, with LAYERS=N, on the real K2.6 config with dummy weights cut to N layers: hidden 7168, 384 experts;
 #     EXPERTS=M sets its routed experts to M),
-#     driven by tests/gpu/serve_check.py (real HTTP requests), server logs kept.
+#     driven by scripts/serve_check.py (real HTTP requests), server logs kept.
 # BENCH=1 adds tools/bench_serving.py (64 requests of 512 + 64 tokens, 32 at a time) per backend.
 # NVLink multicast stays off (the machine sets NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1; not overridden here).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl_e2e/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HUMMING_CACHE_DIR=/tmp/hcache
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT; export KIMI_GPU_REPORT=$OUT/report.jsonl
-[ -f .jitcache/humming.tgz ] && mkdir -p /tmp/hcache && tar xzf .jitcache/humming.tgz -C /tmp/hcache
-[ -f .jitcache/flashinfer.tgz ] && mkdir -p ~/.cache && tar xzf .jitcache/flashinfer.tgz -C ~/.cache
+source scripts/device_env.sh || exit 1
+export KIMI_GPU_REPORT=$OUT/report.jsonl
 nvidia-smi -L | tee $OUT/gpus.txt; env | grep -E "NVLS|MULTICAST" | tee -a $OUT/gpus.txt
 if [ "${SKIP_LONG:-0}" != 1 ]; then
   timeout ${T_LONG:-240} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_long_context_gpu.py 2>&1 | tail -8 | tee $OUT/long_context.log
@@ -43,7 +40,7 @@ for be in ${BACKENDS:-nccl deepep}; do
   done
   if [ $ok = 1 ]; then
     echo "== $be: ready after $(( $(date +%s) - t0 )) s"
-    timeout 120 python3 tests/gpu/serve_check.py --base-url http://127.0.0.1:8000 --model tiny --concurrency 16 \
+    timeout 120 python3 scripts/serve_check.py --base-url http://127.0.0.1:8000 --model tiny --concurrency 16 \
       --out $OUT/serve_check_$be.json; echo "== $be serve_check rc=$?"
     if [ "${BENCH:-0}" = 1 ]; then
       timeout 150 python3 tools/bench_serving.py --base-url http://127.0.0.1:8000 --model tiny --num-requests 64 \

@@ -61,7 +61,7 @@ def test_every_tool_prints_help_without_gpu_packages():
     bad = [
         f"{name}: rc {rc}, stderr {err.strip()[-300:]!r}"
         for name, (rc, out, err) in _run_all(scripts, ["--help"]).items()
-        if rc != 0 or "usage:" not in out or "Traceback" in err or "(default: " not in out
+        if rc != 0 or "usage:" not in out or "Traceback" in err or "(default:" not in out
     ]
     assert not bad, "\n".join(bad)
 

@@ -120,7 +120,7 @@ def breakdown(step: Callable[[], Any], steps: int = 3) -> dict:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        t = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+        t = float(getattr(e, "device_time", None) or getattr(e, "cuda_time", None) or 0.0)
         per_kernel[e.name] = per_kernel.get(e.name, 0.0) + t / 1000.0 / steps  # ms per step
     cls: dict[str, float] = {}
     for name, t in per_kernel.items():

@@ -65,8 +65,12 @@ def copy_bandwidth(nbytes: int, device: Any = "cuda", iters: int = 20, warmup: i
     """
     a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     b = torch.empty_like(a)
-    ms = statistics.median(event_times(lambda a=a, b=b: b.copy_(a), iters, warmup))
-    del a, b
+
+    def copy(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+        b.copy_(a)
+
+    ms = statistics.median(event_times(copy, iters, warmup))
+    del a, b, copy
     torch.cuda.empty_cache()
     return {"bytes_per_copy": nbytes, "median_ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}
 

@@ -64,7 +64,7 @@ test-gpu: install
 # Wheels for an offline x86-64 Python 3.12 GPU host (everything but PyTorch): tools/wheelhouse.sh says how to install.
 WHEELHOUSE ?= .whl
 wheelhouse:
-	bash tools/wheelhouse.sh $(WHEELHOUSE)
+	bash scripts/wheelhouse.sh $(WHEELHOUSE)
 
 clean:
 	rm -rf $(VENV) $(TVENV) models build *.egg-info

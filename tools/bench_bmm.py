@@ -5,22 +5,24 @@ The two per-head products of every MLA layer at Kimi-K2.6's shape (H = 64 heads 
     model); w_uk_t [H, 512, 128].
   - uv: o [M, H * 128] = o_lat [M, H, 512] @ W_UV^T per head, written into the [M, H * 128] o_proj input;
     w_uv [H, 128, 512].
-Each at M in --ms (the dispatch buckets 1, 8, 16, 32, 64). Timed, as the model ran them before this kernel:
-  - "torch_old": torch.bmm on head-major transposes with the old weight layouts ([H, 128, 512] for uk, then
-    .contiguous(); [H, 512, 128] for uv, then .reshape to [M, H * 128], a copy);
-  - "torch": kimi.ops.bmm_small_m.bmm_heads_ref (torch.bmm with the new layouts; since 2026-11-30 it writes the
-    output in place, the table measurements before that date include a copy into the output);
+Each at M in --ms (the dispatch buckets 1, 8, 16, 32, 64). Timed:
+  - "torch_old": torch.bmm on head-major transposes with the checkpoint's weight layouts ([H, 128, 512] for uk,
+    then .contiguous(); [H, 512, 128] for uv, then .reshape to [M, H * 128], a copy): the path this kernel replaced;
+  - "torch": kimi.ops.bmm_small_m.bmm_heads_ref (torch.bmm with the kernel's layouts, writing the output in place:
+    the model's path where the table has no entry, e.g. prefill);
   - every Triton config of kimi.ops.bmm_small_m.CONFIGS (checked against fp32 first: max abs err <= 1e-2 *
     max |ref|, else dropped).
-Method: as tools/bench_gemm.py (its Timer): each sample is one CUDA-graph replay of R calls cycling through enough
-copies of W to cover >= 512 MiB (so W comes from HBM, not the 50 MB L2), median of samples, per call. GB/s =
-(W + x + y bytes) / time; "of copy" = that / a 2 GiB device copy's bandwidth measured in the same run.
+Method: as tools/bench_gemm.py (kimi.benchmarks.gpu.GraphTimer): each sample is one CUDA-graph replay of R calls
+cycling through enough copies of W to cover >= 512 MiB (so W comes from HBM, not the 50 MB L2), median of samples,
+per call. GB/s = (W + x + y bytes) / time; "of copy" = that / a 2 GiB device copy's bandwidth measured in the same
+run.
 
-Output: a table on stdout, JSON to --out ($OUT/ or bench/ by default) and the dispatch table (entries where the
-best Triton config beats the faster torch path by more than --margin) to --table-out, in the format
-kimi.ops.linear_small_m.load_table reads (copy it to kimi/ops/bmm_small_m_table.json to enable it).
+Output: a table on stdout, JSON to --out, the snapshot (--snapshot: bmm-small-m.json; bmm-small-m_custom for
+other M) and, as the tuner of kimi/ops/bmm_small_m_table.json, the dispatch table (entries where the best Triton
+config beats the faster torch path by more than --margin) to --table-out (`--table-out
+kimi/ops/bmm_small_m_table.json` regenerates the shipped one).
 
-Usage: python tools/bench_bmm.py [--ms 1,8,16,32,64] [--out F.json] [--table-out T.json]
+Usage: python tools/bench_bmm.py [--ms 1,8,16,32,64] [--out F.json] [--table-out T.json] [--snapshot]
 """
 
 from __future__ import annotations
@@ -29,16 +31,13 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_gemm import MIN_POOL_BYTES, Timer
-from bench_util import copy_bandwidth, require_gpu
-
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import MIN_POOL_BYTES, GraphTimer, copy_bandwidth, require_gpu
 from kimi.ops import bmm_small_m as bmm
 from kimi.ops import linear_small_m as lsm
 
@@ -49,24 +48,60 @@ def log(*a):
     print(*a, flush=True)
 
 
+DEFAULT_MS = "1,8,16,32,64"
+
+
+def summarize(report: dict, ms: tuple[int, ...] = (8, 32, 64)) -> dict:
+    """The snapshot's table at M in `ms`: the replaced torch path, the torch fallback and the best Triton config."""
+    copy = report["copy"]["GBps_read_plus_write"]
+    rows = []
+    for r in report["results"]:
+        if r["M"] not in ms:
+            continue
+        b = r["best"]
+        rows.append(
+            [
+                r["shape"],
+                r["M"],
+                round(r["torch_old_us"], 1),
+                round(r["torch_us"], 1),
+                round(b["us"], 1) if b else None,
+                round(100 * b["GBps"] / copy) if b else None,
+                round(r["torch_old_us"] / b["us"], 2) if b else None,
+                "yes" if r["chosen"] else "no",
+            ]
+        )
+    return {
+        "columns": [
+            "product",
+            "M",
+            "torch.bmm, checkpoint layout (us)",
+            "torch.bmm, kernel layout (us)",
+            "kimi (us)",
+            "kimi, % of copy",
+            "speed-up over the replaced path",
+            "chosen by the run",
+        ],
+        "rows": rows,
+        "notes": ["uk: q_nope @ W_UK; uv: o_lat @ W_UV^T; 64 heads, weights streamed from HBM, CUDA-graph replay"],
+    }
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ms", default="1,8,16,32,64")
-    ap.add_argument("--samples", type=int, default=50)
-    ap.add_argument("--margin", type=float, default=0.02)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--table-out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--ms", default=DEFAULT_MS, help="rows M (each a dispatch bucket), comma list")
+    ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement (at least 50)")
+    ap.add_argument("--margin", type=float, default=0.02, help="a table entry needs this fraction over torch")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    ap.add_argument("--table-out", default=None, help="write the dispatch table here (kimi/ops/bmm_small_m_table.json)")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog)
     import triton
 
     t0 = time.time()
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
-    date = datetime.date.today().isoformat()
-    out_path = args.out or os.path.join(out_dir, f"bmm_small_m_{date}.json")
-    table_path = args.table_out or os.path.join(out_dir, "bmm_small_m_table.json")
     gpu = torch.cuda.get_device_name()
-    timer = Timer(max(50, args.samples))
+    timer = GraphTimer(max(50, args.samples))
     copy = copy_bandwidth(2 << 30)
     copy_gbps = copy["GBps_read_plus_write"]
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__} copy {copy_gbps:.0f} GB/s")
@@ -97,7 +132,7 @@ def main() -> int:
                 out=None,
                 N=L,
                 K=NOPE,
-                old=lambda i: torch.bmm(q_nope.transpose(0, 1), w_uk_old[i]).transpose(0, 1).contiguous(),
+                old=lambda i, x=q_nope: torch.bmm(x.transpose(0, 1), w_uk_old[i]).transpose(0, 1).contiguous(),
             ),
             "uv": dict(
                 x=o_lat,
@@ -105,7 +140,9 @@ def main() -> int:
                 out=o3,
                 N=V,
                 K=L,
-                old=lambda i: torch.bmm(o_lat.transpose(0, 1), w_uv_t_old[i]).transpose(0, 1).reshape(M, H * V),
+                old=lambda i, x=o_lat, M=M: (
+                    torch.bmm(x.transpose(0, 1), w_uv_t_old[i]).transpose(0, 1).reshape(M, H * V)
+                ),
             ),
         }
         for name, sp in shapes.items():
@@ -114,10 +151,9 @@ def main() -> int:
             ref = torch.einsum("mhk,hnk->mhn", x.float(), ws[0].float())
             tol = 1e-2 * ref.abs().max().item()
             row = {"shape": name, "M": M, "H": H, "N": N, "K": K, "bytes": nbytes, "copies_of_W": copies}
-            row["torch_old_us"] = timer.time_calls([lambda i=i: sp["old"](i % copies) for i in range(reps)])
-            row["torch_us"] = timer.time_calls(
-                [lambda i=i: bmm.bmm_heads_ref(x, ws[i % copies], out) for i in range(reps)]
-            )
+            at = [i % copies for i in range(reps)]  # the weight copy each call of the graph reads
+            row["torch_old_us"] = timer.time_calls([lambda j=j, old=sp["old"]: old(j) for j in at])
+            row["torch_us"] = timer.time_calls([lambda x=x, w=ws[j], out=out: bmm.bmm_heads_ref(x, w, out) for j in at])
             trit = []
             for cfg in bmm.CONFIGS:
                 rec = {"config": bmm.table_entry(cfg), "name": cfg.name()}
@@ -129,10 +165,7 @@ def main() -> int:
                         rec["error"] = f"max err {err:.3g} > tol {tol:.3g}"
                     else:
                         t = timer.time_calls(
-                            [
-                                lambda i=i, c=cfg: bmm.bmm_small_m(x, ws[i % copies], out=out, config=c)
-                                for i in range(reps)
-                            ]
+                            [lambda x=x, w=ws[j], out=out, c=cfg: bmm.bmm_small_m(x, w, out=out, config=c) for j in at]
                         )
                         rec["us"] = t
                         rec["GBps"] = nbytes / t / 1e3
@@ -159,8 +192,8 @@ def main() -> int:
                 + f"  [{time.time() - t0:.0f}s]"
             )
     report = {
+        "args": vars(args),
         "gpu": gpu,
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "copy": copy,
         "method": "CUDA-graph replay of R calls cycling >= 512 MiB of W copies, median of samples, per call; "
@@ -170,14 +203,24 @@ def main() -> int:
         "table": table,
         "wall_s": round(time.time() - t0, 1),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(table_path, "w") as f:
-        json.dump(
-            {"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1
+    report["conditions"] = conds = snapshot.conditions(copy_GBps=copy_gbps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.table_out:
+        with open(args.table_out, "w") as f:
+            tuner = snapshot.command_line()
+            json.dump({"gpu": gpu, "date": report["date"], "tuner": tuner, "table": table}, f, indent=1)
+    if args.snapshot:
+        snapshot.write(
+            args.snapshot,
+            benchmark="bmm-small-m",
+            config="" if args.ms == DEFAULT_MS else "custom",
+            summary=summarize(report),
+            results=report,
+            conds=conds,
         )
-    log(f"wrote {out_path} and {table_path} ({len(table)} entries) in {time.time() - t0:.0f} s")
+    log(f"{len(table)} table entries; done in {time.time() - t0:.0f} s")
     return 0
 
 

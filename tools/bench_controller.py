@@ -3,12 +3,13 @@
 
     python tools/bench_controller.py [--running 64 256 1024] [--output-len 256] [--input-len 64]
                                      [--step-ms MS] [--async-scheduling on,off] [--rounds R]
-                                     [--out bench/controller_cpu_DATE.json] [--profile DIR]
+                                     [--out F.json] [--profile DIR] [--snapshot]
 
 `--step-ms MS [--token-us US]` makes every fake step last at least MS milliseconds plus US microseconds per token
 it computes (a stand-in for the model's time on a GPU; the worker sleeps, leaving the CPU to the controller);
-`--requests R` sends R requests at concurrency N (a new one as one ends) instead of N at once; `--async-scheduling on,off --rounds R` runs each N in
-both engine modes, interleaved, R times (async scheduling: kimi.controller.engine).
+`--requests R` sends R requests at concurrency N (a new one as one ends) instead of N at once;
+`--async-scheduling on,off --rounds R` runs each N in both engine modes, interleaved, R times (async scheduling:
+kimi.controller.engine).
 
 For each N: starts `kimi serve --fake-workers` (real controller, real HTTP, real ZeroMQ step plans, a real
 torchrun worker that runs kimi.worker.fake instead of a model) with max-num-seqs N and a token budget that
@@ -38,15 +39,16 @@ the client's CPU, non-blocking, GIL-holding samples only) during the client run 
 stacks to DIR/controller_N.txt; `python tools/bench_controller.py --summarise-py-spy DIR/controller_N.txt`
 prints the top functions by own and by inclusive samples. The result also splits the controller's CPU into
 user and system time (`controller_cpu_user_s`, `controller_cpu_sys_s`).
+
+Snapshot (--snapshot): cpu/controller.json for the default workload (N = 64, 256, 1024, no step time, async
+scheduling on); controller_<config> for another (step time, modes, lengths, requests).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import pstats
 import signal
 import statistics
@@ -54,20 +56,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
+from kimi.benchmarks import snapshot
+from kimi.controller.transport import free_tcp_port
 
-from kimi.controller.transport import free_tcp_port  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model_dir(path: str) -> str:
     """A folder with the tiny K2.6 config.json, generation_config.json and tokenizer files (no weights)."""
-    from make_tiny_checkpoint import tiny_config
-
+    from kimi.tiny_checkpoint import tiny_config
     from kimi.tokenizer import write_tokenizer_files
 
     os.makedirs(path, exist_ok=True)
@@ -82,12 +83,13 @@ def make_model_dir(path: str) -> str:
 
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of process `pid` so far (/proc/PID/stat fields 14 and 15)."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
     tck = os.sysconf("SC_CLK_TCK")
     return int(f[11]) / tck, int(f[12]) / tck
 
@@ -158,61 +160,62 @@ def run_one(n: int, args, model_dir: str, tmp: str, async_scheduling: bool = Tru
         KIMI_FAKE_STEP_MS=str(args.step_ms),
         KIMI_FAKE_TOKEN_US=str(args.token_us),
     )
-    log = open(os.path.join(tmp, f"server_{n}{tag}.log"), "w")
-    proc = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {open(log.name).read()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.3)
-        spy = None
-        if args.py_spy:
-            os.makedirs(args.py_spy, exist_ok=True)
-            spy_cmd = [
-                os.path.join(os.path.dirname(sys.executable), "py-spy"),
-                "record",
-                "--pid",
-                str(proc.pid),
-                "--format",
-                "raw",
-                "--rate",
-                "250",
-                "--nonblocking",
-                "--gil",
-                "-o",
-                os.path.join(args.py_spy, f"controller_{n}.txt"),
-            ]
-            if args.pin:
-                spy_cmd = ["taskset", "-c", "1"] + spy_cmd
-            spy = subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(0.5)
-        load_before = os.getloadavg()
-        cpu0 = cpu_seconds(proc.pid)
-        subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
-        cpu1 = cpu_seconds(proc.pid)
-        load_after = os.getloadavg()
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(30)
-    finally:
-        proc.send_signal(signal.SIGINT)
+    log_path = os.path.join(tmp, f"server_{n}{tag}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {Path(log_path).read_text()[-2000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server not ready")
+                time.sleep(0.3)
+            spy = None
+            if args.py_spy:
+                os.makedirs(args.py_spy, exist_ok=True)
+                spy_cmd = [
+                    os.path.join(os.path.dirname(sys.executable), "py-spy"),
+                    "record",
+                    "--pid",
+                    str(proc.pid),
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "250",
+                    "--nonblocking",
+                    "--gil",
+                    "-o",
+                    os.path.join(args.py_spy, f"controller_{n}.txt"),
+                ]
+                if args.pin:
+                    spy_cmd = ["taskset", "-c", "1"] + spy_cmd
+                spy = subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(0.5)
+            load_before = os.getloadavg()
+            cpu0 = cpu_seconds(proc.pid)
+            subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
+            cpu1 = cpu_seconds(proc.pid)
+            load_after = os.getloadavg()
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     deadline = time.monotonic() + 20
     while not os.path.exists(stats_path) and time.monotonic() < deadline:
         time.sleep(0.2)
-    steps = json.load(open(stats_path))["steps"]
-    rep = json.load(open(os.path.join(tmp, f"client_{n}{tag}.json")))
+    steps = json.loads(Path(stats_path).read_text())["steps"]
+    rep = json.loads(Path(tmp, f"client_{n}{tag}.json").read_text())
     # steady state: n requests in the step, one token each (all decoding)
     idx = [i for i in range(len(steps) - 1) if steps[i][2] == n and steps[i][3] == n and steps[i + 1][2] == n]
     period = [steps[i + 1][0] - steps[i][0] for i in idx]
@@ -254,7 +257,7 @@ def summarise_py_spy(path: str, top: int = 30) -> str:
     own: collections.Counter = collections.Counter()
     incl: collections.Counter = collections.Counter()
     total = 0
-    for line in open(path):
+    for line in Path(path).read_text().splitlines():
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack:
             continue
@@ -271,12 +274,69 @@ def summarise_py_spy(path: str, top: int = 30) -> str:
     return "\n".join(out)
 
 
+def config_name(args: argparse.Namespace) -> str:
+    """The snapshot configuration: "" for the default workload, else what differs from it."""
+    parts = []
+    if args.running != [64, 256, 1024]:
+        parts.append("n" + "-".join(map(str, args.running)))
+    if (args.input_len, args.output_len) != (64, 256):
+        parts.append(f"in{args.input_len}-out{args.output_len}")
+    if args.step_ms or args.token_us:
+        parts.append(f"step{args.step_ms:g}ms" + (f"-{args.token_us:g}us" if args.token_us else ""))
+    if args.requests:
+        parts.append(f"req{args.requests}")
+    if args.async_scheduling != "on":
+        parts.append("async-" + args.async_scheduling.replace(",", "-"))
+    return "-".join(parts)
+
+
+def summarize(doc: dict) -> dict:
+    """The snapshot's table: per running-request count (and engine mode), the step rate, the controller's share of
+    a step, its CPU per output token and what the client saw."""
+    rows = []
+    for r in doc["results"]:
+        c = r["client"]
+        rows.append(
+            [
+                r["running"],
+                "async" if r["async_scheduling"] else "sync",
+                round(r["steps_per_s"], 1) if r["steps_per_s"] else None,
+                round(r["controller_ms"]["p50"], 2) if r["controller_ms"] else None,
+                round(r["controller_ms"]["p90"], 2) if r["controller_ms"] else None,
+                round(r["controller_cpu_us_per_output_token"], 1),
+                round(r["worker_ms_p50"], 2) if r["worker_ms_p50"] is not None else None,
+                round(c["output_token_throughput_per_s"]),
+                round(c["tpot"]["p50_ms"], 2) if c["tpot"]["p50_ms"] is not None else None,
+            ]
+        )
+    return {
+        "columns": [
+            "running requests",
+            "scheduling",
+            "steps/s",
+            "controller ms/step p50",
+            "p90",
+            "controller CPU us / output token",
+            "fake worker ms/step",
+            "client output tok/s",
+            "client TPOT p50 (ms)",
+        ],
+        "rows": rows,
+        "notes": [doc["conditions"]["workload"] + "; " + doc["conditions"]["pinning"]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    p.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024], help="running requests N, each a run")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens per request")
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help="server on CPU 0, client on CPU 1 (on by default with 2 or more CPUs)",
+    )
     p.add_argument("--profile", default=None, help="run the controller under cProfile; .prof files go here")
     p.add_argument(
         "--py-spy",
@@ -304,12 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         "--requests",
         type=int,
         default=None,
-        help="requests per run (default: N, all started at once); more than N keeps N running, "
+        help="requests per run (None: N, all started at once); more than N keeps N running, "
         "a new one starting as one ends",
     )
     p.add_argument("--async-scheduling", default="on", help="on, off, or on,off: each N runs once per mode per round")
     p.add_argument("--rounds", type=int, default=1, help="repeat the modes, interleaved, this many times")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="write the full JSON result here")
+    snapshot.add_arguments(p)
     args = p.parse_args(argv)
     if args.summarise_py_spy:
         print(summarise_py_spy(args.summarise_py_spy))
@@ -325,32 +386,33 @@ def main(argv: list[str] | None = None) -> int:
                     r["round"] = k
                     print(json.dumps(r), flush=True)
                     results.append(r)
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
-    doc = {
-        "benchmark": "tools/bench_controller.py",
-        "date": datetime.date.today().isoformat(),
-        "git_head": rev,
-        "conditions": {
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-            "python": platform.python_version(),
-            "pinning": "server (controller + fake worker) on CPU 0, load generator on CPU 1" if args.pin else "none",
-            "workload": f"N concurrent streaming /v1/completions, {args.input_len} random prompt token ids, "
-            f"{args.output_len} output tokens, ignore_eos, greedy; kimi serve --fake-workers",
-            "fake_step_ms": args.step_ms,
-            "fake_token_us": args.token_us,
-            "requests": args.requests,
-            "note": "shared machine: other processes ran at the same time (see loadavg_before_after)",
-        },
-        "command": "python tools/bench_controller.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "results": results,
-    }
+    conds = snapshot.conditions(
+        gpu=False,
+        pinning="server (controller + fake worker) on CPU 0, load generator on CPU 1" if args.pin else "none",
+        workload=f"N concurrent streaming /v1/completions, {args.input_len} random prompt token ids, "
+        f"{args.output_len} output tokens, ignore_eos, greedy; kimi serve --fake-workers",
+        fake_step_ms=args.step_ms,
+        fake_token_us=args.token_us,
+        requests=args.requests,
+        loadavg_before_after=[r["loadavg_before_after"] for r in results],
+    )
+    doc = {"conditions": conds, "results": results}
     text = json.dumps(doc, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
+    if args.snapshot:
+        snapshot.write(
+            args.snapshot,
+            benchmark="controller",
+            config=config_name(args),
+            summary=summarize(doc),
+            results=doc,
+            conds=conds,
+            device="cpu",
+            command=snapshot.command_line([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        )
     return 0
 
 

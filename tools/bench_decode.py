@@ -1,28 +1,35 @@
 """One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
 
+    python tools/bench_decode.py [--seqs 8,32] [--quant fp8 --ep-size 16] [--ab control0,...] [--snapshot]
+
 The rank: the real K2.6 text config (kimi/presets/kimi-k2.6.json), all 61 layers at full width, random weights
 generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales; with `--quant fp8`
 K2-Instruct's FP8 128 x 128 experts instead, kept FP8 by humming, and with --fp8-dense its FP8 dense projections,
-kept FP8 by kimi.ops.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size
-local experts per MoE layer, packed, run by the chosen MoE backend), B local sequences at CTX tokens
-of context (FlashInfer MLA decode over the paged [num_blocks, 64, 576] cache, blocks randomly permuted).
+kept FP8 by kimi.ops.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size local experts per MoE layer, run by
+the chosen MoE backend), B local sequences at CTX tokens of context (FlashInfer MLA decode over the paged
+[num_blocks, 64, 576] cache, blocks randomly permuted).
 
-EP emulation (`EmulatedEP`, the all-to-all seam of kimi.ops.moe): the MoE of every layer sees the 8 * B tokens
-of all ranks (this rank's B rows plus 7 * B fixed random rows standing for the other ranks' tokens), each
-routed to top-8 of all 384 experts by fixed random routing drawn per layer (distinct experts per token);
-only pairs landing on the 48 local experts are computed, as that rank would; combine keeps this rank's rows.
-The router still runs on the local rows (its cost counts); its choice is replaced by the drawn routing so the
-bytes touched are known exactly. No communication is timed (single GPU).
+EP emulation (kimi.benchmarks.emulated_rank.EmulatedEP, the all-to-all seam of kimi.ops.moe): the MoE of every layer
+sees the 8 * B tokens of all ranks (this rank's B rows plus 7 * B fixed random rows standing for the other ranks'
+tokens), each routed to top-8 of all 384 experts by fixed random routing drawn per layer (distinct experts per
+token); only pairs landing on the 48 local experts are computed, as that rank would; combine keeps this rank's rows.
+The router still runs on the local rows (its cost counts); its choice is replaced by the drawn routing so the bytes
+touched are known exactly. No communication is timed (single GPU).
 
-Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches
-from Python; "graph" replays one CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is
-the next decode step of the same B sequences, as in a server: every context length grows by one token per step,
-so the graph runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving. Every
-timing (eager, each graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at
-contexts CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
-A/B variants (--ab, --overlap) are captured next to the headline graph and all are timed in --rounds interleaved
-rounds of --iters steps each, the order rotating by one each round; each reports the median over all its samples and
-the rounds' medians (compare variants by their per-round differences).
+Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches from
+Python; "graph" replays the CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is the next decode
+step of the same B sequences, as in a server: every context length grows by one token per step, so the graph
+runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving. Every timing (eager, each
+graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at contexts
+CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
+graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
+(ModelRunner.launch): step i + 1's host work, replay, logits and argmax are queued before the host waits for step
+i's ids (copied to pinned memory), step i + 1's input ids taken from step i's argmax on the device; ms per step over
+--iters steps, median of 3 rounds. With the host's work hidden this is the step time a server sees.
+A/B variants (--ab, a comma list of AB_VARIANTS; --overlap) are captured next to the headline graph and all are timed
+in --rounds interleaved rounds of --iters steps each, the order rotating by one each round; each reports the median
+over all its samples and the rounds' medians (compare variants by their per-round differences; `control0` is the
+headline captured again, the noise between identical captures).
 Floor = bytes touched / copy bandwidth measured in the same run (4 GiB device copy, read + write counted):
 non-expert weights (all but the embedding, of which B rows), distinct local experts hit per layer x 24.8 MB,
 KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 1152 bytes).
@@ -30,17 +37,15 @@ Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by ker
 timings (a profiler session slows later CUDA-graph launches in the same process).
 cuda_gemm_layers: how many MoE layers run kimi's CUDA expert GEMM at decode sizes (--moe-backend cuda: all; auto:
 those whose humming tensors it can read, see kimi.ops.moe_backend.HummingInt4Experts).
-gpu_clock (every graph timing and graph_pipelined): nvidia-smi's SM clock / power samples during it (bench_util
-.GpuSampler; the H200 runs this step at its 700 W power cap, and the clock there differs by machine).
-graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
-(ModelRunner.launch): step i + 1's host work, replay, logits and argmax are queued before the host waits for step
-i's ids (copied to pinned memory), step i + 1's input ids taken from step i's argmax on the device; ms per step over
---iters steps, median of 3 rounds. With the host's work hidden this is the step time a server sees.
+gpu_clock (every graph timing and graph_pipelined): nvidia-smi's SM clock / power samples during it
+(kimi.benchmarks.smi.GpuSampler; the H200 runs this step at its 700 W power cap, and the clock there differs by
+machine).
 host_forward_decode_us: host time of the whole graph decode call (forward_decode, plan ahead included);
 host_until_replay_us: its part before the replay is launched (the GPU idles through it when each step waits
 for the previous one, as a server's steps do).
 
-Usage: python tools/bench_decode.py --seqs 8,32 --layers 61 --out bench/decode_DATE.json
+Snapshot (--snapshot): decode_<config>.json, config = the experts' format and EP size ("int4-ep8", "fp8-ep16") and
+whatever else differs from the headline run (config_name).
 """
 
 from __future__ import annotations
@@ -53,86 +58,23 @@ import statistics
 import time
 
 import torch
-from bench_util import GpuSampler, copy_bandwidth, event_times, require_gpu, run_header  # tools/, this script's folder
 
-from kimi.ops.moe import DispatchResult
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown, time_ms
+from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
+from kimi.benchmarks.smi import GpuSampler
 from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
 from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
 from kimi.ops.sampling import start_host_copy
 
-
-class EmulatedEP:
-    """All-to-all stand-in: dispatch -> all ranks' tokens with fixed routing; combine -> this rank's rows.
-
-    per_layer: draw the routing one layer at a time (prefill chunks: the whole [layers, T, E] score tensor would not
-    fit next to the model; other random draws than the default's, which the decode measurements used)."""
-
-    def __init__(
-        self,
-        num_moe_layers: int,
-        batch: int,
-        ep_size: int,
-        hidden: int,
-        n_experts: int,
-        top_k: int,
-        scale: float,
-        device,
-        seed: int = 0,
-        per_layer: bool = False,
-    ):
-        g = torch.Generator(device=device).manual_seed(seed)
-        T = batch * ep_size
-        self.batch, self.n_layers, self.i = batch, num_moe_layers, 0
-        self.foreign = torch.randn((T - batch, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-B, D]
-        n = 1 if per_layer else num_moe_layers
-        ids, wts = [], []
-        for _ in range(num_moe_layers // n):
-            scores = torch.rand((n, T, n_experts), generator=g, device=device)
-            ids.append(scores.topk(top_k, dim=-1).indices.to(torch.int64))  # [n, T, k] distinct per token
-            del scores
-            w = torch.rand((n, T, top_k), generator=g, device=device) + 0.1
-            wts.append((w / w.sum(-1, keepdim=True) * scale).float())
-        self.ids = torch.cat(ids)  # [layers, T, k]
-        self.weights = torch.cat(wts)  # [layers, T, k]
-
-    def local_pairs(self, offset: int, n_local: int) -> int:
-        """(token, expert) pairs on experts [offset, offset + n_local), summed over layers."""
-        return int(((self.ids >= offset) & (self.ids < offset + n_local)).sum())
-
-    def dispatch(self, hidden, topk_weights, topk_ids) -> DispatchResult:
-        i = self.i
-        self.i = (self.i + 1) % self.n_layers
-        return DispatchResult(torch.cat([hidden, self.foreign], 0), self.weights[i], self.ids[i])
-
-    def combine(self, expert_out, dispatched):
-        return expert_out[: self.batch]
-
-    def row_blocks(self, offset: int, n_local: int, block_m: int) -> list[int]:
-        """Per layer: align blocks of block_m rows over the local experts (sum of ceil(rows / block_m)); a GEMM
-        that streams an expert's weights once per block reads them that many times."""
-        out = []
-        for l in range(self.n_layers):
-            ids = self.ids[l][(self.ids[l] >= offset) & (self.ids[l] < offset + n_local)] - offset
-            out.append(int(((torch.bincount(ids, minlength=n_local) + block_m - 1) // block_m).sum()))
-        return out
-
-    def experts_hit(self, offset: int, n_local: int) -> list[int]:
-        loc = (self.ids >= offset) & (self.ids < offset + n_local)
-        return [int(torch.unique(self.ids[l][loc[l]]).numel()) for l in range(self.n_layers)]
-
-
-def _set_prologue(on: bool) -> None:
-    from kimi.ops import linear_small_m
-
-    linear_small_m.FUSE_PROLOGUE = on
-
-
-# name: (what it changes, apply(model), undo(model)); applied before a graph capture, undone after its timing
+# The A/B variants (--ab): each flips one switch of the product as it runs today, or applies a tuner's output, for a
+# graph captured and timed next to the headline. name: (what it changes, apply(model), undo(model)); applied before
+# the variant's capture and while it is timed, undone after.
 _saved: dict = {}
-_LPG = [None]  # layers per graph segment of the captures (None: kimi.worker.cuda_graph.LAYERS_PER_GRAPH)
+_LPG: list[int | None] = [None]  # layers per graph segment of the captures (None: cuda_graph.LAYERS_PER_GRAPH)
 
 
-def _set_lpg(v) -> None:
+def _set_lpg(v: int | None) -> None:
     _saved["lpg"] = _LPG[0]
     _LPG[0] = v
 
@@ -155,7 +97,9 @@ def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
         )
     else:
         moe_backend._humming_table = _saved["humming_table"]
-    _drop_humming_schedules(m)
+    for impl in _experts_impls(m):  # chosen again at the next capture
+        if hasattr(impl, "_tuning"):
+            impl._tuning.clear()
 
 
 def _experts_impls(m) -> list:
@@ -176,48 +120,6 @@ def _set_attrs(key: str, targets: list[tuple[object, str]], value) -> None:
             setattr(x, a, old)
 
 
-def _drop_humming_schedules(m) -> None:
-    """Forget every MoE layer's cached humming schedules (chosen again at the next capture)."""
-    for impl in _experts_impls(m):
-        if hasattr(impl, "_tuning"):
-            impl._tuning.clear()
-
-
-def _humming_pdl(m, gate_up: bool | None, down: bool | None, on: bool) -> None:
-    """humming_*_pdl variants: the expert GEMMs' schedules as chosen (table or heuristic) with `use_pdl` forced
-    (None: left as chosen) for gate_up / down; on=False restores. The experts' cached schedules are dropped."""
-    _humming_override(
-        m, None if gate_up is None else {"use_pdl": gate_up}, None if down is None else {"use_pdl": down}, on
-    )
-
-
-def _humming_override(m, gate_up: dict | None, down: dict | None, on: bool) -> None:
-    """The expert GEMMs' schedules as chosen (table or heuristic) with the given fields replaced for gate_up / down
-    (None: left as chosen); on=False restores. The experts' cached schedules are dropped."""
-    from kimi.ops.moe_backend import HummingExperts
-
-    if on:
-        orig = _saved["humming_configs"] = HummingExperts._configs
-
-        def forced(self, m_local, orig=orig):
-            c1, c2 = (dict(c) for c in orig(self, m_local))
-            c1.update(gate_up or {})
-            c2.update(down or {})
-            return c1, c2
-
-        HummingExperts._configs = forced
-    else:
-        HummingExperts._configs = _saved["humming_configs"]
-    _drop_humming_schedules(m)
-
-
-def _humming_alt(m, gemm: str, i: int) -> None:
-    """humming_{gate_up,down}_alt{i}: entry i of the JSON list $KIMI_HUMMING_{GATE_UP,DOWN}_ALTS over that GEMM's
-    chosen schedule."""
-    fields = json.loads(os.environ[f"KIMI_HUMMING_{gemm.upper()}_ALTS"])[i]
-    _humming_override(m, fields if gemm == "gate_up" else None, fields if gemm == "down" else None, True)
-
-
 def _set_module_attr(module: str, attr: str, value) -> None:
     import importlib
 
@@ -232,34 +134,9 @@ def _restore_module_attr(module: str, attr: str) -> None:
     setattr(importlib.import_module(module), attr, _saved[(module, attr)])
 
 
-def _lsm_entries(tag, entries: dict, on: bool) -> None:
-    """Replace kimi.ops.linear_small_m table entries {(bucket, N, K): SmallMConfig, or None: no entry, i.e.
-    F.linear} (on), or put back what `tag`'s replacement found (off). The table is read when a graph is captured."""
-    from kimi.ops import linear_small_m as lsm
-
-    table = lsm._get_table()["entries"]
-    if on:
-        _saved[("lsm", tag)] = {k: table.get(k) for k in entries}
-    for k, cfg in (entries if on else _saved[("lsm", tag)]).items():
-        if cfg is None:
-            table.pop(k, None)
-        else:
-            table[k] = cfg
-
-
-def _lsm_alt(i: int, on: bool) -> None:
-    """lsm_alt{i}: entry i of the JSON list $KIMI_LSM_ALTS ({"key": "bucket,N,K", "config": {...}}) replaces that
-    key's linear_small_m table entry."""
-    from kimi.ops.linear_small_m import SmallMConfig
-
-    alt = json.loads(os.environ["KIMI_LSM_ALTS"])[i]
-    key = tuple(int(v) for v in alt["key"].split(","))
-    _lsm_entries(("alt", i), {key: SmallMConfig(**alt["config"])}, on)
-
-
 def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
-    """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2)
-    and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
+    """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2 /
+    glu) and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
     from kimi.ops.moe_backend import CudaInt4Experts, HummingInt4Experts
 
     return [
@@ -286,34 +163,6 @@ def _auto_max_pairs(m, n: int | None) -> None:
     )
 
 
-def _glu_unfused(m, on: bool) -> None:
-    """glu_unfused: kimi's CUDA gate_up GEMM writes its plain outputs and the silu_mul_rows kernel computes
-    SiLU(gate) * up (as before session 16), on the same interleaved weights; on False restores the saved flags."""
-    _set_attrs("glu", _cuda_gemm_impls(m, "glu"), False if on else None)
-
-
-def _pages_restaged(on: bool) -> None:
-    """pages_restaged: the graph runner writes and copies every row's page ids each step (CudaGraphRunner's row
-    cache forgotten before each _stage_pages, as if no row were kept on the device); off restores the method."""
-    from kimi.worker.cuda_graph import CudaGraphRunner
-
-    if on:
-        keep = _saved["stage_pages"] = CudaGraphRunner._stage_pages
-
-        def stage(self, *a):
-            self._forget_pages()
-            return keep(self, *a)
-
-        CudaGraphRunner._stage_pages = stage
-    else:
-        CudaGraphRunner._stage_pages = _saved["stage_pages"]
-
-
-def _qb_cublas(on: bool) -> None:
-    """qb_cublas: q_b ([12288, 1536]) at M buckets 32 / 64 through F.linear (cuBLAS) as before session 4's table entries."""
-    _lsm_entries("qb", {(32, 12288, 1536): None, (64, 12288, 1536): None}, on)
-
-
 def _small_tuned(on: bool) -> None:
     """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over kimi.ops.fused.LAUNCH
     and kimi.ops.moe_int4_triton.COMBINE_LAUNCH."""
@@ -324,7 +173,8 @@ def _small_tuned(on: bool) -> None:
 
     if on:
         _saved["small"] = (copy.deepcopy(fused.LAUNCH), dict(mi.COMBINE_LAUNCH))
-        picks = json.load(open(os.environ["KIMI_SMALL_PICKS"]))["picks"]
+        with open(os.environ["KIMI_SMALL_PICKS"]) as f:
+            picks = json.load(f)["picks"]
         for var in picks.values():
             for k, v in var.items():
                 if k == "combine":
@@ -339,93 +189,18 @@ def _small_tuned(on: bool) -> None:
         mi.COMBINE_LAUNCH.update(_saved["small"][1])
 
 
+def _module_switch(name: str, what: str, module: str, attr: str, value) -> dict:
+    """One variant that sets module.attr to value while it is captured and timed."""
+    return {
+        name: (
+            what,
+            lambda m, module=module, attr=attr, value=value: _set_module_attr(module, attr, value),
+            lambda m, module=module, attr=attr: _restore_module_attr(module, attr),
+        )
+    }
+
+
 AB_VARIANTS = {
-    "prologue_off": (
-        "RMSNorm / SiLU*up run as their own kernels, not fused into the GEMMs' loads",
-        lambda m: _set_prologue(False),
-        lambda m: _set_prologue(True),
-    ),
-    "prologue_on": (
-        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m prologues)",
-        lambda m: _set_prologue(True),
-        lambda m: _set_prologue(False),
-    ),
-    "attn_triton": (
-        "decode attention by kimi.ops.mla_decode_triton (no host plan)",
-        lambda m: _set_attn(m, "triton"),
-        lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
-    ),
-    "one_graph": (
-        "the whole forward as ONE CUDA graph (no layer segments)",
-        lambda m: _set_lpg(0),
-        lambda m: _LPG.__setitem__(0, _saved["lpg"]),
-    ),
-    **{
-        f"lpg{n}": (
-            f"CUDA graph segments of {n} layers",
-            lambda m, n=n: _set_lpg(n),
-            lambda m: _LPG.__setitem__(0, _saved["lpg"]),
-        )
-        for n in (1, 2, 4, 16)
-    },
-    "pdl_off": (
-        "no programmatic dependent launch (kimi.ops.pdl.ENABLED False)",
-        lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", False),
-        lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED"),
-    ),
-    "pdl_on": (
-        "programmatic dependent launch for kimi's Triton kernels (kimi.ops.pdl.ENABLED True)",
-        lambda m: _set_module_attr("kimi.ops.pdl", "ENABLED", True),
-        lambda m: _restore_module_attr("kimi.ops.pdl", "ENABLED"),
-    ),
-    **{
-        f"pf{n}": (
-            f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
-            lambda m, n=n: _set_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES", n),
-            lambda m: _restore_module_attr("kimi.ops.linear_small_m", "PREFETCH_TILES"),
-        )
-        for n in (0, 1, 4, 8)
-    },
-    "small_tuned": (
-        "small-kernel launch parameters picked by tools/sweep_small_kernels.py ($KIMI_SMALL_PICKS)",
-        lambda m: _small_tuned(True),
-        lambda m: _small_tuned(False),
-    ),
-    "qb_cublas": (
-        "q_b GEMM at 17-64 rows by cuBLAS (no PDL for it) instead of linear_small_m",
-        lambda m: _qb_cublas(True),
-        lambda m: _qb_cublas(False),
-    ),
-    "humming_table_alt": (
-        "the humming schedule table of $KIMI_HUMMING_TABLE_ALT",
-        lambda m: _swap_humming_table(m, os.environ["KIMI_HUMMING_TABLE_ALT"], True),
-        lambda m: _swap_humming_table(m, None, False),
-    ),
-    "humming_table_off": (
-        "humming's heuristic schedules for the expert GEMMs (no measured table)",
-        lambda m: _swap_humming_table(m, None, True),
-        lambda m: _swap_humming_table(m, None, False),
-    ),
-    "humming_down_pdl": (
-        "humming's down GEMM launched with PDL (use_pdl True; gate_up as chosen)",
-        lambda m: _humming_pdl(m, None, True, True),
-        lambda m: _humming_pdl(m, None, None, False),
-    ),
-    "humming_gate_up_nopdl": (
-        "humming's gate_up GEMM launched without PDL (use_pdl False; down as chosen)",
-        lambda m: _humming_pdl(m, False, None, True),
-        lambda m: _humming_pdl(m, None, None, False),
-    ),
-    **{
-        f"humming_{gemm}_alt{i}": (
-            f"humming's {gemm} GEMM with the fields of entry {i} of the JSON list "
-            f"$KIMI_HUMMING_{gemm.upper()}_ALTS over its chosen schedule",
-            lambda m, gemm=gemm, i=i: _humming_alt(m, gemm, i),
-            lambda m: _humming_override(m, None, None, False),
-        )
-        for gemm in ("gate_up", "down")
-        for i in range(8)
-    },
     **{
         f"control{i}": (
             "the headline again, nothing changed (the spread between identical captures: the A/B noise)",
@@ -434,18 +209,62 @@ AB_VARIANTS = {
         )
         for i in range(4)
     },
-    "plan_ahead_off": (
-        "FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
-        lambda m: _set_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD", False),
-        lambda m: _restore_module_attr("kimi.worker.cuda_graph", "PLAN_AHEAD"),
+    "attn_triton": (
+        "decode attention by kimi.ops.mla_decode_triton (no host plan)",
+        lambda m: _set_attn(m, "triton"),
+        lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
+    ),
+    "attn_flashinfer": (
+        "decode attention by FlashInfer's MLA (fa3, host plan per step)",
+        lambda m: _set_attn(m, "flashinfer"),
+        lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
     ),
     **{
-        f"moe_cuda_pdl_{mode}": (
-            f"--moe-backend cuda: its GEMMs' PDL mode {mode} (kimi.ops.moe_int4_cuda.PDL_MODE)",
-            lambda m, mode=mode: _set_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE", mode),
-            lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "PDL_MODE"),
+        f"lpg{n}": (
+            f"CUDA graph segments of {n} layers (kimi.worker.cuda_graph.LAYERS_PER_GRAPH)",
+            lambda m, n=n: _set_lpg(n),
+            lambda m: _LPG.__setitem__(0, _saved["lpg"]),
         )
+        for n in (1, 2, 4, 8, 16)
+    },
+    **_module_switch(
+        "prologue_on",
+        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m.FUSE_PROLOGUE)",
+        "kimi.ops.linear_small_m",
+        "FUSE_PROLOGUE",
+        True,
+    ),
+    **_module_switch(
+        "pdl_off", "no programmatic dependent launch (kimi.ops.pdl.ENABLED False)", "kimi.ops.pdl", "ENABLED", False
+    ),
+    **{
+        k: v
+        for n in (0, 1, 4, 8)
+        for k, v in _module_switch(
+            f"pf{n}",
+            f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
+            "kimi.ops.linear_small_m",
+            "PREFETCH_TILES",
+            n,
+        ).items()
+    },
+    **_module_switch(
+        "plan_ahead_off",
+        "FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
+        "kimi.worker.cuda_graph",
+        "PLAN_AHEAD",
+        False,
+    ),
+    **{
+        k: v
         for mode in ("early", "late", "off")
+        for k, v in _module_switch(
+            f"moe_cuda_pdl_{mode}",
+            f"kimi's CUDA expert GEMMs with PDL mode {mode} (kimi.ops.moe_int4_cuda.PDL_MODE)",
+            "kimi.ops.moe_int4_cuda",
+            "PDL_MODE",
+            mode,
+        ).items()
     },
     **{
         f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (
@@ -456,48 +275,47 @@ AB_VARIANTS = {
         for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
         for c in MOE_CUDA_CONFIGS
     },
-    "down_waits_first": (
+    **_module_switch(
+        "down_waits_first",
         "kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
         "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
-        lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN", False),
-        lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "EARLY_WEIGHTS_DOWN"),
+        "kimi.ops.moe_int4_cuda",
+        "EARLY_WEIGHTS_DOWN",
+        False,
     ),
-    "pads_token0": (
-        "kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling "
-        "them (kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
-        lambda m: _set_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS", False),
-        lambda m: _restore_module_attr("kimi.ops.moe_int4_cuda", "ZERO_PAD_ROWS"),
+    **_module_switch(
+        "pads_token0",
+        "kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling them "
+        "(kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
+        "kimi.ops.moe_int4_cuda",
+        "ZERO_PAD_ROWS",
+        False,
+    ),
+    "glu_unfused": (
+        "kimi's CUDA gate_up GEMM writes its plain outputs and the silu_mul_rows kernel computes SiLU(gate) * up "
+        "(same weights; the GEMMs' glu switch off)",
+        lambda m: _set_attrs("glu", _cuda_gemm_impls(m, "glu"), False),
+        lambda m: _set_attrs("glu", _cuda_gemm_impls(m, "glu"), None),
     ),
     "auto_humming": (
         "--moe-backend auto with humming's expert GEMMs at every size (as --moe-backend humming, same weights)",
         lambda m: _auto_max_pairs(m, 0),
         lambda m: _auto_max_pairs(m, None),
     ),
-    "glu_unfused": (
-        "kimi's CUDA gate_up GEMM without its SiLU(gate) * up epilogue: the silu_mul_rows kernel after it "
-        "(same weights)",
-        lambda m: _glu_unfused(m, True),
-        lambda m: _glu_unfused(m, False),
+    "humming_table_off": (
+        "humming's heuristic schedules for the expert GEMMs (no measured table)",
+        lambda m: _swap_humming_table(m, None, True),
+        lambda m: _swap_humming_table(m, None, False),
     ),
-    "pages_restaged": (
-        "every row's page ids written on the host and copied each step, in the same row layout "
-        "(run_host keeping none on the device)",
-        lambda m: _pages_restaged(True),
-        lambda m: _pages_restaged(False),
+    "humming_table_alt": (
+        "the humming schedule table of $KIMI_HUMMING_TABLE_ALT (tools/bench_humming_sweep.py --table-out)",
+        lambda m: _swap_humming_table(m, os.environ["KIMI_HUMMING_TABLE_ALT"], True),
+        lambda m: _swap_humming_table(m, None, False),
     ),
-    **{
-        f"lsm_alt{i}": (
-            f"linear_small_m's table entry named by entry {i} of the JSON list $KIMI_LSM_ALTS "
-            '({"key": "bucket,N,K", "config": {SmallMConfig fields}}) in place of the table\'s',
-            lambda m, i=i: _lsm_alt(i, True),
-            lambda m, i=i: _lsm_alt(i, False),
-        )
-        for i in range(8)
-    },
-    "attn_flashinfer": (
-        "decode attention by FlashInfer's MLA (fa3, host plan per step)",
-        lambda m: _set_attn(m, "flashinfer"),
-        lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
+    "small_tuned": (
+        "small-kernel launch parameters picked by tools/sweep_small_kernels.py ($KIMI_SMALL_PICKS)",
+        lambda m: _small_tuned(True),
+        lambda m: _small_tuned(False),
     ),
 }
 
@@ -523,12 +341,6 @@ class DecodeSteps:
         n = self.first + self.i
         self.i += 1
         return [n] * self.batch
-
-
-def time_ms(fn, iters: int = 20, warmup: int = 3) -> dict:
-    """fn's GPU time (events around it), each call after the last one's end (bench_util.event_times)."""
-    ts = event_times(fn, iters, warmup)
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "iters": iters, "samples": ts}
 
 
 def time_pipelined(launch, iters: int = 20, warmup: int = 3, rounds: int = 3, restart=None) -> dict:
@@ -590,53 +402,6 @@ def pooled(runs: list[dict]) -> dict:
         "max_ms": max(ts),
         "iters": len(ts),
         "round_medians_ms": [round(r["median_ms"], 3) for r in runs],
-    }
-
-
-_CLASSES = [
-    ("fused_norm", r"_rmsnorm_kernel"),
-    ("fused_silu_mul", r"_silu_mul_kernel|_silu_mul_rows_kernel"),
-    ("fused_rope_kv_write", r"_mla_rope_kv_kernel"),
-    ("fused_router", r"_router_logits_kernel|_router_topk_kernel"),
-    ("fused_align", r"_align_count_kernel|_align_scatter_kernel|_align_grid"),
-    ("moe_gemm", r"humming|_gate_up_kernel|_down_kernel|w4a16_indexed"),
-    ("moe_combine", r"_combine_kernel"),
-    ("attention_mla", r"flashinfer|BatchMLA|mla|Mla"),
-    ("dense_gemm_triton", r"_linear_small_m"),
-    ("mla_head_gemm_triton", r"_bmm_small_m"),
-    ("dense_gemm", r"gemm|Gemm|cutlass|nvjet|xmma|sm90|cublas"),
-    ("moe_align_sort_topk", r"sort|Sort|radix|Radix|topk|TopK|scan|Scan|cumsum"),
-    ("copy_cat_index", r"copy|Copy|cat|Cat|index|Index|gather|Gather|scatter|Scatter"),
-    ("reduce_norm", r"reduce|Reduce|norm|Norm"),
-    ("elementwise", r"elementwise|vectorized|Elementwise|unrolled"),
-]
-
-
-def breakdown(step, steps: int = 3) -> dict:
-    """CUDA kernel time per step by class, and the 15 largest kernels (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + t / 1000.0 / steps  # ms per step
-    cls: dict[str, float] = {}
-    for name, t in per_kernel.items():
-        c = next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
-        cls[c] = cls.get(c, 0.0) + t
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
-    return {
-        "by_class_ms": {k: round(v, 4) for k, v in sorted(cls.items(), key=lambda kv: -kv[1])},
-        "kernel_sum_ms": round(sum(per_kernel.values()), 4),
-        "top_kernels_ms": [(n[:120], round(t, 4)) for n, t in top],
     }
 
 
@@ -725,7 +490,7 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     )
 
     def cls(name: str) -> str:
-        return next((c for c, rx in _CLASSES if re.search(rx, name)), "other")
+        return next((c for c, rx in KERNEL_CLASSES if re.search(rx, name)), "other")
 
     runs, cur = [], []
     for ev in evs:
@@ -802,14 +567,90 @@ def graph_timeline(replay, reps: int = 3, split_us: float = 500.0) -> dict:
     }
 
 
+def config_name(args: argparse.Namespace) -> str:
+    """The snapshot configuration of a run: experts' format and EP size, then whatever differs from the headline
+    (context, layers, backend, FP8 dense layers, attention, layers per graph, preset)."""
+    parts = [f"{'fp8' if args.quant == 'fp8' else 'int4'}-ep{args.ep_size}"]
+    if args.ctx != 2048:
+        parts.append(f"ctx{args.ctx}")
+    if args.layers != 61:
+        parts.append(f"L{args.layers}")
+    if args.moe_backend != "auto":
+        parts.append(args.moe_backend)
+    if args.fp8_dense != "off":
+        parts.append(f"fp8dense-{args.fp8_dense}")
+    if args.attn:
+        parts.append(f"attn-{args.attn}")
+    if args.layers_per_graph is not None:
+        parts.append(f"lpg{args.layers_per_graph}")
+    if args.preset != "kimi-k2.6":
+        parts.append(args.preset)
+    return "-".join(parts)
+
+
+def summarize(res: dict) -> dict:
+    """The snapshot's table: per case the floor, the graph step and the pipelined step against it, the SM clock of
+    the graph timing; notes: the copy bandwidth and the experts' backend, and each A/B variant's median."""
+
+    def clock(t: dict) -> float | None:
+        c = (t or {}).get("gpu_clock")
+        return c["sm_clock_MHz"]["median"] if c else None
+
+    rows = []
+    for c in res["cases"]:
+        g, p = c["graph"], c["graph_pipelined"]
+        rows.append(
+            [
+                c["local_seqs"],
+                c["moe_tokens"],
+                c["ctx"],
+                round(c["floor_ms"], 2),
+                round(g["median_ms"], 2),
+                round(c["graph_over_floor"], 3),
+                round(p["median_ms"], 2),
+                round(c["graph_pipelined_over_floor"], 3),
+                clock(g),
+            ]
+        )
+    notes = []
+    if "cuda_gemm_layers" in res:
+        notes.append(
+            f"experts: {res.get('experts_impl')}; kimi's CUDA GEMM at decode sizes in "
+            f"{res['cuda_gemm_layers']['cuda']} of {res['cuda_gemm_layers']['moe_layers']} MoE layers"
+        )
+    for c in res["cases"]:
+        ab = [
+            f"{k.removeprefix('graph_')} {v['median_ms']:.2f} ms"
+            for k, v in c.items()
+            if k.startswith("graph_") and isinstance(v, dict) and "round_medians_ms" in v
+        ]
+        if ab:
+            notes.append(f"{c['local_seqs']} sequences, A/B variants in the same rounds: {', '.join(ab)}")
+    return {
+        "columns": [
+            "local sequences",
+            "MoE tokens",
+            "context",
+            "floor (ms)",
+            "graph step (ms)",
+            "graph / floor",
+            "pipelined step (ms)",
+            "pipelined / floor",
+            "SM clock (MHz)",
+        ],
+        "rows": rows,
+        "notes": notes,
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="kimi-k2.6")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--preset", default="kimi-k2.6", help="model preset (kimi/presets)")
     ap.add_argument(
         "--quant",
         default=None,
         choices=["fp8"],
-        help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming) "
+        help="fp8: the preset's shapes with K2-Instruct's FP8 128x128 experts (random, kept FP8 by humming); "
         "with --fp8-dense, its FP8 dense projections too",
     )
     ap.add_argument(
@@ -818,19 +659,16 @@ def main() -> None:
         choices=["off", "triton", "humming"],
         help="--quant fp8: the dense projections kept FP8 on kimi's Triton kernel / humming, or bf16 (off)",
     )
-    ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--seqs", default="8,32", help="local sequences per rank (8 = 64 in all under DP8)")
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--ep-size", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=61, help="layers of the model (61: all of K2's)")
+    ap.add_argument("--seqs", default="8,32", help="local sequences per rank, comma list (8 = 64 in all under DP8)")
+    ap.add_argument("--ctx", type=int, default=2048, help="context tokens of every sequence at the middle timed step")
+    ap.add_argument("--ep-size", type=int, default=8, help="EP ranks emulated (this rank holds 1 / ep-size experts)")
     ap.add_argument(
-        "--moe-backend",
-        default="auto",
-        choices=MOE_BACKENDS,
-        help="routed-expert backend, as kimi serve's flag (default auto)",
+        "--moe-backend", default="auto", choices=MOE_BACKENDS, help="routed-expert backend, as kimi serve's flag"
     )
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--block-size", type=int, default=64, help="KV cache block size (tokens)")
+    ap.add_argument("--iters", type=int, default=20, help="timed steps per timing")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown of an eager step")
     ap.add_argument(
         "--pipelined-timeline",
         action="store_true",
@@ -845,19 +683,19 @@ def main() -> None:
     )
     ap.add_argument(
         "--overlap",
-        default="on,off",
-        help="shared expert on a side stream (on) or inline (off); the first is the headline, the "
-        "others are timed as graph replays too (A/B in one run)",
+        default="on",
+        help="shared expert on a side stream (on) or inline (off); a comma list times the others as graph "
+        "replays too (A/B in one run), the first is the headline",
     )
     ap.add_argument(
         "--attn",
         default=None,
         choices=["triton", "flashinfer"],
-        help="decode attention of the headline (default: the model's decode_attention)",
+        help="decode attention of the headline (None: the model's decode_attention, FlashInfer)",
     )
     ap.add_argument(
         "--ab",
-        default="prologue_on",
+        default="control0",
         help="comma list of variants also timed as graph replays against the headline (A/B in one run): "
         + ", ".join(AB_VARIANTS),
     )
@@ -865,11 +703,12 @@ def main() -> None:
         "--layers-per-graph",
         type=int,
         default=None,
-        help="layers per CUDA graph segment of the headline (default kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
+        help="layers per CUDA graph segment of the headline (None: kimi.worker.cuda_graph.LAYERS_PER_GRAPH; "
         "0: one graph)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the graph variants")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog)
     _LPG[0] = args.layers_per_graph
@@ -882,7 +721,8 @@ def main() -> None:
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    res = run_header(__doc__.split("\n")[0].replace("DP8 x EP8", f"DP{args.ep_size} x EP{args.ep_size}"), args)
+    what = __doc__.split("\n")[0].replace("DP8 x EP8", f"DP{args.ep_size} x EP{args.ep_size}")
+    res: dict = {"what": what, "args": vars(args)}
     res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]  # 4 GiB copy
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
 
@@ -892,6 +732,9 @@ def main() -> None:
 
         cfg = cfg.with_overrides(quant=QuantConfig(method="fp8", block=(128, 128)))
     seqs = [int(s) for s in args.seqs.split(",")]
+    unknown = [a for a in args.ab.split(",") if a and a not in AB_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --ab variants {unknown}; known: {', '.join(AB_VARIANTS)}")
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     t0 = time.time()
     a2a = EmulatedEP(
@@ -988,8 +831,8 @@ def main() -> None:
     for c in kv:
         c.normal_(0, 1, generator=g)
     res["cases"] = []
-    profiles = []  # (case, install, step): profiled after every timing (a torch.profiler session slowed later
-    # graph launches in the same process: bench/decode_2026-11-29_v9.json vs v10)
+    profiles = []  # (case, install, step): profiled after every timing (a torch.profiler session slows later
+    # graph launches in the same process)
     for B in seqs:
         case: dict = {"local_seqs": B, "moe_tokens": B * args.ep_size, "ctx": args.ctx}
         ep = EmulatedEP(
@@ -1040,7 +883,7 @@ def main() -> None:
             case["eager"] = time_ms(step, args.iters, _WARMUP)
             print(f"B={B}: eager {case['eager']['median_ms']:.2f} ms, floor {floor:.2f} ms", flush=True)
 
-            def capture(overlap: bool) -> CudaGraphRunner:
+            def capture(overlap: bool, B: int = B, ep: EmulatedEP = ep) -> CudaGraphRunner:
                 """Capture bucket B (shared expert on the side stream or inline) and install it on the model."""
                 model.overlap_shared = overlap
                 model.graphs = None
@@ -1078,7 +921,7 @@ def main() -> None:
             spans: dict[str, list] = {v[0]: [] for v in variants}  # time.time() spans of each variant's timings
             for rnd in range(args.rounds):
                 # the order rotates by one variant each round, so no variant (the headline included) is always
-                # timed last: session 17 saw the last-timed graph run up to 0.3 ms slower than an identical capture
+                # timed last (a last-timed graph ran up to 0.3 ms slower than an identical capture)
                 for k, _, r, apply, undo in variants[rnd % len(variants) :] + variants[: rnd % len(variants)]:
                     model.graphs = r
                     apply(model)
@@ -1109,7 +952,7 @@ def main() -> None:
             # host time of the whole decode call (plan ahead included) and of its part before the replay's launch
             # (slots, pinned copy, FlashInfer schedule, graph launch): the GPU idles through the latter when each
             # step waits for the last, as a server's steps do
-            def decode(lens):  # the graph decode call alone (no logits)
+            def decode(lens, ids_l=ids_l, tabs=tabs):  # the graph decode call alone (no logits)
                 return model.forward_decode(ids_l, [n - 1 for n in lens], lens, tabs, bs, kv)
 
             hs, hr = [], []
@@ -1130,7 +973,7 @@ def main() -> None:
             # the replay alone (no host planning / logits): graph of the forward only
             a = build_attention_metadata([1] * B, slens, tabs, bs, dev)
             runner._plan(B, slens, a.block_tables)
-            case["graph_forward_only"] = time_ms(lambda: runner.replay(B), args.iters)
+            case["graph_forward_only"] = time_ms(lambda r=runner, B=B: r.replay(B), args.iters)
             # the worker's pipelined decode (async scheduling): the next step's host work and replay are queued
             # before the host waits for this step's tokens; its input ids come from this step's argmax on the device
             rows = torch.arange(B, device=dev)
@@ -1155,14 +998,14 @@ def main() -> None:
                 case["pipelined_timeline"] = pipelined_timeline(launch, steps.restart)
                 print(f"B={B}: pipelined timeline {json.dumps(case['pipelined_timeline'])}", flush=True)
             if args.graph_timeline:
-                case["graph_timeline"] = graph_timeline(lambda: runner.replay(B))
+                case["graph_timeline"] = graph_timeline(lambda r=runner, B=B: r.replay(B))
                 print(f"B={B}: graph timeline {json.dumps(case['graph_timeline'])}", flush=True)
                 # each A/B variant's timeline too (the headline is last), with the FlashInfer plan its last timed
                 # step left (per-kernel times compare; spans are not strictly symmetric with the headline's)
                 for k, _, r, apply, undo in variants[:-1]:
                     model.graphs = r
                     apply(model)
-                    case[k]["graph_timeline"] = graph_timeline(lambda r=r: r.replay(B))
+                    case[k]["graph_timeline"] = graph_timeline(lambda r=r, B=B: r.replay(B))
                     undo(model)
                     print(
                         f"B={B}: {k} timeline layer_30_us {json.dumps(case[k]['graph_timeline'].get('layer_30_us'))}",
@@ -1207,16 +1050,29 @@ def main() -> None:
                     case["breakdown_eager"] = breakdown(step)
                 except Exception as e:
                     case["breakdown_error"] = repr(e)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+    clocks = {c["local_seqs"]: (c["graph"].get("gpu_clock") or {}).get("sm_clock_MHz") for c in res["cases"]}
+    conds = snapshot.conditions(sm_clock_MHz_during_graph_timing=clocks, copy_GBps=res["copy_GBps"])
+    res["conditions"] = conds
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    if args.snapshot:
+        snapshot.write(
+            args.snapshot,
+            benchmark="decode",
+            config=config_name(args),
+            summary=summarize(res),
+            results=res,
+            conds=conds,
+        )
     print("\nB_local  moe_tok  floor_ms  eager_ms  graph_ms  graph/floor  replay_ms  pipelined_ms  pipelined/floor")
     for c in res["cases"]:
         print(
             f"{c['local_seqs']:7d}  {c['moe_tokens']:7d}  {c['floor_ms']:8.2f}  {c['eager']['median_ms']:8.2f}  "
-            f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  {c['graph_forward_only']['median_ms']:9.2f}"
-            f"  {c['graph_pipelined']['median_ms']:12.2f}  {c['graph_pipelined_over_floor']:15.3f}"
-            f"  host {c['host_until_replay_us']:.0f} us before the replay ({c['host_forward_decode_us']:.0f} us in all)"
+            f"{c['graph']['median_ms']:8.2f}  {c['graph_over_floor']:11.2f}  "
+            f"{c['graph_forward_only']['median_ms']:9.2f}  {c['graph_pipelined']['median_ms']:12.2f}  "
+            f"{c['graph_pipelined_over_floor']:15.3f}  host {c['host_until_replay_us']:.0f} us before the replay "
+            f"({c['host_forward_decode_us']:.0f} us in all)"
         )
         print(f"    host marks (us from the call's start) {c['host_marks_us']}")
         if "breakdown_eager" in c:

@@ -1,4 +1,8 @@
-"""Benchmark the fused decode kernels of kimi/ops/fused.py against their previous implementations (A/B).
+"""Benchmark the fused decode kernels of kimi/ops/fused.py against their alternatives (A/B).
+
+Every case times two implementations, "new" and "old", and records which of them the model runs at that size
+(`model_runs`, from the thresholds in kimi.ops.fused: ROUTER_FUSED_MAX_T, ALIGN_ONE_PROGRAM_MAX_P, ALIGN_GRID_MIN_P,
+LAUNCH["router_logits_large"]["min_t"]); those thresholds come from these measurements.
 
 Ops and shapes (Kimi-K2.6, one rank of the decode step):
   - rms_norm / add_rms_norm (D 7168; rms_norm also D 1536, the q_a norm), T = 8 and 32 rows. "old": the previous
@@ -6,12 +10,14 @@ Ops and shapes (Kimi-K2.6, one rank of the decode step):
   - mla_rope_kv_write (H 64, N 128, R 64, L 512, paged cache of 64-token blocks), T = 8 and 32. "old": the previous
     grid-(T,) kernel, kept in this file.
   - router_topk (E 384, D 7168, top-8), T = 8, 32, 64, 256: "new" = the one fused kernel (fused._router_topk forced
-    fused), "old" = the two-kernel path (still the large-T path). 20 distinct gate matrices (110 MB, > L2),
-    cycled, so each call reads its gate from HBM as in the model.
+    fused), "old" = the two-kernel path. 20 distinct gate matrices (110 MB, > L2), cycled, so each call reads its
+    gate from HBM as in the model.
   - moe_align_fused (48 local experts of 384, top-8), T = 64, 256, 512 tokens (P = 512, 2048, 4096 pairs), block_m
-    16 and 64: "new" = the single program, "old" = the two-kernel path (still the path above
-    ALIGN_ONE_PROGRAM_MAX_P).
-  - silu_mul (unchanged; for reference): M 8 and 512 rows, I 2048.
+    16 and 64: "new" = the single program, "old" = the two-kernel path.
+  - align_grid: moe_align_fused's grid path against the two-kernel path, T = 256 .. 16384 (prefill sizes).
+  - router_large: the two-kernel router's large-T launch (bigger tiles, K unsplit) against its decode launch,
+    T = 512, 2048, 8192.
+  - silu_mul (for reference, no alternative): M 8 and 512 rows, I 2048.
 Before timing, each new output is compared with the old one (rmsnorm / mla: max abs difference; router: ids equal;
 align: identical sets per row block) and the result goes into the report.
 
@@ -19,10 +25,10 @@ Timing: one sample = one CUDA-graph replay of R (default 20) back-to-back calls,
 (graphs are how the decode step runs; they keep Triton's host launch cost out); a torch.cuda._sleep before each
 sample lets the host queue the events and the replay ahead of the GPU. Median of --samples (default 50) samples.
 
-Output: a table on stdout (us per call, old, new, speed-up) and JSON to --out (default $OUT/bench_fused_<date>.json,
-or bench/ when $OUT is unset) with GPU name, torch / triton / CUDA versions and every measurement.
+Output: a table on stdout (us per call, old, new, speed-up), JSON to --out with every measurement, and the
+snapshot (--snapshot: fused.json; fused_custom for other --ops).
 
-Usage: PYTHONPATH=. python tools/bench_fused.py [--samples 50] [--reps 20] [--ops rmsnorm,mla,router,align,align_grid,router_large,silu]
+Usage: python tools/bench_fused.py [--samples 50] [--reps 20] [--ops rmsnorm,mla,router,align,align_grid,...]
 """
 
 from __future__ import annotations
@@ -30,17 +36,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import require_gpu
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import GraphTimer, require_gpu
 
-# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (require_gpu)
 _MISSING = None
 try:
     import triton
@@ -63,7 +67,7 @@ def log(*a):
     print(*a, flush=True)
 
 
-# ---- previous implementations (A/B only) ---------------------------------------------------------------------
+# ---- the previous kernels of rms_norm and mla_rope_kv_write (the alternatives they beat) ----------------------
 
 
 @triton.jit
@@ -243,13 +247,6 @@ def old_mla_rope_kv_write(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
     return qpe
 
 
-# ---- timing --------------------------------------------------------------------------------------------------
-
-
-if _MISSING is None:
-    from bench_gemm import Timer
-
-
 # ---- cases ---------------------------------------------------------------------------------------------------
 
 
@@ -273,7 +270,9 @@ def rmsnorm_cases(reps):
                 new = lambda h=h, d1=d1, dd=dd, w=w: fused.add_rms_norm(h, d1, dd, w, 1e-6)  # noqa: E731
                 old = lambda h=h, d1=d1, dd=dd, w=w: old_add_rms_norm(h, d1, dd, w, 1e-6)  # noqa: E731
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(new(), old()))
-            yield {"op": name, "shape": f"T={T} D={D}", "check": f"max|new-old|={diff:g}"}, [new] * reps, [old] * reps
+            meta = {"op": name, "shape": f"T={T} D={D}", "check": f"max|new-old|={diff:g}", "model_runs": "new"}
+            meta |= {"new_is": "weight loaded before the residual store", "old_is": "weight loaded after it"}
+            yield meta, [new] * reps, [old] * reps
 
 
 def mla_cases(reps):
@@ -289,16 +288,15 @@ def mla_cases(reps):
         slot = torch.randperm(nb * bs, generator=g, device=DEV)[:T]
         c_new = torch.zeros(nb, bs, L + R, dtype=BF16, device=DEV)
         c_old = torch.zeros_like(c_new)
-        new = lambda: fused.mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c_new, N)  # noqa: E731
-        old = lambda: old_mla_rope_kv_write(q, kv_a, w, 1e-6, cos, sin, pos, slot, c_old, N)  # noqa: E731
+        args = (q, kv_a, w, 1e-6, cos, sin, pos, slot)
+        new = lambda a=args, c=c_new: fused.mla_rope_kv_write(*a, c, N)  # noqa: E731
+        old = lambda a=args, c=c_old: old_mla_rope_kv_write(*a, c, N)  # noqa: E731
         diff = max(
             (new().float() - old().float()).abs().max().item(), (c_new.float() - c_old.float()).abs().max().item()
         )
-        yield (
-            {"op": "mla_rope_kv_write", "shape": f"T={T} H={H} R={R} L={L}", "check": f"max|new-old|={diff:g}"},
-            [new] * reps,
-            [old] * reps,
-        )
+        meta = {"op": "mla_rope_kv_write", "shape": f"T={T} H={H} R={R} L={L}", "check": f"max|new-old|={diff:g}"}
+        meta |= {"model_runs": "new", "new_is": "programs over (token, head group)", "old_is": "one program per token"}
+        yield meta, [new] * reps, [old] * reps
 
 
 def router_cases(reps):
@@ -313,7 +311,10 @@ def router_cases(reps):
         check = f"ids equal={torch.equal(a[1], b[1])} max|dw|={(a[0] - b[0]).abs().max().item():g}"
         new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, True) for gw in gates]
         old = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
-        yield {"op": "router_topk", "shape": f"T={T} E={E} D={D}", "check": check}, new, old
+        meta = {"op": "router_topk", "shape": f"T={T} E={E} D={D}", "check": check}
+        meta |= {"model_runs": "new" if T <= fused.ROUTER_FUSED_MAX_T else "old"}
+        meta |= {"new_is": "one fused kernel", "old_is": "logits kernel + top-k kernel"}
+        yield meta, new, old
 
 
 def align_cases(reps):
@@ -330,11 +331,10 @@ def align_cases(reps):
             )
             new = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, True)  # noqa: E731
             old = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, False)  # noqa: E731
-            yield (
-                {"op": "moe_align_fused", "shape": f"T={T} P={T * 8} bm={bm}", "check": f"same={ok}"},
-                [new] * reps,
-                [old] * reps,
-            )
+            meta = {"op": "moe_align_fused", "shape": f"T={T} P={T * 8} bm={bm}", "check": f"same={ok}"}
+            meta |= {"model_runs": "new" if T * 8 <= fused.ALIGN_ONE_PROGRAM_MAX_P else "old"}
+            meta |= {"new_is": "one program", "old_is": "count kernel + scatter kernel"}
+            yield meta, [new] * reps, [old] * reps
 
 
 def _router_decode_launch(x, gw, bias):
@@ -361,11 +361,10 @@ def router_large_cases(reps):
         check = f"rows with equal id sets={same:.4f} max|dw|={(a[0] - b[0]).abs().max().item():g}"
         new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
         old = [lambda gw=gw, x=x: _router_decode_launch(x, gw, bias) for gw in gates]
-        yield (
-            {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check},
-            new,
-            old,
-        )
+        meta = {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check}
+        meta |= {"model_runs": "new" if fused.LAUNCH["router_logits_large"]["min_t"] <= T else "old"}
+        meta |= {"new_is": "large-T launch (64 x 64 tiles, K unsplit)", "old_is": "decode launch (split K)"}
+        yield meta, new, old
 
 
 def align_grid_cases(reps):
@@ -384,15 +383,14 @@ def align_grid_cases(reps):
             )
             new = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, None, grid=True)  # noqa: E731
             old = lambda ids=ids, bm=bm: fused._moe_align(ids, 48, 96, bm, False, grid=False)  # noqa: E731
-            yield (
-                {
-                    "op": "moe_align_fused grid vs two kernels",
-                    "shape": f"T={T} P={T * 8} bm={bm}",
-                    "check": f"same={ok}",
-                },
-                [new] * reps,
-                [old] * reps,
-            )
+            meta = {
+                "op": "moe_align_fused grid vs two kernels",
+                "shape": f"T={T} P={T * 8} bm={bm}",
+                "check": f"same={ok}",
+            }
+            meta |= {"model_runs": "new" if T * 8 >= fused.ALIGN_GRID_MIN_P else "old"}
+            meta |= {"new_is": "grid path", "old_is": "count kernel + scatter kernel"}
+            yield meta, [new] * reps, [old] * reps
 
 
 def silu_cases(reps):
@@ -400,7 +398,7 @@ def silu_cases(reps):
     for M in (8, 512):
         y = torch.randn(M, 4096, generator=g, device=DEV).to(BF16)
         yield (
-            {"op": "silu_mul (unchanged)", "shape": f"M={M} I=2048", "check": ""},
+            {"op": "silu_mul", "shape": f"M={M} I=2048", "check": "", "model_runs": "new", "new_is": "silu_mul"},
             [lambda y=y: fused.silu_mul(y, 2048)] * reps,
             None,
         )
@@ -417,22 +415,48 @@ CASES = {
 }
 
 
+def summarize(report: dict) -> dict:
+    """The snapshot's table: per case the implementation the model runs at that size against the other one."""
+    rows = []
+    for m in report["results"]:
+        if m.get("old_us") is None:
+            rows.append([m["op"], m["shape"], m.get("new_is"), round(m["new_us"], 2), None, None, None])
+            continue
+        runs = m.get("model_runs", "new")
+        other = "old" if runs == "new" else "new"
+        rows.append(
+            [
+                m["op"],
+                m["shape"],
+                m.get(f"{runs}_is", runs),
+                round(m[f"{runs}_us"], 2),
+                m.get(f"{other}_is", other),
+                round(m[f"{other}_us"], 2),
+                round(m[f"{other}_us"] / m[f"{runs}_us"], 2),
+            ]
+        )
+    return {
+        "columns": ["op", "shape", "the model runs", "(us)", "the alternative", "(us)", "alternative / model"],
+        "rows": rows,
+        "notes": [f"CUDA-graph replay of {report['reps']} calls per sample, median of {report['samples']} samples"],
+    }
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=50)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement")
     ap.add_argument("--reps", type=int, default=20, help="calls per graph replay")
-    ap.add_argument("--ops", default=",".join(CASES))
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--ops", default=",".join(CASES), help=f"comma list of: {', '.join(CASES)}")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
     date = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
-    out_path = args.out or os.path.join(out_dir, f"bench_fused_{date}.json")
     gpu = torch.cuda.get_device_name()
     report = {
+        "args": vars(args),
         "gpu": gpu,
         "date": date,
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
         "reps": args.reps,
         "samples": args.samples,
         "thresholds": {
@@ -444,7 +468,7 @@ def main():
     }
     log(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  CUDA {torch.version.cuda}")
     log(f"{'op':24s} {'shape':26s} {'old us':>8s} {'new us':>8s} {'x':>6s}  check")
-    timer = Timer(args.samples)
+    timer = GraphTimer(args.samples)
     try:
         for op in args.ops.split(","):
             for meta, new, old in CASES[op](args.reps):
@@ -457,10 +481,19 @@ def main():
     except Exception:  # still write what was measured
         report["error"] = traceback.format_exc()
         log(report["error"])
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
-    log(f"wrote {out_path}")
+    report["conditions"] = conds = snapshot.conditions()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.snapshot and not report["error"]:
+        snapshot.write(
+            args.snapshot,
+            benchmark="fused",
+            config="" if args.ops == ",".join(CASES) else "custom",
+            summary=summarize(report),
+            results=report,
+            conds=conds,
+        )
     return 1 if report["error"] else 0
 
 

@@ -19,15 +19,16 @@ Timing (each number is the median of --samples >= 50 samples):
     lets the host queue the events and the replay before the GPU reaches them.
   - GB/s = (bytes of W + x + y) / time; "of copy" = that / the measured copy bandwidth.
 
-Output: a table on stdout, JSON to --out (GPU name, versions, date, copy bandwidth, every measurement, the
-chosen table) and the dispatch table to --table-out in the format kimi.ops.linear_small_m.load_table reads
-(copy it to kimi/ops/linear_small_m_table.json to enable the Triton path for those shapes). A (bucket, N, K)
-entry is chosen only when the best Triton config beats F.linear by more than --margin (default 2 %).
-Defaults for both paths: $OUT/ if set, else bench/. --budget-s (default 85): once exceeded, the remaining
-(shape, M) pairs are measured with cuBLAS and only the configs that won so far. Progress goes to stdout; a
+Output: a table on stdout, JSON to --out (every measurement, the chosen table), the snapshot (--snapshot:
+gemm-small-m.json; gemm-small-m_custom for other shapes or M) and, as the tuner of kimi/ops/linear_small_m_table.json,
+the dispatch table to --table-out in the format kimi.ops.linear_small_m.load_table reads (`--table-out
+kimi/ops/linear_small_m_table.json` regenerates the shipped one). A (bucket, N, K) entry is chosen only when the
+best Triton config beats F.linear by more than --margin (default 2 %). --budget-s (default 85): once exceeded, the
+remaining (shape, M) pairs are measured with cuBLAS and only the configs that won so far. Progress goes to stdout; a
 fatal error (e.g. a CUDA fault) still writes the JSON with what was measured and the error.
 
-Usage: python tools/bench_gemm.py [--ms 1,8,16,32,64] [--out F.json] [--table-out T.json] [--shapes q_b,o_proj]
+Usage: python tools/bench_gemm.py [--ms 1,8,16,32,64] [--shapes q_b,o_proj] [--out F.json] [--table-out T.json]
+       [--snapshot]
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -45,71 +45,17 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import copy_bandwidth, out_paths, pick_shapes, require_gpu
-
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import DENSE_SHAPES, MIN_POOL_BYTES, GraphTimer, copy_bandwidth, pick_shapes, require_gpu
 from kimi.ops import linear_small_m as lsm
 
-SHAPES = {  # name: (N, K)
-    "qkv_a": (2112, 7168),
-    "q_b": (12288, 1536),
-    "o_proj": (7168, 8192),
-    "shared_gate_up": (4096, 7168),
-    "shared_down": (7168, 2048),
-    "dense_gate_up": (36864, 7168),
-    "dense_down": (7168, 18432),
-    "lm_head": (163840, 7168),
-}
-MIN_POOL_BYTES = 512 << 20
+SHAPES = DENSE_SHAPES
 SPLITS = (1, 2, 3, 4, 6, 8)
+DEFAULT_MS = "1,8,16,32,64"
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-class Timer:
-    """Graph-replay timer (see module docstring)."""
-
-    def __init__(self, samples: int):
-        self.samples = samples
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        s.record()
-        torch.cuda._sleep(2_000_000)
-        e.record()
-        e.synchronize()
-        self.cycles_per_us = 2_000_000 / (s.elapsed_time(e) * 1e3)
-
-    def sleep_us(self, us: float) -> None:
-        torch.cuda._sleep(int(us * self.cycles_per_us))
-
-    def time_calls(self, calls) -> float:
-        """Median microseconds per call of the list `calls` (each a no-arg callable), replayed as one graph."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        g.replay()
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.samples)]
-        for s, e in ev:
-            self.sleep_us(60)
-            s.record()
-            g.replay()
-            e.record()
-        torch.cuda.synchronize()
-        t = statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3 / len(calls)
-        del g
-        return t
 
 
 def split_options(cfg: lsm.SmallMConfig, N: int, K: int, sms: int) -> list[int]:
@@ -120,28 +66,72 @@ def split_options(cfg: lsm.SmallMConfig, N: int, K: int, sms: int) -> list[int]:
     return [s for s in SPLITS if s == 1 or (k_blocks >= 2 * s and n_tiles * s <= 4 * sms)]
 
 
+def summarize(report: dict, ms: tuple[int, ...] = (8, 32)) -> dict:
+    """The snapshot's table at M in `ms` (the decode step's 8 and 32 local sequences): cuBLAS against the best Triton
+    config per shape, and whether the dispatch table takes it."""
+    copy = report["copy"]["GBps_read_plus_write"]
+    rows = []
+    for r in report["results"]:
+        if r["M"] not in ms:
+            continue
+        b = r["best"]
+        rows.append(
+            [
+                r["shape"],
+                f"{r['N']} x {r['K']}",
+                r["M"],
+                round(r["cublas_us"], 1),
+                round(100 * r["cublas_GBps"] / copy),
+                round(b["us"], 1) if b else None,
+                round(100 * b["GBps"] / copy) if b else None,
+                round(r["cublas_us"] / b["us"], 2) if b else None,
+                "yes" if r["chosen"] else "no",
+            ]
+        )
+    return {
+        "columns": [
+            "weight",
+            "N x K",
+            "M",
+            "cuBLAS (us)",
+            "cuBLAS, % of copy",
+            "kimi, best (us)",
+            "kimi, % of copy",
+            "speed-up",
+            "chosen by the run",
+        ],
+        "rows": rows,
+        "notes": [
+            "weights streamed from HBM (>= 512 MiB of copies cycled), CUDA-graph replay; "
+            f"copy bandwidth {copy:.0f} GB/s"
+        ],
+    }
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ms", default="1,8,16,32,64")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--samples", type=int, default=50)
-    ap.add_argument("--margin", type=float, default=0.02)
-    ap.add_argument("--budget-s", type=float, default=85.0)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--table-out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--ms", default=DEFAULT_MS, help="rows M (each a dispatch bucket), comma list")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
+    ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement (at least 50)")
+    ap.add_argument("--margin", type=float, default=0.02, help="a table entry needs this fraction over cuBLAS")
+    ap.add_argument("--budget-s", type=float, default=85.0, help="seconds after which only winning configs are timed")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    ap.add_argument(
+        "--table-out", default=None, help="write the dispatch table here (kimi/ops/linear_small_m_table.json)"
+    )
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog, None if lsm.HAS_TRITON else ImportError("Triton is not installed"))
     import triton
 
     t0 = time.time()
-    out_path, table_path = out_paths(args.out, args.table_out, "gemm_small_m", "linear_small_m_table.json")
     ms_list = [int(v) for v in args.ms.split(",")]
     names = pick_shapes(args.shapes, SHAPES)
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     gpu = torch.cuda.get_device_name(dev)
     sms = props.multi_processor_count
-    timer = Timer(max(50, args.samples))
+    timer = GraphTimer(max(50, args.samples))
     copy = copy_bandwidth(2 << 30)  # 2 GiB
     copy_gbps = copy["GBps_read_plus_write"]
     log(
@@ -175,7 +165,8 @@ def main() -> int:
                     "copies_of_W": copies,
                     "calls_per_graph": reps,
                 }
-                us = timer.time_calls([lambda i=i: F.linear(x, wlist[i % copies]) for i in range(reps)])
+                w_at = [wlist[i % copies] for i in range(reps)]  # the weight copy each call of the graph reads
+                us = timer.time_calls([lambda x=x, w=w: F.linear(x, w) for w in w_at])
                 row["cublas_us"] = us
                 row["cublas_GBps"] = nbytes / us / 1e3
                 trit = []
@@ -209,9 +200,7 @@ def main() -> int:
                             rec["error"] = f"max err {err:.3g} > tol {tol:.3g}"
                             trit.append(rec)
                             continue
-                        t = timer.time_calls(
-                            [lambda i=i, c=cfg: lsm.linear_small_m(x, wlist[i % copies], config=c) for i in range(reps)]
-                        )
+                        t = timer.time_calls([lambda x=x, w=w, c=cfg: lsm.linear_small_m(x, w, config=c) for w in w_at])
                         rec["us"] = t
                         rec["GBps"] = nbytes / t / 1e3
                     except Exception as e:
@@ -238,7 +227,7 @@ def main() -> int:
                     f"{nbytes / us / 1e3 / copy_gbps:5.1%} | triton {bt} | x{us / best['us'] if best else 0:.2f}"
                     f"{' *' if chosen else ''}{f' ({errs} failed)' if errs else ''}  [{time.time() - t0:.0f}s]"
                 )
-            wlist = None  # free this shape's copies
+            wlist = w_at = None  # free this shape's copies
             torch.cuda.empty_cache()
     except Exception:
         fatal = traceback.format_exc()
@@ -252,8 +241,8 @@ def main() -> int:
             f"{r['shape']:15s} {r['N']:6d}x{r['K']:5d} {r['M']:3d} {r['cublas_us']:9.1f} {r['cublas_GBps']:5.0f} "
             f"{r['cublas_GBps'] / copy_gbps:6.1%} "
             + (
-                f"{b['us']:9.1f} {b['GBps']:5.0f} {b['GBps'] / copy_gbps:6.1%} {r['cublas_us'] / b['us']:7.2f}x  {b['name']}"
-                f"{' (chosen)' if r['chosen'] else ''}"
+                f"{b['us']:9.1f} {b['GBps']:5.0f} {b['GBps'] / copy_gbps:6.1%} {r['cublas_us'] / b['us']:7.2f}x  "
+                f"{b['name']}{' (chosen)' if r['chosen'] else ''}"
                 if b
                 else "   -"
             )
@@ -261,10 +250,10 @@ def main() -> int:
     table_py = "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in table.items()) + "}"
     log(f"\nchosen table ({len(table)} entries, key 'bucket,N,K'):\n{table_py}")
     report = {
+        "args": vars(args),
         "gpu": gpu,
         "sms": sms,
         "l2_bytes": props.L2_cache_size,
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "copy": copy,
         "method": "CUDA-graph replay of R calls cycling >= 512 MiB of W copies, median of samples, per call; "
@@ -278,15 +267,26 @@ def main() -> int:
         "wall_s": round(time.time() - t0, 1),
         "fatal": fatal,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
-    os.makedirs(os.path.dirname(os.path.abspath(table_path)), exist_ok=True)
-    with open(table_path, "w") as f:
-        json.dump(
-            {"gpu": gpu, "date": report["date"], "source": os.path.basename(out_path), "table": table}, f, indent=1
+    report["conditions"] = conds = snapshot.conditions(copy_GBps=copy_gbps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.table_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.table_out)), exist_ok=True)
+        with open(args.table_out, "w") as f:
+            tuner = snapshot.command_line()
+            json.dump({"gpu": gpu, "date": report["date"], "tuner": tuner, "table": table}, f, indent=1)
+    if args.snapshot and not fatal:
+        custom = args.ms != DEFAULT_MS or args.shapes != ",".join(SHAPES)
+        snapshot.write(
+            args.snapshot,
+            benchmark="gemm-small-m",
+            config="custom" if custom else "",
+            summary=summarize(report),
+            results=report,
+            conds=conds,
         )
-    log(f"wrote {out_path} and {table_path} in {time.time() - t0:.0f} s")
+    log(f"done in {time.time() - t0:.0f} s")
     return 1 if fatal else 0
 
 

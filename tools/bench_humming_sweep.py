@@ -1,4 +1,5 @@
-"""Sweep humming-kernels' schedule configs for Kimi's two expert GEMMs at decode shapes (one H200).
+"""Sweep humming-kernels' schedule configs for Kimi's two expert GEMMs at decode shapes (one H200): the tuner of
+kimi/ops/humming_table.json.
 
 The default (`HummingInt4Experts._configs`) asks humming's heuristics for a config at shape_m = the expected
 number of local (token, expert) pairs. This tool times, per GEMM (w13 gate_up [4096 x 7168], w2 down
@@ -11,7 +12,12 @@ Each distinct config is JIT-compiled on first use (the compile time is recorded)
 new config is tried. Timing: triton.testing.do_bench median, L2 cleared, NSETS distinct routing sets cycled.
 GB/s = weight bytes of the distinct local experts hit by that GEMM / time. rel_diff_vs_default: the relative
 difference from the default config's output over the local pairs' rows (the only rows written) of the first
-input set. Output: JSON (--out) and a table; --table-out also writes a kimi.ops.moe_backend humming table.
+input set. Output: JSON (--out) and a table; --table-out writes a kimi.ops.moe_backend humming table: per GEMM and
+T, the fastest config when it beats the default by more than --min-gain (`--grid --table-out
+kimi/ops/humming_table.json` regenerates the shipped table's plain entries; its `over_heuristic` entries were chosen
+in the decode step, tools/bench_decode.py --ab humming_table_alt, and are carried over by hand).
+
+Usage: python tools/bench_humming_sweep.py [--tokens 64,256] [--grid] [--out F] [--table-out T]
 """
 
 from __future__ import annotations
@@ -19,17 +25,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_moe import (
-    _MISSING,
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import copy_bandwidth, import_gpu_module, require_gpu
+from kimi.benchmarks.moe import (
     E_TOTAL,
     OFFSET,
     TOPK,
@@ -37,17 +40,16 @@ from bench_moe import (
     H,
     Humming,
     I,
-    bench,
-    copy_bandwidth,
     cycle,
+    do_bench,
     make_sets,
     make_weights,
     touched,
-    versions,
 )
-from bench_util import require_gpu
-
 from kimi.ops.moe_int4_triton import moe_align
+
+# --help without Triton or humming; a run stops in require_gpu
+_MISSING = import_gpu_module("triton.testing")[1] or import_gpu_module("humming.tune")[1]
 
 
 def key(c: dict) -> str:
@@ -130,9 +132,9 @@ def heuristic_candidates(layer, m_local: int, hints: str, res: dict) -> list[tup
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="64,256")
-    ap.add_argument("--hints", default="0.25,0.5,1,2,4")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--tokens", default="64,256", help="MoE tokens of one step (comma list)")
+    ap.add_argument("--hints", default="0.25,0.5,1,2,4", help="shape_m hints, times the expected local pairs")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new config is compiled")
     ap.add_argument("--grid", action="store_true", help="also the GRID_TILES x stream-K x CTAs-per-SM grid")
     ap.add_argument(
@@ -152,8 +154,8 @@ def main():
         "the default by more than --min-gain, for expected local pairs from midway to the previous swept "
         "T's to midway to the next one's (the largest T: up to its own)",
     )
-    ap.add_argument("--min-gain", type=float, default=0.02)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "humming_sweep.json"))
+    ap.add_argument("--min-gain", type=float, default=0.02, help="a table entry needs this fraction over the default")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
     from humming.tune import get_heuristics_config
@@ -164,8 +166,8 @@ def main():
         "what": "humming indexed MoE GEMM config sweep, Kimi-K2 expert shapes (48 local of 384, top-8)",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
-        "versions": versions(),
-        "copy": copy_bandwidth(),
+        "conditions": snapshot.conditions(),
+        "copy": copy_bandwidth(4 << 30),
         "cases": [],
     }
     copy_bw = res["copy"]["GBps_read_plus_write"]
@@ -202,7 +204,7 @@ def main():
                     continue
                 bm = cfg["block_shape"][0]
                 inputs = []
-                for (x, w, ids), act in zip(sets, acts):
+                for (x, _w, ids), act in zip(sets, acts):
                     a = moe_align(ids, E, OFFSET, bm)
                     inputs.append((x if name == "w13" else act, a))
 
@@ -223,7 +225,7 @@ def main():
                     ref = run(*inputs[0]).float()[loc0]  # rows of the local pairs (the only ones written)
                     torch.cuda.synchronize()
                     row["first_call_s"] = round(time.time() - t0, 2)
-                    ms = bench(cycle(run, inputs), rep=200)
+                    ms = do_bench(cycle(run, inputs), rep=200)
                     row["ms"] = ms
                     row["GBps"] = n_exp * nbytes / ms / 1e6
                     row["frac_copy"] = row["GBps"] / copy_bw
@@ -238,9 +240,9 @@ def main():
             res["cases"].append(
                 {"T": T, "gemm": name, "experts_hit_mean": n_exp, "bytes_per_expert": nbytes, "rows": rows}
             )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
     if args.table_out:
         entries = []
         ms_local = sorted({max(1, c["T"] * TOPK * E // E_TOTAL) for c in res["cases"]})
@@ -267,7 +269,7 @@ def main():
                 )
         with open(args.table_out, "w") as f:
             json.dump(
-                {"gpu": res["gpu"], "date": res["date"], "source": os.path.basename(args.out), "entries": entries},
+                {"gpu": res["gpu"], "date": res["date"], "tuner": snapshot.command_line(), "entries": entries},
                 f,
                 indent=1,
                 default=str,

@@ -10,31 +10,35 @@ random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - time: a CUDA graph of 20 back-to-back calls of the GEMM alone (align done once outside), replayed; median over
   replays of the per-call time (L2 not flushed: one call's weights, 0.4-0.8 GB, far exceed the 50 MB L2);
 - GB/s: bytes of the experts hit (packed words + scales) / time, against the copy bandwidth measured in the run.
-- the SM clock and board power during each timing (`bench_util.GpuSampler`, nvidia-smi every 20 ms; a timing lasts
-  ~50 ms and the power reading lags, so each row's power mostly shows the rows before it).
+- the SM clock and board power during each timing (`kimi.benchmarks.smi.GpuSampler`, nvidia-smi every 20 ms; a
+  timing lasts ~50 ms and the power reading lags, so each row's power mostly shows the rows before it).
+`table_config` is the configuration kimi.ops.moe_int4_cuda.TABLE picks at the step's expected local pairs (what the
+model runs); its picks, and kimi.ops.moe_backend.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM),
+come from this sweep and the decode step's A/B of the candidates (tools/bench_decode.py --ab moe_cuda_...).
 Also whether kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout
---moe-backend auto shares). Writes JSON to --out.
+--moe-backend auto shares).
+
+Usage: python tools/bench_moe_cuda.py [--tokens 64,256,512,1024] [--out F] [--snapshot]
+Snapshot: moe-w4a16.json (moe-w4a16_custom for other tokens or GEMMs).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import GpuSampler, copy_bandwidth, require_gpu
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
+from kimi.benchmarks.smi import GpuSampler
+from kimi.ops import moe_int4_cuda as mc
+from kimi.ops.quant import dequant_int4
+from kimi.worker.dummy_weights import random_packed_experts
 
 _MISSING = None  # its imports need no GPU package; main() still exits with one line without a CUDA device
-from kimi.ops import moe_int4_cuda as mc  # noqa: E402
-from kimi.ops.quant import dequant_int4  # noqa: E402
-from kimi.worker.dummy_weights import random_packed_experts  # noqa: E402
 
 H, I, E, E_TOTAL, TOPK, OFFSET = 7168, 2048, 48, 384, 8, 96
 
@@ -72,11 +76,56 @@ def routing(T: int, seed: int) -> torch.Tensor:
     return scores.topk(TOPK, dim=-1).indices.to(torch.int64)  # [T, 8] distinct experts
 
 
+DEFAULT_TOKENS = "64,256,512,1024"
+
+
+def summarize(res: dict) -> dict:
+    """The snapshot's table: per step size and GEMM, kimi's GEMM at the table's pick and at its best configuration,
+    humming's, and the pick against humming."""
+    rows = []
+    for c in res["cases"]:
+        by_cfg = {tuple(r["config"]): r for r in c["ours"]}
+        pick = by_cfg.get(tuple(c.get("table_config") or ()))
+        best = min(c["ours"], key=lambda r: r["ms"])
+        h = c["humming"]
+        rows.append(
+            [
+                c["T"],
+                c["gemm"],
+                "x".join(map(str, c["table_config"])) if pick else None,
+                round(pick["ms"] * 1e3, 1) if pick else None,
+                round(pick["pct_copy"]) if pick else None,
+                "x".join(map(str, best["config"])),
+                round(best["ms"] * 1e3, 1),
+                round(h["ms"] * 1e3, 1),
+                round(h["pct_copy"]),
+                round(pick["ms"] / h["ms"], 3) if pick else None,
+            ]
+        )
+    return {
+        "columns": [
+            "MoE tokens",
+            "GEMM",
+            "kimi: table's pick",
+            "kimi (us)",
+            "kimi, % of copy",
+            "kimi: best",
+            "kimi best (us)",
+            "humming (us)",
+            "humming, % of copy",
+            "kimi / humming",
+        ],
+        "rows": rows,
+        "notes": [f"48 local of 384 experts, top-8; copy bandwidth {res['copy_GBps']:.0f} GB/s"],
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="64,256")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--gemms", default="gate_up,down")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--tokens", default=DEFAULT_TOKENS, help="MoE tokens of one step (comma list)")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    ap.add_argument("--gemms", default="gate_up,down", help="which GEMMs")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
     from humming.layer import HummingLayer  # noqa: F401  (fails loudly when humming is absent)
@@ -88,14 +137,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     t_build = time.time()
     bw = copy_bandwidth(2 * 1024**3)["GBps_read_plus_write"]
-    res = {
-        "what": __doc__.split("\n")[0],
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "copy_GBps": bw,
-        "cases": [],
-    }
+    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args), "copy_GBps": bw, "cases": []}
     w13, s13 = random_packed_experts(E, 2 * I, H, gen, "cuda")  # random pack-quantized words, bf16 scales
     w2, s2 = random_packed_experts(E, H, I, gen, "cuda")
     ours = {"gate_up": mc.repack(w13, s13), "down": mc.repack(w2, s2)}
@@ -121,7 +163,8 @@ def main() -> None:
         local = ((ids >= OFFSET) & (ids < OFFSET + E)).reshape(-1)
         hit = torch.unique(ids[(ids >= OFFSET) & (ids < OFFSET + E)]) - OFFSET
         a16 = moe_align_fused(ids, E, OFFSET, 16)
-        c1, c2 = hum._configs(hum._m_local(T, TOPK))
+        m_local = hum._m_local(T, TOPK)
+        c1, c2 = hum._configs(m_local)
         for name in args.gemms.split(","):
             n, k, packed, scale, layer = shapes[name]
             top_k = TOPK if name == "gate_up" else 1
@@ -148,10 +191,12 @@ def main() -> None:
                 "experts_hit": len(hit),
                 "bytes": bytes_hit,
                 "ref_absmax": scale_ref,
+                "expected_local_pairs": m_local,
+                "table_config": list(mc.config_for(n, k, m_local)),
                 "ours": [],
             }
 
-            def err(y):
+            def err(y, rows=rows, ref=ref, scale_ref=scale_ref):
                 d = (y[rows].float() - ref).abs()
                 return {"rel_err": (d.max() / scale_ref).item(), "nan": bool(torch.isnan(y[rows]).any())}
 
@@ -159,9 +204,10 @@ def main() -> None:
                 if not mc.config_valid(cfg, n, k):
                     continue
                 out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                fn = lambda cfg=cfg, out=out: mc.indexed_gemm(  # noqa: E731
-                    x, *ours[name], a16[0], a16[1], a16[2], top_k, out, config=cfg
-                )
+
+                def fn(cfg=cfg, out=out, x=x, w=ours[name], a16=a16, top_k=top_k):
+                    return mc.indexed_gemm(x, *w, a16[0], a16[1], a16[2], top_k, out, config=cfg)
+
                 y = fn()
                 torch.cuda.synchronize()
                 r = {"config": list(cfg)} | err(y)
@@ -181,7 +227,7 @@ def main() -> None:
             out = torch.full((P, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             cc = {"gemm_type": "indexed"}
 
-            def hfn(out=out):
+            def hfn(out=out, layer=layer, x=x, ah=ah, top_k=top_k, hcfg=hcfg, cc=cc):
                 y = layer(
                     x,
                     sorted_ids=ah[0],
@@ -212,10 +258,20 @@ def main() -> None:
             )
             res["cases"].append(case)
     sampler.stop()
-    out_path = args.out or os.path.join(os.environ.get("OUT", "bench"), "moe_cuda.json")
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    print("wrote", out_path)
+    res["conditions"] = conds = snapshot.conditions(copy_GBps=bw)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    if args.snapshot:
+        custom = args.tokens != DEFAULT_TOKENS or args.gemms != "gate_up,down"
+        snapshot.write(
+            args.snapshot,
+            benchmark="moe-w4a16",
+            config="custom" if custom else "",
+            summary=summarize(res),
+            results=res,
+            conds=conds,
+        )
 
 
 if __name__ == "__main__":

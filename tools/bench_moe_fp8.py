@@ -1,35 +1,34 @@
 """FP8 routed experts (K2-Instruct) on one GPU: humming's W8A16 indexed GEMMs (kimi.ops.moe_backend.HummingFp8Experts)
-against the path FP8 experts took before it (dequantised to bf16 on load, `RefExperts`), with the INT4 humming backend
-of K2.6 at the same shapes for scale.
+against the fallback path of FP8 experts (dequantised to bf16 on load, `RefExperts`: the other backends, or an
+expert width humming cannot tile), with the INT4 humming backend of K2.6 at the same shapes for scale.
 
 Shapes: the real Kimi experts (D 7168, I 2048), 48 local of 384 (EP rank 2 of 8), top-8. Weights: random FP8
 (kimi.worker.dummy_weights.random_fp8_experts: N(0, 1) e4m3 values, float32 128 x 128 tile scales) and random packed
 INT4 (random_packed_experts). For each T in --tokens, NSETS distinct (x, routing) sets; each timed call takes the
 next set. Timer: triton.testing.do_bench (L2 cleared before every call), median. humming runs as CUDA-graph replays
 (one graph per set: what the decode step does); RefExperts eagerly (it reads expert counts on the host and cannot be
-captured; this is how K2-Instruct's experts ran before). Correctness of every output against the RefExperts of the
+captured). Correctness of every output against the RefExperts of the
 same FP8 weights: max |y - ref| / max |ref|.
 
 Bytes: the distinct local experts hit (mean over the sets) times the bytes each backend holds per expert (FP8:
 weights + humming's bf16 group scales; INT4: packed words + scales; bf16 for RefExperts); GB/s against the measured
 copy bandwidth (a 4 GiB device-to-device copy, read + write counted).
-Writes JSON to --out (default $OUT/moe_fp8_<date>.json, else bench/).
+
+Usage: python tools/bench_moe_fp8.py [--tokens 8,64,256,2048] [--out F] [--snapshot]
+Snapshot: moe-fp8.json (moe-fp8_custom for other tokens or --no-ref).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_util import copy_bandwidth, import_gpu_module, require_gpu, run_header
-
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import copy_bandwidth, import_gpu_module, require_gpu
 from kimi.ops.moe_backend import make_experts
 from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts
 
@@ -44,30 +43,66 @@ def held_bytes(module) -> int:
     return sum(t.numel() * t.element_size() for n, t in module.state_dict().items() if not n.endswith("locks"))
 
 
+DEFAULT_TOKENS = "8,64,256,2048"
+
+
+def summarize(res: dict) -> dict:
+    """The snapshot's table: per step size, humming's FP8 experts against the dequantised bf16 fallback, and
+    humming's INT4 experts (K2.6) at the same shapes for scale."""
+
+    def us(c: dict, k: str) -> float | None:
+        return round(c[k]["ms"] * 1e3, 1) if k in c else None
+
+    rows = [
+        [
+            c["T"],
+            round(c["experts_hit_mean"], 1),
+            us(c, "humming_fp8"),
+            round(100 * c["humming_fp8"]["frac_copy"]),
+            round(c["humming_fp8"]["rel_err_vs_ref"], 4) if "rel_err_vs_ref" in c["humming_fp8"] else None,
+            us(c, "ref_bf16_eager"),
+            us(c, "humming_int4"),
+        ]
+        for c in res["cases"]
+    ]
+    return {
+        "columns": [
+            "MoE tokens",
+            "experts hit",
+            "humming FP8 (us)",
+            "FP8, % of copy",
+            "FP8 rel. error vs dequantised",
+            "dequantised bf16, eager (us)",
+            "humming INT4 (us)",
+        ],
+        "rows": rows,
+        "notes": [f"48 local of 384 experts, top-8; copy bandwidth {res['copy_GBps']:.0f} GB/s"],
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="8,64,256,2048")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--tokens", default=DEFAULT_TOKENS, help="MoE tokens of one step (comma list)")
     ap.add_argument("--no-ref", action="store_true", help="skip the dequantised bf16 RefExperts timing")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
     dev = torch.device("cuda")
-    res = run_header(__doc__.split("\n")[0], args)
+    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args)}
     res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]
     gen = torch.Generator(device=dev).manual_seed(0)
     w13, s13 = random_fp8_experts(E, 2 * INTER, D, gen, dev)
     w2, s2 = random_fp8_experts(E, D, INTER, gen, dev)
-    fp8_parts = lambda: {
-        "w13_fp8": w13.clone(),
-        "w13_scale_inv": s13.clone(),
-        "w2_fp8": w2.clone(),
-        "w2_scale_inv": s2.clone(),
-    }
-    t0 = time.time()
-    fp8 = make_experts("humming", fp8_parts(), OFFSET, E_TOTAL, torch.bfloat16)
-    res["fp8_setup_s"] = time.time() - t0
-    ref = None if args.no_ref else make_experts("ref", fp8_parts(), OFFSET, E_TOTAL, torch.bfloat16)
+    parts = {"w13_fp8": w13, "w13_scale_inv": s13, "w2_fp8": w2, "w2_scale_inv": s2}
     del w13, s13, w2, s2
+    t0 = time.time()
+    fp8 = make_experts("humming", {k: v.clone() for k, v in parts.items()}, OFFSET, E_TOTAL, torch.bfloat16)
+    res["fp8_setup_s"] = time.time() - t0
+    ref = None
+    if not args.no_ref:
+        ref = make_experts("ref", {k: v.clone() for k, v in parts.items()}, OFFSET, E_TOTAL, torch.bfloat16)
+    del parts
     p13, q13 = random_packed_experts(E, 2 * INTER, D, gen, dev)
     p2, q2 = random_packed_experts(E, D, INTER, gen, dev)
     int4 = make_experts(
@@ -111,7 +146,7 @@ def main() -> None:
                 outs.append(o)
             it = iter(range(1 << 30))
             ms = triton.testing.do_bench(
-                lambda: graphs[next(it) % NSETS].replay(), warmup=50, rep=300, return_mode="median"
+                lambda gs=graphs, it=it: gs[next(it) % NSETS].replay(), warmup=50, rep=300, return_mode="median"
             )
             nbytes = hit * per_expert[name]
             case[name] = {"ms": ms, "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / bw}
@@ -125,7 +160,9 @@ def main() -> None:
             del graphs, outs
         if ref is not None:
             it = iter(range(1 << 30))
-            ms = triton.testing.do_bench(lambda: ref(*sets[next(it) % NSETS]), warmup=50, rep=300, return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda sets=sets, it=it: ref(*sets[next(it) % NSETS]), warmup=50, rep=300, return_mode="median"
+            )
             nbytes = hit * per_expert["ref_bf16"]
             case["ref_bf16_eager"] = {"ms": ms, "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / bw}
         res["cases"].append(case)
@@ -139,10 +176,19 @@ def main() -> None:
             ),
             flush=True,
         )
-    out = args.out or os.path.join(os.environ.get("OUT") or "bench", f"moe_fp8_{time.strftime('%Y-%m-%d')}.json")
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {out}")
+    res["conditions"] = conds = snapshot.conditions(copy_GBps=bw)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.snapshot:
+        snapshot.write(
+            args.snapshot,
+            benchmark="moe-fp8",
+            config="" if args.tokens == DEFAULT_TOKENS and not args.no_ref else "custom",
+            summary=summarize(res),
+            results=res,
+            conds=conds,
+        )
 
 
 if __name__ == "__main__":

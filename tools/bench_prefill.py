@@ -4,8 +4,8 @@ The rank is the decode benchmark's (tools/bench_decode.py): the real K2.6 text c
 random weights generated on the GPU (`--load-format dummy`), EP rank 0 of 8 with its 48 local INT4 experts per MoE
 layer. Each step prefills --chunk new tokens on this rank (the server's --token-budget, default 2048), and every
 other rank does the same: the MoE of each layer sees 8 x chunk tokens, routed to top-8 of 384 experts by fixed random
-routing drawn per layer (bench_decode's EmulatedEP, per_layer), and computes the pairs that land on the 48 local
-experts. No communication is timed (single GPU).
+routing drawn per layer (kimi.benchmarks.emulated_rank.EmulatedEP, per_layer), and computes the pairs that land on
+the 48 local experts. No communication is timed (single GPU).
 
 Cases (`--cases`, comma list):
   NxL   N prompts of L tokens in one step (N * L = chunk), no cached context;
@@ -24,9 +24,12 @@ FLOPs counted (multiply-add = 2):
          the cost of a 192/128 ragged prefill kernel, for comparison.
 Ceiling: bf16 matmul TFLOPS measured in the same run (torch.matmul 8192^3, the best of 20 calls); `tflops` /
 `matmul_tflops` is the step's fraction of it. Per-op breakdown: torch.profiler kernel time of one step by class
-(tools/bench_decode.py's classes).
+(kimi.benchmarks.emulated_rank.KERNEL_CLASSES).
 
-Usage: python tools/bench_prefill.py --cases 16x128,2048,8192 --out bench/prefill_DATE.json
+Usage: python tools/bench_prefill.py [--cases 16x128,2048,8192] [--chunk 2048] [--snapshot]
+
+Snapshot (--snapshot): prefill_<config>.json, config "int4-ep8-chunk2048" and whatever else differs from the
+headline run (layers, backend, preset).
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import json
 import time
 
 import torch
-from bench_decode import EmulatedEP, breakdown, time_ms  # tools/, this script's folder
-from bench_util import require_gpu, run_header
 
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
+from kimi.benchmarks.gpu import require_gpu
 from kimi.ops.moe_backend import BACKENDS
 
 
@@ -80,23 +84,67 @@ def parse_cases(spec: str, chunk: int) -> list[dict]:
     return out
 
 
+def config_name(args: argparse.Namespace) -> str:
+    """The snapshot configuration: EP size and chunk, then whatever differs from the headline run."""
+    parts = [f"int4-ep{args.ep_size}-chunk{args.chunk}"]
+    if args.layers != 61:
+        parts.append(f"L{args.layers}")
+    if args.moe_backend != "auto":
+        parts.append(args.moe_backend)
+    if args.preset != "kimi-k2.6":
+        parts.append(args.preset)
+    return "-".join(parts)
+
+
+def summarize(res: dict) -> dict:
+    """The snapshot's table: per case its steps' times, TFLOPS (and fraction of the matmul rate) and new tokens/s."""
+    rows = []
+    for c in res["cases"]:
+        st = c["steps"]
+        tf = [s["tflops"] for s in st]
+        frac = [s["fraction_of_matmul"] for s in st]
+        toks = sum(s["tokens"] for s in st)
+        rows.append(
+            [
+                c["name"],
+                len(st),
+                " + ".join(f"{s['median_ms']:.1f}" for s in st),
+                round(c["prefill_ms"], 1),
+                f"{min(tf):.0f}" if len(st) == 1 else f"{min(tf):.0f}-{max(tf):.0f}",
+                f"{min(frac):.2f}" if len(st) == 1 else f"{min(frac):.2f}-{max(frac):.2f}",
+                round(toks / (c["prefill_ms"] * 1e-3)),
+            ]
+        )
+    return {
+        "columns": [
+            "case",
+            "steps",
+            "step times (ms)",
+            "prefill (ms)",
+            "TFLOPS",
+            "of matmul",
+            "new tokens/s",
+        ],
+        "rows": rows,
+        "notes": [f"bf16 matmul {res['matmul_tflops']:.0f} TFLOPS in the same run (the ceiling)"],
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="kimi-k2.6")
-    ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--ep-size", type=int, default=8)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--preset", default="kimi-k2.6", help="model preset (kimi/presets)")
+    ap.add_argument("--layers", type=int, default=61, help="layers of the model (61: all of K2's)")
+    ap.add_argument("--ep-size", type=int, default=8, help="EP ranks emulated (this rank holds 1 / ep-size experts)")
     ap.add_argument(
-        "--moe-backend",
-        default="auto",
-        choices=BACKENDS,
-        help="routed-expert backend, as kimi serve's flag (default auto)",
+        "--moe-backend", default="auto", choices=BACKENDS, help="routed-expert backend, as kimi serve's flag"
     )
-    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=64, help="KV cache block size (tokens)")
     ap.add_argument("--chunk", type=int, default=2048, help="new tokens per step on this rank (--token-budget)")
-    ap.add_argument("--cases", default="16x128,2048,8192")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default="16x128,2048,8192", help="comma list of NxL (N prompts of L) or L (chunked)")
+    ap.add_argument("--iters", type=int, default=5, help="timed steps per step of a case")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown of each step")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog)
     cases = parse_cases(args.cases, args.chunk)
@@ -108,7 +156,7 @@ def main() -> None:
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    res = run_header(__doc__.split("\n")[0], args)
+    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args)}
     res["matmul_tflops"] = peak = matmul_tflops(dev)
     print(f"bf16 matmul {peak:.0f} TFLOPS", flush=True)
 
@@ -235,9 +283,19 @@ def main() -> None:
                 {"name": case["name"], "prompts": case["prompts"], "steps": out_steps, "prefill_ms": total_ms}
             )
             print(f"{case['name']}: prefill {total_ms:.1f} ms in {len(out_steps)} step(s)", flush=True)
+    res["conditions"] = conds = snapshot.conditions(matmul_tflops=res["matmul_tflops"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
+    if args.snapshot:
+        snapshot.write(
+            args.snapshot,
+            benchmark="prefill",
+            config=config_name(args),
+            summary=summarize(res),
+            results=res,
+            conds=conds,
+        )
 
 
 if __name__ == "__main__":

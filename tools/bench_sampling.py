@@ -3,24 +3,23 @@
 Logits [B, 163840] float32 (Kimi's vocabulary) on the device; per B in --batch two mixes: all greedy, and
 "mixed" (half greedy with 5 logprobs, half temperature 0.8 / top-k 50 / top-p 0.9 with the sampled logprob).
 Wall time per call (the call ends with its device->host copy, so host time = step time), median of --iters
-after 3 warm-ups. JSON to --out.
+after 3 warm-ups. `sample_ref` is the per-row implementation of the same semantics (the tests' reference).
+
+Usage: python tools/bench_sampling.py [--batch 8,64,256] [--out F] [--snapshot]
+Snapshot: sampler.json (sampler_custom for other batch sizes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import require_gpu
-
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import require_gpu
 from kimi.ops.sampling import sample, sample_ref
 from kimi.protocol import SamplingParams
 
@@ -39,21 +38,31 @@ def wall_ms(fn, iters: int) -> float:
     return statistics.median(ts)
 
 
+DEFAULT_BATCH = "8,64,256"
+
+
+def summarize(res: dict) -> dict:
+    """The snapshot's table: per batch and mix, the batched sampler against the per-row sample_ref."""
+    rows = [
+        [c["batch"], c["mix"], c["sample_ms"], c["sample_ref_ms"], round(c["sample_ref_ms"] / c["sample_ms"], 1)]
+        for c in res["cases"]
+    ]
+    return {
+        "columns": ["rows", "mix", "batched sampler (ms)", "per-row sample_ref (ms)", "speed-up"],
+        "rows": rows,
+        "notes": [f"logits [rows, {res['vocab']}] float32; wall time per call including the device-to-host copy"],
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", default="8,64,256")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "sampling.json"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--batch", default=DEFAULT_BATCH, help="rows of logits, comma list")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls of the batched sampler (the per-row: 1/4)")
+    ap.add_argument("--out", default=None, help="write the full JSON result here")
+    snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog)
-    res = {
-        "what": __doc__.split("\n")[0],
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "vocab": V,
-        "cases": [],
-    }
+    res: dict = {"what": __doc__.split("\n")[0], "args": vars(args), "vocab": V, "cases": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     for B in [int(b) for b in args.batch.split(",")]:
         logits = torch.randn(B, V, device="cuda", generator=g) * 3
@@ -68,14 +77,24 @@ def main() -> None:
         }
         for name, params in mixes.items():
             gens = [None] * B
-            new = wall_ms(lambda: sample(logits, params, gens), args.iters)
-            old = wall_ms(lambda: sample_ref(logits, params, gens), max(3, args.iters // 4))
+            new = wall_ms(lambda x=logits, p=params, g=gens: sample(x, p, g), args.iters)
+            old = wall_ms(lambda x=logits, p=params, g=gens: sample_ref(x, p, g), max(3, args.iters // 4))
             case = {"batch": B, "mix": name, "sample_ms": round(new, 3), "sample_ref_ms": round(old, 3)}
             res["cases"].append(case)
             print(json.dumps(case), flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    res["conditions"] = conds = snapshot.conditions()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.snapshot:
+        snapshot.write(
+            args.snapshot,
+            benchmark="sampler",
+            config="" if args.batch == DEFAULT_BATCH else "custom",
+            summary=summarize(res),
+            results=res,
+            conds=conds,
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 #!/usr/bin/env python
 """Load generator for any OpenAI-compatible server (kimi, vLLM, SGLang): streaming /v1/completions.
 
-    python tools/bench_serving.py --base-url http://127.0.0.1:8000 --model tiny \\
+    python tools/bench_serving.py --base-url http://127.0.0.1:8000/v1 --model tiny-k2.6 \\
         --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 [--request-rate 8] \\
         [--input-dist fixed|uniform|normal] [--output-dist ...] [--prompt-kind tokens|words] \\
-        [--shared-prefix-ratio 0.5 --num-prefixes 4] [--out result.json]
+        [--shared-prefix-ratio 0.5 --num-prefixes 4] [--api-key KEY] [--out result.json] [--snapshot]
+
+(`make serve` serves `tiny-k2.6` at http://127.0.0.1:8000.) The base URL may end in /v1 (as the OpenAI client takes
+it) or not. --api-key defaults to $OPENAI_API_KEY. Without --model the server's only model is used (GET /v1/models;
+several are an error naming them).
 
 Prompts are distinct (identical prompts under-measure MoE decode: every row would route to the same
 experts): random token ids (`tokens`, ids in [1000, 100000), sent as a token-id list) or random words
@@ -22,6 +26,11 @@ chunks; TPOT = (last chunk - first chunk) / (output tokens - 1). Reported: p50 /
 request throughput (completed / wall s), output token throughput (usage.completion_tokens summed / wall s),
 errors (HTTP status or error chunk, with the first messages). A chunk may carry several tokens (the server
 may merge deltas), so ITL is per chunk; TPOT uses the token count from usage.
+
+Output: one summary line (requests, errors, throughput, TTFT p50, TPOT p50), then the JSON report (also to --out).
+The exit status is 1 if any request failed. Snapshot (--snapshot): <device>/serving_<config>.json, the device from
+--snapshot-device (default: this machine's GPU as nvidia-smi names it, else cpu), the config from --snapshot-config
+(default in<input-len>-out<output-len>-c<concurrency>).
 """
 
 from __future__ import annotations
@@ -38,7 +47,19 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name"]
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.serving import auth_headers, default_api_key, normalize_base_url, served_model, summary_line
+from kimi.benchmarks.smi import query_gpu
+
+WORDS = [  # prompt words of --prompt-kind words
+    *["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child"],
+    *["world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part"],
+    *["place", "case", "week", "company", "system", "program", "question", "work", "government", "number"],
+    *["night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact"],
+    *["month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue"],
+    *["side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game"],
+    *["line", "end", "member", "law", "car", "city", "community", "name"],
+]
 
 
 @dataclass
@@ -101,7 +122,7 @@ async def one(client: httpx.AsyncClient, args, prompt, in_len: int, max_tokens: 
     start = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", f"{args.base_url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{args.root}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return r
@@ -163,7 +184,8 @@ async def run(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
     bar = tqdm(total=len(prompts), desc="requests", disable=args.no_progress)
     results: list[Result] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    headers = auth_headers(args.api_key)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits, headers=headers) as client:
         t0 = time.perf_counter()
 
         async def task(p, li, lo):
@@ -185,7 +207,7 @@ async def run(args: argparse.Namespace) -> dict:
     errors = [r.error for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
-        "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "api_key", "root")},
         "num_requests": len(results),
         "completed": len(ok),
         "errors": len(errors),
@@ -204,44 +226,107 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", required=True)
-    p.add_argument("--num-requests", type=int, default=256)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
+    p.add_argument("--api-key", default=default_api_key(), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--model", default=None, help="the model to ask for (None: the server's only model)")
+    p.add_argument("--num-requests", type=int, default=256, help="requests in all")
     p.add_argument("--concurrency", type=int, default=64, help="max requests in flight")
     p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second; 0 = all at once")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--input-dist", default="fixed", choices=["fixed", "uniform", "normal"])
-    p.add_argument("--output-dist", default="fixed", choices=["fixed", "uniform", "normal"])
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens (mean; ignore_eos)")
+    p.add_argument("--input-dist", default="fixed", choices=["fixed", "uniform", "normal"], help="prompt lengths")
+    p.add_argument("--output-dist", default="fixed", choices=["fixed", "uniform", "normal"], help="output lengths")
     p.add_argument("--spread", type=float, default=0.25, help="relative spread of uniform / normal lengths")
-    p.add_argument("--prompt-kind", default="tokens", choices=["tokens", "words"])
+    p.add_argument("--prompt-kind", default="tokens", choices=["tokens", "words"], help="token ids or words")
     p.add_argument(
         "--shared-prefix-ratio", type=float, default=0.0, help="fraction of each prompt from a shared prefix"
     )
-    p.add_argument("--num-prefixes", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout, s")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="write the JSON report here")
+    snapshot.add_arguments(p)
+    p.add_argument("--snapshot-device", default=None, help="the snapshot's device folder (None: see above)")
+    p.add_argument("--snapshot-config", default=None, help="the snapshot's configuration name (None: see above)")
+    p.add_argument("--server-note", default=None, help="how the server was started, recorded in the snapshot")
     a = p.parse_args(argv)
     if not 0.0 <= a.shared_prefix_ratio < 1.0:
         p.error("--shared-prefix-ratio must be in [0, 1)")
     if a.num_prefixes < 1 or a.concurrency < 1 or a.num_requests < 1:
         p.error("--num-prefixes, --concurrency and --num-requests must be >= 1")
+    try:
+        a.root = normalize_base_url(a.base_url)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model is None:
+        try:
+            args.model = served_model(args.root, args.api_key)
+        except ValueError as e:
+            print(f"bench_serving.py: {e}", file=sys.stderr)
+            return 2
     rep = asyncio.run(run(args))
     text = json.dumps(rep, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    print(summary_line(rep), flush=True)
     print(text)
+    if args.snapshot:
+        gpu = (query_gpu("name") or {}).get("name")
+        config = args.snapshot_config or f"in{args.input_len}-out{args.output_len}-c{args.concurrency}"
+        conds = snapshot.conditions(server=args.server_note, model=args.model)
+        snapshot.write(
+            args.snapshot,
+            benchmark="serving",
+            config=config,
+            summary=summarize(rep),
+            results=rep,
+            conds=conds,
+            device=args.snapshot_device or snapshot.device_key(gpu),
+        )
     return 0 if rep["errors"] == 0 else 1
+
+
+def summarize(rep: dict) -> dict:
+    """The snapshot's table: one row of the report's headline numbers."""
+
+    def r1(v: float | None) -> float | None:
+        return None if v is None else round(v, 1)
+
+    return {
+        "columns": [
+            "requests",
+            "errors",
+            "concurrency",
+            "input / output tokens",
+            "output tok/s",
+            "TTFT p50 (ms)",
+            "TPOT p50 (ms)",
+            "ITL p50 (ms)",
+            "TPOT p90 (ms)",
+        ],
+        "rows": [
+            [
+                rep["num_requests"],
+                rep["errors"],
+                rep["config"]["concurrency"],
+                f"{rep['config']['input_len']} / {rep['config']['output_len']}",
+                round(rep["output_token_throughput_per_s"]),
+                r1(rep["ttft"]["p50_ms"]),
+                r1(rep["tpot"]["p50_ms"]),
+                r1(rep["itl"]["p50_ms"]),
+                r1(rep["tpot"]["p90_ms"]),
+            ]
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ Every variant's output is compared with the default's first (combine / silu_mul_
 written; align: block experts and num_padded equal, row blocks equal as sets; router: ids equal, weights within
 1e-5; norms within 1e-2 relative) and a variant that differs is not eligible.
 
-Timing: tools/bench_gemm.py's Timer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL
-as configured (kimi.ops.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the variant with
-the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the JSON
-(--out) holds the LAUNCH / COMBINE_LAUNCH values to use. tools/bench_decode.py --ab small_tuned applies a picks
-file ($KIMI_SMALL_PICKS) to a whole decode step.
+Timing: kimi.benchmarks.gpu.GraphTimer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL
+as configured (kimi.ops.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the
+variant with the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the
+JSON (--out) holds the LAUNCH / COMBINE_LAUNCH values to use. This is the tuner of the launch tables written in
+code, kimi.ops.fused.LAUNCH and kimi.ops.moe_int4_triton.COMBINE_LAUNCH (its picks are copied there by hand);
+tools/bench_decode.py --ab small_tuned applies a picks file ($KIMI_SMALL_PICKS) to a whole decode step first.
 
-Usage: PYTHONPATH=. python tools/sweep_small_kernels.py --out $OUT/small_kernels.json
+Usage: python tools/sweep_small_kernels.py --out small_kernels.json
 """
 
 from __future__ import annotations
@@ -28,23 +29,17 @@ import copy
 import datetime
 import itertools
 import json
-import os
-import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_util import require_gpu
-
+from kimi.benchmarks import snapshot
+from kimi.benchmarks.gpu import GraphTimer, require_gpu
 from kimi.ops import moe_int4_triton as mi
 
-# GPU packages: a CPU-only install still gets --help; main() then exits with one line (bench_util.require_gpu)
+# GPU packages: a CPU-only install still gets --help; main() then exits with one line (require_gpu)
 _MISSING = None
 try:
-    from bench_gemm import Timer  # tools/, this script's folder: CUDA-graph replay timer
-
     from kimi.ops import fused
 except ImportError as _e:
     _MISSING = _e
@@ -55,7 +50,7 @@ D, I2, E_ALL, E_LOC, TOPK, OFF = 7168, 4096, 384, 48, 8, 96
 
 
 def graph_us(timer, fn, reps: int) -> float:
-    """Median us per call of fn(0..reps-1) replayed as one CUDA graph (tools/bench_gemm.py's Timer)."""
+    """Median us per call of fn(0..reps-1) replayed as one CUDA graph (GraphTimer)."""
     return timer.time_calls([lambda i=i: fn(i) for i in range(reps)])
 
 
@@ -192,25 +187,21 @@ def snap(o):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--samples", type=int, default=30)
-    ap.add_argument("--min-gain", type=float, default=0.03)
-    ap.add_argument("--ops", default="combine,silu_rows,align,router,rmsnorm")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench"), "small_kernels.json"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
+    ap.add_argument("--reps", type=int, default=20, help="calls per graph replay")
+    ap.add_argument("--samples", type=int, default=30, help="timed graph replays per measurement")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="a pick needs this fraction over the default")
+    ap.add_argument("--ops", default="combine,silu_rows,align,router,rmsnorm", help="which ops to sweep")
+    ap.add_argument("--out", default=None, help="write the full JSON result (and its picks) here")
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
-    import triton
-
     from kimi.ops import pdl
 
     g = torch.Generator(device=DEV).manual_seed(0)
     res = {
         "what": __doc__.split("\n")[0],
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        "conditions": snapshot.conditions(),
         "pdl": pdl.ENABLED,
         "reps": args.reps,
         "samples": args.samples,
@@ -218,7 +209,7 @@ def main() -> None:
         "picks": {},
     }
     ops, setups = op_cases(g)
-    timer = Timer(args.samples)
+    timer = GraphTimer(args.samples)
     for name, keys, variants in ops:
         if name not in args.ops.split(","):
             continue
@@ -267,9 +258,10 @@ def main() -> None:
             )
         else:
             print(f"KEEP {name}: default {base} us", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    print(f"picks: {json.dumps(res['picks'])}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

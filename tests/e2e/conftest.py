@@ -15,11 +15,8 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-
-from make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-
 from kimi.controller.transport import free_tcp_port  # noqa: E402
+from kimi.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 
 @dataclass

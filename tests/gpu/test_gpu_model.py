@@ -1,6 +1,6 @@
 """The GPU model (kimi/worker/gpu_model.py) against the CPU reference model, and CUDA graph replay against eager.
 
-Checkpoints: the tiny K2.6 / K2-Instruct layouts of tools/make_tiny_checkpoint.py, plus "tiny-mla": the K2.6
+Checkpoints: the tiny K2.6 / K2-Instruct layouts of kimi/tiny_checkpoint.py, plus "tiny-mla": the K2.6
 layout with Kimi's real attention widths (kv_lora 512, rope 64, nope 128, v 128; 16 heads, hidden 1024,
 expert I 256) so that FlashInfer's MLA kernel and the INT4 MoE kernels actually run (the stock tiny model's
 64-wide latent has no FlashInfer kernel: it runs the torch decode fallback).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-
 MLA_DIMS = dict(
     hidden_size=1024,
     intermediate_size=1024,
@@ -52,7 +49,7 @@ def report(rec: dict) -> None:
 
 
 def make_ckpt(root: Path, name: str) -> str:
-    import make_tiny_checkpoint as mtc
+    import kimi.tiny_checkpoint as mtc
 
     d = root / name
     if d.exists():

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -18,10 +17,8 @@ from safetensors.torch import load_file, save_file
 from kimi.checkpoint import INDEX_FILE, CheckpointError, expected_tensors, load_checkpoint, local_expert_range
 from kimi.config import ModelConfig
 from kimi.presets import load_preset
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint
-from make_tiny_checkpoint import generate_tiny_weights as _generate
+from kimi.tiny_checkpoint import LAYOUTS, make_tiny_checkpoint
+from kimi.tiny_checkpoint import generate_tiny_weights as _generate
 
 # The generator is deterministic; share its output between tests (they never modify it).
 generate_tiny_weights = functools.lru_cache(maxsize=None)(_generate)
@@ -428,7 +425,7 @@ def test_generator_is_deterministic_and_seeded() -> None:
 def test_tiny_checkpoint_with_a_missing_tokenizer_folder_writes_nothing(tmp_path, monkeypatch, capsys) -> None:
     """A tokenizer folder without tiktoken.model (given, or $KIMI_TOKENIZER_DIR) is a one-line error before anything
     is written: no config.json (the Makefile's target) is left to make the next build look done."""
-    from make_tiny_checkpoint import main
+    from kimi.tiny_checkpoint import main
 
     out = tmp_path / "tiny"
     with pytest.raises(FileNotFoundError, match=r"no tiktoken\.model"):
@@ -448,7 +445,7 @@ def test_tiny_checkpoint_with_a_missing_tokenizer_folder_writes_nothing(tmp_path
 def test_make_tiny_checkpoint_says_which_vocabulary(tmp_path, capsys, monkeypatch) -> None:
     """The tool's last line names the vocabulary the checkpoint got (a newcomer's clone elsewhere silently got the
     built-in one before)."""
-    from make_tiny_checkpoint import main
+    from kimi.tiny_checkpoint import main
 
     assert main([str(tmp_path / "a"), "--builtin-tokenizer"]) == 0
     assert "with the built-in byte-level vocabulary (--builtin-tokenizer)" in capsys.readouterr().err

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
 from kimi.config import ConfigError, ModelConfig
 from kimi.presets import list_presets, load_preset
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint
+from kimi.tiny_checkpoint import LAYOUTS, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,9 @@
-"""CPU tests of tools/bench_util's nvidia-smi sample parsing and summary (GpuSampler's pure parts; the sampler itself
-runs where nvidia-smi does, in the GPU benchmarks)."""
+"""CPU tests of kimi.benchmarks.smi's nvidia-smi sample parsing and summary (GpuSampler's pure parts; the sampler
+itself runs where nvidia-smi does, in the GPU benchmarks)."""
 
 import datetime
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from bench_util import SW_POWER_CAP, parse_smi_sample, summarize_samples
+from kimi.benchmarks.smi import SW_POWER_CAP, parse_smi_sample, summarize_samples
 
 
 def test_a_sample_line_parses_to_local_epoch_seconds():

@@ -4,9 +4,7 @@ layers come out of the model's preparation, the table file, and the Triton kerne
 in a subprocess (fp16: the interpreter's bf16 arithmetic is not faithful)."""
 
 import json
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +13,8 @@ import torch.nn.functional as F
 from kimi.config import ModelConfig
 from kimi.ops import linear_fp8 as lf
 from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+from kimi.tiny_checkpoint import TINY_DIMS, tiny_config
 from tests.unit.triton_interp import run_interpreted
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from make_tiny_checkpoint import TINY_DIMS, tiny_config
 
 
 def _fp8(n, k, seed=0, block=(128, 128)):

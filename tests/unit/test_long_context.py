@@ -16,9 +16,9 @@ import torch
 
 from kimi.config import ModelConfig
 from kimi.ops.attention import build_attention_metadata
+from kimi.tiny_checkpoint import generate_tiny_weights, tiny_config
 from kimi.worker.kv_cache import allocate_kv_caches
 from kimi.worker.model import KimiForCausalLM
-from tools.make_tiny_checkpoint import generate_tiny_weights, tiny_config
 
 BS = 64
 PREFILL = 8200

@@ -1,6 +1,6 @@
 """Acceptance test: kimi's KimiForCausalLM against transformers' DeepseekV3ForCausalLM on the tiny checkpoints.
 
-For each layout of tools/make_tiny_checkpoint.py (K2.6 nested INT4, K2-Thinking flat INT4, K2-Instruct FP8):
+For each layout of kimi/tiny_checkpoint.py (K2.6 nested INT4, K2-Thinking flat INT4, K2-Instruct FP8):
 kimi loads through kimi.checkpoint.load_checkpoint (dequantised, fp32); HF is filled from the safetensors
 files read and dequantised here, independently of kimi (INT4 through compressed-tensors' `unpack_from_int32`
 times the group scale, FP8 by a direct block-scale multiply). Teacher-forced log-probabilities must agree
@@ -28,9 +28,9 @@ from kimi.checkpoint import load_checkpoint  # noqa: E402
 from kimi.config import ModelConfig  # noqa: E402
 from kimi.ops.attention import build_attention_metadata  # noqa: E402
 from kimi.ops.rope import rope_inv_freq  # noqa: E402
+from kimi.tiny_checkpoint import LAYOUTS, make_tiny_checkpoint  # noqa: E402
 from kimi.worker.kv_cache import allocate_kv_caches  # noqa: E402
 from kimi.worker.model import KimiForCausalLM  # noqa: E402
-from tools.make_tiny_checkpoint import LAYOUTS, make_tiny_checkpoint  # noqa: E402
 
 TOL = 1e-3
 BLOCK_SIZE = 4

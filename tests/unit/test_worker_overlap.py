@@ -12,19 +12,15 @@ seeded draws at a position) and prompt logprobs (read back after the previous st
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
 
 from kimi import protocol
 from kimi.config import CacheConfig, ModelConfig
+from kimi.tiny_checkpoint import make_tiny_checkpoint
 from kimi.worker.runner import ModelRunner
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from make_tiny_checkpoint import make_tiny_checkpoint
 
 BS = 16
 

@@ -216,7 +216,8 @@ def generate_tiny_weights(layout: str = "k2.6", seed: int = 0) -> tuple[dict[str
     # INT4 quantisation is row-wise, so the experts of one shape are packed in one call (fewer small ops).
     by_shape: dict[tuple[int, int], list[tuple[str, Tensor]]] = {}
     for module, w in int4_modules:
-        by_shape.setdefault(tuple(w.shape), []).append((module, w))
+        n_out, n_in = w.shape
+        by_shape.setdefault((n_out, n_in), []).append((module, w))
     for (o, i), group in by_shape.items():
         gs = cfg.quant.group_size  # type: ignore[union-attr]
         packed_all, scale_all = pack_int4(torch.cat([w for _, w in group]), gs, torch.bfloat16)

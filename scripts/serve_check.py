@@ -112,7 +112,8 @@ async def main() -> int:
                 vals[k] = float(v)
         check("idle_after", bool(vals) and all(v == 0 for v in vals.values()), vals)
     if a.out:
-        json.dump(res, open(a.out, "w"), indent=2)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
     return 0 if ok else 1
 
 

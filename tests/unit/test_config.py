@@ -263,5 +263,5 @@ def test_generation_config_max_new_tokens(tiny_dirs: dict[str, str]) -> None:
     assert ModelConfig.from_dict(cfg, {"eos_token_id": 163586}).max_new_tokens is None
     assert ModelConfig.from_dict(cfg, {"max_new_tokens": 256}).max_new_tokens == 256
     for bad in (0, -1, "256", 1.5, True):
-        with pytest.raises(ConfigError, match="generation_config.json: max_new_tokens"):
+        with pytest.raises(ConfigError, match=r"generation_config\.json: max_new_tokens"):
             ModelConfig.from_dict(cfg, {"max_new_tokens": bad})

@@ -35,8 +35,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(TINY)/config.json: $(STAMP) tools/make_tiny_checkpoint.py
-	$(BIN)/python tools/make_tiny_checkpoint.py $(TINY)
+# The tiny checkpoint's generation_config.json caps a chat reply that sets no max_tokens at TINY_MAX_NEW_TOKENS (the
+# random model rarely stops, and its context is K2.6's 262144 tokens): seconds on a CPU, not hours.
+TINY_MAX_NEW_TOKENS ?= 256
+$(TINY)/config.json: $(STAMP) tools/make_tiny_checkpoint.py kimi/tiny_checkpoint.py
+	$(BIN)/python tools/make_tiny_checkpoint.py $(TINY) --max-new-tokens $(TINY_MAX_NEW_TOKENS)
 
 tiny: $(TINY)/config.json
 
@@ -61,7 +64,7 @@ lint: install
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
 
-# Wheels for an offline x86-64 Python 3.12 GPU host (everything but PyTorch): tools/wheelhouse.sh says how to install.
+# Wheels for an offline x86-64 Python 3.12 GPU host (everything but PyTorch): scripts/wheelhouse.sh says how to install.
 WHEELHOUSE ?= .whl
 wheelhouse:
 	bash scripts/wheelhouse.sh $(WHEELHOUSE)

@@ -263,14 +263,20 @@ def resolve_tokenizer_source(tokenizer_source: Any = _DEFAULT) -> Any:
 
 
 def make_tiny_checkpoint(
-    out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0, tokenizer_source: Any = _DEFAULT
+    out_dir: str | os.PathLike[str],
+    layout: str = "k2.6",
+    seed: int = 0,
+    tokenizer_source: Any = _DEFAULT,
+    max_new_tokens: int | None = None,
 ) -> str:
     """Write the tiny checkpoint of `layout` into `out_dir` (created if needed); returns out_dir as a str.
 
     Files: config.json, generation_config.json, model-0000{1,2,3}-of-00003.safetensors,
     model.safetensors.index.json and the tokenizer files of `kimi.tokenizer.write_tokenizer_files`
     (`tokenizer_source` defaults to `kimi.tokenizer.default_tokenizer_source()`; None = the built-in
-    byte-level vocabulary).
+    byte-level vocabulary). max_new_tokens: written into generation_config.json, where it is the default
+    `max_tokens` of a chat request (kimi.config.ModelConfig.max_new_tokens); None: none (the real checkpoints' way:
+    the default is the rest of the context).
 
     config.json is written last: a build that fails leaves no config.json (the Makefile's target), so the next
     `make tiny` / `make serve` builds again instead of serving a half-written folder.
@@ -301,6 +307,8 @@ def make_tiny_checkpoint(
             total += t.numel() * t.element_size()
     with open(os.path.join(out, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    if max_new_tokens is not None:
+        gen = {**gen, "max_new_tokens": max_new_tokens}
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     kimi_tokenizer.write_tokenizer_files(out, src)
@@ -330,12 +338,19 @@ def main(argv: list[str] | None = None) -> int:
         help="folder with the real tiktoken.model (None: kimi.tokenizer.default_tokenizer_source())",
     )
     tok.add_argument("--builtin-tokenizer", action="store_true", help="write the built-in byte-level vocabulary")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="generation_config.json's max_new_tokens: the default max_tokens of a chat request (None: the rest of "
+        "the context, as real checkpoints)",
+    )
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     source: Any = None if a.builtin_tokenizer else (a.tokenizer_dir if a.tokenizer_dir else _DEFAULT)
     try:
         source = resolve_tokenizer_source(source)  # once: the build and the message below use the same folder
-        out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source)
+        out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source, a.max_new_tokens)
     except (OSError, ValueError) as e:
         print(f"make_tiny_checkpoint: {e}", file=sys.stderr)
         return 1

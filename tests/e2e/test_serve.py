@@ -405,22 +405,19 @@ def test_zmq_multi_frame_message_is_an_error_and_the_api_survives(server):
         assert outs[-1].finished and outs[-1].num_output_tokens >= 1
 
 
-def test_generation_config_max_new_tokens_is_the_chat_default(tiny_k26, tmp_path):
-    """generation_config.json's `max_new_tokens` is the `max_tokens` of a chat request that sends none (as vLLM
-    reads it); an explicit `max_tokens` wins, and completions keep OpenAI's default of 16."""
+def test_generation_config_max_new_tokens_is_the_chat_default(tmp_path):
+    """generation_config.json's `max_new_tokens` (the tiny checkpoint's --max-new-tokens, which `make serve` sets) is
+    the `max_tokens` of a chat request that sends none (as vLLM reads it); an explicit `max_tokens` wins, and
+    completions keep OpenAI's default of 16."""
     import json
-    import os
 
     from conftest import start_server, stop_server
 
-    ckpt = tmp_path / "ckpt-max-new-tokens"
-    ckpt.mkdir()
-    for name in os.listdir(tiny_k26):
-        if name != "generation_config.json":
-            (ckpt / name).symlink_to(os.path.join(tiny_k26, name))
-    gen = json.loads(open(os.path.join(tiny_k26, "generation_config.json")).read())
-    (ckpt / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 7}))
-    srv = start_server(str(ckpt), str(tmp_path / "server.log"), "--fake-workers")
+    from kimi.tiny_checkpoint import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt-max-new-tokens", max_new_tokens=7)
+    assert json.loads((tmp_path / "ckpt-max-new-tokens" / "generation_config.json").read_text())["max_new_tokens"] == 7
+    srv = start_server(ckpt, str(tmp_path / "server.log"), "--fake-workers")
     try:
         c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         msgs = [{"role": "user", "content": "Hi"}]

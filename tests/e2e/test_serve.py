@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import raw_dealer
+from conftest import raw_dealer, start_server, stop_server
 
 from kimi.client import AsyncKimiClient, KimiClient, KimiError
 
@@ -410,8 +410,6 @@ def test_generation_config_max_new_tokens_is_the_chat_default(tmp_path):
     the `max_tokens` of a chat request that sends none (as vLLM reads it); an explicit `max_tokens` wins, and
     completions keep OpenAI's default of 16."""
     import json
-
-    from conftest import start_server, stop_server
 
     from kimi.tiny_checkpoint import make_tiny_checkpoint
 

@@ -41,6 +41,13 @@ from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ModelConfig, Sche
 from kimi.controller.engine import HEARTBEAT_S, Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
+from kimi.controller.security import (
+    SecurityConfig,
+    header_timeout_protocol,
+    origins_and_hosts_summary,
+    secure_app,
+    split_list,
+)
 from kimi.controller.submit import SubmitServer
 from kimi.controller.transport import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
@@ -78,6 +85,9 @@ class ServeArgs:
     api_key: str | None = None
     max_body_bytes: int = 32 << 20
     request_body_timeout: float = 30.0
+    request_header_timeout: float = 10.0
+    allowed_hosts: str = ""
+    allowed_origins: str = ""
     reasoning: str = "auto"
     a2a_backend: str | None = None
     heartbeat_timeout: float = 10.0
@@ -106,6 +116,7 @@ NUMERIC_LIMITS: dict[str, tuple[type, float, float | None, bool]] = {
     "max_waiting": (int, 1, None, True),
     "max_body_bytes": (int, 1, None, True),
     "request_body_timeout": (float, 0, None, False),
+    "request_header_timeout": (float, 0, None, False),
     "heartbeat_timeout": (float, 0, None, True),  # 0 = off; else at least HEARTBEAT_MIN_S (_limit_error)
 }
 # a heartbeat timeout must span two of the controller's pings, or a healthy rank is declared dead
@@ -319,6 +330,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=_numeric("request_body_timeout"),
         default=30.0,
         help="seconds to receive a request body after its headers, else HTTP 408",
+    )
+    p.add_argument(
+        "--request-header-timeout",
+        type=_numeric("request_header_timeout"),
+        default=10.0,
+        help="seconds for a connection to send a request's headers (from its opening, or from the previous "
+        "response when kept alive), else it is closed",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names served besides the bound address (name: any port; name:port; *: any); "
+        "bound to 0.0.0.0 / :: without it, any Host is served (DNS-rebinding protection needs it then)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated browser origins (scheme://host[:port]; *: any) allowed cross-origin requests, with "
+        "CORS; a request with any other Origin header gets 403 (default: none)",
     )
     p.add_argument(
         "--reasoning",
@@ -772,7 +802,24 @@ async def serve(a: ServeArgs) -> int:
         thinking_model=thinking_model,
         chat_max_tokens=cfg.max_new_tokens,
     )
-    http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
+    security = SecurityConfig(
+        bind_host=a.host,
+        port=a.port,
+        allowed_hosts=split_list(a.allowed_hosts),
+        allowed_origins=split_list(a.allowed_origins),
+    )
+    for line in origins_and_hosts_summary(security):
+        log.info("%s", line)
+    http = _Server(
+        uvicorn.Config(
+            secure_app(api.app, security),
+            host=a.host,
+            port=a.port,
+            log_level=a.log_level,
+            lifespan="off",
+            http=header_timeout_protocol(a.request_header_timeout),
+        )
+    )
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:

@@ -22,6 +22,7 @@ from kimi.controller.validation import BadRequest, check_prompt_text_fits, first
 from kimi.tokenizer import KimiTokenizer
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, rendered as system
+_REASONING_KEYS = ("reasoning_content", "reasoning")  # reasoning: vLLM's current name
 _MARK = "\U000f0000"  # plane-15 private use: never in real text we accept (rejected below)
 _MARK_RE = re.compile(_MARK + r"(\d+)" + _MARK)
 
@@ -48,10 +49,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check the OpenAI `messages` shape; raises BadRequest naming e.g. `messages[2].content`.
 
     Assistant messages may carry `tool_calls` (`[{id, type: "function", function: {name, arguments}}]`,
-    arguments a JSON string or an object); ids are kept as given (`functions.NAME:IDX`, `search:0`,
-    `call_<hex>` all render verbatim). Tool messages need a non-empty string `tool_call_id`. Returns the
-    messages to render: a `developer` message (OpenAI's newer name for system instructions) becomes a copy with
-    role `system`, as Kimi's template knows no developer role; the others are returned as they are.
+    arguments a JSON string or an object) and their reasoning as `reasoning_content` or `reasoning` (vLLM's name), a
+    string or null. Tool messages need a non-empty string `tool_call_id`. Returns the messages to render: a
+    `developer` message (OpenAI's newer name for system instructions) becomes a copy with role `system`, as Kimi's
+    template knows no developer role; an assistant message's `reasoning` becomes `reasoning_content` (which wins when
+    both are given); tool-call ids are rewritten by `normalize_tool_call_ids`.
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -102,9 +104,69 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                     raise BadRequest(
                         f"'{q}.function.arguments' must be a JSON string or an object", f"{q}.function.arguments"
                     )
+        for key in _REASONING_KEYS if role == "assistant" else ():
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRequest(f"'{p}.{key}' must be a string or null", f"{p}.{key}")
         if role == "tool" and (not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]):
             raise BadRequest(f"'{p}.tool_call_id' must be a non-empty string for role tool", f"{p}.tool_call_id")
-        out.append({**m, "role": "system"} if role == "developer" else m)
+        if role == "developer":
+            m = {**m, "role": "system"}
+        elif role == "assistant" and "reasoning" in m:
+            m = {k: v for k, v in m.items() if k != "reasoning"}
+            if m.get("reasoning_content") is None and messages[i]["reasoning"] is not None:
+                m["reasoning_content"] = messages[i]["reasoning"]
+        out.append(m)
+    return normalize_tool_call_ids(out)
+
+
+def _is_kimi_call_id(call_id: str, name: str) -> bool:
+    """Whether call_id is `functions.{name}:IDX` (IDX ASCII digits)."""
+    prefix = f"functions.{name}:"
+    idx = call_id[len(prefix) :]
+    return call_id.startswith(prefix) and idx.isascii() and idx.isdigit()
+
+
+def normalize_tool_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rewrite history tool-call ids that are not Kimi's `functions.NAME:IDX` to that form (docs/model-format.md,
+    Chat and tool-call format), in the assistant message and in the tool messages that answer it.
+
+    The model was trained on `functions.NAME:IDX` ids, IDX counting the calls of the conversation; an id of another
+    form (`call_ab12`, `search:0`, or one naming another function) becomes `functions.NAME:K`, NAME the call's
+    function name and K its position among the conversation's calls (raised past any IDX that a kept id of that name
+    uses). A tool message's `tool_call_id` takes the new id of the latest call that had its old id (clients reuse
+    ids such as `call_0` turn after turn); an id that names no call is kept. Messages are validated
+    (`validate_messages`); the ones changed are returned as copies, the caller's objects are untouched.
+    """
+    taken = {
+        c["id"]
+        for m in messages
+        if m.get("role") == "assistant"
+        for c in m.get("tool_calls") or ()
+        if _is_kimi_call_id(c["id"], c["function"]["name"])
+    }
+    renamed: dict[str, str] = {}
+    position = 0
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                name = call["function"]["name"]
+                new_id = call["id"]
+                if not _is_kimi_call_id(new_id, name):
+                    k = position
+                    while f"functions.{name}:{k}" in taken:
+                        k += 1
+                    new_id = f"functions.{name}:{k}"
+                    taken.add(new_id)
+                    renamed[call["id"]] = new_id
+                calls.append(call if new_id == call["id"] else {**call, "id": new_id})
+                position += 1
+            m = {**m, "tool_calls": calls}
+        elif role == "tool" and m["tool_call_id"] in renamed:
+            m = {**m, "tool_call_id": renamed[m["tool_call_id"]]}
+        out.append(m)
     return out
 
 
@@ -206,7 +268,12 @@ def encode_chat(
     refused (param `messages`) before the template renders or anything is tokenized. Raises BadRequest for
     malformed messages or a template that fails on them.
     """
+    sent = messages
     messages = validate_messages(messages)
+
+    def reasoning_key(i: int) -> str:  # the field the client sent the reasoning in
+        return "reasoning_content" if sent[i].get("reasoning_content") is not None else "reasoning"
+
     if tools:
         blob = json.dumps(tools, ensure_ascii=False)
         found = _special_ids(tokenizer)[0].search(blob)  # one scan of the declarations
@@ -234,6 +301,8 @@ def encode_chat(
             ]
         if isinstance(m.get("name"), str) and m["name"]:
             m2["name"] = mark(m["name"], f"messages[{i}].name")
+        if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+            m2["reasoning_content"] = mark(m["reasoning_content"], f"messages[{i}].{reasoning_key(i)}")
         if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:
             m2["tool_call_id"] = mark(m["tool_call_id"], f"messages[{i}].tool_call_id")
         if m.get("tool_calls"):
@@ -248,7 +317,7 @@ def encode_chat(
                 calls.append({**call, "id": mark(call["id"], f"messages[{i}].tool_calls[{j}].id"), "function": fn})
             m2["tool_calls"] = calls
         # any other field the template may copy; the strings marked above were checked there (not dumped again)
-        rest = {k: v for k, v in m.items() if k not in ("content", "name", "tool_call_id")}
+        rest = {k: v for k, v in m.items() if k not in ("content", "name", "tool_call_id", "reasoning_content")}
         if isinstance(c, list):  # the parts' other keys
             rest["content"] = [{**part, "text": ""} for part in c]
         _check_tree(rest, f"messages[{i}]")

@@ -37,6 +37,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kimi.controller.body_errors import deepest_field, invalid_utf8_path
 from kimi.controller.chat import encode_chat, no_other_keys, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
@@ -677,7 +678,10 @@ class OpenAIServer:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise BadRequest(f"the request body is not valid UTF-8: {e}", None) from None
+            path = invalid_utf8_path(raw)
+            raise BadRequest(
+                f"{f'{path!r} in ' if path else ''}the request body is not valid UTF-8: {e}", path
+            ) from None
         body = _decode_body(text)
         f = Fields(body)
         f.body_bytes = len(raw)
@@ -1407,7 +1411,8 @@ def _decode_body(text: str) -> Any:
     except ValueError as e:  # JSONDecodeError, here or after a long literal
         raise BadRequest(f"the request body is not valid JSON: {e}", None) from e
     except RecursionError:
-        raise BadRequest("the request body is nested too deeply", None) from None
+        field = deepest_field(text)
+        raise BadRequest(f"{f'{field!r} in ' if field else ''}the request body is nested too deeply", field) from None
     if (
         parts
     ):  # (None when a later duplicate key replaced it; [] when the body is one: Fields says it must be an object)

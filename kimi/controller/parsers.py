@@ -35,13 +35,17 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   field is current (content or reasoning), as any token's text does (so a marker that is the request's stop
   token and whose text is left out of the output adds nothing, as in completions). Nothing is silently lost and
   nothing pretends to be a call.
-- Tool call id / name. The id is the stripped header text between `<|tool_call_begin|>` and
-  `<|tool_call_argument_begin|>` (`functions.get_weather:0`). The name is that text without an optional
-  `functions.` prefix and without a trailing `:DIGITS` suffix (`functions.my.tool-v2:3` -> `my.tool-v2`,
-  `search:0` -> `search`, `call_ab12` -> `call_ab12`). A header whose name is empty makes the call
-  malformed: it is dropped (no deltas) and its argument text is discarded.
-- Arguments are passed through exactly as generated (OpenAI `arguments` is a string); invalid JSON is not
-  an error. A call that reaches `<|tool_call_end|>` without `<|tool_call_argument_begin|>` gets "{}".
+- Tool call id / name. A call header (the text between `<|tool_call_begin|>` and
+  `<|tool_call_argument_begin|>`) is `functions.NAME:IDX`, surrounding whitespace aside; the `functions.` prefix may be
+  missing (`search:0`). NAME is 1 or more of `A-Za-z0-9_.:-` (the characters a declared tool name may hold), IDX
+  ASCII digits. The returned id is always `functions.NAME:IDX`; the name may hold dots, dashes and colons
+  (`functions.my.tool-v2:3` -> `my.tool-v2`, `functions.ns:tool:3` -> `ns:tool`). Any other header (`call_ab12`,
+  `get_weather` without `:IDX`, prose after a stray `<|tool_call_begin|>`) is not a call: its text, and the text of
+  its arguments, is content (no call is made up from it). A header is known to be invalid as soon as it holds a
+  character that no valid header can (a space inside it, say); from then on its text streams as content.
+- Arguments are returned without the model's surrounding whitespace (OpenAI `arguments` is a string; a streamed
+  call's fragments hold back trailing whitespace until more text follows); invalid JSON is not an error. A call
+  that ends with no argument text (none after `<|tool_call_argument_begin|>`, or no argument begin at all) gets "{}".
 - Streaming shape (`stream_tool_arguments=True`, the default, like vLLM/SGLang/OpenAI): when
   `<|tool_call_argument_begin|>` arrives the first delta for the call is emitted (index, id, name,
   arguments ""); each later text piece of the arguments is emitted as an `arguments` fragment. The
@@ -54,17 +58,21 @@ Behaviours chosen for the ambiguous cases (each one is tested in tests/unit/test
   have received the head and some argument fragments of the cut call: the parser then reports
   `partial_tool_call_emitted`, and `emitted_tool_calls` (what a non-streaming response returns) holds that
   call with the arguments streamed so far, so a streamed response and a non-streamed one carry the same
-  calls. A call cut before its head was emitted (in its header) is in neither.
+  calls. A call cut before its head was emitted (in a header that may still become valid) is in neither; a
+  header cut after it can no longer be valid is content, as above.
 - finish_reason (`finish_reason(base)`, base being the engine's "stop" or "length"): "tool_calls" only when
   the generation ended by itself ("stop") with at least one complete call and no cut one; otherwise `base`.
   So output cut by max_tokens is always "length", whatever calls it holds (as OpenAI reports truncation;
   vLLM's non-streaming chat gates "tool_calls" on "stop" likewise), and an agent never executes the calls of
   a truncated turn believing it complete.
-- Malformed sequences are repaired leniently: `<|tool_call_begin|>` or `<|tool_calls_section_end|>` while
-  a call's arguments are open closes that call as complete; a call whose header is open when a section
-  ends is dropped; markers that make no sense in the current state (`<|tool_call_end|>` in content, a
-  second section begin inside a section, ...) are dropped. Text inside a section but outside a call
-  (whitespace between calls) is dropped. Text after `<|tool_calls_section_end|>` is content.
+- Malformed sequences are repaired leniently, and no text is lost: `<|tool_call_begin|>` or
+  `<|tool_calls_section_end|>` while a call's arguments are open closes that call as complete; a valid header
+  interrupted by a marker other than `<|tool_call_argument_begin|>` / `<|tool_call_end|>` is dropped (it is markup);
+  markers that make no sense in the current state (`<|tool_call_end|>` in content, a second section begin inside a
+  section, ...) are dropped, and the text around them stays in its field. Text inside a section but outside a call
+  is content unless it is only whitespace (which separates calls): held until it is known not to be, it is streamed
+  from its first non-whitespace character, and at the end of the output an unclosed section's text is content. Text
+  after `<|tool_calls_section_end|>` is content.
 - Marker text (tools active). The `text_delta` that comes with a marker token is not trusted: the marker
   string is known from its id. If that text contains the marker string, the text before it is treated as
   ordinary text that precedes the marker and the text after it as ordinary text that follows (an incremental
@@ -78,6 +86,7 @@ Public API: `ParserConfig`, `OutputParser`, `ParserDelta`, `ToolCallDelta`, `Too
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,7 +128,8 @@ _REASONING = "reasoning"
 _CONTENT = "content"
 _SECTION = "section"  # inside a tool section, between calls
 _HEADER = "header"  # after <|tool_call_begin|>, collecting `functions.NAME:IDX`
-_ARGS = "args"  # after <|tool_call_argument_begin|>, collecting the JSON text
+_ARGS = "args"  # after <|tool_call_argument_begin|> of a valid header, collecting the JSON text
+_NOT_A_CALL = "not_a_call"  # after <|tool_call_begin|> whose header is invalid: its text is content
 _FINISHED = "finished"
 
 
@@ -262,21 +272,24 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tool_call_id(header: str) -> tuple[str, str] | None:
-    """Split a call header into `(id, name)`; None when the name is empty.
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:\-]+")
+_PLAUSIBLE_HEADER_RE = re.compile(r"\s*[A-Za-z0-9_.:\-]*\s*")  # every prefix of a valid header matches
 
-    id = the stripped header; name = id without an optional `functions.` prefix and without a trailing
-    `:DIGITS` suffix. Names may contain dots, dashes and colons (`functions.my.tool-v2:3` -> `my.tool-v2`;
-    `search:0` -> `search`; `call_0af3` -> `call_0af3`). Source: docs/model-format.md, Chat and tool-call format.
+
+def parse_tool_call_id(header: str) -> tuple[str, str] | None:
+    """Split a call header `functions.NAME:IDX` into `(id, name)`; None when it is not of that form.
+
+    Surrounding whitespace is ignored and the `functions.` prefix may be missing; NAME is 1 or more of `A-Za-z0-9_.:-`
+    and IDX ASCII digits. The id is always `functions.NAME:IDX` (`search:0` -> `functions.search:0`); the name is
+    NAME (`functions.my.tool-v2:3` -> `my.tool-v2`, `functions.ns:tool:3` -> `ns:tool`). `call_0af3`, `get_weather`
+    (no `:IDX`) and `functions.:0` give None. Source: docs/model-format.md, Chat and tool-call format.
     """
-    call_id = header.strip()
-    body = call_id[len(_FUNCTIONS_PREFIX) :] if call_id.startswith(_FUNCTIONS_PREFIX) else call_id
-    base, sep, idx = body.rpartition(":")
-    name = base if sep and idx.isascii() and idx.isdigit() else body
-    name = name.strip()
-    if not name:
+    text = header.strip()
+    body = text[len(_FUNCTIONS_PREFIX) :] if text.startswith(_FUNCTIONS_PREFIX) else text
+    name, sep, idx = body.rpartition(":")
+    if not (sep and idx.isascii() and idx.isdigit() and _NAME_RE.fullmatch(name)):
         return None
-    return call_id, name
+    return f"{_FUNCTIONS_PREFIX}{name}:{idx}", name
 
 
 def _split_marker_text(text: str, marker: str) -> tuple[str, str]:
@@ -307,9 +320,11 @@ class OutputParser:
         self._marker_text = MARKER_TEXT if config.marker_text is None else {**MARKER_TEXT, **dict(config.marker_text)}
         self._state = _REASONING if config.starts_in_reasoning else _CONTENT
         self._header = ""
-        self._args: list[str] = []
-        self._call: tuple[int, str, str] | None = None  # (index, id, name) of the open call, live mode
-        self._call_valid = False
+        self._held = ""  # _SECTION: whitespace since the last marker, content once non-whitespace follows
+        self._section_text = False  # _SECTION: the text since the last marker is content (it is not only whitespace)
+        self._args: list[str] = []  # the open call's argument text, surrounding whitespace left out
+        self._args_ws = ""  # trailing whitespace of the argument text so far (kept only if more text follows)
+        self._call: tuple[int, str, str] | None = None  # (index, id, name) of the open call
         self._next_index = 0
         self._head_sent = False  # live mode: the open call's head delta has been emitted
         self._tool_calls: list[ToolCall] = []
@@ -369,15 +384,18 @@ class OutputParser:
         """End of the stream (stop token, stop string, max_tokens or abort).
 
         `text_tail` is ordinary text still held by the detokenizer. An open call is dropped (see the
-        module docstring); `incomplete_tool_call` / `partial_tool_call_emitted` record it.
+        module docstring); `incomplete_tool_call` / `partial_tool_call_emitted` record it. The text of an unclosed
+        section, and of a header that can no longer become valid, is returned as content.
         """
         if self._state == _FINISHED:
             raise RuntimeError("OutputParser.finish called twice")
         out = ParserDelta()
         self._text(text_tail, out)
-        if self._state in (_HEADER, _ARGS):
+        if self._state == _HEADER:
+            self.incomplete_tool_call = True  # a header that may still have become valid (else it is content)
+        elif self._state == _ARGS:
             self.incomplete_tool_call = True
-            if self._state == _ARGS and self._head_sent and self._call is not None:
+            if self._head_sent and self._call is not None:
                 self.partial_tool_call_emitted = True
                 _, call_id, name = self._call
                 self._partial = ToolCall(id=call_id, name=name, arguments="".join(self._args))
@@ -400,19 +418,44 @@ class OutputParser:
         if not text:
             return
         st = self._state
-        if st == _CONTENT:
+        if st in (_CONTENT, _NOT_A_CALL):
             out.content += text
         elif st == _REASONING:
             out.reasoning_content += text
+        elif st == _SECTION:
+            if self._section_text:
+                out.content += text
+            elif text.isspace():
+                self._held += text
+            else:  # not only whitespace: content, from the whitespace held before it on
+                out.content += self._held + text
+                self._held = ""
+                self._section_text = True
         elif st == _HEADER:
             self._header += text
+            if not _PLAUSIBLE_HEADER_RE.fullmatch(self._header):  # no valid header starts so: it is text
+                out.content += self._header
+                self._header = ""
+                self._state = _NOT_A_CALL
         elif st == _ARGS:
-            if not self._call_valid:
+            if not self._args:
+                text = text.lstrip()
+            body = text.rstrip()
+            if not body:
+                if self._args:
+                    self._args_ws += text
                 return
-            self._args.append(text)
+            piece = self._args_ws + body
+            self._args_ws = text[len(body) :]
+            self._args.append(piece)
             if self._head_sent and self._call is not None:
-                out._add_fragment(self._call[0], text)
-        # _SECTION: text between calls is dropped
+                out._add_fragment(self._call[0], piece)
+
+    def _enter(self, state: str) -> None:
+        """Change state at a marker: the section's held whitespace is dropped."""
+        self._state = state
+        self._held = ""
+        self._section_text = False
 
     def _marker(self, tid: int, out: ParserDelta) -> None:
         st = self._state
@@ -420,61 +463,50 @@ class OutputParser:
             return  # consumed wherever it appears
         if tid == THINK_END_ID:
             if st == _REASONING:
-                self._state = _CONTENT
+                self._enter(_CONTENT)
             return
         # tool markers (with tools; without, `feed` passes their text on as ordinary text)
-        if tid == TOOL_CALLS_SECTION_BEGIN_ID:
-            if st in (_REASONING, _CONTENT):
-                self._state = _SECTION
-            elif st == _HEADER:
-                self._drop_call()
-                self._state = _SECTION
-            elif st == _ARGS:
-                self._close_call(out)
-                self._state = _SECTION
-        elif tid == TOOL_CALL_BEGIN_ID:
-            if st == _ARGS:
-                self._close_call(out)
-            elif st == _HEADER:
-                self._drop_call()
-            self._header = ""
-            self._state = _HEADER
-        elif tid == TOOL_CALL_ARGUMENT_BEGIN_ID:
+        if tid == TOOL_CALL_ARGUMENT_BEGIN_ID:
             if st == _HEADER:
                 self._open_args(out)
-        elif tid == TOOL_CALL_END_ID:
+            return  # elsewhere stray: dropped
+        in_call = st in (_HEADER, _ARGS, _NOT_A_CALL)
+        if tid == TOOL_CALL_END_ID:
             if st == _HEADER:
-                self._open_args(out)
-                if self._call_valid:
-                    self._args.append("{}")
-                    if self._head_sent and self._call is not None:
-                        out._add_fragment(self._call[0], "{}")
+                self._open_args(out)  # a call without arguments ("{}"), or a header that is not one
+            if in_call:
                 self._close_call(out)
-                self._state = _SECTION
-            elif st == _ARGS:
-                self._close_call(out)
-                self._state = _SECTION
-        elif tid == TOOL_CALLS_SECTION_END_ID:
-            if st == _HEADER:
-                self._drop_call()
-                self._state = _CONTENT
-            elif st == _ARGS:
-                self._close_call(out)
-                self._state = _CONTENT
-            elif st == _SECTION:
-                self._state = _CONTENT
+                self._enter(_SECTION)
+            return  # elsewhere stray: dropped
+        if st == _HEADER:
+            self._end_header(out)
+        elif st == _ARGS:
+            self._close_call(out)
+        if tid == TOOL_CALL_BEGIN_ID:
+            self._enter(_HEADER)
+        elif tid == TOOL_CALLS_SECTION_BEGIN_ID:
+            self._enter(_SECTION)
+        elif tid == TOOL_CALLS_SECTION_END_ID and (in_call or st == _SECTION):
+            self._enter(_CONTENT)
+
+    def _end_header(self, out: ParserDelta) -> None:
+        """A marker ends a header without starting arguments: a valid header is dropped (markup); any other
+        header's text is content."""
+        if parse_tool_call_id(self._header) is None:
+            out.content += self._header
+        self._header = ""
 
     def _open_args(self, out: ParserDelta) -> None:
         parsed = parse_tool_call_id(self._header)
+        if parsed is None:  # not a call: the header's text, and what follows, is content
+            out.content += self._header
+            self._header = ""
+            self._enter(_NOT_A_CALL)
+            return
         self._header = ""
         self._args = []
-        self._state = _ARGS
-        self._head_sent = False
-        if parsed is None:
-            self._call_valid = False
-            self._call = None
-            return
-        self._call_valid = True
+        self._args_ws = ""
+        self._enter(_ARGS)
         call_id, name = parsed
         if self.config.stream_tool_arguments:
             self._call = (self._next_index, call_id, name)
@@ -483,23 +515,24 @@ class OutputParser:
             self._head_sent = True
         else:
             self._call = (-1, call_id, name)  # index assigned on completion
+            self._head_sent = False
 
     def _close_call(self, out: ParserDelta) -> None:
-        if self._call_valid and self._call is not None:
+        if self._call is not None:
             index, call_id, name = self._call
+            if not self._args:
+                self._args.append("{}")
+                if self._head_sent:
+                    out._add_fragment(index, "{}")
             args = "".join(self._args)
             if not self.config.stream_tool_arguments:
                 index = self._next_index
                 self._next_index += 1
                 out.tool_calls.append(ToolCallDelta(index=index, id=call_id, name=name, arguments=args))
             self._tool_calls.append(ToolCall(id=call_id, name=name, arguments=args))
-        self._drop_call()
-
-    def _drop_call(self) -> None:
-        self._header = ""
         self._args = []
+        self._args_ws = ""
         self._call = None
-        self._call_valid = False
         self._head_sent = False
 
 

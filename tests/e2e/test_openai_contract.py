@@ -384,6 +384,7 @@ def test_thinking_off_via_chat_template_kwargs(client):
 
 
 def test_history_with_non_canonical_tool_call_ids(srv, client):
+    """History ids of another form are rewritten to functions.NAME:IDX before the template renders them."""
     msgs = [
         {"role": "user", "content": "find it"},
         {
@@ -402,9 +403,11 @@ def test_history_with_non_canonical_tool_call_ids(srv, client):
     ids = encode_chat(tok, msgs, None, {})
     assert r.usage.prompt_tokens == len(ids)
     text = tok.decode(ids)
-    assert '<|tool_call_begin|>search:0<|tool_call_argument_begin|>{"q":"a"}<|tool_call_end|>' in text
-    assert '<|tool_call_begin|>call_0af3<|tool_call_argument_begin|>{"x":1}<|tool_call_end|>' in text
-    assert "## Return of call_0af3\ndone" in text
+    # ids rendered as the model was trained on them, functions.NAME:IDX, in the calls and in their results
+    assert '<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{"q":"a"}<|tool_call_end|>' in text
+    assert '<|tool_call_begin|>functions.my.tool-v2:1<|tool_call_argument_begin|>{"x":1}<|tool_call_end|>' in text
+    assert "## Return of functions.search:0\nfound" in text and "## Return of functions.my.tool-v2:1\ndone" in text
+    assert "call_0af3" not in text and "search:0<" not in text.replace("functions.search:0", "")
 
 
 # ---- stops ------------------------------------------------------------------------------------------------

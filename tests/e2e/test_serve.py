@@ -321,7 +321,7 @@ def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server
     u = urlparse(server.base_url)
     with socket.create_connection((u.hostname, u.port), timeout=20) as s:
         s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: 100\r\n\r\n" + b'{"model": "tiny"'
         )
         t0 = time.monotonic()
@@ -341,6 +341,7 @@ def test_short_body_is_408_after_the_body_timeout_and_invalid_utf8_is_400(server
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
 
 

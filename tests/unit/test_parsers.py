@@ -255,32 +255,66 @@ def test_two_calls_in_one_section(sizes):
 
 
 @pytest.mark.parametrize(
-    "header,name",
+    "header,call_id,name",
     [
-        ("functions.my.tool-v2:3", "my.tool-v2"),
-        ("functions.a-b.c-d.e:12", "a-b.c-d.e"),
-        ("search:0", "search"),
-        ("web.search-v1:7", "web.search-v1"),
-        ("call_9f3a0c1e", "call_9f3a0c1e"),
-        ("functions.ns:tool:3", "ns:tool"),
-        ("functions.get_weather", "get_weather"),
-        ("  functions.pad:1 \n", "pad"),
+        ("functions.my.tool-v2:3", "functions.my.tool-v2:3", "my.tool-v2"),
+        ("functions.a-b.c-d.e:12", "functions.a-b.c-d.e:12", "a-b.c-d.e"),
+        ("search:0", "functions.search:0", "search"),
+        ("web.search-v1:7", "functions.web.search-v1:7", "web.search-v1"),
+        ("functions.ns:tool:3", "functions.ns:tool:3", "ns:tool"),
+        ("  functions.pad:1 \n", "functions.pad:1", "pad"),
     ],
 )
-def test_tool_names_and_ids(header, name):
-    assert parse_tool_call_id(header) == (header.strip(), name)
+def test_tool_names_and_ids(header, call_id, name):
+    """The id returned for a call is always `functions.NAME:IDX`, whatever prefix and whitespace the model gave."""
+    assert parse_tool_call_id(header) == (call_id, name)
     pairs = toks(SB, CB, header, AB, "{}", CE, SE, sizes=[1])
     _, _, calls, _, _ = stream(pairs, TOOLS)
-    assert calls == {0: [header.strip(), name, "{}"]}
-    assert full(pairs, TOOLS)[2] == [ToolCall(header.strip(), name, "{}")]
+    assert calls == {0: [call_id, name, "{}"]}
+    assert full(pairs, TOOLS)[2] == [ToolCall(call_id, name, "{}")]
 
 
-@pytest.mark.parametrize("header", ["", "   ", "functions.", "functions.:0", ":4"])
-def test_empty_name_call_is_dropped(header):
+@pytest.mark.parametrize(
+    "header",
+    ["", "   ", "functions.", "functions.:0", ":4", "call_9f3a0c1e", "functions.get_weather", "get_weather:x", "a b:0"],
+)
+def test_header_that_is_not_name_idx_is_content_not_a_call(header):
+    """A header that is not `functions.NAME:IDX` makes no call (no made-up name): its text and its arguments' text
+    are content, and the calls after it are parsed as usual."""
     assert parse_tool_call_id(header) is None
-    pairs = toks(SB, CB, header, AB, '{"x": 1}', CE, CB, "functions.ok:1", AB, "{}", CE, SE)
-    _, _, calls, _, _ = stream(pairs, TOOLS)
-    assert calls == {0: ["functions.ok:1", "ok", "{}"]}
+    for sizes in CHUNKINGS:
+        pairs = toks(SB, CB, header, AB, '{"x": 1}', CE, CB, "functions.ok:1", AB, "{}", CE, SE, "end", sizes=sizes)
+        c, _, calls, p, _ = stream(pairs, TOOLS)
+        assert calls == {0: ["functions.ok:1", "ok", "{}"]}
+        assert c == header + '{"x": 1}end'
+        assert full(pairs, TOOLS) == (c, None, [ToolCall("functions.ok:1", "ok", "{}")])
+        assert p.finish_reason("stop") == "tool_calls"
+
+
+def test_header_without_idx_and_without_arguments_is_content():
+    """`<|tool_call_begin|>get_weather<|tool_call_end|>` is no call named get_weather (nor `get_weather.0`)."""
+    pairs = toks("a", SB, CB, "invalid_get_weather", CE, SE, "b")
+    assert full(pairs, TOOLS) == ("ainvalid_get_weatherb", None, [])
+    assert stream(pairs, TOOLS)[2] == {}
+
+
+def test_header_known_invalid_streams_as_content_at_once():
+    """Prose after a stray `<|tool_call_begin|>` is content from the character that makes it no header on, not held
+    until the end of the output."""
+    p = OutputParser(TOOLS)
+    assert p.feed(CB).is_empty()
+    assert p.feed(TEXT_ID, "Here").is_empty()  # may still be a header
+    assert p.feed(TEXT_ID, " is").content == "Here is"
+    assert p.feed(TEXT_ID, " more").content == " more"
+    assert p.feed(AB).is_empty() and p.feed(TEXT_ID, "{}").content == "{}"
+    assert p.finish().is_empty() and p.tool_calls == [] and p.finish_reason("stop") == "stop"
+
+
+def test_cut_inside_valid_header_prefix_is_dropped_but_other_header_text_is_content():
+    c, _, calls, p, _ = stream(toks("x", SB, CB, "functions.get_we"), TOOLS)
+    assert (c, calls, p.incomplete_tool_call) == ("x", {}, True)
+    c, _, calls, p, _ = stream(toks("x", SB, CB, "not a header"), TOOLS)
+    assert (c, calls, p.incomplete_tool_call) == ("xnot a header", {}, False)
 
 
 def test_invalid_json_arguments_are_passed_through():
@@ -305,9 +339,15 @@ def test_content_after_section_end_is_content():
     assert full(pairs, TOOLS)[0] == "before  after"
 
 
-def test_text_between_calls_inside_section_is_dropped():
-    pairs = toks(SB, " \n", CB, "functions.f:0", AB, "{}", CE, "junk", SE)
-    assert full(pairs, TOOLS) == (None, None, [ToolCall("functions.f:0", "f", "{}")])
+def test_whitespace_between_calls_is_dropped_other_text_is_content():
+    pairs = toks(SB, " \n", CB, "functions.f:0", AB, "{}", CE, "\n", CB, "functions.g:1", AB, "{}", CE, " \n", SE)
+    assert full(pairs, TOOLS) == (
+        None,
+        None,
+        [ToolCall("functions.f:0", "f", "{}"), ToolCall("functions.g:1", "g", "{}")],
+    )
+    pairs = toks(SB, " \n", CB, "functions.f:0", AB, "{}", CE, " junk ", SE, "!")
+    assert full(pairs, TOOLS) == (" junk !", None, [ToolCall("functions.f:0", "f", "{}")])
 
 
 def test_call_begin_without_section_opens_one():
@@ -333,6 +373,110 @@ def test_multiple_sections():
     assert c == "mid" and calls == {0: ["functions.a:0", "a", "{}"], 1: ["functions.b:1", "b", "[]"]}
 
 
+# ---- robustness: no text lost, no model whitespace in arguments, every split point -------------------
+def every_split(parts: tuple[int | str, ...]):
+    """Token lists for `parts` with one text part split in two at every position, then one character per token."""
+    yield toks(*parts)
+    yield toks(*parts, sizes=[1])
+    for k, part in enumerate(parts):
+        if isinstance(part, str):
+            for j in range(1, len(part)):
+                yield toks(*parts[:k], part[:j], part[j:], *parts[k + 1 :])
+
+
+def assert_every_split(parts, cfg, want):
+    """Streamed (rebuilt from deltas) == non-streamed == want, at every split point of every text part."""
+    content, reasoning, tool_calls = want
+    for pairs in every_split(parts):
+        c, r, calls, p, _ = stream(pairs, cfg)
+        assert full(pairs, cfg) == want, pairs
+        assert (c or None, r or None) == (content, reasoning), pairs
+        assert [ToolCall(*calls[i]) for i in sorted(calls)] == tool_calls == p.emitted_tool_calls, pairs
+
+
+def test_unclosed_tool_section_keeps_the_text_after_it():
+    """An unclosed `<|tool_calls_section_begin|>` followed by 10,000 characters of text: the text is content (it used
+    to be dropped, leaving an empty content with finish_reason stop)."""
+    text = ("The weather in Paris is mild. " * 334)[:10_000]
+    for pairs in (toks("Intro. ", SB, text), toks("Intro. ", SB, text, sizes=[7, 3])):
+        c, _, calls, p, _ = stream(pairs, TOOLS)
+        assert c == "Intro. " + text and calls == {}
+        assert full(pairs, TOOLS) == ("Intro. " + text, None, [])
+        assert p.finish_reason("stop") == "stop" and not p.incomplete_tool_call
+    assert_every_split(("a", SB, " b c"), TOOLS, ("a b c", None, []))
+    assert_every_split(("a", SB, "  "), TOOLS, ("a", None, []))  # only whitespace: it separated nothing
+
+
+def test_stray_markers_never_lose_the_text_after_them():
+    assert_every_split(("leaked", SB, CE, "content"), TOOLS, ("leakedcontent", None, []))
+    assert_every_split(("a", SB, AB, "b", SB, "c"), TOOLS, ("abc", None, []))
+    assert_every_split(
+        ("x", SB, CB, "functions.f:0", AB, "{}", CE, "tail"),
+        TOOLS,
+        ("xtail", None, [ToolCall("functions.f:0", "f", "{}")]),
+    )
+    # reasoning: an unclosed section that a thinking model opened still gives its text back (as content)
+    assert_every_split(("think", SB, "answer"), TOOLS_THINK, ("answer", "think", []))
+
+
+@pytest.mark.parametrize("cfg", [TOOLS, TOOLS_WHOLE], ids=["live", "whole"])
+@pytest.mark.parametrize(
+    "raw,args",
+    [
+        (" {} ", "{}"),
+        ('\n  {"a": 1,  "b": " x "}\n\n', '{"a": 1,  "b": " x "}'),
+        ("   ", "{}"),
+        ("", "{}"),
+        ('{"s": "a \n"}', '{"s": "a \n"}'),
+    ],
+)
+def test_arguments_without_surrounding_whitespace(cfg, raw, args):
+    """Arguments are returned stripped of the model's surrounding whitespace (the inner text as generated); a call
+    whose argument text is empty gets "{}". Streamed fragments never carry the trailing whitespace."""
+    parts = (SB, CB, "functions.f:0", AB, raw, CE, SE) if raw else (SB, CB, "functions.f:0", AB, CE, SE)
+    assert_every_split(parts, cfg, (None, None, [ToolCall("functions.f:0", "f", args)]))
+
+
+def test_cut_arguments_leave_out_trailing_whitespace():
+    pairs = toks(SB, CB, "functions.f:0", AB, ' {"a": 1, ', sizes=[1])
+    _, _, calls, p, _ = stream(pairs, TOOLS)
+    assert calls == {0: ["functions.f:0", "f", '{"a": 1,']} and p.partial_tool_call_emitted
+    assert full(pairs, TOOLS) == (None, None, [ToolCall("functions.f:0", "f", '{"a": 1,')])
+
+
+def test_every_split_point_of_a_full_turn():
+    parts = (
+        TS,
+        "plan",
+        TE,
+        "Sure: ",
+        SB,
+        " ",
+        CB,
+        " search:3 ",
+        AB,
+        ' {"q": "a b"} ',
+        CE,
+        "\n",
+        CB,
+        "functions.f.g-h:4",
+        AB,
+        "{}",
+        CE,
+        SE,
+        " done",
+    )
+    assert_every_split(
+        parts,
+        TOOLS_THINK,
+        (
+            "Sure:  done",
+            "plan",
+            [ToolCall("functions.search:3", "search", '{"q": "a b"}'), ToolCall("functions.f.g-h:4", "f.g-h", "{}")],
+        ),
+    )
+
+
 # ---- cut by max_tokens --------------------------------------------------------------------------------
 def test_cut_inside_arguments_live_mode():
     pairs = toks("x", SB, CB, "functions.a:0", AB, '{"k": 1}', CE, CB, "functions.b:1", AB, '{"k": ', sizes=[3])
@@ -346,7 +490,7 @@ def test_cut_inside_arguments_live_mode():
     assert full(pairs, TOOLS) == (
         "x",
         None,
-        [ToolCall("functions.a:0", "a", '{"k": 1}'), ToolCall("functions.b:1", "b", '{"k": ')],
+        [ToolCall("functions.a:0", "a", '{"k": 1}'), ToolCall("functions.b:1", "b", '{"k":')],
     )
 
 
@@ -479,7 +623,7 @@ def test_section_begin_inside_think_ends_reasoning_immediately():
         [ToolCall("functions.f:0", "f", "{}")],
     )
     c, r, calls, p, _ = stream(toks("r", SB, " partial"), cfg)
-    assert (c, r, calls) == ("", "r", {}) and p.finish_reason("length") == "length"
+    assert (c, r, calls) == (" partial", "r", {}) and p.finish_reason("length") == "length"
 
 
 def test_bare_call_begin_inside_think_ends_reasoning():

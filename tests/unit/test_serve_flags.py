@@ -35,6 +35,8 @@ BAD = [
     ("--max-waiting", "0"),
     ("--max-body-bytes", "0"),
     ("--request-body-timeout", "0"),
+    ("--request-header-timeout", "0"),
+    ("--request-header-timeout", "inf"),
     ("--heartbeat-timeout", "-1"),
     ("--heartbeat-timeout", "nan"),
     ("--heartbeat-timeout", "0.001"),

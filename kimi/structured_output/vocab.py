@@ -2,8 +2,10 @@
 
 - Ordinary tokens (ids below 163584, tiktoken ranks): their raw bytes (VocabType.RAW: tiktoken BPE tokens are bytes,
   not byte-level-encoded strings).
-- Tokens the tokenizer marks not special (the five tool-call markers, `<think>` / `</think>`): their text, so a
-  structural tag can name them as tokens (kimi.structured_output.request) and their text is what they print.
+- The output parser's markers (the five tool-call tokens, `<think>` / `</think>`: kimi.controller.parsers.MARKER_TEXT)
+  and any other token the tokenizer marks not special: their text, so a structural tag can name them as tokens
+  (kimi.structured_output.request). The markers are read by id whatever the vocabulary calls them (K2-Instruct's
+  names 163606 / 163607 `<|reserved_token_...|>`, and `--reasoning on` still reads them as `<think>` / `</think>`).
 - Special tokens (`[EOS]`, `<|im_end|>`, reserved ids, ...): empty, which xgrammar treats as never allowed except the
   stop tokens, and only where the grammar may end.
 - Ids at or past the tokenizer's vocabulary, up to the model's `vocab_size` (padding rows of the embedding): masked
@@ -15,6 +17,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterable
 
+from kimi.controller.parsers import MARKER_TEXT
 from kimi.tokenizer import SPECIAL_ID_START, KimiTokenizer, default_tokenizer_source, write_tokenizer_files
 
 
@@ -30,7 +33,10 @@ def encoded_vocab(tokenizer: KimiTokenizer, vocab_size: int) -> list[bytes]:
                 out.append(b"")
             continue
         added = tokenizer.added_tokens.get(i)
-        out.append(added[0].encode("utf-8") if added is not None and not added[1] else b"")
+        if i in MARKER_TEXT:
+            out.append(MARKER_TEXT[i].encode("utf-8"))
+        else:
+            out.append(added[0].encode("utf-8") if added is not None and not added[1] else b"")
     return out
 
 

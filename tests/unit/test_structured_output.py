@@ -236,6 +236,7 @@ def test_the_real_vocabulary_builds_when_present():
         real = KimiTokenizer.from_dir(src)
     except FileNotFoundError:
         pytest.skip(f"no real Kimi vocabulary at {src}")
+    assert encoded_vocab(real, V)[THINK_END_ID] == b"</think>"  # a reserved id there; the parser's marker by id
     b = GrammarBackend(real, V, [EOS])
     m = xgr.GrammarMatcher(b.compile(GrammarSpec("json_schema", json.dumps(SCHEMA))))
     text = '{"color": "blue", "ok": true, "n": 7, "tags": ["a"], "pos": {"x": -3}}'

@@ -17,7 +17,11 @@ exactly when that reaches the end of the request's known tokens.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+from kimi.structured_output.spec import GrammarSpec
 
 # temperatures below this sample greedily (argmax: the tempered distribution's limit as T -> 0), vLLM's sampler
 # threshold (_SAMPLING_EPS; vLLM's API first raises 0 < T < 0.01 to 0.01); tiny temperatures must not reach the
@@ -48,6 +52,8 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, tag=1):
     min_tokens: int = 0  # until this many tokens are generated, `min_tokens_block_ids` cannot be sampled
     min_tokens_block_ids: list[int] = []  # EOS + stop_token_ids (set by the controller)
     prompt_logprobs: int = -1  # -1 none; k >= 0: logprob of every prompt token (+ top-k) in TokenOutput
+    # appended: guided decoding (kimi.structured_output): the output is constrained to this grammar; None = free
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +138,9 @@ class TokenOutput(msgspec.Struct, array_like=True, frozen=True, tag=21):
     prompt_logprobs: list[float | None] | None = None
     prompt_top_ids: list[list[int] | None] | None = None
     prompt_top_logprobs: list[list[float] | None] | None = None
+    # appended: the worker cannot go on with this request (guided decoding: its grammar failed on the worker, or the
+    # token is outside it); the controller ends the request with this error
+    error: str | None = None
 
 
 class StepResult(msgspec.Struct, array_like=True, frozen=True, tag=22):
@@ -176,7 +185,8 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     EOS (unless ignore_eos) and stop_token_ids cannot be sampled, and stop strings are not looked for, before
     that many tokens; stop: a string or up to 4 non-empty strings that end generation (stop_reason = the
     string; text that could still begin one is held back, never sent); include_stop_str_in_output: keep the
-    matched stop string in the text.
+    matched stop string in the text. response_format / structured_outputs: an output constraint (guided decoding), as
+    the HTTP API's fields of these names.
 
     Wire format: the fields from `min_p` on were appended later; a message that ends before them (an older
     client) decodes with their defaults.
@@ -203,6 +213,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     min_tokens: int = 0
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    # appended: guided decoding, as the HTTP fields of the same names (docs/api.md, "Guided decoding")
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag=31):

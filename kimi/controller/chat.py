@@ -185,8 +185,8 @@ def validate_tools(tools: Any) -> list[str]:
     """Check the OpenAI `tools` list (`[{type: "function", function: {name, description?, parameters?,
     strict?}}]`); return the function names. Names: 1-128 of `A-Za-z0-9_.:-` (Kimi ids are
     `functions.NAME:IDX`, so dots, dashes and colons are allowed). Any other key is a 400 (the API's rule for
-    unknown fields), and so is `strict: true`: kimi has no guided decoding, so it cannot promise arguments
-    that match the schema. Raises BadRequest naming `tools[i]...`.
+    unknown fields); `strict: true` is enforced by guided decoding (kimi.structured_output.request). Raises
+    BadRequest naming `tools[i]...`.
     """
     if not isinstance(tools, list) or not tools:
         raise BadRequest("'tools' must be a non-empty list", "tools")
@@ -206,12 +206,6 @@ def validate_tools(tools: Any) -> list[str]:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise BadRequest(f"'{p}.function.strict' must be a boolean", f"{p}.function.strict")
-        if strict:
-            raise BadRequest(
-                f"'{p}.function.strict' true is not supported: this server has no guided decoding, so "
-                "it cannot guarantee arguments that match the schema (omit it or send false)",
-                f"{p}.function.strict",
-            )
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise BadRequest(f"'{p}.function.name' must be 1-128 characters of A-Za-z0-9_.:-", f"{p}.function.name")

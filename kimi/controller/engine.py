@@ -44,6 +44,7 @@ from kimi.controller.router import DPRouter
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
 from kimi.controller.transport import ControllerTransport
 from kimi.protocol import RequestOutput, SamplingParams
+from kimi.structured_output.backend import GrammarBackend
 from kimi.tokenizer import KimiTokenizer
 
 # seconds between the controller's pings to the worker ranks (Engine.heartbeat_s): a heartbeat timeout must
@@ -153,6 +154,8 @@ class Engine:
         self.observer: EngineObserver | None = None
         self.enable_prefix_caching = enable_prefix_caching
         self.max_waiting = max_waiting
+        # guided decoding: the front ends compile each request's grammar here first, so one xgrammar refuses is a 400
+        self.grammars = GrammarBackend(tokenizer, vocab_size, eos_token_ids)
 
     # ---- start-up ---------------------------------------------------------------------------------------
     async def start(self, world_size: int, timeout_s: float = 600.0) -> None:
@@ -513,6 +516,9 @@ class Engine:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.num_inflight_samples -= 1
+                if tok.error is not None:  # the worker cannot go on with it (guided decoding)
+                    self._finish(req, None, error=tok.error)
+                    continue
                 delta = append(req, tok)
                 n_out += 1
                 req.outputs.put(delta)

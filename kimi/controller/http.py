@@ -59,6 +59,7 @@ from kimi.controller.validation import (
     read_stop_token_ids,
 )
 from kimi.protocol import RequestOutput, SamplingParams
+from kimi.structured_output.request import COMMON_FIELDS, chat_grammar, completion_grammar, constrain
 from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
 
 MAX_BODY_BYTES = 32 << 20
@@ -71,7 +72,6 @@ CHAT_ONLY_FIELDS = frozenset(
         "tool_choice",
         "parallel_tool_calls",
         "top_logprobs",
-        "response_format",
         "chat_template_kwargs",
         "modalities",
     }
@@ -1013,7 +1013,10 @@ class OpenAIServer:
                 prompt_logprobs=(logprobs if echo and logprobs is not None else -1),
             )
             g.echo = echo
+            guided = completion_grammar(f.body)  # guided decoding (kimi.structured_output)
+            f.accept(*COMMON_FIELDS)
             f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS))
+            g.sampling = await constrain(self.engine.grammars, guided, g.sampling)
             rid = f"cmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g)
         except BadRequest as e:
@@ -1188,9 +1191,6 @@ class OpenAIServer:
             if top is not None and not want_lp:
                 raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             f.noop("modalities", (["text"],), "is not supported (this server outputs text only)")
-            rf = f._get("response_format")
-            if rf is not None and rf != {"type": "text"}:
-                raise BadRequest("'response_format' other than {'type': 'text'} is not supported", "response_format")
             kwargs = f._get("chat_template_kwargs")
             if kwargs is not None and not isinstance(kwargs, dict):
                 raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -1213,11 +1213,14 @@ class OpenAIServer:
                 logprobs=(top or 0) if want_lp else None,
                 prompt_logprobs=-1,
             )
-            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
             pcfg = ParserConfig.for_prompt(
                 ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text
             )
+            guided = chat_grammar(f.body, after_think=pcfg.starts_in_reasoning)  # guided decoding
+            f.accept(*COMMON_FIELDS)
+            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
+            g.sampling = await constrain(self.engine.grammars, guided, g.sampling)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g, prompt_field="messages")
         except BadRequest as e:

@@ -40,6 +40,7 @@ from kimi.controller.validation import (
     read_stop_token_ids,
 )
 from kimi.protocol import RequestOutput, SamplingParams
+from kimi.structured_output.request import completion_grammar, constrain
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.submit")
@@ -182,6 +183,10 @@ class SubmitServer:
                 check_prompt_text_fits(self.tokenizer, r.prompt, self.engine.max_model_len)
             pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt) if r.prompt else None
             ids, sp, st = self._validate(r, pre)
+            guided = completion_grammar(
+                {"response_format": r.response_format, "structured_outputs": r.structured_outputs}
+            )
+            sp = await constrain(self.engine.grammars, guided, sp)
             return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))

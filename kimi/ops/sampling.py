@@ -2,6 +2,9 @@
 
 Per row b of a batch, in this order (the order vLLM's V1 sampler uses):
 
+0. guided decoding (`bitmask`, kimi.structured_output): the tokens the row's grammar does not allow are set to -inf
+   first, as vLLM applies its grammar bitmask to the logits before its sampler; so everything below, the reported
+   logprobs included, sees only the allowed tokens.
 1. raw logprobs: `log_softmax(logits)` of the model's fp32 logits. These are what is *reported*
    (`logprobs`, `top_logprobs`), as vLLM reports by default (`raw_logprobs`): before bias, penalties,
    temperature and truncation.
@@ -38,7 +41,9 @@ Two implementations of the same semantics:
   is tested against (tests/unit/test_sampling.py on CPU, tests/gpu/test_gpu_sampling.py on CUDA). With the
   same generators both draw the same exponentials, so seeded rows sample the same token in both.
 
-Shapes: logits [B, V] float32 (any float dtype is upcast). Token-history inputs are Python lists.
+Shapes: logits [B, V] float32 (any float dtype is upcast). Token-history inputs are Python lists. A bitmask is
+`(rows, bitmask)`: the batch rows it constrains and an int32 [B, ceil(V / 32)] CPU tensor (xgrammar's layout: token t
+of row b is allowed when bit t % 32 of bitmask[b, t // 32] is set; rows not listed are not read).
 """
 
 from __future__ import annotations
@@ -52,6 +57,54 @@ import torch
 from kimi.protocol import SamplingParams
 
 _NEG_INF = float("-inf")
+Bitmask = tuple[Sequence[int], torch.Tensor]
+"""(batch rows constrained, int32 [B, ceil(V / 32)] CPU bitmask): see the module docstring."""
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [R, W] packed bitmask -> bool [R, vocab_size], True = allowed (bit t % 32 of word t // 32), on the
+    bitmask's device. Needs W * 32 >= vocab_size."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: Bitmask) -> None:
+    """Set to -inf, in place, the logits [B, V] float32 of the tokens the bitmask's rows do not allow.
+
+    On the CPU xgrammar's kernel (`xgrammar.apply_token_bitmask_inplace` over the listed rows); on another device
+    the listed rows of the bitmask are copied there (pinned, non-blocking) and unpacked with torch ops
+    (`unpack_bitmask` + `masked_fill`): no host synchronisation, and nothing that a CUDA graph would need to capture.
+    """
+    rows, bm = bitmask
+    if not rows:
+        return
+    B, V = logits.shape
+    if logits.device.type == "cpu":
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bm[:B], vocab_size=V, indices=list(rows))
+        return
+    dev = logits.device
+    everyone = len(rows) == B and list(rows) == list(range(B))
+    host = bm[:B] if everyone else bm.index_select(0, torch.tensor(list(rows), dtype=torch.long))
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    allowed = unpack_bitmask(host.to(dev, non_blocking=True), V)  # [R, V]
+    if everyone:
+        logits.masked_fill_(~allowed, _NEG_INF)
+    else:
+        ri = _h2d(list(rows), torch.long, dev)
+        logits.index_copy_(0, ri, logits.index_select(0, ri).masked_fill_(~allowed, _NEG_INF))
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: Bitmask) -> None:
+    """Per-row reference of `apply_token_bitmask` (plain torch, any device)."""
+    rows, bm = bitmask
+    V = logits.shape[1]
+    for r in rows:
+        allowed = unpack_bitmask(bm[r : r + 1], V)[0].to(logits.device)
+        logits[r] = logits[r].masked_fill(~allowed, _NEG_INF)
 
 
 @dataclass
@@ -213,6 +266,7 @@ def sample_ref(
     generators: Sequence[torch.Generator | None],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
+    bitmask: Bitmask | None = None,
 ) -> SampleOutput:
     """Per-row reference of `sample` (same arguments and result). Syncs with the device once per row.
 
@@ -221,6 +275,9 @@ def sample_ref(
     """
     B, _V = logits.shape
     logits = logits.float()
+    if bitmask is not None:
+        logits = logits.clone()
+        apply_token_bitmask_ref(logits, bitmask)
     processed = process_logits_ref(logits, params, token_ids, num_prompt_tokens)
     ids = torch.empty(B, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -400,6 +457,7 @@ def sample_launch(
     generators: Sequence[torch.Generator | None],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
+    bitmask: Bitmask | None = None,
 ) -> SampleLaunch:
     """Sample one token per row (module docstring for the steps and their order), batched.
 
@@ -407,7 +465,8 @@ def sample_launch(
     argmax of the processed logits (lowest id on ties). generators[b]: a torch.Generator for a seeded row
     (best on logits' device; see `_draw_exponential`) or None for the global RNG. token_ids /
     num_prompt_tokens: see `process_logits` (needed only for min_tokens and penalties; ValueError /
-    IndexError as there). Returns a SampleLaunch: the sampled ids on the device now, and from `result()` the
+    IndexError as there). bitmask: the guided rows' allowed tokens (module docstring), applied first; float32 logits
+    are masked in place. Returns a SampleLaunch: the sampled ids on the device now, and from `result()` the
     token ids and, where params[b].num_logprobs >= 0, the sampled token's raw logprob and the top
     num_logprobs alternatives (ids, raw logprobs), highest first. The controller keeps
     at least one token sampleable (min_tokens bans at most the EOS and stop ids; biases are finite).
@@ -422,6 +481,8 @@ def sample_launch(
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} rows, {len(params)} params, {len(generators)} generators")
     logits = logits.float()
+    if bitmask is not None:
+        apply_token_bitmask(logits, bitmask)
     processed = process_logits(logits, params, token_ids, num_prompt_tokens)
     greedy = [b for b, p in enumerate(params) if p.greedy]
     rand = [b for b, p in enumerate(params) if not p.greedy]
@@ -528,10 +589,11 @@ def sample(
     generators: Sequence[torch.Generator | None],
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
+    bitmask: Bitmask | None = None,
 ) -> SampleOutput:
     """`sample_launch(...).result()`: one token per row (module docstring for the steps and their order),
     batched; see sample_launch for the arguments and errors."""
-    return sample_launch(logits, params, generators, token_ids, num_prompt_tokens).result()
+    return sample_launch(logits, params, generators, token_ids, num_prompt_tokens, bitmask).result()
 
 
 def prompt_logprobs(

@@ -11,6 +11,14 @@ context: a 64-bit mix (splitmix64 finaliser) of (previous token, position, seed)
 request yields the same tokens alone, batched, or after preemption and recompute. Unseeded sampling
 (not greedy, no seed) draws from Python's `random`.
 
+Guided decoding. A request with a grammar (SamplingParams.grammar) is guided by the same matchers as the real
+runner's (kimi.structured_output.bitmask.GuidedRequests, with the checkpoint's tokenizer: `model`); its token is
+chosen among the allowed ones: a stop token when the grammar allows one (the fake ends as soon as it may), else,
+among the allowed tokens of the fewest bytes (a marker token counting as one), the one the token rule above picks
+(its value modulo their number). So
+a constrained output is valid, stays deterministic, and (spelling strings one character at a time, closing them with
+probability about 1 in 95 per token) ends.
+
 KV bookkeeping check. The runner keeps a token-id "cache" with one int64 per KV slot. Every computed token
 is written at its slot (block_table[p // block_size] * block_size + p % block_size). A new request's
 first `num_computed_tokens` positions (its prefix-cache hit) must already hold exactly its tokens, and a
@@ -41,6 +49,8 @@ from typing import TYPE_CHECKING
 
 from kimi import protocol
 from kimi.config import CacheConfig, ModelConfig
+from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
+from kimi.tokenizer import SPECIAL_ID_START
 from kimi.worker.kv_cache import kv_cache_bytes_per_block
 
 if TYPE_CHECKING:
@@ -72,17 +82,27 @@ class FakeRequest:
     num_computed_tokens: int
     block_table: list[int]
     sampling: protocol.SamplingParams
+    guide: GuidedRow | None = None
 
 
 class FakeRunner:
     """Drop-in for ModelRunner (same `execute(plan)`, `num_blocks`) with no model.
 
     num_blocks: cache_config.num_blocks, else what `kv_cache_memory_gib` (default 0.5 GiB) of real blocks of
-    this config would be. Raises RuntimeError on any plan the real runner would reject and on KV-content
+    this config would be. model: the checkpoint folder (or `preset:NAME`) whose tokenizer guided decoding uses (None:
+    a constrained request fails). Raises RuntimeError on any plan the real runner would reject and on KV-content
     mismatches (module docstring).
     """
 
-    def __init__(self, cfg: ModelConfig, cache_config: CacheConfig, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        cache_config: CacheConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        model: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -103,6 +123,12 @@ class FakeRunner:
         self.token_s = float(os.environ.get("KIMI_FAKE_TOKEN_US", "0") or 0) / 1e6
         if path and self._record:
             atexit.register(self._dump, path)
+        self.guided = _guided_requests(model, cfg)
+        self._bytes_len: list[int] | None = None  # per token id: its byte length (the guided choice), built on use
+
+    def close(self) -> None:
+        """Stop the guided-decoding compile thread."""
+        self.guided.close()
 
     def _dump(self, path: str) -> None:
         with open(path, "w") as f:
@@ -123,6 +149,7 @@ class FakeRunner:
         t0 = time.perf_counter()
         for rid in plan.finished:
             self.requests.pop(rid, None)
+            self.guided.drop(rid)
         batch: list[tuple[int, FakeRequest, int]] = []
         kv = self.kv
         for nr in plan.new:
@@ -137,6 +164,9 @@ class FakeRunner:
                         f"{fr.block_table[p // self.block_size]}): slot holds {kv[self._slot(fr.block_table, p)]}, "
                         f"token is {fr.token_ids[p]}"
                     )
+            if nr.sampling.grammar is not None:
+                n_prompt = nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids)
+                fr.guide = self.guided.add(nr.rid, nr.sampling.grammar, fr.token_ids[n_prompt:])
             self.requests[nr.rid] = fr
             self.num_requests += 1
             batch.append((nr.rid, fr, nr.num_new_tokens))
@@ -170,12 +200,16 @@ class FakeRunner:
                     tok = fake_token(toks[-1], end, seed)
                 else:
                     tok = random.randrange(FAKE_VOCAB)
+                err = None
+                if fr.guide is not None:
+                    tok = self._guided_token(fr.guide, tok)
+                    err = fr.guide.accept(tok)
                 toks.append(tok)
                 self.num_sampled += 1
                 lp = None if sp.num_logprobs < 0 else -1.0
                 top_ids = [tok] * sp.num_logprobs if sp.num_logprobs > 0 else None
                 top_lps = [-1.0] * sp.num_logprobs if sp.num_logprobs > 0 else None
-                outputs.append(protocol.TokenOutput(rid, tok, lp, top_ids, top_lps))
+                outputs.append(protocol.TokenOutput(rid, tok, lp, top_ids, top_lps, error=err))
         if (self.step_s > 0 or self.token_s > 0) and batch:
             left = self.step_s + self.token_s * num_tokens - (time.perf_counter() - t0)
             if left > 0:
@@ -183,6 +217,50 @@ class FakeRunner:
         if self._record:
             self.step_times.append((t0, time.perf_counter(), len(batch), num_tokens))
         return outputs
+
+    def _guided_token(self, guide: GuidedRow, draw: int) -> int:
+        """The fake's token for a constrained row (module docstring); `draw` is the unconstrained rule's token."""
+        import torch
+
+        from kimi.ops.sampling import unpack_bitmask
+
+        got = self.guided.fill([(0, guide)], 1)
+        if got is None:  # terminated (or failed: accept reports it)
+            return draw
+        allowed: list[int] = torch.nonzero(unpack_bitmask(got[1][:1], self.guided.vocab_size)[0]).flatten().tolist()
+        if not allowed:
+            return draw
+        backend = self.guided.backend()
+        stops = [t for t in allowed if t in backend.stop_ids]
+        if stops:
+            return stops[0]
+        lens = self._token_lengths()
+        shortest = min(lens[t] for t in allowed)
+        pool = [t for t in allowed if lens[t] == shortest]
+        return pool[draw % len(pool)]
+
+    def _token_lengths(self) -> list[int]:
+        if self._bytes_len is None:
+            backend = self.guided.backend()
+            # a marker token (tool call, think) counts as one character: the fake closes a tool section as
+            # readily as it opens another call
+            self._bytes_len = [
+                (1 if i >= SPECIAL_ID_START else len(b)) if b else 1 << 30
+                for i, b in enumerate(backend.encoded_vocab())
+            ]
+        return self._bytes_len
+
+
+def _guided_requests(model: str | None, cfg: ModelConfig) -> GuidedRequests:
+    from kimi.structured_output.backend import GrammarBackend
+    from kimi.structured_output.vocab import load_tokenizer
+
+    def backend() -> GrammarBackend:
+        if model is None:
+            raise RuntimeError("guided decoding on a fake worker needs the checkpoint's tokenizer (model)")
+        return GrammarBackend(load_tokenizer(model), cfg.vocab_size, cfg.eos_token_ids)
+
+    return GuidedRequests(backend, cfg.vocab_size)
 
 
 def _bf16() -> torch.dtype:

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fake:
             from kimi.worker.fake import FakeRunner
 
-            runner = FakeRunner(cfg, cache, rank=rank, world_size=world_size)
+            runner = FakeRunner(cfg, cache, rank=rank, world_size=world_size, model=args.model)
         else:
             backend = args.a2a_backend or default_backend(world_size, args.device)
             group = init_distributed(backend, torch.device(device), args.dist_timeout)
@@ -245,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
             last_step,
             getattr(runner, "num_idle_steps", 0),
         )
+        guided = getattr(runner, "guided", None)
+        if guided is not None:  # tests read this line: a live request's matcher only is held
+            log.info(
+                "rank %d: guided decoding: %d constrained requests, %d still held",
+                rank,
+                guided.num_requests,
+                guided.num_held,
+            )
+            guided.close()
         graphs = getattr(getattr(runner, "model", None), "graphs", None)
         if graphs is not None:  # CUDA-graph decode: replays, and decode steps whose attention was planned ahead
             fis = [f for f in getattr(graphs, "fi", {}).values() if hasattr(f, "ahead_hits")]

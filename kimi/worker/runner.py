@@ -26,6 +26,9 @@ from kimi.config import CacheConfig, ModelConfig
 from kimi.ops.all_to_all import Backend, step_mode
 from kimi.ops.attention import build_attention_metadata
 from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
+from kimi.structured_output.backend import GrammarBackend
+from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
+from kimi.structured_output.vocab import load_tokenizer
 from kimi.worker.kv_cache import KVCacheSizeError, allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
 
@@ -71,6 +74,8 @@ class WorkerRequest:
     # a step launched and not finished sampled this request's next token: it is on the device (that step's
     # StepHandle.launch.ids), not in token_ids yet
     pending: bool = False
+    # guided decoding: the request's matcher (SamplingParams.grammar), fed each token this object's step samples
+    guide: GuidedRow | None = None
 
 
 PromptLogprobs: TypeAlias = tuple[
@@ -106,6 +111,9 @@ class ModelRunner:
     a2a: the MoE all-to-all backend (kimi.ops.all_to_all; None = local, world_size 1 only).
     ll_max_tokens_per_rank: decode steps with at most this many tokens on every rank use the backend's
     low-latency mode (DeepEP); others use its normal mode.
+    Guided decoding (SamplingParams.grammar): `guided` holds this rank's matchers (kimi.structured_output.bitmask):
+    each sampled token is accepted in `finish`, and the next bitmask is filled after the previous step is finished,
+    just before this step's sampling is launched (on CUDA while this step's forward runs).
     Counters (logged at exit, read by tests): num_requests (NewRequest entries this rank ran; a preempted and
     re-sent request counts again), num_sampled (tokens it
     sampled), num_idle_steps (steps it ran with no local tokens), num_overlapped (steps launched while the
@@ -188,6 +196,7 @@ class ModelRunner:
             max_blocks = -(-cfg.max_position_embeddings // self.block_size)
             gpu_model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
         self.requests: dict[int, WorkerRequest] = {}
+        self.guided = guided_requests(model_dir, cfg)
 
     def _check_requested_cache(self, cc: CacheConfig) -> None:
         """Raise KVCacheSizeError when an explicit cache size (--num-blocks, --kv-cache-memory-gib) exceeds the
@@ -254,8 +263,11 @@ class ModelRunner:
                 wr.token_ids.append(tok)
                 wr.pending = False
                 self.num_sampled += 1
+                err = wr.guide.accept(tok) if wr.guide is not None else None
                 outputs.append(
-                    protocol.TokenOutput(rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j], *handle.plp[j])
+                    protocol.TokenOutput(
+                        rid, tok, res.logprobs[j], res.top_ids[j], res.top_logprobs[j], *handle.plp[j], error=err
+                    )
                 )
         handle.outputs = outputs
         return outputs
@@ -287,6 +299,7 @@ class ModelRunner:
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self.rank_of.pop(rid, None)
+            self.guided.drop(rid)
         per_rank = [0] * self.world_size
         for nr in plan.new:
             self.rank_of[nr.rid] = nr.dp_rank
@@ -311,6 +324,8 @@ class ModelRunner:
                 self._new_generator(nr.sampling),
                 num_prompt_tokens=nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids),
             )
+            if nr.sampling.grammar is not None:  # re-sent after preemption: its outputs so far are replayed
+                wr.guide = self.guided.add(nr.rid, nr.sampling.grammar, wr.token_ids[wr.num_prompt_tokens :])
             if nr.sampling.prompt_logprobs >= 0:
                 n_p = wr.num_prompt_tokens
                 wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps = [None] * n_p, [None] * n_p, [None] * n_p
@@ -419,12 +434,14 @@ class ModelRunner:
                 wr = batch[i][1]
                 assert wr.sampling.seed is not None, "only a seeded request has a generator"
                 g.manual_seed(position_seed(wr.sampling.seed, len(wr.token_ids)))
+        guides = [(j, gd) for j, i in enumerate(sample_idx) if (gd := batch[i][1].guide) is not None]
         res = sample_launch(  # batched on the logits' device; one device->host copy for the whole step
             logits,
             params,
             gens,
             [batch[i][1].token_ids for i in sample_idx],
             [batch[i][1].num_prompt_tokens for i in sample_idx],
+            bitmask=self.guided.fill(guides, len(sample_idx)) if guides else None,
         )
         sampled, row_of = [], {}
         plp: list[PromptLogprobs] = []
@@ -439,6 +456,10 @@ class ModelRunner:
             wr.prompt_lp = wr.prompt_top_ids = wr.prompt_top_lps = None  # sent once
         return StepHandle(plan.step, sampled, res, plp, row_of)
 
+    def close(self) -> None:
+        """Release what outlives a step (the guided-decoding compile thread)."""
+        self.guided.close()
+
     def _idle_step(self) -> None:
         """No local tokens this step: run every MoE layer's dispatch / combine on a [0, hidden] batch, in layer
         order, so this rank issues the same collectives as the ranks that run a forward (nothing is written to
@@ -448,3 +469,12 @@ class ModelRunner:
             if layer.is_moe:
                 layer.mlp(empty)
         self.num_idle_steps += 1
+
+
+def guided_requests(model: str, cfg: ModelConfig) -> GuidedRequests:
+    """A rank's GuidedRequests for the checkpoint `model` (its tokenizer, or the controller's for `preset:` models,
+    is loaded at the first constrained request; kimi.structured_output.vocab.load_tokenizer)."""
+    return GuidedRequests(
+        lambda: GrammarBackend(load_tokenizer(model), cfg.vocab_size, cfg.eos_token_ids),
+        cfg.vocab_size,
+    )

@@ -67,7 +67,7 @@ def _bad(r: httpx.Response, param: str, status: int = 400) -> str:
 
 
 def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
-    """A chat field sent to /v1/completions (tools, top_logprobs, response_format, ...) or a completions field sent to
+    """A chat field sent to /v1/completions (tools, top_logprobs, ...) or a completions field sent to
     /v1/chat/completions (echo, suffix) is a 400 naming the field and the endpoint that takes it (it said "not
     supported by this server", which the server does support, on the other endpoint); other unknown fields keep
     the plain message."""
@@ -75,7 +75,6 @@ def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
     for field, value in (
         ("tools", tools),
         ("top_logprobs", 2),
-        ("response_format", {"type": "text"}),
         ("chat_template_kwargs", {}),
         ("parallel_tool_calls", True),
     ):

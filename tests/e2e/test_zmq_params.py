@@ -60,6 +60,8 @@ NEW_FIELDS = (
     "min_tokens",
     "stop",
     "include_stop_str_in_output",
+    "response_format",  # guided decoding
+    "structured_outputs",
 )
 HTTP_TOP_LEVEL = {
     "max_tokens",
@@ -415,7 +417,7 @@ def test_new_fields_are_appended_at_the_end():
     )
     raw = msgspec.msgpack.decode(protocol.encode(msg))
     assert raw[:13] == [30, "r", None, [1, 2], 3, 0.5, 0.9, 4, 5, [6], True, False, 2]  # the old layout, unchanged
-    assert raw[13:] == [0.0, 0.0, 0.0, 1.0, None, 0, None, False]  # the new fields' defaults
+    assert raw[13:] == [0.0, 0.0, 0.0, 1.0, None, 0, None, False, None, None]  # the new fields' defaults
     old = protocol.decode_to_controller(msgspec.msgpack.encode(raw[:13]))
     assert old == msg
 

@@ -25,6 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kimi.controller.parsers import (
+    TOOL_CALL_ARGUMENT_BEGIN_ID,
+    TOOL_CALL_BEGIN_ID,
+    TOOL_CALL_END_ID,
+    TOOL_CALLS_SECTION_BEGIN_ID,
+    TOOL_CALLS_SECTION_END_ID,
+)
 from kimi.structured_output.backend import GrammarBackend
 from kimi.structured_output.spec import GrammarSpec
 
@@ -34,6 +41,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("kimi.worker")
 
 BATCH_FILL_MIN_ROWS = 4  # from this many constrained rows on, xgrammar fills the masks on several threads
+# The tool-call markers have their text in xgrammar's vocabulary (a structural tag names them), so a grammar that
+# allows arbitrary text (a JSON string, a broad regex) would allow them too, and the output parser would read one as
+# a tool call. Every grammar but a structural tag has them cleared from its mask.
+TOOL_MARKER_IDS = (
+    TOOL_CALLS_SECTION_BEGIN_ID,
+    TOOL_CALLS_SECTION_END_ID,
+    TOOL_CALL_BEGIN_ID,
+    TOOL_CALL_ARGUMENT_BEGIN_ID,
+    TOOL_CALL_END_ID,
+)
+
+
+def _clear_masks(token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(word, int32 AND-mask) pairs that clear the bits of token_ids in an xgrammar bitmask row."""
+    words: dict[int, int] = {}
+    for t in token_ids:
+        words[t // 32] = words.get(t // 32, 0) | (1 << (t % 32))
+    out = []
+    for w, bits in sorted(words.items()):
+        keep = ~bits & 0xFFFFFFFF
+        out.append((w, keep - (1 << 32) if keep >= 1 << 31 else keep))
+    return out
 
 
 class GuidedRow:
@@ -43,8 +72,11 @@ class GuidedRow:
     must then end with this error (`accept` returns it).
     """
 
-    def __init__(self, compiled: Future[xgrammar.CompiledGrammar], generated: Sequence[int]) -> None:
+    def __init__(
+        self, compiled: Future[xgrammar.CompiledGrammar], generated: Sequence[int], markers_allowed: bool = False
+    ) -> None:
         self._compiled = compiled
+        self.markers_allowed = markers_allowed  # a structural tag (tool calls): the grammar itself places the markers
         self._matcher: xgrammar.GrammarMatcher | None = None
         self._backlog = list(generated)  # tokens to accept once the matcher exists
         self.error: str | None = None
@@ -105,6 +137,7 @@ class GuidedRequests:
         self.num_requests = 0
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab_size / 32)] int32
         self._batch: xgrammar.BatchGrammarMatcher | None = None
+        self._marker_clears = [(w, m) for w, m in _clear_masks(TOOL_MARKER_IDS) if w * 32 < vocab_size]
 
     @property
     def num_held(self) -> int:
@@ -123,7 +156,7 @@ class GuidedRequests:
     def add(self, rid: int, spec: GrammarSpec, generated: Sequence[int] = ()) -> GuidedRow:
         """Start guiding request `rid` (replacing an older row of the same rid). generated: the tokens it already
         produced (a request re-sent after preemption), replayed into the matcher."""
-        row = GuidedRow(self._pool.submit(self._compile, spec), generated)
+        row = GuidedRow(self._pool.submit(self._compile, spec), generated, spec.kind == "structural_tag")
         self.rows[rid] = row
         self.num_requests += 1
         return row
@@ -143,6 +176,7 @@ class GuidedRequests:
         import xgrammar as xgr
 
         live = [(j, m) for j, g in rows if (m := g.matcher()) is not None and not m.is_terminated()]
+        plain = [j for j, g in rows if not g.markers_allowed and g.matcher() is not None and not g.terminated]
         if not live:
             return None
         bm = self._bitmask
@@ -155,6 +189,10 @@ class GuidedRequests:
         else:
             for j, m in live:
                 m.fill_next_token_bitmask(bm, j)
+        if plain and self._marker_clears:
+            idx = torch.tensor(plain)
+            for w, keep in self._marker_clears:
+                bm[idx, w] &= keep
         return [j for j, _ in live], bm[:batch_size]
 
     def close(self) -> None:

@@ -128,37 +128,62 @@ def test_json_object_and_n_choices(client):
     )
     assert len(r.choices) == 3
     for c in r.choices:
-        assert c.finish_reason == "stop", c
-        assert isinstance(json.loads(c.message.content), dict)
+        # json_object is open-ended: over the real vocabulary a random model can still be inside a string at
+        # max_tokens. A finished reply is a JSON object; a cut one is the start of one.
+        assert c.finish_reason in ("stop", "length"), c
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict), c
+        else:
+            assert c.message.content.lstrip(" \t\r\n").startswith("{"), c
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(c.message.content)
 
 
 def test_regex_choice_and_grammar_fields_of_vllm_and_sglang(client):
     cases = [
-        ({"structured_outputs": {"regex": "[a-c]{2,4}-[0-9]{2}"}}, lambda s: re.fullmatch("[a-c]{2,4}-[0-9]{2}", s)),
-        ({"guided_regex": "(yes|no)!"}, lambda s: s in ("yes!", "no!")),
-        ({"regex": "x[0-9]y"}, lambda s: re.fullmatch("x[0-9]y", s)),  # SGLang
-        ({"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}}, lambda s: s in ("alpha", "beta", "gamma")),
-        ({"guided_choice": ["up", "down"]}, lambda s: s in ("up", "down")),
+        (
+            {"structured_outputs": {"regex": "[a-c]{2,4}-[0-9]{2}"}},
+            lambda s, _f: re.fullmatch("[a-c]{2,4}-[0-9]{2}", s),
+        ),
+        ({"guided_regex": "(yes|no)!"}, lambda s, _f: s in ("yes!", "no!")),
+        ({"regex": "x[0-9]y"}, lambda s, _f: re.fullmatch("x[0-9]y", s)),  # SGLang
+        ({"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}}, lambda s, _f: s in ("alpha", "beta", "gamma")),
+        ({"guided_choice": ["up", "down"]}, lambda s, _f: s in ("up", "down")),
         (
             {"structured_outputs": {"grammar": 'root ::= "go " ("left" | "right")'}},
-            lambda s: s in ("go left", "go right"),
+            lambda s, _f: s in ("go left", "go right"),
         ),
-        ({"guided_grammar": 'root ::= [0-9] "+" [0-9]'}, lambda s: re.fullmatch("[0-9][+][0-9]", s)),
-        ({"ebnf": 'root ::= "ok" | "ko"'}, lambda s: s in ("ok", "ko")),  # SGLang
-        ({"guided_json": SCHEMAS[0]}, lambda s: json.loads(s)["color"] in ("red", "green")),
-        ({"json_schema": json.dumps(SCHEMAS[1])}, lambda s: isinstance(json.loads(s)["ok"], bool)),  # SGLang
-        ({"structured_outputs": {"json_object": True}}, lambda s: isinstance(json.loads(s), dict)),
+        ({"guided_grammar": 'root ::= [0-9] "+" [0-9]'}, lambda s, _f: re.fullmatch("[0-9][+][0-9]", s)),
+        ({"ebnf": 'root ::= "ok" | "ko"'}, lambda s, _f: s in ("ok", "ko")),  # SGLang
+        ({"guided_json": SCHEMAS[0]}, lambda s, _f: json.loads(s)["color"] in ("red", "green")),
+        ({"json_schema": json.dumps(SCHEMAS[1])}, lambda s, _f: isinstance(json.loads(s)["ok"], bool)),  # SGLang
+        ({"structured_outputs": {"json_object": True}}, _json_object_or_its_start),
     ]
     for body, ok in cases:
+        open_ended = ok is _json_object_or_its_start  # may still be inside a string at max_tokens
         for seed in (4, 5):
             t = client.completions.create(
                 model="tiny", prompt="x", max_tokens=300, temperature=1.0, seed=seed, extra_body=body
             ).choices[0]
-            assert t.finish_reason == "stop" and ok(t.text), (body, t.text)
+            assert (t.finish_reason == "stop" or open_ended) and ok(t.text, t.finish_reason), (body, t.text)
         c = client.chat.completions.create(
             model="tiny", messages=ASK, max_tokens=300, temperature=0.0, extra_body={**body, **NO_THINK}
         ).choices[0]
-        assert c.finish_reason == "stop" and ok(c.message.content), (body, c.message.content)
+        finish = c.finish_reason
+        assert (finish == "stop" or open_ended) and ok(c.message.content, finish), (body, c.message.content)
+
+
+def _json_object_or_its_start(text: str, finish_reason: str) -> bool:
+    """A finished json_object reply is a JSON object; one cut by max_tokens is the start of one."""
+    if finish_reason == "stop":
+        return isinstance(json.loads(text), dict)
+    if finish_reason != "length" or not text.lstrip(" \t\r\n").startswith("{"):
+        return False
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return True
+    return False
 
 
 def _check_calls(message, names: set[str]) -> list[tuple[str, dict]]:

@@ -348,6 +348,26 @@ def test_many_rows_fill_like_one_at_a_time(backend):
         assert one is not None and _allowed(one, 0) == batch_bits[i]
 
 
+def test_tool_markers_are_masked_off_except_where_a_tool_tag_places_them(backend, tok):
+    """Inside a JSON string every text token is allowed, and the markers have their text in xgrammar's vocabulary:
+    the mask of every grammar but a tool structural tag clears them (the output parser would read one as a call)."""
+    gr = GuidedRequests(lambda: backend, V)
+    plain = gr.add(1, GrammarSpec("json_object", ""))
+    for ch in b'{"k": "':
+        assert plain.accept(ch) is None
+    tag = gr.add(2, chat_grammar({"tools": TOOLS}, after_think=False).spec)  # auto with a strict tool
+    got = gr.fill([(0, plain), (1, tag)], 2)
+    assert got is not None
+    inside_string, free_text = _allowed(got, 0), _allowed(got, 1)
+    assert ord("<") in inside_string and ord("a") in inside_string  # a string takes any text ...
+    assert not inside_string & {TOOL_CALLS_SECTION_BEGIN_ID, TOOL_CALL_BEGIN_ID, TOOL_CALL_END_ID}  # ... no marker
+    assert TOOL_CALLS_SECTION_BEGIN_ID in free_text  # the tag's trigger: a call may open
+    assert TOOL_CALL_BEGIN_ID not in free_text  # but no other marker outside a section
+    gr.drop(1)
+    gr.drop(2)
+    gr.close()
+
+
 def test_after_think_tool_tags_and_parallel_calls(backend, tok):
     json_after = GrammarSpec("json_object", "", after_think=True)
     assert _accepts(backend, json_after, tok.encode("free {text") + [THINK_END_ID] + tok.encode('{"a": 1}') + [EOS])

@@ -2,7 +2,9 @@
 
 Checks (each printed, and written as JSON to --out): a greedy completion twice gives the same text; a chat
 request and a streamed chat request agree; N concurrent distinct greedy requests all finish with
-finish_reason and the asked token count; /metrics returns to 0 running requests and 0 KV blocks in use.
+finish_reason and the asked token count; guided decoding: json_schema replies (8 concurrent, next to 8 free ones)
+parse and match the schema, a forced tool call names the tool with arguments matching it; /metrics returns to 0
+running requests and 0 KV blocks in use.
 Exit status 1 if any check fails.
 
     python scripts/serve_check.py --base-url http://127.0.0.1:8000 --model NAME [--concurrency 32] [--out F]
@@ -101,6 +103,76 @@ async def main() -> int:
         same = sum(x["choices"][0]["text"] == y["choices"][0]["text"] for x, y in zip(alone, js[:4]))
         res["batched_vs_alone_identical"] = f"{same}/4 (bf16: batch shape may change rounding; reported, not asserted)"
         print("INFO batched vs alone identical:", res["batched_vs_alone_identical"], flush=True)
+        # guided decoding on the device, constrained rows batched with free ones (CUDA graphs for the forward)
+        schema = {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["ok", "n"],
+            "additionalProperties": False,
+        }
+        fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+        guided = [
+            {
+                "model": a.model,
+                "messages": [{"role": "user", "content": f"reply {i}"}],
+                "max_tokens": 64,
+                "temperature": 1.0,
+                "seed": i,
+                "response_format": fmt,
+            }
+            for i in range(8)
+        ]
+        free = [{"model": a.model, "prompt": p, "max_tokens": 64, "ignore_eos": True} for p in prompts[:8]]
+        outs = await asyncio.gather(
+            *[c.post("/v1/chat/completions", json=b) for b in guided],
+            *[c.post("/v1/completions", json=b) for b in free],
+        )
+        replies = [o.json() for o in outs[:8]]
+
+        def valid(j: dict) -> bool:
+            try:
+                v = json.loads(j["choices"][0]["message"]["content"])
+            except (KeyError, TypeError, ValueError):
+                return False
+            return set(v) == {"ok", "n"} and isinstance(v["ok"], bool) and type(v["n"]) is int and 0 <= v["n"] <= 99
+
+        check(
+            "guided_json_schema",
+            all(o.status_code == 200 for o in outs) and all(valid(j) for j in replies),
+            [j.get("choices", [{}])[0].get("message", {}).get("content", j) for j in replies[:3]],
+        )
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": a.model,
+                "messages": [{"role": "user", "content": "weather?"}],
+                "max_tokens": 64,
+                "tools": [tool],
+                "tool_choice": "required",
+                "temperature": 0,
+            },
+        )
+        calls = (r.json().get("choices") or [{}])[0].get("message", {}).get("tool_calls") or []
+        check(
+            "guided_tool_call",
+            r.status_code == 200
+            and len(calls) >= 1
+            and calls[0]["function"]["name"] == "get_weather"
+            and json.loads(calls[0]["function"]["arguments"]).get("city") in ("Paris", "Oslo"),
+            r.json(),
+        )
         await asyncio.sleep(0.5)
         m = (await c.get("/metrics")).text
         vals = {}

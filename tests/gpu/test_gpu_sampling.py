@@ -249,3 +249,43 @@ def test_tiny_temperature_and_top_p_sample_the_argmax_on_the_gpu():
     got = S.sample(x.to(DEV), params, gens).token_ids
     assert got == x.argmax(-1).tolist()
     assert S.sample_ref(x, params, [None] * B).token_ids == got
+
+
+# ---- guided decoding: the bitmask on CUDA --------------------------------------------------------------------------
+def _random_bitmask(B: int, V: int, g: torch.Generator) -> torch.Tensor:
+    """int32 [B, ceil(V / 32)]: about a third of the tokens allowed, every row at least one."""
+    W = -(-V // 32)
+    bits = torch.rand(B, W * 32, generator=g) < 0.33
+    bits[:, 7] = True
+    words = (bits.view(B, W, 32).long() << torch.arange(32)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@pytest.mark.parametrize("B,V,rows", [(8, 163840, [0, 3, 7]), (64, 163840, list(range(64))), (5, 1000, [4])])
+def test_cuda_bitmask_equals_the_reference_and_sampling_keeps_to_it(B, V, rows):
+    """apply_token_bitmask on CUDA (pinned copy + torch unpack) sets exactly the reference's -inf, on fresh random
+    logits and masks, some rows or all; sample() on CUDA with the mask draws only allowed tokens and its greedy rows
+    equal sample_ref's on the CPU; the launch does no synchronising op."""
+    g = torch.Generator().manual_seed(B * 7 + V)
+    logits = torch.randn(B, V, generator=g)
+    bm = _random_bitmask(B, V, g)
+    ref = logits.clone()
+    S.apply_token_bitmask_ref(ref, (rows, bm))
+    got = logits.to(DEV)
+    S.apply_token_bitmask(got, (rows, bm))
+    assert torch.equal(got.cpu(), ref)  # exact: the same values kept, the rest -inf
+    allowed = S.unpack_bitmask(bm, V)
+    params = [SamplingParams(temperature=0.0 if b % 2 else 1.0, seed=b) for b in range(B)]
+    gens = [torch.Generator(device=DEV).manual_seed(b) for b in range(B)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launch = S.sample_launch(logits.to(DEV), params, gens, bitmask=(rows, bm))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = launch.result()
+    cpu = S.sample_ref(logits.clone(), params, [None] * B, bitmask=(rows, bm))
+    for b in range(B):
+        if b in rows:
+            assert allowed[b, out.token_ids[b]], (b, out.token_ids[b])
+        if params[b].temperature == 0.0:
+            assert out.token_ids[b] == cpu.token_ids[b], b

@@ -277,9 +277,11 @@ def test_cuda_bitmask_equals_the_reference_and_sampling_keeps_to_it(B, V, rows):
     allowed = S.unpack_bitmask(bm, V)
     params = [SamplingParams(temperature=0.0 if b % 2 else 1.0, seed=b) for b in range(B)]
     gens = [torch.Generator(device=DEV).manual_seed(b) for b in range(B)]
+    on_dev = logits.to(DEV)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        launch = S.sample_launch(logits.to(DEV), params, gens, bitmask=(rows, bm))
+        launch = S.sample_launch(on_dev, params, gens, bitmask=(rows, bm))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     out = launch.result()

@@ -1,0 +1,147 @@
+"""lm-evaluation-harness (`lm_eval run --model local-completions`) against a real `kimi serve`, batched.
+
+lm-eval's local-completions model sends `--batch_size` prompts per /v1/completions request, as lists of token ids,
+and picks its tokenizer by asking the server (`/tokenizer_info`, then `/tokenize`; `tokenizer_backend` left at its
+default). Loglikelihood requests are `echo` + `logprobs: 1` + `max_tokens: 1`: they need the prompt tokens'
+logprobs, which the real tiny model computes (the fake workers do not), so the multiple-choice task runs on the real
+worker; generation runs on the fake workers, whose greedy tokens do not depend on the batch. Each task is a YAML file
+in a temporary folder over a 5-document JSON-lines file (so with 4 per batch the last batch is partial), loaded
+offline by the `datasets` json builder.
+
+Batched results are checked against the same request sent alone: every score and every generation lm-eval logged
+(`--log_samples`) must be the server's answer for that very prompt, which a misordered or mixed-up batch would fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import Server, offline_client_env
+
+BATCH_SIZE = 4
+SEED = 1234  # lm-eval's default request seed
+DOCS = [
+    {"question": "What is two plus two?", "choices": ["four", "five", "twenty-two"], "answer": 0},
+    {"question": "Which is a colour?", "choices": ["blue", "seven", "Tuesday"], "answer": 0},
+    {"question": "What do bees make?", "choices": ["steel", "honey", "glass"], "answer": 1},
+    {"question": "Where is Paris?", "choices": ["Japan", "Peru", "France"], "answer": 2},
+    {"question": "How many legs has a cat?", "choices": ["four", "two", "nine"], "answer": 0},
+]
+
+
+def _write_task(folder: Path, name: str, body: str) -> None:
+    docs = folder / "docs.jsonl"
+    docs.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {docs}\ntest_split: test\n"
+    (folder / f"{name}.yaml").write_text(head + body)
+
+
+def _run_lm_eval(srv: Server, tmp_path: Path, task: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run lm_eval on `task` (a YAML in tmp_path/tasks); return its results JSON and its logged samples."""
+    out = tmp_path / "out"
+    model_args = f"base_url={srv.base_url}/v1/completions,model={srv.model},max_retries=1,timeout=120"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        task,
+        "--include_path",
+        str(tmp_path / "tasks"),
+        "--batch_size",
+        str(BATCH_SIZE),
+        "--output_path",
+        str(out),
+        "--log_samples",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=offline_client_env(tmp_path), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + srv.log()
+    (results_file,) = out.rglob("results_*.json")
+    (samples_file,) = out.rglob(f"samples_{task}_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines() if line.strip()]
+    return json.loads(results_file.read_text()), sorted(samples, key=lambda s: s["doc_id"])
+
+
+def _tokenize(srv: Server, text: str) -> list[int]:
+    """The server's token ids for `text`, as lm-eval's remote tokenizer asks for them."""
+    r = httpx.post(f"{srv.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def _check_batched_requests_and_remote_tokenizer(srv: Server) -> None:
+    log = srv.log()
+    assert "GET /tokenizer_info" in log and "POST /tokenize" in log, log  # the remote tokenizer backend was picked
+
+
+def test_loglikelihood_multiple_choice_batched(server, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    body = (
+        'output_type: multiple_choice\ndoc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n'
+    )
+    _write_task(tasks, "kimi_mc", body)
+    results, samples = _run_lm_eval(server, tmp_path, "kimi_mc")
+    assert results["n-samples"]["kimi_mc"] == {"original": len(DOCS), "effective": len(DOCS)}
+    acc = results["results"]["kimi_mc"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+    assert [s["doc_id"] for s in samples] == list(range(len(DOCS)))
+    _check_batched_requests_and_remote_tokenizer(server)
+    for s in samples:
+        args = [a for _, a in sorted(s["arguments"].items())]
+        assert len(args) == len(s["doc"]["choices"]) == len(s["resps"])
+        for a, resp in zip(args, s["resps"]):
+            context, continuation = a["arg_0"], a["arg_1"]
+            whole = _tokenize(server, context + continuation)
+            ctxlen = len(_tokenize(server, context))
+            r = httpx.post(
+                f"{server.base_url}/v1/completions",
+                json={"prompt": whole, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": SEED},
+                timeout=120,
+            )
+            r.raise_for_status()
+            lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+            expected = sum(lps[ctxlen : len(whole)])
+            got = float(resp[0][0])
+            assert math.isfinite(got) and math.isclose(got, expected, rel_tol=1e-3, abs_tol=1e-2), (s, expected)
+
+
+def test_generate_until_batched(fake_srv, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    body = (
+        'output_type: generate_until\ndoc_to_text: "Q: {{question}}\\nA:"\ndoc_to_target: "{{choices[answer]}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n'
+    )
+    _write_task(tasks, "kimi_gen", body)
+    results, samples = _run_lm_eval(fake_srv, tmp_path, "kimi_gen")
+    assert results["n-samples"]["kimi_gen"] == {"original": len(DOCS), "effective": len(DOCS)}
+    assert [s["doc_id"] for s in samples] == list(range(len(DOCS)))
+    _check_batched_requests_and_remote_tokenizer(fake_srv)
+    info = httpx.get(f"{fake_srv.base_url}/tokenizer_info", timeout=30).json()
+    stop = ["\n", info["eos_token"]]
+    for s in samples:
+        context = s["arguments"]["gen_args_0"]["arg_0"]
+        r = httpx.post(
+            f"{fake_srv.base_url}/v1/completions",
+            json={"prompt": context, "max_tokens": 8, "temperature": 0, "stop": stop, "seed": SEED},
+            timeout=120,
+        )
+        r.raise_for_status()
+        assert s["resps"] == [[r.json()["choices"][0]["text"]]], s

@@ -44,8 +44,18 @@ def _write_task(folder: Path, name: str, body: str) -> None:
     (folder / f"{name}.yaml").write_text(head + body)
 
 
-def _run_lm_eval(srv: Server, tmp_path: Path, task: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run lm_eval on `task` (a YAML in tmp_path/tasks); return its results JSON and its logged samples."""
+def _completion_posts(srv: Server) -> int:
+    """How many /v1/completions requests the server has logged (uvicorn's access log)."""
+    return Path(srv.log_path).read_text(errors="replace").count('"POST /v1/completions ')
+
+
+def _run_lm_eval(
+    srv: Server, tmp_path: Path, task: str, num_requests: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run lm_eval on `task` (a YAML in tmp_path/tasks), which makes `num_requests` model requests; check that they
+    reached the server in batches of BATCH_SIZE and that the remote tokenizer backend was picked; return lm-eval's
+    results JSON and its logged samples."""
+    posts_before = _completion_posts(srv)
     out = tmp_path / "out"
     model_args = f"base_url={srv.base_url}/v1/completions,model={srv.model},max_retries=1,timeout=120"
     cmd = [
@@ -71,6 +81,9 @@ def _run_lm_eval(srv: Server, tmp_path: Path, task: str) -> tuple[dict[str, Any]
         cmd, cwd=tmp_path, env=offline_client_env(tmp_path), capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + srv.log()
+    assert _completion_posts(srv) - posts_before == math.ceil(num_requests / BATCH_SIZE)
+    log = Path(srv.log_path).read_text(errors="replace")
+    assert '"GET /tokenizer_info ' in log and '"POST /tokenize ' in log, srv.log()
     (results_file,) = out.rglob("results_*.json")
     (samples_file,) = out.rglob(f"samples_{task}_*.jsonl")
     samples = [json.loads(line) for line in samples_file.read_text().splitlines() if line.strip()]
@@ -84,11 +97,6 @@ def _tokenize(srv: Server, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def _check_batched_requests_and_remote_tokenizer(srv: Server) -> None:
-    log = srv.log()
-    assert "GET /tokenizer_info" in log and "POST /tokenize" in log, log  # the remote tokenizer backend was picked
-
-
 def test_loglikelihood_multiple_choice_batched(server, tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -97,12 +105,11 @@ def test_loglikelihood_multiple_choice_batched(server, tmp_path):
         'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n'
     )
     _write_task(tasks, "kimi_mc", body)
-    results, samples = _run_lm_eval(server, tmp_path, "kimi_mc")
+    results, samples = _run_lm_eval(server, tmp_path, "kimi_mc", num_requests=sum(len(d["choices"]) for d in DOCS))
     assert results["n-samples"]["kimi_mc"] == {"original": len(DOCS), "effective": len(DOCS)}
     acc = results["results"]["kimi_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
     assert [s["doc_id"] for s in samples] == list(range(len(DOCS)))
-    _check_batched_requests_and_remote_tokenizer(server)
     for s in samples:
         args = [a for _, a in sorted(s["arguments"].items())]
         assert len(args) == len(s["doc"]["choices"]) == len(s["resps"])
@@ -130,10 +137,9 @@ def test_generate_until_batched(fake_srv, tmp_path):
         'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n'
     )
     _write_task(tasks, "kimi_gen", body)
-    results, samples = _run_lm_eval(fake_srv, tmp_path, "kimi_gen")
+    results, samples = _run_lm_eval(fake_srv, tmp_path, "kimi_gen", num_requests=len(DOCS))
     assert results["n-samples"]["kimi_gen"] == {"original": len(DOCS), "effective": len(DOCS)}
     assert [s["doc_id"] for s in samples] == list(range(len(DOCS)))
-    _check_batched_requests_and_remote_tokenizer(fake_srv)
     info = httpx.get(f"{fake_srv.base_url}/tokenizer_info", timeout=30).json()
     stop = ["\n", info["eos_token"]]
     for s in samples:

@@ -8,12 +8,14 @@ worker; generation runs on the fake workers, whose greedy tokens do not depend o
 in a temporary folder over a 5-document JSON-lines file (so with 4 per batch the last batch is partial), loaded
 offline by the `datasets` json builder.
 
-Batched results are checked against the same request sent alone: every score and every generation lm-eval logged
-(`--log_samples`) must be the server's answer for that very prompt, which a misordered or mixed-up batch would fail.
+Batched results are checked against each prompt sent as a request of its own: every score and every generation
+lm-eval logged (`--log_samples`) must be the server's answer for that very prompt, which a misordered or mixed-up
+batch would fail. The server's KV cache and step plan are the same either way; only the HTTP batching differs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -22,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import Server, offline_client_env
+from conftest import Server, offline_client_env, start_server, stop_server
 
 BATCH_SIZE = 4
 SEED = 1234  # lm-eval's default request seed
@@ -35,6 +38,28 @@ DOCS = [
     {"question": "Where is Paris?", "choices": ["Japan", "Peru", "France"], "answer": 2},
     {"question": "How many legs has a cat?", "choices": ["four", "two", "nine"], "answer": 0},
 ]
+
+
+@pytest.fixture(scope="module")
+def real_srv(tiny_k26, tmp_path_factory):
+    """`kimi serve` on the real tiny model (the CPU worker), which computes prompt logprobs."""
+    log = str(tmp_path_factory.mktemp("log") / "real_worker.log")
+    srv = start_server(tiny_k26, log, "--block-size", "16", "--num-blocks", "400", "--max-model-len", "1024")
+    yield srv
+    assert stop_server(srv) == 0, srv.log()
+
+
+def _completions_alone(srv: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """POST each body to /v1/completions as a request of its own (all at once); their responses, in order."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+            rs = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        for r in rs:
+            r.raise_for_status()
+        return [r.json() for r in rs]
+
+    return asyncio.run(go())
 
 
 def _write_task(folder: Path, name: str, body: str) -> None:
@@ -97,7 +122,7 @@ def _tokenize(srv: Server, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def test_loglikelihood_multiple_choice_batched(server, tmp_path):
+def test_loglikelihood_multiple_choice_batched(real_srv, tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     body = (
@@ -105,28 +130,32 @@ def test_loglikelihood_multiple_choice_batched(server, tmp_path):
         'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n'
     )
     _write_task(tasks, "kimi_mc", body)
-    results, samples = _run_lm_eval(server, tmp_path, "kimi_mc", num_requests=sum(len(d["choices"]) for d in DOCS))
+    num_requests = sum(len(d["choices"]) for d in DOCS)
+    results, samples = _run_lm_eval(real_srv, tmp_path, "kimi_mc", num_requests)
     assert results["n-samples"]["kimi_mc"] == {"original": len(DOCS), "effective": len(DOCS)}
     acc = results["results"]["kimi_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
     assert [s["doc_id"] for s in samples] == list(range(len(DOCS)))
+    scored = []  # (lm-eval's score, prompt token ids, context length) per (doc, choice)
     for s in samples:
         args = [a for _, a in sorted(s["arguments"].items())]
         assert len(args) == len(s["doc"]["choices"]) == len(s["resps"])
         for a, resp in zip(args, s["resps"]):
             context, continuation = a["arg_0"], a["arg_1"]
-            whole = _tokenize(server, context + continuation)
-            ctxlen = len(_tokenize(server, context))
-            r = httpx.post(
-                f"{server.base_url}/v1/completions",
-                json={"prompt": whole, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": SEED},
-                timeout=120,
-            )
-            r.raise_for_status()
-            lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
-            expected = sum(lps[ctxlen : len(whole)])
-            got = float(resp[0][0])
-            assert math.isfinite(got) and math.isclose(got, expected, rel_tol=1e-3, abs_tol=1e-2), (s, expected)
+            whole = _tokenize(real_srv, context + continuation)
+            scored.append((float(resp[0][0]), whole, len(_tokenize(real_srv, context))))
+    assert len(scored) == num_requests
+    alone = _completions_alone(
+        real_srv,
+        [
+            {"prompt": whole, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": SEED}
+            for _, whole, _ in scored
+        ],
+    )
+    for (got, whole, ctxlen), out in zip(scored, alone):
+        lps = out["choices"][0]["logprobs"]["token_logprobs"]
+        expected = sum(lps[ctxlen : len(whole)])
+        assert math.isfinite(got) and math.isclose(got, expected, rel_tol=1e-3, abs_tol=1e-2), (got, expected)
 
 
 def test_generate_until_batched(fake_srv, tmp_path):
@@ -142,12 +171,10 @@ def test_generate_until_batched(fake_srv, tmp_path):
     assert [s["doc_id"] for s in samples] == list(range(len(DOCS)))
     info = httpx.get(f"{fake_srv.base_url}/tokenizer_info", timeout=30).json()
     stop = ["\n", info["eos_token"]]
-    for s in samples:
-        context = s["arguments"]["gen_args_0"]["arg_0"]
-        r = httpx.post(
-            f"{fake_srv.base_url}/v1/completions",
-            json={"prompt": context, "max_tokens": 8, "temperature": 0, "stop": stop, "seed": SEED},
-            timeout=120,
-        )
-        r.raise_for_status()
-        assert s["resps"] == [[r.json()["choices"][0]["text"]]], s
+    contexts = [s["arguments"]["gen_args_0"]["arg_0"] for s in samples]
+    alone = _completions_alone(
+        fake_srv,
+        [{"prompt": c, "max_tokens": 8, "temperature": 0, "stop": stop, "seed": SEED} for c in contexts],
+    )
+    for s, out in zip(samples, alone):
+        assert s["resps"] == [[out["choices"][0]["text"]]], s

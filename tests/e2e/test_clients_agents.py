@@ -4,7 +4,8 @@ What an Agents SDK user runs: an Agent whose tools are default `@function_tool`s
 `"strict": true` and a closed schema), and an Agent with an `output_type` (sent as a strict `json_schema`
 `response_format`). The fake workers' tokens follow the request's grammar, so a forced call carries arguments the
 SDK validates against the tool's schema before it runs the function, and the structured reply validates into the
-pydantic model. Schemas use enums and booleans only, so every constrained output ends within `max_tokens`.
+pydantic model. Schemas use enums and booleans only and one call is asked for (`parallel_tool_calls` false), so every
+constrained output ends within `max_tokens`; greedy decoding (temperature 0) makes each run the same.
 
 The tiny K2.6 checkpoint is a thinking model and the random fake model never closes `</think>`: requests switch
 thinking off (`chat_template_kwargs`, through ModelSettings.extra_body), so the constraint covers the whole reply.
@@ -68,6 +69,10 @@ def _model(base_url: str, sent: list[dict[str, Any]]) -> OpenAIChatCompletionsMo
     return OpenAIChatCompletionsModel(model="tiny", openai_client=client)
 
 
+def _settings(**kw: Any) -> ModelSettings:
+    return ModelSettings(temperature=0, parallel_tool_calls=False, max_tokens=512, extra_body=NO_THINKING, **kw)
+
+
 def _run(agent: Agent[Any], prompt: str, *, stream: bool, max_turns: int) -> RunResult | RunResultStreaming:
     async def go() -> RunResult | RunResultStreaming:
         if not stream:
@@ -90,14 +95,14 @@ def test_strict_function_tool_forced_by_tool_choice_required(fake_srv, stream):
         instructions="Answer with the get_weather tool.",
         tools=[_weather_tool(calls)],
         model=_model(fake_srv.base_url, sent),
-        model_settings=ModelSettings(tool_choice="required", max_tokens=128, extra_body=NO_THINKING),
+        model_settings=_settings(tool_choice="required"),
         tool_use_behavior="stop_on_first_tool",
     )
     result = _run(agent, "What is the weather in Paris?", stream=stream, max_turns=2)
     function = sent[0]["tools"][0]["function"]
     assert function["strict"] is True and function["parameters"]["additionalProperties"] is False
-    assert sent[0]["tool_choice"] == "required"
-    assert len(calls) >= 1, fake_srv.log()
+    assert sent[0]["tool_choice"] == "required" and sent[0]["parallel_tool_calls"] is False
+    assert len(calls) == 1, fake_srv.log()
     city, metric = calls[0]
     assert city in CITIES and isinstance(metric, bool)
     assert result.final_output == f"sunny in {city}"
@@ -113,7 +118,7 @@ def test_named_tool_then_answer_with_the_tool_result_in_history(fake_srv):
         instructions="Use get_weather, then answer.",
         tools=[_weather_tool(calls)],
         model=_model(fake_srv.base_url, sent),
-        model_settings=ModelSettings(tool_choice="get_weather", max_tokens=32, extra_body=NO_THINKING),
+        model_settings=_settings(tool_choice="get_weather"),
     )
     result = _run(agent, "What is the weather in Tokyo?", stream=False, max_turns=3)
     assert sent[0]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
@@ -139,7 +144,7 @@ def test_output_type_returns_a_validated_object(fake_srv, stream):
         name="forecaster",
         instructions="Give the forecast.",
         model=_model(fake_srv.base_url, sent),
-        model_settings=ModelSettings(max_tokens=128, extra_body=NO_THINKING),
+        model_settings=_settings(),
         output_type=Forecast,
     )
     result = _run(agent, "Forecast for Paris?", stream=stream, max_turns=1)

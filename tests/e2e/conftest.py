@@ -162,3 +162,31 @@ def fake_srv(tiny_k26, tmp_path_factory):
     )
     yield srv
     assert stop_server(srv) == 0, srv.log()
+
+
+def offline_client_env(home: Path) -> dict[str, str]:
+    """Environment for a client program run as a subprocess (guidellm, lm-eval) against a loopback server.
+
+    Hugging Face libraries are offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, TRANSFORMERS_OFFLINE) with their caches
+    under `home`, the OpenAI key is a dummy, and every proxy variable points at the discard port of 127.0.0.1 with
+    only loopback exempt (NO_PROXY), so an HTTP request to any other host fails at once instead of leaving the
+    machine.
+    """
+    env = dict(os.environ)
+    dead = "http://127.0.0.1:9"
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(home / "hf"),
+        OPENAI_API_KEY="dummy",
+        HTTP_PROXY=dead,
+        HTTPS_PROXY=dead,
+        ALL_PROXY=dead,
+        http_proxy=dead,
+        https_proxy=dead,
+        all_proxy=dead,
+        NO_PROXY="127.0.0.1,localhost,::1",
+        no_proxy="127.0.0.1,localhost,::1",
+    )
+    return env

@@ -3,7 +3,7 @@
 # (FlashInfer MLA decode, packed INT4 experts, CUDA graphs), driven by real HTTP requests (scripts/serve_check.py,
 # unless CHECK=0) and tools/bench_serving.py (128 requests of 512 + 64 tokens, 64 at a time); logs and JSON under $OUT.
 # SNAPSHOT=ROOT writes the serving snapshot to ROOT/<gpu>/serving_dummy-k2.6-L<LAYERS>.json; SAVE_JIT=1 brings the
-# JIT caches back (scripts/device_env.sh).
+# JIT caches back (scripts/device_env.sh); BENCH=0 skips tools/bench_serving.py.
 # Usage (device tool, carry .whl .jitcache): LAYERS=4 bash scripts/serve_dummy.sh
 set -u
 source scripts/device_env.sh || exit 1
@@ -25,7 +25,7 @@ if [ "${CHECK:-1}" = 1 ]; then
 fi
 snap=()
 [ -n "${SNAPSHOT:-}" ] && snap=(--snapshot "$SNAPSHOT" --snapshot-config "dummy-k2.6-L$LAYERS" --server-note "${serve[*]:2}")
-timeout 150 python3 tools/bench_serving.py --base-url http://127.0.0.1:8000/v1 --num-requests 128 --concurrency 64 \
+[ "${BENCH:-1}" = 1 ] && timeout 150 python3 tools/bench_serving.py --base-url http://127.0.0.1:8000/v1 --num-requests 128 --concurrency 64 \
   --input-len 512 --output-len 64 --no-progress --out $OUT/bench_serving.json "${snap[@]}" 2>&1 | tail -25
 kill -TERM $pid; wait $pid; echo "server exit rc=$?"
 sleep 2; ps aux | grep -c "[k]imi.worker.main" | sed 's/^/worker processes left: /'

@@ -771,6 +771,7 @@ async def serve(a: ServeArgs) -> int:
         body_timeout_s=a.request_body_timeout,
         thinking_model=thinking_model,
         chat_max_tokens=cfg.max_new_tokens,
+        model_root=a.model,
     )
     http = _Server(uvicorn.Config(api.app, host=a.host, port=a.port, log_level=a.log_level, lifespan="off"))
     loop = asyncio.get_running_loop()

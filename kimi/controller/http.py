@@ -37,6 +37,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import kimi
 from kimi.controller.chat import encode_chat, no_other_keys, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
@@ -105,10 +106,18 @@ class GenerationArgs:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     n: int = 1
     logprobs: int | None = None  # completions: top-k count; chat: top_logprobs count (None = off)
     echo: bool = False
     max_tokens_field: str = "max_tokens"  # the request field max_tokens came from, named in errors about it
+    # /v1/completions batches: every prompt's token ids ([prompt_token_ids] when empty); choice i is prompt i // n
+    prompts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def all_prompts(self) -> list[list[int]]:
+        """The prompts' token ids, one list per prompt (one prompt unless a /v1/completions batch)."""
+        return self.prompts or [self.prompt_token_ids]
 
 
 @dataclass
@@ -550,6 +559,7 @@ class OpenAIServer:
     chat output starts in reasoning (`reasoning_content`) unless `chat_template_kwargs.thinking` is false.
     chat_max_tokens: the `max_tokens` of a chat request that sends none (generation_config.json's
     `max_new_tokens`); None: the rest of the context. Either is clamped to what the context leaves.
+    model_root: what `/v1/models` reports as the model's `root` (the `--model` path, as vLLM; default: the name).
     Attaches a `Metrics` to the engine (`engine.observer`).
     """
 
@@ -565,8 +575,10 @@ class OpenAIServer:
         body_timeout_s: float = 30.0,
         thinking_model: bool = False,
         chat_max_tokens: int | None = None,
+        model_root: str | None = None,
     ) -> None:
         self.engine = engine
+        self.model_root = model_root or served_model_name
         self.chat_max_tokens = chat_max_tokens
         self.tokenizer = tokenizer
         self.model_name = served_model_name
@@ -596,6 +608,10 @@ class OpenAIServer:
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
@@ -626,6 +642,8 @@ class OpenAIServer:
             "object": "model",
             "created": self.created,
             "owned_by": "kimi",
+            "root": self.model_root,
+            "parent": None,
             "max_model_len": self.engine.max_model_len,
         }
 
@@ -646,9 +664,93 @@ class OpenAIServer:
             )
         return JSONResponse(self._model_card())
 
+    async def version(self, request: HTTPRequest) -> Response:
+        """`GET /version`: `{"version": kimi's package version}` (vLLM's shape)."""
+        return JSONResponse({"version": kimi.__version__})
+
+    async def tokenizer_info(self, request: HTTPRequest) -> Response:
+        """`GET /tokenizer_info`: the tokenizer's configuration as vLLM serves it (lm-eval's `remote` tokenizer
+        reads `eos_token`, `bos_token`, `pad_token` and `chat_template` from it)."""
+        t = self.tokenizer
+        return JSONResponse(
+            {
+                "tokenizer_class": "TikTokenTokenizer",
+                "bos_token": t.bos_token,
+                "eos_token": t.eos_token,
+                "pad_token": t.pad_token,
+                "chat_template": t.chat_template,
+                "model_max_length": self.engine.max_model_len,
+                "vocab_size": t.vocab_size,
+            }
+        )
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        """`POST /tokenize` (vLLM's request and response): `prompt` (a string, encoded with control-token strings
+        recognised, as vLLM's HF tokenizers do) or chat `messages` (rendered and encoded exactly as
+        /v1/chat/completions does) -> `{count, max_model_len, tokens, token_strs}`."""
+        try:
+            f = await self._body(request, need_engine=False)
+            has_prompt, has_messages = f.has("prompt"), f.has("messages")
+            if has_prompt == has_messages:
+                raise BadRequest("give exactly one of 'prompt' and 'messages'", "prompt" if has_prompt else "messages")
+            f.bool("add_special_tokens", not has_messages)  # Kimi's tokenizer adds no BOS / EOS either way
+            strs = f.bool("return_token_strs", False)
+            if has_prompt:
+                prompt = f.str("prompt")
+                assert prompt is not None
+                ids = await run_sized(len(prompt), self.tokenizer.encode, prompt, True)
+            else:
+                tools, _, _ = self._tool_args(f)
+                kwargs = self._template_kwargs(f)
+                add_gen, cont = self._generation_prompt_args(f)
+                for name, why in (
+                    ("chat_template", "the checkpoint's template is used"),
+                    ("mm_processor_kwargs", "this server takes text only"),
+                ):
+                    if f._get(name) is not None:
+                        raise BadRequest(f"'{name}' is not supported ({why}); send null or leave it out", name)
+                ids = await run_sized(
+                    f.body_bytes,
+                    encode_chat,
+                    self.tokenizer,
+                    f._get("messages"),
+                    tools,
+                    kwargs,
+                    None,
+                    add_gen,
+                    cont,
+                )
+            f.reject_unknown()
+        except BadRequest as e:
+            return error_response(e)
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.engine.max_model_len,
+                "tokens": ids,
+                "token_strs": [self._token_str(t) for t in ids] if strs else None,
+            }
+        )
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        """`POST /detokenize` (vLLM's request and response): `tokens` (ids in the vocabulary) -> `{prompt}`,
+        special tokens included."""
+        try:
+            f = await self._body(request, need_engine=False)
+            tokens = f._get("tokens")
+            if tokens is None:
+                raise BadRequest("'tokens' is required", "tokens")
+            ids = f.int_list("tokens", 0, self.vocab_size)
+            f.reject_unknown()
+        except BadRequest as e:
+            return error_response(e)
+        return JSONResponse({"prompt": self.tokenizer.decode(ids)})
+
     # ---- shared parsing ---------------------------------------------------------------------------------------
-    async def _body(self, request: HTTPRequest) -> Fields:
-        if not self.engine.ready or self.engine.fatal_error is not None:
+    async def _body(self, request: HTTPRequest, need_engine: bool = True) -> Fields:
+        """The request's JSON object (size, time and model checked). need_engine: a 503 until the workers are
+        ready and after a failure (the generation routes; the tokenizer routes answer meanwhile)."""
+        if need_engine and (not self.engine.ready or self.engine.fatal_error is not None):
             msg = self.engine.fatal_error or "the server is still loading the model"
             raise BadRequest(msg, None, status=503)
         too_big = BadRequest(f"request body larger than {self.max_body_bytes} bytes", None, status=413)
@@ -715,14 +817,14 @@ class OpenAIServer:
             raise BadRequest("'metadata' must be an object", "metadata")
         stream = f.bool("stream", False)
         so = f._get("stream_options")
-        include_usage = False
+        include_usage = continuous_usage = False
         if so is not None:
             if not stream:
                 raise BadRequest("'stream_options' is only allowed with stream=true", "stream_options")
             sof = Fields(so, "stream_options", "stream_options")
             try:  # errors name the nested field, e.g. stream_options.include_usage
                 include_usage = sof.bool("include_usage", False)
-                sof.noop("continuous_usage_stats", (False,), "is not supported")
+                continuous_usage = sof.bool("continuous_usage_stats", False) and include_usage
                 sof.reject_unknown()
             except BadRequest as e:
                 raise BadRequest(
@@ -772,46 +874,58 @@ class OpenAIServer:
             skip_special_tokens=skip_special,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
             n=n,
             logprobs=logprobs,
             max_tokens_field=max_field,
         )
 
     async def _start(self, request_id: str, g: GenerationArgs, prompt_field: str = "prompt") -> _Siblings:
-        """Admit the n siblings (all or none: a failure aborts those already admitted). prompt_field: the request
-        field the prompt came from, named in errors about it ("messages" for chat).
+        """Admit the n siblings of every prompt (all or none: a failure aborts those already admitted); choice
+        i = prompt i // n, sibling i % n (OpenAI's order for a batch). prompt_field: the request field the prompt
+        came from, named in errors about it ("messages" for chat; `prompt[i]` for prompt i of a batch).
 
-        n siblings wait in the queue together, so n > max_waiting could never be admitted: that is a 400 (not
-        the retryable 503 of a full queue, which a client following Retry-After would retry forever)."""
-        if g.n > self.engine.max_waiting:
+        The choices wait in the queue together, so more than max_waiting of them could never be admitted: that is
+        a 400 (not the retryable 503 of a full queue, which a client following Retry-After would retry forever)."""
+        prompts = g.all_prompts
+        total = g.n * len(prompts)
+        if total > self.engine.max_waiting:
+            what = f"'n' ({g.n})" if len(prompts) == 1 else f"{len(prompts)} prompts x 'n' ({g.n})"
             raise BadRequest(
-                f"'n' ({g.n}) exceeds this server's queue capacity of {self.engine.max_waiting} "
-                f"requests (--max-waiting): the {g.n} choices can never be queued together; "
-                f"use n <= {self.engine.max_waiting}",
-                "n",
+                f"{what} exceeds this server's queue capacity of {self.engine.max_waiting} "
+                f"requests (--max-waiting): the {total} choices can never be queued together; "
+                f"send at most {self.engine.max_waiting} choices",
+                "n" if g.n > self.engine.max_waiting or len(prompts) == 1 else "prompt",
             )
         ids: list[str] = []
         streams: list[AsyncGenerator[list[RequestOutput], None]] = []
         outputs: list[OutputStream] = []
         reqs: list[Request] = []
+        pi = 0
         try:
-            for i in range(g.n):
-                sp = g.sampling
-                if g.n > 1 and sp.seed is not None:
-                    sp = _replace(sp, seed=(sp.seed + i + 2**63) % 2**64 - 2**63)
-                rid = request_id if g.n == 1 else f"{request_id}-{i}"
-                streams.append(
-                    await self.engine.generate_batches(
-                        rid, g.prompt_token_ids, sp, g.stop, g.skip_special_tokens, leader=ids[0] if ids else None
+            for pi in range(len(prompts)):
+                prompt_ids = prompts[pi]
+                leader: str | None = None
+                for j in range(g.n):
+                    sp = g.sampling
+                    if g.n > 1 and sp.seed is not None:
+                        sp = _replace(sp, seed=(sp.seed + j + 2**63) % 2**64 - 2**63)
+                    rid = request_id if total == 1 else f"{request_id}-{len(ids)}"
+                    streams.append(
+                        await self.engine.generate_batches(
+                            rid, prompt_ids, sp, g.stop, g.skip_special_tokens, leader=leader
+                        )
                     )
-                )
-                ids.append(rid)
-                reqs.append(self.engine.requests[rid])
-                outputs.append(reqs[-1].outputs)
+                    leader = leader or rid
+                    ids.append(rid)
+                    reqs.append(self.engine.requests[rid])
+                    outputs.append(reqs[-1].outputs)
         except AdmissionError as e:
             for rid in ids:
                 self.engine.abort(rid)
             retry = getattr(e, "retry_after_s", None)
+            if len(prompts) > 1 and prompt_field == "prompt":
+                prompt_field = f"prompt[{pi}]"
             param, msg = prompt_field if e.param == "prompt" else e.param, str(e)
             if param == "max_tokens" and g.max_tokens_field != "max_tokens":  # the field the client sent
                 param, msg = g.max_tokens_field, msg.replace("max_tokens", g.max_tokens_field)
@@ -834,9 +948,19 @@ class OpenAIServer:
         }
 
     def _usage_of(self, g: GenerationArgs, choices: list[_Choice]) -> dict[str, Any]:
+        """Usage of the whole request: every prompt counted once (not per choice), output tokens summed over the
+        choices, cached tokens of each prompt's first choice."""
         n_out = sum(c.last.num_output_tokens if c.last else 0 for c in choices)
-        cached = choices[0].last.num_cached_tokens if choices and choices[0].last else 0
-        return self._usage(len(g.prompt_token_ids), n_out, cached)
+        firsts = [choices[i * g.n] for i in range(len(g.all_prompts)) if i * g.n < len(choices)]
+        cached = sum(c.last.num_cached_tokens for c in firsts if c.last)
+        return self._usage(sum(len(p) for p in g.all_prompts), n_out, cached)
+
+    @staticmethod
+    def _chunk_usage(n_prompt: int, o: RequestOutput | None) -> dict[str, int]:
+        """`usage` of one streamed chunk with continuous_usage_stats (vLLM's shape): the choice's prompt and the
+        tokens it has generated so far."""
+        n_out = o.num_output_tokens if o is not None else 0
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
     async def _collect(self, request: HTTPRequest, sib: _Siblings, choices: list[_Choice]) -> str | None:
         """Run a non-streaming request to its end; abort it at once if the client goes away first.
@@ -958,56 +1082,62 @@ class OpenAIServer:
 
         return offsets
 
+    async def _completion_prompt(self, prompt: Any, param: str) -> tuple[list[int], str]:
+        """One completion prompt (a non-empty string or list of token ids) -> (token ids, its text); raises
+        BadRequest naming `param` (`prompt`, or `prompt[i]` in a batch)."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise BadRequest(f"'{param}' must not be empty", param)
+            check_prompt_text_fits(self.tokenizer, prompt, self.engine.max_model_len, param)
+            ids = await run_sized(len(prompt), self.tokenizer.encode, prompt)  # large: off the event loop
+            return ids, prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            bad = [x for x in prompt if not 0 <= x < self.vocab_size]
+            if bad:
+                raise BadRequest(f"'{param}' holds token id {bad[0]}, outside [0, {self.vocab_size})", param)
+            return list(prompt), self.tokenizer.decode(prompt)
+        if isinstance(prompt, list) and not prompt:
+            raise BadRequest(f"'{param}' must not be empty", param)
+        if isinstance(prompt, list):
+            item = next(x for x in prompt if not isinstance(x, int) or isinstance(x, bool))
+            raise BadRequest(f"'{param}' must be a string or a list of integer token ids; it holds {item!r:.40}", param)
+        raise BadRequest(f"'{param}' must be a string or a list of token ids", param)
+
+    async def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
+        """`prompt`: a string, a list of token ids, or a batch (a non-empty list of either) -> (token ids, text)
+        per prompt. A list whose first item is a string or a list is a batch."""
+        if prompt is None:
+            raise BadRequest("'prompt' is required", "prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            ids, texts = [], []
+            for i, p in enumerate(prompt):
+                if not isinstance(p, (str, list)):
+                    raise BadRequest(
+                        f"'prompt[{i}]' must be a string or a list of token ids (every prompt of a batch)",
+                        f"prompt[{i}]",
+                    )
+                one, text = await self._completion_prompt(p, f"prompt[{i}]")
+                ids.append(one)
+                texts.append(text)
+            return ids, texts
+        one, text = await self._completion_prompt(prompt, "prompt")
+        return [one], [text]
+
     async def completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
             f = await self._body(request)
-            prompt = f._get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, str):
-                if prompt == "":
-                    raise BadRequest("'prompt' must not be empty", "prompt")
-                check_prompt_text_fits(self.tokenizer, prompt, self.engine.max_model_len)
-                ids = await run_sized(len(prompt), self.tokenizer.encode, prompt)  # large: off the event loop
-                prompt_text = prompt
-            elif (
-                isinstance(prompt, list)
-                and prompt
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt)
-            ):
-                ids = list(prompt)
-                bad = [x for x in ids if not 0 <= x < self.vocab_size]
-                if bad:
-                    raise BadRequest(f"'prompt' holds token id {bad[0]}, outside [0, {self.vocab_size})", "prompt")
-                prompt_text = self.tokenizer.decode(ids)
-            elif prompt is None:
-                raise BadRequest("'prompt' is required", "prompt")
-            elif isinstance(prompt, list) and not prompt:
-                raise BadRequest("'prompt' must not be empty", "prompt")
-            elif isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # (a token-id list with a string in
-                # it is the branch below: it names the item)
-                raise BadRequest(
-                    "'prompt' must be a string or a list of token ids; batches of several prompts are "
-                    "not supported (send one request per prompt)",
-                    "prompt",
-                )
-            elif isinstance(prompt, list):
-                item = next(x for x in prompt if not isinstance(x, int) or isinstance(x, bool))
-                raise BadRequest(
-                    f"'prompt' must be a string or a list of integer token ids; it holds {item!r}", "prompt"
-                )
-            else:
-                raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+            prompts, prompt_texts = await self._completion_prompts(f._get("prompt"))
             echo = f.bool("echo", False)
             logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
             f.noop("suffix", ("",), "is not supported")
             g = self._common(
                 f,
-                ids,
+                max(prompts, key=len),  # a default max_tokens is clamped to what the longest prompt leaves
                 max_tokens_default=16,
                 logprobs=logprobs,
                 prompt_logprobs=(logprobs if echo and logprobs is not None else -1),
             )
+            g.prompts = prompts
             g.echo = echo
             f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS))
             rid = f"cmpl-{uuid.uuid4().hex}"
@@ -1017,13 +1147,17 @@ class OpenAIServer:
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         choices = [_Choice(i, r) for i, r in enumerate(sib.ids)]
+        n = g.n
 
         def echo_logprobs(c: _Choice) -> dict[str, Any]:
-            n = len(ids)
-            plp = c.prompt_logprobs or [None] * n
-            ptid = c.prompt_top_ids or [None] * n
-            ptlp = c.prompt_top_logprobs or [None] * n
-            return self._completion_logprobs(ids, plp, ptid, ptlp, self._prompt_offsets(ids, prompt_text))
+            ids = prompts[c.index // n]
+            k = len(ids)
+            plp = c.prompt_logprobs or [None] * k
+            ptid = c.prompt_top_ids or [None] * k
+            ptlp = c.prompt_top_logprobs or [None] * k
+            return self._completion_logprobs(
+                ids, plp, ptid, ptlp, self._prompt_offsets(ids, prompt_texts[c.index // n])
+            )
 
         if not g.stream:
             err = await self._collect(request, sib, choices)
@@ -1031,6 +1165,7 @@ class OpenAIServer:
                 return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
             out = []
             for c in choices:
+                prompt_text = prompt_texts[c.index // n]
                 text = "".join(c.text)
                 lp = None
                 if g.logprobs is not None:
@@ -1065,10 +1200,20 @@ class OpenAIServer:
                 "choices": [{"index": i, "text": _SLOT, "logprobs": None, "finish_reason": None, "stop_reason": None}],
             }
         )
-        offsets = [len(prompt_text) if echo else 0] * len(choices)
+        offsets = [len(prompt_texts[i // n]) if echo else 0 for i in range(len(choices))]
         echoed = [False] * len(choices)
-        plain = g.logprobs is None
-        places = [self._piece_offsets(g.skip_special_tokens, offsets[0]) for _ in choices] if not plain else []
+        continuous = g.continuous_usage
+        plain = g.logprobs is None and not continuous  # chunks that differ only in their text
+        places = (
+            [self._piece_offsets(g.skip_special_tokens, offsets[i]) for i in range(len(choices))]
+            if g.logprobs is not None
+            else []
+        )
+
+        def chunk(i: int, o: RequestOutput | None, ch: dict[str, Any]) -> bytes:
+            if continuous:
+                return sse_event({**base, "choices": [ch], "usage": self._chunk_usage(len(prompts[i // n]), o)})
+            return sse_event({**base, "choices": [ch]})
 
         def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
             """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
@@ -1085,22 +1230,14 @@ class OpenAIServer:
             if echo and not echoed[i]:
                 echoed[i] = True
                 lp = echo_logprobs(c) if g.logprobs is not None else None
-                events.append(
-                    sse_event(
-                        {
-                            **base,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "text": prompt_text,
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                    "stop_reason": None,
-                                }
-                            ],
-                        }
-                    )
-                )
+                head = {
+                    "index": i,
+                    "text": prompt_texts[i // n],
+                    "logprobs": lp,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+                events.append(chunk(i, None, head))
             lp = None
             if g.logprobs is not None and o.token_ids:
                 lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), places[i](o, offsets[i]))
@@ -1113,7 +1250,7 @@ class OpenAIServer:
                     "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason if o.finished else None,
                 }
-                events.append(sse_event({**base, "choices": [ch]}))
+                events.append(chunk(i, o, ch))
             return b"".join(events), False
 
         def tail() -> bytes:
@@ -1174,6 +1311,33 @@ class OpenAIServer:
             return tools, True, parallel
         raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
 
+    @staticmethod
+    def _template_kwargs(f: Fields) -> dict[str, Any]:
+        """`chat_template_kwargs`: an object of extra template variables, none of those the server sets."""
+        kwargs = f._get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        kwargs = dict(kwargs or {})
+        for k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+            if k in kwargs:  # set by the server (the last two from the tokenizer)
+                raise BadRequest(
+                    f"'chat_template_kwargs' must not set {k!r}: the server sets it", "chat_template_kwargs"
+                )
+        if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
+            raise BadRequest("'chat_template_kwargs.thinking' must be a boolean", "chat_template_kwargs.thinking")
+        return kwargs
+
+    @staticmethod
+    def _generation_prompt_args(f: Fields) -> tuple[bool, bool]:
+        """(`add_generation_prompt`, default true; `continue_final_message`, default false): not both true."""
+        cont = f.bool("continue_final_message", False)
+        add_gen = f.bool("add_generation_prompt", not cont)
+        if cont and add_gen:
+            raise BadRequest(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true", "continue_final_message"
+            )
+        return add_gen, cont
+
     async def chat_completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
             f = await self._body(request)
@@ -1187,20 +1351,18 @@ class OpenAIServer:
             rf = f._get("response_format")
             if rf is not None and rf != {"type": "text"}:
                 raise BadRequest("'response_format' other than {'type': 'text'} is not supported", "response_format")
-            kwargs = f._get("chat_template_kwargs")
-            if kwargs is not None and not isinstance(kwargs, dict):
-                raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-            kwargs = dict(kwargs or {})
-            for k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
-                if k in kwargs:  # set by the server (the last two from the tokenizer)
-                    raise BadRequest(
-                        f"'chat_template_kwargs' must not set {k!r}: the server sets it", "chat_template_kwargs"
-                    )
-            if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
-                raise BadRequest("'chat_template_kwargs.thinking' must be a boolean", "chat_template_kwargs.thinking")
-
+            kwargs = self._template_kwargs(f)
+            add_gen, cont = self._generation_prompt_args(f)
             ids = await run_sized(
-                f.body_bytes, encode_chat, self.tokenizer, messages, tools, kwargs, self.engine.max_model_len
+                f.body_bytes,
+                encode_chat,
+                self.tokenizer,
+                messages,
+                tools,
+                kwargs,
+                self.engine.max_model_len,
+                add_gen,
+                cont,
             )
             g = self._common(
                 f,
@@ -1281,6 +1443,8 @@ class OpenAIServer:
         chunk_base = {**base, "object": "chat.completion.chunk"}
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             chunk_base["usage"] = None
+        continuous = g.continuous_usage
+        n_prompt = len(g.prompt_token_ids)
 
         content_event = _EventTemplate(
             lambda i: {
@@ -1320,7 +1484,7 @@ class OpenAIServer:
             if o.error is not None:
                 return sse_event(self._error_chunk(o.error)), True
             d = c.parse(o) if o.token_ids else None
-            if d is not None and not o.finished and not want_lp and not d.tool_calls:
+            if d is not None and not o.finished and not want_lp and not d.tool_calls and not continuous:
                 # the common chunks: only the content or only the reasoning text varies
                 if not d.reasoning_content:
                     return (content_event.fill(i, d.content) if d.content else b""), False
@@ -1350,6 +1514,8 @@ class OpenAIServer:
                     "finish_reason": finish_reason(c) if o.finished else None,
                     "stop_reason": o.stop_reason if o.finished else None,
                 }
+                if continuous:
+                    return sse_event({**chunk_base, "choices": [ch], "usage": self._chunk_usage(n_prompt, o)}), False
                 return sse_event({**chunk_base, "choices": [ch]}), False
             return b"", False
 
@@ -1373,6 +1539,7 @@ class OpenAIServer:
                             "stop_reason": None,
                         }
                     ],
+                    **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
                 }
             )
             for c in choices

@@ -1,0 +1,229 @@
+"""End to end: the request fields and routes that vLLM / SGLang clients send, with the `openai` client against a real
+`kimi serve` on the tiny K2.6 checkpoint (the CPU model, so logprobs and prompt logprobs are the model's).
+
+Covered: `stream_options.continuous_usage_stats`, batched `/v1/completions` prompts (strings and token-id lists, with
+`n`, `echo`, `logprobs`, streaming), `/tokenize`, `/detokenize`, `/version`, `/tokenizer_info`, the `/v1/models`
+card, and the 400s for values kimi cannot honour.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import start_server, stop_server
+
+import kimi
+
+KEY = "fields-key"
+MSGS = [{"role": "user", "content": "What is 1+1?"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_k26, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("log") / "fields.log")
+    s = start_server(
+        tiny_k26, log, "--max-model-len", "512", "--num-blocks", "200", "--block-size", "16", "--api-key", KEY
+    )
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _post(srv, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def _get(srv, path: str) -> httpx.Response:
+    return httpx.get(f"{srv.base_url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+
+
+def _bad(r: httpx.Response, param: str) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+    return err["message"]
+
+
+# ---- continuous usage stats ----------------------------------------------------------------------------
+def test_continuous_usage_stats_on_completions(client):
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="Hello there",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 6
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices, "no content chunk"
+    seen = []
+    for c in with_choices:
+        assert c.usage is not None, c
+        assert c.usage.prompt_tokens == prompt_tokens
+        assert c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens
+        seen.append(c.usage.completion_tokens)
+    assert seen == sorted(seen) and seen[-1] == 6 and seen[0] >= 1
+
+
+def test_continuous_usage_stats_on_chat_and_without_include_usage(client):
+    kw = dict(model="tiny", messages=MSGS, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}, stream=True)
+    chunks = list(
+        client.chat.completions.create(**kw, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    )
+    head, body, last = chunks[0], [c for c in chunks[1:] if c.choices], chunks[-1]
+    assert head.choices[0].delta.role == "assistant" and head.usage.completion_tokens == 0
+    assert all(c.usage is not None for c in body)
+    assert body[-1].usage.completion_tokens == 5 == last.usage.completion_tokens
+    assert body[-1].choices[0].finish_reason == "length"
+    # as vLLM: continuous_usage_stats only adds to include_usage; alone it changes nothing
+    plain = list(client.chat.completions.create(**kw, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == "".join(
+        c.choices[0].delta.content or "" for c in body
+    )
+
+
+# ---- batched completions -------------------------------------------------------------------------------
+def test_batched_string_prompts_with_n_match_single_requests(client):
+    prompts = ["The sky is", "One two three", "Kimi"]
+    single = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        for p in prompts
+    ]
+    r = client.completions.create(
+        model="tiny", prompt=prompts, n=2, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in r.choices] == list(range(6))
+    for c in r.choices:  # index = prompt_i * n + j (OpenAI's order)
+        assert c.text == single[c.index // 2].choices[0].text
+        assert c.finish_reason == "length"
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+    assert r.usage.completion_tokens == 6 * 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 30
+
+
+def test_batched_token_id_prompts_echo_and_logprobs(client):
+    prompts = [[100, 200, 300], [400, 500, 600, 700, 800]]
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompts,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        echo=True,
+        logprobs=2,
+    )
+    assert len(r.choices) == 2
+    for c, p in zip(r.choices, prompts):
+        one = client.completions.create(
+            model="tiny", prompt=p, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}, echo=True, logprobs=2
+        ).choices[0]
+        assert c.text == one.text
+        lp = c.logprobs
+        assert len(lp.tokens) == len(p) + 3  # the echoed prompt's tokens, then the generated ones
+        assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+        assert lp.token_logprobs == pytest.approx(one.logprobs.token_logprobs)
+        assert lp.text_offset == one.logprobs.text_offset
+    assert r.usage.prompt_tokens == 8
+
+
+def test_batched_stream_equals_non_stream(client):
+    prompts = ["alpha beta", "gamma"]
+    kw = dict(model="tiny", prompt=prompts, n=2, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for ch in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in full.choices}
+    assert reasons == dict.fromkeys(range(4), "length")
+    assert usage.prompt_tokens == full.usage.prompt_tokens and usage.completion_tokens == 16
+
+
+def test_batched_prompt_errors_name_the_prompt(srv):
+    base = {"model": "tiny", "max_tokens": 2}
+    _bad(_post(srv, "/v1/completions", {**base, "prompt": ["ok", ""]}), "prompt[1]")
+    _bad(_post(srv, "/v1/completions", {**base, "prompt": [[1, 2], [3, "x"]]}), "prompt[1]")
+    _bad(_post(srv, "/v1/completions", {**base, "prompt": ["ok", 5]}), "prompt[1]")
+    _bad(_post(srv, "/v1/completions", {**base, "prompt": [[1], [10**7]]}), "prompt[1]")
+    too_long = list(range(1, 600))
+    _bad(_post(srv, "/v1/completions", {**base, "prompt": [[1, 2], too_long]}), "prompt[1]")
+
+
+# ---- tokenizer routes ----------------------------------------------------------------------------------
+def test_tokenize_prompt_matches_completions_usage_and_detokenize_round_trips(srv, client):
+    text = "Hello world, tokenize me"
+    r = _post(srv, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["max_model_len"] == 512
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"])
+    assert "".join(body["token_strs"]) == text
+    done = client.completions.create(model="tiny", prompt=text, max_tokens=1)
+    assert done.usage.prompt_tokens == body["count"]
+    d = _post(srv, "/detokenize", {"model": "tiny", "tokens": body["tokens"]})
+    assert d.status_code == 200 and d.json() == {"prompt": text}
+    assert _post(srv, "/tokenize", {"prompt": text}).json()["token_strs"] is None
+
+
+def test_tokenize_messages_match_chat_usage(srv, client):
+    r = _post(srv, "/tokenize", {"model": "tiny", "messages": MSGS})
+    assert r.status_code == 200, r.text
+    chat = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    assert chat.usage.prompt_tokens == r.json()["count"]
+    no_gen = _post(srv, "/tokenize", {"messages": MSGS, "add_generation_prompt": False}).json()
+    assert no_gen["count"] < r.json()["count"]
+    assert r.json()["tokens"][: no_gen["count"]] == no_gen["tokens"]
+
+
+def test_tokenize_control_token_strings_and_eos_for_lm_eval(srv):
+    """lm-eval's remote tokenizer takes `eos_token` from /tokenizer_info and its id as /tokenize's first token."""
+    info = _get(srv, "/tokenizer_info")
+    assert info.status_code == 200
+    eos = info.json()["eos_token"]
+    assert {"bos_token", "pad_token", "chat_template", "model_max_length"} <= set(info.json())
+    assert "im_end" in info.json()["chat_template"]
+    ids = _post(srv, "/tokenize", {"prompt": eos, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1, ids
+    assert _post(srv, "/detokenize", {"tokens": ids}).json()["prompt"] == eos
+
+
+def test_tokenizer_route_errors(srv):
+    _bad(_post(srv, "/tokenize", {"prompt": "a", "messages": MSGS}), "prompt")
+    _bad(_post(srv, "/tokenize", {}), "messages")
+    _bad(_post(srv, "/tokenize", {"prompt": 5}), "prompt")
+    _bad(_post(srv, "/tokenize", {"prompt": "a", "bogus": 1}), "bogus")
+    _bad(_post(srv, "/tokenize", {"messages": MSGS, "chat_template": "{{x}}"}), "chat_template")
+    _bad(_post(srv, "/detokenize", {"tokens": [1, 10**7]}), "tokens")
+    _bad(_post(srv, "/detokenize", {"tokens": "abc"}), "tokens")
+    _bad(_post(srv, "/detokenize", {}), "tokens")
+    r = _post(srv, "/tokenize", {"model": "other", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(f"{srv.base_url}/tokenize", json={"prompt": "a"}).status_code == 401
+
+
+def test_version_and_models_card(srv, client):
+    assert _get(srv, "/version").json() == {"version": kimi.__version__}
+    assert httpx.get(f"{srv.base_url}/version").status_code == 401
+    (card,) = client.models.list().data
+    extra = card.model_extra or {}
+    assert card.id == "tiny"
+    assert extra["root"] == srv.model_dir and extra["parent"] is None and extra["max_model_len"] == 512
+    assert client.models.retrieve("tiny").model_extra["root"] == srv.model_dir

@@ -222,12 +222,17 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure.
 
         Raises QueueFull (an AdmissionError) when `max_waiting` requests are already waiting.
         leader: request id of an earlier sibling with the same prompt (OpenAI `n` > 1): this request runs on
         the leader's DP rank and starts once the leader's prompt KV is in the prefix cache, so it is shared.
+        priority: the waiting order under the scheduler's policy "priority" (lower first); under "fcfs" it must be
+        0 (AdmissionError naming `priority`, as vLLM). cache_salt: requests share prefix-cache blocks only with
+        requests of the same salt (None: the unsalted ones).
         """
         if self.fatal_error is not None:
             raise EngineDead(self.fatal_error)
@@ -237,6 +242,12 @@ class Engine:
             raise EngineDead("the engine is still loading")
         if request_id in self.requests:
             raise AdmissionError(f"request id {request_id!r} is already in use", "request_id")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise AdmissionError(
+                f"'priority' {priority} needs the priority scheduling policy (kimi serve --scheduling-policy "
+                "priority); this server schedules first come, first served",
+                "priority",
+            )
         n = len(prompt_token_ids)
         if n == 0:
             raise AdmissionError("the prompt is empty", "prompt")
@@ -285,6 +296,8 @@ class Engine:
             stop=stop,
             skip_special_tokens=skip_special_tokens,
             outputs=OutputStream(),
+            priority=priority,
+            cache_salt=cache_salt or None,
         )
         self.output.start(req)
         self.requests[request_id] = req
@@ -293,7 +306,7 @@ class Engine:
         if self.enable_prefix_caching and len(self.schedulers) > 1:
             # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
             bs = self.schedulers[0].block_pool.block_size
-            req.block_hashes = block_hashes(req.token_ids, bs)
+            req.block_hashes = block_hashes(req.token_ids, bs, cache_salt=req.cache_salt)
             affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
         lead = self.requests.get(leader) if leader is not None else None
         if lead is not None and self.enable_prefix_caching:
@@ -339,13 +352,18 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """`generate`, but each item is a non-empty list of the deltas that arrived since the last item.
 
         The reader wakes once per engine step (not once per delta), which is what the HTTP streaming path
         uses. The last delta of the last list has finished=True; an early exit aborts the request.
+        priority, cache_salt: see `add_request`.
         """
-        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
+        req = self.add_request(
+            request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader, priority, cache_salt
+        )
         return self._stream_batches(req)
 
     async def _stream(self, req: Request) -> AsyncGenerator[RequestOutput, None]:

@@ -18,6 +18,7 @@ until the workers are ready). Every accepted field, its range and what is reject
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -76,7 +77,8 @@ CHAT_ONLY_FIELDS = frozenset(
         "modalities",
     }
 )
-COMPLETIONS_ONLY_FIELDS = frozenset({"prompt", "echo", "suffix"})
+COMPLETIONS_ONLY_FIELDS = frozenset({"prompt", "suffix"})
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
 RAW_SEND = "kimi.raw_send"  # scope key: the server's own ASGI `send`, set by _Auth (see _SSE)
 
@@ -107,6 +109,9 @@ class GenerationArgs:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids in the response
+    priority: int = 0  # the scheduler's order under --scheduling-policy priority (lower first)
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM): blocks are shared only under the same salt
     n: int = 1
     logprobs: int | None = None  # completions: top-k count; chat: top_logprobs count (None = off)
     echo: bool = False
@@ -205,7 +210,8 @@ _SLOT = "\x00kimi-slot\x00"
 
 
 class _EventTemplate:
-    """The bytes of `sse_event(chunk)` around one string field, for chunks that differ only in that string.
+    """The bytes of `sse_event(chunk)` around one string field (or several fields holding the same string), for
+    chunks that differ only in that string.
 
     `template(i)` is the chunk for choice i with `_SLOT` as the variable string; `fill(i, text)` returns
     exactly `sse_event(template(i) with text in the slot)`: the prefix and suffix bytes are cut from the
@@ -217,19 +223,26 @@ class _EventTemplate:
     def __init__(self, template: Any) -> None:
         self.template = template
         self._parts: dict[int, tuple[bytes, bytes]] = {}
+        self._many: dict[int, list[bytes]] = {}  # templates with the slot in several fields: the bytes around them
 
     def _split(self, i: int) -> tuple[bytes, bytes]:
         raw = sse_event(self.template(i))
-        pre, _, post = raw.partition(encode_basestring(_SLOT).encode())
+        pieces = raw.split(encode_basestring(_SLOT).encode())
+        if len(pieces) > 2:
+            self._many[i] = pieces
+        pre, post = pieces[0], pieces[-1]
         self._parts[i] = (pre, post)
         return pre, post
 
     def parts(self, i: int) -> tuple[bytes, bytes]:
-        """The bytes before and after the string for choice i."""
+        """The bytes before and after the string for choice i (a template with one slot)."""
         return self._parts.get(i) or self._split(i)
 
     def fill(self, i: int, text: str) -> bytes:
         pre, post = self._parts.get(i) or self._split(i)
+        many = self._many.get(i)
+        if many is not None:  # the same string in several fields
+            return encode_basestring(text).encode().join(many)
         return pre + encode_basestring(text).encode() + post
 
 
@@ -542,6 +555,18 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
+def _echo_text(messages: list[dict[str, Any]]) -> str:
+    """Chat `echo` (vLLM): the final message's text when it is an assistant message (the reply continues it), else
+    "". `messages` has been validated (content: a string, text parts or null)."""
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return ""
+    c = last.get("content")
+    if isinstance(c, list):
+        return "".join(part["text"] for part in c)
+    return c or ""
+
+
 def _decode_or_none(tokenizer: KimiTokenizer, token_id: int) -> str | None:
     """The text of one token id, or None when the vocabulary has no such id."""
     try:
@@ -830,6 +855,11 @@ class OpenAIServer:
                 raise BadRequest(
                     e.message.replace(f"'{e.param}'", f"'stream_options.{e.param}'"), f"stream_options.{e.param}"
                 ) from None
+        return_token_ids = f.bool("return_token_ids", False)
+        priority = f.int("priority", 0)
+        cache_salt = f.str("cache_salt")
+        if cache_salt == "":
+            raise BadRequest("'cache_salt' must be a non-empty string", "cache_salt")
         stop_ids = read_stop_token_ids(f, self.vocab_size)
         ignore_eos = f.bool("ignore_eos", False)
         skip_special = f.bool("skip_special_tokens", True)
@@ -875,10 +905,48 @@ class OpenAIServer:
             stream=stream,
             include_usage=include_usage,
             continuous_usage=continuous_usage,
+            return_token_ids=return_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
             n=n,
             logprobs=logprobs,
             max_tokens_field=max_field,
         )
+
+    @staticmethod
+    def _prompt_logprobs(f: Fields) -> int | None:
+        """vLLM's `prompt_logprobs`: None (off) or k in [0, MAX_LOGPROBS], the top-k per prompt position."""
+        return f.int("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+
+    @staticmethod
+    def _check_stream_extras(g: GenerationArgs, k_prompt: int | None) -> None:
+        """`prompt_logprobs` with `stream: true` is a 400 (vLLM refuses it too)."""
+        if k_prompt is not None and g.stream:
+            raise BadRequest("'prompt_logprobs' is not available with stream=true", "prompt_logprobs")
+
+    def _vllm_prompt_logprobs(
+        self,
+        ids: list[int],
+        lps: list[float | None] | None,
+        tops: list[list[int] | None] | None,
+        top_lps: list[list[float] | None] | None,
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt position None (the first: no context) or {token id (a JSON key):
+        {logprob, rank, decoded_token}} holding the prompt's token first, then the top-k. `rank` is 1-based among
+        the top-k, null for a prompt token outside them."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for j, tid in enumerate(ids):
+            lp = lps[j] if lps is not None and j < len(lps) else None
+            if lp is None:
+                out.append(None)
+                continue
+            alts = list(zip(tops[j] or [], top_lps[j] or [])) if tops is not None and top_lps is not None else []
+            rank = next((r for r, (t, _) in enumerate(alts, 1) if t == tid), None)
+            entry = {str(tid): {"logprob": _finite(lp), "rank": rank, "decoded_token": self._token_str(tid)}}
+            for r, (t, v) in enumerate(alts, 1):
+                entry.setdefault(str(t), {"logprob": _finite(v), "rank": r, "decoded_token": self._token_str(t)})
+            out.append(entry)
+        return out
 
     async def _start(self, request_id: str, g: GenerationArgs, prompt_field: str = "prompt") -> _Siblings:
         """Admit the n siblings of every prompt (all or none: a failure aborts those already admitted); choice
@@ -913,7 +981,14 @@ class OpenAIServer:
                     rid = request_id if total == 1 else f"{request_id}-{len(ids)}"
                     streams.append(
                         await self.engine.generate_batches(
-                            rid, prompt_ids, sp, g.stop, g.skip_special_tokens, leader=leader
+                            rid,
+                            prompt_ids,
+                            sp,
+                            g.stop,
+                            g.skip_special_tokens,
+                            leader=leader,
+                            priority=g.priority,
+                            cache_salt=g.cache_salt,
                         )
                     )
                     leader = leader or rid
@@ -1130,13 +1205,16 @@ class OpenAIServer:
             echo = f.bool("echo", False)
             logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
             f.noop("suffix", ("",), "is not supported")
+            k_prompt = self._prompt_logprobs(f)
+            k_echo = logprobs if echo and logprobs is not None else -1
             g = self._common(
                 f,
                 max(prompts, key=len),  # a default max_tokens is clamped to what the longest prompt leaves
                 max_tokens_default=16,
                 logprobs=logprobs,
-                prompt_logprobs=(logprobs if echo and logprobs is not None else -1),
+                prompt_logprobs=max(k_echo, -1 if k_prompt is None else k_prompt),
             )
+            self._check_stream_extras(g, k_prompt)
             g.prompts = prompts
             g.echo = echo
             f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS))
@@ -1155,6 +1233,9 @@ class OpenAIServer:
             plp = c.prompt_logprobs or [None] * k
             ptid = c.prompt_top_ids or [None] * k
             ptlp = c.prompt_top_logprobs or [None] * k
+            if k_echo < max(k_echo, k_prompt or 0):  # the worker sent prompt_logprobs' larger top-k
+                ptid = [None if t is None else t[:k_echo] for t in ptid]
+                ptlp = [None if t is None else t[:k_echo] for t in ptlp]
             return self._completion_logprobs(
                 ids, plp, ptid, ptlp, self._prompt_offsets(ids, prompt_texts[c.index // n])
             )
@@ -1181,15 +1262,21 @@ class OpenAIServer:
                         lp = {k: prompt_lp[k] + lp[k] for k in lp}
                 if echo:
                     text = prompt_text + text
-                out.append(
-                    {
-                        "index": c.index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": c.final.finish_reason,
-                        "stop_reason": c.final.stop_reason,
-                    }
-                )
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.final.finish_reason,
+                    "stop_reason": c.final.stop_reason,
+                }
+                if k_prompt is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                        prompts[c.index // n], c.prompt_logprobs, c.prompt_top_ids, c.prompt_top_logprobs
+                    )
+                if g.return_token_ids:
+                    choice["prompt_token_ids"] = prompts[c.index // n]
+                    choice["token_ids"] = c.token_ids
+                out.append(choice)
             return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
 
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
@@ -1203,7 +1290,9 @@ class OpenAIServer:
         offsets = [len(prompt_texts[i // n]) if echo else 0 for i in range(len(choices))]
         echoed = [False] * len(choices)
         continuous = g.continuous_usage
-        plain = g.logprobs is None and not continuous  # chunks that differ only in their text
+        token_ids_out = g.return_token_ids
+        plain = g.logprobs is None and not continuous and not token_ids_out  # chunks that differ only in their text
+        started = [False] * len(choices)
         places = (
             [self._piece_offsets(g.skip_special_tokens, offsets[i]) for i in range(len(choices))]
             if g.logprobs is not None
@@ -1211,6 +1300,11 @@ class OpenAIServer:
         )
 
         def chunk(i: int, o: RequestOutput | None, ch: dict[str, Any]) -> bytes:
+            if token_ids_out:  # vLLM: the prompt's ids with a choice's first chunk, every chunk's new ids
+                if not started[i]:
+                    started[i] = True
+                    ch["prompt_token_ids"] = prompts[i // n]
+                ch["token_ids"] = o.token_ids if o is not None else []
             if continuous:
                 return sse_event({**base, "choices": [ch], "usage": self._chunk_usage(len(prompts[i // n]), o)})
             return sse_event({**base, "choices": [ch]})
@@ -1352,7 +1446,18 @@ class OpenAIServer:
             if rf is not None and rf != {"type": "text"}:
                 raise BadRequest("'response_format' other than {'type': 'text'} is not supported", "response_format")
             kwargs = self._template_kwargs(f)
+            effort = f.str("reasoning_effort")
+            if effort is not None:  # passed to the template as vLLM does (Kimi's templates do not read it)
+                if effort not in REASONING_EFFORTS:
+                    raise BadRequest(
+                        f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}",
+                        "reasoning_effort",
+                    )
+                kwargs.setdefault("reasoning_effort", effort)
             add_gen, cont = self._generation_prompt_args(f)
+            include_reasoning = f.bool("include_reasoning", True)  # vLLM: false leaves the reasoning out
+            separate_reasoning = f.bool("separate_reasoning", True)  # SGLang: false keeps it in the content
+            echo = f.bool("echo", False)
             ids = await run_sized(
                 f.body_bytes,
                 encode_chat,
@@ -1364,18 +1469,24 @@ class OpenAIServer:
                 add_gen,
                 cont,
             )
+            k_prompt = self._prompt_logprobs(f)
             g = self._common(
                 f,
                 ids,
                 max_tokens_default=self.chat_max_tokens,
                 logprobs=(top or 0) if want_lp else None,
-                prompt_logprobs=-1,
+                prompt_logprobs=-1 if k_prompt is None else k_prompt,
             )
+            self._check_stream_extras(g, k_prompt)
+            token_ids_out = g.return_token_ids
             f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
             pcfg = ParserConfig.for_prompt(
                 ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text
             )
+            if not separate_reasoning:
+                pcfg = dataclasses.replace(pcfg, thinking=False, prompt_ends_in_think=False)
+            echo_text = _echo_text(messages) if echo else ""
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g, prompt_field="messages")
         except BadRequest as e:
@@ -1417,34 +1528,45 @@ class OpenAIServer:
                 calls = [t.to_openai() for t in p.emitted_tool_calls]  # as a stream of this output carries them
                 if not parallel:
                     calls = calls[:1]
-                text = "".join(content)
-                thought = "".join(reasoning) if pcfg.starts_in_reasoning else ""
+                text = echo_text + "".join(content)
+                reasons = pcfg.starts_in_reasoning and include_reasoning
+                thought = "".join(reasoning) if reasons else ""
                 # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
                 msg: dict[str, Any] = {
                     "role": "assistant",
                     "content": text if (text or not (calls or thought)) else None,
                 }
-                if pcfg.starts_in_reasoning:
-                    msg["reasoning_content"] = thought or None
+                if reasons:  # `reasoning`: current vLLM's name; `reasoning_content`: DeepSeek's and older vLLM's
+                    msg["reasoning"] = msg["reasoning_content"] = thought or None
                 if calls:
                     msg["tool_calls"] = calls
                 lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if want_lp else None
-                out.append(
-                    {
-                        "index": c.index,
-                        "message": msg,
-                        "logprobs": lp,
-                        "finish_reason": finish_reason(c),
-                        "stop_reason": c.final.stop_reason,
-                    }
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "message": msg,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(c),
+                    "stop_reason": c.final.stop_reason,
+                }
+                if token_ids_out:
+                    choice["token_ids"] = c.token_ids
+                out.append(choice)
+            resp: dict[str, Any] = {**base, "choices": out, "usage": self._usage_of(g, choices)}
+            if k_prompt is not None:
+                c0 = choices[0]
+                resp["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                    ids, c0.prompt_logprobs, c0.prompt_top_ids, c0.prompt_top_logprobs
                 )
-            return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
+            if token_ids_out:
+                resp["prompt_token_ids"] = ids
+            return JSONResponse(resp)
 
         chunk_base = {**base, "object": "chat.completion.chunk"}
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             chunk_base["usage"] = None
         continuous = g.continuous_usage
         n_prompt = len(g.prompt_token_ids)
+        fast = not (want_lp or continuous or token_ids_out)  # chunks that differ only in one text field
 
         content_event = _EventTemplate(
             lambda i: {
@@ -1466,7 +1588,7 @@ class OpenAIServer:
                 "choices": [
                     {
                         "index": i,
-                        "delta": {"reasoning_content": _SLOT},
+                        "delta": {"reasoning": _SLOT, "reasoning_content": _SLOT},
                         "logprobs": None,
                         "finish_reason": None,
                         "stop_reason": None,
@@ -1484,12 +1606,12 @@ class OpenAIServer:
             if o.error is not None:
                 return sse_event(self._error_chunk(o.error)), True
             d = c.parse(o) if o.token_ids else None
-            if d is not None and not o.finished and not want_lp and not d.tool_calls and not continuous:
+            if d is not None and not o.finished and not d.tool_calls and fast:
                 # the common chunks: only the content or only the reasoning text varies
                 if not d.reasoning_content:
                     return (content_event.fill(i, d.content) if d.content else b""), False
                 if not d.content:
-                    return reasoning_event.fill(i, d.reasoning_content), False
+                    return (reasoning_event.fill(i, d.reasoning_content) if include_reasoning else b""), False
             if o.finished:
                 tail = p.finish("" if o.token_ids else o.text)
                 if d is None:
@@ -1499,6 +1621,11 @@ class OpenAIServer:
                     d.reasoning_content += tail.reasoning_content
                     d.tool_calls += tail.tool_calls
             delta = d.to_openai() if d is not None else {}
+            if "reasoning_content" in delta:
+                if include_reasoning:
+                    delta = {"reasoning": delta["reasoning_content"], **delta}
+                else:
+                    del delta["reasoning_content"]
             if not parallel and "tool_calls" in delta:
                 delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
                 if not delta["tool_calls"]:
@@ -1514,6 +1641,8 @@ class OpenAIServer:
                     "finish_reason": finish_reason(c) if o.finished else None,
                     "stop_reason": o.stop_reason if o.finished else None,
                 }
+                if token_ids_out:
+                    ch["token_ids"] = o.token_ids
                 if continuous:
                     return sse_event({**chunk_base, "choices": [ch], "usage": self._chunk_usage(n_prompt, o)}), False
                 return sse_event({**chunk_base, "choices": [ch]}), False
@@ -1540,7 +1669,27 @@ class OpenAIServer:
                         }
                     ],
                     **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
+                    **({"prompt_token_ids": ids} if token_ids_out else {}),
                 }
+            )
+            + (
+                sse_event(
+                    {
+                        **chunk_base,
+                        "choices": [
+                            {
+                                "index": c.index,
+                                "delta": {"content": echo_text},
+                                "logprobs": None,
+                                "finish_reason": None,
+                                "stop_reason": None,
+                            }
+                        ],
+                        **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
+                    }
+                )
+                if echo_text
+                else b""
             )
             for c in choices
         )

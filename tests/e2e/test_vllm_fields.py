@@ -8,6 +8,9 @@ card, and the 400s for values kimi cannot honour.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -227,3 +230,181 @@ def test_version_and_models_card(srv, client):
     assert card.id == "tiny"
     assert extra["root"] == srv.model_dir and extra["parent"] is None and extra["max_model_len"] == 512
     assert client.models.retrieve("tiny").model_extra["root"] == srv.model_dir
+
+
+# ---- prompt_logprobs, return_token_ids -----------------------------------------------------------------
+def test_prompt_logprobs_on_completions_match_echo_logprobs(srv, client):
+    prompt = [100, 200, 300, 400]
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 3},
+    )
+    c = r.choices[0]
+    plp = c.model_extra["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for j, entry in enumerate(plp[1:], 1):
+        assert len(entry) in (3, 4)  # the prompt token, then the top 3 (the prompt token may be one of them)
+        first_key = next(iter(entry))
+        assert first_key == str(prompt[j])
+        assert entry[first_key]["logprob"] == pytest.approx(c.logprobs.token_logprobs[j], abs=1e-5)
+        assert {v["rank"] for v in entry.values()} - {None} == {1, 2, 3}  # the top 3 are ranked 1..3
+        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+        # echo's own top_logprobs keep logprobs=1 alternatives although the worker sent prompt_logprobs' top 3
+        assert len(c.logprobs.top_logprobs[j]) <= 2
+    msg = _bad(
+        _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "stream": True, "prompt_logprobs": 1}),
+        "prompt_logprobs",
+    )
+    assert "stream" in msg
+    _bad(_post(srv, "/v1/completions", {"prompt": prompt, "prompt_logprobs": 21}), "prompt_logprobs")
+    _bad(_post(srv, "/v1/completions", {"prompt": prompt, "prompt_logprobs": -1}), "prompt_logprobs")
+
+
+def test_prompt_logprobs_on_chat(srv, client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    plp = r.model_extra["prompt_logprobs"]
+    assert len(plp) == r.usage.prompt_tokens and plp[0] is None
+    assert all(len(e) == 1 for e in plp[1:])
+
+
+def test_return_token_ids_completions_stream_and_not(srv, client):
+    kw = dict(model="tiny", prompt="Count: one two", max_tokens=5, temperature=0)
+    r = client.completions.create(**kw, extra_body={"return_token_ids": True, "ignore_eos": True})
+    c = r.choices[0].model_extra
+    assert c["prompt_token_ids"] == _post(srv, "/tokenize", {"prompt": "Count: one two"}).json()["tokens"]
+    assert len(c["token_ids"]) == r.usage.completion_tokens == 5
+    ids, prompt_ids = [], None
+    for ch in client.completions.create(**kw, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True}):
+        for x in ch.choices:
+            extra = x.model_extra
+            if "prompt_token_ids" in extra:
+                assert prompt_ids is None, "the prompt's ids come once"
+                prompt_ids = extra["prompt_token_ids"]
+            ids += extra["token_ids"]
+    assert prompt_ids == c["prompt_token_ids"] and ids == c["token_ids"]
+    plain = client.completions.create(**kw).choices[0].model_extra
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_return_token_ids_chat(srv, client):
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=4, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert r.model_extra["prompt_token_ids"] == _post(srv, "/tokenize", {"messages": MSGS}).json()["tokens"]
+    assert len(r.choices[0].model_extra["token_ids"]) == r.usage.completion_tokens
+
+
+# ---- chat: prefill, echo, reasoning_effort ---------------------------------------------------------------
+PREFILL = [*MSGS, {"role": "assistant", "content": "The answer is"}]
+
+
+def test_continue_final_message_and_echo(srv, client):
+    cont = _post(
+        srv, "/tokenize", {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": False}
+    )
+    closed = _post(srv, "/tokenize", {"messages": PREFILL, "add_generation_prompt": False})
+    assert cont.status_code == 200 and closed.status_code == 200, (cont.text, closed.text)
+    c, k = cont.json()["tokens"], closed.json()["tokens"]
+    assert len(c) < len(k) and k[: len(c)] == c  # the turn left open: the closing token(s) are missing
+    kw = dict(model="tiny", messages=PREFILL, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(
+        **kw, extra_body={"continue_final_message": True, "add_generation_prompt": False}
+    )
+    assert r.usage.prompt_tokens == len(c)
+    echoed = client.chat.completions.create(
+        **kw, extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    )
+    assert echoed.choices[0].message.content == "The answer is" + (r.choices[0].message.content or "")
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in client.chat.completions.create(
+            **kw, stream=True, extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+        )
+        if ch.choices
+    )
+    assert streamed == echoed.choices[0].message.content
+    # echo of a conversation that ends with a user turn adds nothing (vLLM: only the assistant's own text)
+    plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3, temperature=0)
+    user_echo = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=3, temperature=0, extra_body={"echo": True}
+    )
+    assert user_echo.choices[0].message.content == plain.choices[0].message.content
+    body = {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True, "max_tokens": 1}
+    _bad(_post(srv, "/v1/chat/completions", body), "continue_final_message")
+
+
+def test_reasoning_effort_is_passed_to_the_template(srv, client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, reasoning_effort="low")
+    assert r.choices[0].finish_reason in ("length", "stop")
+    _bad(_post(srv, "/v1/chat/completions", {"messages": MSGS, "reasoning_effort": "extreme"}), "reasoning_effort")
+
+
+# ---- priority, cache_salt ------------------------------------------------------------------------------
+def test_priority_needs_the_priority_policy(srv, client):
+    client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 0})
+    msg = _bad(_post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 1}), "priority")
+    assert "--scheduling-policy priority" in msg
+    _bad(_post(srv, "/v1/completions", {"prompt": "hi", "priority": 1.5}), "priority")
+
+
+def test_cache_salt_separates_prefix_cache_entries(srv, client):
+    prompt = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks
+
+    def cached(**extra) -> int:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 32
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0  # the unsalted cache holds none of the salted blocks
+    assert cached() == 32
+    _bad(_post(srv, "/v1/completions", {"prompt": "hi", "cache_salt": ""}), "cache_salt")
+    _bad(_post(srv, "/v1/completions", {"prompt": "hi", "cache_salt": 5}), "cache_salt")
+
+
+@pytest.fixture(scope="module")
+def prio_srv(tiny_k26, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("log") / "priority.log")
+    s = start_server(tiny_k26, log, "--max-model-len", "512", "--max-num-seqs", "1", "--scheduling-policy", "priority")
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+def test_priority_policy_runs_lower_priority_values_first(prio_srv):
+    """One running slot: while a long request runs, a request of priority 5 and then one of priority -1 queue;
+    the second starts (and ends) first."""
+    c = openai.OpenAI(base_url=f"{prio_srv.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    done: list[str] = []
+
+    def run(name: str, prio: int, n: int) -> None:
+        c.completions.create(
+            model="tiny", prompt=f"{name} go", max_tokens=n, extra_body={"priority": prio, "ignore_eos": True}
+        )
+        done.append(name)
+
+    long = c.completions.create(
+        model="tiny", prompt="long go", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(long))  # the long request is running: the slot is taken
+    late = threading.Thread(target=run, args=("late", 5, 4))
+    late.start()
+    deadline = time.monotonic() + 60
+    while "kimi:num_requests_waiting 1.0" not in httpx.get(f"{prio_srv.base_url}/metrics").text:
+        assert time.monotonic() < deadline, "the priority-5 request never queued"
+        time.sleep(0.05)
+    urgent = threading.Thread(target=run, args=("urgent", -1, 4))
+    urgent.start()
+    while "kimi:num_requests_waiting 2.0" not in httpx.get(f"{prio_srv.base_url}/metrics").text:
+        assert time.monotonic() < deadline, "the priority -1 request never queued"
+        time.sleep(0.05)
+    for _ in long:  # the long request ends; then the queued two run one at a time
+        pass
+    late.join(120)
+    urgent.join(120)
+    assert done == ["urgent", "late"]

@@ -39,26 +39,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import kimi
+from kimi.controller.admission import admission_message, admission_param
 from kimi.controller.chat import encode_chat, no_other_keys, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
 from kimi.controller.offload import run_sized
+from kimi.controller.params import MAX_LOGPROBS, sampling_params
 from kimi.controller.parsers import MARKER_TEXT, OutputParser, ParserConfig, ParserDelta, ReleasedTextFeeder
 from kimi.controller.request import OutputStream, Request, StopParams
-from kimi.controller.validation import (
-    MAX_LOGPROBS,
-    BadRequest,
-    Fields,
-    check_prompt_text_fits,
-    first_path,
-    generation_params,
-    json_path,
-    read_logit_bias,
-    read_min_tokens,
-    read_sampling,
-    read_stop_strings,
-    read_stop_token_ids,
-)
+from kimi.controller.validation import BadRequest, Fields, check_prompt_text_fits, first_path, json_path
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer
 
@@ -826,14 +815,10 @@ class OpenAIServer:
         logprobs: int | None,
         prompt_logprobs: int,
     ) -> GenerationArgs:
-        # the request-level fields and their order (which bad field is reported first) are shared with the
-        # ZeroMQ submit API (kimi.controller.submit) through kimi.controller.validation
-        sampling = read_sampling(f)
+        # the HTTP-only fields, then the sampling and stop fields, read as the ZeroMQ submit API reads them
+        # (kimi.controller.params.sampling_params)
         n = f.int("n", 1, lo=1, hi=MAX_N)
         f.noop("best_of", (n,), "must equal n (best-of sampling is not supported)")
-        lb_ids, lb_vals = read_logit_bias(f, self.vocab_size)
-        stop_strings = read_stop_strings(f)
-        include_stop = f.bool("include_stop_str_in_output", False)
         f.str("user")
         # OpenAI platform fields at their defaults change nothing here: accepted; other values are refused
         f.noop("store", (False,), "is not supported (this server stores no completions)")
@@ -860,48 +845,22 @@ class OpenAIServer:
         cache_salt = f.str("cache_salt")
         if cache_salt == "":
             raise BadRequest("'cache_salt' must be a non-empty string", "cache_salt")
-        stop_ids = read_stop_token_ids(f, self.vocab_size)
-        ignore_eos = f.bool("ignore_eos", False)
-        skip_special = f.bool("skip_special_tokens", True)
         # a default max_tokens never makes a request inadmissible: it is clamped to what max_model_len and the
         # KV cache (which can be smaller) leave after this prompt (an explicit max_tokens is checked as sent)
         room = max(1, min(self.engine.max_model_len, self.engine.kv_capacity_tokens) - len(prompt_token_ids))
-        max_tokens_default = room if max_tokens_default is None else min(max_tokens_default, room)
-        max_tokens = f.int("max_tokens", None, lo=1)
-        max_field = "max_tokens"
-        if f.has("max_completion_tokens"):
-            mct = f.int("max_completion_tokens", None, lo=1)
-            if max_tokens is not None and mct != max_tokens:
-                raise BadRequest(
-                    "'max_tokens' and 'max_completion_tokens' disagree; send one of them", "max_completion_tokens"
-                )
-            if max_tokens is None and mct is not None:  # errors about it name the field the client sent
-                max_field = "max_completion_tokens"
-            max_tokens = mct
-        else:
-            f.accept("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = max_tokens_default
-        min_tokens = read_min_tokens(f, max_tokens, max_field)
-        sp, st = generation_params(
-            sampling,
+        rp = sampling_params(
+            f,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.engine.eos_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            logit_bias_ids=lb_ids,
-            logit_bias_values=lb_vals,
-            stop=stop_strings,
-            include_stop_str_in_output=include_stop,
-            stop_token_ids=stop_ids,
-            ignore_eos=ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            eos_token_ids=self.engine.eos_token_ids,
+            max_tokens_default=room if max_tokens_default is None else min(max_tokens_default, room),
         )
         return GenerationArgs(
             prompt_token_ids=prompt_token_ids,
-            sampling=sp,
-            stop=st,
-            skip_special_tokens=skip_special,
+            sampling=rp.sampling,
+            stop=rp.stop,
+            skip_special_tokens=rp.skip_special_tokens,
             stream=stream,
             include_usage=include_usage,
             continuous_usage=continuous_usage,
@@ -910,7 +869,7 @@ class OpenAIServer:
             cache_salt=cache_salt,
             n=n,
             logprobs=logprobs,
-            max_tokens_field=max_field,
+            max_tokens_field=rp.max_tokens_field,
         )
 
     @staticmethod
@@ -1001,9 +960,8 @@ class OpenAIServer:
             retry = getattr(e, "retry_after_s", None)
             if len(prompts) > 1 and prompt_field == "prompt":
                 prompt_field = f"prompt[{pi}]"
-            param, msg = prompt_field if e.param == "prompt" else e.param, str(e)
-            if param == "max_tokens" and g.max_tokens_field != "max_tokens":  # the field the client sent
-                param, msg = g.max_tokens_field, msg.replace("max_tokens", g.max_tokens_field)
+            param = admission_param(e, prompt_field, g.max_tokens_field)
+            msg = admission_message(e, g.max_tokens_field)
             if retry is not None:
                 raise BadRequest(msg, param, status=503) from None
             raise BadRequest(msg, param) from None

@@ -68,10 +68,9 @@ def _bad(r: httpx.Response, param: str, status: int = 400) -> str:
 
 def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
     """A chat field sent to /v1/completions (tools, top_logprobs, response_format, ...) or a completions field sent to
-    /v1/chat/completions (suffix; `echo` is a field of both, vLLM's) is a 400 naming the field and the endpoint that
-    takes it (it said "not
-    supported by this server", which the server does support, on the other endpoint); other unknown fields keep
-    the plain message."""
+    /v1/chat/completions (suffix; `echo` is a field of both, as in vLLM) is a 400 naming the field and the endpoint
+    that takes it (it said "not supported by this server", which the server does support, on the other endpoint);
+    other unknown fields keep the plain message."""
     tools = [{"type": "function", "function": {"name": "f"}}]
     for field, value in (
         ("tools", tools),

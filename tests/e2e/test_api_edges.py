@@ -228,7 +228,7 @@ def test_logit_bias_canonical_keys_are_accepted(client):
 
 
 # ---- 4b. logprobs.text_offset with multi-byte characters -------------------------------------------------------------
-# The rule (LLMServer._completion_logprobs / _prompt_offsets / _piece_offsets in kimi/controller/http.py):
+# The rule (LLMServer._completion_logprobs / _prompt_offsets / _piece_offsets in kimi/controller/http/completions.py):
 # text_offset[i] is the character offset, in the whole returned text (echoed prompt + completion), where the piece
 # of text that token i completes starts; a token ending mid-character completes nothing and sits where the
 # character starts.

@@ -1,6 +1,7 @@
 """The controller's per-token fast paths give exactly what the plain code gave.
 
-- SSE chunk templates (`kimi.controller.http._EventTemplate`) == `json.dumps` of the whole chunk, byte for byte;
+- SSE chunk templates (`kimi.controller.http.streaming._EventTemplate`) == `json.dumps` of the whole chunk, byte for
+  byte;
 - `FastDetokenizer` == `kimi.tokenizer.IncrementalDetokenizer`, delta for delta (built-in and, when
   ../shared holds it, the real Kimi vocabulary);
 - `OutputStream`: order, one wake-up per batch, the synchronous sink only while the reader waits;
@@ -20,7 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
-from kimi.controller.http import _SLOT, _BodyWriter, _EventTemplate, sse_event
+from kimi.controller.http.streaming import _SLOT, _BodyWriter, _EventTemplate, sse_event
 from kimi.controller.metrics import LatencyHistogram
 from kimi.controller.output import FastDetokenizer
 from kimi.controller.request import OutputStream

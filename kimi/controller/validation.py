@@ -148,13 +148,21 @@ class Fields:
         """Fields that change nothing about generation (e.g. `user`), accepted as given."""
         self.seen.update(names)
 
-    def reject_unknown(self, elsewhere: tuple[builtins.str, frozenset[builtins.str]] | None = None) -> None:
+    def reject_unknown(
+        self,
+        elsewhere: tuple[builtins.str, frozenset[builtins.str]] | None = None,
+        declared: frozenset[builtins.str] | None = None,
+    ) -> None:
         """A 400 naming the first field of the body that no check read (None values pass). elsewhere: (path, fields)
-        of the other endpoint, whose fields the message then points to (e.g. `tools` sent to /v1/completions)."""
+        of the other endpoint, whose fields the message then points to (e.g. `tools` sent to /v1/completions).
+        declared: the route's declared fields (kimi.controller.http.protocol); a field outside them is unknown, one
+        declared but not read does not apply to this request (e.g. `tools` beside a /tokenize `prompt`)."""
         for k, v in self.body.items():
             if k not in self.seen and v is not None:
                 if elsewhere is not None and k in elsewhere[1]:
                     raise BadRequest(f"'{k}' is not supported on this endpoint; it is a field of {elsewhere[0]}", k)
+                if declared is not None and k in declared:
+                    raise BadRequest(f"'{k}' does not apply to this request", k)
                 raise BadRequest(f"'{k}' is not supported by this server", k)
 
 

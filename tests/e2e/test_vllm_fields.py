@@ -408,3 +408,53 @@ def test_priority_policy_runs_lower_priority_values_first(prio_srv):
     late.join(120)
     urgent.join(120)
     assert done == ["urgent", "late"]
+
+
+# ---- the declared request Structs ----------------------------------------------------------------------
+def _defaults(struct) -> dict:
+    """Every field of a request Struct that has a non-null default, at that default."""
+    names = struct.__struct_fields__
+    defaults = dict(zip(names[len(names) - len(struct.__struct_defaults__) :], struct.__struct_defaults__))
+    return {k: v for k, v in defaults.items() if v is not None and not callable(v)}
+
+
+def test_every_declared_field_at_its_default_is_accepted(srv):
+    from kimi.controller.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {**_defaults(CompletionRequest), "prompt": "hi", "max_tokens": 2}
+    r = _post(srv, "/v1/completions", body)
+    assert r.status_code == 200, (r.text, body)
+    body = {**_defaults(ChatCompletionRequest), "messages": MSGS, "max_tokens": 2}
+    r = _post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 200, (r.text, body)
+
+
+def test_extensions_other_than_their_noop_value_are_400(srv):
+    from kimi.controller.http.protocol import CHAT_FIELDS, COMPLETION_FIELDS, NOOP_VALUES, NULL_ONLY
+
+    other = {bool: lambda v: not v, float: lambda v: v + 0.5, list: lambda v: [1]}
+    for name, allowed in NOOP_VALUES.items():
+        if len(allowed) > 1 and all(isinstance(a, bool) for a in allowed):
+            continue  # add_special_tokens: either value is accepted
+        bad = other[type(allowed[0])](allowed[0])
+        if name in COMPLETION_FIELDS:
+            _bad(_post(srv, "/v1/completions", {"prompt": "hi", name: bad}), name)
+        if name in CHAT_FIELDS:
+            _bad(_post(srv, "/v1/chat/completions", {"messages": MSGS, name: bad}), name)
+    for name in NULL_ONLY:
+        value = {"truncate_prompt_tokens": 5, "guided_choice": ["a"], "regex": "a+"}.get(name, "x")
+        if name in COMPLETION_FIELDS:
+            _bad(_post(srv, "/v1/completions", {"prompt": "hi", name: value}), name)
+        if name in CHAT_FIELDS:
+            _bad(_post(srv, "/v1/chat/completions", {"messages": MSGS, name: value}), name)
+    _bad(_post(srv, "/tokenize", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools")
+
+
+def test_openapi_json_is_generated_from_the_structs(srv):
+    from kimi.controller.http.openapi import openapi_document
+
+    r = _get(srv, "/openapi.json")
+    assert r.status_code == 200
+    assert r.json() == openapi_document("tiny")
+    assert "continuous_usage_stats" in r.json()["components"]["schemas"]["StreamOptions"]["properties"]
+    assert httpx.get(f"{srv.base_url}/openapi.json").status_code == 401

@@ -16,7 +16,8 @@ range and what is rejected: docs/api.md.
 - Request bodies larger than `max_body_bytes` get a 413 (read no further).
 
 Modules: server (the app, routes, authentication), completions, chat, tokenize, models (one per endpoint), common
-(what they share), streaming (SSE), body (JSON bodies).
+(what they share), streaming (SSE), body (JSON bodies), protocol (the request Structs: every accepted field), openapi
+(`/openapi.json` from them).
 """
 
 from kimi.controller.http.server import OpenAIServer

@@ -20,6 +20,7 @@ from kimi.controller.http.common import (
     _token_logprobs,
     error_response,
 )
+from kimi.controller.http.protocol import CHAT_FIELDS
 from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
 from kimi.controller.offload import run_sized
 from kimi.controller.params import MAX_LOGPROBS
@@ -112,7 +113,8 @@ class ChatAPI(ServerBase):
             )
             self._check_stream_extras(g, k_prompt)
             token_ids_out = g.return_token_ids
-            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS))
+            self._extensions(f, CHAT_FIELDS)
+            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS), CHAT_FIELDS)
             thinking = self.thinking_model and kwargs.get("thinking", True) is not False
             pcfg = ParserConfig.for_prompt(
                 ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text

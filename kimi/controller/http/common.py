@@ -16,6 +16,7 @@ from kimi.controller.admission import admission_message, admission_param
 from kimi.controller.chat import no_other_keys, validate_tools
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.http.body import _decode_body
+from kimi.controller.http.protocol import CHAT_FIELDS, COMPLETION_FIELDS, NOOP_VALUES, NULL_ONLY
 from kimi.controller.http.streaming import _Siblings, until_disconnect
 from kimi.controller.params import MAX_LOGPROBS, sampling_params
 from kimi.controller.parsers import OutputParser, ParserDelta, ReleasedTextFeeder
@@ -27,19 +28,8 @@ from kimi.tokenizer import KimiTokenizer
 MAX_BODY_BYTES = 32 << 20
 MAX_N = 16
 # fields one endpoint takes and the other does not: a 400 for one of them names the endpoint that takes it
-CHAT_ONLY_FIELDS = frozenset(
-    {
-        "messages",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "top_logprobs",
-        "response_format",
-        "chat_template_kwargs",
-        "modalities",
-    }
-)
-COMPLETIONS_ONLY_FIELDS = frozenset({"prompt", "suffix"})
+CHAT_ONLY_FIELDS = CHAT_FIELDS - COMPLETION_FIELDS
+COMPLETIONS_ONLY_FIELDS = COMPLETION_FIELDS - CHAT_FIELDS
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity), as vLLM does
 
@@ -302,6 +292,17 @@ class ServerBase:
             logprobs=logprobs,
             max_tokens_field=rp.max_tokens_field,
         )
+
+    @staticmethod
+    def _extensions(f: Fields, fields: frozenset[str]) -> None:
+        """The vLLM / SGLang extensions a route declares (`fields`) that kimi accepts at their no-op value only
+        (protocol.NOOP_VALUES) or as null only (protocol.NULL_ONLY): any other value is a 400 naming the field."""
+        for name, allowed in NOOP_VALUES.items():
+            if name in fields:
+                f.noop(name, allowed)
+        for name, why in NULL_ONLY.items():
+            if name in fields and f._get(name) is not None:
+                raise BadRequest(f"'{name}' is not supported ({why}); send null or leave it out", name)
 
     @staticmethod
     def _prompt_logprobs(f: Fields) -> int | None:

@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from kimi.controller.http.common import CHAT_ONLY_FIELDS, ServerBase, _Choice, _finite, _token_logprobs, error_response
+from kimi.controller.http.protocol import COMPLETION_FIELDS
 from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
 from kimi.controller.offload import run_sized
 from kimi.controller.params import MAX_LOGPROBS
@@ -157,7 +158,8 @@ class CompletionsAPI(ServerBase):
             self._check_stream_extras(g, k_prompt)
             g.prompts = prompts
             g.echo = echo
-            f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS))
+            self._extensions(f, COMPLETION_FIELDS)
+            f.reject_unknown(("/v1/chat/completions", CHAT_ONLY_FIELDS), COMPLETION_FIELDS)
             rid = f"cmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g)
         except BadRequest as e:

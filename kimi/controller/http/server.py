@@ -16,6 +16,7 @@ from kimi.controller.http.chat import ChatAPI
 from kimi.controller.http.common import MAX_BODY_BYTES, _decode_or_none, error_response
 from kimi.controller.http.completions import CompletionsAPI
 from kimi.controller.http.models import ModelsAPI
+from kimi.controller.http.openapi import openapi_document
 from kimi.controller.http.streaming import RAW_SEND
 from kimi.controller.http.tokenize import TokenizeAPI
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
@@ -109,6 +110,7 @@ class OpenAIServer(CompletionsAPI, ChatAPI, TokenizeAPI, ModelsAPI):
             or None
         )
         self.created = int(time.time())
+        self._openapi: dict[str, Any] | None = None
         self.metrics = Metrics(engine)
         engine.observer = self.metrics
         self.starlette = Starlette(
@@ -123,6 +125,7 @@ class OpenAIServer(CompletionsAPI, ChatAPI, TokenizeAPI, ModelsAPI):
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
@@ -143,6 +146,12 @@ class OpenAIServer(CompletionsAPI, ChatAPI, TokenizeAPI, ModelsAPI):
         if not self.engine.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def openapi(self, request: HTTPRequest) -> Response:
+        """`GET /openapi.json`, generated from the request Structs once (kimi.controller.http.openapi)."""
+        if self._openapi is None:
+            self._openapi = openapi_document(self.model_name)
+        return JSONResponse(self._openapi)
 
     async def metrics_route(self, request: HTTPRequest) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)

@@ -7,6 +7,7 @@ from starlette.responses import JSONResponse, Response
 
 from kimi.controller.chat import encode_chat
 from kimi.controller.http.common import ServerBase, error_response
+from kimi.controller.http.protocol import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 from kimi.controller.offload import run_sized
 from kimi.controller.validation import BadRequest
 
@@ -66,7 +67,7 @@ class TokenizeAPI(ServerBase):
                     add_gen,
                     cont,
                 )
-            f.reject_unknown()
+            f.reject_unknown(None, TOKENIZE_FIELDS)
         except BadRequest as e:
             return error_response(e)
         return JSONResponse(
@@ -87,7 +88,7 @@ class TokenizeAPI(ServerBase):
             if tokens is None:
                 raise BadRequest("'tokens' is required", "tokens")
             ids = f.int_list("tokens", 0, self.vocab_size)
-            f.reject_unknown()
+            f.reject_unknown(None, DETOKENIZE_FIELDS)
         except BadRequest as e:
             return error_response(e)
         return JSONResponse({"prompt": self.tokenizer.decode(ids)})

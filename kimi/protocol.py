@@ -176,7 +176,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     EOS (unless ignore_eos) and stop_token_ids cannot be sampled, and stop strings are not looked for, before
     that many tokens; stop: a string or up to 4 non-empty strings that end generation (stop_reason = the
     string; text that could still begin one is held back, never sent); include_stop_str_in_output: keep the
-    matched stop string in the text.
+    matched stop string in the text; priority: with `kimi serve --scheduling-policy priority` waiting requests start
+    by (priority, arrival), lower first (non-zero under fcfs is an error); cache_salt: a non-empty string, requests
+    share prefix-cache blocks only with requests of the same salt.
 
     Wire format: the fields from `min_p` on were appended later; a message that ends before them (an older
     client) decodes with their defaults.
@@ -203,6 +205,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     min_tokens: int = 0
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    # appended: scheduling order and prefix-cache isolation (the HTTP API's fields of the same names)
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag=31):

@@ -302,13 +302,17 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Admit (AdmissionError raised here, before anything is yielded) and stream the request's deltas.
 
         The last delta has finished=True. If the consumer stops early (client gone), the request is aborted.
-        leader: see `add_request`.
+        leader, priority, cache_salt: see `add_request`.
         """
-        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
+        req = self.add_request(
+            request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader, priority, cache_salt
+        )
         return self._stream(req)
 
     async def generate_batches(

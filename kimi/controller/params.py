@@ -187,6 +187,8 @@ class RequestParams:
     stop: StopParams
     skip_special_tokens: bool
     max_tokens_field: str = "max_tokens"
+    priority: int = 0  # the scheduler's order under the priority policy (lower first)
+    cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only under the same salt
 
 
 def sampling_params(
@@ -203,8 +205,9 @@ def sampling_params(
     Reads, in this order: temperature, top_p, top_k, min_p, presence / frequency / repetition penalties, seed
     (`read_sampling`), logit_bias, stop, include_stop_str_in_output, stop_token_ids, ignore_eos,
     skip_special_tokens, max_tokens / max_completion_tokens (equal when both are sent; `max_tokens_default` when
-    neither is), min_tokens. logprobs: the per-token top-k count (None = off); prompt_logprobs: -1 = off, else the
-    prompt positions' top-k. vocab_size bounds token ids; eos_token_ids are blocked until min_tokens.
+    neither is), min_tokens, priority (a signed 64-bit integer), cache_salt (a non-empty string). logprobs: the
+    per-token top-k count (None = off); prompt_logprobs: -1 = off, else the prompt positions' top-k. vocab_size bounds
+    token ids; eos_token_ids are blocked until min_tokens.
     Output constraints (a grammar for `response_format` or the guided-decoding fields) belong here, between reading
     the fields and building SamplingParams, so that both front-ends attach them alike; this server has none yet.
     """
@@ -231,6 +234,10 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = max_tokens_default
     min_tokens = read_min_tokens(f, max_tokens, max_field)
+    priority = f.int("priority", 0)
+    cache_salt = f.str("cache_salt")
+    if cache_salt == "":
+        raise BadRequest("'cache_salt' must be a non-empty string", "cache_salt")
     sp, st = generation_params(
         sampling,
         logprobs=logprobs,
@@ -245,4 +252,4 @@ def sampling_params(
         min_tokens=min_tokens,
         eos_token_ids=eos_token_ids,
     )
-    return RequestParams(sp, st, skip_special, max_field)
+    return RequestParams(sp, st, skip_special, max_field, priority, cache_salt)

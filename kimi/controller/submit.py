@@ -27,10 +27,9 @@ from kimi import protocol
 from kimi.controller.admission import admission_message
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.offload import run_sized
-from kimi.controller.params import MAX_LOGPROBS, sampling_params
-from kimi.controller.request import StopParams
+from kimi.controller.params import MAX_LOGPROBS, RequestParams, sampling_params
 from kimi.controller.validation import BadRequest, Fields, check_prompt_text_fits
-from kimi.protocol import RequestOutput, SamplingParams
+from kimi.protocol import RequestOutput
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.submit")
@@ -107,10 +106,8 @@ class SubmitServer:
     def _error(self, request_id: str, msg: str) -> RequestOutput:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
 
-    def _validate(
-        self, r: protocol.SubmitRequest, prompt_ids: list[int] | None
-    ) -> tuple[list[int], SamplingParams, StopParams]:
-        """The request's prompt ids, SamplingParams and StopParams; raises BadRequest naming the bad field.
+    def _validate(self, r: protocol.SubmitRequest, prompt_ids: list[int] | None) -> tuple[list[int], RequestParams]:
+        """The request's prompt ids and RequestParams; raises BadRequest naming the bad field.
         prompt_ids: r.prompt tokenized (by _admit, off the event loop for a large prompt) when it is a non-empty
         string, else unused.
 
@@ -145,7 +142,7 @@ class SubmitServer:
             prompt_logprobs=-1,
             max_tokens_default=16,
         )
-        return ids, rp.sampling, rp.stop
+        return ids, rp
 
     async def _admit(self, ident: bytes, r: protocol.SubmitRequest) -> AsyncIterator[RequestOutput] | None:
         """Validate and admit a submission, in the receive loop itself (`Engine.generate` admits without
@@ -157,8 +154,16 @@ class SubmitServer:
             if r.prompt and r.prompt_token_ids is None:
                 check_prompt_text_fits(self.tokenizer, r.prompt, self.engine.max_model_len)
             pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt) if r.prompt else None
-            ids, sp, st = self._validate(r, pre)
-            return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
+            ids, rp = self._validate(r, pre)
+            return await self.engine.generate(
+                self._key(ident, r.request_id),
+                ids,
+                rp.sampling,
+                rp.stop,
+                r.skip_special_tokens,
+                priority=rp.priority,
+                cache_salt=rp.cache_salt,
+            )
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))
         except AdmissionError as e:  # written with the client's request id (the engine's key is internal)

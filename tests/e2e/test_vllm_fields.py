@@ -458,3 +458,21 @@ def test_openapi_json_is_generated_from_the_structs(srv):
     assert r.json() == openapi_document("tiny")
     assert "continuous_usage_stats" in r.json()["components"]["schemas"]["StreamOptions"]["properties"]
     assert httpx.get(f"{srv.base_url}/openapi.json").status_code == 401
+
+
+def test_zmq_priority_and_cache_salt_follow_the_http_rules(srv, prio_srv):
+    """The ZeroMQ API reads priority and cache_salt through the same params module: the same refusal under fcfs,
+    the same salted prefix cache, and priority accepted under the priority policy."""
+    from kimi.client import KimiClient, KimiError
+
+    prompt = list(range(2000, 2040))
+    with KimiClient(srv.zmq_addr, timeout_s=60) as c:
+        with pytest.raises(KimiError, match="--scheduling-policy priority"):
+            list(c.generate(prompt, max_tokens=1, priority=2))
+        first = list(c.generate(prompt, max_tokens=1, cache_salt="zmq-salt"))
+        again = list(c.generate(prompt, max_tokens=1, cache_salt="zmq-salt"))
+        other = list(c.generate(prompt, max_tokens=1, cache_salt="zmq-other"))
+    assert (first[-1].num_cached_tokens, again[-1].num_cached_tokens, other[-1].num_cached_tokens) == (0, 32, 0)
+    with KimiClient(prio_srv.zmq_addr, timeout_s=60) as c:
+        outs = list(c.generate(prompt, max_tokens=2, priority=-5, ignore_eos=True))
+    assert outs[-1].finished and outs[-1].error is None and outs[-1].num_output_tokens == 2

@@ -62,6 +62,12 @@ def test_event_template_is_json_dumps_byte_for_byte(model):
             "choices": [{"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}],
         }
     )
+    both = _EventTemplate(
+        lambda i: {
+            **base,
+            "choices": [{"index": i, "delta": {"reasoning": _SLOT, "reasoning_content": _SLOT}, "logprobs": None}],
+        }
+    )
     rng = random.Random(0)
     for text in AWKWARD + [_random_text(rng) for _ in range(300)]:
         for i in (0, 1, 15):
@@ -84,6 +90,9 @@ def test_event_template_is_json_dumps_byte_for_byte(model):
                 {**base, "choices": [{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
             )
             assert chat.fill(i, text) == want_chat
+            delta = {"reasoning": text, "reasoning_content": text}  # one string in two fields
+            want_both = sse_event({**base, "choices": [{"index": i, "delta": delta, "logprobs": None}]})
+            assert both.fill(i, text) == want_both
 
 
 def _tokenizers(tmp_path) -> list[KimiTokenizer]:

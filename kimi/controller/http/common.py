@@ -262,10 +262,6 @@ class ServerBase:
                     e.message.replace(f"'{e.param}'", f"'stream_options.{e.param}'"), f"stream_options.{e.param}"
                 ) from None
         return_token_ids = f.bool("return_token_ids", False)
-        priority = f.int("priority", 0)
-        cache_salt = f.str("cache_salt")
-        if cache_salt == "":
-            raise BadRequest("'cache_salt' must be a non-empty string", "cache_salt")
         # a default max_tokens never makes a request inadmissible: it is clamped to what max_model_len and the
         # KV cache (which can be smaller) leave after this prompt (an explicit max_tokens is checked as sent)
         room = max(1, min(self.engine.max_model_len, self.engine.kv_capacity_tokens) - len(prompt_token_ids))
@@ -286,8 +282,8 @@ class ServerBase:
             include_usage=include_usage,
             continuous_usage=continuous_usage,
             return_token_ids=return_token_ids,
-            priority=priority,
-            cache_salt=cache_salt,
+            priority=rp.priority,
+            cache_salt=rp.cache_salt,
             n=n,
             logprobs=logprobs,
             max_tokens_field=rp.max_tokens_field,

@@ -43,28 +43,23 @@ class _EventTemplate:
 
     def __init__(self, template: Any) -> None:
         self.template = template
-        self._parts: dict[int, tuple[bytes, bytes]] = {}
-        self._many: dict[int, list[bytes]] = {}  # templates with the slot in several fields: the bytes around them
+        self._parts: dict[int, list[bytes]] = {}  # the bytes around the slot(s): 2 pieces for 1 slot, k + 1 for k
 
-    def _split(self, i: int) -> tuple[bytes, bytes]:
-        raw = sse_event(self.template(i))
-        pieces = raw.split(encode_basestring(_SLOT).encode())
-        if len(pieces) > 2:
-            self._many[i] = pieces
-        pre, post = pieces[0], pieces[-1]
-        self._parts[i] = (pre, post)
-        return pre, post
+    def _split(self, i: int) -> list[bytes]:
+        pieces = sse_event(self.template(i)).split(encode_basestring(_SLOT).encode())
+        self._parts[i] = pieces
+        return pieces
 
     def parts(self, i: int) -> tuple[bytes, bytes]:
         """The bytes before and after the string for choice i (a template with one slot)."""
-        return self._parts.get(i) or self._split(i)
+        pieces = self._parts.get(i) or self._split(i)
+        return pieces[0], pieces[-1]
 
     def fill(self, i: int, text: str) -> bytes:
-        pre, post = self._parts.get(i) or self._split(i)
-        many = self._many.get(i)
-        if many is not None:  # the same string in several fields
-            return encode_basestring(text).encode().join(many)
-        return pre + encode_basestring(text).encode() + post
+        pieces = self._parts.get(i) or self._split(i)
+        if len(pieces) == 2:
+            return pieces[0] + encode_basestring(text).encode() + pieces[1]
+        return encode_basestring(text).encode().join(pieces)  # the same string in several fields
 
 
 class _Siblings:

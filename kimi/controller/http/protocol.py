@@ -3,7 +3,8 @@
 The declarations are the list of what each route accepts: a top-level field not declared here is a 400 naming it
 (`Fields.reject_unknown(declared=...)`), and `/openapi.json` is generated from them (kimi.controller.http.openapi).
 The values are read and checked by the routes (kimi.controller.params, kimi.controller.validation), whose messages
-name the field, the limit and the value sent; tests/unit/test_http_protocol.py checks that the two agree.
+name the field, the limit and the value sent (tests/e2e/test_vllm_fields.py sends every declared field at its default
+and every no-op extension at another value; tests/unit/test_http_protocol.py checks the declarations themselves).
 
 Fields of three kinds: the OpenAI ones kimi implements; vLLM's and SGLang's extensions kimi implements (e.g.
 `return_token_ids`, `separate_reasoning`); and extensions accepted only at their no-op value (`NOOP_VALUES`: e.g.

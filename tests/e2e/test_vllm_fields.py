@@ -8,6 +8,7 @@ card, and the 400s for values kimi cannot honour.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -476,3 +477,54 @@ def test_zmq_priority_and_cache_salt_follow_the_http_rules(srv, prio_srv):
     with KimiClient(prio_srv.zmq_addr, timeout_s=60) as c:
         outs = list(c.generate(prompt, max_tokens=2, priority=-5, ignore_eos=True))
     assert outs[-1].finished and outs[-1].error is None and outs[-1].num_output_tokens == 2
+
+
+def test_large_bodies_decode_through_the_structs_with_the_same_outcomes(srv):
+    """Bodies of 1 KiB or more are decoded by the route's Struct (msgspec), smaller ones by json.loads: the answers,
+    and every error's param and message, are the same either way."""
+    from kimi.controller.http.common import STRUCT_DECODE_MIN_BYTES
+
+    pad = "x" * STRUCT_DECODE_MIN_BYTES  # `user` is accepted and unused: it only makes the body large
+
+    def both(path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+        small = _post(srv, path, body)
+        large = _post(srv, path, {**body, "user": pad})
+        assert len(json.dumps({**body, "user": pad})) >= STRUCT_DECODE_MIN_BYTES
+        return small, large
+
+    ok = {"prompt": [100, 200, 300], "max_tokens": 4, "temperature": 0, "logprobs": 1, "n": 2, "seed": 3}
+    small, large = both("/v1/completions", ok)
+    assert small.status_code == large.status_code == 200
+    assert [c["text"] for c in small.json()["choices"]] == [c["text"] for c in large.json()["choices"]]
+    chat = {"messages": MSGS, "max_tokens": 3, "temperature": 0, "stream_options": {"include_usage": True}}
+    small, large = both("/v1/chat/completions", {**chat, "stream": True})
+    assert small.status_code == large.status_code == 200 and small.text.count("data:") == large.text.count("data:")
+    bad = [
+        ("/v1/completions", {"prompt": "a", "frobnicate": 1}),
+        ("/v1/completions", {"prompt": "a", "tools": []}),
+        ("/v1/completions", {"prompt": "a", "temperature": 3}),
+        ("/v1/completions", {"prompt": "a", "max_tokens": True}),
+        ("/v1/completions", {"prompt": "a", "top_k": 1.0}),
+        ("/v1/completions", {"prompt": "a", "stop_token_ids": [-1]}),
+        ("/v1/completions", {"prompt": "a", "seed": 2**64}),
+        ("/v1/completions", {"prompt": [1, "b"]}),
+        ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"bogus": True}}),
+        ("/v1/completions", {"prompt": "a", "use_beam_search": True}),
+        ("/v1/completions", {"prompt": "a", "min_tokens": 20, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": MSGS, "suffix": "x"}),
+        ("/v1/chat/completions", {"messages": MSGS, "reasoning_effort": "max"}),
+        ("/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}),
+    ]
+    for path, body in bad:
+        small, large = both(path, body)
+        assert small.status_code == large.status_code == 400, (body, small.text, large.text)
+        assert small.json() == large.json(), body
+    raw = '{"prompt": "a", "max_tokens": 2, "temperature": NaN, "user": "' + pad + '"}'  # json's literal: not finite
+    r = httpx.post(
+        f"{srv.base_url}/v1/completions",
+        content=raw,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"

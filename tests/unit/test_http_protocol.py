@@ -88,3 +88,27 @@ def test_docs_name_every_declared_field():
     for s in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest, p.StreamOptions):
         missing = [f for f in s.__struct_fields__ if f not in named]
         assert not missing, (s.__name__, missing)
+
+
+def test_decode_struct_fills_every_declared_field_or_refuses():
+    body = p.decode_struct(
+        b'{"prompt": [1, 2], "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}',
+        p.CompletionRequest,
+    )
+    assert body is not None and set(body) == set(p.CompletionRequest.__struct_fields__)
+    assert body["prompt"] == [1, 2] and body["temperature"] == 0.0 and body["n"] == 1
+    assert body["stream_options"] == {"include_usage": True}  # a plain dict, only the fields sent
+    for bad in (
+        b'{"prompt": "a", "frobnicate": 1}',  # undeclared: the readers name it (unknown field)
+        b'{"prompt": "a", "max_tokens": true}',  # a boolean is not an integer
+        b'{"prompt": "a", "top_k": 1.0}',
+        b'{"prompt": "a", "temperature": NaN}',  # json accepts the literal; the reader then says "not finite"
+        b'{"prompt": "a", "stop_token_ids": [-1]}',
+        b'{"prompt": "a"',  # malformed
+        b'{"messages": []}',  # chat's field on /v1/completions
+    ):
+        assert p.decode_struct(bad, p.CompletionRequest) is None, bad
+    assert p.decode_struct(b'{"messages": []}', p.ChatCompletionRequest) is None  # min_length 1
+    chat = p.decode_struct(b'{"messages": [{"role": "user", "content": "hi"}]}', p.ChatCompletionRequest)
+    assert chat is not None and chat["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat["parallel_tool_calls"] is True and chat["add_generation_prompt"] is True

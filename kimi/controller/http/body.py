@@ -75,3 +75,4 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 # a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): the walk above runs only for bodies holding one, so long
 # token-id prompts are not walked element by element
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")  # the same in a raw body (bodies the Structs skip)

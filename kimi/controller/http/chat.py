@@ -20,7 +20,7 @@ from kimi.controller.http.common import (
     _token_logprobs,
     error_response,
 )
-from kimi.controller.http.protocol import CHAT_FIELDS
+from kimi.controller.http.protocol import CHAT_FIELDS, ChatCompletionRequest
 from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
 from kimi.controller.offload import run_sized
 from kimi.controller.params import MAX_LOGPROBS
@@ -68,7 +68,7 @@ class ChatAPI(ServerBase):
 
     async def chat_completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
-            f = await self._body(request)
+            f = await self._body(request, struct=ChatCompletionRequest)
             messages = f._get("messages")
             tools, parse_tools, parallel = self._tool_args(f)
             want_lp = f.bool("logprobs", False)

@@ -11,7 +11,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from kimi.controller.http.common import CHAT_ONLY_FIELDS, ServerBase, _Choice, _finite, _token_logprobs, error_response
-from kimi.controller.http.protocol import COMPLETION_FIELDS
+from kimi.controller.http.protocol import COMPLETION_FIELDS, CompletionRequest
 from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
 from kimi.controller.offload import run_sized
 from kimi.controller.params import MAX_LOGPROBS
@@ -141,7 +141,7 @@ class CompletionsAPI(ServerBase):
 
     async def completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
-            f = await self._body(request)
+            f = await self._body(request, struct=CompletionRequest)
             prompts, prompt_texts = await self._completion_prompts(f._get("prompt"))
             echo = f.bool("echo", False)
             logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)

@@ -2,9 +2,12 @@
 
 The declarations are the list of what each route accepts: a top-level field not declared here is a 400 naming it
 (`Fields.reject_unknown(declared=...)`), and `/openapi.json` is generated from them (kimi.controller.http.openapi).
-The values are read and checked by the routes (kimi.controller.params, kimi.controller.validation), whose messages
-name the field, the limit and the value sent (tests/e2e/test_vllm_fields.py sends every declared field at its default
-and every no-op extension at another value; tests/unit/test_http_protocol.py checks the declarations themselves).
+The generation routes decode their body with them (`decode_struct`: msgspec checks JSON types and ranges in C); a
+body they refuse, and any body holding a `\\uD800`-style escape, is decoded again by Python's json module so that the
+route's readers (kimi.controller.params, kimi.controller.validation) name the first bad field in kimi's words. The
+readers check every value either way, so what is accepted and every error message are the readers'.
+tests/e2e/test_vllm_fields.py sends every declared field at its default and every no-op extension at another value;
+tests/unit/test_http_protocol.py checks the declarations themselves.
 
 Fields of three kinds: the OpenAI ones kimi implements; vLLM's and SGLang's extensions kimi implements (e.g.
 `return_token_ids`, `separate_reasoning`); and extensions accepted only at their no-op value (`NOOP_VALUES`: e.g.
@@ -104,7 +107,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     ebnf: str | None = None
 
 
-class CompletionRequest(GenerationRequest, kw_only=True, omit_defaults=True):
+class CompletionRequest(GenerationRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """`POST /v1/completions`."""
 
     prompt: Annotated[
@@ -117,7 +120,7 @@ class CompletionRequest(GenerationRequest, kw_only=True, omit_defaults=True):
     prompt_embeds: str | list[str] | None = None
 
 
-class ChatCompletionRequest(GenerationRequest, kw_only=True, omit_defaults=True):
+class ChatCompletionRequest(GenerationRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """`POST /v1/chat/completions`."""
 
     messages: Annotated[
@@ -205,6 +208,27 @@ NULL_ONLY: dict[str, str] = {
     "regex": "this server has no guided decoding",
     "ebnf": "this server has no guided decoding",
 }
+
+
+_DECODERS: dict[type[msgspec.Struct], msgspec.json.Decoder[Any]] = {}
+
+
+def decode_struct(raw: bytes, struct: type[msgspec.Struct]) -> dict[str, Any] | None:
+    """A body's bytes -> {field: value} for every declared field (defaults filled in; `stream_options` as a dict),
+    or None when msgspec refuses the body (malformed JSON or UTF-8, an undeclared field, a wrong JSON type, a value
+    outside its declared range): the caller then decodes it with Python's json module to name the problem."""
+    dec = _DECODERS.get(struct)
+    if dec is None:
+        dec = _DECODERS[struct] = msgspec.json.Decoder(struct)
+    try:
+        obj = dec.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    body = msgspec.structs.asdict(obj)
+    so = body.get("stream_options")
+    if so is not None:
+        body["stream_options"] = {k: v for k, v in msgspec.structs.asdict(so).items() if v is not None}
+    return body
 
 
 def declared(struct: type[msgspec.Struct]) -> frozenset[str]:

@@ -8,7 +8,9 @@ Each step (`schedule`):
    A request whose new tokens need a KV block when none is free preempts the newest running request not
    yet scheduled this step (its blocks are freed but stay in the prefix cache; it goes back to the front of
    the waiting queue and is recomputed later from its prompt and outputs so far, which then mostly hits
-   the cache).
+   the cache). Under policy "priority" the running requests are kept in (priority, arrival) order instead of
+   arrival order, so higher priorities are scheduled first and the lowest priority is preempted first (vLLM's
+   rule), and the waiting queue is sorted the same way.
    While requests wait (and one could start: `max_num_seqs` not reached, the head of the queue not waiting for
    its leader), those prompt chunks leave `waiting_reserve` tokens of the budget to the waiting requests, so a
    short request that arrives behind a long prompt starts within a step rather than after the whole prompt.
@@ -307,7 +309,10 @@ class Scheduler:
             num_new, _ = got
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.config.policy == "priority":  # running in (priority, arrival) order: the last is preempted first
+                bisect.insort_right(self.running, req, key=_priority_key)
+            else:
+                self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True, req.num_preemptions))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order

@@ -306,3 +306,28 @@ def test_preempted_request_goes_back_at_its_priority():
     # preempted, a re-enters after `late` (priority 0) and before b (the same priority, a later arrival)
     s._preempt(a, SchedulerOutput([], []))
     assert [r.rid for r in s.waiting] == [3, 1, 2]
+
+
+def test_priority_policy_preempts_the_lowest_priority_first():
+    """KV pressure: under "priority" the running request of the worst priority is preempted although it started
+    first; under "fcfs" the newest is."""
+
+    def first_preempted(policy: str) -> int:
+        cfg = SchedulerConfig(max_num_seqs=4, token_budget=64, max_model_len=4096, policy=policy)
+        s = Scheduler(cfg, BlockPool(6, BS))  # 5 usable blocks of 4 tokens
+        low = make(1, [1] * 4, max_tokens=40)
+        low.priority, low.arrival_time = 9 if policy == "priority" else 0, 1.0
+        s.add(low)
+        step(s)
+        step(s)  # low is running
+        high = make(2, [2] * 4, max_tokens=40)
+        high.arrival_time = 2.0
+        s.add(high)
+        for _ in range(20):
+            out = step(s)
+            if out.preempted:
+                return out.preempted[0].rid
+        raise AssertionError("no preemption")
+
+    assert first_preempted("priority") == 1
+    assert first_preempted("fcfs") == 2

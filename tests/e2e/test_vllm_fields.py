@@ -298,6 +298,22 @@ def test_return_token_ids_chat(srv, client):
     )
     assert r.model_extra["prompt_token_ids"] == _post(srv, "/tokenize", {"messages": MSGS}).json()["tokens"]
     assert len(r.choices[0].model_extra["token_ids"]) == r.usage.completion_tokens
+    heads, ids = [], {0: [], 1: []}
+    for ch in client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=4,
+        temperature=0,
+        n=2,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    ):
+        if "prompt_token_ids" in (ch.model_extra or {}):
+            heads.append(ch.model_extra["prompt_token_ids"])
+        for c in ch.choices:
+            ids[c.index] += (c.model_extra or {}).get("token_ids", [])
+    assert heads == [r.model_extra["prompt_token_ids"]]  # once per stream
+    assert ids[0] == ids[1] == r.choices[0].model_extra["token_ids"]  # greedy: both choices, as not streamed
 
 
 # ---- chat: prefill, echo, reasoning_effort ---------------------------------------------------------------

@@ -304,7 +304,7 @@ class ChatAPI(ServerBase):
                         }
                     ],
                     **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
-                    **({"prompt_token_ids": ids} if token_ids_out else {}),
+                    **({"prompt_token_ids": ids} if token_ids_out and c.index == 0 else {}),
                 }
             )
             + (

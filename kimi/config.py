@@ -374,13 +374,16 @@ class SchedulerConfig:
     max_num_seqs: running requests per DP rank; token_budget: tokens (prefill chunk + decodes) per step;
     max_model_len: prompt + generated tokens per request; waiting_reserve: tokens of each step's budget that the
     prompt chunks of running requests leave to waiting requests while some wait (so a short request arriving
-    behind a long prompt starts within a step instead of after that whole prompt; 0: none).
+    behind a long prompt starts within a step instead of after that whole prompt; 0: none). policy: the order in
+    which waiting requests start: "fcfs" (arrival) or "priority" (a request's `priority`, lower first, then
+    arrival; vLLM's rule).
     """
 
     max_num_seqs: int = 256
     token_budget: int = 2048
     max_model_len: int = 8192
     waiting_reserve: int = 512
+    policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

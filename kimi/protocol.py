@@ -186,7 +186,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     that many tokens; stop: a string or up to 4 non-empty strings that end generation (stop_reason = the
     string; text that could still begin one is held back, never sent); include_stop_str_in_output: keep the
     matched stop string in the text. response_format / structured_outputs: an output constraint (guided decoding), as
-    the HTTP API's fields of these names.
+    the HTTP API's fields of these names; priority: with `kimi serve --scheduling-policy priority` waiting requests
+    start by (priority, arrival), lower first (non-zero under fcfs is an error); cache_salt: a non-empty string,
+    requests share prefix-cache blocks only with requests of the same salt.
 
     Wire format: the fields from `min_p` on were appended later; a message that ends before them (an older
     client) decodes with their defaults.
@@ -216,6 +218,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, frozen=True, tag=30, kw_onl
     # appended: guided decoding, as the HTTP fields of the same names (docs/api.md, "Guided decoding")
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # appended: scheduling order and prefix-cache isolation (the HTTP API's fields of the same names)
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag=31):

@@ -81,6 +81,7 @@ class ServeArgs:
     log_level: str = "info"
     no_prefix_cache: bool = False
     max_waiting: int = 1024
+    scheduling_policy: str = "fcfs"
     fake_workers: bool = False
     api_key: str | None = None
     max_body_bytes: int = 32 << 20
@@ -194,6 +195,8 @@ def check_serve_args(a: ServeArgs) -> str | None:
         return "--host must not be empty"
     if a.served_model_name is not None and not a.served_model_name.strip():
         return "--served-model-name must not be empty"
+    if a.scheduling_policy not in ("fcfs", "priority"):
+        return f"--scheduling-policy must be fcfs or priority, got {a.scheduling_policy!r}"
     return None
 
 
@@ -307,6 +310,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=_numeric("max_waiting"),
         default=1024,
         help="waiting requests beyond which new ones get HTTP 503 with Retry-After",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="the order waiting requests start in: fcfs (arrival) or priority (the request's `priority`, lower "
+        "first, then arrival)",
     )
     p.add_argument(
         "--fake-workers",
@@ -765,7 +775,12 @@ async def serve(a: ServeArgs) -> int:
         engine = Engine(
             tokenizer,
             eos,
-            SchedulerConfig(max_num_seqs=a.max_num_seqs, token_budget=a.token_budget, max_model_len=max_model_len),
+            SchedulerConfig(
+                max_num_seqs=a.max_num_seqs,
+                token_budget=a.token_budget,
+                max_model_len=max_model_len,
+                policy=a.scheduling_policy,
+            ),
             CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gib=a.kv_cache_memory_gib),
             transport,
             vocab_size=cfg.vocab_size,
@@ -801,6 +816,7 @@ async def serve(a: ServeArgs) -> int:
         body_timeout_s=a.request_body_timeout,
         thinking_model=thinking_model,
         chat_max_tokens=cfg.max_new_tokens,
+        model_root=a.model,
     )
     security = SecurityConfig(
         bind_host=a.host,

@@ -34,13 +34,27 @@ class NoFreeBlocks(RuntimeError):
     """Raised by `allocate` when fewer blocks are free than asked for (nothing is allocated then)."""
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = b"") -> list[bytes]:
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: b"" without a salt; with one, a 16-byte blake2b digest of the
+    salt (its own `person`, so it is no block's hash), which every later block's hash chains from: requests with
+    different salts never share a cached block (vLLM's `cache_salt`)."""
+    if not cache_salt:
+        return b""
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"kimi-salt").digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = b"", cache_salt: str | None = None
+) -> list[bytes]:
     """Chained hashes of the full blocks of `token_ids`, beginning with block index `start`.
 
     token_ids: the whole token sequence (ints in [0, 2^63)); only blocks that are completely filled are
-    hashed. `parent` must be the hash of block `start - 1` (b"" when start == 0).
+    hashed. `parent` must be the hash of block `start - 1` (ignored when start == 0: the first block's parent is
+    `salt_root(cache_salt)`).
     Returns one 16-byte blake2b digest per full block from `start` on. Raises OverflowError on ids >= 2^63.
     """
+    if start == 0:
+        parent = salt_root(cache_salt)
     out: list[bytes] = []
     n_full = len(token_ids) // block_size
     for i in range(start, n_full):

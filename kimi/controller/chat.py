@@ -247,8 +247,12 @@ def encode_chat(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
     max_model_len: int | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """Prompt token ids for a chat request (generation prompt appended).
+    """Prompt token ids for a chat request (with add_generation_prompt, the template's generation prompt appended;
+    with continue_final_message, the prompt ends right after the final message's content, which the model then
+    continues: assistant prefill, as vLLM; the template must render that content, else a 400 naming `messages`).
 
     Every user-controlled string that the template copies (content, names, tool-call ids and arguments,
     tool_call_id) is encoded with special tokens disallowed. The prompt is split at the template's control tokens
@@ -284,15 +288,22 @@ def encode_chat(
         return f"{_MARK}{len(pieces) - 1}{_MARK}"
 
     marked = []
+    final_piece = -1  # continue_final_message: the index of the final message's last content piece
     for i, m in enumerate(messages):
         m2 = dict(m)
         c = m.get("content")
-        if isinstance(c, str):
+        final = continue_final_message and i == len(messages) - 1
+        if final and not c:  # an empty prefill: its marker still shows where the content goes
+            c = ""
+            m2["content"] = mark("", f"messages[{i}].content")
+        elif isinstance(c, str):
             m2["content"] = mark(c, f"messages[{i}].content") if c else c
         elif isinstance(c, list):
             m2["content"] = [
                 {**part, "text": mark(part["text"], f"messages[{i}].content[{j}].text")} for j, part in enumerate(c)
             ]
+        if final:
+            final_piece = len(pieces) - 1
         if isinstance(m.get("name"), str) and m["name"]:
             m2["name"] = mark(m["name"], f"messages[{i}].name")
         if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
@@ -319,11 +330,13 @@ def encode_chat(
     if max_model_len is not None:  # the prompt holds every piece: refuse one surely too long before tokenizing it
         check_prompt_text_fits(tokenizer, "".join(pieces), max_model_len, "messages", "the messages' text has")
     try:
-        rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, **template_kwargs)
+        rendered = tokenizer.apply_chat_template(
+            marked, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     except ValueError as e:
         if template_kwargs:  # blame the kwargs when the template renders these messages without them
             try:
-                tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True)
+                tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=add_generation_prompt)
             except ValueError:
                 pass
             else:
@@ -333,6 +346,15 @@ def encode_chat(
                     "chat_template_kwargs",
                 ) from None
         raise BadRequest(str(e), "messages") from None
+    if continue_final_message:  # cut after the final message's last piece of content
+        end = f"{_MARK}{final_piece}{_MARK}"
+        at = rendered.rfind(end)
+        if final_piece < 0 or at < 0:
+            raise BadRequest(
+                "'continue_final_message': the chat template does not render the final message's content",
+                "messages",
+            )
+        rendered = rendered[: at + len(end)]
     # Tokenize as encode(rendered prompt, allow_special=True) would (HF / vLLM): the text between two control
     # tokens is ONE ordinary run, whether it comes from the template or from the request, so a message's text
     # merges with the template text around it as it does there (" functions" after "## Return of", "foo" + "bar"

@@ -37,6 +37,7 @@ import msgspec
 
 from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
+from kimi.controller.admission import AdmissionError, AdmissionReason, QueueFull
 from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.output import OutputProcessor
 from kimi.controller.request import OutputStream, Request, RequestStatus, StopParams
@@ -52,28 +53,12 @@ from kimi.tokenizer import KimiTokenizer
 HEARTBEAT_S = 1.0
 
 log = logging.getLogger("kimi.engine")
+__all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFull"]
 
 # Liveness (the local torchrun's exit, the ranks' heartbeats) is checked at least this often, s: on every wait for
 # results that times out, and after a step once this long has passed since the last check (steps shorter than a
 # wait's timeout would otherwise never trigger it under load: a killed torchrun went unnoticed until idle)
 LIVENESS_PERIOD_S = 0.5
-
-
-class AdmissionError(ValueError):
-    """A request that can never run (too long for max_model_len or for the whole KV cache).
-
-    `param` names the offending request field for the HTTP 400.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFull(AdmissionError):
-    """The waiting queue holds `max_waiting` requests already; retry later (HTTP 503 + Retry-After)."""
-
-    retry_after_s = 1
 
 
 class EngineDead(RuntimeError):
@@ -225,12 +210,17 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure.
 
         Raises QueueFull (an AdmissionError) when `max_waiting` requests are already waiting.
         leader: request id of an earlier sibling with the same prompt (OpenAI `n` > 1): this request runs on
         the leader's DP rank and starts once the leader's prompt KV is in the prefix cache, so it is shared.
+        priority: the waiting order under the scheduler's policy "priority" (lower first); under "fcfs" it must be
+        0 (AdmissionError naming `priority`, as vLLM). cache_salt: requests share prefix-cache blocks only with
+        requests of the same salt (None: the unsalted ones).
         """
         if self.fatal_error is not None:
             raise EngineDead(self.fatal_error)
@@ -238,46 +228,34 @@ class Engine:
             raise EngineDead(self.closing)
         if not self.ready:
             raise EngineDead("the engine is still loading")
+        R = AdmissionReason
         if request_id in self.requests:
-            raise AdmissionError(f"request id {request_id!r} is already in use", "request_id")
+            raise AdmissionError(R.DUPLICATE_ID, "request_id", request_id=request_id)
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise AdmissionError(R.PRIORITY_POLICY, "priority", value=priority)
         n = len(prompt_token_ids)
         if n == 0:
-            raise AdmissionError("the prompt is empty", "prompt")
+            raise AdmissionError(R.EMPTY_PROMPT, "prompt", value=0)
         if n >= self.max_model_len:  # before the per-id scan below: a huge prompt is refused in O(1) (the loop waits)
-            raise AdmissionError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{n} tokens, which leaves no room for a generated token",
-                "prompt",
-            )
+            raise AdmissionError(R.PROMPT_TOO_LONG, "prompt", limit=self.max_model_len, value=n)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        if stop.max_tokens < 1:
-            raise AdmissionError(f"max_tokens must be at least 1, got {stop.max_tokens}", "max_tokens")
-        if n + stop.max_tokens > self.max_model_len:
-            raise AdmissionError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
-                f"tokens and max_tokens asks for {stop.max_tokens} more",
-                "max_tokens",
-            )
+            raise AdmissionError(R.TOKEN_OUT_OF_VOCAB, "prompt", limit=self.vocab_size, value=bad[0])
+        mt = stop.max_tokens
+        if mt < 1:
+            raise AdmissionError(R.MAX_TOKENS_TOO_SMALL, "max_tokens", limit=1, value=mt)
+        if n + mt > self.max_model_len:
+            raise AdmissionError(R.CONTEXT_OVERFLOW, "max_tokens", limit=self.max_model_len, value=mt, prompt_tokens=n)
         if n >= self.kv_capacity_tokens:
-            raise AdmissionError(
-                f"the prompt ({n} tokens) fills the KV cache capacity of {self.kv_capacity_tokens} "
-                "tokens, which leaves no room for a generated token",
-                "prompt",
-            )
-        if n + stop.max_tokens > self.kv_capacity_tokens:
-            raise AdmissionError(
-                f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the KV cache capacity of "
-                f"{self.kv_capacity_tokens} tokens",
-                "max_tokens",
-            )
+            raise AdmissionError(R.PROMPT_FILLS_KV, "prompt", limit=self.kv_capacity_tokens, value=n)
+        if n + mt > self.kv_capacity_tokens:
+            raise AdmissionError(R.KV_OVERFLOW, "max_tokens", limit=self.kv_capacity_tokens, value=mt, prompt_tokens=n)
         try:  # the sampling parameters go to every worker in the next plan: they must encode
             protocol.encode(sampling)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
-            raise AdmissionError(f"sampling parameters cannot be sent to the workers: {e}", None) from None
+            raise AdmissionError(R.UNENCODABLE, None, detail=str(e)) from None
         if self.num_waiting >= self.max_waiting:
-            raise QueueFull(f"the server's waiting queue is full ({self.max_waiting} requests); retry later")
+            raise QueueFull(R.QUEUE_FULL, None, limit=self.max_waiting)
         rid = next(self._rids)
         req = Request(
             rid=rid,
@@ -288,6 +266,8 @@ class Engine:
             stop=stop,
             skip_special_tokens=skip_special_tokens,
             outputs=OutputStream(),
+            priority=priority,
+            cache_salt=cache_salt or None,
         )
         self.output.start(req)
         self.requests[request_id] = req
@@ -296,7 +276,7 @@ class Engine:
         if self.enable_prefix_caching and len(self.schedulers) > 1:
             # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
             bs = self.schedulers[0].block_pool.block_size
-            req.block_hashes = block_hashes(req.token_ids, bs)
+            req.block_hashes = block_hashes(req.token_ids, bs, cache_salt=req.cache_salt)
             affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
         lead = self.requests.get(leader) if leader is not None else None
         if lead is not None and self.enable_prefix_caching:
@@ -325,13 +305,17 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Admit (AdmissionError raised here, before anything is yielded) and stream the request's deltas.
 
         The last delta has finished=True. If the consumer stops early (client gone), the request is aborted.
-        leader: see `add_request`.
+        leader, priority, cache_salt: see `add_request`.
         """
-        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
+        req = self.add_request(
+            request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader, priority, cache_salt
+        )
         return self._stream(req)
 
     async def generate_batches(
@@ -342,13 +326,18 @@ class Engine:
         stop: StopParams,
         skip_special_tokens: bool = True,
         leader: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """`generate`, but each item is a non-empty list of the deltas that arrived since the last item.
 
         The reader wakes once per engine step (not once per delta), which is what the HTTP streaming path
         uses. The last delta of the last list has finished=True; an early exit aborts the request.
+        priority, cache_salt: see `add_request`.
         """
-        req = self.add_request(request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader)
+        req = self.add_request(
+            request_id, prompt_token_ids, sampling, stop, skip_special_tokens, leader, priority, cache_salt
+        )
         return self._stream_batches(req)
 
     async def _stream(self, req: Request) -> AsyncGenerator[RequestOutput, None]:

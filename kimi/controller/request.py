@@ -144,6 +144,8 @@ class Request:
     num_cached_tokens: int = 0
     was_scheduled: bool = False
     num_preemptions: int = 0
+    priority: int = 0  # the scheduler's order under policy "priority" (lower first)
+    cache_salt: str | None = None  # folded into the first block's hash: only requests with this salt share blocks
 
     @property
     def num_output_tokens(self) -> int:

@@ -8,7 +8,9 @@ Each step (`schedule`):
    A request whose new tokens need a KV block when none is free preempts the newest running request not
    yet scheduled this step (its blocks are freed but stay in the prefix cache; it goes back to the front of
    the waiting queue and is recomputed later from its prompt and outputs so far, which then mostly hits
-   the cache).
+   the cache). Under policy "priority" the running requests are kept in (priority, arrival) order instead of
+   arrival order, so higher priorities are scheduled first and the lowest priority is preempted first (vLLM's
+   rule), and the waiting queue is sorted the same way.
    While requests wait (and one could start: `max_num_seqs` not reached, the head of the queue not waiting for
    its leader), those prompt chunks leave `waiting_reserve` tokens of the budget to the waiting requests, so a
    short request that arrives behind a long prompt starts within a step rather than after the whole prompt.
@@ -36,6 +38,7 @@ whose prompt + max_tokens exceed what the whole cache holds.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -92,10 +95,19 @@ class Scheduler:
 
     # ---- queue management ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Append a new request to the waiting queue (FCFS)."""
+        """Queue a new request: at the end (policy "fcfs"), or (policy "priority") after every waiting request of
+        a lower or equal (priority, arrival)."""
         req.dp_rank = self.dp_rank
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        if self.config.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Insert into the waiting queue, which policy "priority" keeps sorted by (priority, arrival)."""
+        i = bisect.bisect_right(self.waiting, (req.priority, req.arrival_time), key=_priority_key)
+        self.waiting.insert(i, req)
 
     def remove(self, req: Request) -> bool:
         """Take a request out (finished or aborted) and free its blocks. Returns True if the workers hold it."""
@@ -131,7 +143,7 @@ class Scheduler:
         have = len(req.block_hashes)
         if have < len(req.token_ids) // bs:
             parent = req.block_hashes[-1] if have else b""
-            req.block_hashes.extend(block_hashes(req.token_ids, bs, have, parent))
+            req.block_hashes.extend(block_hashes(req.token_ids, bs, have, parent, req.cache_salt))
 
     def commit(self, req: Request) -> None:
         """Register req's full blocks whose KV is now computed (call after a step's tokens are applied)."""
@@ -180,7 +192,10 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
+        if self.config.policy == "priority":  # back among the waiting at its (priority, arrival)
+            self._insert_by_priority(victim)
+        else:
+            self.waiting.appendleft(victim)
         if held:
             out.preempted.append(victim)
 
@@ -294,7 +309,10 @@ class Scheduler:
             num_new, _ = got
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.config.policy == "priority":  # running in (priority, arrival) order: the last is preempted first
+                bisect.insort_right(self.running, req, key=_priority_key)
+            else:
+                self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True, req.num_preemptions))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
@@ -317,3 +335,8 @@ def _waits_for_leader(req: Request) -> bool:
     return (
         lead is not None and lead.status != RequestStatus.FINISHED and lead.num_computed_tokens < lead.num_prompt_tokens
     )
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    """The waiting order under policy "priority": lower priority first, then earlier arrival."""
+    return (req.priority, req.arrival_time)

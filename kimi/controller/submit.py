@@ -24,22 +24,12 @@ import zmq
 import zmq.asyncio
 
 from kimi import protocol
+from kimi.controller.admission import admission_message
 from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.offload import run_sized
-from kimi.controller.request import StopParams
-from kimi.controller.validation import (
-    MAX_LOGPROBS,
-    BadRequest,
-    Fields,
-    check_prompt_text_fits,
-    generation_params,
-    read_logit_bias,
-    read_min_tokens,
-    read_sampling,
-    read_stop_strings,
-    read_stop_token_ids,
-)
-from kimi.protocol import RequestOutput, SamplingParams
+from kimi.controller.params import MAX_LOGPROBS, RequestParams, sampling_params
+from kimi.controller.validation import BadRequest, Fields, check_prompt_text_fits
+from kimi.protocol import RequestOutput
 from kimi.structured_output.request import completion_grammar, constrain
 from kimi.tokenizer import KimiTokenizer
 
@@ -117,10 +107,8 @@ class SubmitServer:
     def _error(self, request_id: str, msg: str) -> RequestOutput:
         return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True, error=msg)
 
-    def _validate(
-        self, r: protocol.SubmitRequest, prompt_ids: list[int] | None
-    ) -> tuple[list[int], SamplingParams, StopParams]:
-        """The request's prompt ids, SamplingParams and StopParams; raises BadRequest naming the bad field.
+    def _validate(self, r: protocol.SubmitRequest, prompt_ids: list[int] | None) -> tuple[list[int], RequestParams]:
+        """The request's prompt ids and RequestParams; raises BadRequest naming the bad field.
         prompt_ids: r.prompt tokenized (by _admit, off the event loop for a large prompt) when it is a non-empty
         string, else unused.
 
@@ -147,30 +135,15 @@ class SubmitServer:
             raise BadRequest("give exactly one of 'prompt' and 'prompt_token_ids'", "prompt")
         f = Fields(msgspec.structs.asdict(r), "message")
         logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)  # where /v1/completions reads it
-        sampling = read_sampling(f)
-        lb_ids, lb_vals = read_logit_bias(f, self.vocab_size)
-        stop = read_stop_strings(f)
-        include_stop = f.bool("include_stop_str_in_output", False)
-        stop_ids = read_stop_token_ids(f, self.vocab_size)
-        ignore_eos = f.bool("ignore_eos", False)
-        f.bool("skip_special_tokens", True)
-        max_tokens = f.int("max_tokens", 16, lo=1)
-        min_tokens = read_min_tokens(f, max_tokens)
-        sp, st = generation_params(
-            sampling,
+        rp = sampling_params(
+            f,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.engine.eos_token_ids,
             logprobs=logprobs,
             prompt_logprobs=-1,
-            logit_bias_ids=lb_ids,
-            logit_bias_values=lb_vals,
-            stop=stop,
-            include_stop_str_in_output=include_stop,
-            stop_token_ids=stop_ids,
-            ignore_eos=ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            eos_token_ids=self.engine.eos_token_ids,
+            max_tokens_default=16,
         )
-        return ids, sp, st
+        return ids, rp
 
     async def _admit(self, ident: bytes, r: protocol.SubmitRequest) -> AsyncIterator[RequestOutput] | None:
         """Validate and admit a submission, in the receive loop itself (`Engine.generate` admits without
@@ -182,18 +155,26 @@ class SubmitServer:
             if r.prompt and r.prompt_token_ids is None:
                 check_prompt_text_fits(self.tokenizer, r.prompt, self.engine.max_model_len)
             pre = await run_sized(len(r.prompt), self.tokenizer.encode, r.prompt) if r.prompt else None
-            ids, sp, st = self._validate(r, pre)
+            ids, rp = self._validate(r, pre)
             guided = completion_grammar(
                 {"response_format": r.response_format, "structured_outputs": r.structured_outputs}
             )
-            sp = await constrain(self.engine.grammars, guided, sp)
-            return await self.engine.generate(self._key(ident, r.request_id), ids, sp, st, r.skip_special_tokens)
+            sampling = await constrain(self.engine.grammars, guided, rp.sampling)
+            return await self.engine.generate(
+                self._key(ident, r.request_id),
+                ids,
+                sampling,
+                rp.stop,
+                r.skip_special_tokens,
+                priority=rp.priority,
+                cache_salt=rp.cache_salt,
+            )
         except BadRequest as e:
             await self._reply(ident, self._error(r.request_id, e.message))
-        except (ValueError, AdmissionError, EngineDead) as e:  # the engine names the request by its internal key
-            await self._reply(
-                ident, self._error(r.request_id, str(e).replace(self._key(ident, r.request_id), r.request_id))
-            )
+        except AdmissionError as e:  # written with the client's request id (the engine's key is internal)
+            await self._reply(ident, self._error(r.request_id, admission_message(e, request_id=r.request_id)))
+        except (ValueError, EngineDead) as e:
+            await self._reply(ident, self._error(r.request_id, str(e)))
         return None
 
     async def _forward(self, ident: bytes, request_id: str, stream: AsyncIterator[RequestOutput]) -> None:

@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import builtins
 import math
-import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, overload
-
-from kimi.controller.request import StopParams
-from kimi.controller.stops import MAX_STOP_STRINGS
-from kimi.protocol import SamplingParams
 
 
 class BadRequest(Exception):
@@ -154,13 +148,21 @@ class Fields:
         """Fields that change nothing about generation (e.g. `user`), accepted as given."""
         self.seen.update(names)
 
-    def reject_unknown(self, elsewhere: tuple[builtins.str, frozenset[builtins.str]] | None = None) -> None:
+    def reject_unknown(
+        self,
+        elsewhere: tuple[builtins.str, frozenset[builtins.str]] | None = None,
+        declared: frozenset[builtins.str] | None = None,
+    ) -> None:
         """A 400 naming the first field of the body that no check read (None values pass). elsewhere: (path, fields)
-        of the other endpoint, whose fields the message then points to (e.g. `tools` sent to /v1/completions)."""
+        of the other endpoint, whose fields the message then points to (e.g. `tools` sent to /v1/completions).
+        declared: the route's declared fields (kimi.controller.http.protocol); a field outside them is unknown, one
+        declared but not read does not apply to this request (e.g. `tools` beside a /tokenize `prompt`)."""
         for k, v in self.body.items():
             if k not in self.seen and v is not None:
                 if elsewhere is not None and k in elsewhere[1]:
                     raise BadRequest(f"'{k}' is not supported on this endpoint; it is a field of {elsewhere[0]}", k)
+                if declared is not None and k in declared:
+                    raise BadRequest(f"'{k}' does not apply to this request", k)
                 raise BadRequest(f"'{k}' is not supported by this server", k)
 
 
@@ -209,166 +211,6 @@ def json_path(parts: list[str | int]) -> str:
 def _json_type(v: Any) -> str:
     """The JSON type name of a decoded value (for error messages and exact-type comparisons)."""
     return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
-
-
-# ---- rules shared by the HTTP routes (kimi.controller.http) and the ZeroMQ submit API (kimi.controller.submit)
-# Both front-ends read a `Fields` (the ZeroMQ side builds one from a decoded SubmitRequest), so a field has one
-# rule, one error message and one way of becoming SamplingParams / StopParams, whichever way it arrives.
-
-MAX_LOGPROBS = 20
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 1024
-# canonical ASCII decimal: no "+", space, "_" or leading 0 ("-5" is canonical, and outside any vocabulary)
-_TOKEN_ID_KEY = re.compile(r"0|-?[1-9][0-9]*")
-
-
-@dataclass
-class SamplingFields:
-    """The per-token sampling controls of one request, validated (`read_sampling`)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int | None
-
-
-def read_sampling(f: Fields) -> SamplingFields:
-    """temperature [0, 2], top_p (0, 1], top_k >= -1 (-1 and 0 = off), min_p [0, 1], presence / frequency
-    penalties [-2, 2], repetition_penalty (0, 10], seed a signed 64-bit integer (None = unseeded); read in
-    this order (the first bad field is the one reported)."""
-    temperature = f.float("temperature", 1.0, lambda v: 0.0 <= v <= 2.0, "in [0, 2]")
-    top_p = f.float("top_p", 1.0, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
-    top_k = f.int("top_k", 0, lo=-1)
-    if top_k == -1:
-        top_k = 0
-    min_p = f.float("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-    presence = f.float("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
-    frequency = f.float("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
-    repetition = f.float("repetition_penalty", 1.0, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
-    seed = f.int("seed", None, lo=-(2**63), hi=2**63 - 1)
-    return SamplingFields(temperature, top_p, top_k, min_p, presence, frequency, repetition, seed)
-
-
-def read_logit_bias(f: Fields, vocab_size: int) -> tuple[list[int], list[float]]:
-    """`logit_bias`: {token id: bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries, ids in [0, vocab_size)
-    -> (ids, biases) in the mapping's order. A key is an int (ZeroMQ) or, as JSON keys are strings, the id's
-    canonical decimal string ("0", "5", "163839"; "-1" is out of range like the int -1); " 5", "+5", "05",
-    "1_0", "5.0" and non-ASCII digits are rejected (Python's int() would take most of them)."""
-    lb = f._get("logit_bias")
-    if lb is None:
-        return [], []
-    if not isinstance(lb, dict):
-        raise BadRequest("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    if len(lb) > MAX_LOGIT_BIAS:
-        raise BadRequest(f"'logit_bias' holds more than {MAX_LOGIT_BIAS} entries", "logit_bias")
-    ids, vals = [], []
-    for k, v in lb.items():
-        if isinstance(k, int) and not isinstance(k, bool):
-            tid = k
-        elif isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k):
-            if len(k) > 18:  # further from 0 than than any vocabulary (and int() of a huge string is slow or refused)
-                raise BadRequest(
-                    f"'logit_bias' token id {k[:24]}... is outside the vocabulary [0, {vocab_size})", "logit_bias"
-                )
-            tid = int(k)
-        else:
-            raise BadRequest(
-                f"'logit_bias' key {k!r:.40} is not a token id (a non-negative decimal integer without "
-                "sign, spaces or leading zeros)",
-                "logit_bias",
-            )
-        if not 0 <= tid < vocab_size:
-            raise BadRequest(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        # the range test also refuses NaN and the infinities, and compares integers of any size without a float
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise BadRequest(f"'logit_bias' value for {tid} must be a number in [-100, 100]", "logit_bias")
-        ids.append(tid)
-        vals.append(float(v))
-    return ids, vals
-
-
-def read_stop_strings(f: Fields) -> tuple[str, ...]:
-    """`stop`: a string or a list of up to MAX_STOP_STRINGS non-empty strings -> the distinct strings, in order."""
-    stop = f._get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("'stop' must be a string or a list of strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-    if any(s == "" for s in stop):
-        raise BadRequest("'stop' strings must not be empty", "stop")
-    return tuple(dict.fromkeys(stop))
-
-
-def read_stop_token_ids(f: Fields, vocab_size: int) -> list[int]:
-    """`stop_token_ids`: at most MAX_STOP_TOKEN_IDS ids in [0, vocab_size)."""
-    stop_ids = f.int_list("stop_token_ids", 0, vocab_size)
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise BadRequest(f"'stop_token_ids' holds more than {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
-    return stop_ids
-
-
-def read_min_tokens(f: Fields, max_tokens: int, max_field: str = "max_tokens") -> int:
-    """`min_tokens`: 0 .. max_tokens (max_field: the request field max_tokens came from, named in the error)."""
-    min_tokens = f.int("min_tokens", 0, lo=0)
-    if min_tokens > max_tokens:
-        raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed {max_field} ({max_tokens})", "min_tokens")
-    return min_tokens
-
-
-def generation_params(
-    s: SamplingFields,
-    *,
-    logprobs: int | None,
-    prompt_logprobs: int,
-    logit_bias_ids: list[int],
-    logit_bias_values: list[float],
-    stop: tuple[str, ...],
-    include_stop_str_in_output: bool,
-    stop_token_ids: list[int],
-    ignore_eos: bool,
-    max_tokens: int,
-    min_tokens: int,
-    eos_token_ids: Iterable[int],
-) -> tuple[SamplingParams, StopParams]:
-    """The validated fields as the worker's SamplingParams and the controller's StopParams.
-
-    With min_tokens > 0 the ids the worker keeps from being sampled until then (`min_tokens_block_ids`) are
-    the stop_token_ids plus, unless ignore_eos, the model's EOS ids (`eos_token_ids`), sorted.
-    """
-    block = sorted(set(stop_token_ids) | (set() if ignore_eos else set(eos_token_ids))) if min_tokens else []
-    sampling = SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        num_logprobs=-1 if logprobs is None else logprobs,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        logit_bias_ids=logit_bias_ids,
-        logit_bias_values=logit_bias_values,
-        min_tokens=min_tokens,
-        min_tokens_block_ids=block,
-        prompt_logprobs=prompt_logprobs,
-    )
-    stop_params = StopParams(
-        max_tokens=max_tokens,
-        stop_token_ids=frozenset(stop_token_ids),
-        ignore_eos=ignore_eos,
-        stop=stop,
-        include_stop_str_in_output=include_stop_str_in_output,
-        min_tokens=min_tokens,
-    )
-    return sampling, stop_params
 
 
 def check_prompt_text_fits(

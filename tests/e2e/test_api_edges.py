@@ -68,9 +68,9 @@ def _bad(r: httpx.Response, param: str, status: int = 400) -> str:
 
 def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
     """A chat field sent to /v1/completions (tools, top_logprobs, ...) or a completions field sent to
-    /v1/chat/completions (echo, suffix) is a 400 naming the field and the endpoint that takes it (it said "not
-    supported by this server", which the server does support, on the other endpoint); other unknown fields keep
-    the plain message."""
+    /v1/chat/completions (suffix; `echo` is a field of both, as in vLLM) is a 400 naming the field and the endpoint
+    that takes it (it said "not supported by this server", which the server does support, on the other endpoint);
+    other unknown fields keep the plain message."""
     tools = [{"type": "function", "function": {"name": "f"}}]
     for field, value in (
         ("tools", tools),
@@ -80,7 +80,7 @@ def test_a_field_of_the_other_endpoint_names_that_endpoint(srv):
     ):
         msg = _bad(_post(srv, "completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value}), field)
         assert msg == f"'{field}' is not supported on this endpoint; it is a field of /v1/chat/completions", msg
-    for field, value in (("echo", True), ("suffix", "x")):
+    for field, value in (("suffix", "x"),):
         msg = _bad(
             _post(
                 srv,
@@ -227,7 +227,7 @@ def test_logit_bias_canonical_keys_are_accepted(client):
 
 
 # ---- 4b. logprobs.text_offset with multi-byte characters -------------------------------------------------------------
-# The rule (LLMServer._completion_logprobs / _prompt_offsets / _piece_offsets in kimi/controller/http.py):
+# The rule (LLMServer._completion_logprobs / _prompt_offsets / _piece_offsets in kimi/controller/http/completions.py):
 # text_offset[i] is the character offset, in the whole returned text (echoed prompt + completion), where the piece
 # of text that token i completes starts; a token ending mid-character completes nothing and sits where the
 # character starts.

@@ -172,6 +172,28 @@ def test_an_answer_cut_inside_its_reasoning_has_null_content(client):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_reasoning_next_to_reasoning_content_and_the_reasoning_switches(client):
+    """`reasoning` (current vLLM's name) holds what `reasoning_content` holds, in messages and deltas;
+    `include_reasoning: false` (vLLM) leaves it out; `separate_reasoning: false` (SGLang) keeps it in the content."""
+    kw = dict(model="tiny", messages=ASK, max_tokens=5, temperature=0)
+    m = client.chat.completions.create(**kw).choices[0].message
+    assert m.model_extra["reasoning"] == m.model_extra["reasoning_content"] == " I think"
+    assert m.content == "OK"
+    deltas = [ch.choices[0].delta for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+    thought = [d.model_extra["reasoning_content"] for d in deltas if d.model_extra.get("reasoning_content")]
+    assert "".join(thought) == " I think"
+    assert all(d.model_extra.get("reasoning") == d.model_extra.get("reasoning_content") for d in deltas)
+
+    off = client.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
+    assert off.content == "OK" and "reasoning" not in off.model_extra and "reasoning_content" not in off.model_extra
+    streamed = list(client.chat.completions.create(**kw, stream=True, extra_body={"include_reasoning": False}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == "OK"
+    assert not any((ch.choices[0].delta.model_extra or {}).get("reasoning") for ch in streamed if ch.choices)
+
+    joined = client.chat.completions.create(**kw, extra_body={"separate_reasoning": False}).choices[0].message
+    assert joined.content == " I thinkOK" and "reasoning_content" not in joined.model_extra
+
+
 def test_two_calls_in_one_section_streaming_equals_non_streaming(client):
     kw = dict(messages=ASK, tools=TOOLS, max_tokens=34, temperature=0)  # 34 tokens end right after the second call
     r = client.chat.completions.create(model="tiny", **kw)

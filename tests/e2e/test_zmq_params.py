@@ -62,6 +62,8 @@ NEW_FIELDS = (
     "include_stop_str_in_output",
     "response_format",  # guided decoding
     "structured_outputs",
+    "priority",
+    "cache_salt",
 )
 HTTP_TOP_LEVEL = {
     "max_tokens",
@@ -355,6 +357,8 @@ BAD = [  # (ZeroMQ parameters, the field), value errors: the HTTP request with t
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": ["a", ""]}, "stop"),
     ({"stop": ""}, "stop"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"priority": 1}, "priority"),  # the server schedules fcfs: an admission error, the same words over both
 ]
 BAD_TYPES = [  # rejected when the message is decoded; the error still names the field and ends the request
     ({"min_p": "high"}, "min_p"),
@@ -365,6 +369,7 @@ BAD_TYPES = [  # rejected when the message is decoded; the error still names the
     ({"min_tokens": 1.5}, "min_tokens"),
     ({"stop": [1]}, "stop"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"cache_salt": 5}, "cache_salt"),
 ]
 
 
@@ -417,7 +422,7 @@ def test_new_fields_are_appended_at_the_end():
     )
     raw = msgspec.msgpack.decode(protocol.encode(msg))
     assert raw[:13] == [30, "r", None, [1, 2], 3, 0.5, 0.9, 4, 5, [6], True, False, 2]  # the old layout, unchanged
-    assert raw[13:] == [0.0, 0.0, 0.0, 1.0, None, 0, None, False, None, None]  # the new fields' defaults
+    assert raw[13:] == [0.0, 0.0, 0.0, 1.0, None, 0, None, False, None, None, 0, None]  # the new fields' defaults
     old = protocol.decode_to_controller(msgspec.msgpack.encode(raw[:13]))
     assert old == msg
 

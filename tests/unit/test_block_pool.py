@@ -108,3 +108,21 @@ def test_caching_off_finds_nothing_and_counts_no_queries():
     pool.record_query(6, 4)
     st = pool.stats
     assert (st.requests, st.hit_requests, st.queries, st.hits) == (2, 1, 16, 4) and st.hit_rate == 0.25
+
+
+def test_cache_salt_separates_chains_from_the_first_block():
+    ids = list(range(12))
+    plain = block_hashes(ids, 4)
+    salted = block_hashes(ids, 4, cache_salt="tenant-a")
+    other = block_hashes(ids, 4, cache_salt="tenant-b")
+    assert len(plain) == len(salted) == len(other) == 3
+    assert not set(plain) & set(salted) and not set(salted) & set(other)  # no block is shared across salts
+    assert block_hashes(ids, 4, cache_salt="tenant-a") == salted  # stable
+    assert block_hashes(ids, 4, cache_salt="") == plain  # "" and None: unsalted
+    # extending a salted chain from block 1 on continues it (the salt only seeds block 0's parent)
+    assert block_hashes(ids, 4, 1, salted[0], "tenant-a") == salted[1:]
+    pool = BlockPool(8, 4)
+    (blk,) = pool.allocate(1)
+    pool.cache(blk, salted[0])
+    assert pool.lookup(plain) == [] and pool.lookup(other) == []
+    assert pool.lookup(salted) == [blk]

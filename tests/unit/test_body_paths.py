@@ -1,13 +1,13 @@
-"""kimi.controller.http._decode_body: a request body's JSON, with the bad values named by their JSON path (`a[1].b`):
-over-long integer literals (past Python's int-conversion digit limit) and lone UTF-16 surrogates. The path is
-collected on the way out of the walk, so bodies of many elements under long keys are walked once (a 1 MB key over
+"""kimi.controller.http.body._decode_body: a request body's JSON, with the bad values named by their JSON path
+(`a[1].b`): over-long integer literals (past Python's int-conversion digit limit) and lone UTF-16 surrogates. The path
+is collected on the way out of the walk, so bodies of many elements under long keys are walked once (a 1 MB key over
 100k elements here)."""
 
 import sys
 
 import pytest
 
-from kimi.controller import http as h
+from kimi.controller.http import body as h
 from kimi.controller.validation import BadRequest
 
 LONG = "9" * (sys.get_int_max_str_digits() + 1)

@@ -1,6 +1,7 @@
 """The controller's per-token fast paths give exactly what the plain code gave.
 
-- SSE chunk templates (`kimi.controller.http._EventTemplate`) == `json.dumps` of the whole chunk, byte for byte;
+- SSE chunk templates (`kimi.controller.http.streaming._EventTemplate`) == `json.dumps` of the whole chunk, byte for
+  byte;
 - `FastDetokenizer` == `kimi.tokenizer.IncrementalDetokenizer`, delta for delta (built-in and, when
   ../shared holds it, the real Kimi vocabulary);
 - `OutputStream`: order, one wake-up per batch, the synchronous sink only while the reader waits;
@@ -20,7 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
-from kimi.controller.http import _SLOT, _BodyWriter, _EventTemplate, sse_event
+from kimi.controller.http.streaming import _SLOT, _BodyWriter, _EventTemplate, sse_event
 from kimi.controller.metrics import LatencyHistogram
 from kimi.controller.output import FastDetokenizer
 from kimi.controller.request import OutputStream
@@ -61,6 +62,12 @@ def test_event_template_is_json_dumps_byte_for_byte(model):
             "choices": [{"index": i, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}],
         }
     )
+    both = _EventTemplate(
+        lambda i: {
+            **base,
+            "choices": [{"index": i, "delta": {"reasoning": _SLOT, "reasoning_content": _SLOT}, "logprobs": None}],
+        }
+    )
     rng = random.Random(0)
     for text in AWKWARD + [_random_text(rng) for _ in range(300)]:
         for i in (0, 1, 15):
@@ -83,6 +90,9 @@ def test_event_template_is_json_dumps_byte_for_byte(model):
                 {**base, "choices": [{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
             )
             assert chat.fill(i, text) == want_chat
+            delta = {"reasoning": text, "reasoning_content": text}  # one string in two fields
+            want_both = sse_event({**base, "choices": [{"index": i, "delta": delta, "logprobs": None}]})
+            assert both.fill(i, text) == want_both
 
 
 def _tokenizers(tmp_path) -> list[KimiTokenizer]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kimi.config import SchedulerConfig
 from kimi.controller.block_pool import BlockPool
 from kimi.controller.request import Request, RequestStatus, StopParams
-from kimi.controller.scheduler import Scheduler
+from kimi.controller.scheduler import Scheduler, SchedulerOutput
 from kimi.protocol import SamplingParams
 
 BS = 4
@@ -259,3 +259,75 @@ def test_short_request_behind_a_long_prompt_starts_within_a_step():
     old_first, old_steps, old_chunks = run(0)
     assert old_first > 8 and set(old_chunks[:-1]) == {64}  # behind the whole 600-token prompt
     assert steps - old_steps <= 1  # the long prompt lost at most one step
+
+
+def test_priority_policy_starts_waiting_requests_by_priority_then_arrival():
+    cfg = SchedulerConfig(max_num_seqs=1, token_budget=64, max_model_len=4096, policy="priority")
+    s = Scheduler(cfg, BlockPool(64, BS))
+    reqs = []
+    for rid, prio in ((1, 5), (2, 0), (3, 5), (4, -1), (5, 0)):
+        r = make(rid, [rid] * 3, max_tokens=1)
+        r.priority = prio
+        r.arrival_time = float(rid)  # arrival order = rid
+        reqs.append(r)
+        s.add(r)
+    assert [r.rid for r in s.waiting] == [4, 2, 5, 1, 3]
+    order = []
+    for _ in range(20):
+        out = step(s)
+        order += [sr.request.rid for sr in out.scheduled if sr.is_new]
+        if not s.has_work():
+            break
+    assert order == [4, 2, 5, 1, 3]
+
+
+def test_fcfs_policy_ignores_priority_order():
+    s = sched(64)
+    for rid, prio in ((1, 5), (2, 0)):
+        r = make(rid, [rid] * 3)
+        r.priority = prio
+        s.add(r)
+    assert [r.rid for r in s.waiting] == [1, 2]
+
+
+def test_preempted_request_goes_back_at_its_priority():
+    cfg = SchedulerConfig(max_num_seqs=4, token_budget=64, max_model_len=4096, policy="priority")
+    s = Scheduler(cfg, BlockPool(64, BS))
+    a, b = make(1, [1] * 3, max_tokens=50), make(2, [2] * 3, max_tokens=50)
+    a.priority, b.priority = 1, 1
+    a.arrival_time, b.arrival_time = 1.0, 2.0
+    s.add(a)
+    step(s)
+    late = make(3, [3] * 3)
+    late.priority, late.arrival_time = 0, 3.0
+    s.add(late)
+    s.add(b)
+    assert a.status == RequestStatus.RUNNING
+    # preempted, a re-enters after `late` (priority 0) and before b (the same priority, a later arrival)
+    s._preempt(a, SchedulerOutput([], []))
+    assert [r.rid for r in s.waiting] == [3, 1, 2]
+
+
+def test_priority_policy_preempts_the_lowest_priority_first():
+    """KV pressure: under "priority" the running request of the worst priority is preempted although it started
+    first; under "fcfs" the newest is."""
+
+    def first_preempted(policy: str) -> int:
+        cfg = SchedulerConfig(max_num_seqs=4, token_budget=64, max_model_len=4096, policy=policy)
+        s = Scheduler(cfg, BlockPool(6, BS))  # 5 usable blocks of 4 tokens
+        low = make(1, [1] * 4, max_tokens=40)
+        low.priority, low.arrival_time = 9 if policy == "priority" else 0, 1.0
+        s.add(low)
+        step(s)
+        step(s)  # low is running
+        high = make(2, [2] * 4, max_tokens=40)
+        high.arrival_time = 2.0
+        s.add(high)
+        for _ in range(20):
+            out = step(s)
+            if out.preempted:
+                return out.preempted[0].rid
+        raise AssertionError("no preemption")
+
+    assert first_preempted("priority") == 1
+    assert first_preempted("fcfs") == 2

@@ -210,7 +210,7 @@ def test_eos_token_ids_hold_only_ids():
     vocabulary without it adds nothing (a None in the set made min_tokens' sorted block list raise TypeError)."""
     from types import SimpleNamespace
 
-    from kimi.controller.validation import SamplingFields, generation_params
+    from kimi.controller.params import SamplingFields, generation_params
     from kimi.server import eos_token_ids
     from kimi.tokenizer import KimiTokenizer
 

@@ -1,0 +1,332 @@
+"""`POST /v1/chat/completions`: template rendering, tool-call and reasoning parsing, logprobs, streaming."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+
+from kimi.controller.chat import encode_chat
+from kimi.controller.http.common import (
+    COMPLETIONS_ONLY_FIELDS,
+    REASONING_EFFORTS,
+    ServerBase,
+    _Choice,
+    _finite,
+    _token_logprobs,
+    error_response,
+)
+from kimi.controller.http.protocol import CHAT_FIELDS, ChatCompletionRequest
+from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
+from kimi.controller.offload import run_sized
+from kimi.controller.params import MAX_LOGPROBS
+from kimi.controller.parsers import OutputParser, ParserConfig
+from kimi.controller.validation import BadRequest
+from kimi.protocol import RequestOutput
+from kimi.structured_output.request import COMMON_FIELDS, chat_grammar, constrain
+
+
+def _echo_text(messages: list[dict[str, Any]]) -> str:
+    """Chat `echo` (vLLM): the final message's text when it is an assistant message (the reply continues it), else
+    "". `messages` has been validated (content: a string, text parts or null)."""
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return ""
+    c = last.get("content")
+    if isinstance(c, list):
+        return "".join(part["text"] for part in c)
+    return c or ""
+
+
+class ChatAPI(ServerBase):
+    """The /v1/chat/completions route (a mixin of OpenAIServer)."""
+
+    def _chat_logprobs(
+        self, ids: list[int], lps: list[float | None], tops: list[list[int] | None], top_lps: list[list[float] | None]
+    ) -> dict[str, Any]:
+        content = []
+        for j, tid in enumerate(ids):
+            alts = []
+            top_ids, top_values = tops[j], top_lps[j]
+            if top_ids is not None and top_values is not None:
+                alts = [
+                    {"token": self._token_str(t), "logprob": _finite(v), "bytes": self._token_bytes(t)}
+                    for t, v in zip(top_ids, top_values)
+                ]
+            content.append(
+                {
+                    "token": self._token_str(tid),
+                    "logprob": _finite(lps[j]),
+                    "bytes": self._token_bytes(tid),
+                    "top_logprobs": alts,
+                }
+            )
+        return {"content": content}
+
+    async def chat_completions(self, request: HTTPRequest) -> Response | _SSE:
+        try:
+            f = await self._body(request, struct=ChatCompletionRequest)
+            messages = f._get("messages")
+            tools, parse_tools, parallel = self._tool_args(f)
+            want_lp = f.bool("logprobs", False)
+            top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+            if top is not None and not want_lp:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            f.noop("modalities", (["text"],), "is not supported (this server outputs text only)")
+            kwargs = self._template_kwargs(f)
+            effort = f.str("reasoning_effort")
+            if effort is not None:  # passed to the template as vLLM does (Kimi's templates do not read it)
+                if effort not in REASONING_EFFORTS:
+                    raise BadRequest(
+                        f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}",
+                        "reasoning_effort",
+                    )
+                kwargs.setdefault("reasoning_effort", effort)
+            add_gen, cont = self._generation_prompt_args(f)
+            include_reasoning = f.bool("include_reasoning", True)  # vLLM: false leaves the reasoning out
+            separate_reasoning = f.bool("separate_reasoning", True)  # SGLang: false keeps it in the content
+            echo = f.bool("echo", False)
+            ids = await run_sized(
+                f.body_bytes,
+                encode_chat,
+                self.tokenizer,
+                messages,
+                tools,
+                kwargs,
+                self.engine.max_model_len,
+                add_gen,
+                cont,
+            )
+            k_prompt = self._prompt_logprobs(f)
+            g = self._common(
+                f,
+                ids,
+                max_tokens_default=self.chat_max_tokens,
+                logprobs=(top or 0) if want_lp else None,
+                prompt_logprobs=-1 if k_prompt is None else k_prompt,
+            )
+            self._check_stream_extras(g, k_prompt)
+            token_ids_out = g.return_token_ids
+            f.accept(*COMMON_FIELDS)  # read by chat_grammar below
+            self._extensions(f, CHAT_FIELDS)
+            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS), CHAT_FIELDS)
+            thinking = self.thinking_model and kwargs.get("thinking", True) is not False
+            pcfg = ParserConfig.for_prompt(
+                ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text
+            )
+            if not separate_reasoning:
+                pcfg = dataclasses.replace(pcfg, thinking=False, prompt_ends_in_think=False)
+            guided = chat_grammar(f.body, after_think=pcfg.starts_in_reasoning)  # guided decoding
+            g.sampling = await constrain(self.engine.grammars, guided, g.sampling)
+            echo_text = _echo_text(messages) if echo else ""
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            sib = await self._start(rid, g, prompt_field="messages")
+        except BadRequest as e:
+            return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
+        created = int(time.time())
+        base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        choices = [
+            _Choice(i, r, parser=OutputParser(pcfg), request=sib.requests[i] if sib.requests else None)
+            for i, r in enumerate(sib.ids)
+        ]
+
+        def finish_reason(c: _Choice) -> str | None:
+            base_reason = c.last.finish_reason if c.last else None
+            if base_reason in ("stop", "length"):
+                assert c.parser is not None, "every chat choice has a parser"
+                return c.parser.finish_reason(base_reason)
+            return base_reason
+
+        if not g.stream:
+            err = await self._collect(request, sib, choices)
+            if err is not None:  # an error ending a request because the server shuts down is retryable
+                return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
+            out = []
+            for c in choices:
+                content, reasoning = [], []
+                p = c.parser
+                assert p is not None
+                tail = ""
+                for o in c.outputs:
+                    if not o.token_ids:
+                        tail += o.text
+                        continue
+                    d = c.parse(o)
+                    content.append(d.content)
+                    reasoning.append(d.reasoning_content)
+                d = p.finish(tail)
+                content.append(d.content)
+                reasoning.append(d.reasoning_content)
+                calls = [t.to_openai() for t in p.emitted_tool_calls]  # as a stream of this output carries them
+                if not parallel:
+                    calls = calls[:1]
+                text = echo_text + "".join(content)
+                reasons = pcfg.starts_in_reasoning and include_reasoning
+                thought = "".join(reasoning) if reasons else ""
+                # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
+                msg: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": text if (text or not (calls or thought)) else None,
+                }
+                if reasons:  # `reasoning`: current vLLM's name; `reasoning_content`: DeepSeek's and older vLLM's
+                    msg["reasoning"] = msg["reasoning_content"] = thought or None
+                if calls:
+                    msg["tool_calls"] = calls
+                lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if want_lp else None
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "message": msg,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(c),
+                    "stop_reason": c.final.stop_reason,
+                }
+                if token_ids_out:
+                    choice["token_ids"] = c.token_ids
+                out.append(choice)
+            resp: dict[str, Any] = {**base, "choices": out, "usage": self._usage_of(g, choices)}
+            if k_prompt is not None:
+                c0 = choices[0]
+                resp["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                    ids, c0.prompt_logprobs, c0.prompt_top_ids, c0.prompt_top_logprobs
+                )
+            if token_ids_out:
+                resp["prompt_token_ids"] = ids
+            return JSONResponse(resp)
+
+        chunk_base = {**base, "object": "chat.completion.chunk"}
+        if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
+            chunk_base["usage"] = None
+        continuous = g.continuous_usage
+        n_prompt = len(g.prompt_token_ids)
+        fast = not (want_lp or continuous or token_ids_out)  # chunks that differ only in one text field
+
+        content_event = _EventTemplate(
+            lambda i: {
+                **chunk_base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"content": _SLOT},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+        )
+        reasoning_event = _EventTemplate(
+            lambda i: {
+                **chunk_base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"reasoning": _SLOT, "reasoning_content": _SLOT},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+        )
+
+        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
+            """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
+            c = choices[i]
+            p = c.parser
+            assert p is not None
+            c.note(o)
+            if o.error is not None:
+                return sse_event(self._error_chunk(o.error)), True
+            d = c.parse(o) if o.token_ids else None
+            if d is not None and not o.finished and not d.tool_calls and fast:
+                # the common chunks: only the content or only the reasoning text varies
+                if not d.reasoning_content:
+                    return (content_event.fill(i, d.content) if d.content else b""), False
+                if not d.content:
+                    return (reasoning_event.fill(i, d.reasoning_content) if include_reasoning else b""), False
+            if o.finished:
+                tail = p.finish("" if o.token_ids else o.text)
+                if d is None:
+                    d = tail
+                else:
+                    d.content += tail.content
+                    d.reasoning_content += tail.reasoning_content
+                    d.tool_calls += tail.tool_calls
+            delta = d.to_openai() if d is not None else {}
+            if "reasoning_content" in delta:
+                if include_reasoning:
+                    delta = {"reasoning": delta["reasoning_content"], **delta}
+                else:
+                    del delta["reasoning_content"]
+            if not parallel and "tool_calls" in delta:
+                delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
+                if not delta["tool_calls"]:
+                    del delta["tool_calls"]
+            lp = None
+            if want_lp and o.token_ids:
+                lp = self._chat_logprobs(o.token_ids, *_token_logprobs(o))
+            if delta or lp is not None or o.finished:
+                ch: dict[str, Any] = {
+                    "index": i,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(c) if o.finished else None,
+                    "stop_reason": o.stop_reason if o.finished else None,
+                }
+                if token_ids_out:
+                    ch["token_ids"] = o.token_ids
+                if continuous:
+                    return sse_event({**chunk_base, "choices": [ch], "usage": self._chunk_usage(n_prompt, o)}), False
+                return sse_event({**chunk_base, "choices": [ch]}), False
+            return b"", False
+
+        def usage() -> bytes:
+            return (
+                sse_event({**chunk_base, "choices": [], "usage": self._usage_of(g, choices)})
+                if g.include_usage
+                else b""
+            )
+
+        first = b"".join(
+            sse_event(
+                {
+                    **chunk_base,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "stop_reason": None,
+                        }
+                    ],
+                    **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
+                    **({"prompt_token_ids": ids} if token_ids_out and c.index == 0 else {}),
+                }
+            )
+            + (
+                sse_event(
+                    {
+                        **chunk_base,
+                        "choices": [
+                            {
+                                "index": c.index,
+                                "delta": {"content": echo_text},
+                                "logprobs": None,
+                                "finish_reason": None,
+                                "stop_reason": None,
+                            }
+                        ],
+                        **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
+                    }
+                )
+                if echo_text
+                else b""
+            )
+            for c in choices
+        )
+        return _SSE(sib, render, first, usage)

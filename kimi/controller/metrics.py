@@ -30,6 +30,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # the finished_reason values of kimi:request_success_total
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+)  # the endpoint values of kimi:http_requests_total
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -145,6 +150,12 @@ class _EngineCollector(Collector):
         for reason, n in sorted({**dict.fromkeys(FINISH_REASONS, 0), **self.m.finished}.items()):
             done.add_metric([reason], n)  # every reason from the start (0), so rates exist before the first one
         yield done
+        admitted = CounterMetricFamily(
+            "kimi:http_requests", "Generation requests admitted, by HTTP endpoint.", labels=["endpoint"]
+        )
+        for endpoint, n in sorted({**dict.fromkeys(ENDPOINTS, 0), **self.m.requests}.items()):
+            admitted.add_metric([endpoint], n)
+        yield admitted
 
 
 class Metrics:
@@ -158,6 +169,7 @@ class Metrics:
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=False)
         self.finished: dict[str, int] = {}
+        self.requests: dict[str, int] = {}  # endpoint -> generation requests admitted through it
         self._last_token: dict[int, float] = {}
         self.registry.register(_EngineCollector(self))
         self.ttft = LatencyHistogram(
@@ -190,6 +202,10 @@ class Metrics:
             itl.counts[bisect_left(itl.bounds, v)] += 1
             itl.sum += v
         last_token[rid] = now
+
+    def on_request(self, endpoint: str) -> None:
+        """A generation request was admitted through the HTTP route `endpoint` (e.g. "/v1/messages")."""
+        self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
 
     def on_finish(self, req: Any, now: float) -> None:
         """`req` ended (finish_reason set, or None for an error) at monotonic time `now` (s)."""

@@ -14,6 +14,7 @@ from kimi.controller.chat import encode_chat
 from kimi.controller.http.common import (
     COMPLETIONS_ONLY_FIELDS,
     REASONING_EFFORTS,
+    GenerationArgs,
     ServerBase,
     _Choice,
     _finite,
@@ -21,11 +22,11 @@ from kimi.controller.http.common import (
     error_response,
 )
 from kimi.controller.http.protocol import CHAT_FIELDS, ChatCompletionRequest
-from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
+from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, _Siblings, sse_event
 from kimi.controller.offload import run_sized
 from kimi.controller.params import MAX_LOGPROBS
-from kimi.controller.parsers import OutputParser, ParserConfig
-from kimi.controller.validation import BadRequest
+from kimi.controller.parsers import OutputParser, ParserConfig, ToolCall
+from kimi.controller.validation import BadRequest, Fields
 from kimi.protocol import RequestOutput
 from kimi.structured_output.request import COMMON_FIELDS, chat_grammar, constrain
 
@@ -40,6 +41,45 @@ def _echo_text(messages: list[dict[str, Any]]) -> str:
     if isinstance(c, list):
         return "".join(part["text"] for part in c)
     return c or ""
+
+
+@dataclasses.dataclass
+class _ChatRun:
+    """An admitted chat request (`ChatAPI._chat_start`): its prompt ids, generation arguments, parser settings,
+    the running choices and the response options read from the body."""
+
+    ids: list[int]
+    g: GenerationArgs
+    pcfg: ParserConfig
+    sib: _Siblings
+    parallel: bool  # parallel_tool_calls
+    want_lp: bool
+    include_reasoning: bool
+    echo_text: str
+    k_prompt: int | None
+    token_ids_out: bool
+    rid: str
+
+
+def final_message_parts(c: _Choice, parallel: bool) -> tuple[str, str, list[ToolCall]]:
+    """A finished non-streamed choice's (content text, reasoning text, tool calls), parsed from its collected
+    outputs as a stream of the same output carries them; not parallel: at most the first call."""
+    p = c.parser
+    assert p is not None
+    content, reasoning = [], []
+    tail = ""
+    for o in c.outputs:
+        if not o.token_ids:
+            tail += o.text
+            continue
+        d = c.parse(o)
+        content.append(d.content)
+        reasoning.append(d.reasoning_content)
+    d = p.finish(tail)
+    content.append(d.content)
+    reasoning.append(d.reasoning_content)
+    calls = list(p.emitted_tool_calls)
+    return "".join(content), "".join(reasoning), calls if parallel else calls[:1]
 
 
 class ChatAPI(ServerBase):
@@ -67,66 +107,82 @@ class ChatAPI(ServerBase):
             )
         return {"content": content}
 
+    async def _chat_start(self, f: Fields, endpoint: str = "/v1/chat/completions") -> _ChatRun:
+        """Validate a chat request body (OpenAI's fields), render and tokenize its prompt, set up guided decoding
+        and admit its choices: the part of the chat route that every chat-shaped API shares (the OpenAI route and
+        /v1/messages, which translates its body to these fields). Raises BadRequest."""
+        messages = f._get("messages")
+        tools, parse_tools, parallel = self._tool_args(f)
+        want_lp = f.bool("logprobs", False)
+        top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        if top is not None and not want_lp:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        f.noop("modalities", (["text"],), "is not supported (this server outputs text only)")
+        kwargs = self._template_kwargs(f)
+        effort = f.str("reasoning_effort")
+        if effort is not None:  # passed to the template as vLLM does (Kimi's templates do not read it)
+            if effort not in REASONING_EFFORTS:
+                raise BadRequest(
+                    f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}",
+                    "reasoning_effort",
+                )
+            kwargs.setdefault("reasoning_effort", effort)
+        add_gen, cont = self._generation_prompt_args(f)
+        include_reasoning = f.bool("include_reasoning", True)  # vLLM: false leaves the reasoning out
+        separate_reasoning = f.bool("separate_reasoning", True)  # SGLang: false keeps it in the content
+        echo = f.bool("echo", False)
+        ids = await run_sized(
+            f.body_bytes,
+            encode_chat,
+            self.tokenizer,
+            messages,
+            tools,
+            kwargs,
+            self.engine.max_model_len,
+            add_gen,
+            cont,
+        )
+        k_prompt = self._prompt_logprobs(f)
+        g = self._common(
+            f,
+            ids,
+            max_tokens_default=self.chat_max_tokens,
+            logprobs=(top or 0) if want_lp else None,
+            prompt_logprobs=-1 if k_prompt is None else k_prompt,
+        )
+        self._check_stream_extras(g, k_prompt)
+        token_ids_out = g.return_token_ids
+        f.accept(*COMMON_FIELDS)  # read by chat_grammar below
+        self._extensions(f, CHAT_FIELDS)
+        f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS), CHAT_FIELDS)
+        thinking = self.thinking_model and kwargs.get("thinking", True) is not False
+        pcfg = ParserConfig.for_prompt(ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text)
+        if not separate_reasoning:
+            pcfg = dataclasses.replace(pcfg, thinking=False, prompt_ends_in_think=False)
+        guided = chat_grammar(f.body, after_think=pcfg.starts_in_reasoning)  # guided decoding
+        g.sampling = await constrain(self.engine.grammars, guided, g.sampling)
+        echo_text = _echo_text(messages) if echo else ""
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        sib = await self._start(rid, g, prompt_field="messages")
+        self.metrics.on_request(endpoint)
+        return _ChatRun(
+            ids, g, pcfg, sib, parallel, want_lp, include_reasoning, echo_text, k_prompt, token_ids_out, rid
+        )
+
     async def chat_completions(self, request: HTTPRequest) -> Response | _SSE:
         try:
             f = await self._body(request, struct=ChatCompletionRequest)
-            messages = f._get("messages")
-            tools, parse_tools, parallel = self._tool_args(f)
-            want_lp = f.bool("logprobs", False)
-            top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
-            if top is not None and not want_lp:
-                raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-            f.noop("modalities", (["text"],), "is not supported (this server outputs text only)")
-            kwargs = self._template_kwargs(f)
-            effort = f.str("reasoning_effort")
-            if effort is not None:  # passed to the template as vLLM does (Kimi's templates do not read it)
-                if effort not in REASONING_EFFORTS:
-                    raise BadRequest(
-                        f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}",
-                        "reasoning_effort",
-                    )
-                kwargs.setdefault("reasoning_effort", effort)
-            add_gen, cont = self._generation_prompt_args(f)
-            include_reasoning = f.bool("include_reasoning", True)  # vLLM: false leaves the reasoning out
-            separate_reasoning = f.bool("separate_reasoning", True)  # SGLang: false keeps it in the content
-            echo = f.bool("echo", False)
-            ids = await run_sized(
-                f.body_bytes,
-                encode_chat,
-                self.tokenizer,
-                messages,
-                tools,
-                kwargs,
-                self.engine.max_model_len,
-                add_gen,
-                cont,
-            )
-            k_prompt = self._prompt_logprobs(f)
-            g = self._common(
-                f,
-                ids,
-                max_tokens_default=self.chat_max_tokens,
-                logprobs=(top or 0) if want_lp else None,
-                prompt_logprobs=-1 if k_prompt is None else k_prompt,
-            )
-            self._check_stream_extras(g, k_prompt)
-            token_ids_out = g.return_token_ids
-            f.accept(*COMMON_FIELDS)  # read by chat_grammar below
-            self._extensions(f, CHAT_FIELDS)
-            f.reject_unknown(("/v1/completions", COMPLETIONS_ONLY_FIELDS), CHAT_FIELDS)
-            thinking = self.thinking_model and kwargs.get("thinking", True) is not False
-            pcfg = ParserConfig.for_prompt(
-                ids, tools=parse_tools, thinking_model=thinking, marker_text=self._marker_text
-            )
-            if not separate_reasoning:
-                pcfg = dataclasses.replace(pcfg, thinking=False, prompt_ends_in_think=False)
-            guided = chat_grammar(f.body, after_think=pcfg.starts_in_reasoning)  # guided decoding
-            g.sampling = await constrain(self.engine.grammars, guided, g.sampling)
-            echo_text = _echo_text(messages) if echo else ""
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            sib = await self._start(rid, g, prompt_field="messages")
+            run = await self._chat_start(f)
         except BadRequest as e:
             return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
+        ids, g, pcfg, sib, parallel, want_lp = run.ids, run.g, run.pcfg, run.sib, run.parallel, run.want_lp
+        include_reasoning, echo_text, k_prompt, token_ids_out, rid = (
+            run.include_reasoning,
+            run.echo_text,
+            run.k_prompt,
+            run.token_ids_out,
+            run.rid,
+        )
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         choices = [
@@ -147,26 +203,11 @@ class ChatAPI(ServerBase):
                 return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
             out = []
             for c in choices:
-                content, reasoning = [], []
-                p = c.parser
-                assert p is not None
-                tail = ""
-                for o in c.outputs:
-                    if not o.token_ids:
-                        tail += o.text
-                        continue
-                    d = c.parse(o)
-                    content.append(d.content)
-                    reasoning.append(d.reasoning_content)
-                d = p.finish(tail)
-                content.append(d.content)
-                reasoning.append(d.reasoning_content)
-                calls = [t.to_openai() for t in p.emitted_tool_calls]  # as a stream of this output carries them
-                if not parallel:
-                    calls = calls[:1]
-                text = echo_text + "".join(content)
+                content, reasoning, tool_calls = final_message_parts(c, parallel)
+                calls = [t.to_openai() for t in tool_calls]
+                text = echo_text + content
                 reasons = pcfg.starts_in_reasoning and include_reasoning
-                thought = "".join(reasoning) if reasons else ""
+                thought = reasoning if reasons else ""
                 # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
                 msg: dict[str, Any] = {
                     "role": "assistant",

@@ -20,6 +20,7 @@ from kimi.controller.engine import AdmissionError, Engine, EngineDead
 from kimi.controller.http.body import _SURROGATE_ESCAPE_BYTES, _decode_body
 from kimi.controller.http.protocol import CHAT_FIELDS, COMPLETION_FIELDS, NOOP_VALUES, NULL_ONLY, decode_struct
 from kimi.controller.http.streaming import _Siblings, until_disconnect
+from kimi.controller.metrics import Metrics
 from kimi.controller.params import MAX_LOGPROBS, sampling_params
 from kimi.controller.parsers import OutputParser, ParserDelta, ReleasedTextFeeder
 from kimi.controller.request import OutputStream, Request, StopParams
@@ -186,6 +187,7 @@ class ServerBase:
     thinking_model: bool
     chat_max_tokens: int | None
     created: int
+    metrics: Metrics
     _marker_text: tuple[tuple[int, str], ...] | None
 
     # ---- shared parsing ---------------------------------------------------------------------------------------

@@ -166,6 +166,7 @@ class CompletionsAPI(ServerBase):
             g.sampling = await constrain(self.engine.grammars, guided, g.sampling)
             rid = f"cmpl-{uuid.uuid4().hex}"
             sib = await self._start(rid, g)
+            self.metrics.on_request("/v1/completions")
         except BadRequest as e:
             return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
         created = int(time.time())

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kimi.controller.engine import Engine
-from kimi.controller.http.chat import ChatAPI
+from kimi.controller.http.anthropic import AnthropicAPI, anthropic_error
 from kimi.controller.http.common import MAX_BODY_BYTES, _decode_or_none, error_response
 from kimi.controller.http.completions import CompletionsAPI
 from kimi.controller.http.models import ModelsAPI
@@ -27,7 +27,8 @@ from kimi.tokenizer import KimiTokenizer
 
 class _Auth:
     """The outermost ASGI app: records the server's `send` in the scope (RAW_SEND, for _SSE); with an api_key,
-    every HTTP route but /health needs `Authorization: Bearer <key>` (the scheme in any case, RFC 7235)."""
+    every HTTP route but /health needs `Authorization: Bearer <key>` (the scheme in any case, RFC 7235) or
+    Anthropic's `x-api-key: <key>`; the /v1/messages routes answer a missing key with Anthropic's error body."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
@@ -37,32 +38,41 @@ class _Auth:
         if scope["type"] == "http":
             scope[RAW_SEND] = send  # streaming bodies bypass Starlette's send wrappers (_SSE)
         if self.api_key and scope["type"] == "http" and scope["path"] != "/health":
-            got = b""
+            got = x_api_key = b""
             for k, v in scope.get("headers", []):
                 if k == b"authorization":
                     got = v
+                elif k == b"x-api-key":
+                    x_api_key = v
             # `<scheme> 1*SP <credentials>`; the scheme is case-insensitive (RFC 7235 section 2.1)
             scheme, _, cred = got.strip().partition(b" ")
-            key_ok = hmac.compare_digest(cred.lstrip(b" "), self.api_key.encode())
-            if not (key_ok and scheme.lower() == b"bearer"):
-                resp = JSONResponse(
-                    {
-                        "error": {
-                            "message": "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                            "type": "invalid_request_error",
-                            "param": None,
-                            "code": "invalid_api_key",
-                        }
-                    },
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+            key = self.api_key.encode()
+            key_ok = hmac.compare_digest(cred.lstrip(b" "), key) and scheme.lower() == b"bearer"
+            if x_api_key:  # Anthropic's header
+                key_ok = key_ok or hmac.compare_digest(x_api_key.strip(), key)
+            if not key_ok:
+                msg = "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')"
+                if scope["path"].startswith("/v1/messages"):
+                    resp = anthropic_error(msg, 401)
+                else:
+                    resp = JSONResponse(
+                        {
+                            "error": {
+                                "message": msg,
+                                "type": "invalid_request_error",
+                                "param": None,
+                                "code": "invalid_api_key",
+                            }
+                        },
+                        status_code=401,
+                    )
+                resp.headers["WWW-Authenticate"] = "Bearer"
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-class OpenAIServer(CompletionsAPI, ChatAPI, TokenizeAPI, ModelsAPI):
+class OpenAIServer(CompletionsAPI, AnthropicAPI, TokenizeAPI, ModelsAPI):
     """Builds the Starlette app around an Engine (`.app` is the ASGI app to serve).
 
     api_key: None = no authentication. max_body_bytes: larger request bodies get a 413. body_timeout_s: a body
@@ -121,6 +131,8 @@ class OpenAIServer(CompletionsAPI, ChatAPI, TokenizeAPI, ModelsAPI):
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),

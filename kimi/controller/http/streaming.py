@@ -188,7 +188,7 @@ class _SSE:
 
     The events come from `render(i, output) -> (bytes, end)`: the encoded SSE events for one output of
     choice i (b"" for none) and whether the stream ends with it (an error). `first` is sent before any
-    output (chat: the role chunks), `tail()` after the last (the usage chunk, or b""), then `data: [DONE]`.
+    output (chat: the role chunks), `tail()` after the last (the usage chunk, or b""), then `done`.
     On disconnect (or any end) the requests are aborted (`siblings.close()`), so their KV blocks are freed
     at once rather than when the next chunk fails to send.
 
@@ -211,6 +211,7 @@ class _SSE:
         first: bytes = b"",
         tail: Any = None,
         text_only: tuple[_Choice, _EventTemplate] | None = None,
+        done: bytes = b"data: [DONE]\n\n",
     ) -> None:
         self.siblings = siblings
         self.render = render
@@ -219,6 +220,7 @@ class _SSE:
         # (choice, template): every non-final output without prompt logprobs renders as template.fill(0, text)
         # (plain completions); the sink then does that itself instead of calling render
         self.text_only = text_only
+        self.done = done  # the body's last bytes (OpenAI's `data: [DONE]`; Anthropic's streams end with none)
 
     async def _chunks(self) -> AsyncGenerator[bytes, None]:
         if self.first:
@@ -308,7 +310,7 @@ class _SSE:
                     stream.sink = self._sink(writer)
             async for data in chunks:
                 await out({"type": "http.response.body", "body": data, "more_body": True})
-            await out({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            await out({"type": "http.response.body", "body": self.done, "more_body": False})
 
         prod = asyncio.ensure_future(produce())
         watcher = asyncio.ensure_future(until_disconnect(receive))

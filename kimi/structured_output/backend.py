@@ -49,6 +49,10 @@ def build_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
             g = xgr.Grammar.from_ebnf(spec.source)
         elif spec.kind == "structural_tag":
             g = xgr.Grammar.from_structural_tag(spec.source)
+        elif spec.kind == "union":  # kimi.structured_output.request.union_spec
+            g = xgr.Grammar.union(
+                *[build_grammar(GrammarSpec(k, src, strict)) for k, src, strict in json.loads(spec.source)]
+            )
         else:
             raise GrammarError(f"unknown grammar kind {spec.kind!r}")
         if spec.after_think:

@@ -156,7 +156,7 @@ class GuidedRequests:
     def add(self, rid: int, spec: GrammarSpec, generated: Sequence[int] = ()) -> GuidedRow:
         """Start guiding request `rid` (replacing an older row of the same rid). generated: the tokens it already
         produced (a request re-sent after preemption), replayed into the matcher."""
-        row = GuidedRow(self._pool.submit(self._compile, spec), generated, spec.kind == "structural_tag")
+        row = GuidedRow(self._pool.submit(self._compile, spec), generated, spec.kind in ("structural_tag", "union"))
         self.rows[rid] = row
         self.num_requests += 1
         return row

@@ -96,7 +96,27 @@ def _schema_text(v: Any, param: str) -> str:
             raise BadRequest(f"'{param}' is not valid JSON: {e}", param) from None
     if not isinstance(v, (dict, bool)):
         raise BadRequest(f"'{param}' must be a JSON Schema (an object)", param)
+    ref = _remote_ref(v)
+    if ref is not None:  # xgrammar would leave it unconstrained: the schema would not be enforced
+        raise BadRequest(
+            f"'{param}' refers to {ref!r}: only references inside the schema ('#...') are supported", param
+        )
     return json.dumps(v, ensure_ascii=False)
+
+
+def _remote_ref(v: Any) -> str | None:
+    """The first `$ref` of a schema that does not point inside it (not `#...`), or None."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            r = x.get("$ref")
+            if isinstance(r, str) and not r.startswith("#"):
+                return r
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return None
 
 
 def _string(v: Any, param: str) -> str:
@@ -243,12 +263,20 @@ def chat_grammar(body: Mapping[str, Any], *, after_think: bool) -> Guided:
         elif isinstance(choice, dict):
             name = choice["function"]["name"]
             tool_spec = _tool_tag([t for t in tools if t["function"]["name"] == name], "required", False)
+        elif g.spec is not None and g.spec.kind in ("json_schema", "json_object"):
+            # auto with a JSON answer format (the OpenAI Agents SDK's tools + output_type): the reply is either a
+            # tool-call section (strict tools' arguments constrained) or the answer in that format
+            section = _tool_tag(tools, "required", parallel, strict_only=True)
+            tool_spec = union_spec([section, _json_answer_tag(g.spec)])
+            g = Guided()
         elif any(t["function"].get("strict") is True for t in tools):
             tool_spec = _tool_tag(tools, "auto", parallel)
     if tool_spec is not None:
+        if g.spec is not None and (choice == "required" or isinstance(choice, dict)):
+            g = Guided()  # a forced call this turn: the answer format applies to a later turn's answer
         if g.spec is not None:
             raise BadRequest(
-                f"'{g.param}' cannot be combined with forced or strict tool calls (tool_choice, tools[].function"
+                f"'{g.param}' other than a JSON format cannot be combined with strict tool calls (tools[].function"
                 ".strict): give one output constraint",
                 g.param,
             )
@@ -274,6 +302,23 @@ async def constrain(backend: GrammarBackend, guided: Guided, sampling: SamplingP
     except GrammarError as e:
         raise BadRequest(f"'{guided.param}' cannot be compiled: {e}", guided.param) from None
     return msgspec.structs.replace(sampling, grammar=guided.spec)
+
+
+def union_spec(parts: list[GrammarSpec]) -> GrammarSpec:
+    """A constraint any one of `parts` satisfies (xgrammar Grammar.union); parts of one alternative each."""
+    return GrammarSpec("union", json.dumps([[p.kind, p.source, p.strict] for p in parts], ensure_ascii=False))
+
+
+def _json_answer_tag(spec: GrammarSpec) -> GrammarSpec:
+    """A JSON answer (json_schema / json_object spec) as a structural tag whose strings hold no tool-call marker."""
+    schema: Any = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": schema,
+        "max_whitespace_cnt": MAX_WHITESPACE,
+        "excludes": _MARKER_EXCLUDES,
+    }
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
 
 
 def _token(tid: int) -> dict[str, Any]:
@@ -306,10 +351,12 @@ def _call_tag(fn: Mapping[str, Any], constrained: bool) -> dict[str, Any]:
     }
 
 
-def _tool_tag(tools: list[dict[str, Any]], mode: str, parallel: bool) -> GrammarSpec:
+def _tool_tag(tools: list[dict[str, Any]], mode: str, parallel: bool, strict_only: bool | None = None) -> GrammarSpec:
     """The structural tag of Kimi's tool-call section (module docstring). mode: "required" (the output is the
-    section) or "auto" (free text; a section the model opens is constrained)."""
-    strict_only = mode == "auto"
+    section) or "auto" (free text; a section the model opens is constrained). strict_only: only strict tools'
+    arguments follow their schema (default: under "auto")."""
+    if strict_only is None:
+        strict_only = mode == "auto"
     calls = {
         "type": "tags_with_separator",
         "tags": [_call_tag(t["function"], not strict_only or t["function"].get("strict") is True) for t in tools],

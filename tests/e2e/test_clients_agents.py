@@ -152,3 +152,25 @@ def test_output_type_returns_a_validated_object(fake_srv, stream):
     assert response_format["type"] == "json_schema" and response_format["json_schema"]["strict"] is True
     assert isinstance(result.final_output, Forecast), result.final_output
     assert result.final_output.city in CITIES
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_tools_and_output_type_together(fake_srv, stream):
+    """The SDK's commonest agent shape: strict tools and an output_type in one request (tool_choice auto,
+    response_format json_schema). Each turn is a valid tool call (the SDK runs it) or a validated answer, and the run
+    ends with a Forecast."""
+    calls: list[tuple[str, bool]] = []
+    sent: list[dict[str, Any]] = []
+    agent = Agent(
+        name="forecaster",
+        instructions="Use get_weather, then give the forecast.",
+        tools=[_weather_tool(calls)],
+        model=_model(fake_srv.base_url, sent),
+        model_settings=_settings(),
+        output_type=Forecast,
+    )
+    result = _run(agent, "Forecast for Paris?", stream=stream, max_turns=6)
+    assert sent[0]["tools"][0]["function"]["strict"] is True and sent[0]["response_format"]["type"] == "json_schema"
+    assert "tool_choice" not in sent[0] or sent[0]["tool_choice"] == "auto"
+    assert isinstance(result.final_output, Forecast), result.final_output
+    assert all(city in CITIES and isinstance(metric, bool) for city, metric in calls)

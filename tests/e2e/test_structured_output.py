@@ -260,16 +260,12 @@ def test_bad_grammars_are_400s_naming_the_field(client, srv):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body=body)
         assert e.value.body["param"] == param, (body, e.value.body)
-    with pytest.raises(openai.BadRequestError) as e:
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    with pytest.raises(openai.BadRequestError) as e:  # a strict tool under auto and a non-JSON format
         client.chat.completions.create(
-            model="tiny",
-            messages=ASK,
-            max_tokens=5,
-            tools=TOOLS,
-            tool_choice="required",
-            response_format={"type": "json_object"},
+            model="tiny", messages=ASK, max_tokens=5, tools=strict, extra_body={"guided_regex": "a+", **NO_THINK}
         )
-    assert e.value.body["param"] == "response_format"
+    assert e.value.body["param"] == "guided_regex"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, tools=tools, tool_choice="required")
@@ -317,3 +313,27 @@ def test_zeromq_client_with_a_grammar(srv):
         jsonschema.validate(json.loads("".join(o.text for o in outs)), SCHEMAS[1])
         with pytest.raises(KimiError, match=re.escape("'structured_outputs.regex' cannot be compiled")):
             list(kc.generate("x", max_tokens=5, structured_outputs={"regex": "(unclosed"}))
+
+
+def test_tools_with_a_json_answer_format_under_auto(client):
+    """tools + response_format json_schema under auto: each reply is a valid tool call or a valid answer."""
+    schema = SCHEMAS[1]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    for seed in range(4):
+        c = client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            max_tokens=400,
+            temperature=1.0,
+            seed=seed,
+            tools=strict,
+            response_format=fmt,
+            extra_body=NO_THINK,
+        ).choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls", c
+            _check_calls(c.message, set(PARAMS))
+        else:
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.message.content), schema)

@@ -170,8 +170,40 @@ def test_bad_fields_are_400s_naming_the_field():
     ]
     for body, param in cases:
         assert _param(completion_grammar, body) == param, body
-    both = {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}
-    assert _param(chat_grammar, both, after_think=False) == "response_format"
+    regex_and_strict = {"tools": TOOLS, "guided_regex": "a+"}  # a strict tool under auto and a non-JSON format
+    assert _param(chat_grammar, regex_and_strict, after_think=False) == "guided_regex"
+    remote = {"guided_json": {"properties": {"a": {"$ref": "https://example.com/a.json"}}}}
+    assert _param(completion_grammar, remote) == "guided_json"  # xgrammar would not enforce it
+
+
+def test_tools_with_a_json_answer_format(backend, tok):
+    """tools + response_format under auto (the OpenAI Agents SDK's tools + output_type): a tool-call section or the
+    JSON answer; with a forced call the format waits for a later turn."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    g = chat_grammar({"tools": TOOLS, "response_format": fmt}, after_think=False)
+    assert g.param == "tools" and g.spec is not None and g.spec.kind == "union"
+    args = tok.encode('{"city": "Oslo"}')
+    call = [TOOL_CALLS_SECTION_BEGIN_ID, TOOL_CALL_BEGIN_ID] + tok.encode("functions.get_weather:0")
+    call += [TOOL_CALL_ARGUMENT_BEGIN_ID] + args + [TOOL_CALL_END_ID, TOOL_CALLS_SECTION_END_ID, EOS]
+    assert _accepts(backend, g.spec, call)
+    answer = json.dumps({"color": "red", "ok": True, "n": 1, "tags": ["a"], "pos": {"x": 2}})
+    assert _valid(answer) and _accepts(backend, g.spec, tok.encode(answer) + [EOS])
+    wrong = json.dumps({"color": "red", "ok": True, "n": 1})  # misses required properties
+    assert not _valid(wrong) and not _accepts(backend, g.spec, tok.encode(wrong) + [EOS])
+    assert not _accepts(backend, g.spec, tok.encode("plain text") + [EOS])
+    m = xgr.GrammarMatcher(backend.compile(g.spec))
+    assert all(m.accept_token(t) for t in tok.encode('{"color": "'))
+    assert not m.accept_token(TOOL_CALL_BEGIN_ID)  # no marker inside the answer's strings
+    forced = chat_grammar({"tools": TOOLS, "tool_choice": "required", "response_format": fmt}, after_think=False)
+    assert forced.spec is not None and forced.spec.kind == "structural_tag" and _accepts(backend, forced.spec, call)
+
+
+def _valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except jsonschema.ValidationError:
+        return False
+    return True
 
 
 def test_compile_errors_and_min_tokens_are_400s_naming_the_field(backend):

@@ -331,7 +331,7 @@ def _responses_count(srv: Any) -> float:
     return 0.0
 
 
-def _agent_run(srv: Any, agent: Agent[Any], prompt: str, max_turns: int) -> Any:
+def _agent_run(srv: Any, agent: Agent[Any], prompt: str, max_turns: int, stream: bool = False) -> Any:
     """Runner.run on the SDK's default client and default model class (the client is made inside the event loop
     that uses it)."""
 
@@ -341,7 +341,12 @@ def _agent_run(srv: Any, agent: Agent[Any], prompt: str, max_turns: int) -> Any:
         client = AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="dummy", max_retries=0, timeout=120)
         set_default_openai_client(client, use_for_tracing=False)
         try:
-            return await Runner.run(agent, prompt, max_turns=max_turns)
+            if not stream:
+                return await Runner.run(agent, prompt, max_turns=max_turns)
+            streamed = Runner.run_streamed(agent, prompt, max_turns=max_turns)
+            async for _ in streamed.stream_events():
+                pass
+            return streamed
         finally:
             await client.close()
 
@@ -358,7 +363,8 @@ def _settings(**kw: Any) -> ModelSettings:
     return ModelSettings(temperature=0, parallel_tool_calls=False, reasoning=Reasoning(effort="none"), **kw)
 
 
-def test_agents_sdk_function_tool_required(srv):
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_agents_sdk_function_tool_required(srv, stream):
     calls: list[tuple[str, bool]] = []
 
     @function_tool
@@ -381,13 +387,14 @@ def test_agents_sdk_function_tool_required(srv):
         tool_use_behavior="stop_on_first_tool",
     )
     before = _responses_count(srv)
-    result = _agent_run(srv, agent, "Weather in Paris?", max_turns=2)
+    result = _agent_run(srv, agent, "Weather in Paris?", max_turns=2, stream=stream)
     assert _responses_count(srv) == before + 1  # the default model class is the Responses one
     assert len(calls) == 1
     assert result.final_output == f"sunny in {calls[0][0]}"
 
 
-def test_agents_sdk_output_type(srv):
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_agents_sdk_output_type(srv, stream):
     agent = Agent(
         name="forecaster",
         instructions="Give a forecast.",
@@ -396,7 +403,7 @@ def test_agents_sdk_output_type(srv):
         output_type=Forecast,
     )
     before = _responses_count(srv)
-    result = _agent_run(srv, agent, "Forecast?", max_turns=1)
+    result = _agent_run(srv, agent, "Forecast?", max_turns=1, stream=stream)
     assert _responses_count(srv) == before + 1
     assert isinstance(result.final_output, Forecast)
 
@@ -431,3 +438,49 @@ def test_agents_sdk_tool_result_goes_back_as_items(srv):
     assert isinstance(result.final_output, Forecast)
     items = [i.type for i in result.new_items]
     assert items[:2] == ["tool_call_item", "tool_call_output_item"] and items[-1] == "message_output_item"
+
+
+def _gauges(srv: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{srv.base_url}/metrics").text):
+        for m in fam.samples:
+            if not m.labels:
+                out[m.name] = m.value
+    return out
+
+
+def test_raw_events_and_disconnect_mid_stream_aborts_and_frees(srv):
+    body = {
+        "model": "tiny",
+        "input": "long",
+        "max_output_tokens": 1500,
+        "stream": True,
+        "reasoning": NO_THINK,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{srv.base_url}/v1/responses", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(24)]
+        events = [x.removeprefix("event: ") for x in got if x.startswith("event: ")]
+        datas = [json.loads(x.removeprefix("data: ")) for x in got if x.startswith("data: ")]
+        assert events[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in events
+        assert [d["type"] for d in datas] == events[: len(datas)]
+        assert [d["sequence_number"] for d in datas] == list(range(len(datas)))
+        rid = datas[0]["response"]["id"]
+        m = _gauges(srv)
+        assert m["kimi:num_requests_running"] == 1 and m["kimi:kv_cache_used_blocks"] >= 1
+    deadline = time.monotonic() + 30
+    while True:
+        m = _gauges(srv)
+        if m["kimi:num_requests_running"] == 0 and m["kimi:kv_cache_used_blocks"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    # an aborted response is not stored
+    r2 = httpx.post(
+        f"{srv.base_url}/v1/responses",
+        json={"model": "tiny", "input": "x", "previous_response_id": rid, "max_output_tokens": 2},
+        timeout=60,
+    )
+    assert r2.status_code == 404 and r2.json()["error"]["param"] == "previous_response_id"

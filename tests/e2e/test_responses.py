@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from typing import Any, Literal
 
@@ -484,3 +485,23 @@ def test_raw_events_and_disconnect_mid_stream_aborts_and_frees(srv):
         timeout=60,
     )
     assert r2.status_code == 404 and r2.json()["error"]["param"] == "previous_response_id"
+
+
+def test_shutdown_mid_stream_ends_it_with_response_failed(tiny_k26, tmp_path):
+    """An error after the stream started (here: the server shutting down) is a response.failed event with the
+    error, the stream's last."""
+    s = start_server(tiny_k26, str(tmp_path / "server.log"), "--fake-workers", "--num-blocks", "400")
+    try:
+        body = {"model": "tiny", "input": "long", "max_output_tokens": 1800, "stream": True, "reasoning": NO_THINK}
+        client = OpenAI(base_url=f"{s.base_url}/v1", api_key="dummy", max_retries=0, timeout=60)
+        events = []
+        for e in client.responses.create(**body):
+            events.append(e)
+            if len(events) == 6:
+                s.proc.send_signal(signal.SIGTERM)
+        assert events[-1].type == "response.failed", [e.type for e in events[-3:]]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error is not None and "shutting down" in failed.error.message
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    finally:
+        assert stop_server(s) == 0, s.log()

@@ -17,6 +17,7 @@ from kimi.controller.http.common import MAX_BODY_BYTES, _decode_or_none, error_r
 from kimi.controller.http.completions import CompletionsAPI
 from kimi.controller.http.models import ModelsAPI
 from kimi.controller.http.openapi import openapi_document
+from kimi.controller.http.responses import ResponsesAPI, ResponseStore
 from kimi.controller.http.streaming import RAW_SEND
 from kimi.controller.http.tokenize import TokenizeAPI
 from kimi.controller.metrics import CONTENT_TYPE, Metrics
@@ -72,7 +73,7 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
-class OpenAIServer(CompletionsAPI, AnthropicAPI, TokenizeAPI, ModelsAPI):
+class OpenAIServer(CompletionsAPI, AnthropicAPI, ResponsesAPI, TokenizeAPI, ModelsAPI):
     """Builds the Starlette app around an Engine (`.app` is the ASGI app to serve).
 
     api_key: None = no authentication. max_body_bytes: larger request bodies get a 413. body_timeout_s: a body
@@ -121,6 +122,7 @@ class OpenAIServer(CompletionsAPI, AnthropicAPI, TokenizeAPI, ModelsAPI):
         )
         self.created = int(time.time())
         self._openapi: dict[str, Any] | None = None
+        self.response_store = ResponseStore()
         self.metrics = Metrics(engine)
         engine.observer = self.metrics
         self.starlette = Starlette(
@@ -133,6 +135,7 @@ class OpenAIServer(CompletionsAPI, AnthropicAPI, TokenizeAPI, ModelsAPI):
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/messages", self.messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),

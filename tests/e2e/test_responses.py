@@ -53,13 +53,22 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_k26, tmp_path_factory):
+def tiny_thinking(tmp_path_factory) -> str:
+    """The tiny K2.6 checkpoint with the built-in vocabulary, which has Kimi's think tokens whatever real vocabulary
+    the machine holds (K2-Instruct's has none): the thinking tests then always reason."""
+    from kimi.tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-k2.6", tokenizer_source=None)
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_thinking, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("log") / "server.log")
-    s = start_server(tiny_k26, log, "--fake-workers", "--max-model-len", "2048", "--num-blocks", "400")
+    s = start_server(tiny_thinking, log, "--fake-workers", "--max-model-len", "2048", "--num-blocks", "400")
     yield s
     assert stop_server(s) == 0, s.log()
     deadline = time.monotonic() + 10
-    while worker_pids(tiny_k26) and time.monotonic() < deadline:
+    while worker_pids(tiny_thinking) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from kimi.controller.chat import encode_chat
 from kimi.controller.http.chat import ChatAPI, _ChatRun, final_message_parts
-from kimi.controller.http.common import _Choice
+from kimi.controller.http.common import _Choice, with_parser_tail
 from kimi.controller.http.streaming import _SSE
 from kimi.controller.offload import run_sized
 from kimi.controller.parsers import OutputParser, ToolCall
@@ -507,14 +507,7 @@ class AnthropicAPI(ChatAPI):
             if o.error is not None:
                 return _event("error", {"error": {"type": "api_error", "message": o.error}}), True
             d = c.parse(o) if o.token_ids else None
-            if o.finished:
-                tail = p.finish("" if o.token_ids else o.text)
-                if d is None:
-                    d = tail
-                else:
-                    d.content += tail.content
-                    d.reasoning_content += tail.reasoning_content
-                    d.tool_calls += tail.tool_calls
+            d = with_parser_tail(p, o, d)
             out = []
             if d is not None:
                 if d.reasoning_content and reasons:

@@ -20,6 +20,7 @@ from kimi.controller.http.common import (
     _finite,
     _token_logprobs,
     error_response,
+    with_parser_tail,
 )
 from kimi.controller.http.protocol import CHAT_FIELDS, ChatCompletionRequest
 from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, _Siblings, sse_event
@@ -289,14 +290,7 @@ class ChatAPI(ServerBase):
                     return (content_event.fill(i, d.content) if d.content else b""), False
                 if not d.content:
                     return (reasoning_event.fill(i, d.reasoning_content) if include_reasoning else b""), False
-            if o.finished:
-                tail = p.finish("" if o.token_ids else o.text)
-                if d is None:
-                    d = tail
-                else:
-                    d.content += tail.content
-                    d.reasoning_content += tail.reasoning_content
-                    d.tool_calls += tail.tool_calls
+            d = with_parser_tail(p, o, d)
             delta = d.to_openai() if d is not None else {}
             if "reasoning_content" in delta:
                 if include_reasoning:

@@ -77,6 +77,20 @@ class GenerationArgs:
         return self.prompts or [self.prompt_token_ids]
 
 
+def with_parser_tail(p: OutputParser, o: RequestOutput, d: ParserDelta | None) -> ParserDelta | None:
+    """`d` (the parsed delta of output `o`, or None) and, when `o` is the last output, what the parser still held
+    (`OutputParser.finish`: text of an unclosed section, held-back whitespace) appended to it."""
+    if not o.finished:
+        return d
+    tail = p.finish("" if o.token_ids else o.text)
+    if d is None:
+        return tail
+    d.content += tail.content
+    d.reasoning_content += tail.reasoning_content
+    d.tool_calls += tail.tool_calls
+    return d
+
+
 @dataclass
 class _Choice:
     """Accumulated state of one choice (one sibling request)."""

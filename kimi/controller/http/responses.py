@@ -26,7 +26,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from kimi.controller.http.chat import ChatAPI, _ChatRun
-from kimi.controller.http.common import REASONING_EFFORTS, _Choice, error_response
+from kimi.controller.http.common import REASONING_EFFORTS, _Choice, error_response, with_parser_tail
 from kimi.controller.http.streaming import _SSE
 from kimi.controller.parsers import OutputParser, ToolCall
 from kimi.controller.validation import BadRequest, Fields
@@ -657,14 +657,7 @@ class ResponsesAPI(ChatAPI):
             d = c.parse(o) if o.token_ids else None
             if d is not None and d.reasoning_content:
                 acc["n_reasoning"] += len(o.token_ids)
-            if o.finished:
-                tail = p.finish("" if o.token_ids else o.text)
-                if d is None:
-                    d = tail
-                else:
-                    d.content += tail.content
-                    d.reasoning_content += tail.reasoning_content
-                    d.tool_calls += tail.tool_calls
+            d = with_parser_tail(p, o, d)
             out = []
             if d is not None:
                 if d.reasoning_content and reasons:

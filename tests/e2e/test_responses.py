@@ -222,6 +222,58 @@ def test_previous_response_id_continues_and_unknown_id_is_404(client, srv):
     assert isinstance(err, dict) and err["param"] == "previous_response_id"
 
 
+def test_retrieve_input_items_and_delete_a_stored_response(client, srv):
+    r = client.responses.create(
+        model="tiny",
+        input=[
+            {"role": "user", "content": "One."},
+            {"role": "assistant", "content": "Two."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Three."}]},
+        ],
+        max_output_tokens=4,
+        temperature=0,
+        reasoning=NO_THINK,
+    )
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.status == r.status and got.output_text == r.output_text
+    assert got.usage is not None and r.usage is not None and got.usage.input_tokens == r.usage.input_tokens
+    items = client.responses.input_items.list(r.id, order="asc")
+    assert [(i.role, i.type) for i in items.data] == [
+        ("user", "message"),
+        ("assistant", "message"),
+        ("user", "message"),
+    ]
+    assert len({i.id for i in items.data}) == 3
+    newest = client.responses.input_items.list(r.id, limit=1)  # desc by default: the last input first
+    assert newest.has_more and newest.data[0].id == items.data[-1].id
+    rest = client.responses.input_items.list(r.id, limit=5, after=newest.data[0].id)
+    assert [i.id for i in rest.data] == [i.id for i in reversed(items.data[:-1])] and not rest.has_more
+    # a streamed response is stored too, with the object its last event (response.incomplete here) carried
+    events = list(
+        client.responses.create(
+            model="tiny", input="Streamed.", max_output_tokens=4, temperature=0, reasoning=NO_THINK, stream=True
+        )
+    )
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    client.responses.delete(r.id)
+    for call in (
+        lambda: client.responses.retrieve(r.id),
+        lambda: client.responses.delete(r.id),
+        lambda: client.responses.input_items.list(r.id),
+        lambda: client.responses.create(model="tiny", input="x", previous_response_id=r.id, max_output_tokens=2),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    # store false: nothing to retrieve
+    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False, reasoning=NO_THINK)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    bad = httpx.get(f"{srv.base_url}/v1/responses/{final.id}/input_items", params={"limit": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
 def test_bad_fields_are_400_naming_the_field(srv):
     def post(body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{srv.base_url}/v1/responses", json={"model": "tiny", **body}, timeout=60)

@@ -4,6 +4,7 @@ extension kimi accepts only at a no-op value is declared, and docs/api.md names 
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -81,6 +82,26 @@ def test_openapi_document_is_generated_from_the_structs():
     assert (temp["minimum"], temp["maximum"], temp["default"]) == (0.0, 2.0, 1.0)
     assert schemas["CompletionRequest"]["required"] == ["prompt"]
     assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+
+
+def test_openapi_document_lists_every_route_of_the_app():
+    from kimi.controller.http.anthropic import MESSAGES_FIELDS
+    from kimi.controller.http.server import OpenAIServer
+
+    doc = openapi_document("tiny")
+    # the routes as the server declares them (its Starlette app is built in __init__; read the source's Route lines)
+    src = inspect.getsource(OpenAIServer)
+    declared = {(m, path) for path, m in re.findall(r'Route\("([^"]+)", [^,]+, methods=\["([A-Z]+)"\]\)', src)}
+    assert len(declared) >= 15
+    for method, path in declared:
+        if path == "/openapi.json":
+            continue
+        path = path.replace(":path}", "}")
+        assert method.lower() in doc["paths"].get(path, {}), (method, path)
+    msg = doc["paths"]["/v1/messages"]["post"]
+    body = msg["requestBody"]["content"]["application/json"]["schema"]
+    assert set(body["properties"]) == MESSAGES_FIELDS and body["required"] == ["model", "max_tokens", "messages"]
+    assert msg["responses"]["400"]["content"]["application/json"]["schema"]["properties"]["type"] == {"const": "error"}
 
 
 def test_docs_name_every_declared_field():

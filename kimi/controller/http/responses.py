@@ -17,6 +17,7 @@ carried over, as OpenAI does). An unknown id is a 404 naming `previous_response_
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import time
 import uuid
@@ -72,30 +73,61 @@ _PARAM_NAMES: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+@dataclasses.dataclass
+class StoredResponse:
+    """One stored response: `messages`, its input and output as chat messages (what `previous_response_id`
+    continues from); `response`, the final `response` object; `input_items`, its input as Responses items."""
+
+    messages: list[dict[str, Any]]
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+
+
 class ResponseStore:
-    """Stored responses: id -> the chat messages of their input and output (no `instructions`), at most `size`,
-    the least recently used evicted first."""
+    """Stored responses by id, at most `size`, the least recently used evicted first."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
-        self._items: collections.OrderedDict[str, list[dict[str, Any]]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
 
-    def get(self, rid: str) -> list[dict[str, Any]] | None:
-        """The messages of response `rid` (a copy of the list), or None when it is not stored."""
+    def get(self, rid: str) -> StoredResponse | None:
+        """Response `rid`, or None when it is not stored (never stored, evicted or deleted)."""
         m = self._items.get(rid)
         if m is None:
             return None
         self._items.move_to_end(rid)
-        return list(m)
+        return m
 
-    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
-        self._items[rid] = messages
+    def put(self, rid: str, stored: StoredResponse) -> None:
+        self._items[rid] = stored
         self._items.move_to_end(rid)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
+    def delete(self, rid: str) -> bool:
+        """Forget response `rid`; False when it was not stored."""
+        return self._items.pop(rid, None) is not None
+
     def __len__(self) -> int:
         return len(self._items)
+
+
+def input_items(inp: Any) -> list[dict[str, Any]]:
+    """A request's `input` (a string or a list of items, already checked) as the list of input items the
+    `input_items` route lists: a string is one user message with an `input_text` part; items without an `id` get
+    one."""
+    if isinstance(inp, str):
+        inp = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": inp}]}]
+    out = []
+    for item in inp:
+        item = dict(item)
+        item.setdefault("type", "message")
+        if "id" not in item:
+            item["id"] = _item_id(
+                "msg" if item["type"] == "message" else "fc" if item["type"] == "function_call" else "item"
+            )
+        out.append(item)
+    return out
 
 
 def _renamed(e: BadRequest) -> BadRequest:
@@ -476,7 +508,7 @@ class ResponsesAPI(ChatAPI):
                     raise BadRequest(
                         f"no stored response with id {prev!r:.80}", "previous_response_id", status=404, code="not_found"
                     )
-                history = got
+                history = list(got.messages)
             chat, start = to_chat_body(body, history)
             cf = Fields(chat)
             cf.body_bytes = f.body_bytes
@@ -495,9 +527,10 @@ class ResponsesAPI(ChatAPI):
         own_input = chat["messages"][start:]
         store = body.get("store", True) is not False
 
-        def remember(text: str, thought: str, calls: list[ToolCall]) -> None:
+        def remember(text: str, thought: str, calls: list[ToolCall], resp: dict[str, Any]) -> None:
             if store:
-                self.response_store.put(rid, history + own_input + [_output_message(text, thought, calls)])
+                messages = history + own_input + [_output_message(text, thought, calls)]
+                self.response_store.put(rid, StoredResponse(messages, resp, input_items(body["input"])))
 
         if not run.g.stream:
             err = await self._collect(request, run.sib, [c])
@@ -513,9 +546,68 @@ class ResponsesAPI(ChatAPI):
             output.extend(_call_item(_item_id("fc"), t.id, t.name, t.arguments, "completed") for t in calls)
             resp = self._response_object(rid, body, created, status, output)
             resp["usage"] = self._response_usage(run, c, n_reasoning if reasons else 0)
-            remember(text, thought, calls)
+            remember(text, thought, calls, resp)
             return JSONResponse(resp)
         return self._response_stream(run, c, body, rid, created, reasons, remember)
+
+    def _stored(self, request: HTTPRequest) -> StoredResponse:
+        rid = request.path_params["response_id"]
+        got = self.response_store.get(rid)
+        if got is None:
+            raise BadRequest(f"no stored response with id {rid!r:.80}", "response_id", status=404, code="not_found")
+        return got
+
+    async def get_response(self, request: HTTPRequest) -> Response:
+        """`GET /v1/responses/{response_id}`: a stored response object; 404 when it is not stored."""
+        try:
+            return JSONResponse(self._stored(request).response)
+        except BadRequest as e:
+            return error_response(e)
+
+    async def delete_response(self, request: HTTPRequest) -> Response:
+        """`DELETE /v1/responses/{response_id}`: forget a stored response (later requests naming it get a 404)."""
+        rid = request.path_params["response_id"]
+        if not self.response_store.delete(rid):
+            return error_response(
+                BadRequest(f"no stored response with id {rid!r:.80}", "response_id", status=404, code="not_found")
+            )
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def response_input_items(self, request: HTTPRequest) -> Response:
+        """`GET /v1/responses/{response_id}/input_items`: the stored response's input items, a list object;
+        `order` (`desc`, the default, or `asc`), `limit` (1-100, default 20), `after` (an item id)."""
+        try:
+            items = list(self._stored(request).input_items)
+            q = request.query_params
+            order = q.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise BadRequest("'order' must be asc or desc", "order")
+            try:
+                limit = int(q.get("limit", "20"))
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= 100:
+                raise BadRequest("'limit' must be an integer from 1 to 100", "limit")
+            if order == "desc":
+                items.reverse()
+            after = q.get("after")
+            if after is not None:
+                ids = [it["id"] for it in items]
+                if after not in ids:
+                    raise BadRequest(f"no input item with id {after!r:.80}", "after")
+                items = items[ids.index(after) + 1 :]
+        except BadRequest as e:
+            return error_response(e)
+        page = items[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
 
     @staticmethod
     def _final_parts(c: _Choice, parallel: bool) -> tuple[str, str, list[ToolCall], int]:
@@ -693,7 +785,7 @@ class ResponsesAPI(ChatAPI):
                 out.append(close(status))
                 resp = self._response_object(rid, body, created, status, output)
                 resp["usage"] = self._response_usage(run, c, acc["n_reasoning"] if reasons else 0)
-                remember(acc["text"], acc["thought"], acc["calls"])
+                remember(acc["text"], acc["thought"], acc["calls"], resp)
                 out.append(_sse(f"response.{status}", {"response": resp}, seq))
             return b"".join(out), False
 

@@ -111,7 +111,11 @@ class SecurityConfig:
         return any(origin == o.strip().lower().rstrip("/") for o in self.allowed_origins)
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
+def _error(status: int, message: str, code: str, path: str = "") -> JSONResponse:
+    """The refusal in the route's error schema: Anthropic's on the /v1/messages routes, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        kind = "permission_error" if status == 403 else "invalid_request_error"
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
     return JSONResponse(
         {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
         status_code=status,
@@ -164,17 +168,17 @@ class _Guard:
         if scope["path"] != "/health" and not cfg.host_allowed(_header(scope, b"host")):
             host = _header(scope, b"host")
             msg = f"Host {host!r} is not served here (start the server with --allowed-hosts to allow it)"
-            await _error(400, msg, "invalid_host")(scope, receive, send)
+            await _error(400, msg, "invalid_host", scope.get("path", ""))(scope, receive, send)
             return
         origin = _header(scope, b"origin")
         if origin is not None and not cfg.origin_allowed(origin):
             msg = f"cross-origin requests from {origin!r} are not allowed (start the server with --allowed-origins)"
-            await _error(403, msg, "origin_not_allowed")(scope, receive, send)
+            await _error(403, msg, "origin_not_allowed", scope.get("path", ""))(scope, receive, send)
             return
         if scope["method"] == "POST":
             why = json_content_type_error(_header(scope, b"content-type"))
             if why is not None:
-                await _error(415, why, "unsupported_media_type")(scope, receive, send)
+                await _error(415, why, "unsupported_media_type", scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -359,6 +359,60 @@ def test_errors_are_anthropic_error_objects(srv, client):
     assert _metrics(srv)["kimi:num_requests_running"] == 0
 
 
+def test_sdk_fields_at_no_op_values_are_accepted_and_others_named(srv, client):
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {
+        **WEATHER,
+        "eager_input_streaming": True,
+        "defer_loading": False,
+        "input_examples": [],
+        "allowed_callers": ["direct"],
+        "cache_control": {"type": "ephemeral"},
+    }
+    msg = client.messages.create(
+        model="tiny",
+        max_tokens=4,
+        messages=msgs,
+        tools=[tool],
+        thinking=NO_THINK,
+        extra_body={"speed": "standard", "inference_geo": None, "diagnostics": None, "user_profile_id": "u1"},
+    )
+    assert msg.stop_reason in ("max_tokens", "end_turn", "tool_use")
+    n = client.messages.count_tokens(model="tiny", messages=msgs, tools=[tool], thinking=NO_THINK).input_tokens
+    assert n > 0
+    base = {"model": "tiny", "max_tokens": 4, "messages": msgs, "thinking": NO_THINK}
+    for extra, needle in (
+        ({"speed": "fast"}, "'speed'"),
+        ({"inference_geo": "us"}, "'inference_geo'"),
+        ({"diagnostics": {"previous_message_id": "msg_1"}}, "'diagnostics'"),
+        ({"stop_sequences": "e"}, "'stop_sequences'"),
+        ({"tools": [{**WEATHER, "defer_loading": True}]}, "'tools[0].defer_loading'"),
+        ({"tools": [{**WEATHER, "input_examples": [{"city": "Oslo", "days": 1}]}]}, "'tools[0].input_examples'"),
+        ({"tools": [{**WEATHER, "name": "has space!"}]}, "'tools[0].name'"),
+        ({"tools": [WEATHER, WEATHER]}, "'tools[1].name'"),
+        ({"tool_choice": {"type": "bogus"}}, "'tool_choice.type'"),
+        ({"tool_choice": {"type": "any"}}, "needs 'tools'"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "'tool_choice.name' is required"),
+    ):
+        _anthropic_error(_post(srv, "/v1/messages", {**base, **extra}), 400, "invalid_request_error", needle)
+    _anthropic_error(
+        _post(srv, "/v1/messages/count_tokens", {"model": "tiny", "messages": msgs, "max_tokens": 4}),
+        400,
+        "invalid_request_error",
+        "not a field of /v1/messages/count_tokens",
+    )
+    # refusals before a route runs are in Anthropic's schema on its paths too
+    r = httpx.post(
+        srv.base_url + "/v1/messages", content=b"hi", headers={"x-api-key": KEY, "content-type": "text/plain"}
+    )
+    _anthropic_error(r, 415, "invalid_request_error", "text/plain")
+    _anthropic_error(
+        httpx.get(srv.base_url + "/v1/messages", headers={"x-api-key": KEY}), 405, "invalid_request_error", "GET"
+    )
+    _anthropic_error(_post(srv, "/v1/messages/batches", base), 404, "not_found_error", "no route")
+    assert "type" not in httpx.get(srv.base_url + "/v1/nope", headers={"x-api-key": KEY}).json()
+
+
 def test_disconnect_mid_stream_aborts_and_frees(srv):
     body = {
         "model": "tiny",
@@ -381,3 +435,38 @@ def test_disconnect_mid_stream_aborts_and_frees(srv):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def thinking_srv(tmp_path_factory):
+    """A server of the tiny checkpoint with the built-in vocabulary (Kimi's think tokens on any machine): its fake
+    model starts every reply in reasoning."""
+    from kimi.tiny_checkpoint import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-k2.6", tokenizer_source=None)
+    s = start_server(ckpt, str(tmp_path_factory.mktemp("log") / "server.log"), "--fake-workers", "--num-blocks", "200")
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+@pytest.mark.parametrize("display", ["summarized", "omitted"])
+def test_thinking_display(thinking_srv, display):
+    client = anthropic.Anthropic(base_url=thinking_srv.base_url, api_key="x", max_retries=0)
+    kw: dict = dict(
+        model="tiny",
+        max_tokens=1030,
+        messages=[{"role": "user", "content": "Think."}],
+        thinking={"type": "enabled", "budget_tokens": 1024, "display": display},
+        extra_body={"temperature": 0},
+    )
+    msg = client.messages.create(**kw)
+    assert msg.content[0].type == "thinking", msg.content
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == [b.type for b in msg.content]
+    deltas = [e for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+    if display == "omitted":  # the blocks stay, their text left out
+        assert msg.content[0].thinking == "" and final.content[0].thinking == "" and not deltas
+    else:
+        assert msg.content[0].thinking and final.content[0].thinking == msg.content[0].thinking and deltas

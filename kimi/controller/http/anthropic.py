@@ -50,21 +50,70 @@ MESSAGES_FIELDS = frozenset(
         "output_config",
         "cache_control",
         "service_tier",
+        "speed",
+        "inference_geo",
+        "diagnostics",
+        "container",
+        "user_profile_id",
+        "workspace_id",
     }
 )
-COUNT_TOKENS_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"})
+COUNT_TOKENS_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "cache_control",
+        "speed",
+        "user_profile_id",
+        "workspace_id",
+    }
+)
+# fields the anthropic SDK declares that change nothing here at these values -> (the values, why others are refused)
+_NOOP_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "speed": ((None, "standard"), "must be 'standard' (one speed is served)"),
+    "inference_geo": ((None,), "must be null (the server runs where it runs)"),
+    "diagnostics": ((None,), "must be null (no cache-miss diagnostics are made)"),
+    "container": ((None,), "must be null (server tools are not supported)"),
+}
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
-_TOOL_KEYS = frozenset({"name", "description", "input_schema", "cache_control", "type", "strict"})
+_TOOL_KEYS = frozenset(
+    {
+        "name",
+        "description",
+        "input_schema",
+        "cache_control",
+        "type",
+        "strict",
+        "eager_input_streaming",
+        "defer_loading",
+        "input_examples",
+        "allowed_callers",
+    }
+)
+# tool fields accepted at the values that change nothing here (tool input always streams as it is generated)
+_TOOL_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "eager_input_streaming": ((None, True, False), "must be a boolean"),
+    "defer_loading": ((None, False), "must be false (tool search is not supported)"),
+    "input_examples": ((None, ()), "must be empty (examples are not rendered into the prompt)"),
+    "allowed_callers": ((None, ("direct",)), "must be ['direct'] (code execution is not supported)"),
+}
 # chat-route field paths a translated body's errors may name -> the Anthropic field they came from (first match;
 # None: the whole Anthropic field)
 _PARAM_NAMES: tuple[tuple[str, str, bool], ...] = (
@@ -73,6 +122,7 @@ _PARAM_NAMES: tuple[tuple[str, str, bool], ...] = (
     ("stop", "stop_sequences", True),
     ("chat_template_kwargs", "thinking", False),
     ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use", False),
+    ("tools", "tools", True),
 )
 
 
@@ -91,7 +141,10 @@ def _renamed(e: BadRequest) -> BadRequest:
         return e
     for old, new, keep_rest in _PARAM_NAMES:
         if e.param == old or e.param.startswith(old + ".") or e.param.startswith(old + "["):
-            param = new + (e.param[len(old) :] if keep_rest else "")
+            rest = e.param[len(old) :] if keep_rest else ""
+            if old == "tools":  # the chat route's tools[i].function.parameters... -> tools[i].input_schema...
+                rest = rest.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+            param = new + rest
             return BadRequest(e.message.replace(f"'{e.param}'", f"'{param}'"), param, e.status, e.code)
     return e
 
@@ -246,6 +299,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         for k in t:
             if k not in _TOOL_KEYS:
                 raise BadRequest(f"'{p}.{k}' is not supported by this server", f"{p}.{k}")
+        for k, (ok, why) in _TOOL_NOOPS.items():
+            v = t.get(k)
+            if (tuple(v) if isinstance(v, list) else v) not in ok:
+                raise BadRequest(f"'{p}.{k}' {why}", f"{p}.{k}")
         if not isinstance(t.get("name"), str):
             raise BadRequest(f"'{p}.name' must be a string", f"{p}.name")
         fn: dict[str, Any] = {"name": t["name"], "parameters": _object(t.get("input_schema"), f"{p}.input_schema")}
@@ -286,6 +343,8 @@ def _tool_choice(tc: Any, names: list[str]) -> tuple[Any, bool]:
         return "none", True
     if kind == "tool":
         name = tc.get("name")
+        if name is None:
+            raise BadRequest("'tool_choice.name' is required with type 'tool'", "tool_choice.name")
         if not isinstance(name, str) or name not in names:
             raise BadRequest(f"'tool_choice.name' must name a tool in 'tools', got {name!r:.60}", "tool_choice.name")
         return {"type": "function", "function": {"name": name}}, not dp
@@ -327,7 +386,15 @@ def to_chat_body(body: dict[str, Any], count_only: bool = False) -> tuple[dict[s
     fields = COUNT_TOKENS_FIELDS if count_only else MESSAGES_FIELDS
     for k in body:
         if k not in fields:
+            if count_only and k in MESSAGES_FIELDS:
+                raise BadRequest(f"'{k}' is not a field of /v1/messages/count_tokens", k)
             raise BadRequest(f"'{k}' is not supported by this server", k)
+    for k, (ok, why) in _NOOP_FIELDS.items():
+        if body.get(k) not in ok:
+            raise BadRequest(f"'{k}' {why}", k)
+    for k in ("user_profile_id", "workspace_id"):
+        if body.get(k) is not None and not isinstance(body[k], str):
+            raise BadRequest(f"'{k}' must be a string", k)
     max_tokens = body.get("max_tokens")
     if not count_only:
         if max_tokens is None:
@@ -341,6 +408,8 @@ def to_chat_body(body: dict[str, Any], count_only: bool = False) -> tuple[dict[s
             if body.get(k) is not None:
                 out[k] = body[k]
         if body.get("stop_sequences") is not None:
+            if not isinstance(body["stop_sequences"], list):
+                raise BadRequest("'stop_sequences' must be a list of strings", "stop_sequences")
             out["stop"] = body["stop_sequences"]
         md = body.get("metadata")
         if md is not None:
@@ -354,11 +423,13 @@ def to_chat_body(body: dict[str, Any], count_only: bool = False) -> tuple[dict[s
     if body.get("tools") is not None:
         out["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
+        names = [t["function"]["name"] for t in out.get("tools", [])]
         if "tools" not in out:
-            if _object(body["tool_choice"], "tool_choice").get("type") != "none":
-                raise BadRequest("'tool_choice' needs 'tools'", "tool_choice")
+            kind = _object(body["tool_choice"], "tool_choice").get("type")
+            if kind in ("auto", "any", "tool"):
+                raise BadRequest(f"'tool_choice' of type {kind!r} needs 'tools'", "tool_choice")
+            _tool_choice(body["tool_choice"], names)  # `none`, or a 400 naming what is wrong
         else:
-            names = [t["function"]["name"] for t in out["tools"]]
             out["tool_choice"], parallel = _tool_choice(body["tool_choice"], names)
             if not parallel:
                 out["parallel_tool_calls"] = False
@@ -448,15 +519,15 @@ class AnthropicAPI(ChatAPI):
             0, run.sib.ids[0], parser=OutputParser(run.pcfg), request=run.sib.requests[0] if run.sib.requests else None
         )
         msg_id = "msg_" + run.rid.removeprefix("chatcmpl-")
-        reasons = run.pcfg.starts_in_reasoning and show_thinking
+        reasons = run.pcfg.starts_in_reasoning
         if not run.g.stream:
             err = await self._collect(request, run.sib, [c])
             if err is not None:
                 return anthropic_error(err, 503 if err == self.engine.closing else 500)
             text, thought, calls = final_message_parts(c, run.parallel)
             content: list[dict[str, Any]] = []
-            if reasons and thought:
-                content.append({"type": "thinking", "thinking": thought, "signature": ""})
+            if reasons and thought:  # display "omitted": the block with its text left out, as Anthropic does
+                content.append({"type": "thinking", "thinking": thought if show_thinking else "", "signature": ""})
             if text or not (calls or content):
                 content.append({"type": "text", "text": text})
             content.extend(self._tool_use(t) for t in calls)
@@ -473,16 +544,16 @@ class AnthropicAPI(ChatAPI):
                     "usage": self._message_usage(run, c),
                 }
             )
-        return self._message_stream(run, c, msg_id, reasons)
+        return self._message_stream(run, c, msg_id, reasons, show_thinking)
 
     @staticmethod
     def _tool_use(t: ToolCall) -> dict[str, Any]:
         return {"type": "tool_use", "id": tool_use_id(t.id), "name": t.name, "input": _tool_input(t.arguments)}
 
-    def _message_stream(self, run: _ChatRun, c: _Choice, msg_id: str, reasons: bool) -> _SSE:
+    def _message_stream(self, run: _ChatRun, c: _Choice, msg_id: str, reasons: bool, show_thinking: bool) -> _SSE:
         """The event stream: message_start, ping, content blocks (thinking / text / tool_use, each started,
-        delta'd and stopped in turn), message_delta (stop reason, usage), message_stop; an error is an `error`
-        event that ends the stream."""
+        delta'd and stopped in turn; a thinking block under display "omitted" has no deltas), message_delta (stop
+        reason, usage), message_stop; an error is an `error` event that ends the stream."""
         p = c.parser
         assert p is not None
         state: dict[str, Any] = {"index": -1, "kind": None, "call": None}
@@ -513,7 +584,8 @@ class AnthropicAPI(ChatAPI):
                 if d.reasoning_content and reasons:
                     if state["kind"] != "thinking":
                         out.append(open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
-                    out.append(delta({"type": "thinking_delta", "thinking": d.reasoning_content}))
+                    if show_thinking:
+                        out.append(delta({"type": "thinking_delta", "thinking": d.reasoning_content}))
                 if d.content:
                     if state["kind"] != "text":
                         out.append(open_block("text", {"type": "text", "text": ""}))

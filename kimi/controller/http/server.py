@@ -151,12 +151,17 @@ class OpenAIServer(CompletionsAPI, AnthropicAPI, ResponsesAPI, TokenizeAPI, Mode
 
     # ---- small routes -----------------------------------------------------------------------------------
     async def _not_found(self, request: HTTPRequest, exc: Exception) -> JSONResponse:
-        return error_response(BadRequest(f"no route {request.method} {request.url.path}", None, status=404))
+        return self._route_error(request, f"no route {request.method} {request.url.path}", 404)
 
     async def _not_allowed(self, request: HTTPRequest, exc: Exception) -> JSONResponse:
-        return error_response(
-            BadRequest(f"method {request.method} not allowed on {request.url.path}", None, status=405)
-        )
+        return self._route_error(request, f"method {request.method} not allowed on {request.url.path}", 405)
+
+    @staticmethod
+    def _route_error(request: HTTPRequest, message: str, status: int) -> JSONResponse:
+        """A routing refusal in the path's error schema: Anthropic's under /v1/messages, else OpenAI's."""
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error(message, status)
+        return error_response(BadRequest(message, None, status=status))
 
     async def health(self, request: HTTPRequest) -> Response:
         if self.engine.fatal_error is not None:

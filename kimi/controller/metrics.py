@@ -34,6 +34,7 @@ ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/messages",
+    "/v1/responses",
 )  # the endpoint values of kimi:http_requests_total
 
 _LATENCY_BUCKETS = (

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from kimi.config import ModelConfig, QuantConfig
+from kimi.errors import CheckpointError
 from kimi.ops.quant import dequant_fp8_block, dequant_int4
 
 if TYPE_CHECKING:
@@ -67,10 +68,6 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match its config: names the offending tensor and, where known, its file."""
 
 
 def _open_shard(path: str, device: str = "cpu") -> safe_open:

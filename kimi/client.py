@@ -48,16 +48,18 @@ import zmq
 import zmq.asyncio
 
 from kimi import protocol
+from kimi.errors import KimiError as KimiError  # re-exported: the name users catch
 from kimi.protocol import RequestOutput
 
 if TYPE_CHECKING:
     import asyncio
 
 
-class KimiError(RuntimeError):
+class ClientError(KimiError, RuntimeError):
     """The server answered a request with an error (bad parameters, engine failure), `submit` refused a
     request (a request id already in use on this client, a malformed `logit_bias`), or `stream` was given a
-    request id that this client has no unfinished request for."""
+    request id that this client has no unfinished request for. `except KimiError` (kimi.errors' base class,
+    exported here) catches it."""
 
 
 ABORT_LINGER_MS = 1000  # how long closing a client may wait for its abort messages to leave
@@ -77,19 +79,19 @@ def _take_request_id(params: dict[str, Any]) -> str:
 
 def _check_open(sock: Any) -> None:
     if sock.closed:
-        raise KimiError("this client is closed; create a new one")
+        raise ClientError("this client is closed; create a new one")
 
 
 def _check_new_id(rid: str, outstanding: Any) -> None:
     if rid in outstanding:
-        raise KimiError(
+        raise ClientError(
             f"request id {rid!r} is already in use by an unfinished request of this client; "
             "the new submission is refused (the running request is not affected)"
         )
 
 
-def _unknown_id(rid: str) -> KimiError:
-    return KimiError(
+def _unknown_id(rid: str) -> ClientError:
+    return ClientError(
         f"unknown request id {rid!r}: not submitted by this client, or already finished (its stream "
         "ended, or the client was closed)"
     )
@@ -118,7 +120,7 @@ def _logit_bias(lb: Any) -> dict[int, Any] | None:
         return None
     wrong = "'logit_bias' has the wrong type:"
     if not isinstance(lb, Mapping):
-        raise KimiError(f"{wrong} it must be a dict {{token id (int): bias}}, got {type(lb).__name__}")
+        raise ClientError(f"{wrong} it must be a dict {{token id (int): bias}}, got {type(lb).__name__}")
     out = {}
     for k, v in lb.items():
         try:
@@ -126,7 +128,7 @@ def _logit_bias(lb: Any) -> dict[int, Any] | None:
                 raise TypeError
             tid = operator.index(k)
         except TypeError:
-            raise KimiError(
+            raise ClientError(
                 f"{wrong} logit_bias keys must be int token ids, got {type(k).__name__} key {k!r:.40}"
                 + (
                     f" (use {{{k}: ...}}, not the HTTP API's JSON string key)"
@@ -135,7 +137,7 @@ def _logit_bias(lb: Any) -> dict[int, Any] | None:
                 )
             ) from None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise KimiError(f"{wrong} the bias for token id {tid} must be a number, got {type(v).__name__} {v!r:.40}")
+            raise ClientError(f"{wrong} the bias for token id {tid} must be a number, got {type(v).__name__} {v!r:.40}")
         out[tid] = v if type(v) in (int, float) else float(v)  # numpy.float64 etc. as a plain float
     return out
 
@@ -156,7 +158,7 @@ def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]
         params = {**params, "logit_bias": _logit_bias(params["logit_bias"])}
     unknown = sorted(set(params) - set(protocol.SubmitRequest.__struct_fields__))
     if unknown:
-        raise KimiError(
+        raise ClientError(
             f"unknown submit parameter(s) {', '.join(map(repr, unknown))}; the ZeroMQ API takes the fields "
             "of kimi.protocol.SubmitRequest (n, echo and the other HTTP-only options are not among them)"
         )
@@ -172,13 +174,13 @@ def _submit_msg(request_id: str, prompt: str | list[int], params: dict[str, Any]
         parts = first_path({"request_id": request_id, "prompt": prompt, **params}, _unencodable)
         if not parts:
             raise
-        raise KimiError(f"'{json_path(parts)}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)") from None
+        raise ClientError(f"'{json_path(parts)}' contains a lone UTF-16 surrogate (U+D800..U+DFFF)") from None
     except OverflowError:  # msgpack carries integers in [-2**63, 2**64): name the field holding one outside
         fields = {"prompt": prompt, **params}
         bad = next((name for name, v in fields.items() if _int_out_of_range(v)), None)
         if bad is None:
             raise
-        raise KimiError(
+        raise ClientError(
             f"'{bad}' holds an integer outside the 64-bit range the ZeroMQ API carries [-2**63, 2**64)"
         ) from None
 
@@ -255,7 +257,7 @@ class KimiClient:
                 if out.error is not None or out.finished:
                     done = True
                 if out.error is not None:
-                    raise KimiError(out.error)
+                    raise ClientError(out.error)
                 yield out
                 if out.finished:
                     return
@@ -343,7 +345,7 @@ class AsyncKimiClient:
             try:
                 await self._asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
             except (TimeoutError, self._asyncio.TimeoutError):  # the same class from Python 3.11 on
-                raise KimiError(
+                raise ClientError(
                     f"request id {rid!r}: the earlier request of this id was aborted and its end has "
                     f"not arrived in {DRAIN_TIMEOUT_S:g} s; use another id"
                 ) from None
@@ -369,7 +371,7 @@ class AsyncKimiClient:
                 if out.error is not None or out.finished:
                     done = True
                 if out.error is not None:
-                    raise KimiError(out.error)
+                    raise ClientError(out.error)
                 yield out
                 if out.finished:
                     return

@@ -20,16 +20,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi.errors import ConfigError
+
 IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (docs/model-format.md, Checkpoint variants)
 # --moe-backend choices (kimi.ops.moe_backend: what each runs); here so the controller's CLI needs no torch import
 MOE_BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
 # --log-level of `kimi serve` and of each worker rank: uvicorn's levels (trace is its most verbose; Python's logging
 # has none, so kimi logs it as debug)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-class ConfigError(ValueError):
-    """Raised when a checkpoint's config.json is missing, malformed or describes an unsupported model."""
 
 
 @dataclass(frozen=True)

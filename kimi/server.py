@@ -37,6 +37,7 @@ from pathlib import Path
 import uvicorn
 import zmq
 
+from kimi import envs
 from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import HEARTBEAT_S, Engine
 from kimi.controller.http import OpenAIServer
@@ -52,7 +53,7 @@ from kimi.controller.submit import SubmitServer
 from kimi.controller.transport import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
 
-log = logging.getLogger("kimi.server")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -325,7 +326,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("KIMI_API_KEY") or None,
+        default=envs.KIMI_API_KEY.get(),
         help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $KIMI_API_KEY); "
         "the ZeroMQ submit API is then kept on loopback (docs/api.md)",
     )
@@ -516,7 +517,7 @@ class WorkerProcess:
         fd, self._report = tempfile.mkstemp(prefix="kimi-launch-", suffix=".json")
         os.close(fd)
         self.proc = subprocess.Popen(
-            cmd, start_new_session=True, env={**os.environ, "KIMI_LAUNCH_REPORT": self._report}
+            cmd, start_new_session=True, env={**os.environ, envs.KIMI_LAUNCH_REPORT.name: self._report}
         )
         self.nproc = nproc
         self._ranks: dict[int, int] = {}  # the processes seen under torchrun (pid -> start time)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kimi import envs
 from kimi.checkpoint import INDEX_FILE, expected_tensors
 from kimi.config import ModelConfig
 from kimi.ops.quant import dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block
@@ -257,7 +258,7 @@ def resolve_tokenizer_source(tokenizer_source: Any = _DEFAULT) -> Any:
 
     src = kimi_tokenizer.default_tokenizer_source() if tokenizer_source is _DEFAULT else tokenizer_source
     if src is not None and not os.path.isfile(os.path.join(os.fspath(src), "tiktoken.model")):
-        why = " ($KIMI_TOKENIZER_DIR)" if tokenizer_source is _DEFAULT and os.environ.get("KIMI_TOKENIZER_DIR") else ""
+        why = " ($KIMI_TOKENIZER_DIR)" if tokenizer_source is _DEFAULT and envs.KIMI_TOKENIZER_DIR.get() else ""
         raise FileNotFoundError(f"no tiktoken.model in the tokenizer folder {src}{why}")
     return src
 

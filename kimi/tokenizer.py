@@ -30,6 +30,8 @@ import jinja2
 import tiktoken
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kimi import envs
+
 NUM_ORDINARY_TOKENS = 163584  # ranks 0..163583 in tiktoken.model
 SPECIAL_ID_START = 163584
 SPECIAL_ID_END = 163842  # exclusive: specials are 163584..163841
@@ -396,7 +398,7 @@ class IncrementalDetokenizer:
 def default_tokenizer_source() -> str | None:
     """Folder with the real Kimi vocabulary: `$KIMI_TOKENIZER_DIR` if set, else `<repo>/../shared/kimi-tokenizer`
     (resolved from this file) if it exists, else None."""
-    env = os.environ.get("KIMI_TOKENIZER_DIR")
+    env = envs.KIMI_TOKENIZER_DIR.get()
     if env:
         return env
     candidate = Path(__file__).resolve().parent.parent.parent / "shared" / "kimi-tokenizer"

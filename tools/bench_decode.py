@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import time
 
 import torch
 
+from kimi import envs
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
@@ -173,7 +173,7 @@ def _small_tuned(on: bool) -> None:
 
     if on:
         _saved["small"] = (copy.deepcopy(fused.LAUNCH), dict(mi.COMBINE_LAUNCH))
-        with open(os.environ["KIMI_SMALL_PICKS"]) as f:
+        with open(envs.KIMI_SMALL_PICKS.require()) as f:
             picks = json.load(f)["picks"]
         for var in picks.values():
             for k, v in var.items():
@@ -309,7 +309,7 @@ AB_VARIANTS = {
     ),
     "humming_table_alt": (
         "the humming schedule table of $KIMI_HUMMING_TABLE_ALT (tools/bench_humming_sweep.py --table-out)",
-        lambda m: _swap_humming_table(m, os.environ["KIMI_HUMMING_TABLE_ALT"], True),
+        lambda m: _swap_humming_table(m, envs.KIMI_HUMMING_TABLE_ALT.require(), True),
         lambda m: _swap_humming_table(m, None, False),
     ),
     "small_tuned": (
@@ -789,8 +789,9 @@ def main() -> None:
 
     res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
     ht = moe_backend.load_humming_table()
+    ht_env = envs.KIMI_HUMMING_TABLE.get()
     res["humming_table"] = {
-        "path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
+        "path": ht_env if ht_env is not None else str(moe_backend.HUMMING_TABLE_PATH),
         "gpu": ht["gpu"],
         "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()},
     }

@@ -8,8 +8,9 @@ takes the only one; several are an error that names them. httpx is imported only
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from kimi import envs
 
 
 def normalize_base_url(url: str) -> str:
@@ -25,7 +26,7 @@ def normalize_base_url(url: str) -> str:
 
 def default_api_key() -> str | None:
     """$OPENAI_API_KEY, as the OpenAI client reads it; None when unset or empty."""
-    return os.environ.get("OPENAI_API_KEY") or None
+    return envs.OPENAI_API_KEY.get()
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kimi import envs
 from kimi.benchmarks.smi import query_gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ def command_line(argv: list[str] | None = None) -> str:
 def git_commit() -> str | None:
     """$KIMI_GIT_COMMIT when set (a copy of the tree without .git, e.g. a device machine), else `git rev-parse HEAD`
     of the checkout with "-dirty" when tracked files differ from it; None when neither is known."""
-    env = os.environ.get("KIMI_GIT_COMMIT")
+    env = envs.KIMI_GIT_COMMIT.get()
     if env:
         return env
     try:

@@ -29,8 +29,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kimi.errors import KimiError
 
-class NoFreeBlocks(RuntimeError):
+
+class NoFreeBlocks(KimiError, RuntimeError):
     """Raised by `allocate` when fewer blocks are free than asked for (nothing is allocated then)."""
 
 

@@ -44,6 +44,7 @@ from kimi.controller.request import OutputStream, Request, RequestStatus, StopPa
 from kimi.controller.router import DPRouter
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
 from kimi.controller.transport import ControllerTransport
+from kimi.errors import ConfigError, EngineDeadError, ProtocolError, WorkerFailedError
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.structured_output.backend import GrammarBackend
 from kimi.tokenizer import KimiTokenizer
@@ -52,7 +53,7 @@ from kimi.tokenizer import KimiTokenizer
 # span more than one of them (kimi.server refuses --heartbeat-timeout below 2 x this, except 0 = off)
 HEARTBEAT_S = 1.0
 
-log = logging.getLogger("kimi.engine")
+log = logging.getLogger(__name__)
 __all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFull"]
 
 # Liveness (the local torchrun's exit, the ranks' heartbeats) is checked at least this often, s: on every wait for
@@ -61,8 +62,7 @@ __all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFu
 LIVENESS_PERIOD_S = 0.5
 
 
-class EngineDead(RuntimeError):
-    """The engine stopped after a worker failure; new requests are refused."""
+EngineDead = EngineDeadError  # the name before kimi.errors
 
 
 @dataclass
@@ -146,20 +146,22 @@ class Engine:
     async def start(self, world_size: int, timeout_s: float = 600.0) -> None:
         """Ping until every rank reports Ready; then size one BlockPool per DP rank from the minimum.
 
-        Raises RuntimeError if a rank fails, a liveness check fails, or timeout_s passes.
+        Raises WorkerFailedError if a rank fails, a liveness check fails, or timeout_s passes; ConfigError if the
+        workers' block size is not the controller's.
         """
         ready: dict[int, protocol.Ready] = {}
         deadline = time.monotonic() + timeout_s
         seq = 0
         while len(ready) < world_size:
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"workers not ready after {timeout_s:g} s ({len(ready)}/{world_size} ranks; --startup-timeout)"
+                raise WorkerFailedError(
+                    f"workers not ready after {timeout_s:g} s ({len(ready)}/{world_size} ranks; --startup-timeout)",
+                    ranks=tuple(sorted(set(range(world_size)) - ready.keys())),
                 )
             for check in self.liveness_checks:
                 err = check()
                 if err:
-                    raise RuntimeError(err)
+                    raise WorkerFailedError(err)
             await self.transport.send(protocol.Ping(seq))
             seq += 1
             try:
@@ -176,11 +178,13 @@ class Engine:
                     msg.device,
                 )
             elif isinstance(msg, protocol.WorkerError):
-                raise RuntimeError(f"worker rank {msg.rank} failed during start-up: {msg.message}")
+                raise WorkerFailedError(
+                    f"worker rank {msg.rank} failed during start-up: {msg.message}", ranks=(msg.rank,)
+                )
         num_blocks = min(r.num_blocks for r in ready.values())
         block_size = next(iter(ready.values())).block_size
         if block_size != self.cache_config.block_size:
-            raise RuntimeError(f"workers use block_size {block_size}, controller {self.cache_config.block_size}")
+            raise ConfigError(f"workers use block_size {block_size}, controller {self.cache_config.block_size}")
         self.world_size = world_size
         self.schedulers = [
             Scheduler(self.scheduler_config, BlockPool(num_blocks, block_size, self.enable_prefix_caching), dp_rank=r)
@@ -213,7 +217,7 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> Request:
-        """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDead after a failure.
+        """Admit a request or raise AdmissionError (nothing changes then). Raises EngineDeadError after a failure.
 
         Raises QueueFull (an AdmissionError) when `max_waiting` requests are already waiting.
         leader: request id of an earlier sibling with the same prompt (OpenAI `n` > 1): this request runs on
@@ -223,11 +227,11 @@ class Engine:
         requests of the same salt (None: the unsalted ones).
         """
         if self.fatal_error is not None:
-            raise EngineDead(self.fatal_error)
+            raise EngineDeadError(self.fatal_error)
         if self.closing is not None:
-            raise EngineDead(self.closing)
+            raise EngineDeadError(self.closing)
         if not self.ready:
-            raise EngineDead("the engine is still loading")
+            raise EngineDeadError("the engine is still loading")
         R = AdmissionReason
         if request_id in self.requests:
             raise AdmissionError(R.DUPLICATE_ID, "request_id", request_id=request_id)
@@ -418,7 +422,11 @@ class Engine:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world_size)) - answered)
-                raise RuntimeError(f"step {step}: no result from rank(s) {missing} within {self.step_timeout_s:.0f} s")
+                raise WorkerFailedError(
+                    f"step {step}: no result from rank(s) {missing} within {self.step_timeout_s:.0f} s",
+                    ranks=tuple(missing),
+                    step=step,
+                )
             try:
                 msg = await asyncio.wait_for(self.transport.recv(), min(left, 0.5))
             except asyncio.TimeoutError:
@@ -426,43 +434,45 @@ class Engine:
                 await self._maybe_ping()
                 continue
             if isinstance(msg, protocol.WorkerError):
-                raise RuntimeError(f"worker rank {msg.rank} failed: {msg.message}")
+                raise WorkerFailedError(f"worker rank {msg.rank} failed: {msg.message}", ranks=(msg.rank,), step=step)
             if isinstance(msg, protocol.StepResult):
                 if step < msg.step <= self._step:  # a step sent after this one, answered by a faster rank
                     early = self._early.setdefault(msg.step, {})
                     if msg.rank in early:
-                        raise RuntimeError(f"rank {msg.rank} answered step {msg.step} twice")
+                        raise ProtocolError(f"rank {msg.rank} answered step {msg.step} twice")
                     early[msg.rank] = msg.outputs
                     continue
                 if msg.step != step or msg.rank in answered:
-                    raise RuntimeError(f"rank {msg.rank} answered step {msg.step} while step {step} ran")
+                    raise ProtocolError(f"rank {msg.rank} answered step {msg.step} while step {step} ran")
                 answered.add(msg.rank)
                 for t in msg.outputs:
                     tokens[t.rid] = t
         return tokens
 
     def _check_liveness(self) -> None:
-        """Raise RuntimeError when a liveness check (the local torchrun) or the heartbeat reports a dead worker.
+        """Raise WorkerFailedError when a liveness check (the local torchrun) or the heartbeat reports a dead worker.
         Runs at least every LIVENESS_PERIOD_S: on a wait that times out, and after a step once that long has
         passed (under steady load no wait times out)."""
         self._last_liveness = time.monotonic()
         for check in self.liveness_checks:
             err = check()
             if err:
-                raise RuntimeError(err)
+                raise WorkerFailedError(err)
         self._check_heartbeats()
 
     def _check_heartbeats(self) -> None:
-        """Raise RuntimeError naming every rank not heard from for heartbeat_timeout_s (after start-up)."""
+        """Raise WorkerFailedError naming every rank not heard from for heartbeat_timeout_s (after start-up)."""
         if self.heartbeat_timeout_s is None or not self.ready or not hasattr(self.transport, "silent_ranks"):
             return
         self.transport.drain_nowait()  # never called while a recv is in progress
         silent = self.transport.silent_ranks(self.world_size, self.heartbeat_timeout_s, self._alive_since)
         if silent:
             steps = ", ".join(f"rank {r}: step {self.transport.last_step.get(r, 0)}" for r in silent)
-            raise RuntimeError(
+            raise WorkerFailedError(
                 f"worker rank(s) {silent} stopped answering: no heartbeat for {self.heartbeat_timeout_s:g} s "
-                f"(last step reported: {steps}; current step {self._step})"
+                f"(last step reported: {steps}; current step {self._step})",
+                ranks=tuple(silent),
+                step=self._step,
             )
 
     async def _maybe_ping(self) -> None:
@@ -499,7 +509,7 @@ class Engine:
                     continue  # a prompt chunk; no token sampled yet
                 tok = tokens.get(req.rid)
                 if tok is None:
-                    raise RuntimeError(f"step {self._step}: no token for request rid {req.rid}")
+                    raise ProtocolError(f"step {self._step}: no token for request rid {req.rid}")
                 if observer is not None:
                     observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:

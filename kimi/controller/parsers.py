@@ -92,6 +92,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kimi.errors import ProtocolError
+
 # ---- marker token ids (docs/model-format.md, Tokenizer) -------------------------------------------------------------
 TOOL_CALLS_SECTION_BEGIN_ID = 163595
 TOOL_CALLS_SECTION_END_ID = 163596
@@ -362,7 +364,7 @@ class OutputParser:
         the module docstring. Every other token's text goes to the current field.
         """
         if self._state == _FINISHED:
-            raise RuntimeError("OutputParser.feed called after finish()")
+            raise ProtocolError("OutputParser.feed called after finish()")
         out = ParserDelta()
         marker = self._marker_text.get(token_id)
         if marker is None or (not self.config.tools and token_id not in THINK_MARKER_IDS):
@@ -388,7 +390,7 @@ class OutputParser:
         section, and of a header that can no longer become valid, is returned as content.
         """
         if self._state == _FINISHED:
-            raise RuntimeError("OutputParser.finish called twice")
+            raise ProtocolError("OutputParser.finish called twice")
         out = ParserDelta()
         self._text(text_tail, out)
         if self._state == _HEADER:

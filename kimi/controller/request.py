@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kimi.controller.output import FastDetokenizer
     from kimi.controller.stops import StopChecker
 
-log = logging.getLogger("kimi.request")
+log = logging.getLogger(__name__)
 
 
 class OutputStream:

@@ -33,7 +33,7 @@ from kimi.protocol import RequestOutput
 from kimi.structured_output.request import completion_grammar, constrain
 from kimi.tokenizer import KimiTokenizer
 
-log = logging.getLogger("kimi.submit")
+log = logging.getLogger(__name__)
 
 _SUBMIT_TAG = protocol.SubmitRequest.__struct_config__.tag
 _SUBMIT_FIELDS = protocol.SubmitRequest.__struct_fields__  # position i + 1 on the wire (the tag is at 0)

@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from kimi import protocol
 
-log = logging.getLogger("kimi.transport")
+log = logging.getLogger(__name__)
 
 # A Ping is a msgpack array [tag, seq]: its first two bytes (array header, tag) identify it on the wire.
 PING_PREFIX = protocol.encode(protocol.Ping(0))[:2]

@@ -12,8 +12,10 @@ import math
 from collections.abc import Callable
 from typing import Any, overload
 
+from kimi.errors import KimiError
 
-class BadRequest(Exception):
+
+class BadRequest(KimiError):
     """An invalid request; `status` (400 unless said otherwise), `param` names the field."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:

@@ -36,17 +36,13 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 
+from kimi.errors import PeerFailure
 from kimi.ops.moe import DispatchResult, LocalAllToAll
 
 log = logging.getLogger("kimi.a2a")
 
 BACKENDS = ("local", "gloo", "nccl", "deepep")
 PREFILL, DECODE = "prefill", "decode"
-
-
-class PeerFailure(RuntimeError):
-    """A collective with the other ranks failed (a peer died, was stopped past the timeout, or the network
-    broke): this rank is healthy, a peer probably is not."""
 
 
 def _collective(fn, *args, **kwargs):

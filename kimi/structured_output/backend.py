@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kimi.errors import KimiError
 from kimi.structured_output.spec import GrammarSpec
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ MAX_WHITESPACE = 16  # consecutive whitespace characters a JSON constraint allow
 CACHE_SIZE = 256  # compiled grammars kept (least recently used out first)
 
 
-class GrammarError(ValueError):
+class GrammarError(KimiError, ValueError):
     """xgrammar refused the spec (a schema, regex or grammar it cannot compile); the message says why."""
 
 

@@ -38,7 +38,7 @@ from kimi.structured_output.spec import GrammarSpec
 if TYPE_CHECKING:
     import xgrammar
 
-log = logging.getLogger("kimi.worker")
+log = logging.getLogger(__name__)
 
 BATCH_FILL_MIN_ROWS = 4  # from this many constrained rows on, xgrammar fills the masks on several threads
 # The tool-call markers have their text in xgrammar's vocabulary (a structural tag names them), so a grammar that

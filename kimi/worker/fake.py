@@ -40,15 +40,15 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import random
 import time
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kimi import protocol
+from kimi import envs, protocol
 from kimi.config import CacheConfig, ModelConfig
+from kimi.errors import ConfigError, ProtocolError
 from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
 from kimi.tokenizer import SPECIAL_ID_START
 from kimi.worker.kv_cache import kv_cache_bytes_per_block
@@ -117,10 +117,10 @@ class FakeRunner:
         self.num_requests = 0  # NewRequest entries this rank ran (the worker logs them at exit)
         self.num_sampled = 0
         self.step_times: list[tuple[float, float, int, int]] = []
-        path = os.environ.get("KIMI_FAKE_STATS")
+        path = envs.KIMI_FAKE_STATS.get()
         self._record = bool(path) and rank == 0
-        self.step_s = float(os.environ.get("KIMI_FAKE_STEP_MS", "0") or 0) / 1000.0
-        self.token_s = float(os.environ.get("KIMI_FAKE_TOKEN_US", "0") or 0) / 1e6
+        self.step_s = envs.KIMI_FAKE_STEP_MS.get() / 1000.0
+        self.token_s = envs.KIMI_FAKE_TOKEN_US.get() / 1e6
         if path and self._record:
             atexit.register(self._dump, path)
         self.guided = _guided_requests(model, cfg)
@@ -139,10 +139,10 @@ class FakeRunner:
 
     def _check_table(self, rid: int, table: list[int], end: int) -> None:
         if len(table) * self.block_size < end:
-            raise RuntimeError(f"rid {rid}: {len(table)} blocks cannot hold {end} tokens")
+            raise ProtocolError(f"rid {rid}: {len(table)} blocks cannot hold {end} tokens")
         for b in table:
             if not 0 < b < self.num_blocks:
-                raise RuntimeError(f"rid {rid}: block id {b} outside [1, {self.num_blocks})")
+                raise ProtocolError(f"rid {rid}: block id {b} outside [1, {self.num_blocks})")
 
     def execute(self, plan: protocol.StepPlan) -> list[protocol.TokenOutput]:
         """Apply the plan's diff, 'compute' this rank's tokens (write them to the slot array), sample."""
@@ -159,7 +159,7 @@ class FakeRunner:
             self._check_table(nr.rid, fr.block_table, nr.num_computed_tokens + nr.num_new_tokens)
             for p in range(nr.num_computed_tokens):
                 if kv[self._slot(fr.block_table, p)] != fr.token_ids[p]:
-                    raise RuntimeError(
+                    raise ProtocolError(
                         f"rid {nr.rid}: cached prefix mismatch at position {p} (block "
                         f"{fr.block_table[p // self.block_size]}): slot holds {kv[self._slot(fr.block_table, p)]}, "
                         f"token is {fr.token_ids[p]}"
@@ -177,7 +177,7 @@ class FakeRunner:
             known.block_table.extend(c.new_block_ids)
             p = known.num_computed_tokens - 1
             if p >= 0 and kv[self._slot(known.block_table, p)] != known.token_ids[p]:
-                raise RuntimeError(f"rid {c.rid}: KV slot of position {p} was overwritten by another request")
+                raise ProtocolError(f"rid {c.rid}: KV slot of position {p} was overwritten by another request")
             batch.append((c.rid, known, c.num_new_tokens))
         outputs: list[protocol.TokenOutput] = []
         num_tokens = 0
@@ -185,9 +185,9 @@ class FakeRunner:
             start = fr.num_computed_tokens
             end = start + n
             if n <= 0 or end > len(fr.token_ids):
-                raise RuntimeError(f"plan asks rid {rid} for tokens [{start}, {end}) of {len(fr.token_ids)}")
+                raise ProtocolError(f"plan asks rid {rid} for tokens [{start}, {end}) of {len(fr.token_ids)}")
             if len(fr.block_table) * self.block_size < end:
-                raise RuntimeError(f"rid {rid}: {len(fr.block_table)} blocks cannot hold {end} tokens")
+                raise ProtocolError(f"rid {rid}: {len(fr.block_table)} blocks cannot hold {end} tokens")
             table, toks, bs = fr.block_table, fr.token_ids, self.block_size
             for p in range(start, end):
                 kv[table[p // bs] * bs + p % bs] = toks[p]
@@ -257,7 +257,7 @@ def _guided_requests(model: str | None, cfg: ModelConfig) -> GuidedRequests:
 
     def backend() -> GrammarBackend:
         if model is None:
-            raise RuntimeError("guided decoding on a fake worker needs the checkpoint's tokenizer (model)")
+            raise ConfigError("guided decoding on a fake worker needs the checkpoint's tokenizer (model)")
         return GrammarBackend(load_tokenizer(model), cfg.vocab_size, cfg.eos_token_ids)
 
     return GuidedRequests(backend, cfg.vocab_size)

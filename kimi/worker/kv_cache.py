@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kimi.config import ModelConfig
+from kimi.errors import KVCacheSizeError
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -18,11 +19,6 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     return cfg.num_hidden_layers * block_size * cfg.kv_cache_dim * itemsize
-
-
-class KVCacheSizeError(ValueError):
-    """The KV cache asked for (--num-blocks / --kv-cache-memory-gib) does not fit in the device's memory; the
-    message names the flag, the bytes needed and the bytes available. The worker prints it without a traceback."""
 
 
 def available_bytes(device: torch.device | str) -> int | None:

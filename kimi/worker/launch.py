@@ -28,6 +28,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from kimi import envs
+
 # the loggers of torchrun's agent and process handler: their lines repeat what this module reports in one line
 _QUIET = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
 
@@ -36,7 +38,7 @@ _PARENT = os.getppid()  # kimi serve, which reads and removes the report file
 
 
 def _report(rank: int, exitcode: int) -> None:
-    path = os.environ.get("KIMI_LAUNCH_REPORT")
+    path = envs.KIMI_LAUNCH_REPORT.get()
     if not path:
         return
     try:

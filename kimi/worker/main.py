@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 import traceback
@@ -26,11 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kimi import protocol
-from kimi.checkpoint import CheckpointError
-from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
+from kimi import envs, protocol
+from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ModelConfig
 from kimi.controller.transport import Heartbeat, WorkerTransport
-from kimi.worker.kv_cache import KVCacheSizeError
+from kimi.errors import CheckpointError, ConfigError, KVCacheSizeError, ProtocolError
 
 if TYPE_CHECKING:
     from kimi.ops.all_to_all import Backend
@@ -109,13 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = envs.RANK.get()
+    world_size = envs.WORLD_SIZE.get()
+    local_rank = envs.LOCAL_RANK.get()
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     quiet = logging.getLevelName(level) > logging.INFO  # warning and above: no progress bar either
-    log = logging.getLogger("kimi.worker")
+    log = logging.getLogger(__name__)
     transport = WorkerTransport(args.plan_addr, args.result_addr)
     heartbeat = Heartbeat(args.plan_addr, args.result_addr, rank, args.controller_timeout + 5.0).start()
     a2a: Backend | None = None
@@ -225,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 _close_distributed(a2a)
                 return 0
             if msg.step != last_step + 1:
-                raise RuntimeError(f"step plan gap: expected step {last_step + 1}, got {msg.step}")
+                raise ProtocolError(f"step plan gap: expected step {last_step + 1}, got {msg.step}")
             last_step = msg.step
             if pipelined is not None:
                 pending = pipelined.launch(msg, pending, on_prev=send_result)  # sends pending's result when it is done

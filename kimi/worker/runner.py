@@ -23,16 +23,17 @@ import torch
 from kimi import protocol
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
+from kimi.errors import KVCacheSizeError, ProtocolError
 from kimi.ops.all_to_all import Backend, step_mode
 from kimi.ops.attention import build_attention_metadata
 from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
 from kimi.structured_output.backend import GrammarBackend
 from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
 from kimi.structured_output.vocab import load_tokenizer
-from kimi.worker.kv_cache import KVCacheSizeError, allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
+from kimi.worker.kv_cache import allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
 
-log = logging.getLogger("kimi.worker")
+log = logging.getLogger(__name__)
 
 
 _MASK64 = (1 << 64) - 1
@@ -306,7 +307,7 @@ class ModelRunner:
             per_rank[nr.dp_rank] += nr.num_new_tokens
         for c in plan.cont:
             if c.rid not in self.rank_of:
-                raise RuntimeError(f"step {plan.step}: continuing rid {c.rid} was never sent as new")
+                raise ProtocolError(f"step {plan.step}: continuing rid {c.rid} was never sent as new")
             per_rank[self.rank_of[c.rid]] += c.num_new_tokens
         single = all(nr.num_new_tokens == 1 for nr in plan.new) and all(c.num_new_tokens == 1 for c in plan.cont)
         if self.a2a is not None:
@@ -363,9 +364,9 @@ class ModelRunner:
             end = start + n
             known = len(wr.token_ids) + wr.pending
             if n <= 0 or end > known:
-                raise RuntimeError(f"plan asks rid {rid} for tokens [{start}, {end}) of {known}")
+                raise ProtocolError(f"plan asks rid {rid} for tokens [{start}, {end}) of {known}")
             if len(wr.block_table) * self.block_size < end:
-                raise RuntimeError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
+                raise ProtocolError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
             if wr.pending:  # its input is the token prev sampled (start == len(token_ids), n == 1)
                 fills.append((row, prev_rows[rid]))
                 input_ids.append(0)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+from kimi import envs  # noqa: E402
 from kimi.controller.transport import free_tcp_port  # noqa: E402
 from kimi.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
@@ -70,10 +71,10 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
         "tiny",
         *extra,
     ]
-    if os.environ.get("KIMI_TEST_DEVICE") == "cuda":  # run the e2e suite on the GPU path (kimi/worker/gpu_model.py)
+    if envs.KIMI_TEST_DEVICE.get() == "cuda":  # run the e2e suite on the GPU path (kimi/worker/gpu_model.py)
         cmd += ["--device", "cuda"]
-    if os.environ.get("KIMI_TEST_A2A"):  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
-        cmd += ["--a2a-backend", os.environ["KIMI_TEST_A2A"]]
+    if a2a := envs.KIMI_TEST_A2A.get():  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
+        cmd += ["--a2a-backend", a2a]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     srv = Server(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zport}", "tiny", model_dir, log_path)

@@ -17,11 +17,12 @@ buffers are poisoned (NaN) before each replay.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from kimi import envs
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +43,7 @@ MLA_DIMS = dict(
 
 def report(rec: dict) -> None:
     print(json.dumps(rec))
-    path = os.environ.get("KIMI_GPU_REPORT")
+    path = envs.KIMI_GPU_REPORT.get()
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -19,12 +19,13 @@ step far beyond R16 and fails.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 from test_gpu_model import make_ckpt, report
+
+from kimi import envs
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +82,7 @@ def test_gpu_decode_past_32k_matches_reference(tmp_path_factory):
     from kimi.worker.model import KimiForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    n_ctx = int(os.environ.get("KIMI_LONG_CTX", "33000"))
+    n_ctx = envs.KIMI_LONG_CTX.get()
     path = make_ckpt(tmp_path_factory.mktemp("long"), "tiny-mla")
     cfg = ModelConfig.from_dir(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend="humming", progress=False)

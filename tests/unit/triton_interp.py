@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kimi import envs
+
 REPO = Path(__file__).resolve().parents[2]
 _PROBE = (
     "import warnings, numpy, triton\n"
@@ -30,7 +32,7 @@ _PROBE = (
 def interpreter_python() -> tuple[str | None, str]:
     """(python executable able to run the interpreter, or None; the reason when None)."""
     reasons = []
-    for exe in [os.environ.get("KIMI_TRITON_PYTHON"), sys.executable]:
+    for exe in [envs.KIMI_TRITON_PYTHON.get(), sys.executable]:
         if not exe:
             continue
         try:

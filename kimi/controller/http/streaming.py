@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 RAW_SEND = "kimi.raw_send"  # scope key: the server's own ASGI `send`, set by server._Auth (see _SSE)
 
-log = logging.getLogger("kimi.http")
+log = logging.getLogger(__name__)
 
 
 def sse_event(chunk: dict[str, Any]) -> bytes:

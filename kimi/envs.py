@@ -1,0 +1,344 @@
+"""Every environment variable kimi reads: name, type, default and meaning, declared once.
+
+A declaration reads nothing when it is made: `VAR.get()` reads the environment at each call, so a test or a
+subprocess that sets a variable sees it. Product modules read a variable only through its declaration here
+(tests/unit/test_envs.py checks). `VARIABLES` lists them all in declaration order (docs/cli.md describes them).
+
+    from kimi import envs
+    if envs.KIMI_PLAN_AHEAD.get(): ...
+
+A value the parser refuses raises ConfigError (a ValueError) naming the variable and what it wants.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from kimi.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable: `name`, the value when it is unset (`default`), `parse` (the raw string -> the
+    value; raises ValueError on a bad string), what the variable means (`doc`), who reads it (`reader`) and, for
+    errors, the form a value takes (`want`)."""
+
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+    reader: str
+    want: str = ""
+
+    def get(self) -> T:
+        """The variable's value now: `default` when unset, else `parse(raw)`. Raises ConfigError on a bad value."""
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            want = f": want {self.want}" if self.want else f": {e}"
+            raise ConfigError(f"{self.name}={raw!r}{want}") from e
+
+    def require(self) -> T:
+        """`get()` for a variable that must be set: raises ConfigError naming it when it is unset."""
+        if self.name not in os.environ:
+            raise ConfigError(f"${self.name} is not set: {self.doc}")
+        return self.get()
+
+    def is_set(self) -> bool:
+        """Whether the variable is in the environment (with any value, "" included)."""
+        return self.name in os.environ
+
+
+def _str_or_none(raw: str) -> str | None:
+    """The string; "" counts as unset (None)."""
+    return raw or None
+
+
+def _off_if_0(raw: str) -> bool:
+    """An on-by-default switch: "0" turns it off, any other value leaves it on."""
+    return raw != "0"
+
+
+def _on_if_1(raw: str) -> bool:
+    """An off-by-default switch: "1" turns it on, any other value leaves it off."""
+    return raw == "1"
+
+
+def _float_or_0(raw: str) -> float:
+    """A number; "" is 0."""
+    return float(raw or 0)
+
+
+def _ints5(raw: str) -> tuple[int, int, int, int, int] | None:
+    """Five comma-separated ints; "" is None."""
+    if not raw:
+        return None
+    a, b, c, d, e = (int(v) for v in raw.split(","))
+    return a, b, c, d, e
+
+
+VARIABLES: list[EnvVar[Any]] = []
+
+
+def _declare(var: EnvVar[T]) -> EnvVar[T]:
+    VARIABLES.append(var)
+    return var
+
+
+# ---------------------------------------------------------------------------------------------- server and CLI
+KIMI_API_KEY = _declare(
+    EnvVar("KIMI_API_KEY", None, _str_or_none, 'default of `kimi serve --api-key` ("": none)', "kimi serve")
+)
+KIMI_TOKENIZER_DIR = _declare(
+    EnvVar(
+        "KIMI_TOKENIZER_DIR",
+        None,
+        _str_or_none,
+        'folder with the real Kimi vocabulary (tiktoken.model); "": look beside the checkout',
+        "tiny checkpoints, `preset:` models, tests",
+    )
+)
+KIMI_LAUNCH_REPORT = _declare(
+    EnvVar(
+        "KIMI_LAUNCH_REPORT",
+        None,
+        _str_or_none,
+        "file where kimi.worker.launch writes the first failed rank and its exit code (set by kimi serve)",
+        "kimi.worker.launch",
+    )
+)
+
+# ---------------------------------------------------------------------------------------------- set by torchrun
+RANK = _declare(EnvVar("RANK", 0, int, "this process's global rank", "workers (torchrun sets it)", "an int"))
+WORLD_SIZE = _declare(EnvVar("WORLD_SIZE", 1, int, "number of ranks", "workers (torchrun sets it)", "an int"))
+LOCAL_RANK = _declare(
+    EnvVar("LOCAL_RANK", 0, int, "this process's rank on its host (its GPU)", "workers (torchrun sets it)", "an int")
+)
+
+# ---------------------------------------------------------------------------------------------- GPU workers
+KIMI_CSRC_CACHE = _declare(
+    EnvVar(
+        "KIMI_CSRC_CACHE",
+        None,
+        _str_or_none,
+        "folder where kimi's csrc/ extensions are built and cached (unset: ~/.cache/kimi/csrc)",
+        "GPU workers",
+    )
+)
+KIMI_HUMMING_TABLE = _declare(
+    EnvVar(
+        "KIMI_HUMMING_TABLE",
+        None,
+        str,
+        'another humming schedule table (a path), or "off" / "" for humming\'s heuristic only (unset: the shipped '
+        "table)",
+        "GPU workers",
+    )
+)
+KIMI_LINEAR_SMALL_M_TABLE = _declare(
+    EnvVar(
+        "KIMI_LINEAR_SMALL_M_TABLE",
+        None,
+        str,
+        "another tuning table of the small-M bf16 GEMM (unset: the shipped one)",
+        "GPU workers",
+    )
+)
+KIMI_BMM_SMALL_M_TABLE = _declare(
+    EnvVar(
+        "KIMI_BMM_SMALL_M_TABLE",
+        None,
+        str,
+        "another tuning table of the per-head MLA GEMM (unset: the shipped one)",
+        "GPU workers",
+    )
+)
+KIMI_LINEAR_FP8_TABLE = _declare(
+    EnvVar(
+        "KIMI_LINEAR_FP8_TABLE",
+        None,
+        str,
+        "another tuning table of the FP8 dense GEMM (unset: the shipped one)",
+        "GPU workers",
+    )
+)
+KIMI_LINEAR_SMALL_M = _declare(
+    EnvVar("KIMI_LINEAR_SMALL_M", True, _off_if_0, "0: dense bf16 GEMMs always through cuBLAS", "GPU workers (import)")
+)
+KIMI_BMM_SMALL_M = _declare(
+    EnvVar("KIMI_BMM_SMALL_M", True, _off_if_0, "0: the MLA absorptions through torch.bmm", "GPU workers (import)")
+)
+KIMI_PDL = _declare(
+    EnvVar(
+        "KIMI_PDL",
+        True,
+        _off_if_0,
+        "0: no programmatic dependent launch for kimi's Triton kernels (on by default on Hopper)",
+        "GPU workers (import)",
+    )
+)
+KIMI_PLAN_AHEAD = _declare(
+    EnvVar(
+        "KIMI_PLAN_AHEAD",
+        True,
+        _off_if_0,
+        "0: plan FlashInfer's next decode step only when it comes (by default during the current replay)",
+        "GPU workers (import)",
+    )
+)
+KIMI_FUSE_PROLOGUE = _declare(
+    EnvVar(
+        "KIMI_FUSE_PROLOGUE",
+        False,
+        _on_if_1,
+        "1: RMSNorm / SiLU-up fused into the following small-M GEMM's loads (benchmark switch)",
+        "GPU workers (import)",
+    )
+)
+KIMI_HUMMING_DENSE_STREAM_K = _declare(
+    EnvVar(
+        "KIMI_HUMMING_DENSE_STREAM_K",
+        False,
+        _on_if_1,
+        "1: humming's Stream-K on for dense FP8 layers (graph replay then differs from eager; benchmark switch)",
+        "GPU workers (import)",
+    )
+)
+KIMI_MOE_CUDA_PDL = _declare(
+    EnvVar(
+        "KIMI_MOE_CUDA_PDL",
+        "early",
+        str,
+        "PDL mode of kimi's CUDA expert GEMMs: early, late or off (benchmark switch)",
+        "GPU workers (import)",
+    )
+)
+KIMI_MOE_CUDA_EARLY_WEIGHTS = _declare(
+    EnvVar(
+        "KIMI_MOE_CUDA_EARLY_WEIGHTS",
+        True,
+        _off_if_0,
+        "0: the CUDA down GEMM loads weights only after its PDL wait (benchmark switch)",
+        "GPU workers (import)",
+    )
+)
+KIMI_MOE_CUDA_ZERO_PADS = _declare(
+    EnvVar(
+        "KIMI_MOE_CUDA_ZERO_PADS",
+        True,
+        _off_if_0,
+        "0: pad rows of the CUDA expert GEMMs read token 0's row instead of zeros (benchmark switch)",
+        "GPU workers (import)",
+    )
+)
+KIMI_MLA_DECODE_CONFIG = _declare(
+    EnvVar(
+        "KIMI_MLA_DECODE_CONFIG",
+        None,
+        _ints5,
+        'launch config of the Triton MLA decode kernel (unset or "": its DEFAULT_CONFIG; benchmark switch)',
+        "GPU workers",
+        "block_h,block_n,block_dv,num_warps,num_stages",
+    )
+)
+TRITON_INTERPRET = _declare(
+    EnvVar(
+        "TRITON_INTERPRET",
+        False,
+        _on_if_1,
+        "Triton's own switch: 1 runs kernels in its interpreter; kimi then skips what the interpreter lacks",
+        "kernels (import)",
+    )
+)
+
+# ---------------------------------------------------------------------------------------------- fake workers
+KIMI_FAKE_STEP_MS = _declare(
+    EnvVar("KIMI_FAKE_STEP_MS", 0.0, _float_or_0, "simulated time of a step (ms)", "fake workers", "number")
+)
+KIMI_FAKE_TOKEN_US = _declare(
+    EnvVar("KIMI_FAKE_TOKEN_US", 0.0, _float_or_0, "simulated time per scheduled token (us)", "fake workers", "number")
+)
+KIMI_FAKE_STATS = _declare(
+    EnvVar(
+        "KIMI_FAKE_STATS",
+        None,
+        _str_or_none,
+        "file where rank 0 of the fake workers writes each step's start and end at exit (controller benchmarks)",
+        "fake workers",
+    )
+)
+
+# ---------------------------------------------------------------------------------------------- benchmarks
+KIMI_GIT_COMMIT = _declare(
+    EnvVar(
+        "KIMI_GIT_COMMIT",
+        None,
+        _str_or_none,
+        "the commit a benchmark snapshot records (a tree without .git); unset: `git rev-parse HEAD`",
+        "benchmarks",
+    )
+)
+OPENAI_API_KEY = _declare(
+    EnvVar(
+        "OPENAI_API_KEY",
+        None,
+        _str_or_none,
+        "API key of the serving benchmark's client, as the OpenAI client reads it",
+        "kimi.benchmarks.serving",
+    )
+)
+KIMI_SMALL_PICKS = _declare(
+    EnvVar(
+        "KIMI_SMALL_PICKS",
+        None,
+        _str_or_none,
+        "picks file of tools/bench_decode.py's `small_tuned` A/B",
+        "tools/bench_decode.py",
+    )
+)
+KIMI_HUMMING_TABLE_ALT = _declare(
+    EnvVar(
+        "KIMI_HUMMING_TABLE_ALT",
+        None,
+        _str_or_none,
+        "humming table of tools/bench_decode.py's `humming_table_alt` A/B",
+        "tools/bench_decode.py",
+    )
+)
+
+# ---------------------------------------------------------------------------------------------- test suite
+KIMI_TEST_DEVICE = _declare(
+    EnvVar("KIMI_TEST_DEVICE", None, _str_or_none, "cuda: the e2e tests serve with --device cuda", "tests/e2e")
+)
+KIMI_TEST_A2A = _declare(
+    EnvVar("KIMI_TEST_A2A", None, _str_or_none, "the --a2a-backend of the e2e tests' served workers", "tests/e2e")
+)
+KIMI_TRITON_PYTHON = _declare(
+    EnvVar(
+        "KIMI_TRITON_PYTHON",
+        None,
+        _str_or_none,
+        "the Python with Triton that runs the kernel tests under the interpreter",
+        "tests/unit",
+    )
+)
+KIMI_GPU_REPORT = _declare(
+    EnvVar("KIMI_GPU_REPORT", None, _str_or_none, "JSON-lines file the GPU tests append their measures to", "tests/gpu")
+)
+KIMI_LONG_CTX = _declare(
+    EnvVar("KIMI_LONG_CTX", 33000, int, "prompt tokens of the long-context GPU test", "tests/gpu", "an int")
+)
+
+
+def csrc_cache_dir() -> Path:
+    """Where kimi's csrc/ extensions are built: $KIMI_CSRC_CACHE, else ~/.cache/kimi/csrc."""
+    return Path(KIMI_CSRC_CACHE.get() or Path.home() / ".cache" / "kimi" / "csrc")

@@ -44,7 +44,7 @@ CHAT_TOOL = {
     "type": "function",
     "function": {"name": "get_weather", "description": "weather of a city", "parameters": SCHEMA},
 }
-KIMI_ID = "functions.get_weather:0"
+CALL_ID = "functions.get_weather:0"
 ASK = "weather in Paris?"
 # the rendered call and its result, as the model was trained on them
 RENDERED_CALL = (
@@ -133,13 +133,13 @@ def test_messages_tool_use_then_tool_result(srv, aclient, thinking, stream):
             "content": "",
             "tool_calls": [
                 {
-                    "id": KIMI_ID,
+                    "id": CALL_ID,
                     "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
                 }
             ],
         },
-        {"role": "tool", "tool_call_id": KIMI_ID, "content": "sunny"},
+        {"role": "tool", "tool_call_id": CALL_ID, "content": "sunny"},
     ]
     if thinking:
         chat_history[1]["reasoning_content"] = " I think"
@@ -182,7 +182,7 @@ def test_responses_function_call_then_output(srv, oclient, stream):
     assert [o.type for o in first.output] == ["reasoning", "function_call"]
     assert first.output[0].content[0].text == " I think"
     call = first.output[1]
-    assert call.name == "get_weather" and call.call_id == KIMI_ID and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.name == "get_weather" and call.call_id == CALL_ID and json.loads(call.arguments) == {"city": "Paris"}
     assert first.usage is not None and first.usage.output_tokens == 21
     assert first.usage.output_tokens_details.reasoning_tokens == 2  # " I", " think" (not the two markers)
 
@@ -201,13 +201,13 @@ def test_responses_function_call_then_output(srv, oclient, stream):
                 "content": "",
                 "tool_calls": [
                     {
-                        "id": KIMI_ID,
+                        "id": CALL_ID,
                         "type": "function",
                         "function": {"name": "get_weather", "arguments": call.arguments},
                     }
                 ],
             },
-            {"role": "tool", "tool_call_id": KIMI_ID, "content": "sunny"},
+            {"role": "tool", "tool_call_id": CALL_ID, "content": "sunny"},
         ],
         True,
     )

@@ -49,7 +49,7 @@ from kimi.controller.security import (
     split_list,
 )
 from kimi.controller.submit import SubmitServer
-from kimi.controller.transport import ControllerTransport
+from kimi.ipc import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger("kimi.server")

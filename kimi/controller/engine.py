@@ -43,7 +43,7 @@ from kimi.controller.output import OutputProcessor
 from kimi.controller.request import OutputStream, Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
-from kimi.controller.transport import ControllerTransport
+from kimi.ipc import ControllerTransport
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.structured_output.backend import GrammarBackend
 from kimi.tokenizer import KimiTokenizer

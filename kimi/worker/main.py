@@ -29,7 +29,7 @@ import torch
 from kimi import protocol
 from kimi.checkpoint import CheckpointError
 from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
-from kimi.controller.transport import Heartbeat, WorkerTransport
+from kimi.ipc import Heartbeat, WorkerTransport
 from kimi.worker.kv_cache import KVCacheSizeError
 
 if TYPE_CHECKING:

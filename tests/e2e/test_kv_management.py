@@ -24,7 +24,7 @@ from kimi import protocol
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.request import StopParams
-from kimi.controller.transport import ControllerTransport, free_tcp_port
+from kimi.ipc import ControllerTransport, free_tcp_port
 from kimi.protocol import SamplingParams
 from kimi.server import ServeArgs, WorkerProcess, worker_command
 from kimi.tokenizer import KimiTokenizer

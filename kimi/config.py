@@ -14,10 +14,11 @@ individually (a component takes the sub-config it uses, not the aggregate).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (docs/model-format.md, Checkpoint variants)
@@ -402,3 +403,138 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str = "kimi"
     zmq_submit_addr: str | None = None
+
+
+def _flag(
+    default: Any, help: str, *, type: Any = None, choices: tuple[str, ...] | None = None, required: bool = False
+) -> Any:
+    """A WorkerConfig field and its command-line flag: default, help text, value type (the parser of one argv
+    word; None: a bare switch for a bool, else str) and choices. A required field has no default."""
+    meta = {"help": help, "type": type, "choices": choices}
+    return field(metadata=meta) if required else field(default=default, metadata=meta)
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+A2A_BACKENDS = ("local", "gloo", "nccl", "deepep")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker rank's settings, each a flag of `python -m kimi.worker.main` declared here once.
+
+    `kimi serve` builds one (kimi.server.worker_config) and turns it into the worker's command line with `to_argv`;
+    the worker parses it back with `from_argv` (`from_argv(c.to_argv()) == c`). `kimi serve` declares the flags it
+    shares with the worker (`worker_flag`) from the same fields. Units: seconds for timeouts, GiB for
+    kv_cache_memory_gib, tokens for block_size and ll_max_tokens.
+    """
+
+    model: str = _flag(None, "checkpoint folder (config.json, safetensors, tokenizer files)", required=True)
+    plan_addr: str = _flag(None, "controller PUB address, e.g. tcp://127.0.0.1:5555", required=True)
+    result_addr: str = _flag(None, "controller PULL address", required=True)
+    device: str = _flag("cpu", "where the workers run the model", choices=("cpu", "cuda"))
+    dtype: str | None = _flag(
+        None,
+        "weights, activations and KV cache (default: float32 on cpu, bfloat16 on cuda)",
+        choices=DTYPE_NAMES,
+    )
+    block_size: int = _flag(64, "KV-cache block size in tokens", type=int)
+    num_blocks: int | None = _flag(
+        None, "KV-cache blocks per rank (default: from free memory, 0.5 GiB on cpu)", type=int
+    )
+    kv_cache_memory_gib: float | None = _flag(
+        None, "KV-cache memory per rank in GiB, instead of --num-blocks (default: from free memory)", type=float
+    )
+    gpu_memory_utilization: float = _flag(
+        0.9, "share of GPU memory kimi may use (weights, activations and the KV cache)", type=float
+    )
+    num_hidden_layers: int | None = _flag(
+        None, "use only the first N layers (benchmarks; default: all of the config's)", type=int
+    )
+    controller_timeout: float = _flag(
+        15.0, "exit after this long without a message (the controller pings every second)", type=float
+    )
+    no_progress: bool = _flag(False, "no checkpoint-loading progress bar")
+    log_level: str = _flag(
+        "info",
+        "log level (trace: uvicorn's most verbose; kimi logs it as debug); a worker rank's log level above info turns "
+        "its checkpoint-loading progress bar off too",
+        type=str.lower,
+        choices=LOG_LEVELS,
+    )
+    a2a_backend: str | None = _flag(
+        None,
+        "MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)",
+        choices=A2A_BACKENDS,
+    )
+    dist_timeout: float = _flag(600.0, "torch.distributed collective timeout, seconds", type=float)
+    ll_max_tokens: int = _flag(
+        128, "decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)", type=int
+    )
+    fake: bool = _flag(False, "load no weights; return pseudo-random tokens (kimi.worker.fake)")
+    moe_backend: str = _flag(
+        "auto",
+        "--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
+        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
+        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref)",
+        choices=MOE_BACKENDS,
+    )
+    load_format: str = _flag(
+        "auto",
+        "--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU",
+        choices=("auto", "dummy"),
+    )
+    cuda_graph_max_bs: int = _flag(0, "cuda: largest decode CUDA graph bucket (0 = eager)", type=int)
+    fp8_dense: str = _flag(
+        "off",
+        "--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
+        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
+        "decode",
+        choices=("off", "triton", "humming"),
+    )
+
+    def to_argv(self) -> list[str]:
+        """The worker's command-line arguments: the required flags, then every field that differs from its default
+        (a true bool as a bare switch)."""
+        argv: list[str] = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.default is not MISSING and v == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(v, bool):
+                argv.append(flag)
+            else:
+                argv += [flag, str(v)]
+        return argv
+
+    @classmethod
+    def arg_parser(cls, prog: str = "kimi.worker.main") -> argparse.ArgumentParser:
+        """An argparse parser with one flag per field (the worker's command line)."""
+        p = argparse.ArgumentParser(prog=prog)
+        for f in fields(cls):
+            p.add_argument("--" + f.name.replace("_", "-"), **worker_flag(f.name))
+        return p
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> WorkerConfig:
+        """Parse the worker's command line (None: sys.argv[1:]); exits 2 naming the flag on a bad value (argparse)."""
+        return cls(**vars(cls.arg_parser().parse_args(argv)))
+
+
+def worker_flag(name: str, **overrides: Any) -> dict[str, Any]:
+    """`argparse.add_argument` keywords of WorkerConfig's field `name` (default, help, type, choices, or
+    action="store_true" for a bool; `required` for a field without default), updated with `overrides`."""
+    f = next(f for f in fields(WorkerConfig) if f.name == name)
+    kw: dict[str, Any] = {"help": f.metadata["help"]}
+    if f.default is MISSING:
+        kw["required"] = True
+    elif isinstance(f.default, bool):
+        kw.update(action="store_true", default=f.default)
+    else:
+        kw["default"] = f.default
+    if f.metadata["type"] is not None:
+        kw["type"] = f.metadata["type"]
+    if f.metadata["choices"] is not None:
+        kw["choices"] = list(f.metadata["choices"])
+    kw.update(overrides)
+    return kw

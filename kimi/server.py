@@ -31,13 +31,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
 import zmq
 
-from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
+from kimi.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig, worker_flag
 from kimi.controller.engine import HEARTBEAT_S, Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
@@ -213,42 +213,24 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Declare every `kimi serve` flag on p (docs/cli.md has the long form of each)."""
-    p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
+    p.add_argument("--model", **worker_flag("model"))
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=_numeric("port"), default=8000, help="HTTP port")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the folder name)")
     p.add_argument("--zmq-submit-addr", default=None, help="ZeroMQ submit API address (default tcp://HOST:PORT+1)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the workers run the model")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="weights, activations and KV cache (default: float32 on cpu, bfloat16 on cuda)",
-    )
+    p.add_argument("--device", **worker_flag("device"))
+    p.add_argument("--dtype", **worker_flag("dtype"))
     p.add_argument(
         "--nproc",
         type=_numeric("nproc"),
         default=1,
         help="worker ranks on this node (DP attention x EP MoE); must divide the routed experts",
     )
-    p.add_argument("--block-size", type=_numeric("block_size"), default=64, help="KV-cache block size in tokens")
+    p.add_argument("--block-size", **worker_flag("block_size", type=_numeric("block_size")))
+    p.add_argument("--num-blocks", **worker_flag("num_blocks", type=_numeric("num_blocks")))
+    p.add_argument("--kv-cache-memory-gib", **worker_flag("kv_cache_memory_gib", type=_numeric("kv_cache_memory_gib")))
     p.add_argument(
-        "--num-blocks",
-        type=_numeric("num_blocks"),
-        default=None,
-        help="KV-cache blocks per rank (default: from free memory, 0.5 GiB on cpu)",
-    )
-    p.add_argument(
-        "--kv-cache-memory-gib",
-        type=_numeric("kv_cache_memory_gib"),
-        default=None,
-        help="KV-cache memory per rank in GiB, instead of --num-blocks (default: from free memory)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=_numeric("gpu_memory_utilization"),
-        default=0.9,
-        help="share of GPU memory kimi may use (weights, activations and the KV cache)",
+        "--gpu-memory-utilization", **worker_flag("gpu_memory_utilization", type=_numeric("gpu_memory_utilization"))
     )
     p.add_argument(
         "--max-model-len",
@@ -268,12 +250,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="tokens per step per rank; longer prompts are prefilled in chunks",
     )
-    p.add_argument(
-        "--num-hidden-layers",
-        type=_numeric("num_hidden_layers"),
-        default=None,
-        help="use only the first N layers (benchmarks; default: all of the config's)",
-    )
+    p.add_argument("--num-hidden-layers", **worker_flag("num_hidden_layers", type=_numeric("num_hidden_layers")))
     p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
     p.add_argument(
         "--plan-addr",
@@ -297,13 +274,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds the workers may take to load the model and report ready",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        help="uvicorn / kimi log level (trace: uvicorn's most verbose; kimi logs it as debug)",
-    )
+    p.add_argument("--log-level", **worker_flag("log_level"))
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
     p.add_argument(
         "--max-waiting",
@@ -367,12 +338,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
         "tokenizer has a <think> token",
     )
-    p.add_argument(
-        "--a2a-backend",
-        default=None,
-        choices=["local", "gloo", "nccl", "deepep"],
-        help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)",
-    )
+    p.add_argument("--a2a-backend", **worker_flag("a2a_backend"))
     p.add_argument(
         "--heartbeat-timeout",
         type=_numeric("heartbeat_timeout"),
@@ -380,29 +346,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help=f"fail when a worker rank answers no ping for this many seconds (0 = off, else at least "
         f"{HEARTBEAT_MIN_S:g})",
     )
-    p.add_argument(
-        "--moe-backend",
-        default="auto",
-        choices=list(MOE_BACKENDS),
-        help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
-        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
-        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU",
-    )
+    p.add_argument("--moe-backend", **worker_flag("moe_backend"))
+    p.add_argument("--load-format", **worker_flag("load_format"))
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
-    p.add_argument(
-        "--fp8-dense",
-        default="off",
-        choices=["off", "triton", "humming"],
-        help="--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
-        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
-        "decode",
-    )
+    p.add_argument("--fp8-dense", **worker_flag("fp8_dense"))
     p.add_argument(
         "--no-async-scheduling",
         action="store_true",
@@ -411,9 +358,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfig:
+    """The settings of this server's worker ranks (the `--device cuda` only flags at their defaults on the cpu)."""
+    cuda = a.device == "cuda"
+    d = WorkerConfig(model=a.model, plan_addr=plan_addr, result_addr=result_addr)
+    return replace(
+        d,
+        device=a.device,
+        dtype=a.dtype,
+        block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        kv_cache_memory_gib=a.kv_cache_memory_gib,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        num_hidden_layers=a.num_hidden_layers,
+        log_level=a.log_level,
+        a2a_backend=a.a2a_backend,
+        fake=a.fake_workers,
+        moe_backend=a.moe_backend if cuda else d.moe_backend,
+        load_format=a.load_format if cuda else d.load_format,
+        fp8_dense=a.fp8_dense if cuda else d.fp8_dense,
+        cuda_graph_max_bs=(0 if a.enforce_eager else a.max_num_seqs) if cuda else d.cuda_graph_max_bs,
+    )
+
+
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     """The torchrun command line that starts this server's workers."""
-    cmd = [
+    return [
         # torchrun (kimi.worker.launch: one line instead of a traceback when a rank fails); --standalone: one node,
         # rendezvous on a port the store picks itself (no free-port race)
         sys.executable,
@@ -424,45 +394,8 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
         str(a.nproc),
         "-m",
         "kimi.worker.main",
-        "--model",
-        a.model,
-        "--plan-addr",
-        plan_addr,
-        "--result-addr",
-        result_addr,
-        "--device",
-        a.device,
-        "--block-size",
-        str(a.block_size),
-        "--gpu-memory-utilization",
-        str(a.gpu_memory_utilization),
-        "--log-level",
-        a.log_level,
+        *worker_config(a, plan_addr, result_addr).to_argv(),
     ]
-    for flag, v in (
-        ("--dtype", a.dtype),
-        ("--num-blocks", a.num_blocks),
-        ("--kv-cache-memory-gib", a.kv_cache_memory_gib),
-        ("--num-hidden-layers", a.num_hidden_layers),
-    ):
-        if v is not None:
-            cmd += [flag, str(v)]
-    if a.fake_workers:
-        cmd.append("--fake")
-    if a.a2a_backend is not None:
-        cmd += ["--a2a-backend", a.a2a_backend]
-    if a.device == "cuda":
-        cmd += [
-            "--moe-backend",
-            a.moe_backend,
-            "--load-format",
-            a.load_format,
-            "--fp8-dense",
-            a.fp8_dense,
-            "--cuda-graph-max-bs",
-            str(0 if a.enforce_eager else a.max_num_seqs),
-        ]
-    return cmd
 
 
 class _Server(uvicorn.Server):

@@ -16,7 +16,6 @@ command under `torchrun --nnodes M --node-rank i --master-addr ...` on each node
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -28,7 +27,7 @@ import torch
 
 from kimi import protocol
 from kimi.checkpoint import CheckpointError
-from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ConfigError, ModelConfig
+from kimi.config import CacheConfig, ConfigError, ModelConfig, WorkerConfig
 from kimi.ipc import Heartbeat, WorkerTransport
 from kimi.worker.kv_cache import KVCacheSizeError
 
@@ -40,75 +39,8 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kimi.worker.main")
-    p.add_argument("--model", required=True, help="checkpoint folder")
-    p.add_argument("--plan-addr", required=True, help="controller PUB address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--result-addr", required=True, help="controller PULL address")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-hidden-layers", type=int, default=None, help="override (benchmarks)")
-    p.add_argument(
-        "--controller-timeout",
-        type=float,
-        default=15.0,
-        help="exit after this long without a message (the controller pings every second)",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--log-level",
-        default="info",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        help="the rank's log level (kimi serve passes its own; trace logs as debug); above info the "
-        "checkpoint-loading progress bar is off too",
-    )
-    p.add_argument(
-        "--a2a-backend",
-        default=None,
-        choices=["local", "gloo", "nccl", "deepep"],
-        help="MoE all-to-all (default: local for 1 rank, gloo on cpu, nccl on cuda)",
-    )
-    p.add_argument("--dist-timeout", type=float, default=600.0, help="torch.distributed collective timeout, seconds")
-    p.add_argument(
-        "--ll-max-tokens",
-        type=int,
-        default=128,
-        help="decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)",
-    )
-    p.add_argument(
-        "--fake", action="store_true", help="load no weights; return pseudo-random tokens (kimi.worker.fake)"
-    )
-    p.add_argument(
-        "--moe-backend",
-        default="auto",
-        choices=list(MOE_BACKENDS),
-        help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="cuda: dummy = random weights of the real shapes (--model may then be preset:NAME)",
-    )
-    p.add_argument(
-        "--cuda-graph-max-bs", type=int, default=0, help="cuda: largest decode CUDA graph bucket (0 = eager)"
-    )
-    p.add_argument(
-        "--fp8-dense",
-        default="off",
-        choices=["off", "triton", "humming"],
-        help="cuda: FP8 dense projections kept FP8 (kimi.worker.gpu_model.FP8_DENSE_CHOICES)",
-    )
-    return p.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = WorkerConfig.from_argv(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -38,8 +38,9 @@ import uvicorn
 import zmq
 
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig, worker_flag
-from kimi.controller.engine import HEARTBEAT_S, Engine
+from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
+from kimi.controller.liveness import HEARTBEAT_S
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
 from kimi.controller.security import (
     SecurityConfig,
@@ -733,7 +734,7 @@ async def serve(a: ServeArgs) -> int:
             transport.close()
         return 1
     plan_addr, result_addr = transport.plan_addr, transport.result_addr
-    engine.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
+    engine.liveness.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
 
     if a.reasoning == "auto":
         thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
@@ -789,7 +790,7 @@ async def serve(a: ServeArgs) -> int:
     try:
         if not a.attach:
             workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
-            engine.liveness_checks.append(workers.check)
+            engine.liveness.checks.append(workers.check)
         else:
             log.info(
                 "waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "

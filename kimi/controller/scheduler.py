@@ -19,19 +19,20 @@ Each step (`schedule`):
    new request first takes the longest cached prefix of its tokens (BlockPool.lookup; whole blocks, never
    its last token, so at least one token is computed and the last position yields logits), then a chunk
    of the rest that fits the remaining budget.
-After each step the engine calls `commit(req)`, which registers the request's newly completed full blocks
-in the prefix cache (only then is their KV known to be written).
+After each step the engine calls `update_from_output`, the one place a step's results change the requests: it
+advances their computed tokens, appends their sampled tokens, and registers their newly completed full blocks in the
+prefix cache (`commit`: only then is their KV known to be written).
 
-Async scheduling (the engine plans step N+1 while step N runs): `schedule` counts what earlier, unapplied
-steps will do. A request's known tokens are `len(token_ids) + num_inflight_samples` (the in-flight steps'
-sampled tokens exist on the workers, which run plans in order, though not here yet) and its tokens still to
-compute start at `num_scheduled_tokens`; scheduling advances both counters, applying a step (engine) advances
+Async scheduling (the engine plans step N+1 while step N runs): `schedule` counts what earlier, unapplied steps
+will do. A request's known tokens are `len(token_ids) + num_inflight_samples` (the in-flight steps' sampled tokens
+exist on the workers, which run plans in order, though not here yet) and its tokens still to compute start at
+`num_scheduled_tokens`; scheduling advances both counters, applying a step (`update_from_output`) advances
 num_computed_tokens and appends the sampled token. A request whose in-flight tokens already reach max_tokens or
-max_model_len is not scheduled ahead (it ends when they are applied); one that ends on a stop condition only
-the applied token shows (EOS, a stop string) has one extra token computed, which is dropped. Preemption resets
-the counters and bumps `num_preemptions`, the epoch that `ScheduledRequest.epoch` records, so the results of
-steps sent before it are ignored. Without async scheduling the counters equal num_computed_tokens / 0
-between steps and everything above reduces to the synchronous rules.
+max_model_len is not scheduled ahead (it ends when they are applied); one that ends on a stop condition only the
+applied token shows (EOS, a stop string) has one extra token computed, which is dropped. Preemption resets the
+counters and bumps `num_preemptions`, the epoch that `ScheduledRequest.epoch` records, so the results of steps sent
+before it are ignored. Without async scheduling the counters equal num_computed_tokens / 0 between steps and
+everything above reduces to the synchronous rules.
 The controller never schedules work for a request it cannot hold: admission (`engine`) rejects requests
 whose prompt + max_tokens exceed what the whole cache holds.
 """
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from kimi.config import SchedulerConfig
 from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.request import Request, RequestStatus
+from kimi.protocol import TokenOutput
 
 _NO_BLOCKS: list[int] = []  # shared, never mutated: new_blocks of a step that appends none
 
@@ -322,7 +324,45 @@ class Scheduler:
             req.num_scheduled_tokens = n
             if n == len(req.token_ids) + req.num_inflight_samples:
                 req.num_inflight_samples += 1  # this step samples the request's next token
+            if sr.is_new:
+                req.sent_to_workers = True  # the plan made from this output carries it as a NewRequest
         return out
+
+    def update_from_output(
+        self, so: SchedulerOutput, tokens: dict[int, TokenOutput], step: int
+    ) -> list[tuple[Request, TokenOutput]]:
+        """Apply step `step`'s results to the requests `so` scheduled: advance num_computed_tokens by what the step
+        computed, register the blocks it filled in the prefix cache (`commit`), and for each request the step sampled
+        for (its computed tokens reach its known tokens' end), count the sample as no longer in flight and append the
+        token to token_ids, unless the worker reported an error for it (TokenOutput.error).
+
+        tokens: the step's sampled tokens by rid (every rank's). Requests finished, or preempted after the step was
+        sent (ScheduledRequest.epoch), are skipped. Returns the (request, token) pairs sampled, in schedule order, for
+        the engine's output processing. Raises RuntimeError when a request that should have sampled has no token.
+        """
+        sampled: list[tuple[Request, TokenOutput]] = []
+        finished = RequestStatus.FINISHED
+        bs = self.block_pool.block_size
+        for sr in so.scheduled:
+            req = sr.request
+            if req.status is finished:
+                continue  # aborted while the step ran
+            if not req.sent_to_workers or sr.epoch != req.num_preemptions:
+                continue  # preempted after this step was sent: it is recomputed from its tokens later
+            nct = req.num_computed_tokens + sr.num_new_tokens
+            req.num_computed_tokens = nct
+            if nct >= (req.num_cached_blocks + 1) * bs:  # a block may have filled up: commit (cheap test)
+                self.commit(req)  # full blocks just computed join the prefix cache
+            if nct < len(req.token_ids):
+                continue  # a prompt chunk; no token sampled yet
+            tok = tokens.get(req.rid)
+            if tok is None:
+                raise RuntimeError(f"step {step}: no token for request rid {req.rid}")
+            req.num_inflight_samples -= 1
+            if tok.error is None:
+                req.token_ids.append(tok.token_id)
+            sampled.append((req, tok))
+        return sampled
 
 
 def _waits_for_leader(req: Request) -> bool:

@@ -80,7 +80,7 @@ class LiveEngine:
         )
         args = ServeArgs(model=self.model_dir, block_size=BS, num_blocks=NUM_BLOCKS)
         self.workers = WorkerProcess(worker_command(args, plan_addr, result_addr))
-        self.engine.liveness_checks.append(self.workers.check)
+        self.engine.liveness.checks.append(self.workers.check)
         await self.engine.start(1, timeout_s=150)
         self.task = asyncio.create_task(self.engine.run())
 

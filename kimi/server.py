@@ -214,6 +214,13 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Declare every `kimi serve` flag on p (docs/cli.md has the long form of each)."""
+    _add_model_and_cache_flags(p)
+    _add_worker_and_queue_flags(p)
+    _add_http_and_backend_flags(p)
+
+
+def _add_model_and_cache_flags(p: argparse.ArgumentParser) -> None:
+    """The model, HTTP / ZeroMQ addresses, device, ranks, KV cache and batching flags."""
     p.add_argument("--model", **worker_flag("model"))
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=_numeric("port"), default=8000, help="HTTP port")
@@ -252,6 +259,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="tokens per step per rank; longer prompts are prefilled in chunks",
     )
     p.add_argument("--num-hidden-layers", **worker_flag("num_hidden_layers", type=_numeric("num_hidden_layers")))
+
+
+def _add_worker_and_queue_flags(p: argparse.ArgumentParser) -> None:
+    """Attached workers, timeouts, logging, prefix cache, the waiting queue and fake workers."""
     p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
     p.add_argument(
         "--plan-addr",
@@ -295,6 +306,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)",
     )
+
+
+def _add_http_and_backend_flags(p: argparse.ArgumentParser) -> None:
+    """HTTP security and limits, reasoning, heartbeats and the `--device cuda` backends."""
     p.add_argument(
         "--api-key",
         default=os.environ.get("KIMI_API_KEY") or None,
@@ -605,13 +620,8 @@ def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-async def serve(a: ServeArgs) -> int:
-    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags.
-
-    Start-up order: flags and the model's config are checked, then every socket is bound (the workers'
-    plan / result sockets, HTTP, the ZeroMQ submit API), and only then are the workers launched, so a flag
-    or an address that cannot work fails with one line (2 for flags, 1 for an address) and nothing to stop.
-    """
+def _check_flags(a: ServeArgs) -> int | None:
+    """Log and return the exit status (2) for flags no server can run with; warn of ignored ones. None: go on."""
     err = check_serve_args(a)
     if err is not None:
         log.error("%s", err)
@@ -629,11 +639,12 @@ async def serve(a: ServeArgs) -> int:
             a.zmq_submit_addr,
         )
         return 2
-    try:
-        cfg, tokenizer = load_model_meta(a)
-    except (ValueError, OSError) as e:  # e.g. a model folder without its tokenizer files: one line, not a traceback
-        log.error("%s", e)
-        return 2
+    return None
+
+
+def _check_model(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer) -> ModelConfig | None:
+    """Check the flags that depend on the model's config and this machine (logging why and returning None when one
+    cannot work); returns the config with `--num-hidden-layers` applied."""
     if a.reasoning == "on" and tokenizer.decode([THINK_START_ID]) != "<think>":
         log.warning(
             "--reasoning on: this vocabulary has no <think> token (id %d is %r); chat output is still split "
@@ -652,7 +663,7 @@ async def serve(a: ServeArgs) -> int:
                 cfg.num_hidden_layers,
                 cfg.num_hidden_layers,
             )
-            return 2
+            return None
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
     if a.max_model_len is not None and a.max_model_len > cfg.max_position_embeddings:
         log.error(
@@ -661,7 +672,7 @@ async def serve(a: ServeArgs) -> int:
             cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
-        return 2
+        return None
     if not a.fake_workers and cfg.n_routed_experts % a.nproc:  # --attach too: --nproc is then the world size
         log.error(
             "--nproc %d: the model's %d routed experts do not split evenly over %d ranks (expert parallelism "
@@ -671,12 +682,12 @@ async def serve(a: ServeArgs) -> int:
             a.nproc,
             cfg.n_routed_experts,
         )
-        return 2
+        return None
     if a.device == "cuda" and not a.attach:
         err = _cuda_unavailable()
         if err is not None:
             log.error("--device cuda: %s", err)
-            return 2
+            return None
     if a.a2a_backend is not None and not a.attach:
         from kimi.ops.all_to_all import check_backend
 
@@ -684,16 +695,20 @@ async def serve(a: ServeArgs) -> int:
             check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts)
         except ValueError as e:
             log.error("%s", e)
-            return 2
-    eos = eos_token_ids(cfg, tokenizer)
-    max_model_len = a.max_model_len or cfg.max_position_embeddings
-    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
-    # an IPv6 literal host goes in brackets: tcp://[::1]:port
-    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
-    if a.api_key and a.zmq_submit_addr is None:
-        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+            return None
+    return cfg
 
+
+def _bind(
+    a: ServeArgs,
+    cfg: ModelConfig,
+    tokenizer: KimiTokenizer,
+    eos: frozenset[int],
+    max_model_len: int,
+    submit_addr: str,
+) -> tuple[ControllerTransport, list[socket.socket], Engine, SubmitServer] | None:
+    """Bind the worker sockets, HTTP and the ZeroMQ submit API, and build the engine; None (logged, everything
+    bound so far closed) when an address cannot be bound."""
     # Bind everything before anything is launched.
     transport = None
     http_socks: list[socket.socket] = []
@@ -732,10 +747,13 @@ async def serve(a: ServeArgs) -> int:
             sock.close()
         if transport is not None:
             transport.close()
-        return 1
-    plan_addr, result_addr = transport.plan_addr, transport.result_addr
+        return None
     engine.liveness.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
+    return transport, http_socks, engine, submit
 
+
+def _http_server(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer, engine: Engine, name: str) -> _Server:
+    """The OpenAI-compatible app behind the Host / Origin checks, in a uvicorn server (not started)."""
     if a.reasoning == "auto":
         thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
     else:
@@ -770,39 +788,48 @@ async def serve(a: ServeArgs) -> int:
             http=header_timeout_protocol(a.request_header_timeout),
         )
     )
-    loop = asyncio.get_running_loop()
+    return http
 
-    def on_signal() -> None:
-        # Stop accepting connections and end every in-flight request now (an error chunk / 503), so that
-        # open streams close and the server exits promptly instead of waiting for long generations.
-        http.should_exit = True
-        if engine.ready:
-            engine.drain("the server is shutting down")
 
-    # SIGHUP: the terminal / ssh session closed; left alone when ignored (`nohup kimi serve`)
-    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
-    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
-        loop.add_signal_handler(sig, on_signal)
+async def serve(a: ServeArgs) -> int:
+    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags.
 
+    Start-up order: flags and the model's config are checked, then every socket is bound (the workers'
+    plan / result sockets, HTTP, the ZeroMQ submit API), and only then are the workers launched, so a flag
+    or an address that cannot work fails with one line (2 for flags, 1 for an address) and nothing to stop.
+    """
+    rc = _check_flags(a)
+    if rc is not None:
+        return rc
+    try:
+        cfg, tokenizer = load_model_meta(a)
+    except (ValueError, OSError) as e:  # e.g. a model folder without its tokenizer files: one line, not a traceback
+        log.error("%s", e)
+        return 2
+    checked = _check_model(a, cfg, tokenizer)
+    if checked is None:
+        return 2
+    cfg = checked
+    eos = eos_token_ids(cfg, tokenizer)
+    max_model_len = a.max_model_len or cfg.max_position_embeddings
+    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
+    # an IPv6 literal host goes in brackets: tcp://[::1]:port
+    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
+    if a.api_key and a.zmq_submit_addr is None:
+        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
+        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+
+    bound = _bind(a, cfg, tokenizer, eos, max_model_len, submit_addr)
+    if bound is None:
+        return 1
+    transport, http_socks, engine, submit = bound
+    http = _http_server(a, cfg, tokenizer, engine, name)
+    _handle_signals(http, engine)
     workers = None
     http_task = submit_task = engine_task = None
     rc = 0
     try:
-        if not a.attach:
-            workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
-            engine.liveness.checks.append(workers.check)
-        else:
-            log.info(
-                "waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
-                "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
-                "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
-                "(docs/multinode.md)",
-                a.nproc,
-                a.model,
-                plan_addr,
-                result_addr,
-                a.device,
-            )
+        workers = _start_workers(a, engine, transport.plan_addr, transport.result_addr)
         log.info('HTTP on http://%s:%d (/health says "loading" until the workers are ready)', a.host, a.port)
         http_task = asyncio.create_task(http.serve(sockets=http_socks))
         submit_task = asyncio.create_task(submit.serve())
@@ -839,14 +866,7 @@ async def serve(a: ServeArgs) -> int:
             if submit_task is not None:
                 submit_task.cancel()
             submit.close()
-            if http_task is not None:
-                try:
-                    await asyncio.wait_for(http_task, 5)
-                except (asyncio.TimeoutError, asyncio.CancelledError, Exception, SystemExit):
-                    pass
-            else:
-                for sock in http_socks:
-                    sock.close()
+            await _stop_http(http_task, http_socks)
             if workers is not None:
                 # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and
                 # never see Shutdown; ranks still loading do not read it either: give them 1 s instead of 5
@@ -855,6 +875,56 @@ async def serve(a: ServeArgs) -> int:
                 await asyncio.to_thread(workers.stop, 1.0 if quick else 5.0)
             transport.close()
     return rc
+
+
+def _handle_signals(http: _Server, engine: Engine) -> None:
+    """SIGINT, SIGTERM and SIGHUP (unless ignored, `nohup kimi serve`) stop HTTP and end every in-flight request."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # Stop accepting connections and end every in-flight request now (an error chunk / 503), so that
+        # open streams close and the server exits promptly instead of waiting for long generations.
+        http.should_exit = True
+        if engine.ready:
+            engine.drain("the server is shutting down")
+
+    # SIGHUP: the terminal / ssh session closed; left alone when ignored (`nohup kimi serve`)
+    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
+        loop.add_signal_handler(sig, on_signal)
+
+
+def _start_workers(a: ServeArgs, engine: Engine, plan_addr: str, result_addr: str) -> WorkerProcess | None:
+    """Launch the local workers under torchrun (their exit becomes one of the engine's liveness checks), or with
+    `--attach` log how to start external ones; returns the WorkerProcess (None with --attach)."""
+    if a.attach:
+        log.info(
+            "waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
+            "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
+            "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
+            "(docs/multinode.md)",
+            a.nproc,
+            a.model,
+            plan_addr,
+            result_addr,
+            a.device,
+        )
+        return None
+    workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
+    engine.liveness.checks.append(workers.check)
+    return workers
+
+
+async def _stop_http(http_task: asyncio.Task[None] | None, http_socks: list[socket.socket]) -> None:
+    """Wait up to 5 s for the HTTP server to end (it was told to), or close its sockets if it never started."""
+    if http_task is not None:
+        try:
+            await asyncio.wait_for(http_task, 5)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception, SystemExit):
+            pass
+    else:
+        for sock in http_socks:
+            sock.close()
 
 
 def _http_end(http_task: asyncio.Task[None], http: uvicorn.Server) -> int:

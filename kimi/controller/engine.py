@@ -207,6 +207,46 @@ class Engine:
         0 (AdmissionError naming `priority`, as vLLM). cache_salt: requests share prefix-cache blocks only with
         requests of the same salt (None: the unsalted ones).
         """
+        self._check_admission(request_id, prompt_token_ids, sampling, stop, priority)
+        n = len(prompt_token_ids)
+        rid = next(self._rids)
+        req = Request(
+            rid=rid,
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=n,
+            sampling=sampling,
+            stop=stop,
+            skip_special_tokens=skip_special_tokens,
+            outputs=OutputStream(),
+            priority=priority,
+            cache_salt=cache_salt or None,
+        )
+        self.output.start(req)
+        self.requests[request_id] = req
+        self.by_rid[rid] = req
+        affinity = None
+        if self.enable_prefix_caching and len(self.schedulers) > 1:
+            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
+            bs = self.schedulers[0].block_pool.block_size
+            req.block_hashes = block_hashes(req.token_ids, bs, cache_salt=req.cache_salt)
+            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
+        lead = self.requests.get(leader) if leader is not None else None
+        if lead is not None and self.enable_prefix_caching:
+            req.leader = lead
+            dp = lead.dp_rank
+        else:
+            dp = self.router.choose(affinity)
+        self.schedulers[dp].add(req)
+        self.stats.prompt_tokens += n
+        self._wake.set()
+        return req
+
+    def _check_admission(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stop: StopParams, priority: int
+    ) -> None:
+        """Raise EngineDead (failed, closing or loading) or the AdmissionError (QueueFull included) that refuses this
+        request; returns when it may be admitted. Nothing changes either way."""
         if self.fatal_error is not None:
             raise EngineDead(self.fatal_error)
         if self.closing is not None:
@@ -241,38 +281,6 @@ class Engine:
             raise AdmissionError(R.UNENCODABLE, None, detail=str(e)) from None
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(R.QUEUE_FULL, None, limit=self.max_waiting)
-        rid = next(self._rids)
-        req = Request(
-            rid=rid,
-            request_id=request_id,
-            token_ids=list(prompt_token_ids),
-            num_prompt_tokens=n,
-            sampling=sampling,
-            stop=stop,
-            skip_special_tokens=skip_special_tokens,
-            outputs=OutputStream(),
-            priority=priority,
-            cache_salt=cache_salt or None,
-        )
-        self.output.start(req)
-        self.requests[request_id] = req
-        self.by_rid[rid] = req
-        affinity = None
-        if self.enable_prefix_caching and len(self.schedulers) > 1:
-            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
-            bs = self.schedulers[0].block_pool.block_size
-            req.block_hashes = block_hashes(req.token_ids, bs, cache_salt=req.cache_salt)
-            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
-        lead = self.requests.get(leader) if leader is not None else None
-        if lead is not None and self.enable_prefix_caching:
-            req.leader = lead
-            dp = lead.dp_rank
-        else:
-            dp = self.router.choose(affinity)
-        self.schedulers[dp].add(req)
-        self.stats.prompt_tokens += n
-        self._wake.set()
-        return req
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (blocks freed, workers told in the next plan). False if it is not running."""

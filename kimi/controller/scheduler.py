@@ -227,78 +227,97 @@ class Scheduler:
         return num_new, blocks
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work; mutates block tables (the caller turns the result into a StepPlan)."""
+        """Decide this step's work; mutates block tables (the caller turns the result into a StepPlan).
+
+        Running requests first (`_schedule_running`), then waiting ones while budget, seats and blocks last
+        (`_schedule_waiting`); every scheduled request's tokens are then counted as in flight."""
         out = SchedulerOutput(scheduled=[], preempted=[])
         budget = self.config.token_budget
-        scheduled_ids: set[int] = set()
-
         if self.running:
-            # tokens still to compute: known (applied + in-flight samples) minus scheduled (applied + in flight)
-            decodes: list[Request] = []
-            others: list[Request] = []
-            for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
-                (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(
-                    r
-                )
-            order = decodes + others if others else decodes
-            n_dec = len(decodes)
-            # tokens the prompt chunks of running requests leave to waiting requests (see the module docstring)
-            reserve, held = 0, False
-            if (
-                others
-                and self.waiting
-                and len(self.running) < self.config.max_num_seqs
-                and not _waits_for_leader(self.waiting[0])
+            budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        for sr in out.scheduled:  # the step's tokens are now in flight (see the module docstring)
+            req = sr.request
+            n = req.num_scheduled_tokens + sr.num_new_tokens
+            req.num_scheduled_tokens = n
+            if n == len(req.token_ids) + req.num_inflight_samples:
+                req.num_inflight_samples += 1  # this step samples the request's next token
+            if sr.is_new:
+                req.sent_to_workers = True  # the plan made from this output carries it as a NewRequest
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the running requests their next tokens within `budget` (decodes first, then prompt chunks, which leave
+        the waiting requests' reserve), growing block tables and preempting the newest when blocks run out. Returns
+        the budget left."""
+        scheduled_ids: set[int] = set()
+        # tokens still to compute: known (applied + in-flight samples) minus scheduled (applied + in flight)
+        decodes: list[Request] = []
+        others: list[Request] = []
+        for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
+            (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(r)
+        order = decodes + others if others else decodes
+        n_dec = len(decodes)
+        # tokens the prompt chunks of running requests leave to waiting requests (see the module docstring)
+        reserve, held = 0, False
+        if (
+            others
+            and self.waiting
+            and len(self.running) < self.config.max_num_seqs
+            and not _waits_for_leader(self.waiting[0])
+        ):
+            reserve = min(self.config.waiting_reserve, self.config.token_budget // 2)
+        bs = self.block_pool.block_size
+        running = RequestStatus.RUNNING
+        scheduled = out.scheduled
+        max_len = self.config.max_model_len
+        for i, req in enumerate(order):
+            if reserve and not held and i >= n_dec:
+                budget -= reserve  # held back from the prompt chunks, given back before admission
+                held = True
+            if budget <= 0:
+                break
+            if req.status is not running:
+                continue  # preempted earlier in this step
+            inflight = req.num_inflight_samples
+            if inflight and (
+                len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
+                or len(req.token_ids) + inflight >= max_len
             ):
-                reserve = min(self.config.waiting_reserve, self.config.token_budget // 2)
-            bs = self.block_pool.block_size
-            running = RequestStatus.RUNNING
-            scheduled = out.scheduled
-            max_len = self.config.max_model_len
-            for i, req in enumerate(order):
-                if reserve and not held and i >= n_dec:
-                    budget -= reserve  # held back from the prompt chunks, given back before admission
-                    held = True
-                if budget <= 0:
-                    break
-                if req.status is not running:
-                    continue  # preempted earlier in this step
-                inflight = req.num_inflight_samples
-                if inflight and (
-                    len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
-                    or len(req.token_ids) + inflight >= max_len
-                ):
-                    continue  # its in-flight token ends it ("length"): nothing more to compute
-                num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
-                if num_new > budget:
-                    num_new = budget
-                if num_new <= 0:
-                    continue
-                if req.num_scheduled_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
-                    # fast path (most decode steps): the tokens fit the blocks it holds
-                    scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions))
-                    scheduled_ids.add(req.rid)
-                    budget -= num_new
-                    continue
-                blocks = self._grow(req, num_new)
-                while blocks is None:
-                    victim = self.running[-1]
-                    if victim.rid in scheduled_ids or victim is req:
-                        break
-                    self._preempt(victim, out)
-                    blocks = self._grow(req, num_new)
-                if blocks is None:
-                    # Even after preempting everything newer, this request does not fit: preempt it too.
-                    self._preempt(req, out)
-                    continue
-                out.scheduled.append(
-                    ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions)
-                )
+                continue  # its in-flight token ends it ("length"): nothing more to compute
+            num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                continue
+            if req.num_scheduled_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
+                # fast path (most decode steps): the tokens fit the blocks it holds
+                scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions))
                 scheduled_ids.add(req.rid)
                 budget -= num_new
+                continue
+            blocks = self._grow(req, num_new)
+            while blocks is None:
+                victim = self.running[-1]
+                if victim.rid in scheduled_ids or victim is req:
+                    break
+                self._preempt(victim, out)
+                blocks = self._grow(req, num_new)
+            if blocks is None:
+                # Even after preempting everything newer, this request does not fit: preempt it too.
+                self._preempt(req, out)
+                continue
+            out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions))
+            scheduled_ids.add(req.rid)
+            budget -= num_new
 
-            if held:
-                budget += reserve
+        if held:
+            budget += reserve
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Start waiting requests in queue order while `budget`, `max_num_seqs` and free blocks allow (a sibling whose
+        leader still computes the shared prompt waits, keeping its place)."""
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -318,15 +337,6 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True, req.num_preemptions))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
-        for sr in out.scheduled:  # the step's tokens are now in flight (see the module docstring)
-            req = sr.request
-            n = req.num_scheduled_tokens + sr.num_new_tokens
-            req.num_scheduled_tokens = n
-            if n == len(req.token_ids) + req.num_inflight_samples:
-                req.num_inflight_samples += 1  # this step samples the request's next token
-            if sr.is_new:
-                req.sent_to_workers = True  # the plan made from this output carries it as a NewRequest
-        return out
 
     def update_from_output(
         self, so: SchedulerOutput, tokens: dict[int, TokenOutput], step: int

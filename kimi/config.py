@@ -150,51 +150,9 @@ class ModelConfig:
 
         Raises ConfigError naming the first missing or unsupported field.
         """
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"config.json must be a JSON object, got {type(cfg).__name__}")
-        if generation_config is not None and not isinstance(generation_config, dict):
-            raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation_config).__name__}")
-        if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):  # null: absent
-            raise ConfigError(f"config.json: text_config must be an object, got {cfg['text_config']!r:.60}")
-        prefix = ""
-        text = cfg
-        where = "config.json: "  # how errors name a field of `text` (nested: text_config.NAME)
-        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-            text = dict(cfg["text_config"])
-            prefix = "language_model."
-            where = "config.json: text_config."
-            # Some nested dumps keep quantization_config at the top level only.
-            if "quantization_config" not in text and "quantization_config" in cfg:
-                text["quantization_config"] = cfg["quantization_config"]
-
-        def need(name: str) -> Any:
-            if name not in text:
-                raise ConfigError(f"{where.removesuffix('.').removesuffix(': ')}: missing field {name!r}")
-            return text[name]
-
-        def opt(name: str, default: Any) -> Any:
-            v = text.get(name, default)
-            return default if v is None else v
-
-        def as_int(name: str, v: Any, lo: int = 1, file: str | None = None) -> int:
-            """An integer field (JSON integer, or a float with an integral value) >= lo; file: where it is
-            (default: config.json's model fields)."""
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{file or where}{name} must be an integer >= {lo}, got {v!r:.60}")
-            return v
-
-        def as_float(name: str, v: Any) -> float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"{where}{name} must be a finite number, got {v!r:.60}")
-            return float(v)
-
-        def as_bool(name: str, v: Any) -> bool:
-            if not isinstance(v, bool):
-                raise ConfigError(f"{where}{name} must be true or false, got {v!r:.60}")
-            return v
-
+        f = _ConfigFields.of(cfg, generation_config)
+        need, opt, as_int, as_float, as_bool = f.need, f.opt, f.as_int, f.as_float, f.as_bool
+        text = f.text
         for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if opt(name, want) != want:
                 raise ConfigError(f"config.json: {name}={text.get(name)!r} is not supported (need {want!r})")
@@ -203,88 +161,9 @@ class ModelConfig:
         if opt("n_group", 1) != 1 or opt("topk_group", 1) != 1:
             # Group-limited routing is a no-op with one group; Kimi uses one group.
             raise ConfigError("config.json: only n_group=1, topk_group=1 is supported")
-
-        rs = text.get("rope_scaling")
-        rope_scaling = None
-        if rs is not None and not isinstance(rs, dict):
-            raise ConfigError(f"{where}rope_scaling must be an object, got {rs!r:.60}")
-        if rs:
-            kind = rs.get("type", rs.get("rope_type"))
-            if kind != "yarn":
-                raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (need 'yarn')")
-            if "factor" not in rs:
-                raise ConfigError(f"{where}rope_scaling has no 'factor'")
-            rope_scaling = RopeScaling(
-                factor=as_float("rope_scaling.factor", rs["factor"]),
-                original_max_position_embeddings=as_int(
-                    "rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings", 4096)
-                ),
-                beta_fast=as_float("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
-                beta_slow=as_float("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
-                mscale=as_float("rope_scaling.mscale", rs.get("mscale", 1.0)),
-                mscale_all_dim=as_float("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0.0)),
-            )
-
-        quant = None
-        qc = text.get("quantization_config")
-        if qc is not None and not isinstance(qc, dict):
-            raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r:.60}")
-        if qc:
-            method = qc.get("quant_method")
-            if method == "compressed-tensors":
-                if qc.get("format") != "pack-quantized":
-                    raise ConfigError(f"config.json: compressed-tensors format {qc.get('format')!r} is not supported")
-                groups = qc.get("config_groups") or {}
-                if not isinstance(groups, dict):
-                    raise ConfigError(
-                        f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}"
-                    )
-                group: Any = next(iter(groups.values()), {}) if groups else {}
-                weights = group.get("weights") if isinstance(group, dict) else None
-                if weights is None:
-                    weights = {}
-                if not isinstance(weights, dict):
-                    raise ConfigError(
-                        f"config.json: quantization_config.config_groups weights must be an object, got {weights!r:.60}"
-                    )
-                if weights.get("num_bits", 4) != 4 or not weights.get("symmetric", True):
-                    raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
-                if weights.get("strategy", "group") != "group":
-                    raise ConfigError("config.json: only group-wise INT4 scales are supported")
-                quant = QuantConfig(
-                    method="int4", group_size=as_int("quantization_config group_size", weights.get("group_size", 32))
-                )
-            elif method == "fp8":
-                if qc.get("fmt", "e4m3") != "e4m3":
-                    raise ConfigError(f"config.json: fp8 format {qc.get('fmt')!r} is not supported")
-                blk = qc.get("weight_block_size", [128, 128])
-                if not isinstance(blk, list) or len(blk) != 2:
-                    raise ConfigError(f"config.json: weight_block_size must be [rows, columns], got {blk!r:.60}")
-                quant = QuantConfig(
-                    method="fp8", block=(as_int("weight_block_size[0]", blk[0]), as_int("weight_block_size[1]", blk[1]))
-                )
-            else:
-                raise ConfigError(f"config.json: quant_method {method!r} is not supported")
-
-        eos: list[int] = []
-
-        def add_eos(v: Any, file: str | None) -> None:
-            if v is None:
-                return
-            for x in v if isinstance(v, list) else [v]:
-                x = as_int("eos_token_id", x, lo=0, file=file)
-                if x not in eos:
-                    eos.append(x)
-
-        add_eos(text.get("eos_token_id", cfg.get("eos_token_id")), None)
-        max_new_tokens = None
-        if generation_config:
-            add_eos(generation_config.get("eos_token_id"), "generation_config.json: ")
-            if generation_config.get("max_new_tokens") is not None:
-                max_new_tokens = as_int(
-                    "max_new_tokens", generation_config["max_new_tokens"], file="generation_config.json: "
-                )
-
+        rope_scaling = _rope_scaling(f)
+        quant = _quant_config(f)
+        eos, max_new_tokens = _eos_and_max_new_tokens(f, cfg, generation_config)
         q_lora = text.get("q_lora_rank")
         return cls(
             model_type=str(text.get("model_type", cfg.get("model_type", "kimi_k2"))),
@@ -317,7 +196,7 @@ class ModelConfig:
             tie_word_embeddings=as_bool("tie_word_embeddings", opt("tie_word_embeddings", False)),
             hidden_act="silu",
             eos_token_ids=tuple(eos),
-            weight_prefix=prefix,
+            weight_prefix=f.prefix,
             quant=quant,
             max_new_tokens=max_new_tokens,
             raw=cfg,
@@ -351,6 +230,156 @@ class ModelConfig:
             return cls.from_dict(cfg, gen)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+
+
+class _ConfigFields:
+    """The text model's fields of a config.json (`text`: flat, or its text_config), with typed readers whose errors
+    name the field (`where`: "config.json: " or "config.json: text_config."); prefix: the tensors' name prefix."""
+
+    def __init__(self, text: dict[str, Any], prefix: str, where: str) -> None:
+        self.text, self.prefix, self.where = text, prefix, where
+
+    @classmethod
+    def of(cls, cfg: Any, generation_config: Any) -> _ConfigFields:
+        """Check the two files' top levels and pick the text model's fields. Raises ConfigError."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must be a JSON object, got {type(cfg).__name__}")
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation_config).__name__}")
+        if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):  # null: absent
+            raise ConfigError(f"config.json: text_config must be an object, got {cfg['text_config']!r:.60}")
+        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
+            text = dict(cfg["text_config"])
+            # Some nested dumps keep quantization_config at the top level only.
+            if "quantization_config" not in text and "quantization_config" in cfg:
+                text["quantization_config"] = cfg["quantization_config"]
+            return cls(text, "language_model.", "config.json: text_config.")
+        return cls(cfg, "", "config.json: ")
+
+    def need(self, name: str) -> Any:
+        if name not in self.text:
+            raise ConfigError(f"{self.where.removesuffix('.').removesuffix(': ')}: missing field {name!r}")
+        return self.text[name]
+
+    def opt(self, name: str, default: Any) -> Any:
+        v = self.text.get(name, default)
+        return default if v is None else v
+
+    def as_int(self, name: str, v: Any, lo: int = 1, file: str | None = None) -> int:
+        """An integer field (JSON integer, or a float with an integral value) >= lo; file: where it is
+        (default: config.json's model fields)."""
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{file or self.where}{name} must be an integer >= {lo}, got {v!r:.60}")
+        return v
+
+    def as_float(self, name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{self.where}{name} must be a finite number, got {v!r:.60}")
+        return float(v)
+
+    def as_bool(self, name: str, v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.where}{name} must be true or false, got {v!r:.60}")
+        return v
+
+
+def _rope_scaling(f: _ConfigFields) -> RopeScaling | None:
+    """config.json's rope_scaling (YaRN only); None without one. Raises ConfigError."""
+    rs = f.text.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        raise ConfigError(f"{f.where}rope_scaling must be an object, got {rs!r:.60}")
+    if not rs:
+        return None
+    kind = rs.get("type", rs.get("rope_type"))
+    if kind != "yarn":
+        raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (need 'yarn')")
+    if "factor" not in rs:
+        raise ConfigError(f"{f.where}rope_scaling has no 'factor'")
+    return RopeScaling(
+        factor=f.as_float("rope_scaling.factor", rs["factor"]),
+        original_max_position_embeddings=f.as_int(
+            "rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings", 4096)
+        ),
+        beta_fast=f.as_float("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
+        beta_slow=f.as_float("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
+        mscale=f.as_float("rope_scaling.mscale", rs.get("mscale", 1.0)),
+        mscale_all_dim=f.as_float("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0.0)),
+    )
+
+
+def _quant_config(f: _ConfigFields) -> QuantConfig | None:
+    """config.json's quantization_config: INT4 compressed-tensors or FP8 blocks; None without one. Raises
+    ConfigError."""
+    qc = f.text.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r:.60}")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _int4_config(f, qc)
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"config.json: fp8 format {qc.get('fmt')!r} is not supported")
+        blk = qc.get("weight_block_size", [128, 128])
+        if not isinstance(blk, list) or len(blk) != 2:
+            raise ConfigError(f"config.json: weight_block_size must be [rows, columns], got {blk!r:.60}")
+        return QuantConfig(
+            method="fp8", block=(f.as_int("weight_block_size[0]", blk[0]), f.as_int("weight_block_size[1]", blk[1]))
+        )
+    raise ConfigError(f"config.json: quant_method {method!r} is not supported")
+
+
+def _int4_config(f: _ConfigFields, qc: dict[str, Any]) -> QuantConfig:
+    """A compressed-tensors quantization_config: symmetric, group-wise, 4-bit pack-quantized. Raises ConfigError."""
+    if qc.get("format") != "pack-quantized":
+        raise ConfigError(f"config.json: compressed-tensors format {qc.get('format')!r} is not supported")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ConfigError(f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}")
+    group: Any = next(iter(groups.values()), {}) if groups else {}
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if weights is None:
+        weights = {}
+    if not isinstance(weights, dict):
+        raise ConfigError(
+            f"config.json: quantization_config.config_groups weights must be an object, got {weights!r:.60}"
+        )
+    if weights.get("num_bits", 4) != 4 or not weights.get("symmetric", True):
+        raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
+    if weights.get("strategy", "group") != "group":
+        raise ConfigError("config.json: only group-wise INT4 scales are supported")
+    return QuantConfig(
+        method="int4", group_size=f.as_int("quantization_config group_size", weights.get("group_size", 32))
+    )
+
+
+def _eos_and_max_new_tokens(
+    f: _ConfigFields, cfg: dict[str, Any], generation_config: dict[str, Any] | None
+) -> tuple[list[int], int | None]:
+    """The EOS ids of config.json and generation_config.json (in order, once each) and generation_config.json's
+    max_new_tokens (None without one). Raises ConfigError."""
+    eos: list[int] = []
+
+    def add_eos(v: Any, file: str | None) -> None:
+        if v is None:
+            return
+        for x in v if isinstance(v, list) else [v]:
+            x = f.as_int("eos_token_id", x, lo=0, file=file)
+            if x not in eos:
+                eos.append(x)
+
+    add_eos(f.text.get("eos_token_id", cfg.get("eos_token_id")), None)
+    max_new_tokens = None
+    if generation_config:
+        add_eos(generation_config.get("eos_token_id"), "generation_config.json: ")
+        if generation_config.get("max_new_tokens") is not None:
+            max_new_tokens = f.as_int(
+                "max_new_tokens", generation_config["max_new_tokens"], file="generation_config.json: "
+            )
+    return eos, max_new_tokens
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ individually (a component takes the sub-config it uses, not the aggregate).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from kimi.errors import ConfigError
@@ -147,51 +148,9 @@ class ModelConfig:
 
         Raises ConfigError naming the first missing or unsupported field.
         """
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"config.json must be a JSON object, got {type(cfg).__name__}")
-        if generation_config is not None and not isinstance(generation_config, dict):
-            raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation_config).__name__}")
-        if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):  # null: absent
-            raise ConfigError(f"config.json: text_config must be an object, got {cfg['text_config']!r:.60}")
-        prefix = ""
-        text = cfg
-        where = "config.json: "  # how errors name a field of `text` (nested: text_config.NAME)
-        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-            text = dict(cfg["text_config"])
-            prefix = "language_model."
-            where = "config.json: text_config."
-            # Some nested dumps keep quantization_config at the top level only.
-            if "quantization_config" not in text and "quantization_config" in cfg:
-                text["quantization_config"] = cfg["quantization_config"]
-
-        def need(name: str) -> Any:
-            if name not in text:
-                raise ConfigError(f"{where.removesuffix('.').removesuffix(': ')}: missing field {name!r}")
-            return text[name]
-
-        def opt(name: str, default: Any) -> Any:
-            v = text.get(name, default)
-            return default if v is None else v
-
-        def as_int(name: str, v: Any, lo: int = 1, file: str | None = None) -> int:
-            """An integer field (JSON integer, or a float with an integral value) >= lo; file: where it is
-            (default: config.json's model fields)."""
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{file or where}{name} must be an integer >= {lo}, got {v!r:.60}")
-            return v
-
-        def as_float(name: str, v: Any) -> float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"{where}{name} must be a finite number, got {v!r:.60}")
-            return float(v)
-
-        def as_bool(name: str, v: Any) -> bool:
-            if not isinstance(v, bool):
-                raise ConfigError(f"{where}{name} must be true or false, got {v!r:.60}")
-            return v
-
+        f = _ConfigFields.of(cfg, generation_config)
+        need, opt, as_int, as_float, as_bool = f.need, f.opt, f.as_int, f.as_float, f.as_bool
+        text = f.text
         for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if opt(name, want) != want:
                 raise ConfigError(f"config.json: {name}={text.get(name)!r} is not supported (need {want!r})")
@@ -200,88 +159,9 @@ class ModelConfig:
         if opt("n_group", 1) != 1 or opt("topk_group", 1) != 1:
             # Group-limited routing is a no-op with one group; Kimi uses one group.
             raise ConfigError("config.json: only n_group=1, topk_group=1 is supported")
-
-        rs = text.get("rope_scaling")
-        rope_scaling = None
-        if rs is not None and not isinstance(rs, dict):
-            raise ConfigError(f"{where}rope_scaling must be an object, got {rs!r:.60}")
-        if rs:
-            kind = rs.get("type", rs.get("rope_type"))
-            if kind != "yarn":
-                raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (need 'yarn')")
-            if "factor" not in rs:
-                raise ConfigError(f"{where}rope_scaling has no 'factor'")
-            rope_scaling = RopeScaling(
-                factor=as_float("rope_scaling.factor", rs["factor"]),
-                original_max_position_embeddings=as_int(
-                    "rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings", 4096)
-                ),
-                beta_fast=as_float("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
-                beta_slow=as_float("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
-                mscale=as_float("rope_scaling.mscale", rs.get("mscale", 1.0)),
-                mscale_all_dim=as_float("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0.0)),
-            )
-
-        quant = None
-        qc = text.get("quantization_config")
-        if qc is not None and not isinstance(qc, dict):
-            raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r:.60}")
-        if qc:
-            method = qc.get("quant_method")
-            if method == "compressed-tensors":
-                if qc.get("format") != "pack-quantized":
-                    raise ConfigError(f"config.json: compressed-tensors format {qc.get('format')!r} is not supported")
-                groups = qc.get("config_groups") or {}
-                if not isinstance(groups, dict):
-                    raise ConfigError(
-                        f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}"
-                    )
-                group: Any = next(iter(groups.values()), {}) if groups else {}
-                weights = group.get("weights") if isinstance(group, dict) else None
-                if weights is None:
-                    weights = {}
-                if not isinstance(weights, dict):
-                    raise ConfigError(
-                        f"config.json: quantization_config.config_groups weights must be an object, got {weights!r:.60}"
-                    )
-                if weights.get("num_bits", 4) != 4 or not weights.get("symmetric", True):
-                    raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
-                if weights.get("strategy", "group") != "group":
-                    raise ConfigError("config.json: only group-wise INT4 scales are supported")
-                quant = QuantConfig(
-                    method="int4", group_size=as_int("quantization_config group_size", weights.get("group_size", 32))
-                )
-            elif method == "fp8":
-                if qc.get("fmt", "e4m3") != "e4m3":
-                    raise ConfigError(f"config.json: fp8 format {qc.get('fmt')!r} is not supported")
-                blk = qc.get("weight_block_size", [128, 128])
-                if not isinstance(blk, list) or len(blk) != 2:
-                    raise ConfigError(f"config.json: weight_block_size must be [rows, columns], got {blk!r:.60}")
-                quant = QuantConfig(
-                    method="fp8", block=(as_int("weight_block_size[0]", blk[0]), as_int("weight_block_size[1]", blk[1]))
-                )
-            else:
-                raise ConfigError(f"config.json: quant_method {method!r} is not supported")
-
-        eos: list[int] = []
-
-        def add_eos(v: Any, file: str | None) -> None:
-            if v is None:
-                return
-            for x in v if isinstance(v, list) else [v]:
-                x = as_int("eos_token_id", x, lo=0, file=file)
-                if x not in eos:
-                    eos.append(x)
-
-        add_eos(text.get("eos_token_id", cfg.get("eos_token_id")), None)
-        max_new_tokens = None
-        if generation_config:
-            add_eos(generation_config.get("eos_token_id"), "generation_config.json: ")
-            if generation_config.get("max_new_tokens") is not None:
-                max_new_tokens = as_int(
-                    "max_new_tokens", generation_config["max_new_tokens"], file="generation_config.json: "
-                )
-
+        rope_scaling = _rope_scaling(f)
+        quant = _quant_config(f)
+        eos, max_new_tokens = _eos_and_max_new_tokens(f, cfg, generation_config)
         q_lora = text.get("q_lora_rank")
         return cls(
             model_type=str(text.get("model_type", cfg.get("model_type", "kimi_k2"))),
@@ -314,7 +194,7 @@ class ModelConfig:
             tie_word_embeddings=as_bool("tie_word_embeddings", opt("tie_word_embeddings", False)),
             hidden_act="silu",
             eos_token_ids=tuple(eos),
-            weight_prefix=prefix,
+            weight_prefix=f.prefix,
             quant=quant,
             max_new_tokens=max_new_tokens,
             raw=cfg,
@@ -348,6 +228,156 @@ class ModelConfig:
             return cls.from_dict(cfg, gen)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+
+
+class _ConfigFields:
+    """The text model's fields of a config.json (`text`: flat, or its text_config), with typed readers whose errors
+    name the field (`where`: "config.json: " or "config.json: text_config."); prefix: the tensors' name prefix."""
+
+    def __init__(self, text: dict[str, Any], prefix: str, where: str) -> None:
+        self.text, self.prefix, self.where = text, prefix, where
+
+    @classmethod
+    def of(cls, cfg: Any, generation_config: Any) -> _ConfigFields:
+        """Check the two files' top levels and pick the text model's fields. Raises ConfigError."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must be a JSON object, got {type(cfg).__name__}")
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation_config).__name__}")
+        if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):  # null: absent
+            raise ConfigError(f"config.json: text_config must be an object, got {cfg['text_config']!r:.60}")
+        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
+            text = dict(cfg["text_config"])
+            # Some nested dumps keep quantization_config at the top level only.
+            if "quantization_config" not in text and "quantization_config" in cfg:
+                text["quantization_config"] = cfg["quantization_config"]
+            return cls(text, "language_model.", "config.json: text_config.")
+        return cls(cfg, "", "config.json: ")
+
+    def need(self, name: str) -> Any:
+        if name not in self.text:
+            raise ConfigError(f"{self.where.removesuffix('.').removesuffix(': ')}: missing field {name!r}")
+        return self.text[name]
+
+    def opt(self, name: str, default: Any) -> Any:
+        v = self.text.get(name, default)
+        return default if v is None else v
+
+    def as_int(self, name: str, v: Any, lo: int = 1, file: str | None = None) -> int:
+        """An integer field (JSON integer, or a float with an integral value) >= lo; file: where it is
+        (default: config.json's model fields)."""
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{file or self.where}{name} must be an integer >= {lo}, got {v!r:.60}")
+        return v
+
+    def as_float(self, name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{self.where}{name} must be a finite number, got {v!r:.60}")
+        return float(v)
+
+    def as_bool(self, name: str, v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.where}{name} must be true or false, got {v!r:.60}")
+        return v
+
+
+def _rope_scaling(f: _ConfigFields) -> RopeScaling | None:
+    """config.json's rope_scaling (YaRN only); None without one. Raises ConfigError."""
+    rs = f.text.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        raise ConfigError(f"{f.where}rope_scaling must be an object, got {rs!r:.60}")
+    if not rs:
+        return None
+    kind = rs.get("type", rs.get("rope_type"))
+    if kind != "yarn":
+        raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (need 'yarn')")
+    if "factor" not in rs:
+        raise ConfigError(f"{f.where}rope_scaling has no 'factor'")
+    return RopeScaling(
+        factor=f.as_float("rope_scaling.factor", rs["factor"]),
+        original_max_position_embeddings=f.as_int(
+            "rope_scaling.original_max_position_embeddings", rs.get("original_max_position_embeddings", 4096)
+        ),
+        beta_fast=f.as_float("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
+        beta_slow=f.as_float("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
+        mscale=f.as_float("rope_scaling.mscale", rs.get("mscale", 1.0)),
+        mscale_all_dim=f.as_float("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0.0)),
+    )
+
+
+def _quant_config(f: _ConfigFields) -> QuantConfig | None:
+    """config.json's quantization_config: INT4 compressed-tensors or FP8 blocks; None without one. Raises
+    ConfigError."""
+    qc = f.text.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r:.60}")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _int4_config(f, qc)
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"config.json: fp8 format {qc.get('fmt')!r} is not supported")
+        blk = qc.get("weight_block_size", [128, 128])
+        if not isinstance(blk, list) or len(blk) != 2:
+            raise ConfigError(f"config.json: weight_block_size must be [rows, columns], got {blk!r:.60}")
+        return QuantConfig(
+            method="fp8", block=(f.as_int("weight_block_size[0]", blk[0]), f.as_int("weight_block_size[1]", blk[1]))
+        )
+    raise ConfigError(f"config.json: quant_method {method!r} is not supported")
+
+
+def _int4_config(f: _ConfigFields, qc: dict[str, Any]) -> QuantConfig:
+    """A compressed-tensors quantization_config: symmetric, group-wise, 4-bit pack-quantized. Raises ConfigError."""
+    if qc.get("format") != "pack-quantized":
+        raise ConfigError(f"config.json: compressed-tensors format {qc.get('format')!r} is not supported")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ConfigError(f"config.json: quantization_config.config_groups must be an object, got {groups!r:.60}")
+    group: Any = next(iter(groups.values()), {}) if groups else {}
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if weights is None:
+        weights = {}
+    if not isinstance(weights, dict):
+        raise ConfigError(
+            f"config.json: quantization_config.config_groups weights must be an object, got {weights!r:.60}"
+        )
+    if weights.get("num_bits", 4) != 4 or not weights.get("symmetric", True):
+        raise ConfigError("config.json: only symmetric 4-bit compressed-tensors weights are supported")
+    if weights.get("strategy", "group") != "group":
+        raise ConfigError("config.json: only group-wise INT4 scales are supported")
+    return QuantConfig(
+        method="int4", group_size=f.as_int("quantization_config group_size", weights.get("group_size", 32))
+    )
+
+
+def _eos_and_max_new_tokens(
+    f: _ConfigFields, cfg: dict[str, Any], generation_config: dict[str, Any] | None
+) -> tuple[list[int], int | None]:
+    """The EOS ids of config.json and generation_config.json (in order, once each) and generation_config.json's
+    max_new_tokens (None without one). Raises ConfigError."""
+    eos: list[int] = []
+
+    def add_eos(v: Any, file: str | None) -> None:
+        if v is None:
+            return
+        for x in v if isinstance(v, list) else [v]:
+            x = f.as_int("eos_token_id", x, lo=0, file=file)
+            if x not in eos:
+                eos.append(x)
+
+    add_eos(f.text.get("eos_token_id", cfg.get("eos_token_id")), None)
+    max_new_tokens = None
+    if generation_config:
+        add_eos(generation_config.get("eos_token_id"), "generation_config.json: ")
+        if generation_config.get("max_new_tokens") is not None:
+            max_new_tokens = f.as_int(
+                "max_new_tokens", generation_config["max_new_tokens"], file="generation_config.json: "
+            )
+    return eos, max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -400,3 +430,138 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str = "kimi"
     zmq_submit_addr: str | None = None
+
+
+def _flag(
+    default: Any, help: str, *, type: Any = None, choices: tuple[str, ...] | None = None, required: bool = False
+) -> Any:
+    """A WorkerConfig field and its command-line flag: default, help text, value type (the parser of one argv
+    word; None: a bare switch for a bool, else str) and choices. A required field has no default."""
+    meta = {"help": help, "type": type, "choices": choices}
+    return field(metadata=meta) if required else field(default=default, metadata=meta)
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+A2A_BACKENDS = ("local", "gloo", "nccl", "deepep")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker rank's settings, each a flag of `python -m kimi.worker.main` declared here once.
+
+    `kimi serve` builds one (kimi.server.worker_config) and turns it into the worker's command line with `to_argv`;
+    the worker parses it back with `from_argv` (`from_argv(c.to_argv()) == c`). `kimi serve` declares the flags it
+    shares with the worker (`worker_flag`) from the same fields. Units: seconds for timeouts, GiB for
+    kv_cache_memory_gib, tokens for block_size and ll_max_tokens.
+    """
+
+    model: str = _flag(None, "checkpoint folder (config.json, safetensors, tokenizer files)", required=True)
+    plan_addr: str = _flag(None, "controller PUB address, e.g. tcp://127.0.0.1:5555", required=True)
+    result_addr: str = _flag(None, "controller PULL address", required=True)
+    device: str = _flag("cpu", "where the workers run the model", choices=("cpu", "cuda"))
+    dtype: str | None = _flag(
+        None,
+        "weights, activations and KV cache (default: float32 on cpu, bfloat16 on cuda)",
+        choices=DTYPE_NAMES,
+    )
+    block_size: int = _flag(64, "KV-cache block size in tokens", type=int)
+    num_blocks: int | None = _flag(
+        None, "KV-cache blocks per rank (default: from free memory, 0.5 GiB on cpu)", type=int
+    )
+    kv_cache_memory_gib: float | None = _flag(
+        None, "KV-cache memory per rank in GiB, instead of --num-blocks (default: from free memory)", type=float
+    )
+    gpu_memory_utilization: float = _flag(
+        0.9, "share of GPU memory kimi may use (weights, activations and the KV cache)", type=float
+    )
+    num_hidden_layers: int | None = _flag(
+        None, "use only the first N layers (benchmarks; default: all of the config's)", type=int
+    )
+    controller_timeout: float = _flag(
+        15.0, "exit after this long without a message (the controller pings every second)", type=float
+    )
+    no_progress: bool = _flag(False, "no checkpoint-loading progress bar")
+    log_level: str = _flag(
+        "info",
+        "log level (trace: uvicorn's most verbose; kimi logs it as debug); a worker rank's log level above info turns "
+        "its checkpoint-loading progress bar off too",
+        type=str.lower,
+        choices=LOG_LEVELS,
+    )
+    a2a_backend: str | None = _flag(
+        None,
+        "MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)",
+        choices=A2A_BACKENDS,
+    )
+    dist_timeout: float = _flag(600.0, "torch.distributed collective timeout, seconds", type=float)
+    ll_max_tokens: int = _flag(
+        128, "decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)", type=int
+    )
+    fake: bool = _flag(False, "load no weights; return pseudo-random tokens (kimi.worker.fake)")
+    moe_backend: str = _flag(
+        "auto",
+        "--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
+        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
+        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref)",
+        choices=MOE_BACKENDS,
+    )
+    load_format: str = _flag(
+        "auto",
+        "--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU",
+        choices=("auto", "dummy"),
+    )
+    cuda_graph_max_bs: int = _flag(0, "cuda: largest decode CUDA graph bucket (0 = eager)", type=int)
+    fp8_dense: str = _flag(
+        "off",
+        "--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
+        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
+        "decode",
+        choices=("off", "triton", "humming"),
+    )
+
+    def to_argv(self) -> list[str]:
+        """The worker's command-line arguments: the required flags, then every field that differs from its default
+        (a true bool as a bare switch)."""
+        argv: list[str] = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.default is not MISSING and v == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(v, bool):
+                argv.append(flag)
+            else:
+                argv += [flag, str(v)]
+        return argv
+
+    @classmethod
+    def arg_parser(cls, prog: str = "kimi.worker.main") -> argparse.ArgumentParser:
+        """An argparse parser with one flag per field (the worker's command line)."""
+        p = argparse.ArgumentParser(prog=prog)
+        for f in fields(cls):
+            p.add_argument("--" + f.name.replace("_", "-"), **worker_flag(f.name))
+        return p
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> WorkerConfig:
+        """Parse the worker's command line (None: sys.argv[1:]); exits 2 naming the flag on a bad value (argparse)."""
+        return cls(**vars(cls.arg_parser().parse_args(argv)))
+
+
+def worker_flag(name: str, **overrides: Any) -> dict[str, Any]:
+    """`argparse.add_argument` keywords of WorkerConfig's field `name` (default, help, type, choices, or
+    action="store_true" for a bool; `required` for a field without default), updated with `overrides`."""
+    f = next(f for f in fields(WorkerConfig) if f.name == name)
+    kw: dict[str, Any] = {"help": f.metadata["help"]}
+    if f.default is MISSING:
+        kw["required"] = True
+    elif isinstance(f.default, bool):
+        kw.update(action="store_true", default=f.default)
+    else:
+        kw["default"] = f.default
+    if f.metadata["type"] is not None:
+        kw["type"] = f.metadata["type"]
+    if f.metadata["choices"] is not None:
+        kw["choices"] = list(f.metadata["choices"])
+    kw.update(overrides)
+    return kw

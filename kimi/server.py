@@ -31,16 +31,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
 import zmq
 
 from kimi import envs
-from kimi.config import LOG_LEVELS, MOE_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
-from kimi.controller.engine import HEARTBEAT_S, Engine
+from kimi.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig, worker_flag
+from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
+from kimi.controller.liveness import HEARTBEAT_S
 from kimi.controller.parsers import THINK_END_ID, THINK_START_ID
 from kimi.controller.security import (
     SecurityConfig,
@@ -50,7 +51,7 @@ from kimi.controller.security import (
     split_list,
 )
 from kimi.controller.submit import SubmitServer
-from kimi.controller.transport import ControllerTransport
+from kimi.ipc import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
@@ -214,42 +215,31 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Declare every `kimi serve` flag on p (docs/cli.md has the long form of each)."""
-    p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
+    _add_model_and_cache_flags(p)
+    _add_worker_and_queue_flags(p)
+    _add_http_and_backend_flags(p)
+
+
+def _add_model_and_cache_flags(p: argparse.ArgumentParser) -> None:
+    """The model, HTTP / ZeroMQ addresses, device, ranks, KV cache and batching flags."""
+    p.add_argument("--model", **worker_flag("model"))
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=_numeric("port"), default=8000, help="HTTP port")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the folder name)")
     p.add_argument("--zmq-submit-addr", default=None, help="ZeroMQ submit API address (default tcp://HOST:PORT+1)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the workers run the model")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="weights, activations and KV cache (default: float32 on cpu, bfloat16 on cuda)",
-    )
+    p.add_argument("--device", **worker_flag("device"))
+    p.add_argument("--dtype", **worker_flag("dtype"))
     p.add_argument(
         "--nproc",
         type=_numeric("nproc"),
         default=1,
         help="worker ranks on this node (DP attention x EP MoE); must divide the routed experts",
     )
-    p.add_argument("--block-size", type=_numeric("block_size"), default=64, help="KV-cache block size in tokens")
+    p.add_argument("--block-size", **worker_flag("block_size", type=_numeric("block_size")))
+    p.add_argument("--num-blocks", **worker_flag("num_blocks", type=_numeric("num_blocks")))
+    p.add_argument("--kv-cache-memory-gib", **worker_flag("kv_cache_memory_gib", type=_numeric("kv_cache_memory_gib")))
     p.add_argument(
-        "--num-blocks",
-        type=_numeric("num_blocks"),
-        default=None,
-        help="KV-cache blocks per rank (default: from free memory, 0.5 GiB on cpu)",
-    )
-    p.add_argument(
-        "--kv-cache-memory-gib",
-        type=_numeric("kv_cache_memory_gib"),
-        default=None,
-        help="KV-cache memory per rank in GiB, instead of --num-blocks (default: from free memory)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=_numeric("gpu_memory_utilization"),
-        default=0.9,
-        help="share of GPU memory kimi may use (weights, activations and the KV cache)",
+        "--gpu-memory-utilization", **worker_flag("gpu_memory_utilization", type=_numeric("gpu_memory_utilization"))
     )
     p.add_argument(
         "--max-model-len",
@@ -269,12 +259,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="tokens per step per rank; longer prompts are prefilled in chunks",
     )
-    p.add_argument(
-        "--num-hidden-layers",
-        type=_numeric("num_hidden_layers"),
-        default=None,
-        help="use only the first N layers (benchmarks; default: all of the config's)",
-    )
+    p.add_argument("--num-hidden-layers", **worker_flag("num_hidden_layers", type=_numeric("num_hidden_layers")))
+
+
+def _add_worker_and_queue_flags(p: argparse.ArgumentParser) -> None:
+    """Attached workers, timeouts, logging, prefix cache, the waiting queue and fake workers."""
     p.add_argument("--attach", action="store_true", help="do not spawn workers; wait for external torchrun ranks")
     p.add_argument(
         "--plan-addr",
@@ -298,13 +287,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds the workers may take to load the model and report ready",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        help="uvicorn / kimi log level (trace: uvicorn's most verbose; kimi logs it as debug)",
-    )
+    p.add_argument("--log-level", **worker_flag("log_level"))
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
     p.add_argument(
         "--max-waiting",
@@ -324,6 +307,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="workers load no weights and return pseudo-random tokens (controller benchmarks, kimi.worker.fake)",
     )
+
+
+def _add_http_and_backend_flags(p: argparse.ArgumentParser) -> None:
+    """HTTP security and limits, reasoning, heartbeats and the `--device cuda` backends."""
     p.add_argument(
         "--api-key",
         default=envs.KIMI_API_KEY.get(),
@@ -368,12 +355,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="split chat output into reasoning_content (<think>...</think>); auto: on when the "
         "tokenizer has a <think> token",
     )
-    p.add_argument(
-        "--a2a-backend",
-        default=None,
-        choices=["local", "gloo", "nccl", "deepep"],
-        help="MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)",
-    )
+    p.add_argument("--a2a-backend", **worker_flag("a2a_backend"))
     p.add_argument(
         "--heartbeat-timeout",
         type=_numeric("heartbeat_timeout"),
@@ -381,29 +363,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help=f"fail when a worker rank answers no ping for this many seconds (0 = off, else at least "
         f"{HEARTBEAT_MIN_S:g})",
     )
-    p.add_argument(
-        "--moe-backend",
-        default="auto",
-        choices=list(MOE_BACKENDS),
-        help="--device cuda only: routed-expert kernels, INT4 kept packed (auto = humming-kernels' layout, "
-        "kimi's csrc kernel at decode sizes and humming's at prefill sizes; humming; cuda = kimi's "
-        "csrc kernel at every size, Hopper, bf16; triton) or dequantised (ref)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU",
-    )
+    p.add_argument("--moe-backend", **worker_flag("moe_backend"))
+    p.add_argument("--load-format", **worker_flag("load_format"))
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
-    p.add_argument(
-        "--fp8-dense",
-        default="off",
-        choices=["off", "triton", "humming"],
-        help="--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "
-        "memory) on kimi's Triton kernel or humming-kernels; off = dequantise them to bf16, the faster "
-        "decode",
-    )
+    p.add_argument("--fp8-dense", **worker_flag("fp8_dense"))
     p.add_argument(
         "--no-async-scheduling",
         action="store_true",
@@ -412,9 +375,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfig:
+    """The settings of this server's worker ranks (the `--device cuda` only flags at their defaults on the cpu)."""
+    cuda = a.device == "cuda"
+    d = WorkerConfig(model=a.model, plan_addr=plan_addr, result_addr=result_addr)
+    return replace(
+        d,
+        device=a.device,
+        dtype=a.dtype,
+        block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        kv_cache_memory_gib=a.kv_cache_memory_gib,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        num_hidden_layers=a.num_hidden_layers,
+        log_level=a.log_level,
+        a2a_backend=a.a2a_backend,
+        fake=a.fake_workers,
+        moe_backend=a.moe_backend if cuda else d.moe_backend,
+        load_format=a.load_format if cuda else d.load_format,
+        fp8_dense=a.fp8_dense if cuda else d.fp8_dense,
+        cuda_graph_max_bs=(0 if a.enforce_eager else a.max_num_seqs) if cuda else d.cuda_graph_max_bs,
+    )
+
+
 def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
     """The torchrun command line that starts this server's workers."""
-    cmd = [
+    return [
         # torchrun (kimi.worker.launch: one line instead of a traceback when a rank fails); --standalone: one node,
         # rendezvous on a port the store picks itself (no free-port race)
         sys.executable,
@@ -425,45 +411,8 @@ def worker_command(a: ServeArgs, plan_addr: str, result_addr: str) -> list[str]:
         str(a.nproc),
         "-m",
         "kimi.worker.main",
-        "--model",
-        a.model,
-        "--plan-addr",
-        plan_addr,
-        "--result-addr",
-        result_addr,
-        "--device",
-        a.device,
-        "--block-size",
-        str(a.block_size),
-        "--gpu-memory-utilization",
-        str(a.gpu_memory_utilization),
-        "--log-level",
-        a.log_level,
+        *worker_config(a, plan_addr, result_addr).to_argv(),
     ]
-    for flag, v in (
-        ("--dtype", a.dtype),
-        ("--num-blocks", a.num_blocks),
-        ("--kv-cache-memory-gib", a.kv_cache_memory_gib),
-        ("--num-hidden-layers", a.num_hidden_layers),
-    ):
-        if v is not None:
-            cmd += [flag, str(v)]
-    if a.fake_workers:
-        cmd.append("--fake")
-    if a.a2a_backend is not None:
-        cmd += ["--a2a-backend", a.a2a_backend]
-    if a.device == "cuda":
-        cmd += [
-            "--moe-backend",
-            a.moe_backend,
-            "--load-format",
-            a.load_format,
-            "--fp8-dense",
-            a.fp8_dense,
-            "--cuda-graph-max-bs",
-            str(0 if a.enforce_eager else a.max_num_seqs),
-        ]
-    return cmd
 
 
 class _Server(uvicorn.Server):
@@ -672,13 +621,8 @@ def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-async def serve(a: ServeArgs) -> int:
-    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags.
-
-    Start-up order: flags and the model's config are checked, then every socket is bound (the workers'
-    plan / result sockets, HTTP, the ZeroMQ submit API), and only then are the workers launched, so a flag
-    or an address that cannot work fails with one line (2 for flags, 1 for an address) and nothing to stop.
-    """
+def _check_flags(a: ServeArgs) -> int | None:
+    """Log and return the exit status (2) for flags no server can run with; warn of ignored ones. None: go on."""
     err = check_serve_args(a)
     if err is not None:
         log.error("%s", err)
@@ -696,11 +640,12 @@ async def serve(a: ServeArgs) -> int:
             a.zmq_submit_addr,
         )
         return 2
-    try:
-        cfg, tokenizer = load_model_meta(a)
-    except (ValueError, OSError) as e:  # e.g. a model folder without its tokenizer files: one line, not a traceback
-        log.error("%s", e)
-        return 2
+    return None
+
+
+def _check_model(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer) -> ModelConfig | None:
+    """Check the flags that depend on the model's config and this machine (logging why and returning None when one
+    cannot work); returns the config with `--num-hidden-layers` applied."""
     if a.reasoning == "on" and tokenizer.decode([THINK_START_ID]) != "<think>":
         log.warning(
             "--reasoning on: this vocabulary has no <think> token (id %d is %r); chat output is still split "
@@ -719,7 +664,7 @@ async def serve(a: ServeArgs) -> int:
                 cfg.num_hidden_layers,
                 cfg.num_hidden_layers,
             )
-            return 2
+            return None
         cfg = cfg.with_overrides(num_hidden_layers=a.num_hidden_layers)
     if a.max_model_len is not None and a.max_model_len > cfg.max_position_embeddings:
         log.error(
@@ -728,7 +673,7 @@ async def serve(a: ServeArgs) -> int:
             cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
-        return 2
+        return None
     if not a.fake_workers and cfg.n_routed_experts % a.nproc:  # --attach too: --nproc is then the world size
         log.error(
             "--nproc %d: the model's %d routed experts do not split evenly over %d ranks (expert parallelism "
@@ -738,12 +683,12 @@ async def serve(a: ServeArgs) -> int:
             a.nproc,
             cfg.n_routed_experts,
         )
-        return 2
+        return None
     if a.device == "cuda" and not a.attach:
         err = _cuda_unavailable()
         if err is not None:
             log.error("--device cuda: %s", err)
-            return 2
+            return None
     if a.a2a_backend is not None and not a.attach:
         from kimi.ops.all_to_all import check_backend
 
@@ -751,16 +696,20 @@ async def serve(a: ServeArgs) -> int:
             check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts)
         except ValueError as e:
             log.error("%s", e)
-            return 2
-    eos = eos_token_ids(cfg, tokenizer)
-    max_model_len = a.max_model_len or cfg.max_position_embeddings
-    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
-    # an IPv6 literal host goes in brackets: tcp://[::1]:port
-    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
-    if a.api_key and a.zmq_submit_addr is None:
-        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+            return None
+    return cfg
 
+
+def _bind(
+    a: ServeArgs,
+    cfg: ModelConfig,
+    tokenizer: KimiTokenizer,
+    eos: frozenset[int],
+    max_model_len: int,
+    submit_addr: str,
+) -> tuple[ControllerTransport, list[socket.socket], Engine, SubmitServer] | None:
+    """Bind the worker sockets, HTTP and the ZeroMQ submit API, and build the engine; None (logged, everything
+    bound so far closed) when an address cannot be bound."""
     # Bind everything before anything is launched.
     transport = None
     http_socks: list[socket.socket] = []
@@ -799,10 +748,13 @@ async def serve(a: ServeArgs) -> int:
             sock.close()
         if transport is not None:
             transport.close()
-        return 1
-    plan_addr, result_addr = transport.plan_addr, transport.result_addr
-    engine.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
+        return None
+    engine.liveness.heartbeat_timeout_s = a.heartbeat_timeout if a.heartbeat_timeout > 0 else None
+    return transport, http_socks, engine, submit
 
+
+def _http_server(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer, engine: Engine, name: str) -> _Server:
+    """The OpenAI-compatible app behind the Host / Origin checks, in a uvicorn server (not started)."""
     if a.reasoning == "auto":
         thinking_model = tokenizer.decode([THINK_START_ID]) == "<think>"
     else:
@@ -837,39 +789,48 @@ async def serve(a: ServeArgs) -> int:
             http=header_timeout_protocol(a.request_header_timeout),
         )
     )
-    loop = asyncio.get_running_loop()
+    return http
 
-    def on_signal() -> None:
-        # Stop accepting connections and end every in-flight request now (an error chunk / 503), so that
-        # open streams close and the server exits promptly instead of waiting for long generations.
-        http.should_exit = True
-        if engine.ready:
-            engine.drain("the server is shutting down")
 
-    # SIGHUP: the terminal / ssh session closed; left alone when ignored (`nohup kimi serve`)
-    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
-    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
-        loop.add_signal_handler(sig, on_signal)
+async def serve(a: ServeArgs) -> int:
+    """Run the server until a signal (returns 0) or a worker failure (returns 1); 2 for bad flags.
 
+    Start-up order: flags and the model's config are checked, then every socket is bound (the workers'
+    plan / result sockets, HTTP, the ZeroMQ submit API), and only then are the workers launched, so a flag
+    or an address that cannot work fails with one line (2 for flags, 1 for an address) and nothing to stop.
+    """
+    rc = _check_flags(a)
+    if rc is not None:
+        return rc
+    try:
+        cfg, tokenizer = load_model_meta(a)
+    except (ValueError, OSError) as e:  # e.g. a model folder without its tokenizer files: one line, not a traceback
+        log.error("%s", e)
+        return 2
+    checked = _check_model(a, cfg, tokenizer)
+    if checked is None:
+        return 2
+    cfg = checked
+    eos = eos_token_ids(cfg, tokenizer)
+    max_model_len = a.max_model_len or cfg.max_position_embeddings
+    name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
+    # an IPv6 literal host goes in brackets: tcp://[::1]:port
+    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
+    if a.api_key and a.zmq_submit_addr is None:
+        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
+        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+
+    bound = _bind(a, cfg, tokenizer, eos, max_model_len, submit_addr)
+    if bound is None:
+        return 1
+    transport, http_socks, engine, submit = bound
+    http = _http_server(a, cfg, tokenizer, engine, name)
+    _handle_signals(http, engine)
     workers = None
     http_task = submit_task = engine_task = None
     rc = 0
     try:
-        if not a.attach:
-            workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
-            engine.liveness_checks.append(workers.check)
-        else:
-            log.info(
-                "waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
-                "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
-                "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
-                "(docs/multinode.md)",
-                a.nproc,
-                a.model,
-                plan_addr,
-                result_addr,
-                a.device,
-            )
+        workers = _start_workers(a, engine, transport.plan_addr, transport.result_addr)
         log.info('HTTP on http://%s:%d (/health says "loading" until the workers are ready)', a.host, a.port)
         http_task = asyncio.create_task(http.serve(sockets=http_socks))
         submit_task = asyncio.create_task(submit.serve())
@@ -906,14 +867,7 @@ async def serve(a: ServeArgs) -> int:
             if submit_task is not None:
                 submit_task.cancel()
             submit.close()
-            if http_task is not None:
-                try:
-                    await asyncio.wait_for(http_task, 5)
-                except (asyncio.TimeoutError, asyncio.CancelledError, Exception, SystemExit):
-                    pass
-            else:
-                for sock in http_socks:
-                    sock.close()
+            await _stop_http(http_task, http_socks)
             if workers is not None:
                 # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and
                 # never see Shutdown; ranks still loading do not read it either: give them 1 s instead of 5
@@ -922,6 +876,56 @@ async def serve(a: ServeArgs) -> int:
                 await asyncio.to_thread(workers.stop, 1.0 if quick else 5.0)
             transport.close()
     return rc
+
+
+def _handle_signals(http: _Server, engine: Engine) -> None:
+    """SIGINT, SIGTERM and SIGHUP (unless ignored, `nohup kimi serve`) stop HTTP and end every in-flight request."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # Stop accepting connections and end every in-flight request now (an error chunk / 503), so that
+        # open streams close and the server exits promptly instead of waiting for long generations.
+        http.should_exit = True
+        if engine.ready:
+            engine.drain("the server is shutting down")
+
+    # SIGHUP: the terminal / ssh session closed; left alone when ignored (`nohup kimi serve`)
+    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
+        loop.add_signal_handler(sig, on_signal)
+
+
+def _start_workers(a: ServeArgs, engine: Engine, plan_addr: str, result_addr: str) -> WorkerProcess | None:
+    """Launch the local workers under torchrun (their exit becomes one of the engine's liveness checks), or with
+    `--attach` log how to start external ones; returns the WorkerProcess (None with --attach)."""
+    if a.attach:
+        log.info(
+            "waiting for %d external worker rank(s): run on every node `torchrun --nnodes M --node-rank I "
+            "--nproc-per-node G --master-addr HOST0 --master-port P -m kimi.worker.main --model %s "
+            "--plan-addr %s --result-addr %s --device %s ...` with the controller's reachable address "
+            "(docs/multinode.md)",
+            a.nproc,
+            a.model,
+            plan_addr,
+            result_addr,
+            a.device,
+        )
+        return None
+    workers = WorkerProcess(worker_command(a, plan_addr, result_addr), a.nproc)
+    engine.liveness.checks.append(workers.check)
+    return workers
+
+
+async def _stop_http(http_task: asyncio.Task[None] | None, http_socks: list[socket.socket]) -> None:
+    """Wait up to 5 s for the HTTP server to end (it was told to), or close its sockets if it never started."""
+    if http_task is not None:
+        try:
+            await asyncio.wait_for(http_task, 5)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception, SystemExit):
+            pass
+    else:
+        for sock in http_socks:
+            sock.close()
 
 
 def _http_end(http_task: asyncio.Task[None], http: uvicorn.Server) -> int:

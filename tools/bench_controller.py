@@ -61,7 +61,7 @@ from pathlib import Path
 import httpx
 
 from kimi.benchmarks import snapshot
-from kimi.controller.transport import free_tcp_port
+from kimi.ipc import free_tcp_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

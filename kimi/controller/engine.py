@@ -15,10 +15,12 @@ that ends on a token only the applied result shows (EOS, a stop string or stop i
 computed in the step already sent, which is dropped (never streamed, never counted); its KV blocks are freed
 when the stop is applied and may be reused from the plan after, which the workers run after that step.
 
-Failure: a `WorkerError`, a worker process that exits, a rank whose heartbeat stops (no `Pong` and no
-other message for `heartbeat_timeout_s`: dead, SIGSTOPped, wedged; pings go out every `heartbeat_s`, also
-between and during steps), or a step that takes longer than `step_timeout_s` makes the engine fail every
-in-flight request with an error and stop (`fatal_error` is set; the server then exits non-zero).
+The scheduler owns the requests' counters: `Scheduler.update_from_output` applies a step's results to them, and
+the engine hands each sampled token to the OutputProcessor (stops, detokenization) and the request's stream.
+
+Failure: a `WorkerError`, or what kimi.controller.liveness reports (a worker process that exits, a rank whose
+heartbeat stops, a step that takes longer than `step_timeout_s`) makes the engine fail every in-flight request
+with an error and stop (`fatal_error` is set; the server then exits non-zero).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,27 +41,19 @@ from kimi import protocol
 from kimi.config import CacheConfig, SchedulerConfig
 from kimi.controller.admission import AdmissionError, AdmissionReason, QueueFull
 from kimi.controller.block_pool import BlockPool, block_hashes
+from kimi.controller.liveness import HEARTBEAT_S, Liveness
 from kimi.controller.output import OutputProcessor
 from kimi.controller.request import OutputStream, Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
-from kimi.controller.transport import ControllerTransport
 from kimi.errors import ConfigError, EngineDeadError, ProtocolError, WorkerFailedError
+from kimi.ipc import ControllerTransport
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.structured_output.backend import GrammarBackend
 from kimi.tokenizer import KimiTokenizer
 
-# seconds between the controller's pings to the worker ranks (Engine.heartbeat_s): a heartbeat timeout must
-# span more than one of them (kimi.server refuses --heartbeat-timeout below 2 x this, except 0 = off)
-HEARTBEAT_S = 1.0
-
 log = logging.getLogger(__name__)
 __all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFull"]
-
-# Liveness (the local torchrun's exit, the ranks' heartbeats) is checked at least this often, s: on every wait for
-# results that times out, and after a step once this long has passed since the last check (steps shorter than a
-# wait's timeout would otherwise never trigger it under load: a killed torchrun went unnoticed until idle)
-LIVENESS_PERIOD_S = 0.5
 
 
 EngineDead = EngineDeadError  # the name before kimi.errors
@@ -110,13 +104,8 @@ class Engine:
         self.cache_config = cache_config
         self.transport = transport
         self.vocab_size = vocab_size
-        self.step_timeout_s = step_timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.heartbeat_timeout_s: float | None = 10.0  # None: no heartbeat check (set by the server's flag)
-        self._last_ping = 0.0
-        self._last_liveness = time.monotonic()  # the last _check_liveness (steps shorter than its period run it too)
-        self._ping_seq = itertools.count(1 << 20)
-        self._alive_since = 0.0
+        # pings, heartbeats, the step timeout, the server's checks (kimi.server sets heartbeat_timeout_s, adds checks)
+        self.liveness = Liveness(transport, heartbeat_s, step_timeout_s)
         self.schedulers: list[Scheduler] = []
         self.router = DPRouter(self.schedulers)  # replaced by `start`, once the ranks are known
         self.requests: dict[str, Request] = {}
@@ -133,7 +122,6 @@ class Engine:
         self.stopped = asyncio.Event()
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
-        self.liveness_checks: list[Callable[[], str | None]] = []
         # metrics hook (kimi.controller.metrics.Metrics): on_token(req, now) before each output token is
         # applied, on_finish(req, now) when a request ends for any reason; None = no metrics.
         self.observer: EngineObserver | None = None
@@ -158,10 +146,7 @@ class Engine:
                     f"workers not ready after {timeout_s:g} s ({len(ready)}/{world_size} ranks; --startup-timeout)",
                     ranks=tuple(sorted(set(range(world_size)) - ready.keys())),
                 )
-            for check in self.liveness_checks:
-                err = check()
-                if err:
-                    raise WorkerFailedError(err)
+            self.liveness.run_checks()
             await self.transport.send(protocol.Ping(seq))
             seq += 1
             try:
@@ -202,7 +187,7 @@ class Engine:
                 self.max_model_len,
                 self.kv_capacity_tokens,
             )
-        self._alive_since = time.monotonic()  # heartbeat clock starts when every rank is ready
+        self.liveness.start(world_size)  # the heartbeat clock starts when every rank is ready
         self.ready = True
 
     # ---- front-end API ------------------------------------------------------------------------------------
@@ -226,6 +211,46 @@ class Engine:
         0 (AdmissionError naming `priority`, as vLLM). cache_salt: requests share prefix-cache blocks only with
         requests of the same salt (None: the unsalted ones).
         """
+        self._check_admission(request_id, prompt_token_ids, sampling, stop, priority)
+        n = len(prompt_token_ids)
+        rid = next(self._rids)
+        req = Request(
+            rid=rid,
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=n,
+            sampling=sampling,
+            stop=stop,
+            skip_special_tokens=skip_special_tokens,
+            outputs=OutputStream(),
+            priority=priority,
+            cache_salt=cache_salt or None,
+        )
+        self.output.start(req)
+        self.requests[request_id] = req
+        self.by_rid[rid] = req
+        affinity = None
+        if self.enable_prefix_caching and len(self.schedulers) > 1:
+            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
+            bs = self.schedulers[0].block_pool.block_size
+            req.block_hashes = block_hashes(req.token_ids, bs, cache_salt=req.cache_salt)
+            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
+        lead = self.requests.get(leader) if leader is not None else None
+        if lead is not None and self.enable_prefix_caching:
+            req.leader = lead
+            dp = lead.dp_rank
+        else:
+            dp = self.router.choose(affinity)
+        self.schedulers[dp].add(req)
+        self.stats.prompt_tokens += n
+        self._wake.set()
+        return req
+
+    def _check_admission(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stop: StopParams, priority: int
+    ) -> None:
+        """Raise EngineDead (failed, closing or loading) or the AdmissionError (QueueFull included) that refuses this
+        request; returns when it may be admitted. Nothing changes either way."""
         if self.fatal_error is not None:
             raise EngineDeadError(self.fatal_error)
         if self.closing is not None:
@@ -260,38 +285,6 @@ class Engine:
             raise AdmissionError(R.UNENCODABLE, None, detail=str(e)) from None
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(R.QUEUE_FULL, None, limit=self.max_waiting)
-        rid = next(self._rids)
-        req = Request(
-            rid=rid,
-            request_id=request_id,
-            token_ids=list(prompt_token_ids),
-            num_prompt_tokens=n,
-            sampling=sampling,
-            stop=stop,
-            skip_special_tokens=skip_special_tokens,
-            outputs=OutputStream(),
-            priority=priority,
-            cache_salt=cache_salt or None,
-        )
-        self.output.start(req)
-        self.requests[request_id] = req
-        self.by_rid[rid] = req
-        affinity = None
-        if self.enable_prefix_caching and len(self.schedulers) > 1:
-            # prefix affinity: prefer the rank whose cache already holds this prompt's longest prefix
-            bs = self.schedulers[0].block_pool.block_size
-            req.block_hashes = block_hashes(req.token_ids, bs, cache_salt=req.cache_salt)
-            affinity = lambda r: len(self.schedulers[r].block_pool.lookup(req.block_hashes)) * bs  # noqa: E731
-        lead = self.requests.get(leader) if leader is not None else None
-        if lead is not None and self.enable_prefix_caching:
-            req.leader = lead
-            dp = lead.dp_rank
-        else:
-            dp = self.router.choose(affinity)
-        self.schedulers[dp].add(req)
-        self.stats.prompt_tokens += n
-        self._wake.set()
-        return req
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (blocks freed, workers told in the next plan). False if it is not running."""
@@ -404,7 +397,6 @@ class Engine:
                             num_prompt_tokens=req.num_prompt_tokens,
                         )
                     )
-                    req.sent_to_workers = True
         self._step += 1
         return protocol.StepPlan(step=self._step, new=new, cont=cont, finished=drops), outs
 
@@ -417,21 +409,14 @@ class Engine:
             answered.add(rank)
             for t in outputs:
                 tokens[t.rid] = t
-        deadline = time.monotonic() + self.step_timeout_s
+        liveness = self.liveness
+        started = time.monotonic()
         while len(answered) < self.world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(self.world_size)) - answered)
-                raise WorkerFailedError(
-                    f"step {step}: no result from rank(s) {missing} within {self.step_timeout_s:.0f} s",
-                    ranks=tuple(missing),
-                    step=step,
-                )
+            wait = liveness.result_wait(step, started, answered)  # raises once the step has taken too long
             try:
-                msg = await asyncio.wait_for(self.transport.recv(), min(left, 0.5))
+                msg = await asyncio.wait_for(self.transport.recv(), wait)
             except asyncio.TimeoutError:
-                self._check_liveness()
-                await self._maybe_ping()
+                await liveness.tick(self._step)
                 continue
             if isinstance(msg, protocol.WorkerError):
                 raise WorkerFailedError(f"worker rank {msg.rank} failed: {msg.message}", ranks=(msg.rank,), step=step)
@@ -449,76 +434,25 @@ class Engine:
                     tokens[t.rid] = t
         return tokens
 
-    def _check_liveness(self) -> None:
-        """Raise WorkerFailedError when a liveness check (the local torchrun) or the heartbeat reports a dead worker.
-        Runs at least every LIVENESS_PERIOD_S: on a wait that times out, and after a step once that long has
-        passed (under steady load no wait times out)."""
-        self._last_liveness = time.monotonic()
-        for check in self.liveness_checks:
-            err = check()
-            if err:
-                raise WorkerFailedError(err)
-        self._check_heartbeats()
-
-    def _check_heartbeats(self) -> None:
-        """Raise WorkerFailedError naming every rank not heard from for heartbeat_timeout_s (after start-up)."""
-        if self.heartbeat_timeout_s is None or not self.ready or not hasattr(self.transport, "silent_ranks"):
-            return
-        self.transport.drain_nowait()  # never called while a recv is in progress
-        silent = self.transport.silent_ranks(self.world_size, self.heartbeat_timeout_s, self._alive_since)
-        if silent:
-            steps = ", ".join(f"rank {r}: step {self.transport.last_step.get(r, 0)}" for r in silent)
-            raise WorkerFailedError(
-                f"worker rank(s) {silent} stopped answering: no heartbeat for {self.heartbeat_timeout_s:g} s "
-                f"(last step reported: {steps}; current step {self._step})",
-                ranks=tuple(silent),
-                step=self._step,
-            )
-
-    async def _maybe_ping(self) -> None:
-        """Ping every rank when heartbeat_s has passed since the last ping (the ranks' heartbeat threads
-        answer with Pong; their absence is what `_check_heartbeats` catches)."""
-        now = time.monotonic()
-        if now - self._last_ping >= self.heartbeat_s:
-            self._last_ping = now
-            await self.transport.send(protocol.Ping(next(self._ping_seq)))
-
     def _apply(self, outs: list[SchedulerOutput], tokens: dict[int, protocol.TokenOutput]) -> None:
-        """Apply a step's sampled tokens: commit full blocks to the prefix cache, detokenize, check stops, hand
-        each delta to its request's stream. Runs once per step over every scheduled request, so the loop
-        body is kept lean (at 1024 decodes it is a large share of the controller's CPU per step)."""
+        """Apply a step's results: each scheduler updates its requests (`Scheduler.update_from_output`), then each
+        sampled token is detokenized and checked for stops and its delta handed to the request's stream. Runs once
+        per step over every scheduled request, so the loop body is kept lean (at 1024 decodes it is a large share of
+        the controller's CPU per step)."""
         now = time.monotonic()
-        by_rid = self.by_rid
         observer = self.observer
-        append = self.output.append
-        finished = RequestStatus.FINISHED
+        process = self.output.process
         n_out = 0
         for sched, so in zip(self.schedulers, outs):
-            bs = sched.block_pool.block_size
-            for sr in so.scheduled:
-                req = sr.request
-                if req.status is finished or req.rid not in by_rid:
-                    continue  # aborted while the step ran
-                if not req.sent_to_workers or sr.epoch != req.num_preemptions:
-                    continue  # preempted after this step was sent: it is recomputed from its tokens later
-                nct = req.num_computed_tokens + sr.num_new_tokens
-                req.num_computed_tokens = nct
-                if nct >= (req.num_cached_blocks + 1) * bs:  # a block may have filled up: commit (cheap test)
-                    sched.commit(req)  # full blocks just computed join the prefix cache
-                if nct < len(req.token_ids):
-                    continue  # a prompt chunk; no token sampled yet
-                tok = tokens.get(req.rid)
-                if tok is None:
-                    raise ProtocolError(f"step {self._step}: no token for request rid {req.rid}")
+            for req, tok in sched.update_from_output(so, tokens, self._step):
                 if observer is not None:
                     observer.on_token(req, now)  # before first_token_time is set (TTFT vs ITL)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                req.num_inflight_samples -= 1
                 if tok.error is not None:  # the worker cannot go on with it (guided decoding)
                     self._finish(req, None, error=tok.error)
                     continue
-                delta = append(req, tok)
+                delta = process(req, tok)
                 n_out += 1
                 req.outputs.put(delta)
                 if delta.finished:
@@ -537,15 +471,14 @@ class Engine:
                 if not inflight and not self._has_work():
                     self._wake.clear()
                     try:
-                        await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                        await asyncio.wait_for(self._wake.wait(), self.liveness.heartbeat_s)
                     except asyncio.TimeoutError:
-                        self._check_liveness()
-                        await self._maybe_ping()
+                        await self.liveness.tick(self._step)
                     continue
                 if len(inflight) < depth and self._has_work():
                     plan, outs = self._build_plan()
                     if plan.new or plan.cont or plan.finished:
-                        await self._maybe_ping()
+                        await self.liveness.maybe_ping()
                         await self.transport.send(plan)
                         if inflight:
                             self.stats.steps_ahead += 1
@@ -561,8 +494,8 @@ class Engine:
                 tokens = await self._collect(step)
                 self.stats.steps += 1
                 self._apply(outs, tokens)
-                if time.monotonic() - self._last_liveness >= LIVENESS_PERIOD_S:
-                    self._check_liveness()
+                if self.liveness.due():
+                    self.liveness.check(self._step)
                 await asyncio.sleep(0)  # let front-ends read outputs / add requests between steps
         except asyncio.CancelledError:
             raise

@@ -89,8 +89,9 @@ class OutputProcessor:
             req.stop_checker = StopChecker(req.stop.stop, req.stop.include_stop_str_in_output)
             req.stop_held = []
 
-    def append(self, req: Request, out: TokenOutput) -> RequestOutput:
-        """Append `out.token_id` to `req`, check stops, and return the delta for the client.
+    def process(self, req: Request, out: TokenOutput) -> RequestOutput:
+        """Check stops and detokenize for `out.token_id`, which the scheduler has appended to `req.token_ids`
+        (Scheduler.update_from_output), and return the delta for the client.
 
         Stops, first match wins: a `stop_token_ids` id (finish "stop", stop_reason = the id); an EOS id
         unless ignore_eos (finish "stop", stop_reason None, as vLLM) - either token's text is left out of the
@@ -104,7 +105,6 @@ class OutputProcessor:
         """
         tok = out.token_id
         token_ids = req.token_ids
-        token_ids.append(tok)
         n_out = len(token_ids) - req.num_prompt_tokens
         stop = req.stop
         reason = None

@@ -19,19 +19,20 @@ Each step (`schedule`):
    new request first takes the longest cached prefix of its tokens (BlockPool.lookup; whole blocks, never
    its last token, so at least one token is computed and the last position yields logits), then a chunk
    of the rest that fits the remaining budget.
-After each step the engine calls `commit(req)`, which registers the request's newly completed full blocks
-in the prefix cache (only then is their KV known to be written).
+After each step the engine calls `update_from_output`, the one place a step's results change the requests: it
+advances their computed tokens, appends their sampled tokens, and registers their newly completed full blocks in the
+prefix cache (`commit`: only then is their KV known to be written).
 
-Async scheduling (the engine plans step N+1 while step N runs): `schedule` counts what earlier, unapplied
-steps will do. A request's known tokens are `len(token_ids) + num_inflight_samples` (the in-flight steps'
-sampled tokens exist on the workers, which run plans in order, though not here yet) and its tokens still to
-compute start at `num_scheduled_tokens`; scheduling advances both counters, applying a step (engine) advances
+Async scheduling (the engine plans step N+1 while step N runs): `schedule` counts what earlier, unapplied steps
+will do. A request's known tokens are `len(token_ids) + num_inflight_samples` (the in-flight steps' sampled tokens
+exist on the workers, which run plans in order, though not here yet) and its tokens still to compute start at
+`num_scheduled_tokens`; scheduling advances both counters, applying a step (`update_from_output`) advances
 num_computed_tokens and appends the sampled token. A request whose in-flight tokens already reach max_tokens or
-max_model_len is not scheduled ahead (it ends when they are applied); one that ends on a stop condition only
-the applied token shows (EOS, a stop string) has one extra token computed, which is dropped. Preemption resets
-the counters and bumps `num_preemptions`, the epoch that `ScheduledRequest.epoch` records, so the results of
-steps sent before it are ignored. Without async scheduling the counters equal num_computed_tokens / 0
-between steps and everything above reduces to the synchronous rules.
+max_model_len is not scheduled ahead (it ends when they are applied); one that ends on a stop condition only the
+applied token shows (EOS, a stop string) has one extra token computed, which is dropped. Preemption resets the
+counters and bumps `num_preemptions`, the epoch that `ScheduledRequest.epoch` records, so the results of steps sent
+before it are ignored. Without async scheduling the counters equal num_computed_tokens / 0 between steps and
+everything above reduces to the synchronous rules.
 The controller never schedules work for a request it cannot hold: admission (`engine`) rejects requests
 whose prompt + max_tokens exceed what the whole cache holds.
 """
@@ -45,6 +46,8 @@ from dataclasses import dataclass
 from kimi.config import SchedulerConfig
 from kimi.controller.block_pool import BlockPool, block_hashes
 from kimi.controller.request import Request, RequestStatus
+from kimi.errors import ProtocolError
+from kimi.protocol import TokenOutput
 
 _NO_BLOCKS: list[int] = []  # shared, never mutated: new_blocks of a step that appends none
 
@@ -225,78 +228,97 @@ class Scheduler:
         return num_new, blocks
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work; mutates block tables (the caller turns the result into a StepPlan)."""
+        """Decide this step's work; mutates block tables (the caller turns the result into a StepPlan).
+
+        Running requests first (`_schedule_running`), then waiting ones while budget, seats and blocks last
+        (`_schedule_waiting`); every scheduled request's tokens are then counted as in flight."""
         out = SchedulerOutput(scheduled=[], preempted=[])
         budget = self.config.token_budget
-        scheduled_ids: set[int] = set()
-
         if self.running:
-            # tokens still to compute: known (applied + in-flight samples) minus scheduled (applied + in flight)
-            decodes: list[Request] = []
-            others: list[Request] = []
-            for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
-                (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(
-                    r
-                )
-            order = decodes + others if others else decodes
-            n_dec = len(decodes)
-            # tokens the prompt chunks of running requests leave to waiting requests (see the module docstring)
-            reserve, held = 0, False
-            if (
-                others
-                and self.waiting
-                and len(self.running) < self.config.max_num_seqs
-                and not _waits_for_leader(self.waiting[0])
+            budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        for sr in out.scheduled:  # the step's tokens are now in flight (see the module docstring)
+            req = sr.request
+            n = req.num_scheduled_tokens + sr.num_new_tokens
+            req.num_scheduled_tokens = n
+            if n == len(req.token_ids) + req.num_inflight_samples:
+                req.num_inflight_samples += 1  # this step samples the request's next token
+            if sr.is_new:
+                req.sent_to_workers = True  # the plan made from this output carries it as a NewRequest
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the running requests their next tokens within `budget` (decodes first, then prompt chunks, which leave
+        the waiting requests' reserve), growing block tables and preempting the newest when blocks run out. Returns
+        the budget left."""
+        scheduled_ids: set[int] = set()
+        # tokens still to compute: known (applied + in-flight samples) minus scheduled (applied + in flight)
+        decodes: list[Request] = []
+        others: list[Request] = []
+        for r in self.running:  # one pass: decodes (one token to compute) first, then the rest, each in order
+            (decodes if len(r.token_ids) + r.num_inflight_samples - r.num_scheduled_tokens == 1 else others).append(r)
+        order = decodes + others if others else decodes
+        n_dec = len(decodes)
+        # tokens the prompt chunks of running requests leave to waiting requests (see the module docstring)
+        reserve, held = 0, False
+        if (
+            others
+            and self.waiting
+            and len(self.running) < self.config.max_num_seqs
+            and not _waits_for_leader(self.waiting[0])
+        ):
+            reserve = min(self.config.waiting_reserve, self.config.token_budget // 2)
+        bs = self.block_pool.block_size
+        running = RequestStatus.RUNNING
+        scheduled = out.scheduled
+        max_len = self.config.max_model_len
+        for i, req in enumerate(order):
+            if reserve and not held and i >= n_dec:
+                budget -= reserve  # held back from the prompt chunks, given back before admission
+                held = True
+            if budget <= 0:
+                break
+            if req.status is not running:
+                continue  # preempted earlier in this step
+            inflight = req.num_inflight_samples
+            if inflight and (
+                len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
+                or len(req.token_ids) + inflight >= max_len
             ):
-                reserve = min(self.config.waiting_reserve, self.config.token_budget // 2)
-            bs = self.block_pool.block_size
-            running = RequestStatus.RUNNING
-            scheduled = out.scheduled
-            max_len = self.config.max_model_len
-            for i, req in enumerate(order):
-                if reserve and not held and i >= n_dec:
-                    budget -= reserve  # held back from the prompt chunks, given back before admission
-                    held = True
-                if budget <= 0:
-                    break
-                if req.status is not running:
-                    continue  # preempted earlier in this step
-                inflight = req.num_inflight_samples
-                if inflight and (
-                    len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
-                    or len(req.token_ids) + inflight >= max_len
-                ):
-                    continue  # its in-flight token ends it ("length"): nothing more to compute
-                num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
-                if num_new > budget:
-                    num_new = budget
-                if num_new <= 0:
-                    continue
-                if req.num_scheduled_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
-                    # fast path (most decode steps): the tokens fit the blocks it holds
-                    scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions))
-                    scheduled_ids.add(req.rid)
-                    budget -= num_new
-                    continue
-                blocks = self._grow(req, num_new)
-                while blocks is None:
-                    victim = self.running[-1]
-                    if victim.rid in scheduled_ids or victim is req:
-                        break
-                    self._preempt(victim, out)
-                    blocks = self._grow(req, num_new)
-                if blocks is None:
-                    # Even after preempting everything newer, this request does not fit: preempt it too.
-                    self._preempt(req, out)
-                    continue
-                out.scheduled.append(
-                    ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions)
-                )
+                continue  # its in-flight token ends it ("length"): nothing more to compute
+            num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                continue
+            if req.num_scheduled_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
+                # fast path (most decode steps): the tokens fit the blocks it holds
+                scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions))
                 scheduled_ids.add(req.rid)
                 budget -= num_new
+                continue
+            blocks = self._grow(req, num_new)
+            while blocks is None:
+                victim = self.running[-1]
+                if victim.rid in scheduled_ids or victim is req:
+                    break
+                self._preempt(victim, out)
+                blocks = self._grow(req, num_new)
+            if blocks is None:
+                # Even after preempting everything newer, this request does not fit: preempt it too.
+                self._preempt(req, out)
+                continue
+            out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions))
+            scheduled_ids.add(req.rid)
+            budget -= num_new
 
-            if held:
-                budget += reserve
+        if held:
+            budget += reserve
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Start waiting requests in queue order while `budget`, `max_num_seqs` and free blocks allow (a sibling whose
+        leader still computes the shared prompt waits, keeping its place)."""
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -316,13 +338,42 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, list(req.block_table), True, req.num_preemptions))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
-        for sr in out.scheduled:  # the step's tokens are now in flight (see the module docstring)
+
+    def update_from_output(
+        self, so: SchedulerOutput, tokens: dict[int, TokenOutput], step: int
+    ) -> list[tuple[Request, TokenOutput]]:
+        """Apply step `step`'s results to the requests `so` scheduled: advance num_computed_tokens by what the step
+        computed, register the blocks it filled in the prefix cache (`commit`), and for each request the step sampled
+        for (its computed tokens reach its known tokens' end), count the sample as no longer in flight and append the
+        token to token_ids, unless the worker reported an error for it (TokenOutput.error).
+
+        tokens: the step's sampled tokens by rid (every rank's). Requests finished, or preempted after the step was
+        sent (ScheduledRequest.epoch), are skipped. Returns the (request, token) pairs sampled, in schedule order, for
+        the engine's output processing. Raises ProtocolError when a request that should have sampled has no token.
+        """
+        sampled: list[tuple[Request, TokenOutput]] = []
+        finished = RequestStatus.FINISHED
+        bs = self.block_pool.block_size
+        for sr in so.scheduled:
             req = sr.request
-            n = req.num_scheduled_tokens + sr.num_new_tokens
-            req.num_scheduled_tokens = n
-            if n == len(req.token_ids) + req.num_inflight_samples:
-                req.num_inflight_samples += 1  # this step samples the request's next token
-        return out
+            if req.status is finished:
+                continue  # aborted while the step ran
+            if not req.sent_to_workers or sr.epoch != req.num_preemptions:
+                continue  # preempted after this step was sent: it is recomputed from its tokens later
+            nct = req.num_computed_tokens + sr.num_new_tokens
+            req.num_computed_tokens = nct
+            if nct >= (req.num_cached_blocks + 1) * bs:  # a block may have filled up: commit (cheap test)
+                self.commit(req)  # full blocks just computed join the prefix cache
+            if nct < len(req.token_ids):
+                continue  # a prompt chunk; no token sampled yet
+            tok = tokens.get(req.rid)
+            if tok is None:
+                raise ProtocolError(f"step {step}: no token for request rid {req.rid}")
+            req.num_inflight_samples -= 1
+            if tok.error is None:
+                req.token_ids.append(tok.token_id)
+            sampled.append((req, tok))
+        return sampled
 
 
 def _waits_for_leader(req: Request) -> bool:

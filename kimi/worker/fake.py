@@ -24,7 +24,7 @@ is written at its slot (block_table[p // block_size] * block_size + p % block_si
 first `num_computed_tokens` positions (its prefix-cache hit) must already hold exactly its tokens, and a
 continuing request's last computed position must still hold its token; otherwise the controller handed out
 a block with the wrong content (or let someone overwrite a shared one) and the step fails loudly
-(RuntimeError -> WorkerError -> every request fails). Cost: one array store per token.
+(ProtocolError -> WorkerError -> every request fails). Cost: one array store per token.
 
 Simulated model time: with `$KIMI_FAKE_STEP_MS` (and `$KIMI_FAKE_TOKEN_US`) set, each step that computes tokens
 lasts at least STEP_MS + TOKEN_US * its tokens / 1000 milliseconds (the runner sleeps the rest, leaving the CPU
@@ -43,6 +43,7 @@ import json
 import random
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,7 @@ from kimi.errors import ConfigError, ProtocolError
 from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
 from kimi.tokenizer import SPECIAL_ID_START
 from kimi.worker.kv_cache import kv_cache_bytes_per_block
+from kimi.worker.runner_base import StepHandle
 
 if TYPE_CHECKING:
     import torch
@@ -86,11 +88,12 @@ class FakeRequest:
 
 
 class FakeRunner:
-    """Drop-in for ModelRunner (same `execute(plan)`, `num_blocks`) with no model.
+    """A `Runner` (kimi.worker.runner_base) like ModelRunner, with no model: `launch` runs the whole step, so its
+    handle is done at once and `finish` only hands out its tokens.
 
     num_blocks: cache_config.num_blocks, else what `kv_cache_memory_gib` (default 0.5 GiB) of real blocks of
     this config would be. model: the checkpoint folder (or `preset:NAME`) whose tokenizer guided decoding uses (None:
-    a constrained request fails). Raises RuntimeError on any plan the real runner would reject and on KV-content
+    a constrained request fails). Raises ProtocolError on any plan the real runner would reject and on KV-content
     mismatches (module docstring).
     """
 
@@ -116,6 +119,8 @@ class FakeRunner:
         self.requests: dict[int, FakeRequest] = {}
         self.num_requests = 0  # NewRequest entries this rank ran (the worker logs them at exit)
         self.num_sampled = 0
+        self.num_idle_steps = 0  # the fake runs no collectives: a rank with no tokens does nothing
+        self._outputs: dict[int, list[protocol.TokenOutput]] = {}  # step -> tokens of a launched step, until finish
         self.step_times: list[tuple[float, float, int, int]] = []
         path = envs.KIMI_FAKE_STATS.get()
         self._record = bool(path) and rank == 0
@@ -145,6 +150,31 @@ class FakeRunner:
                 raise ProtocolError(f"rid {rid}: block id {b} outside [1, {self.num_blocks})")
 
     def execute(self, plan: protocol.StepPlan) -> list[protocol.TokenOutput]:
+        """One step at a time: `finish(launch(plan))`."""
+        return self.finish(self.launch(plan))
+
+    def launch(
+        self,
+        plan: protocol.StepPlan,
+        prev: StepHandle | None = None,
+        on_prev: Callable[[StepHandle], None] | None = None,
+    ) -> StepHandle:
+        """Finish `prev` (calling `on_prev(prev)`) if it is not, then run the whole step; returns a handle that is
+        done (`finish` returns its tokens). Raises ProtocolError as the module docstring says."""
+        if prev is not None and prev.outputs is None:
+            self.finish(prev)
+            if on_prev is not None:
+                on_prev(prev)
+        self._outputs[plan.step] = self._run(plan)
+        return StepHandle(plan.step, [], None, [], {})
+
+    def finish(self, handle: StepHandle) -> list[protocol.TokenOutput]:
+        """The launched step's TokenOutputs (the same list on every call)."""
+        if handle.outputs is None:
+            handle.outputs = self._outputs.pop(handle.step)
+        return handle.outputs
+
+    def _run(self, plan: protocol.StepPlan) -> list[protocol.TokenOutput]:
         """Apply the plan's diff, 'compute' this rank's tokens (write them to the slot array), sample."""
         t0 = time.perf_counter()
         for rid in plan.finished:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 
@@ -26,12 +25,14 @@ from kimi.config import CacheConfig, ModelConfig
 from kimi.errors import KVCacheSizeError, ProtocolError
 from kimi.ops.all_to_all import Backend, step_mode
 from kimi.ops.attention import build_attention_metadata
-from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
+from kimi.ops.sampling import prompt_logprobs, sample_launch
 from kimi.structured_output.backend import GrammarBackend
-from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
+from kimi.structured_output.bitmask import GuidedRequests
 from kimi.structured_output.vocab import load_tokenizer
+from kimi.worker.inputs import ScheduledRow, StepInputs, WorkerRequest, prepare_inputs
 from kimi.worker.kv_cache import allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
 from kimi.worker.model import KimiForCausalLM
+from kimi.worker.runner_base import PromptLogprobs, StepHandle
 
 log = logging.getLogger(__name__)
 
@@ -57,54 +58,6 @@ def position_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
-@dataclass
-class WorkerRequest:
-    """A request as one worker sees it: its tokens, how many have KV in the cache, and its block table."""
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    sampling: protocol.SamplingParams
-    generator: torch.Generator | None
-    num_prompt_tokens: int = 0
-    # prompt logprobs gathered over the prompt's chunks (SamplingParams.prompt_logprobs >= 0); entry i is
-    # about token i; None where not computed here (entry 0, prefix-cache hits). Sent with the next token.
-    prompt_lp: list[float | None] | None = None
-    prompt_top_ids: list[list[int] | None] | None = None
-    prompt_top_lps: list[list[float] | None] | None = None
-    # a step launched and not finished sampled this request's next token: it is on the device (that step's
-    # StepHandle.launch.ids), not in token_ids yet
-    pending: bool = False
-    # guided decoding: the request's matcher (SamplingParams.grammar), fed each token this object's step samples
-    guide: GuidedRow | None = None
-
-
-PromptLogprobs: TypeAlias = tuple[
-    list[float | None] | None, list[list[int] | None] | None, list[list[float] | None] | None
-]
-"""A request's prompt logprobs, top ids and top logprobs (per prompt token; None where not computed), or Nones."""
-
-
-@dataclass
-class StepHandle:
-    """A step `ModelRunner.launch` started: its sampled tokens may still be on their way to the host.
-
-    sampled: (rid, request) per sampled row, in row order; launch: the sampling in flight (None: nothing
-    sampled); plp: per sampled row, the prompt logprobs it sends with its first token (or Nones); row_of: rid ->
-    row of launch.ids; outputs: set by `ModelRunner.finish`."""
-
-    step: int
-    sampled: list[tuple[int, WorkerRequest]]
-    launch: SampleLaunch | None
-    plp: list[PromptLogprobs]
-    row_of: dict[int, int]
-    outputs: list[protocol.TokenOutput] | None = None
-
-    def done(self) -> bool:
-        """Whether finish() would return without waiting."""
-        return self.outputs is not None or self.launch is None or self.launch.done()
-
-
 class ModelRunner:
     """Loads this rank's shard and runs steps.
 
@@ -119,7 +72,7 @@ class ModelRunner:
     re-sent request counts again), num_sampled (tokens it
     sampled), num_idle_steps (steps it ran with no local tokens), num_overlapped (steps launched while the
     previous one's tokens were still on their way to the host: `launch`).
-    Raises CheckpointError / ConfigError while loading, RuntimeError on plan inconsistencies.
+    Raises CheckpointError / ConfigError while loading, ProtocolError on plan inconsistencies.
     """
 
     def __init__(
@@ -289,14 +242,41 @@ class ModelRunner:
         """Start a step: apply the plan's diff, launch the forward over this rank's scheduled tokens and the
         sampling; returns its StepHandle (`finish` waits for the tokens).
 
+        Phases: `update_states` (the plan's diff), `prepare_inputs` (kimi.worker.inputs: the flat batch),
+        `execute_model` (the forward), `sample` (logits of the rows that reach their request's end, sampling launched).
         prev: the step launched before this one, not finished yet (None: every earlier step is finished). On CUDA,
         when prev sampled anything, this step's forward is queued before prev is finished: a request
         whose input is the token prev sampled gets it on the device (prev's sampled ids, one gather into the
         step's inputs), so the GPU runs the two steps back to back while the host waits for prev's tokens. prev is
         finished before this step's sampling is launched (seeded draws, penalties and min_tokens read the token
         histories) and before prompt logprobs are read back, and `on_prev(prev)` is called as soon as it is, so its
-        result can go out first. Otherwise prev is finished first. Raises RuntimeError on plan inconsistencies.
+        result can go out first. Otherwise prev is finished first. Raises ProtocolError on plan inconsistencies.
         """
+        batch = self.update_states(plan)
+        if not batch:
+            self._finish_prev(prev, on_prev)
+            if self.world_size > 1:
+                self._idle_step()
+            return StepHandle(plan.step, [], None, [], {})
+        if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None):
+            self._finish_prev(prev, on_prev)  # nothing to overlap
+        overlap = prev is not None and prev.outputs is None
+        self.num_overlapped += overlap
+        inputs = prepare_inputs(batch, self.block_size, prev.row_of if prev is not None else {})
+        hidden = self.execute_model(inputs, prev)  # [T, D]
+        if overlap:
+            self._finish_prev(prev, on_prev)  # the GPU has this step queued; the host now waits for prev's tokens
+        for _, wr, n in batch:
+            wr.num_computed_tokens += n
+        self._gather_prompt_logprobs(batch, inputs.plp_rows, hidden)
+        if not inputs.sample_rows:
+            return StepHandle(plan.step, [], None, [], {})
+        return self.sample(plan.step, batch, inputs, hidden)
+
+    def update_states(self, plan: protocol.StepPlan) -> list[ScheduledRow]:
+        """Apply the plan's diff: drop its finished rids, add this rank's new requests, extend the continuing ones'
+        block tables, set the all-to-all mode; returns this rank's batch. Raises ProtocolError for a continuing rid
+        never sent as new."""
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self.rank_of.pop(rid, None)
@@ -312,100 +292,76 @@ class ModelRunner:
         single = all(nr.num_new_tokens == 1 for nr in plan.new) and all(c.num_new_tokens == 1 for c in plan.cont)
         if self.a2a is not None:
             self.a2a.set_mode(step_mode(per_rank, single, self.ll_max_tokens_per_rank), sum(per_rank))
-        batch: list[tuple[int, WorkerRequest, int]] = []
+        batch: list[ScheduledRow] = []
         for nr in plan.new:
-            if nr.dp_rank != self.rank:
-                continue
-            self.num_requests += 1
-            wr = WorkerRequest(
-                list(nr.token_ids),
-                nr.num_computed_tokens,
-                list(nr.block_ids),
-                nr.sampling,
-                self._new_generator(nr.sampling),
-                num_prompt_tokens=nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids),
-            )
-            if nr.sampling.grammar is not None:  # re-sent after preemption: its outputs so far are replayed
-                wr.guide = self.guided.add(nr.rid, nr.sampling.grammar, wr.token_ids[wr.num_prompt_tokens :])
-            if nr.sampling.prompt_logprobs >= 0:
-                n_p = wr.num_prompt_tokens
-                wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps = [None] * n_p, [None] * n_p, [None] * n_p
-            self.requests[nr.rid] = wr
-            batch.append((nr.rid, wr, nr.num_new_tokens))
+            if nr.dp_rank == self.rank:
+                batch.append((nr.rid, self._add_request(nr), nr.num_new_tokens))
         for c in plan.cont:
             req = self.requests.get(c.rid)
             if req is None:
                 continue  # another DP rank's request
             req.block_table.extend(c.new_block_ids)
             batch.append((c.rid, req, c.num_new_tokens))
-        if not batch:
-            self._finish_prev(prev, on_prev)
-            if self.world_size > 1:
-                self._idle_step()
-            return StepHandle(plan.step, [], None, [], {})
-        if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None):
-            self._finish_prev(prev, on_prev)  # nothing to overlap
-        overlap = prev is not None and prev.outputs is None
-        self.num_overlapped += overlap
+        return batch
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_idx: list[int] = []
-        fills: list[tuple[int, int]] = []  # (input row, row of prev's sampled ids): tokens still on the device
-        plp_rows: list[tuple[int, int, int]] = []  # (batch index, first flat row, prompt position of that row)
-        row = 0
-        prev_rows = prev.row_of if prev is not None else {}  # a pending token's row in prev's sampling
-        for i, (rid, wr, n) in enumerate(batch):
-            start = wr.num_computed_tokens
-            end = start + n
-            known = len(wr.token_ids) + wr.pending
-            if n <= 0 or end > known:
-                raise ProtocolError(f"plan asks rid {rid} for tokens [{start}, {end}) of {known}")
-            if len(wr.block_table) * self.block_size < end:
-                raise ProtocolError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
-            if wr.pending:  # its input is the token prev sampled (start == len(token_ids), n == 1)
-                fills.append((row, prev_rows[rid]))
-                input_ids.append(0)
-            else:
-                input_ids.extend(wr.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(wr.block_table)
-            if wr.prompt_lp is not None and start < wr.num_prompt_tokens - 1:
-                # rows predicting prompt tokens start+1 .. min(end, n_prompt - 1)
-                plp_rows.append((i, row, start))
-            row += n
-            if end == known:
-                sample_rows.append(row - 1)
-                sample_idx.append(i)
+    def _add_request(self, nr: protocol.NewRequest) -> WorkerRequest:
+        """A new (or re-sent after preemption) request of this rank: its state, guide and prompt-logprob lists."""
+        self.num_requests += 1
+        wr = WorkerRequest(
+            list(nr.token_ids),
+            nr.num_computed_tokens,
+            list(nr.block_ids),
+            nr.sampling,
+            self._new_generator(nr.sampling),
+            num_prompt_tokens=nr.num_prompt_tokens if nr.num_prompt_tokens >= 0 else len(nr.token_ids),
+        )
+        if nr.sampling.grammar is not None:  # re-sent after preemption: its outputs so far are replayed
+            wr.guide = self.guided.add(nr.rid, nr.sampling.grammar, wr.token_ids[wr.num_prompt_tokens :])
+        if nr.sampling.prompt_logprobs >= 0:
+            n_p = wr.num_prompt_tokens
+            wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps = [None] * n_p, [None] * n_p, [None] * n_p
+        self.requests[nr.rid] = wr
+        return wr
 
+    def execute_model(self, inputs: StepInputs, prev: StepHandle | None) -> torch.Tensor:
+        """Run the forward over the step's flat batch; returns the hidden states [T, hidden] (after the final norm).
+
+        Tokens still on the device (`inputs.fills`) are gathered from prev's sampled ids into the inputs first. A pure
+        decode batch on the GPU model goes from the host lists straight to `forward_decode` (a CUDA graph replay,
+        kimi/worker/cuda_graph.py); anything else builds its AttentionMetadata and runs the model."""
         dev = self.device
         fill = None
-        if fills:  # (input rows, prev's sampled ids, their rows): applied on the device before the forward reads
+        if inputs.fills:  # (input rows, prev's sampled ids, their rows): applied on the device before the forward
             assert prev is not None and prev.launch is not None, "pending tokens come from prev's sampling"
-            idx = torch.tensor(fills, dtype=torch.long)  # [P, 2]
+            idx = torch.tensor(inputs.fills, dtype=torch.long)  # [P, 2]
             if dev.type == "cuda":
                 idx = idx.pin_memory().to(dev, non_blocking=True)
             fill = (idx[:, 0], prev.launch.ids, idx[:, 1])
         fast = getattr(self.model, "forward_decode", None)
-        if fast is not None and not plp_rows and all(q == 1 for q in query_lens):
-            # pure decode on the GPU model: host lists straight into a CUDA graph replay (kimi/worker/cuda_graph.py)
-            hidden = fast(input_ids, positions, seq_lens, tables, self.block_size, self.kv_caches, fill=fill)  # [T, D]
-        else:
-            attn = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
-            ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-            if fill is not None:
-                ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
-            hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_caches)
-        if overlap:
-            self._finish_prev(prev, on_prev)  # the GPU has this step queued; the host now waits for prev's tokens
-        for _, wr, n in batch:
-            wr.num_computed_tokens += n
+        if fast is not None and not inputs.plp_rows and all(q == 1 for q in inputs.query_lens):
+            hidden: torch.Tensor = fast(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.seq_lens,
+                inputs.tables,
+                self.block_size,
+                self.kv_caches,
+                fill=fill,
+            )
+            return hidden
+        attn = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.tables, self.block_size, dev)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        if fill is not None:
+            ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        out: torch.Tensor = self.model(ids, positions, attn, self.kv_caches)
+        return out
+
+    def _gather_prompt_logprobs(
+        self, batch: list[ScheduledRow], plp_rows: list[tuple[int, int, int]], hidden: torch.Tensor
+    ) -> None:
+        """Store the prompt logprobs of the rows predicting prompt tokens (after num_computed_tokens advanced)."""
+        dev = self.device
         for i, first_row, start in plp_rows:
             wr = batch[i][1]
             stop = min(wr.num_computed_tokens, wr.num_prompt_tokens - 1)  # last position whose next token is prompt
@@ -420,12 +376,15 @@ class ModelRunner:
                 if tids is not None and tlps is not None:
                     p_ids[start + 1 + j] = tids[j]
                     p_lps[start + 1 + j] = tlps[j]
-        if not sample_rows:
-            return StepHandle(plan.step, [], None, [], {})
+
+    def sample(self, step: int, batch: list[ScheduledRow], inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
+        """Launch the sampling of the rows in `inputs.sample_rows` (logits [S, vocab] f32 from hidden [T, D]); the
+        sampled requests' next tokens are then pending. Returns the step's StepHandle."""
+        sample_rows, sample_idx = inputs.sample_rows, inputs.sample_idx
         if len(sample_rows) == hidden.shape[0]:  # every row is sampled (decode): no gather
             logits = self.model.compute_logits(hidden)  # [S, vocab] f32
         else:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab] f32
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [S, vocab] f32
         params = [batch[i][1].sampling for i in sample_idx]
         gens = [batch[i][1].generator for i in sample_idx]
         for i, g in zip(sample_idx, gens):
@@ -455,7 +414,7 @@ class ModelRunner:
                 (wr.prompt_lp, wr.prompt_top_ids, wr.prompt_top_lps) if wr.prompt_lp is not None else (None, None, None)
             )
             wr.prompt_lp = wr.prompt_top_ids = wr.prompt_top_lps = None  # sent once
-        return StepHandle(plan.step, sampled, res, plp, row_of)
+        return StepHandle(step, sampled, res, plp, row_of)
 
     def close(self) -> None:
         """Release what outlives a step (the guided-decoding compile thread)."""

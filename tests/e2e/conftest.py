@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 from kimi import envs  # noqa: E402
-from kimi.controller.transport import free_tcp_port  # noqa: E402
+from kimi.ipc import free_tcp_port  # noqa: E402
 from kimi.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from kimi import protocol
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig
 from kimi.controller.engine import Engine
 from kimi.controller.request import StopParams
-from kimi.controller.transport import ControllerTransport, free_tcp_port
+from kimi.ipc import ControllerTransport, free_tcp_port
 from kimi.protocol import SamplingParams
 from kimi.server import ServeArgs, WorkerProcess, worker_command
 from kimi.tokenizer import KimiTokenizer
@@ -80,7 +80,7 @@ class LiveEngine:
         )
         args = ServeArgs(model=self.model_dir, block_size=BS, num_blocks=NUM_BLOCKS)
         self.workers = WorkerProcess(worker_command(args, plan_addr, result_addr))
-        self.engine.liveness_checks.append(self.workers.check)
+        self.engine.liveness.checks.append(self.workers.check)
         await self.engine.start(1, timeout_s=150)
         self.task = asyncio.create_task(self.engine.run())
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from conftest import REPO, start_server, stop_server, worker_pids
 
-from kimi.controller.transport import free_tcp_port
+from kimi.ipc import free_tcp_port
 
 ARGS = ("--block-size", "16", "--token-budget", "64", "--max-model-len", "256", "--num-blocks", "200")
 N_REQ = 16

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, start_server, stop_server, worker_pids
 
-from kimi.controller.transport import free_tcp_port
+from kimi.ipc import free_tcp_port
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kimi.config import ModelConfig
-from kimi.controller.transport import free_tcp_port
+from kimi.ipc import free_tcp_port
 from kimi.ops.all_to_all import (
     DECODE,
     PREFILL,

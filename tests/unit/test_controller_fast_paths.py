@@ -25,7 +25,7 @@ from kimi.controller.http.streaming import _SLOT, _BodyWriter, _EventTemplate, s
 from kimi.controller.metrics import LatencyHistogram
 from kimi.controller.output import FastDetokenizer
 from kimi.controller.request import OutputStream
-from kimi.controller.transport import free_tcp_port
+from kimi.ipc import free_tcp_port
 from kimi.server import _Server
 from kimi.tokenizer import IncrementalDetokenizer, KimiTokenizer, default_tokenizer_source, write_tokenizer_files
 

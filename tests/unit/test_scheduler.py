@@ -8,11 +8,13 @@ computed position lands in a block that is registered in the cache (cached block
 
 from __future__ import annotations
 
+import pytest
+
 from kimi.config import SchedulerConfig
 from kimi.controller.block_pool import BlockPool
 from kimi.controller.request import Request, RequestStatus, StopParams
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
-from kimi.protocol import SamplingParams
+from kimi.protocol import SamplingParams, TokenOutput
 
 BS = 4
 
@@ -41,18 +43,15 @@ def step(s: Scheduler, kv: dict[int, int] | None = None):
         if sr.is_new and kv is not None:  # a prefix hit must hold exactly this request's tokens
             for p in range(start):
                 assert kv[req.block_table[p // BS] * BS + p % BS] == req.token_ids[p]
-    for sr in out.scheduled:
-        req = sr.request
-        if req.status != RequestStatus.RUNNING:
-            continue
-        req.num_computed_tokens += sr.num_new_tokens
-        req.sent_to_workers = True
-        s.commit(req)
-        if req.num_computed_tokens == len(req.token_ids):
-            req.token_ids.append((sum(req.token_ids) * 31 + len(req.token_ids)) % 1000)
-            req.num_inflight_samples -= 1
-            if req.num_output_tokens >= req.stop.max_tokens:
-                s.remove(req)
+    tokens = {  # the workers' sampled token of every request whose step reaches its end
+        sr.request.rid: TokenOutput(sr.request.rid, (sum(sr.request.token_ids) * 31 + len(sr.request.token_ids)) % 1000)
+        for sr in out.scheduled
+        if sr.request.num_computed_tokens + sr.num_new_tokens == len(sr.request.token_ids)
+    }
+    for req, tok in s.update_from_output(out, tokens, 0):
+        assert req.token_ids[-1] == tok.token_id
+        if req.num_output_tokens >= req.stop.max_tokens:
+            s.remove(req)
     return out
 
 
@@ -331,3 +330,37 @@ def test_priority_policy_preempts_the_lowest_priority_first():
 
     assert first_preempted("priority") == 1
     assert first_preempted("fcfs") == 2
+
+
+def test_update_from_output_applies_a_step_to_the_counters():
+    """The one place a step's results change the requests: computed tokens, the sampled token, in-flight samples,
+    the prefix cache; an error token is not appended, a result of an older epoch or an aborted request is ignored,
+    and a request that should have sampled but got no token is an error."""
+    s = sched(num_blocks=16, budget=64)
+    a, b, c = make(1, list(range(2 * BS + 3))), make(2, list(range(100, 105))), make(3, list(range(200, 204)))
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert all(r.sent_to_workers and r.num_inflight_samples == 1 for r in (a, b, c))
+    got = s.update_from_output(out, {1: TokenOutput(1, 7), 2: TokenOutput(2, 8), 3: TokenOutput(3, 9)}, 1)
+    assert [(r.rid, t.token_id) for r, t in got] == [(1, 7), (2, 8), (3, 9)]
+    assert a.token_ids[-1] == 7 and a.num_computed_tokens == 2 * BS + 3 and a.num_inflight_samples == 0
+    assert a.num_cached_blocks == 2  # its two full blocks joined the prefix cache
+    assert (b.num_output_tokens, c.num_output_tokens) == (1, 1)
+
+    out = s.schedule()  # a decode step each; a is aborted and c preempted before the results arrive
+    assert [sr.request.rid for sr in out.scheduled] == [1, 2, 3]
+    s.remove(a)
+    c.num_preemptions += 1
+    got = s.update_from_output(
+        out, {1: TokenOutput(1, 1), 2: TokenOutput(2, 5, error="grammar"), 3: TokenOutput(3, 2)}, 2
+    )
+    assert [(r.rid, t.error) for r, t in got] == [(2, "grammar")]
+    assert b.num_output_tokens == 1 and b.num_computed_tokens == 6 and b.num_inflight_samples == 0  # not appended
+    assert c.num_output_tokens == 1 and c.num_computed_tokens == 4  # the old epoch's result changed nothing
+
+    s = sched(num_blocks=16, budget=64)
+    s.add(d := make(4, [1, 2, 3]))
+    with pytest.raises(RuntimeError, match="step 3: no token for request rid 4"):
+        s.update_from_output(s.schedule(), {}, 3)
+    assert d.num_computed_tokens == 3 and d.num_output_tokens == 0

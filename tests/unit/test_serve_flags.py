@@ -132,8 +132,10 @@ def test_cuda_only_flags_are_named_when_the_device_is_cpu():
 def test_fp8_dense_reaches_the_worker():
     """`kimi serve --fp8-dense triton --device cuda` puts the flag on the worker command line, which the worker's
     parser reads back (default off); a bad value is refused by argparse."""
+    from kimi.config import WorkerConfig
     from kimi.server import worker_command
-    from kimi.worker.main import parse_args
+
+    parse_args = WorkerConfig.from_argv
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
@@ -150,8 +152,10 @@ def test_fp8_dense_reaches_the_worker():
 @pytest.mark.parametrize("level", ["warning", "trace", "info"])
 def test_log_level_reaches_the_worker(level):
     """`kimi serve --log-level L` puts L on the worker command line, which the worker's parser reads back."""
+    from kimi.config import WorkerConfig
     from kimi.server import worker_command
-    from kimi.worker.main import parse_args
+
+    parse_args = WorkerConfig.from_argv
 
     cmd = worker_command(ServeArgs(model="/x", log_level=level), "tcp://a", "tcp://b")
     assert parse_args(cmd[cmd.index("kimi.worker.main") + 1 :]).log_level == level

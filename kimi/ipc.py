@@ -1,4 +1,4 @@
-"""ZeroMQ sockets between the controller and the workers.
+"""ZeroMQ sockets between the controller and the workers, for both sides (kimi.controller and kimi.worker).
 
 The controller binds a PUB socket (step plans, pings, shutdown: every rank receives every message) and a
 PULL socket (ready, step results, errors from all ranks). Workers connect a SUB and a PUSH socket.

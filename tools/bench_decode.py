@@ -5,7 +5,8 @@
 The rank: the real K2.6 text config (kimi/presets/kimi-k2.6.json), all 61 layers at full width, random weights
 generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales; with `--quant fp8`
 K2-Instruct's FP8 128 x 128 experts instead, kept FP8 by humming, and with --fp8-dense its FP8 dense projections,
-kept FP8 by kimi.ops.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size local experts per MoE layer, run by
+kept FP8 by kimi.kernels.triton.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size local experts per MoE layer,
+run by
 the chosen MoE backend), B local sequences at CTX tokens of context (FlashInfer MLA decode over the paged
 [num_blocks, 64, 576] cache, blocks randomly permuted).
 
@@ -63,8 +64,8 @@ from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
+from kimi.kernels.cuda.moe_w4a16 import CONFIGS as MOE_CUDA_CONFIGS
 from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
-from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
 from kimi.ops.sampling import start_host_copy
 
 # The A/B variants (--ab): each flips one switch of the product as it runs today, or applies a tuner's output, for a
@@ -86,7 +87,7 @@ def _set_attn(m, backend: str) -> None:
 
 def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
     """humming_table_off (table_file None: humming's heuristic schedules) / humming_table_alt (the table in
-    $KIMI_HUMMING_TABLE_ALT) instead of kimi/ops/humming_table.json ($KIMI_HUMMING_TABLE); on=False restores.
+    $KIMI_HUMMING_TABLE_ALT) instead of kimi/kernels/tuning/humming.json ($KIMI_HUMMING_TABLE); on=False restores.
     The experts' cached schedules are dropped either way."""
     from kimi.ops import moe_backend
 
@@ -148,7 +149,7 @@ def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
 
 def _moe_cuda_config(m, attr: str, cfg) -> None:
     """moe_cuda_{gate_up,down}_c{NT}{KW}{S}: the launch configuration of one of kimi's CUDA expert GEMMs (attr
-    config13 / config2, see _cuda_gemm_impls; None: kimi.ops.moe_int4_cuda.config_for's pick by step size) set to
+    config13 / config2, see _cuda_gemm_impls; None: kimi.kernels.cuda.moe_w4a16.config_for's pick by step size) set to
     cfg; cfg None restores the saved ones."""
     _set_attrs(attr, _cuda_gemm_impls(m, attr), cfg)
 
@@ -164,12 +165,13 @@ def _auto_max_pairs(m, n: int | None) -> None:
 
 
 def _small_tuned(on: bool) -> None:
-    """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over kimi.ops.fused.LAUNCH
-    and kimi.ops.moe_int4_triton.COMBINE_LAUNCH."""
+    """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over
+    kimi.kernels.triton.fused.LAUNCH
+    and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH."""
     import copy
 
-    from kimi.ops import fused
-    from kimi.ops import moe_int4_triton as mi
+    from kimi.kernels.triton import fused
+    from kimi.kernels.triton import moe_w4a16 as mi
 
     if on:
         _saved["small"] = (copy.deepcopy(fused.LAUNCH), dict(mi.COMBINE_LAUNCH))
@@ -210,7 +212,7 @@ AB_VARIANTS = {
         for i in range(4)
     },
     "attn_triton": (
-        "decode attention by kimi.ops.mla_decode_triton (no host plan)",
+        "decode attention by kimi.kernels.triton.mla_decode (no host plan)",
         lambda m: _set_attn(m, "triton"),
         lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
     ),
@@ -229,13 +231,17 @@ AB_VARIANTS = {
     },
     **_module_switch(
         "prologue_on",
-        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m.FUSE_PROLOGUE)",
-        "kimi.ops.linear_small_m",
+        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.kernels.triton.linear_small_m.FUSE_PROLOGUE)",
+        "kimi.kernels.triton.linear_small_m",
         "FUSE_PROLOGUE",
         True,
     ),
     **_module_switch(
-        "pdl_off", "no programmatic dependent launch (kimi.ops.pdl.ENABLED False)", "kimi.ops.pdl", "ENABLED", False
+        "pdl_off",
+        "no programmatic dependent launch (kimi.kernels.triton.pdl.ENABLED False)",
+        "kimi.kernels.triton.pdl",
+        "ENABLED",
+        False,
     ),
     **{
         k: v
@@ -243,7 +249,7 @@ AB_VARIANTS = {
         for k, v in _module_switch(
             f"pf{n}",
             f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
-            "kimi.ops.linear_small_m",
+            "kimi.kernels.triton.linear_small_m",
             "PREFETCH_TILES",
             n,
         ).items()
@@ -260,8 +266,8 @@ AB_VARIANTS = {
         for mode in ("early", "late", "off")
         for k, v in _module_switch(
             f"moe_cuda_pdl_{mode}",
-            f"kimi's CUDA expert GEMMs with PDL mode {mode} (kimi.ops.moe_int4_cuda.PDL_MODE)",
-            "kimi.ops.moe_int4_cuda",
+            f"kimi's CUDA expert GEMMs with PDL mode {mode} (kimi.kernels.cuda.moe_w4a16.PDL_MODE)",
+            "kimi.kernels.cuda.moe_w4a16",
             "PDL_MODE",
             mode,
         ).items()
@@ -278,16 +284,16 @@ AB_VARIANTS = {
     **_module_switch(
         "down_waits_first",
         "kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
-        "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
-        "kimi.ops.moe_int4_cuda",
+        "(kimi.kernels.cuda.moe_w4a16.EARLY_WEIGHTS_DOWN False)",
+        "kimi.kernels.cuda.moe_w4a16",
         "EARLY_WEIGHTS_DOWN",
         False,
     ),
     **_module_switch(
         "pads_token0",
         "kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling them "
-        "(kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
-        "kimi.ops.moe_int4_cuda",
+        "(kimi.kernels.cuda.moe_w4a16.ZERO_PAD_ROWS False)",
+        "kimi.kernels.cuda.moe_w4a16",
         "ZERO_PAD_ROWS",
         False,
     ),
@@ -783,9 +789,9 @@ def main() -> None:
         "humming": sum(m.hl is not None for m in fp8_layers),
         "fp8_dense": args.fp8_dense,
     }
-    from kimi.ops import linear_small_m as _lsm
+    from kimi.kernels.triton import linear_small_m as _lsm
+    from kimi.kernels.triton import pdl as _pdl
     from kimi.ops import moe_backend
-    from kimi.ops import pdl as _pdl
 
     res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
     ht = moe_backend.load_humming_table()

@@ -1,7 +1,8 @@
-"""Benchmark the fused decode kernels of kimi/ops/fused.py against their alternatives (A/B).
+"""Benchmark the fused decode kernels of kimi/kernels/triton/fused.py against their alternatives (A/B).
 
 Every case times two implementations, "new" and "old", and records which of them the model runs at that size
-(`model_runs`, from the thresholds in kimi.ops.fused: ROUTER_FUSED_MAX_T, ALIGN_ONE_PROGRAM_MAX_P, ALIGN_GRID_MIN_P,
+(`model_runs`, from the thresholds in kimi.kernels.triton.fused: ROUTER_FUSED_MAX_T, ALIGN_ONE_PROGRAM_MAX_P,
+ALIGN_GRID_MIN_P,
 LAUNCH["router_logits_large"]["min_t"]); those thresholds come from these measurements.
 
 Ops and shapes (Kimi-K2.6, one rank of the decode step):
@@ -50,7 +51,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 except ImportError as _e:
     _MISSING = _e
 

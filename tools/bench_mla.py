@@ -1,5 +1,5 @@
 """FlashInfer's MLA decode (fa3, kimi's decode attention) against kimi's planless Triton MLA decode kernel
-(kimi.ops.mla_decode_triton, `decode_attention = "triton"`), on kimi's paged latent cache.
+(kimi.kernels.triton.mla_decode, `decode_attention = "triton"`), on kimi's paged latent cache.
 
 Per case (B requests, all at ctx tokens of context; 64 heads, 512 + 64 latent, block_size 64, bf16, blocks
 scattered by a random permutation): every config of CONFIGS at a few num_splits values (choose_num_splits' pick,
@@ -26,7 +26,7 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import import_gpu_module, require_gpu
-from kimi.ops import mla_decode_triton as mdt
+from kimi.kernels.triton import mla_decode as mdt
 from kimi.ops.attention import mla_decode_ref
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
@@ -238,7 +238,7 @@ def main():
         configs = [by_name[n] for n in names]
     explicit_splits = [int(v) for v in args.splits.split(",") if v]
     res = {
-        "what": "planless Triton split-KV MLA decode (kimi.ops.mla_decode_triton) vs FlashInfer fa3 decode",
+        "what": "planless Triton split-KV MLA decode (kimi.kernels.triton.mla_decode) vs FlashInfer fa3 decode",
         "num_sms": num_sms,
         "versions": {
             "torch": torch.__version__,

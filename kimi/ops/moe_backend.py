@@ -5,18 +5,20 @@ experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept 
   (humming 0.1.20, API read from its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors
   `weight_packed` / `weight_scale` / `weight_shape`, `transform()`ed once into humming's layout, then called with
   moe_align's sorted pair ids).
-  Steps: align (kimi.ops.moe_int4_triton.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
-  pair -> silu(gate) * up (on CUDA: kimi.ops.fused.silu_mul_rows over the local pairs' rows only; align:
-  kimi.ops.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
+  Steps: align (kimi.kernels.triton.moe_w4a16.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
+  pair -> silu(gate) * up (on CUDA: kimi.kernels.triton.fused.silu_mul_rows over the local pairs' rows only; align:
+  kimi.kernels.triton.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
   With `cuda_decode` (backend `auto`), steps of up to AUTO_CUDA_MAX_PAIRS expected local pairs run kimi's CUDA
-  GEMM instead (csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves both), larger steps
+  GEMM instead (kimi/kernels/cuda/csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves
+  both), larger steps
   (prefill) humming's: the faster of the two at each size (docs/performance.md). The gate_up rows are
-  stored interleaved (kimi.ops.moe_int4_cuda.glu_interleave), so kimi's gate_up GEMM writes silu(gate) * up from
+  stored interleaved (kimi.kernels.cuda.moe_w4a16.glu_interleave), so kimi's gate_up GEMM writes silu(gate) * up from
   its epilogue and silu_mul_rows reads humming's output in that order.
 - `HummingFp8Experts` (humming backend, FP8 checkpoints: K2-Instruct): the same steps over humming's W8A16 indexed
   GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
-- `CudaInt4Experts` (`cuda`): kimi's CUDA W4A16 indexed GEMM at every size (csrc/moe_w4a16.cu via
-  kimi.ops.moe_int4_cuda; weights repacked once at load by kimi.ops.moe_int4_cuda.repack, no humming needed), in
+- `CudaInt4Experts` (`cuda`): kimi's CUDA W4A16 indexed GEMM at every size (kimi/kernels/cuda/csrc/moe_w4a16.cu via
+  kimi.kernels.cuda.moe_w4a16; weights repacked once at load by kimi.kernels.cuda.moe_w4a16.repack, no humming needed),
+  in
   the same steps as humming's (align in 16-row blocks). Faster than humming at decode sizes, about 2x slower at
   prefill sizes (it streams an expert's weights once per 16-row block; docs/performance.md). bf16 models only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
@@ -32,17 +34,16 @@ pair are 0. `graph_safe` says whether a CUDA graph may capture it.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import MOE_BACKENDS as BACKENDS
+from kimi.kernels import tuning
 from kimi.ops.moe import fused_experts_ref
 
 log = logging.getLogger("kimi.worker")
@@ -58,14 +59,12 @@ def expected_local_pairs(T: int, k: int, E: int, num_experts_total: int) -> int:
     return max(1, T * k * E // max(num_experts_total, E))
 
 
-# Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one
-# (tools/bench_humming_sweep.py --grid --table-out). Read once from this file, or the one $KIMI_HUMMING_TABLE names
-# ("" or "off": none), and used only on the GPU it was measured on. Format (JSON): {"gpu": name, "entries": [{"n": N,
-# "k": K, "m_min": A, "m_max": B, "config": {humming tuning fields}}, ...]}: for a GEMM [N, K] at m expected local
-# pairs, the first entry with A <= m <= B applies; none: humming's heuristic. Optional entry fields: "weight" ("int4",
-# the default, or "fp8": the layers the entry was measured on) and "e_local" (applies only with that many local
-# experts: the same m spreads over fewer experts under a larger EP).
-HUMMING_TABLE_PATH = Path(__file__).with_name("humming_table.json")
+# Measured schedules for humming's two expert GEMMs, replacing its heuristic choice where a sweep found a faster one:
+# kimi.kernels.tuning's "humming" table (kimi/kernels/tuning/humming.json, or the file $KIMI_HUMMING_TABLE names; ""
+# or "off": none), read once and used only on the GPU it was measured on. For a GEMM [N, K] at m expected local
+# pairs, the first entry with m_min <= m <= m_max applies; none: humming's heuristic. An entry's "weight" ("int4",
+# the default, or "fp8") names the layers it was measured on, "e_local" (when set) the number of local experts it
+# applies to (the same m spreads over fewer experts under a larger EP).
 _humming_table: dict | None = None
 
 
@@ -74,33 +73,17 @@ def load_humming_table(path: str | os.PathLike | None = None) -> dict:
     [(weight, e_local or None), ...]}} (scope: parallel to entries). An entry with "over_heuristic": true holds only
     the fields it replaces in humming's heuristic schedule (what was measured); others are whole schedules. A missing
     file (or $KIMI_HUMMING_TABLE "" / "off") gives no entries; a malformed file raises ValueError."""
-    env = os.environ.get("KIMI_HUMMING_TABLE")
-    if path is None and env is not None and env.strip().lower() in ("", "off"):
+    table = tuning.load("humming", path)
+    if table.gpu is None:
         return {"gpu": None, "entries": {}, "scope": {}}
-    p = Path(path) if path is not None else Path(env or HUMMING_TABLE_PATH)
-    if not p.exists():
-        return {"gpu": None, "entries": {}, "scope": {}}
-    try:
-        raw = json.loads(p.read_text())
-        entries: dict[tuple[int, int], list[tuple[int, int, dict, bool]]] = {}
-        scope: dict[tuple[int, int], list[tuple[str, int | None]]] = {}
-        for e in raw["entries"]:
-            lo, hi = int(e["m_min"]), int(e["m_max"])
-            if not 1 <= lo <= hi:
-                raise ValueError(f"m range [{lo}, {hi}]")
-            over = e.get("over_heuristic", False)
-            if not isinstance(over, bool):
-                raise ValueError(f"over_heuristic {over!r} (want true or false)")
-            weight = e.get("weight", "int4")
-            if weight not in ("int4", "fp8"):
-                raise ValueError(f"weight {weight!r} (want int4 or fp8)")
-            e_local = None if e.get("e_local") is None else int(e["e_local"])
-            key = (int(e["n"]), int(e["k"]))
-            entries.setdefault(key, []).append((lo, hi, dict(e["config"]), over))
-            scope.setdefault(key, []).append((weight, e_local))
-        return {"gpu": str(raw["gpu"]), "entries": entries, "scope": scope}
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"bad humming table {p}: {e!r}") from e
+    entries: dict[tuple[int, int], list[tuple[int, int, dict, bool]]] = {}
+    scope: dict[tuple[int, int], list[tuple[str, int | None]]] = {}
+    for e in table.entries:
+        if e.m_max is None:
+            raise ValueError(f"bad humming table: entry [{e.n}, {e.k}] has no m_max")
+        entries.setdefault((e.n, e.k), []).append((e.m_min or 1, e.m_max, dict(e.config), e.over_heuristic))
+        scope.setdefault((e.n, e.k), []).append((e.weight, e.e_local))
+    return {"gpu": table.gpu, "entries": entries, "scope": scope}
 
 
 def humming_table_config(
@@ -168,7 +151,7 @@ class RefExperts(nn.Module):
 
 
 class TritonInt4Experts(nn.Module):
-    """Packed INT4 experts run by `kimi.ops.moe_int4_triton.fused_experts_int4`.
+    """Packed INT4 experts run by `kimi.kernels.triton.moe_w4a16.fused_experts_int4`.
 
     w13_packed int32 [E, 2I, D/8] (gate rows then up rows), w13_scale [E, 2I, D/32], w2_packed [E, D, I/8],
     w2_scale [E, D, I/32]; num_experts_total: the model's routed experts (tile heuristic).
@@ -190,7 +173,7 @@ class TritonInt4Experts(nn.Module):
         self.num_experts_total = num_experts_total
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        from kimi.ops.moe_int4_triton import fused_experts_int4
+        from kimi.kernels.triton.moe_w4a16 import fused_experts_int4
 
         return fused_experts_int4(
             x,
@@ -208,12 +191,12 @@ class TritonInt4Experts(nn.Module):
 class HummingExperts(nn.Module):
     """Routed experts run by humming-kernels' indexed MoE GEMMs (layout transformed once at load): the steps and
     schedule choice shared by HummingInt4Experts and HummingFp8Experts, which load their weight format (`_setup`).
-    `weight_kind` picks the humming_table.json entries that apply."""
+    `weight_kind` picks the tuning/humming.json entries that apply."""
 
     graph_safe = True
     expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
-    weight_kind = "int4"  # which humming_table.json entries apply (HummingFp8Experts: "fp8")
-    glu_group = 0  # > 0: the gate_up rows are in kimi.ops.moe_int4_cuda.glu_interleave's order with this group
+    weight_kind = "int4"  # which tuning/humming.json entries apply (HummingFp8Experts: "fp8")
+    glu_group = 0  # > 0: the gate_up rows are in kimi.kernels.cuda.moe_w4a16.glu_interleave's order with this group
 
     def _setup(
         self,
@@ -280,7 +263,7 @@ class HummingExperts(nn.Module):
         each row's local experts (0 for rows without one). expert_major / max_pairs / expected_pairs: as
         kimi.ops.moe.DispatchResult (expert_major: k == 1, the weights are not applied and rows without a local
         expert are left unset; the down GEMM's output is returned as it is)."""
-        from kimi.ops.moe_int4_triton import combine_into, moe_align
+        from kimi.kernels.triton.moe_w4a16 import combine_into, moe_align
 
         T, k = topk_ids.shape
         if T == 0 or max_pairs == 0:  # no local pair: nothing to compute (unset rows / zeros, as below)
@@ -288,8 +271,8 @@ class HummingExperts(nn.Module):
         c1, c2 = self._configs(expected_pairs or self._m_local(T, k))
         bm1, bm2 = c1["block_shape"][0], c2["block_shape"][0]
         act_rows: Callable[..., torch.Tensor] | None = None  # SiLU * up of the local pairs' rows only (CUDA)
-        if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/ops/fused.py), sized by max_pairs
-            from kimi.ops.fused import moe_align_fused, silu_mul_rows
+        if x.is_cuda:  # two Triton kernels instead of ~15 torch ops (kimi/kernels/triton/fused.py), sized by max_pairs
+            from kimi.kernels.triton.fused import moe_align_fused, silu_mul_rows
 
             act_rows = silu_mul_rows
             align = lambda bm: moe_align_fused(topk_ids, self.E, self.expert_offset, bm, max_pairs)  # noqa: E731
@@ -310,7 +293,7 @@ class HummingExperts(nn.Module):
         if act_rows is not None:  # only the rows of local pairs (the ones l1 wrote; the rest stay unset)
             act = act_rows(y1, a1[0], a1[2], self.inter, interleave=self.glu_group)  # [T*k, I]
         else:
-            from kimi.ops.fused import glu_split
+            from kimi.kernels.triton.fused import glu_split
 
             gate, up = glu_split(y1, self.inter, self.glu_group)
             act = F.silu(gate) * up  # [T*k, I]
@@ -336,7 +319,7 @@ class HummingInt4Experts(HummingExperts):
     Same arguments as TritonInt4Experts, plus cuda_decode (backend `auto`): steps of up to cuda_max_pairs
     (AUTO_CUDA_MAX_PAIRS) expected local pairs run kimi's CUDA GEMM over humming's transformed tensors, where
     `_cuda_unavailable` finds nothing against it at load (else cuda_max_pairs is 0 and a warning says why). The
-    gate_up rows are stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order (when I is a multiple of its group),
+    gate_up rows are stored in `kimi.kernels.cuda.moe_w4a16.glu_interleave`'s order (when I is a multiple of its group),
     so kimi's GEMM writes SiLU(gate) * up itself (`cuda_glu`; False: its plain outputs and the silu_mul_rows kernel,
     for A/B runs) and humming's outputs go through silu_mul_rows with the same interleave. The tensors passed in
     are consumed (humming keeps its own transformed copies; the caller should drop its references). Raises
@@ -354,7 +337,7 @@ class HummingInt4Experts(HummingExperts):
         cuda_decode: bool = False,
     ):
         super().__init__()
-        from kimi.ops import moe_int4_cuda as mc
+        from kimi.kernels.cuda import moe_w4a16 as mc
 
         E, two_i, d8 = w13_packed.shape
         D = d8 * 8
@@ -394,7 +377,7 @@ class HummingInt4Experts(HummingExperts):
             num_experts_total,
         )
         # kimi's CUDA GEMM over humming's tensors for steps of up to cuda_max_pairs expected local pairs (0: never);
-        # its launch configurations: kimi.ops.moe_int4_cuda.config_for's per step size, or these where set
+        # its launch configurations: kimi.kernels.cuda.moe_w4a16.config_for's per step size, or these where set
         self.cuda_max_pairs = 0
         self.cuda_config13: tuple[int, int, int] | None = None
         self.cuda_config2: tuple[int, int, int] | None = None
@@ -413,7 +396,7 @@ class HummingInt4Experts(HummingExperts):
         inputs against `probes`, kimi's repack of them), and its extension built."""
         from humming import dtypes as hd
 
-        from kimi.ops import moe_int4_cuda as mc
+        from kimi.kernels.cuda import moe_w4a16 as mc
 
         if dtype != torch.bfloat16:
             return f"the model dtype is {dtype}, not bf16"
@@ -498,7 +481,7 @@ class HummingFp8Experts(HummingExperts):
     dtype, so W[n, k] = float(w[n, k]) * bf16(scale_inv[n // block_n, k // block_k]): the scale is rounded to bf16
     (relative 2^-9) where `kimi.ops.quant.dequant_fp8_block` keeps it in float32. The GPU tests bound the output's
     distance from the dequantised reference (RefExperts) by 2e-2 of its max |ref| (measured <= 1.01e-2). Half the bytes
-    of bf16 experts (dequantised on load, the `ref` path), and CUDA-graph capturable. Schedules: humming_table.json's
+    of bf16 experts (dequantised on load, the `ref` path), and CUDA-graph capturable. Schedules: tuning/humming.json's
     "fp8" entries, else humming's heuristic.
 
     Args: w13 [E, 2I, D] float8_e4m3fn (gate rows then up rows), w13_scale_inv [E, 2I / block_n, D / block_k]
@@ -550,14 +533,15 @@ class HummingFp8Experts(HummingExperts):
 
 
 class CudaInt4Experts(nn.Module):
-    """Packed INT4 experts run by kimi's CUDA indexed GEMM (kimi.ops.moe_int4_cuda), weights repacked at load.
+    """Packed INT4 experts run by kimi's CUDA indexed GEMM (kimi.kernels.cuda.moe_w4a16), weights repacked at load.
 
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
-    (kimi.ops.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows, its epilogue writing silu(gate) *
-    up (gate_up rows stored in `kimi.ops.moe_int4_cuda.glu_interleave`'s order; `glu` False: the plain GEMM and the
+    (kimi.kernels.triton.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows, its epilogue writing
+    silu(gate) *
+    up (gate_up rows stored in `kimi.kernels.cuda.moe_w4a16.glu_interleave`'s order; `glu` False: the plain GEMM and the
     silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once). bf16
     activations only. Raises ValueError for shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU
-    that is not sm_90 (Hopper: the kernel is built for sm_90a), and what `kimi.ops.moe_int4_cuda.load_extension`
+    that is not sm_90 (Hopper: the kernel is built for sm_90a), and what `kimi.kernels.cuda.moe_w4a16.load_extension`
     raises when it cannot be built; all of them here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can
     fall back to the reference).
     """
@@ -571,7 +555,7 @@ class CudaInt4Experts(nn.Module):
 
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale, expert_offset: int, num_experts_total: int):
         super().__init__()
-        from kimi.ops import moe_int4_cuda as mc
+        from kimi.kernels.cuda import moe_w4a16 as mc
 
         E, two_i, d8 = w13_packed.shape
         self.E, self.D, self.inter = E, d8 * 8, two_i // 2
@@ -647,19 +631,20 @@ def cuda_experts_forward(
     expert_major: bool = False,
     max_pairs: int | None = None,
 ) -> torch.Tensor:
-    """The routed experts through kimi's CUDA GEMM (kimi.ops.moe_int4_cuda.indexed_gemm): align in 16-row blocks
-    (kimi.ops.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows -> down
+    """The routed experts through kimi's CUDA GEMM (kimi.kernels.cuda.moe_w4a16.indexed_gemm): align in 16-row blocks
+    (kimi.kernels.triton.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows
+    -> down
     -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
     int32, [E, D/32, 2I] bf16) and w2 / s2 ([E, I/16, 2D], [E, I/32, D]) in the kernel's layout; m_local: the step's
-    expected local pairs, which picks the launch configurations (kimi.ops.moe_int4_cuda.config_for) unless config13
-    / config2 are given. glu_group: 0, or the group of `kimi.ops.moe_int4_cuda.glu_interleave` that w13's rows are
+    expected local pairs, which picks the launch configurations (kimi.kernels.cuda.moe_w4a16.config_for) unless config13
+    / config2 are given. glu_group: 0, or the group of `kimi.kernels.cuda.moe_w4a16.glu_interleave` that w13's rows are
     stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel).
     Returns [T, D] (rows without a local pair are 0). expert_major / max_pairs: as kimi.ops.moe.DispatchResult
     (with expert_major and k == 1 the down GEMM's output is returned: weights not applied, rows without a local
     expert unset; max_pairs bounds the local pairs, sizing the align and the GEMM grids)."""
-    from kimi.ops import moe_int4_cuda as mc
-    from kimi.ops.fused import moe_align_fused, silu_mul_rows
-    from kimi.ops.moe_int4_triton import combine_into
+    from kimi.kernels.cuda import moe_w4a16 as mc
+    from kimi.kernels.triton.fused import moe_align_fused, silu_mul_rows
+    from kimi.kernels.triton.moe_w4a16 import combine_into
 
     T, k = topk_ids.shape
     D = x.shape[-1]

@@ -9,12 +9,13 @@ The logits and sampling run eagerly after it on the rows in use.
 
 Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) get token 0 at position 0, slot 0
 of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. A fourth static
-input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router (kimi.ops.fused.router_topk), which
+input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router
+(kimi.kernels.triton.fused.router_topk), which
 gives padding rows no expert: the expert GEMMs see only the batch's own (token, expert) pairs. Padding rows still
 run the dense layers and attention (a bucket's static shape); their outputs are dropped.
 
 Attention, by the model's `decode_attention`:
-- "triton" (kimi.ops.mla_decode_triton): no planning. Context lengths and block tables go, with the ids /
+- "triton" (kimi.kernels.triton.mla_decode): no planning. Context lengths and block tables go, with the ids /
   positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
   then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
 - "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own

@@ -7,7 +7,8 @@
   `MoELayer.experts_impl`. FP8 (K2-Instruct) tensors: the routed experts stay FP8 under the auto and humming backends
   (kimi.ops.moe_backend.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections
   (q_a + kv_a, q_b, o_proj, the gate/up/down of the shared experts and layer 0; `fp8_dense_names`) stay FP8 as
-  kimi.ops.linear_fp8.Fp8Linear layers with fp8_dense "triton" or "humming" (FP8_DENSE_CHOICES; default "off":
+  kimi.kernels.triton.linear_fp8.Fp8Linear layers with fp8_dense "triton" or "humming" (FP8_DENSE_CHOICES; default
+  "off":
   dequantised); the rest is dequantised to the model dtype.
 - Attention (`GPUMLAAttention`): the same projections as the reference, then the absorbed form for EVERY row,
   decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer paged MLA run per layer
@@ -18,7 +19,7 @@
 - `GPUKimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
   (kimi/worker/cuda_graph.py); anything else runs eagerly, with one FlashInfer plan per step for all layers
   (planned on the host, outside any graph).
-- Fused Triton kernels (kimi/ops/fused.py) on CUDA: residual add + RMSNorm (across layers), merged q_a + kv_a
+- Fused Triton kernels (kimi/kernels/triton/fused.py) on CUDA: residual add + RMSNorm (across layers), merged q_a + kv_a
   GEMM (`w_qkv_a`, the two parameters are views of it), rope + latent norm + paged KV write in one kernel, merged
   gate/up weights (`w13` of each DenseMLP) + SiLU*up, the Triton router; the CPU path keeps the references.
 - `--load-format dummy`: random weights of the real shapes generated on the GPU (kimi/worker/dummy_weights.py).
@@ -36,11 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
+from kimi.kernels.triton.bmm_small_m import bmm_heads
+from kimi.kernels.triton.linear_fp8 import Fp8Linear
+from kimi.kernels.triton.linear_small_m import linear as _bf16_linear
+from kimi.kernels.triton.linear_small_m import linear_small_m, prologue_config
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
-from kimi.ops.bmm_small_m import bmm_heads
-from kimi.ops.linear_fp8 import Fp8Linear
-from kimi.ops.linear_small_m import linear as _bf16_linear
-from kimi.ops.linear_small_m import linear_small_m, prologue_config
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
 from kimi.ops.moe_backend import make_experts
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from kimi.worker.cuda_graph import CudaGraphRunner
 
 try:  # Triton: the fused GPU kernels (absent on CPU-only installs, where the GPU model is never run)
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 except ImportError:  # pragma: no cover
     fused = None  # type: ignore[assignment]  # a module or None; every use is on CUDA, where it imported
 
@@ -60,8 +61,9 @@ log = logging.getLogger("kimi.worker")
 
 
 def dense_linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x [T, K] @ W^T -> [T, N]: kimi.ops.linear_small_m.linear for a bf16 weight tensor [N, K], the FP8 kernel
-    (kimi.ops.linear_fp8) for an Fp8Linear (K2-Instruct's dense weights, kept FP8 by load_gpu_model)."""
+    """x [T, K] @ W^T -> [T, N]: kimi.kernels.triton.linear_small_m.linear for a bf16 weight tensor [N, K], the FP8
+    kernel
+    (kimi.kernels.triton.linear_fp8) for an Fp8Linear (K2-Instruct's dense weights, kept FP8 by load_gpu_model)."""
     if isinstance(w, Fp8Linear):
         return w(x)
     return _bf16_linear(x, w)
@@ -97,7 +99,7 @@ class GPUAttnPlan:
 
 
 class TritonMLADecodeRun:
-    """The `GPUAttnPlan.fi` of a pure decode batch run by kimi.ops.mla_decode_triton.mla_decode: no host plan, the
+    """The `GPUAttnPlan.fi` of a pure decode batch run by kimi.kernels.triton.mla_decode.mla_decode: no host plan, the
     kernel reads the lengths and tables from device tensors (the CUDA-graph runner's static buffers, or an eager
     step's AttentionMetadata). Same interface as FlashInferMLA where GPUMLAAttention uses it (num_rows, run).
 
@@ -115,7 +117,7 @@ class TritonMLADecodeRun:
 
     def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
         """q_lat [B, H, L], q_pe [B, H, R] -> o_lat [B, H, L] (see mla_decode; ValueError on mismatched shapes)."""
-        from kimi.ops.mla_decode_triton import mla_decode
+        from kimi.kernels.triton.mla_decode import mla_decode
 
         return mla_decode(
             q_lat,
@@ -132,11 +134,11 @@ class TritonMLADecodeRun:
 
 def triton_mla_config():
     """The launch config of the Triton decode attention: $KIMI_MLA_DECODE_CONFIG as "block_h,block_n,block_dv,
-    num_warps,num_stages" (benchmarks), else kimi.ops.mla_decode_triton.DEFAULT_CONFIG. Raises ValueError on a
+    num_warps,num_stages" (benchmarks), else kimi.kernels.triton.mla_decode.DEFAULT_CONFIG. Raises ValueError on a
     malformed variable."""
     import os
 
-    from kimi.ops import mla_decode_triton as mdt
+    from kimi.kernels.triton import mla_decode as mdt
 
     env = os.environ.get("KIMI_MLA_DECODE_CONFIG")
     if not env:
@@ -149,9 +151,9 @@ def triton_mla_config():
 
 
 def triton_mla_splits(batch: int, num_heads: int, kv_lora_rank: int, device, max_ctx: int | None = None) -> int:
-    """KV splits for mla_decode of `batch` requests (kimi.ops.mla_decode_triton.choose_num_splits with the
+    """KV splits for mla_decode of `batch` requests (kimi.kernels.triton.mla_decode.choose_num_splits with the
     default config's programs per split), capped by the longest context max_ctx when given."""
-    from kimi.ops import mla_decode_triton as mdt
+    from kimi.kernels.triton import mla_decode as mdt
 
     idx = device.index if device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -193,7 +195,8 @@ class GPUMLAAttention(MLAAttention):
         """Every row through FlashInfer: q_nope [T, H, N] (any row / head strides), q_pe [T, H, R] (model dtype,
         bf16) -> o [T, H * V] (bf16, contiguous: o_proj's input).
 
-        q_lat = q_nope @ W_UK per head (kimi.ops.bmm_small_m.bmm_heads: bf16 in, fp32 accumulation), one `fi.run`
+        q_lat = q_nope @ W_UK per head (kimi.kernels.triton.bmm_small_m.bmm_heads: bf16 in, fp32 accumulation), one
+        `fi.run`
         over all planned rows (decode rows and the causal rows of prefill / chunked-prefill sequences alike; o_lat
         [T, H, L] bf16, float32 softmax inside the kernel), o = o_lat @ W_UV^T per head written straight into the
         [T, H * V] buffer. Rows past fi.num_rows (padding) get zeros. Raises ValueError when the plan has more
@@ -292,7 +295,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
     fi_eager: FlashInferMLA | None = None
     graphs: CudaGraphRunner | None = None
-    # pure decode attention: "triton" (kimi.ops.mla_decode_triton, no host plan) or "flashinfer"; prefill and mixed
+    # pure decode attention: "triton" (kimi.kernels.triton.mla_decode, no host plan) or "flashinfer"; prefill and mixed
     # batches always run FlashInfer
     decode_attention = "flashinfer"
     overlap_shared = (
@@ -396,12 +399,14 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         return self(ids, torch.tensor(positions, dtype=torch.int64, device=dev), attn, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, vocab] float32, the lm_head GEMM through kimi.ops.linear_small_m.linear."""
+        """hidden [N, D] -> logits [N, vocab] float32, the lm_head GEMM through
+        kimi.kernels.triton.linear_small_m.linear."""
         w = self.lm_head if self.lm_head is not None else self.embed_tokens
         return dense_linear(hidden, w).float()  # [N, V]
 
     def _forward_fused(self, input_ids, positions, attn: AttentionMetadata, kv_caches):
-        """KimiForCausalLM.forward with fused kernels (kimi/ops/fused.py): each residual add is fused with the
+        """KimiForCausalLM.forward with fused kernels (kimi/kernels/triton/fused.py): each residual add is fused with
+        the
         RMSNorm that follows it (across layers: the MLP output of layer i is added in the kernel that computes
         layer i + 1's input norm, or the final norm), merged gate/up GEMMs, the Triton router."""
         if len(kv_caches) != len(self.layers):
@@ -430,7 +435,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         """Layers [start, end) of _forward_fused: (h, x) in -> (h, x) out, x being the next layer's input norm of h
         (the final norm after the last layer). The CUDA-graph runner captures the layers in segments with it.
         row_valid: None, or [T] int64 on the device; the MoE router gives rows where it is 0 no expert
-        (kimi.ops.fused.router_topk), so padding rows of a decode graph cost no expert work."""
+        (kimi.kernels.triton.fused.router_topk), so padding rows of a decode graph cost no expert work."""
         eps = self.cfg.rms_norm_eps
         n = len(self.layers)
         # the side stream only inside CUDA-graph capture, where it is faster (docs/performance.md); eager steps
@@ -489,7 +494,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
 
 def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     """DenseMLP.forward with the merged gate/up weight `w13` (set by _finish) and SiLU * up fused into the down
-    GEMM where kimi.ops.linear_small_m.prologue_config allows (else the fused.silu_mul kernel)."""
+    GEMM where kimi.kernels.triton.linear_small_m.prologue_config allows (else the fused.silu_mul kernel)."""
     w13 = getattr(m, "w13", None)
     if w13 is None:
         return m(x)
@@ -623,7 +628,8 @@ FP8_DENSE_CHOICES = ("off", "triton", "humming")
 """`load_gpu_model(fp8_dense=...)` / `kimi serve --fp8-dense`: what happens to K2-Instruct's FP8 dense projections
 on CUDA. "off" (default): dequantised to the model dtype on load (the fastest decode measured: bf16 GEMMs with the
 q_a norm and SiLU*up fused in). "triton": kept FP8 (half their memory, ~8.7 GB less per rank at K2-Instruct's
-shapes) and run by kimi's Triton FP8 kernel (kimi.ops.linear_fp8), deterministic. "humming": kept FP8 and run by
+shapes) and run by kimi's Triton FP8 kernel (kimi.kernels.triton.linear_fp8), deterministic. "humming": kept FP8 and
+run by
 humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
 GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured: docs/performance.md."""
 

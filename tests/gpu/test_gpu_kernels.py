@@ -71,8 +71,8 @@ def _real_experts():
     ],
 )
 def test_fused_experts_int4(T, H, I, E, E_total, k, offset):
+    from kimi.kernels.triton.moe_w4a16 import fused_experts_int4
     from kimi.ops.moe import fused_experts_ref
-    from kimi.ops.moe_int4_triton import fused_experts_int4
 
     gen = torch.Generator(device="cuda").manual_seed(T * 7919 + H)
     if H == 7168:
@@ -134,8 +134,8 @@ def test_flashinfer_mla_decode(B):
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_fused_experts_int4_variants(T, H, I, E, E_total, k, offset, swap_ab):
     """Both operand orders of the kernels against the reference."""
+    from kimi.kernels.triton.moe_w4a16 import MoeTileConfig, fused_experts_int4
     from kimi.ops.moe import fused_experts_ref
-    from kimi.ops.moe_int4_triton import MoeTileConfig, fused_experts_int4
 
     gen = torch.Generator(device="cuda").manual_seed(T * 31 + swap_ab)
     if H == 7168:

@@ -59,7 +59,7 @@ def make_ckpt(root: Path, name: str) -> str:
         if name == "tiny-mla":
             mtc.TINY_DIMS.update(MLA_DIMS)
         if name == "tiny-k2-instruct-i128":  # expert I and q_lora a multiple of the FP8 tile: humming keeps the
-            # experts FP8, and the merged q_a + kv_a and shared gate_up stay FP8 too (kimi.ops.linear_fp8)
+            # experts FP8, and the merged q_a + kv_a and shared gate_up stay FP8 too (kimi.kernels.triton.linear_fp8)
             mtc.TINY_DIMS.update(moe_intermediate_size=128, q_lora_rank=128)
         layout = "k2-instruct" if name.startswith("tiny-k2-instruct") else "k2.6"
         mtc.make_tiny_checkpoint(str(d), layout=layout, seed=0)
@@ -172,7 +172,7 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
     model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
     showed 1.5-nat misses that the bf16 reference shares (bf16 rounding flipping near-tied routing on a random
     model), which a fixed 0.25 bound cannot tell from a bug; a GPU kernel bug exceeds bf16's own error."""
-    from kimi.ops.linear_fp8 import Fp8Linear
+    from kimi.kernels.triton.linear_fp8 import Fp8Linear
     from kimi.worker.gpu_model import load_gpu_model
 
     path = ckpts[name]

@@ -1,4 +1,4 @@
-"""GPU tests of the small-M Triton GEMM (kimi.ops.linear_small_m) against a float32 reference.
+"""GPU tests of the small-M Triton GEMM (kimi.kernels.triton.linear_small_m) against a float32 reference.
 
 Reference: x.float() @ w.float().T on fresh random bf16 inputs; outputs are poisoned with NaN before the kernel
 runs; tolerance max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is ~4e-3 relative).
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimi.ops import linear_small_m as lsm
+from kimi.kernels.triton import linear_small_m as lsm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -231,12 +231,13 @@ def test_fused_prologues_vs_unfused(kind):
 @pytest.mark.parametrize("M", [8, 32])
 def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
     """A decode-like chain of PDL kernels (norm -> split-K GEMM -> norm -> GEMM -> add+norm -> bmm -> GEMM,
-    each reading the one before) captured in one CUDA graph with PDL on (kimi.ops.pdl) and L2 prefetch, replayed
+    each reading the one before) captured in one CUDA graph with PDL on (kimi.kernels.triton.pdl) and L2 prefetch,
+    replayed
     on new inputs copied into the static buffer, equals the same chain run eagerly with PDL off, bit for bit
     (same kernels and math; only the launch differs). A wait placed after a dependent read would show up as
     values of the previous replay's inputs (each replay gets new ones) or as the NaN the outputs are poisoned with."""
-    from kimi.ops import fused, pdl
-    from kimi.ops.bmm_small_m import bmm_small_m
+    from kimi.kernels.triton import fused, pdl
+    from kimi.kernels.triton.bmm_small_m import bmm_small_m
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90")

@@ -1,4 +1,4 @@
-"""GPU tests of the planless Triton MLA decode kernel (kimi.ops.mla_decode_triton) on Kimi's shapes.
+"""GPU tests of the planless Triton MLA decode kernel (kimi.kernels.triton.mla_decode) on Kimi's shapes.
 
 Reference: kimi.ops.attention.mla_decode_ref in float32 on random bf16 inputs, blocks scattered by a random
 permutation; outputs are poisoned with NaN before every kernel call; tolerance max |o - ref| <= 1e-2 * max |ref|
@@ -10,7 +10,7 @@ MLA decode (when importable) on the same inputs.
 import pytest
 import torch
 
-from kimi.ops import mla_decode_triton as mdt
+from kimi.kernels.triton import mla_decode as mdt
 from kimi.ops.attention import mla_decode_ref
 
 pytestmark = [

@@ -1,5 +1,5 @@
 """GPU test of the humming MoE backend (kimi.ops.moe_backend.HummingInt4Experts) at the real Kimi expert shapes
-with the schedules it picks there (kimi/ops/humming_table.json entries and humming's heuristic), against the
+with the schedules it picks there (kimi/kernels/tuning/humming.json entries and humming's heuristic), against the
 dequantised reference backend on the same packed weights.
 
 Shapes: 48 local experts of 384, top-8, hidden 7168, expert intermediate 2048, at 64 and 256 MoE tokens (the
@@ -95,7 +95,7 @@ def test_humming_fp8_backend_matches_ref(T, E):
     torch.cuda.synchronize()
     y, out = y.float(), out.float()
     c1, c2 = hum._configs(hum._m_local(T, k))
-    if E == 24 and torch.cuda.get_device_name() == "NVIDIA H200":  # humming_table.json's fp8 entry (EP16) ran
+    if E == 24 and torch.cuda.get_device_name() == "NVIDIA H200":  # humming.json's fp8 entry (EP16) ran
         assert c1["block_shape"] == [16, 256, 64], c1
     del hum, g
     torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""CPU tests of kimi.ops.mla_decode_triton: the host helpers in process, and (where Triton is installed and its
+"""CPU tests of kimi.kernels.triton.mla_decode: the host helpers in process, and (where Triton is installed and its
 interpreter works with the installed numpy) both kernels under TRITON_INTERPRET=1 in a subprocess, in fp16 (the
 interpreter's bf16 arithmetic is not faithful), against kimi.ops.attention.mla_decode_ref in float32.
 
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from kimi.ops import mla_decode_triton as mdt
+from kimi.kernels.triton import mla_decode as mdt
 from tests.unit.triton_interp import run_interpreted
 
 
@@ -66,7 +66,7 @@ def test_without_triton_raises():
 _INTERP_SCRIPT = textwrap.dedent("""
     import torch
     from kimi.ops.attention import mla_decode_ref
-    from kimi.ops.mla_decode_triton import MLADecodeConfig, mla_decode, workspace_numel
+    from kimi.kernels.triton.mla_decode import MLADecodeConfig, mla_decode, workspace_numel
 
     L, R, SCALE = 512, 64, 0.05
 

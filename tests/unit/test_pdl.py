@@ -1,4 +1,5 @@
-"""kimi.ops.pdl on the CPU: never enabled off CUDA or under the interpreter, launch_kwargs gives the kernels only
+"""kimi.kernels.triton.pdl on the CPU: never enabled off CUDA or under the interpreter, launch_kwargs gives the kernels
+only
 PDL=False there (the interpreter takes no launch_pdl), KIMI_PDL=0 turns the switch off at import. The GPU side
 (a PDL kernel chain in a CUDA graph equal, bit for bit, to the chain without PDL) is
 tests/gpu/test_linear_small_m.py::test_pdl_chain_in_graph_equals_eager_without_pdl."""
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-pdl = pytest.importorskip("kimi.ops.pdl")
+pdl = pytest.importorskip("kimi.kernels.triton.pdl")
 
 
 def test_off_on_cpu():
@@ -29,7 +30,7 @@ def test_env(value, expected):
     if value is not None:
         env["KIMI_PDL"] = value
     r = subprocess.run(
-        [sys.executable, "-c", "from kimi.ops import pdl; print(pdl.ENABLED)"],
+        [sys.executable, "-c", "from kimi.kernels.triton import pdl; print(pdl.ENABLED)"],
         env=env,
         capture_output=True,
         text=True,

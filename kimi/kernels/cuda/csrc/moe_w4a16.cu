@@ -4,7 +4,7 @@
 // W_e = (nibble - 8) * scale (group 32). mma.sync m16n8k16 multiplies the bf16 values 128 + nibble (exact) with the
 // inputs in fp32; an MMA of the constant -136 starts each group's sum, so it is that of (nibble - 8) * input; and
 // the group's scale multiplies the sum in fp32 (the weights are never rounded to bf16).
-// The weight layout is built by kimi/ops/moe_int4_cuda.py:repack (its docstring describes it): the layout of
+// The weight layout is built by kimi/kernels/cuda/moe_w4a16.py:repack (its docstring describes it): the layout of
 // humming-kernels' W4A16 GEMM for 16-bit inputs, so one copy of the experts in device memory serves both (humming at
 // prefill sizes, this kernel at decode sizes); its fragment positions follow the PTX ISA's tables for mma.m16n8k16
 // with .bf16 inputs (A row-major, B column-major), the weights being the A operand (16 rows of N) and the tokens B.
@@ -18,7 +18,7 @@
 // the H200's power cap, where issued instructions cost clock). The inputs' B fragments come from shared memory by
 // ldmatrix. Partials are summed across warps in shared memory (the rings' space, after the loop) and written as bf16;
 // with glu the epilogue writes SiLU(gate) * up instead (weights with gate / up rows interleaved per n64 block by
-// kimi/ops/moe_int4_cuda.py:glu_interleave), so the gate_up GEMM hands the down GEMM its input directly.
+// kimi/kernels/cuda/moe_w4a16.py:glu_interleave), so the gate_up GEMM hands the down GEMM its input directly.
 //
 // C entry point: kimi_w4a16_indexed_gemm (host launcher; returns a cudaError_t).
 
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(32 * KW, 1)
   const int n_chunks = k_chunks / KW;  // this warp's k64 chunks: [warp * n_chunks, (warp + 1) * n_chunks)
   const int c_begin = warp * n_chunks;
 
-  // Layout (kimi/ops/moe_int4_cuda.py: repack): weights [E, K/16, N/64, 32 lanes, 4 words] (word c of n64 block
+  // Layout (kimi/kernels/cuda/moe_w4a16.py: repack): weights [E, K/16, N/64, 32 lanes, 4 words] (word c of n64 block
   // nb, k16 step s: the lane's A fragment of rows 64 nb + 16 c .. + 15), scales [E, K/32, N] bf16 with each run of
   // 64 rows stored as (g, i) -> row 8 i + g. A chunk of this CTA: per n64 block and k16 step 512 contiguous bytes
   // of weights; per block and group 128 contiguous bytes of scales.
@@ -345,9 +345,9 @@ __global__ void __launch_bounds__(32 * KW, 1)
   __syncthreads();
   const int col0 = nb0 * 64;
   if (glu) {
-    // SiLU(gate) * up (kimi.ops.moe_int4_cuda.glu_interleave): rows 0..31 of each n64 block are the gate rows of
+    // SiLU(gate) * up (kimi.kernels.cuda.moe_w4a16.glu_interleave): rows 0..31 of each n64 block are the gate rows of
     // outputs 32 nb .. 32 nb + 31 and rows 32..63 the matching up rows. Rounded as the unfused path rounds: the
-    // GEMM's bf16 outputs, SiLU rounded to bf16 (kimi.ops.fused.silu_mul_rows), then the product.
+    // GEMM's bf16 outputs, SiLU rounded to bf16 (kimi.kernels.triton.fused.silu_mul_rows), then the product.
     constexpr int kOut = NT * 4;  // output column pairs of this CTA: 16 per n64 block
     for (int idx = threadIdx.x; idx < kBlockRows * kOut; idx += 32 * KW) {
       const int r = idx / kOut, op = idx % kOut;
@@ -436,7 +436,7 @@ cudaError_t launch(const void* x, int64_t x_stride, const void* wq, const void* 
 }  // namespace
 
 // Host launcher. x: [R, k] bf16 (row stride x_stride elements, rows 16-byte aligned); wq / wsc: weights
-// [E, k/16, n/64, 32, 4] int32 and scales [E, k/32, n] bf16 in the layout of kimi/ops/moe_int4_cuda.py:repack;
+// [E, k/16, n/64, 32, 4] int32 and scales [E, k/32, n] bf16 in the layout of kimi/kernels/cuda/moe_w4a16.py:repack;
 // sorted_ids: [num_blocks * 16] int32; block_expert: [num_blocks] int32; num_padded: [1] int32 (device);
 // out: [num_rows_out, n] bf16 (row stride out_stride; listed rows written; with glu = 1: [num_rows_out, n / 2], SiLU of
 // rows 0..31 of each n64 block times rows 32..63, see the epilogue). (nt, kw, stages) must be an instantiated

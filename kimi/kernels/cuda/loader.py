@@ -1,4 +1,5 @@
-"""Build and import kimi's CUDA extensions (csrc/) with torch's extension loader, once per process and source set.
+"""Build and import kimi's CUDA extensions (kimi/kernels/cuda/csrc/, shipped as package data) with torch's extension
+loader, once per process and source set.
 
 `load(name, sources)`: compiled for sm_90a at first use, cached under $KIMI_CSRC_CACHE (default
 ~/.cache/kimi/csrc) per torch / CUDA / Python version. Raises what torch's loader raises when it cannot build here
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"  # the checkout's csrc/ (an editable install, as the README's)
+CSRC = Path(__file__).resolve().parent / "csrc"  # package data: installed with kimi (editable or not)
 _built: dict[str, ModuleType] = {}
 _failed: dict[str, BaseException] = {}
 _lock = threading.Lock()

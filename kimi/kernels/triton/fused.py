@@ -20,7 +20,7 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
   arrival counters, see `_router_fused_kernel`); above, or when the counter buffer does not exist yet under
   graph capture, two kernels (split-K partials; per-row sum in split order + top-k). Both are run-to-run
   deterministic: partial sums are added in the fixed split order, never with float atomics.
-- `moe_align_fused`: kimi.ops.moe_int4_triton.moe_align's outputs. For P = T*k <= ALIGN_ONE_PROGRAM_MAX_P one
+- `moe_align_fused`: kimi.kernels.triton.moe_w4a16.moe_align's outputs. For P = T*k <= ALIGN_ONE_PROGRAM_MAX_P one
   program (histogram, padded offsets, block experts, sentinel fill, and each pair's slot = padded start of its
   expert + its rank among that expert's pairs by a one-hot cumsum): the same pair order as moe_align's stable
   sort, deterministic. Above, two kernels (histogram program; atomic slot claims: pairs within one expert in
@@ -31,7 +31,6 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -39,11 +38,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kimi.ops.linear_small_m import COUNTER_REGION as _COUNTER_REGION
-from kimi.ops.linear_small_m import _counter_region
-from kimi.ops.pdl import launch_kwargs, wait_and_release
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kimi.kernels.triton.common import INTERPRET
+from kimi.kernels.triton.linear_small_m import COUNTER_REGION as _COUNTER_REGION
+from kimi.kernels.triton.linear_small_m import _counter_region
+from kimi.kernels.triton.pdl import launch_kwargs, wait_and_release
 
 __all__ = [
     "ALIGN_GRID_MIN_P",
@@ -278,7 +276,7 @@ def _silu_mul_rows_kernel(
 ):
     # program (slot block, column block): rows rows_ptr[slot] for the ROWS slots of the block, slots past
     # *nrows_ptr and row ids >= P (the align's pad sentinel) skipped; GROUP > 0: gate / up columns interleaved in
-    # groups of GROUP (kimi.ops.moe_int4_cuda.glu_interleave), else gate [0, I), up [I, 2I)
+    # groups of GROUP (kimi.kernels.cuda.moe_w4a16.glu_interleave), else gate [0, I), up [I, 2I)
     wait_and_release(PDL)
     s0 = tl.program_id(0) * ROWS
     n = tl.load(nrows_ptr)
@@ -318,7 +316,7 @@ def silu_mul_rows(
     out: optional [P, I] destination (unit last-dim stride), returned; its unlisted rows are not written.
     rows_per_program: listed rows per program, rounded up to a power of two (loaded as one [rows, block] tile);
     default LAUNCH["silu_rows"]["rows"]. interleave: 0, or G > 0 when y's columns are gate / up groups of G
-    (kimi.ops.moe_int4_cuda.glu_interleave: o[r, G j + i] = silu(y[r, 2 G j + i]) * y[r, 2 G j + G + i]).
+    (kimi.kernels.cuda.moe_w4a16.glu_interleave: o[r, G j + i] = silu(y[r, 2 G j + i]) * y[r, 2 G j + G + i]).
 
     Why: the gate_up GEMM writes only the rows of local (token, expert) pairs, about 1/ep_size of the P = T * k
     rows; silu_mul over all P rows reads and writes ~ep_size x more than needed. Same math as `silu_mul`
@@ -513,7 +511,8 @@ def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 
 # ---- router ----------------------------------------------------------------------------------------------
 
-# int32 arrival counters of the fused router kernel: kimi.ops.linear_small_m's per-device buffer, allocated once
+# int32 arrival counters of the fused router kernel: kimi.kernels.triton.linear_small_m's per-device buffer, allocated
+# once
 # (zeros) outside graph capture, split in regions that successive calls rotate through (_counter_region); the
 # kernel leaves every counter at 0.
 _warned_capture = [False]
@@ -805,7 +804,7 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
         BT=lp["bt"],
         BE=lp["be"],
         BK=lp["bk"],
-        F32_DOT=_INTERPRET,
+        F32_DOT=INTERPRET,
         num_warps=lp["warps"],
         **launch_kwargs(x.device),
     )
@@ -861,7 +860,7 @@ def _router_topk_fused(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, id
         BK=_RT_BK,
         SUB=_RT_SUB,
         BLOCK_E=triton.next_power_of_2(E),
-        F32_DOT=_INTERPRET,
+        F32_DOT=INTERPRET,
         HAS_VALID=row_valid is not None,
         num_warps=4,
     )
@@ -1181,7 +1180,7 @@ def _align_sizes(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, m
 def moe_align_fused(
     topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int, block_m: int, max_pairs: int | None = None
 ):
-    """kimi.ops.moe_int4_triton.moe_align on the GPU: same outputs and contract.
+    """kimi.kernels.triton.moe_w4a16.moe_align on the GPU: same outputs and contract.
 
     topk_ids [T, k] integer global expert ids (contiguous or reshapeable to [T*k]); experts
     [expert_offset, expert_offset + E) are local. Returns (sorted_ids [max_blocks * block_m] int32 with sentinel

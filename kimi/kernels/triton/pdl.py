@@ -9,11 +9,12 @@ latency and the ramp-up of the next kernel overlap the tail of the current one; 
 
 Contract of every kernel that takes `PDL: tl.constexpr` (see `wait_and_release`):
 - before `griddepcontrol.wait` it reads only data no kernel of the step writes (weights, the L2 prefetch of
-  kimi.ops.linear_small_m) and writes nothing;
+  kimi.kernels.triton.linear_small_m) and writes nothing;
 - right after the wait it executes `launch_dependents`, so at most one kernel waits ahead of a running one.
 Kernels we do not own (FlashInfer, humming, cuBLAS, torch) never trigger early: a PDL kernel after them
 starts at their completion, as without PDL.
-One exception to the first rule, in kimi's CUDA expert GEMM (csrc/moe_w4a16.cu, `early_weights`): the down GEMM reads
+One exception to the first rule, in kimi's CUDA expert GEMM (kimi/kernels/cuda/csrc/moe_w4a16.cu, `early_weights`): the
+down GEMM reads
 the align's outputs (num_padded, block_expert) before its wait. That align is two kernels back, and the kernels in
 between (the gate_up GEMM, silu_mul_rows) wait before they trigger, so it has completed before the down GEMM can
 launch; the reads go through L2 (ld.global.cg), where its writes are. Any kernel placed between the align and the
@@ -30,17 +31,11 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
-    tl = None
+from kimi.kernels.triton.common import INTERPRET, tl, triton
 
 __all__ = ["ENABLED", "enabled", "launch_kwargs"]
 
 ENABLED = os.environ.get("KIMI_PDL", "1") != "0"
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -51,7 +46,7 @@ def _sm90(index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now: ENABLED, an NVIDIA (not ROCm) device of compute capability
     >= 9.0, not under the interpreter."""
-    if not ENABLED or _INTERPRET or triton is None or device.type != "cuda" or torch.version.hip is not None:
+    if not ENABLED or INTERPRET or triton is None or device.type != "cuda" or torch.version.hip is not None:
         return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -45,20 +45,11 @@ exceed 2^31 elements.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-try:  # Triton is absent on CPU-only installs; the module still imports (mla_decode then raises).
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kimi.kernels.triton.common import HAS_TRITON, INTERPRET, tl, triton
 
 __all__ = [
     "CONFIGS",
@@ -72,8 +63,6 @@ __all__ = [
     "workspace_numel",
 ]
 
-# Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: allowed by mla_decode (tests).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 
@@ -369,7 +358,7 @@ def _check(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, cfg: MLADecodeCon
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     dev = q_lat.device
-    if not (dev.type == "cuda" or _INTERPRET):
+    if not (dev.type == "cuda" or INTERPRET):
         raise ValueError(f"tensors must be on a CUDA device, got {dev}")
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.device != dev:

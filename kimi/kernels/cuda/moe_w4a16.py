@@ -1,4 +1,5 @@
-"""kimi's CUDA W4A16 indexed expert GEMM (csrc/moe_w4a16.cu): the routed experts' GEMMs at decode sizes.
+"""kimi's CUDA W4A16 indexed expert GEMM (kimi/kernels/cuda/csrc/moe_w4a16.cu): the routed experts' GEMMs at decode
+sizes.
 
 What: y[r] = W_e @ x[r // top_k] for every row r that a MoE align lists (r = a (token, slot) pair id; e the expert
 of the 16-row block holding r), with W_e the expert's INT4 group-32 weights, W = (nibble - 8) * scale (bf16 scales,
@@ -42,13 +43,14 @@ docs/performance.md, Tried and not kept: split-K over CTAs; persistent CTAs that
 break, also with equal shares of work per CTA; the down GEMM chained to gate_up per align block; a 200-register
 build for 5 CTAs per SM; a warp-specialised stream-K kernel, a producer warp filling a ring of k64 stages for 7-8
 computing warps; two CTAs per block, one per n8 half (fewer registers, more warps).)
-Launched with programmatic dependent launch when `kimi.ops.pdl.enabled` (it waits for the kernel ahead before it
+Launched with programmatic dependent launch when `kimi.kernels.triton.pdl.enabled` (it waits for the kernel ahead
+before it
 reads anything, then lets the next kernel launch). With `early_weights` (the down GEMM of `cuda_experts_forward`,
 whose align is two kernels back) a CTA reads its block's expert and issues its first S - 1 chunks of weights before
 that wait.
 
-The extension is built with torch's extension loader at first use (sources csrc/moe_w4a16.cu and
-csrc/moe_w4a16_binding.cpp, sm_90a) and cached under $KIMI_CSRC_CACHE (default ~/.cache/kimi/csrc).
+The extension is built with torch's extension loader at first use (sources kimi/kernels/cuda/csrc/moe_w4a16.cu and
+kimi/kernels/cuda/csrc/moe_w4a16_binding.cpp, sm_90a) and cached under $KIMI_CSRC_CACHE (default ~/.cache/kimi/csrc).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import os
 
 import torch
 
+from kimi.kernels import tuning
 from kimi.ops.quant import pack_nibbles, unpack_int4
 
 __all__ = [
@@ -92,7 +95,8 @@ CONFIGS = (
     (8, 2, 2),
 )
 DEFAULT_CONFIG = (4, 4, 4)
-# Programmatic dependent launch of the GEMM when kimi.ops.pdl.enabled: "early" lets the next kernel launch right
+# Programmatic dependent launch of the GEMM when kimi.kernels.triton.pdl.enabled: "early" lets the next kernel launch
+# right
 # after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
 PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
 # The down GEMM's CTAs read their block's expert and start loading their first S - 1 chunks of weights before they
@@ -104,17 +108,20 @@ EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
 # tensor cores of a step that runs at the power cap. Read at each call; CUDA graphs keep the value of their capture
 # (tools/bench_decode.py A/Bs it as `pads_token0`).
 ZERO_PAD_ROWS = os.environ.get("KIMI_MOE_CUDA_ZERO_PADS", "1") != "0"
-# Measured picks (tools/bench_moe_cuda.py sweeps, then paired runs of the decode step in tools/bench_decode.py):
-# GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None: no bound) is at least the step's expected
-# local pairs. At 512 MoE tokens gate_up (8, 2, 2) takes 255.2 us against (4, 4, 4) 280.7 and humming 262.5; at 256
-# tokens (4, 4, 4) 190.0 against (8, 2, 2) 205.6; at 64 tokens down (4, 2, 4) 72.7 against (8, 2, 2) 79.4. From 129
-# to 384 pairs (32 local sequences: 256) (8, 2, 3) wins for down (108.6 us against (8, 2, 2) 113.6; 0.1-0.5 ms per
-# decode step at 32 sequences) and for gate_up (0.23 ms per step against (4, 4, 4) with the pad rows zero-filled); at
-# 16 sequences (128 pairs) every NT 8 configuration is slower than (4, 4, 4). Current numbers: docs/performance.md.
-TABLE: dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
-    (4096, 7168): ((128, (4, 4, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # gate_up
-    (7168, 2048): ((128, (4, 2, 4)), (384, (8, 2, 3)), (None, (8, 2, 2))),  # down
-}
+
+
+# Measured picks, GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None: no bound) is at least the
+# step's expected local pairs. From kimi/kernels/tuning/moe_w4a16_cuda.json (its tuner and measurements there), read
+# once at import and applied on every GPU the kernel runs on.
+def _load_table() -> dict[tuple[int, int], tuple[tuple[int | None, tuple[int, int, int]], ...]]:
+    picks: dict[tuple[int, int], list[tuple[int | None, tuple[int, int, int]]]] = {}
+    for e in tuning.load("moe_w4a16_cuda").entries:
+        c = e.config
+        picks.setdefault((e.n, e.k), []).append((e.m_max, (int(c["nt"]), int(c["kw"]), int(c["s"]))))
+    return {key: tuple(v) for key, v in picks.items()}
+
+
+TABLE = _load_table()
 
 
 def config_valid(cfg: tuple[int, ...], n: int, k: int) -> bool:
@@ -205,7 +212,8 @@ def glu_interleave(
     """Reorder the rows of a gate_up weight [E, 2I, ...] (rows [0, I) gate, [I, 2I) up, as the checkpoints store
     them) to [gate 0 .. group-1, up 0 .. group-1, gate group .. 2 group-1, up group .. , ...]: packed [E, 2I, K/8]
     int32 and scale [E, 2I, K/32] -> the same shapes, new tensors. The GEMM's outputs then come in the same order:
-    `kimi.ops.fused.silu_mul_rows(..., interleave=group)` reads them, and with group = GLU_GROUP (32, half an n64
+    `kimi.kernels.triton.fused.silu_mul_rows(..., interleave=group)` reads them, and with group = GLU_GROUP (32, half
+    an n64
     block) kimi's kernel computes SiLU(gate) * up in its epilogue (`indexed_gemm(..., glu=True)`).
     Raises ValueError when 2I is not a multiple of 2 group or the shapes disagree."""
     if packed.dim() != 3 or scale.dim() != 3 or packed.shape[:2] != scale.shape[:2]:
@@ -228,10 +236,12 @@ def glu_rows(inter: int, group: int, device=None) -> torch.Tensor:
 
 
 def load_extension():
-    """Build (first use) and import the extension (kimi.ops.cuda_ext.load: sources csrc/moe_w4a16_binding.cpp and
-    csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension loader raises when it
+    """Build (first use) and import the extension (kimi.kernels.cuda.loader.load: sources
+    kimi/kernels/cuda/csrc/moe_w4a16_binding.cpp and
+    kimi/kernels/cuda/csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension
+    loader raises when it
     cannot build here (OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja)."""
-    from kimi.ops.cuda_ext import load
+    from kimi.kernels.cuda.loader import load
 
     return load("moe_w4a16", ["moe_w4a16_binding.cpp", "moe_w4a16.cu"])
 
@@ -255,17 +265,21 @@ def indexed_gemm(
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
     contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped in
-    blocks of 16 rows of one expert (`kimi.ops.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are pads);
+    blocks of 16 rows of one expert (`kimi.kernels.triton.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are
+    pads);
     block_expert: [cap / 16] int32; num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16
     (rows not listed are left as
     they are). glu: the weights' rows are in `glu_interleave`'s order (group GLU_GROUP) and out is [P, N/2]:
     out[r, 32 j + i] = silu(y[64 j + i]) * y[64 j + 32 + i] of the GEMM's y = W x (y and the SiLU rounded to bf16
-    first, as `kimi.ops.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default: `config_for(N, K)`,
+    first, as `kimi.kernels.triton.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default:
+    `config_for(N, K)`,
     TABLE's pick for the smallest steps).
     pdl: "early",
-    "late" or "off" (default PDL_MODE where kimi.ops.pdl.enabled, else "off"). early_weights: the caller guarantees that
+    "late" or "off" (default PDL_MODE where kimi.kernels.triton.pdl.enabled, else "off"). early_weights: the caller
+    guarantees that
     the align which wrote sorted_ids / block_expert / num_padded is not the kernel directly ahead on the stream and that
-    every kernel between the two waits for its own predecessor before letting the next one launch (kimi.ops.pdl's
+    every kernel between the two waits for its own predecessor before letting the next one launch
+    (kimi.kernels.triton.pdl's
     contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel starts. Each CTA then reads
     its block's expert and issues its first S - 1 chunks of weights and scales before its griddepcontrol.wait, and an
     empty block exits without waiting; the outputs are the same. zero_pads (default ZERO_PAD_ROWS): the pad rows'
@@ -306,7 +320,7 @@ def indexed_gemm(
     if block_expert.numel() > 65535:
         raise ValueError(f"indexed_gemm: {block_expert.numel()} align blocks; the grid takes at most 65535")
     if pdl is None:
-        from kimi.ops.pdl import enabled
+        from kimi.kernels.triton.pdl import enabled
 
         pdl = PDL_MODE if enabled(x.device) else "off"
     modes = {"off": 0, "early": 1, "late": 2}

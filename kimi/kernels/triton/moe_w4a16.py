@@ -40,15 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # Triton is absent on CPU-only installs; the module still imports (for docs / CPU tests of align).
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kimi.kernels.triton.common import HAS_TRITON, tl, triton
 
 GROUP_SIZE = 32
 
@@ -140,7 +132,7 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
 
 
 if HAS_TRITON:
-    from kimi.ops.pdl import launch_kwargs, wait_and_release
+    from kimi.kernels.triton.pdl import launch_kwargs, wait_and_release
 
     @triton.jit
     def _load_dequant(
@@ -300,7 +292,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        wait_and_release(PDL)  # kimi.ops.pdl
+        wait_and_release(PDL)  # kimi.kernels.triton.pdl
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_j = tl.arange(0, TOPK_P2)

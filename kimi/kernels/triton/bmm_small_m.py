@@ -18,8 +18,8 @@ Algorithm (written for this project): program (h, pid_n) owns head h and output 
 w are clamped to the last valid row (loaded, never stored); K is masked when K % BLOCK_K != 0.
 
 Dispatch (`bmm_heads`): the Triton kernel where tools/bench_bmm.py measured it faster than the torch path (the
-table kimi/ops/bmm_small_m_table.json, or the file named by $KIMI_BMM_SMALL_M_TABLE; the format of
-kimi.ops.linear_small_m.load_table, keyed by (M bucket, N, K); used only on the GPU it was measured on), else
+table kimi/kernels/tuning/bmm_small_m.json, or the file named by $KIMI_BMM_SMALL_M_TABLE; the format of
+kimi.kernels.triton.linear_small_m.load_table, keyed by (M bucket, N, K); used only on the GPU it was measured on), else
 torch.bmm plus the copies. $KIMI_BMM_SMALL_M=0 disables the Triton path. CUDA graphs: no host sync, no
 allocation besides the output (caching allocator).
 """
@@ -29,26 +29,16 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from kimi.ops import linear_small_m as _lsm
-
-try:  # Triton is absent on CPU-only installs; bmm_heads is then the torch path.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kimi.kernels import tuning
+from kimi.kernels.triton import linear_small_m as _lsm
+from kimi.kernels.triton.common import HAS_TRITON, tl, triton
 
 __all__ = ["CONFIGS", "HAS_TRITON", "MAX_M", "BmmConfig", "bmm_heads", "bmm_heads_ref", "bmm_small_m", "lookup"]
 
 MAX_M = 64
-TABLE_PATH = Path(__file__).with_name("bmm_small_m_table.json")
 
 
 @dataclass(frozen=True)
@@ -81,7 +71,7 @@ CONFIGS: tuple[BmmConfig, ...] = (
 
 
 if HAS_TRITON:
-    from kimi.ops.pdl import launch_kwargs, wait_and_release
+    from kimi.kernels.triton.pdl import launch_kwargs, wait_and_release
 
     @triton.jit(do_not_specialize=["M"])
     def _bmm_small_m_kernel(
@@ -105,7 +95,7 @@ if HAS_TRITON:
         EVEN_N: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        wait_and_release(PDL)  # kimi.ops.pdl
+        wait_and_release(PDL)  # kimi.kernels.triton.pdl
         h = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -238,15 +228,7 @@ def _get_table() -> dict:
     if _table is None:
         with _table_lock:
             if _table is None:
-                raw = _lsm.load_table(os.environ.get("KIMI_BMM_SMALL_M_TABLE", TABLE_PATH))
-                # load_table parses entries as SmallMConfig, whose fields include all of BmmConfig's
-                _table = {
-                    "gpu": raw["gpu"],
-                    "entries": {
-                        k: BmmConfig(**{f: getattr(c, f) for f in BmmConfig.__dataclass_fields__})
-                        for k, c in raw["entries"].items()
-                    },
-                }
+                _table = tuning.by_bucket(tuning.load("bmm_small_m"), BmmConfig)
     return _table
 
 

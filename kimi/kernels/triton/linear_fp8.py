@@ -21,42 +21,34 @@ the bf16 path (docs/performance.md), so kimi.worker.gpu_model keeps them FP8 onl
 Paths (`fp8_linear`):
 - M <= 64 rows on CUDA: the Triton kernel below, one program per BLOCK_N rows of W and split-K range (split-K
   partials reduced by the last program to arrive, in fixed order: deterministic and graph-safe, the scheme of
-  kimi.ops.linear_small_m), k_unroll W tiles [BLOCK_N, bk] per iteration software-pipelined (`num_stages`), the
-  activation tiles [BLOCK_M, bk] alongside; programmatic dependent launch (kimi.ops.pdl) with an L2 prefetch of
-  the first W tiles before the wait, as kimi.ops.linear_small_m.
+  kimi.kernels.triton.linear_small_m), k_unroll W tiles [BLOCK_N, bk] per iteration software-pipelined (`num_stages`),
+  the
+  activation tiles [BLOCK_M, bk] alongside; programmatic dependent launch (kimi.kernels.triton.pdl) with an L2 prefetch
+  of
+  the first W tiles before the wait, as kimi.kernels.triton.linear_small_m.
 - More rows (prefill) or no Triton / CPU: W is dequantised to the activation dtype, a chunk of rows at a time
   (`fp8_linear_dequant`: at most DEQUANT_CHUNK_BYTES of transient weights), and multiplied by F.linear (cuBLAS).
 - `Fp8Linear` layers handed to humming-kernels (`Fp8Linear.to_humming`; kimi.worker.gpu_model's fp8_dense "humming",
   for whole-tile shapes) run humming's dense W8A16 GEMM for every M instead.
 
-Config choice: `lookup` reads kimi/ops/linear_fp8_table.json (measured by tools/bench_fp8_linear.py on the GPU
+Config choice: `lookup` reads kimi/kernels/tuning/linear_fp8.json (measured by tools/bench_fp8_linear.py on the GPU
 named in it), else `default_config`.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi.kernels import tuning
+from kimi.kernels.triton.common import HAS_TRITON, INTERPRET, tl, triton
 from kimi.ops.quant import dequant_fp8_block
-
-try:  # Triton is absent on CPU-only installs; fp8_linear then always takes the dequantising path
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
 __all__ = [
     "HAS_TRITON",
@@ -73,8 +65,6 @@ __all__ = [
 ]
 
 MAX_M = 64
-TABLE_PATH = Path(__file__).with_name("linear_fp8_table.json")
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 PREFETCH_TILES = 2  # W tiles per program prefetched into L2 before the PDL wait
 # humming's heuristic schedules for dense FP8 layers, with Stream-K turned off (HUMMING_STREAM_K False): its Stream-K
 # fix-up made a CUDA-graph replay differ from the eager call in the last bit (tests/gpu/test_linear_fp8.py), i.e. the
@@ -163,8 +153,8 @@ def fp8_linear_dequant(
 
 
 if HAS_TRITON:
-    from kimi.ops.linear_small_m import COUNTER_REGION, _counter_region, _store_tile
-    from kimi.ops.pdl import launch_kwargs, wait_and_release
+    from kimi.kernels.triton.linear_small_m import COUNTER_REGION, _counter_region, _store_tile
+    from kimi.kernels.triton.pdl import launch_kwargs, wait_and_release
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K", "KB_PER_SPLIT", "ITERS", "LAST_ITERS"])
     def _fp8_linear_kernel(
@@ -201,7 +191,8 @@ if HAS_TRITON:
         block), KU blocks per loop iteration (unrolled: more bytes in flight). ITERS / LAST_ITERS: iterations of
         every split but the last / of the last (plain arguments: the interpreter cannot bound a loop by a
         program_id-derived value). acc [BLOCK_N, BLOCK_M] fp32 (W as the wide MMA operand); rows >= M of x and
-        >= N of W are clamped to the last row (read, never stored). Split-K partials: kimi.ops.linear_small_m's
+        >= N of W are clamped to the last row (read, never stored). Split-K partials:
+        kimi.kernels.triton.linear_small_m's
         deterministic last-arrival reduction (_store_tile)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -265,23 +256,11 @@ def _splits(cfg: Fp8Config, n_tiles: int, n_kb: int, num_sms: int) -> int:
 
 
 def load_table(path: str | os.PathLike | None = None) -> dict:
-    """{"gpu": name or None, "entries": {(M bucket, N, K): Fp8Config}} from a table JSON ({"gpu": ..., "table":
-    {"M,N,K": {block_n, num_warps, num_stages, k_unroll, split_k}}}; the fields of Fp8Config, any left out at their
-    defaults); a missing file gives no entries. Raises ValueError on a malformed key or entry."""
-    p = Path(path) if path is not None else Path(os.environ.get("KIMI_LINEAR_FP8_TABLE", TABLE_PATH))
-    if not p.exists():
-        return {"gpu": None, "entries": {}}
-    d = json.loads(p.read_text())
-    entries = {}
-    for key, cfg in d.get("table", {}).items():
-        parts = key.split(",")
-        if len(parts) != 3:
-            raise ValueError(f"{p}: table key {key!r} is not 'M,N,K'")
-        try:
-            entries[tuple(int(v) for v in parts)] = Fp8Config(**cfg)
-        except TypeError as e:
-            raise ValueError(f"{p}: entry {key!r}: {e}") from e
-    return {"gpu": d.get("gpu"), "entries": entries}
+    """{"gpu": name or None, "entries": {(M bucket, N, K): Fp8Config}} of the table tools/bench_fp8_linear.py writes
+    (kimi.kernels.tuning "linear_fp8": `path`, else $KIMI_LINEAR_FP8_TABLE, else the shipped file; configs hold
+    Fp8Config's fields, any left out at their defaults); a missing file gives no entries. Raises ValueError on a
+    malformed file or entry."""
+    return tuning.by_bucket(tuning.load("linear_fp8", path), Fp8Config)
 
 
 _TABLE: dict | None = None
@@ -357,7 +336,7 @@ def fp8_linear_small_m(
         raise ValueError(f"fp8_linear_small_m: x must be bf16 or fp16, got {x.dtype}")
     if not w.is_contiguous() or not scale_inv.is_contiguous() or scale_inv.dtype != torch.float32:
         raise ValueError("fp8_linear_small_m: w and scale_inv (float32) must be contiguous")
-    if x.device != w.device or x.device != scale_inv.device or (x.device.type != "cuda" and not _INTERPRET):
+    if x.device != w.device or x.device != scale_inv.device or (x.device.type != "cuda" and not INTERPRET):
         raise ValueError(
             f"fp8_linear_small_m: tensors must be on one CUDA device (x {x.device}, w {w.device}, "
             f"scale_inv {scale_inv.device})"

@@ -46,13 +46,14 @@ inside the graph.
 
 Config choice: `linear()` uses Triton only for (M bucket, N, K) entries of a table measured by
 tools/bench_gemm.py, where the best Triton config beat F.linear. The table is read once from
-kimi/ops/linear_small_m_table.json (or the file named by $KIMI_LINEAR_SMALL_M_TABLE) and only used when the
+kimi/kernels/tuning/linear_small_m.json (or the file named by $KIMI_LINEAR_SMALL_M_TABLE) and only used when the
 current GPU's name equals the one the table was measured on; otherwise (or without Triton, or on CPU, or
 for M > 64, other dtypes, non-contiguous W, ...) `linear()` is `F.linear`. $KIMI_LINEAR_SMALL_M=0 disables
 the Triton path. Tables are keyed by bucket: M=1 -> 1, 2..8 -> 8, 9..16 -> 16, 17..32 -> 32, 33..64 -> 64.
 (Two q_b entries were added by hand, see the table's "notes".)
 
-PDL (kimi/ops/pdl.py, Hopper): the kernels are launched with programmatic dependent launch; each program first
+PDL (kimi/kernels/triton/pdl.py, Hopper): the kernels are launched with programmatic dependent launch; each program
+first
 issues `prefetch.global.L2` for the first PREFETCH_TILES W tiles of its K range (weights only), then waits for
 the kernel ahead (`griddepcontrol.wait`), then lets the next kernel launch.
 
@@ -62,25 +63,16 @@ any N, K >= 1 (K % BLOCK_K != 0 takes a masked path); pointer offsets are 64-bit
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-try:  # Triton is absent on CPU-only installs; the module still imports and `linear` is F.linear.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kimi.kernels import tuning
+from kimi.kernels.triton.common import HAS_TRITON, INTERPRET, tl, triton
 
 __all__ = [
     "CONFIGS",
@@ -100,9 +92,6 @@ MAX_M = 64
 M_BUCKETS = (1, 8, 16, 32, 64)
 NUM_COUNTER_REGIONS = 64
 COUNTER_REGION = 4096  # max column slabs (n_tiles) of a split-K call
-TABLE_PATH = Path(__file__).with_name("linear_small_m_table.json")
-# Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: allowed by linear_small_m (tests)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -173,7 +162,8 @@ def _num_stages(cfg: SmallMConfig, block_m: int, prologue: int = 0) -> int:
     return max(2, min(cfg.num_stages, SMEM_BUDGET // stage_bytes))
 
 
-# With PDL (kimi.ops.pdl), each program first prefetches into L2 the first PREFETCH_TILES W tiles of its K range
+# With PDL (kimi.kernels.triton.pdl), each program first prefetches into L2 the first PREFETCH_TILES W tiles of its K
+# range
 # ([BLOCK_N, BLOCK_K] each; weights are never written during a step, so this may run before griddepcontrol.wait,
 # while the kernel ahead finishes), then waits. 0: no prefetch. Set before CUDA-graph capture (a constexpr).
 PREFETCH_TILES = 2
@@ -181,7 +171,7 @@ PREFETCH_TILES = 2
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kimi.ops.pdl import launch_kwargs, wait_and_release
+    from kimi.kernels.triton.pdl import launch_kwargs, wait_and_release
 
     @triton.jit
     def _prefetch_w(w_ptr, stride_wn, rows_w, k0, K, n_iters, PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -302,7 +292,7 @@ if HAS_TRITON:
     ):
         """Pointer (cp.async) variant. ITERS / LAST_ITERS: K steps of every split but the last / of the last
         (plain arguments: Triton's interpreter cannot bound a loop by a program_id-derived value). PDL /
-        PREFETCH: kimi.ops.pdl, PREFETCH_TILES."""
+        PREFETCH: kimi.kernels.triton.pdl, PREFETCH_TILES."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -458,7 +448,8 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor, bm: int, bn: int, bk: int) -> bool
 
 
 def check_operands(x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int) -> None:
-    """The checks the small-M kernels share (this module's and kimi.ops.bmm_small_m's): 1 <= M <= MAX_M, N, K >= 1,
+    """The checks the small-M kernels share (this module's and kimi.kernels.triton.bmm_small_m's): 1 <= M <= MAX_M, N,
+    K >= 1,
     x and w bf16 / fp16 of one dtype on one CUDA device (any device under the interpreter), unit stride on their
     last (K) dim. Raises ValueError naming what is wrong."""
     if not 1 <= M <= MAX_M:
@@ -467,7 +458,7 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, M: int, N: int, K: int) -> 
         raise ValueError(f"empty weight {tuple(w.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise ValueError(f"dtypes must be bf16/fp16 and equal, got x {x.dtype}, w {w.dtype}")
-    if not ((x.is_cuda or _INTERPRET) and w.device == x.device):
+    if not ((x.is_cuda or INTERPRET) and w.device == x.device):
         raise ValueError(f"x and w must be on one CUDA device, got {x.device} and {w.device}")
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"x and w need unit stride on K, got strides {x.stride()} and {w.stride()}")
@@ -508,10 +499,11 @@ def linear_small_m(
         out: optional [M, N] output (same dtype/device, unit stride on N); written and returned.
         config: kernel variant; default: the table's pick for this shape, else SmallMConfig().
         norm_weight: [K] RMSNorm weight: y = rmsnorm(x) @ w^T, rmsnorm(x)[m, k] = norm_weight[k] * x[m, k] /
-            sqrt(mean_k(x[m]^2) + eps) in fp32, rounded to x's dtype before the product (as kimi.ops.fused.rms_norm
+            sqrt(mean_k(x[m]^2) + eps) in fp32, rounded to x's dtype before the product (as
+            kimi.kernels.triton.fused.rms_norm
             then a GEMM; the q_a_layernorm of docs/model-format.md, Math).
         silu_mul: y = (silu(x[:, :K]) * x[:, K:]) @ w^T, silu rounded to x's dtype first and the product rounded
-            again (as kimi.ops.fused.silu_mul then a GEMM; the gated MLP's down projection).
+            again (as kimi.kernels.triton.fused.silu_mul then a GEMM; the gated MLP's down projection).
 
     Returns:
         y [M, N], dtype of x: fp32 accumulation, one rounding.
@@ -654,23 +646,10 @@ _gpu_ok: dict[int, bool] = {}
 
 
 def load_table(path: str | os.PathLike | None = None) -> dict:
-    """Read a table written by tools/bench_gemm.py: {"gpu": name, "entries": {(bucket, N, K): SmallMConfig}}.
-
-    File format (JSON): {"gpu": "<torch.cuda.get_device_name()>", "table": {"<bucket>,<N>,<K>": {config
-    fields}}}. A missing file gives an empty table; a malformed one raises ValueError.
-    """
-    p = Path(path) if path is not None else Path(os.environ.get("KIMI_LINEAR_SMALL_M_TABLE", TABLE_PATH))
-    if not p.exists():
-        return {"gpu": None, "entries": {}}
-    try:
-        raw = json.loads(p.read_text())
-        entries = {}
-        for key, cfg in raw["table"].items():
-            b, n, k = (int(v) for v in key.split(","))
-            entries[(b, n, k)] = SmallMConfig(**cfg)
-        return {"gpu": raw["gpu"], "entries": entries}
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"bad linear_small_m table {p}: {e!r}") from e
+    """The table tools/bench_gemm.py writes (kimi.kernels.tuning "linear_small_m": `path`, else
+    $KIMI_LINEAR_SMALL_M_TABLE, else the shipped file) as {"gpu": name or None, "entries": {(bucket, N, K):
+    SmallMConfig}}. A missing file gives no entries; a malformed one raises ValueError."""
+    return tuning.by_bucket(tuning.load("linear_small_m", path), SmallMConfig)
 
 
 def _get_table() -> dict:

@@ -1,4 +1,4 @@
-// kimi: torch binding of csrc/moe_w4a16.cu (kimi_w4a16_indexed_gemm). Built by kimi/ops/moe_int4_cuda.py with
+// kimi: torch binding of kimi/kernels/cuda/csrc/moe_w4a16.cu (kimi_w4a16_indexed_gemm). Built by kimi/kernels/cuda/moe_w4a16.py with
 // torch's extension loader; the Python wrapper there documents the arguments.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -61,5 +61,5 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("indexed_gemm", &indexed_gemm, "kimi W4A16 indexed expert GEMM (csrc/moe_w4a16.cu)");
+  m.def("indexed_gemm", &indexed_gemm, "kimi W4A16 indexed expert GEMM (kimi/kernels/cuda/csrc/moe_w4a16.cu)");
 }

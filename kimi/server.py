@@ -744,7 +744,7 @@ async def serve(a: ServeArgs) -> int:
             log.error("--device cuda: %s", err)
             return 2
     if a.a2a_backend is not None and not a.attach:
-        from kimi.ops.all_to_all import check_backend
+        from kimi.backends.all_to_all import check_backend
 
         try:
             check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts)

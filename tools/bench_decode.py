@@ -37,7 +37,7 @@ KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
 cuda_gemm_layers: how many MoE layers run kimi's CUDA expert GEMM at decode sizes (--moe-backend cuda: all; auto:
-those whose humming tensors it can read, see kimi.ops.moe_backend.HummingInt4Experts).
+those whose humming tensors it can read, see kimi.backends.experts.HummingInt4Experts).
 gpu_clock (every graph timing and graph_pipelined): nvidia-smi's SM clock / power samples during it
 (kimi.benchmarks.smi.GpuSampler; the H200 runs this step at its 700 W power cap, and the clock there differs by
 machine).
@@ -60,12 +60,12 @@ import time
 
 import torch
 
+from kimi.backends.experts import BACKENDS as MOE_BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
 from kimi.kernels.cuda.moe_w4a16 import CONFIGS as MOE_CUDA_CONFIGS
-from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
 from kimi.ops.sampling import start_host_copy
 
 # The A/B variants (--ab): each flips one switch of the product as it runs today, or applies a tuner's output, for a
@@ -89,22 +89,20 @@ def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
     """humming_table_off (table_file None: humming's heuristic schedules) / humming_table_alt (the table in
     $KIMI_HUMMING_TABLE_ALT) instead of kimi/kernels/tuning/humming.json ($KIMI_HUMMING_TABLE); on=False restores.
     The experts' cached schedules are dropped either way."""
-    from kimi.ops import moe_backend
+    from kimi.backends.experts import humming
 
     if on:
-        _saved["humming_table"] = moe_backend._humming_table
-        moe_backend._humming_table = (
-            moe_backend.load_humming_table(table_file) if table_file else {"gpu": None, "entries": {}}
-        )
+        table = humming.load_humming_table(table_file) if table_file else {"gpu": None, "entries": {}, "scope": {}}
+        _saved["humming_table"] = humming.use_humming_table(table)
     else:
-        moe_backend._humming_table = _saved["humming_table"]
+        humming.use_humming_table(_saved["humming_table"])
     for impl in _experts_impls(m):  # chosen again at the next capture
         if hasattr(impl, "_tuning"):
             impl._tuning.clear()
 
 
 def _experts_impls(m) -> list:
-    """Every MoE layer's routed-expert module (kimi.ops.moe_backend), in layer order."""
+    """Every MoE layer's routed-expert module (kimi.backends.experts), in layer order."""
     impls = (getattr(getattr(layer, "mlp", None), "experts_impl", None) for layer in m.layers)
     return [x for x in impls if x is not None]
 
@@ -138,7 +136,8 @@ def _restore_module_attr(module: str, attr: str) -> None:
 def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
     """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2 /
     glu) and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
-    from kimi.ops.moe_backend import CudaInt4Experts, HummingInt4Experts
+    from kimi.backends.experts.cuda_w4a16 import CudaInt4Experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     return [
         (x, attr) if isinstance(x, CudaInt4Experts) else (x, "cuda_" + attr)
@@ -157,7 +156,7 @@ def _moe_cuda_config(m, attr: str, cfg) -> None:
 def _auto_max_pairs(m, n: int | None) -> None:
     """auto_humming: under --moe-backend auto, every HummingInt4Experts' cuda_max_pairs set to n (0: humming's GEMM
     at every size); n None restores the saved ones."""
-    from kimi.ops.moe_backend import HummingInt4Experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     _set_attrs(
         "cuda_max_pairs", [(x, "cuda_max_pairs") for x in _experts_impls(m) if isinstance(x, HummingInt4Experts)], n
@@ -789,14 +788,15 @@ def main() -> None:
         "humming": sum(m.hl is not None for m in fp8_layers),
         "fp8_dense": args.fp8_dense,
     }
+    from kimi.backends.experts import humming
+    from kimi.kernels import tuning
     from kimi.kernels.triton import linear_small_m as _lsm
     from kimi.kernels.triton import pdl as _pdl
-    from kimi.ops import moe_backend
 
     res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
-    ht = moe_backend.load_humming_table()
+    ht = humming.load_humming_table()
     res["humming_table"] = {
-        "path": os.environ.get("KIMI_HUMMING_TABLE", str(moe_backend.HUMMING_TABLE_PATH)),
+        "path": str(tuning.path_of("humming")),
         "gpu": ht["gpu"],
         "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()},
     }

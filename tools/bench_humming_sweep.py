@@ -12,7 +12,7 @@ Each distinct config is JIT-compiled on first use (the compile time is recorded)
 new config is tried. Timing: triton.testing.do_bench median, L2 cleared, NSETS distinct routing sets cycled.
 GB/s = weight bytes of the distinct local experts hit by that GEMM / time. rel_diff_vs_default: the relative
 difference from the default config's output over the local pairs' rows (the only rows written) of the first
-input set. Output: JSON (--out) and a table; --table-out writes a kimi.ops.moe_backend humming table: per GEMM and
+input set. Output: JSON (--out) and a table; --table-out writes a kimi.backends.experts humming table: per GEMM and
 T, the fastest config when it beats the default by more than --min-gain (`--grid --table-out
 kimi/kernels/tuning/humming.json` regenerates the shipped table's plain entries; its `over_heuristic` entries were
 chosen
@@ -152,7 +152,7 @@ def main():
     ap.add_argument(
         "--table-out",
         default=None,
-        help="write a kimi.ops.moe_backend humming table: per GEMM and T, the fastest config when it beats "
+        help="write a kimi.backends.experts humming table: per GEMM and T, the fastest config when it beats "
         "the default by more than --min-gain, for expected local pairs from midway to the previous swept "
         "T's to midway to the next one's (the largest T: up to its own)",
     )

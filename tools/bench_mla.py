@@ -221,7 +221,7 @@ def main():
         try:
             import flashinfer
 
-            from kimi.ops import attention_flashinfer as fi_mod
+            from kimi.backends.attention import flashinfer as fi_mod
 
             fi_version = flashinfer.__version__
         except Exception as e:

@@ -14,7 +14,7 @@ random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - the SM clock and board power during each timing (`kimi.benchmarks.smi.GpuSampler`, nvidia-smi every 20 ms; a
   timing lasts ~50 ms and the power reading lags, so each row's power mostly shows the rows before it).
 `table_config` is the configuration kimi.kernels.cuda.moe_w4a16.TABLE picks at the step's expected local pairs (what the
-model runs); its picks, and kimi.ops.moe_backend.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM),
+model runs); its picks, and kimi.backends.experts.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM),
 come from this sweep and the decode step's A/B of the candidates (tools/bench_decode.py --ab moe_cuda_...).
 Also whether kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout
 --moe-backend auto shares).
@@ -131,8 +131,8 @@ def main() -> None:
     require_gpu(ap.prog, _MISSING)
     from humming.layer import HummingLayer  # noqa: F401  (fails loudly when humming is absent)
 
+    from kimi.backends.experts.humming import HummingInt4Experts
     from kimi.kernels.triton.fused import moe_align_fused
-    from kimi.ops.moe_backend import HummingInt4Experts
 
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

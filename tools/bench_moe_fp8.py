@@ -1,4 +1,4 @@
-"""FP8 routed experts (K2-Instruct) on one GPU: humming's W8A16 indexed GEMMs (kimi.ops.moe_backend.HummingFp8Experts)
+"""FP8 routed experts (K2-Instruct) on one GPU: humming's W8A16 indexed GEMMs (kimi.backends.experts.HummingFp8Experts)
 against the fallback path of FP8 experts (dequantised to bf16 on load, `RefExperts`: the other backends, or an
 expert width humming cannot tile), with the INT4 humming backend of K2.6 at the same shapes for scale.
 
@@ -27,9 +27,9 @@ import time
 
 import torch
 
+from kimi.backends.experts import make_experts
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import copy_bandwidth, import_gpu_module, require_gpu
-from kimi.ops.moe_backend import make_experts
 from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu

@@ -40,10 +40,10 @@ import time
 
 import torch
 
+from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import require_gpu
-from kimi.ops.moe_backend import BACKENDS
 
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:

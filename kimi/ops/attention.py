@@ -27,7 +27,7 @@ from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kimi.worker.gpu_model import GPUAttnPlan
+    from kimi.backends.attention import AttentionPlan
 
 
 @dataclass
@@ -48,7 +48,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    gpu: GPUAttnPlan | None = None  # the GPU model's plan for this batch (kimi.worker.gpu_model), set by that model
+    plan: AttentionPlan | None = None  # the step's attention plan (kimi.backends.attention), set by the GPU model
 
     @property
     def num_seqs(self) -> int:

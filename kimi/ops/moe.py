@@ -8,7 +8,7 @@ Expert parallelism: rank `ep_rank` of `ep_size` holds experts [ep_rank * E / ep_
 ep_size). `MoELayer` routes, hands (tokens, weights, ids) to an all-to-all backend (`dispatch`), runs its
 local experts on what it received, and `combine`s the partial outputs back to the tokens' home rank, where
 the shared expert is added. `LocalAllToAll` is the single-rank identity backend; the gloo / nccl / DeepEP
-backends are in kimi/ops/all_to_all.py. The expert computation must accept what any backend hands it:
+backends are in kimi/backends/all_to_all.py. The expert computation must accept what any backend hands it:
 global expert ids with pairs of other ranks' experts (and ids of -1) ignored; in DeepEP's low-latency mode
 that is one (weight 1.0, expert id or -1) pair per row over an expert-major padded buffer, the routing
 weights being applied by that backend's combine instead.
@@ -227,7 +227,7 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             DenseMLP(D, inter * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
         )
-        # GPU path (kimi/worker/gpu_model.py): a kimi.ops.moe_backend module that replaces w13 / w2 (packed INT4
+        # GPU path (kimi/worker/gpu_model.py): a kimi.backends.experts module that replaces w13 / w2 (packed INT4
         # kernels); None = the reference over w13 / w2.
         self.experts_impl: nn.Module | None = None
 

@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kimi.backends.attention import AttentionPlan
 from kimi.ops.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from kimi.ops.attention_flashinfer import FlashInferMLADecode
-    from kimi.worker.gpu_model import TritonMLADecodeRun
+    from kimi.backends.attention.flashinfer import FlashInferMLADecode
+    from kimi.backends.attention.triton_mla import TritonMLADecodeRun
 
 __all__ = ["CudaGraphRunner", "bucket_sizes"]
 
@@ -114,7 +115,7 @@ class CudaGraphRunner:
         buckets: list[int] | None = None,
         layers_per_graph: int | None = LAYERS_PER_GRAPH,
     ):
-        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+        from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
         self.model = model
         self.kv_caches = kv_caches
@@ -151,7 +152,7 @@ class CudaGraphRunner:
         self.fi: Mapping[int, TritonMLADecodeRun | FlashInferMLADecode]
         self.fi_flashinfer: dict[int, FlashInferMLADecode] = {}
         if self.triton_attn:
-            from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
+            from kimi.backends.attention.triton_mla import TritonMLADecodeRun, triton_mla_splits
 
             mb, n = max_blocks_per_seq, self.max_batch * (1 + max_blocks_per_seq)
             self.attn_in = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch] seq_lens, then tables
@@ -232,8 +233,6 @@ class CudaGraphRunner:
         return fi
 
     def _meta(self, bs: int, fi) -> AttentionMetadata:
-        from kimi.worker.gpu_model import GPUAttnPlan
-
         attn = AttentionMetadata(
             query_start_loc=torch.arange(bs + 1, dtype=torch.int64, device=self.device),
             seq_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
@@ -243,7 +242,7 @@ class CudaGraphRunner:
             query_lens_cpu=[1] * bs,
             seq_lens_cpu=[1] * bs,
         )
-        attn.gpu = GPUAttnPlan(fi, self.slot_mapping[:bs], True)
+        attn.plan = AttentionPlan(fi, self.slot_mapping[:bs], True)
         return attn
 
     @torch.inference_mode()

@@ -8,7 +8,7 @@ Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k
   exactly as the packed checkpoint tensors; the ref backend gets bf16 w13 / w2 instead;
 - FP8 routed experts (configs with FP8 quantisation, K2-Instruct; every backend): float8_e4m3fn
   N(0, 1) weights (clamped to +-448) and float32 tile scales (1 / sqrt(in_features)) * U(0.5, 1.5) per 128 x 128 tile,
-  as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.ops.moe_backend.make_experts);
+  as the checkpoint tensors; humming keeps them FP8, the others dequantise them (kimi.backends.experts.make_experts);
   with fp8_dense "triton" / "humming", the dense weights a checkpoint load keeps FP8 (kimi.worker.gpu_model.
   fp8_dense_names, on CUDA) are the random bf16 ones above quantised to FP8 128 x 128 tiles (quant_fp8_block).
 Deterministic for a given seed on a given device.
@@ -48,7 +48,7 @@ def fill_dummy(
     """Fill every parameter of a build_gpu_model() model and set each MoE layer's experts_impl (through
     kimi.worker.gpu_model.make_experts_or_ref: shapes a kernel rejects fall back to the dequantised reference, with a
     warning, as when loading a checkpoint)."""
-    from kimi.worker.gpu_model import make_experts_or_ref
+    from kimi.backends.experts import make_experts_or_ref
 
     dev = model.embed_tokens.device
     gen = torch.Generator(device=dev)
@@ -68,8 +68,8 @@ def fill_dummy(
     if (
         fp8_block is not None and fp8_dense != "off" and dev.type == "cuda"
     ):  # the dense weights a checkpoint load keeps FP8
+        from kimi.backends.linear import fp8_dense_names, install_fp8
         from kimi.ops.quant import quant_fp8_block
-        from kimi.worker.gpu_model import fp8_dense_names, install_fp8
 
         targets = model._weight_targets()
         names = fp8_dense_names(model, fp8_block, lambda n: n in targets)

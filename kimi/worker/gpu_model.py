@@ -3,9 +3,9 @@
 - Weights on the GPU in the model dtype (bf16), built on the `meta` device first so the stacked bf16 expert
   parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4
   compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
-  through a kimi.ops.moe_backend module (`auto` default, `humming`, `cuda`, `triton`, `ref`) set as
+  through a kimi.backends.experts module (`auto` default, `humming`, `cuda`, `triton`, `ref`) set as
   `MoELayer.experts_impl`. FP8 (K2-Instruct) tensors: the routed experts stay FP8 under the auto and humming backends
-  (kimi.ops.moe_backend.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections
+  (kimi.backends.experts.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections
   (q_a + kv_a, q_b, o_proj, the gate/up/down of the shared experts and layer 0; `fp8_dense_names`) stay FP8 as
   kimi.kernels.triton.linear_fp8.Fp8Linear layers with fp8_dense "triton" or "humming" (FP8_DENSE_CHOICES; default
   "off":
@@ -13,7 +13,7 @@
 - Attention (`GPUMLAAttention`): the same projections as the reference, then the absorbed form for EVERY row,
   decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer paged MLA run per layer
   over the one [num_blocks, bs, 576] cache buffer with a causal plan (a sequence's query rows are the last
-  query_len tokens of its context; kimi.ops.attention_flashinfer), o = o_lat @ W_UV^T (bf16). No per-sequence
+  query_len tokens of its context; kimi.backends.attention.flashinfer), o = o_lat @ W_UV^T (bf16). No per-sequence
   loop. Latent sizes FlashInfer has no kernel for (tiny 64-wide test models) use the float32 references instead
   (`mla_decode_ref` for decode rows, `mla_prefill_ref` per prefill sequence).
 - `GPUKimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
@@ -29,27 +29,28 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi.backends.attention import AttentionPlan
+from kimi.backends.attention.triton_mla import TritonMLADecodeRun, triton_mla_splits
+from kimi.backends.experts import make_experts_or_ref
+from kimi.backends.linear import check_fp8_dense, dense_linear, fp8_dense_names, install_fp8, prologue_config_for
 from kimi.config import ModelConfig
 from kimi.kernels.triton.bmm_small_m import bmm_heads
 from kimi.kernels.triton.linear_fp8 import Fp8Linear
-from kimi.kernels.triton.linear_small_m import linear as _bf16_linear
-from kimi.kernels.triton.linear_small_m import linear_small_m, prologue_config
+from kimi.kernels.triton.linear_small_m import linear_small_m
 from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
 from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
-from kimi.ops.moe_backend import make_experts
 from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
 from kimi.ops.rope import RotaryEmbedding
 from kimi.worker.model import KimiForCausalLM
 
 if TYPE_CHECKING:
-    from kimi.ops.attention_flashinfer import FlashInferMLA
+    from kimi.backends.attention.flashinfer import FlashInferMLA
     from kimi.worker.cuda_graph import CudaGraphRunner
 
 try:  # Triton: the fused GPU kernels (absent on CPU-only installs, where the GPU model is never run)
@@ -60,113 +61,14 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("kimi.worker")
 
 
-def dense_linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x [T, K] @ W^T -> [T, N]: kimi.kernels.triton.linear_small_m.linear for a bf16 weight tensor [N, K], the FP8
-    kernel
-    (kimi.kernels.triton.linear_fp8) for an Fp8Linear (K2-Instruct's dense weights, kept FP8 by load_gpu_model)."""
-    if isinstance(w, Fp8Linear):
-        return w(x)
-    return _bf16_linear(x, w)
-
-
-def _prologue_config(x: torch.Tensor, w, silu_mul: bool = False):
-    """prologue_config for bf16 weights; None (no fused prologue) for an Fp8Linear."""
-    return None if isinstance(w, Fp8Linear) else prologue_config(x, w, silu_mul=silu_mul)
-
-
-__all__ = ["GPUAttnPlan", "GPUKimiForCausalLM", "GPUMLAAttention", "build_gpu_model", "load_gpu_model"]
-
-
-@dataclass
-class GPUAttnPlan:
-    """What GPUMLAAttention needs beyond AttentionMetadata for one step (shared by all layers).
-
-    fi: a planned kimi.ops.attention_flashinfer.FlashInferMLA (FlashInferMLADecode in CUDA graphs) covering EVERY
-    row of the batch in its flat order (decode rows and the causal rows of prefill / chunked-prefill sequences:
-    one run per layer), or None: the torch fallback (no FlashInfer kernel for the latent size), which uses the
-    fallback fields below. slot_mapping: [T] int64 cache slots of every row (padded rows -> slots of the null
-    block 0); all_decode: every row is a decode row of its own sequence, in order.
-    Fallback only: decode_rows: [Bd] int64 rows of decode sequences (mixed batches); decode_seqs: [Bd] int64 their
-    sequence indices; prefill: (first row, last row + 1, sequence index) of each query_len > 1 sequence.
-    """
-
-    fi: object | None
-    slot_mapping: torch.Tensor
-    all_decode: bool
-    decode_rows: torch.Tensor | None = None
-    prefill: list[tuple[int, int, int]] = field(default_factory=list)
-    decode_seqs: torch.Tensor | None = None  # [Bd] sequence indices of decode rows (torch fallback, fi None)
-
-
-class TritonMLADecodeRun:
-    """The `GPUAttnPlan.fi` of a pure decode batch run by kimi.kernels.triton.mla_decode.mla_decode: no host plan, the
-    kernel reads the lengths and tables from device tensors (the CUDA-graph runner's static buffers, or an eager
-    step's AttentionMetadata). Same interface as FlashInferMLA where GPUMLAAttention uses it (num_rows, run).
-
-    seq_lens: [B] int32 / int64 device tensor (>= 1); block_tables: [B, W] int32 / int64 device tensor; scale:
-    softmax scale; num_splits: KV splits per request (host int); config: a MLADecodeConfig or None (default).
-    """
-
-    def __init__(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int, config=None):
-        self.seq_lens = seq_lens
-        self.block_tables = block_tables
-        self.scale = float(scale)
-        self.num_splits = num_splits
-        self.config = config if config is not None else triton_mla_config()
-        self.num_rows = seq_lens.shape[0]
-
-    def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
-        """q_lat [B, H, L], q_pe [B, H, R] -> o_lat [B, H, L] (see mla_decode; ValueError on mismatched shapes)."""
-        from kimi.kernels.triton.mla_decode import mla_decode
-
-        return mla_decode(
-            q_lat,
-            q_pe,
-            kv_cache,
-            self.block_tables,
-            self.seq_lens,
-            self.scale,
-            out=out,
-            num_splits=self.num_splits,
-            config=self.config,
-        )
-
-
-def triton_mla_config():
-    """The launch config of the Triton decode attention: $KIMI_MLA_DECODE_CONFIG as "block_h,block_n,block_dv,
-    num_warps,num_stages" (benchmarks), else kimi.kernels.triton.mla_decode.DEFAULT_CONFIG. Raises ValueError on a
-    malformed variable."""
-    import os
-
-    from kimi.kernels.triton import mla_decode as mdt
-
-    env = os.environ.get("KIMI_MLA_DECODE_CONFIG")
-    if not env:
-        return mdt.DEFAULT_CONFIG
-    try:
-        h, n, dv, w, st = (int(v) for v in env.split(","))
-    except ValueError as e:
-        raise ValueError(f"KIMI_MLA_DECODE_CONFIG={env!r}: want block_h,block_n,block_dv,num_warps,num_stages") from e
-    return mdt.MLADecodeConfig(block_h=h, block_n=n, block_dv=dv, num_warps=w, num_stages=st)
-
-
-def triton_mla_splits(batch: int, num_heads: int, kv_lora_rank: int, device, max_ctx: int | None = None) -> int:
-    """KV splits for mla_decode of `batch` requests (kimi.kernels.triton.mla_decode.choose_num_splits with the
-    default config's programs per split), capped by the longest context max_ctx when given."""
-    from kimi.kernels.triton import mla_decode as mdt
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(idx).multi_processor_count
-    return mdt.choose_num_splits(
-        batch, sms, mdt.programs_per_split(num_heads, kv_lora_rank, triton_mla_config()), max_ctx=max_ctx
-    )
+__all__ = ["GPUKimiForCausalLM", "GPUMLAAttention", "build_gpu_model", "load_gpu_model"]
 
 
 class GPUMLAAttention(MLAAttention):
     """MLAAttention with FlashInfer's absorbed paged MLA for decode and (chunked) prefill rows (instances of
     MLAAttention get this class in build_gpu_model).
 
-    Uses `attn.gpu` (a GPUAttnPlan) when present, else the reference forward. Call `prepare()` once after
+    Uses `attn.plan` (an AttentionPlan) when present, else the reference forward. Call `prepare()` once after
     the weights are loaded (W_UK [H, N, L] and W_UV^T [H, L, V] as contiguous bf16 copies of kv_b_proj).
     """
 
@@ -228,7 +130,7 @@ class GPUMLAAttention(MLAAttention):
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv.float().transpose(1, 2)).transpose(0, 1)  # [Bd, H, V]
 
     def forward(self, hidden, positions, attn: AttentionMetadata, kv_cache, rope):
-        plan: GPUAttnPlan | None = getattr(attn, "gpu", None)
+        plan = attn.plan
         if plan is None:
             return super().forward(hidden, positions, attn, kv_cache, rope)
         T = hidden.shape[0]
@@ -239,7 +141,7 @@ class GPUMLAAttention(MLAAttention):
             assert ql is not None, "prepare merges q_a_proj only with a q_lora_rank"
             qkv_a = dense_linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
             q_a = qkv_a[:, :ql]  # [T, q_lora]
-            cfg = _prologue_config(q_a, self.q_b_proj)
+            cfg = prologue_config_for(q_a, self.q_b_proj)
             if cfg is not None:  # q_a_layernorm fused into the q_b GEMM's x loads
                 q = linear_small_m(q_a, self.q_b_proj, config=cfg, norm_weight=self.q_a_layernorm, eps=LATENT_NORM_EPS)
             else:
@@ -272,8 +174,8 @@ class GPUMLAAttention(MLAAttention):
             q_pe, k_pe = rope(positions, q[..., N:], kv_a[:, L:])  # [T, H, R], [T, R]
             flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
             flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
-        if plan.fi is not None:  # decode + prefill rows: one causal FlashInfer run
-            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.fi), self.o_proj)  # [T, D]
+        if plan.run is not None:  # decode + prefill rows: one causal FlashInfer run
+            return dense_linear(self._absorbed(q_nope, q_pe, kv_cache, plan.run), self.o_proj)  # [T, D]
         if plan.all_decode:
             o = self._decode_ref(q_nope, q_pe, kv_cache, attn, plan)  # [T, H, V] float32
         else:
@@ -315,8 +217,8 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         the torch decode fallback and run without CUDA graphs."""
         return self.cfg.kv_lora_rank == 512 and self.cfg.qk_rope_head_dim == 64
 
-    def plan_eager(self, attn: AttentionMetadata) -> GPUAttnPlan:
-        """Attach a GPUAttnPlan for an unpadded batch (host work, once per step for all layers).
+    def plan_eager(self, attn: AttentionMetadata) -> AttentionPlan:
+        """Attach a AttentionPlan for an unpadded batch (host work, once per step for all layers).
 
         Pure decode with decode_attention "triton" (flashinfer_ok shapes, CUDA tensors): the plan-free Triton kernel
         over attn's device lengths / tables. Else with FlashInfer (flashinfer_ok, CUDA tensors): ONE plan over every
@@ -330,9 +232,9 @@ class GPUKimiForCausalLM(KimiForCausalLM):
                 len(qlens), self.cfg.num_attention_heads, self.cfg.kv_lora_rank, dev, max_ctx=max(attn.seq_lens_cpu)
             )
             run = TritonMLADecodeRun(attn.seq_lens, attn.block_tables, self.cfg.softmax_scale, splits)
-            plan = GPUAttnPlan(run, attn.slot_mapping, True)
+            plan = AttentionPlan(run, attn.slot_mapping, True)
         elif self.flashinfer_ok and attn.slot_mapping.is_cuda:
-            from kimi.ops.attention_flashinfer import FlashInferMLA
+            from kimi.backends.attention.flashinfer import FlashInferMLA
 
             if self.fi_eager is None:
                 self.fi_eager = FlashInferMLA(
@@ -344,24 +246,24 @@ class GPUKimiForCausalLM(KimiForCausalLM):
                     dtype=self.dtype,
                 )
             self.fi_eager.plan_from_metadata(attn, causal=not all_decode)
-            plan = GPUAttnPlan(self.fi_eager, attn.slot_mapping, all_decode)
+            plan = AttentionPlan(self.fi_eager, attn.slot_mapping, all_decode)
         else:
             decode = [b for b, q in enumerate(qlens) if q == 1]
             qsl = [0]
             for q in qlens:
                 qsl.append(qsl[-1] + q)
-            plan = GPUAttnPlan(None, attn.slot_mapping, all_decode)
+            plan = AttentionPlan(None, attn.slot_mapping, all_decode)
             if decode:
                 plan.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=dev)
             if not all_decode:
                 if decode:
                     plan.decode_rows = torch.tensor([qsl[b] for b in decode], dtype=torch.int64, device=dev)
                 plan.prefill = [(qsl[b], qsl[b + 1], b) for b, q in enumerate(qlens) if q != 1]
-        attn.gpu = plan
+        attn.plan = plan
         return plan
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches):
-        if getattr(attn, "gpu", None) is None:
+        if attn.plan is None:
             if self.graphs is not None and self.graphs.can_run(attn):
                 return self.graphs.run(input_ids, positions, attn)
             self.plan_eager(attn)
@@ -499,7 +401,7 @@ def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     if w13 is None:
         return m(x)
     y13 = dense_linear(x, w13)  # [T, 2I]
-    cfg = _prologue_config(y13, m.down_proj, silu_mul=True)
+    cfg = prologue_config_for(y13, m.down_proj, silu_mul=True)
     if cfg is not None:  # SiLU * up fused into the down GEMM's x loads
         return linear_small_m(y13, m.down_proj, config=cfg, silu_mul=True)
     return dense_linear(fused.silu_mul(y13), m.down_proj)
@@ -549,33 +451,6 @@ def _mlp_fused(
     return out, shared
 
 
-def make_experts_or_ref(
-    backend: str, parts, expert_offset: int, num_experts_total: int, dtype, fp8_block: tuple[int, int] = (128, 128)
-) -> nn.Module:
-    """make_experts, falling back to the dequantised reference (with a warning naming the error) when the INT4 or
-    FP8 kernel rejects the shapes (e.g. tiny test models: Triton tiles need D % 128 == 0 and I % 128 == 0)."""
-    if "w13_fp8" in parts:
-        if backend in ("humming", "auto"):
-            try:
-                return make_experts(backend, parts, expert_offset, num_experts_total, dtype, fp8_block)
-            except Exception as e:
-                log.warning(
-                    "FP8 experts on humming failed to set up (%s: %s); dequantised, using ref", type(e).__name__, e
-                )
-        return make_experts("ref", parts, expert_offset, num_experts_total, dtype, fp8_block)
-    if backend != "ref" and "w13_packed" in parts:
-        D, inter = parts["w2_packed"].shape[1], parts["w2_packed"].shape[2] * 8
-        if backend == "triton" and (D % 128 or inter % 128):
-            log.warning("MoE backend triton: D %d / I %d not multiples of 128; using ref", D, inter)
-            backend = "ref"
-        try:
-            return make_experts(backend, parts, expert_offset, num_experts_total, dtype)
-        except Exception as e:
-            log.warning("MoE backend %s failed to set up (%s: %s); using ref", backend, type(e).__name__, e)
-            backend = "ref"
-    return make_experts(backend, parts, expert_offset, num_experts_total, dtype)
-
-
 def _is_expert_param(module: nn.Module, name: str) -> bool:
     return isinstance(module, MoELayer) and name in ("w13", "w2")
 
@@ -622,66 +497,6 @@ def _merge_gate_up(m: DenseMLP) -> None:
     m.gate_proj = nn.Parameter(w[:inter], requires_grad=False)
     m.up_proj = nn.Parameter(w[inter:], requires_grad=False)
     m.w13 = w
-
-
-FP8_DENSE_CHOICES = ("off", "triton", "humming")
-"""`load_gpu_model(fp8_dense=...)` / `kimi serve --fp8-dense`: what happens to K2-Instruct's FP8 dense projections
-on CUDA. "off" (default): dequantised to the model dtype on load (the fastest decode measured: bf16 GEMMs with the
-q_a norm and SiLU*up fused in). "triton": kept FP8 (half their memory, ~8.7 GB less per rank at K2-Instruct's
-shapes) and run by kimi's Triton FP8 kernel (kimi.kernels.triton.linear_fp8), deterministic. "humming": kept FP8 and
-run by
-humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
-GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured: docs/performance.md."""
-
-
-def fp8_dense_names(model: GPUKimiForCausalLM, block: tuple[int, int], is_fp8) -> set[str]:
-    """The canonical names of the dense FP8 weights that can stay FP8 (Fp8Linear), given is_fp8(name) -> bool
-    (whether the checkpoint holds that tensor in FP8): q_b_proj, o_proj, every down_proj; q_a_proj with
-    kv_a_proj_with_mqa (merged into one layer) when both are FP8 and q_lora_rank is a multiple of the block's rows;
-    gate_proj with up_proj (merged) when both are FP8 and the intermediate size is a multiple of the block's rows.
-    kv_b_proj (absorbed into per-head bf16 matrices), the router, embeddings and lm_head are never FP8 here."""
-    bn = block[0]
-    ql = model.cfg.q_lora_rank
-    keep: set[str] = set()
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        keep.update(n for n in (a + "q_b_proj.weight", a + "o_proj.weight") if is_fp8(n))
-        qa, kva = a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"
-        if ql is not None and ql % bn == 0 and is_fp8(qa) and is_fp8(kva):
-            keep.update((qa, kva))
-        mlp = layer.mlp
-        m, pre = (mlp.shared_experts, p + "mlp.shared_experts.") if isinstance(mlp, MoELayer) else (mlp, p + "mlp.")
-        if m is None:
-            continue
-        g, u, d = (pre + f"{n}_proj.weight" for n in ("gate", "up", "down"))
-        if m.gate_proj.shape[0] % bn == 0 and is_fp8(g) and is_fp8(u):
-            keep.update((g, u))
-        if is_fp8(d):
-            keep.add(d)
-    return keep
-
-
-def check_fp8_dense(fp8_dense: str) -> None:
-    """ValueError unless fp8_dense is one of FP8_DENSE_CHOICES."""
-    if fp8_dense not in FP8_DENSE_CHOICES:
-        raise ValueError(f"fp8_dense {fp8_dense!r}: want one of {', '.join(FP8_DENSE_CHOICES)}")
-
-
-def install_fp8(
-    model: GPUKimiForCausalLM, name: str, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> None:
-    """Replace the bf16 parameter of canonical `name` (e.g. model.layers.3.self_attn.o_proj.weight) by an Fp8Linear
-    of w [N, K] float8_e4m3fn and scale_inv (on the parameter's device); the bf16 parameter is freed. Raises
-    ValueError when the shape differs from the parameter's."""
-    owner_path, attr, _ = name.removeprefix("model.").rsplit(".", 2)
-    owner = model.get_submodule(owner_path)
-    old = getattr(owner, attr)
-    if tuple(w.shape) != tuple(old.shape):
-        raise ValueError(f"{name}: got {tuple(w.shape)}, want {tuple(old.shape)}")
-    dev = old.device
-    delattr(owner, attr)
-    setattr(owner, attr, Fp8Linear(w.to(dev), scale_inv.to(dev), block))
 
 
 def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCausalLM:

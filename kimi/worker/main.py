@@ -7,7 +7,7 @@ or (non-zero, after sending `WorkerError`) on any failure, including a gap in st
 
 Many ranks: torch.distributed is initialised from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) with gloo on CPU and nccl on CUDA, and the MoE all-to-all backend is built from
-`--a2a-backend` (kimi/ops/all_to_all.py; default local for one rank, gloo on CPU, nccl on CUDA). Rank r
+`--a2a-backend` (kimi/backends/all_to_all.py; default local for one rank, gloo on CPU, nccl on CUDA). Rank r
 runs DP rank r's requests and owns experts [r*E/N, (r+1)*E/N). A `Heartbeat` thread answers the
 controller's pings while steps run, and ends the process when the controller's pings stop for
 `--controller-timeout` + 5 s even if the main thread is stuck in a collective. Several nodes: run the same
@@ -33,7 +33,7 @@ from kimi.controller.transport import Heartbeat, WorkerTransport
 from kimi.worker.kv_cache import KVCacheSizeError
 
 if TYPE_CHECKING:
-    from kimi.ops.all_to_all import Backend
+    from kimi.backends.all_to_all import Backend
     from kimi.worker.fake import FakeRunner
     from kimi.worker.runner import ModelRunner, StepHandle
 
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--moe-backend",
         default="auto",
         choices=list(MOE_BACKENDS),
-        help="cuda: routed-expert kernels (kimi/ops/moe_backend.py)",
+        help="cuda: routed-expert kernels (kimi/backends/experts/)",
     )
     p.add_argument(
         "--load-format",
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp8-dense",
         default="off",
         choices=["off", "triton", "humming"],
-        help="cuda: FP8 dense projections kept FP8 (kimi.worker.gpu_model.FP8_DENSE_CHOICES)",
+        help="cuda: FP8 dense projections kept FP8 (kimi.backends.linear.FP8_DENSE_CHOICES)",
     )
     return p.parse_args(argv)
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     a2a: Backend | None = None
     runner: FakeRunner | ModelRunner
     try:
-        from kimi.ops.all_to_all import default_backend, init_distributed, make_all_to_all
+        from kimi.backends.all_to_all import default_backend, init_distributed, make_all_to_all
         from kimi.worker.runner import ModelRunner
 
         device = "cpu"

@@ -4,7 +4,7 @@ The runner holds no request policy: it computes exactly the tokens the plan name
 token of every request whose computed tokens reach the end of its known tokens (protocol.py).
 
 Many ranks (DP attention x EP MoE): each rank runs the requests whose `dp_rank` is its rank and the routed
-experts it owns; the MoE all-to-all (kimi/ops/all_to_all.py) is collective, so a rank with nothing to run
+experts it owns; the MoE all-to-all (kimi/backends/all_to_all.py) is collective, so a rank with nothing to run
 still takes part: `_idle_step` runs every MoE layer's dispatch / combine with zero tokens, in layer order,
 exactly as a forward would. Every rank also tracks which rank owns every live request (all plans reach all
 ranks), so all ranks pick the same all-to-all mode for a step (`step_mode`).
@@ -21,9 +21,9 @@ from typing import Any, TypeAlias
 import torch
 
 from kimi import protocol
+from kimi.backends.all_to_all import Backend, step_mode
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
-from kimi.ops.all_to_all import Backend, step_mode
 from kimi.ops.attention import build_attention_metadata
 from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
 from kimi.structured_output.backend import GrammarBackend
@@ -108,7 +108,7 @@ class ModelRunner:
     """Loads this rank's shard and runs steps.
 
     rank / world_size: this worker's DP rank and EP rank (the same under DP attention + EP MoE).
-    a2a: the MoE all-to-all backend (kimi.ops.all_to_all; None = local, world_size 1 only).
+    a2a: the MoE all-to-all backend (kimi.backends.all_to_all; None = local, world_size 1 only).
     ll_max_tokens_per_rank: decode steps with at most this many tokens on every rank use the backend's
     low-latency mode (DeepEP); others use its normal mode.
     Guided decoding (SamplingParams.grammar): `guided` holds this rank's matchers (kimi.structured_output.bitmask):

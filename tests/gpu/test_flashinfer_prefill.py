@@ -1,4 +1,4 @@
-"""Prefill and chunked prefill through FlashInfer's paged MLA kernel (kimi.ops.attention_flashinfer.FlashInferMLA,
+"""Prefill and chunked prefill through FlashInfer's paged MLA kernel (kimi.backends.attention.flashinfer.FlashInferMLA,
 causal plan) on the GPU.
 
 (a) Kernel level: random bf16 q_lat / q_pe and a random bf16 [num_blocks, 64, 576] cache, one plan + one run over a
@@ -114,7 +114,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_flashinfer_mla_causal_prefill(case, H):
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import FlashInferMLA
+    from kimi.backends.attention.flashinfer import FlashInferMLA
 
     qo_lens = [q for q, _ in CASES[case]]
     seq_lens = [s for _, s in CASES[case]]
@@ -155,7 +155,7 @@ def test_flashinfer_mla_replan_and_decode_class(H):
     """One wrapper planned twice in a row without a sync (the pinned staging buffer is reused), and the
     decode subclass (non-causal, the CUDA-graph path) on decode rows equals the causal plan on the same rows."""
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import FlashInferMLA, FlashInferMLADecode
+    from kimi.backends.attention.flashinfer import FlashInferMLA, FlashInferMLADecode
 
     gen = torch.Generator().manual_seed(5 + H)
     qo1, s1 = [40, 1, 200], [100, 77, 200]
@@ -184,7 +184,7 @@ def test_flashinfer_mla_graph_decode_plans():
     planned lengths (a hit: no scheduler run; page ids written into an external kv_indices buffer by the
     caller), a miss (other lengths), and plan_ahead dropped by an intervening plan."""
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import FlashInferMLADecode
+    from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
     H, B, W = 64, 4, 6
     gen = torch.Generator().manual_seed(9)
@@ -231,7 +231,7 @@ def test_flashinfer_mla_graph_decode_plans():
 def test_flashinfer_mla_work_limit():
     """Batches past FlashInfer's fixed work table are refused with ValueError before FlashInfer sees them."""
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import MAX_PLAN_WORKS, FlashInferMLA
+    from kimi.backends.attention.flashinfer import MAX_PLAN_WORKS, FlashInferMLA
 
     mla = FlashInferMLA(64, SCALE)
     assert mla.max_works([2048]) < MAX_PLAN_WORKS

@@ -100,8 +100,8 @@ def test_fused_experts_int4(T, H, I, E, E_total, k, offset):
 
 @pytest.mark.parametrize("B", [8, 64])
 def test_flashinfer_mla_decode(B):
+    from kimi.backends.attention.flashinfer import FlashInferMLADecode
     from kimi.ops.attention import mla_decode_ref
-    from kimi.ops.attention_flashinfer import FlashInferMLADecode
 
     H, L, R, bs, ctx = 64, 512, 64, 64, 2048
     gen = torch.Generator(device="cuda").manual_seed(B)

@@ -273,7 +273,7 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
                 ids = torch.randint(0, 163000, (B,), generator=g).cuda()
                 pos = torch.tensor([s - 1 for s in slens]).cuda()
                 a1 = build_attention_metadata([1] * B, slens, tabs, bs, "cuda")
-                gm.plan_eager(a1)  # attn.gpu set: the forward below runs eagerly
+                gm.plan_eager(a1)  # attn.plan set: the forward below runs eagerly
                 eager = gm(ids, pos, a1, kv).clone()
                 for o in gm.graphs.outputs.values():
                     o.fill_(float("nan"))

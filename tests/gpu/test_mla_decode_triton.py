@@ -156,7 +156,7 @@ def test_cuda_graph_capture_and_replay():
 
 def test_matches_flashinfer():
     try:
-        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+        from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
         m = FlashInferMLADecode(H, SCALE, backend="fa3")
     except Exception as e:

@@ -1,4 +1,4 @@
-"""GPU test of the humming MoE backend (kimi.ops.moe_backend.HummingInt4Experts) at the real Kimi expert shapes
+"""GPU test of the humming MoE backend (kimi.backends.experts.HummingInt4Experts) at the real Kimi expert shapes
 with the schedules it picks there (kimi/kernels/tuning/humming.json entries and humming's heuristic), against the
 dequantised reference backend on the same packed weights.
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("T", [64, 256])
 def test_humming_backend_matches_ref_at_kimi_shapes(T):
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import make_experts
+    from kimi.backends.experts import make_experts
 
     E, D, inter, k, E_total, offset = 48, 7168, 2048, 8, 384, 96
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -36,7 +36,7 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
     wts = torch.rand((T, k), device="cuda", generator=gen)
     y = hum(x, wts, ids).float()
     c1, c2 = hum._configs(hum._m_local(T, k))
-    from kimi.ops.moe_backend import humming_table_config
+    from kimi.backends.experts.humming import humming_table_config
 
     m_local = T * k * E // E_total
     for c, (n, kk) in ((c1, (2 * inter, D)), (c2, (D, inter))):  # the table's entry (if any) is what ran
@@ -64,7 +64,8 @@ def test_humming_fp8_backend_matches_ref(T, E):
     weights on the device take FP8 bytes (at most 1.1x the checkpoint's, humming's bf16 group scales included), and a
     CUDA graph's replay equals the eager call (allclose at the same tolerance: stream-K sums may differ in order)."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingFp8Experts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.fp8 import HummingFp8Experts
     from kimi.worker.dummy_weights import random_fp8_experts
 
     D, inter, k, E_total, offset = 7168, 2048, 8, 384, 96
@@ -117,7 +118,9 @@ def test_fp8_parts_fall_back_to_ref_off_humming():
     """FP8 parts under a backend without an FP8 kernel (triton) are dequantised into RefExperts, and humming
     rejects shapes whose gate / up tiles would straddle (I not a multiple of 128) with a ValueError naming them."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingFp8Experts, RefExperts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.fp8 import HummingFp8Experts
+    from kimi.backends.experts.reference import RefExperts
     from kimi.worker.dummy_weights import random_fp8_experts
 
     gen = torch.Generator(device="cuda").manual_seed(5)

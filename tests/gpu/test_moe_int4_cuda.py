@@ -256,7 +256,7 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
 
 
 def test_cuda_backend_matches_ref_backend():
-    from kimi.ops.moe_backend import make_experts
+    from kimi.backends.experts import make_experts
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     E, D, inter, T, k, E_total, offset = 8, 512, 256, 12, 4, 32, 8
@@ -288,7 +288,8 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
     auto backend (HummingInt4Experts with cuda_decode) runs kimi's GEMM up to cuda_max_pairs expected local pairs and
     humming's above, both matching the reference backend (2e-2 of max |ref|)."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingInt4Experts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
@@ -333,7 +334,8 @@ def test_auto_uses_hummings_gemm_where_humming_re_encodes_the_weights(caplog):
     read: the auto backend then says why (a warning) and runs humming's GEMM at every size, still matching the
     reference backend (2e-2 of max |ref|)."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingInt4Experts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     gen = torch.Generator(device="cuda").manual_seed(13)
     E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
@@ -385,8 +387,8 @@ def test_expert_major_rows_match_the_reference(backend):
     every valid row matches the reference backend on the same rows within 2e-2 of max |ref|, is finite although
     the padding rows hold NaN, as the plain call's rows do (which sum k == 1 pairs of weight 1 and write every row).
     With `auto`, a small expected_pairs runs kimi's GEMM and a large one humming's."""
+    from kimi.backends.experts import make_experts
     from kimi.ops.moe import DispatchResult, run_experts
-    from kimi.ops.moe_backend import make_experts
 
     if backend == "auto":
         pytest.importorskip("humming")

@@ -1,4 +1,4 @@
-"""The measured humming schedule table (kimi.ops.moe_backend.load_humming_table / humming_table_config): the
+"""The measured humming schedule table (kimi.backends.experts.humming.load_humming_table / humming_table_config): the
 shipped file parses, ranges select the right entry, another GPU gets none, $KIMI_HUMMING_TABLE switches or disables it,
 malformed files raise ValueError naming the file."""
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kimi.backends.experts import humming as mb
 from kimi.kernels import tuning
-from kimi.ops import moe_backend as mb
 
 
 def _write(tmp_path, entries, gpu="GPU-A"):
@@ -17,8 +17,10 @@ def _write(tmp_path, entries, gpu="GPU-A"):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache(monkeypatch):
-    monkeypatch.setattr(mb, "_humming_table", None)
+def _fresh_cache():
+    previous = mb.use_humming_table(None)  # each test reads its table afresh
+    yield
+    mb.use_humming_table(previous)
 
 
 def test_shipped_table_parses():
@@ -108,7 +110,7 @@ def test_weight_and_e_local_scope(tmp_path, monkeypatch):
 def test_shipped_fp8_entry_is_scoped():
     """The shipped table's FP8 gate_up entry (measured at EP16) applies to FP8 layers with 24 local experts only; the
     INT4 entries are unchanged for INT4 layers."""
-    mb._humming_table = mb.load_humming_table(tuning.DIR / "humming.json")
+    mb.use_humming_table(mb.load_humming_table(tuning.DIR / "humming.json"))
     h = {"block_shape": [8, 128, 64], "mma_type": "wgmma", "num_ctas_per_sm": 4}
     fp8 = mb.humming_table_config(4096, 7168, 256, "NVIDIA H200", h, "fp8", 24)
     assert fp8["block_shape"] == [16, 256, 64] and fp8["mma_type"] == "mma"

@@ -141,7 +141,8 @@ def _tiny_cfg(**over) -> ModelConfig:
 def test_fp8_dense_names_and_merge(q_lora, moe_inter):
     """Which dense weights stay FP8 (only merges whose non-last part is whole scale tiles), and the prepared model's
     merged layers compute what the separate dequantised weights compute."""
-    from kimi.worker.gpu_model import _finish, build_gpu_model, fp8_dense_names, install_fp8
+    from kimi.backends.linear import fp8_dense_names, install_fp8
+    from kimi.worker.gpu_model import _finish, build_gpu_model
 
     cfg = _tiny_cfg(q_lora_rank=q_lora, moe_intermediate_size=moe_inter)
     model = build_gpu_model(cfg, dtype=torch.float32, device="cpu")
@@ -162,7 +163,8 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
         for n in names
     )
     assert fp8_dense_names(model, (128, 128), lambda n: False) == set()
-    from kimi.worker.gpu_model import check_fp8_dense, load_gpu_model
+    from kimi.backends.linear import check_fp8_dense
+    from kimi.worker.gpu_model import load_gpu_model
 
     for ok in ("off", "triton", "humming"):
         check_fp8_dense(ok)

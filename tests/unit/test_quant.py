@@ -157,7 +157,8 @@ def test_fp8_errors_and_zero_tile() -> None:
 def test_make_experts_dequantises_fp8_parts_without_an_fp8_kernel():
     """FP8 expert parts (K2-Instruct tiles) under backends without an FP8 kernel ("ref", "triton") become RefExperts
     over dequant_fp8_block's weights: the same outputs as RefExperts built from those weights directly."""
-    from kimi.ops.moe_backend import RefExperts, dequant_fp8_parts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.reference import RefExperts, dequant_fp8_parts
     from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
 
     g = torch.Generator().manual_seed(3)

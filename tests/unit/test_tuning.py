@@ -5,12 +5,12 @@ import json
 
 import pytest
 
+from kimi.backends.experts import humming as mb
 from kimi.kernels import tuning
 from kimi.kernels.cuda import moe_w4a16 as mc
 from kimi.kernels.triton import bmm_small_m as bmm
 from kimi.kernels.triton import linear_fp8 as lf
 from kimi.kernels.triton import linear_small_m as lsm
-from kimi.ops import moe_backend as mb
 
 
 def test_every_shipped_table_loads_and_names_its_tuner():

@@ -20,7 +20,7 @@ group.
 
 Layout (`repack`, once at load): the layout humming-kernels' W4A16 GEMM uses for 16-bit inputs, so that with
 `--moe-backend auto` one copy of the experts serves humming's GEMM at prefill sizes and this kernel at decode sizes
-(kimi.ops.moe_backend.HummingInt4Experts). The tables below are this project's description of it, written from the
+(kimi.backends.experts.HummingInt4Experts). The tables below are this project's description of it, written from the
 PTX ISA's mma.m16n8k16 fragment tables; the GPU tests check that `repack` builds what humming's `transform()` builds.
 - weights [E, K/16, 2N] int32 = [E, K/16 k16 steps, N/64 blocks, 32 lanes, 4 words]: in k16 step s and n64 block nb,
   lane L (g = L // 4, t = L % 4) holds word c for the 16 rows 64 nb + 16 c .. + 15 (the MMA's A operand: the weight

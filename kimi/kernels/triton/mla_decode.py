@@ -1,6 +1,6 @@
 """Absorbed-MLA decode over kimi's paged latent cache as a Triton split-KV kernel with NO host-side planning.
 
-Why: FlashInfer's paged MLA (kimi.ops.attention_flashinfer) needs a host `plan()` per decode step (~0.28 ms on
+Why: FlashInfer's paged MLA (kimi.backends.attention.flashinfer) needs a host `plan()` per decode step (~0.28 ms on
 the critical path) and its run time grows with B. This kernel reads seq_lens / block_tables from device
 tensors; its grid depends only on (B, H, num_splits, config), so a decode step can be captured once per batch
 size in a CUDA graph and replayed with new lengths / tables written into the same static buffers.

@@ -20,7 +20,7 @@ touched are known exactly. No communication is timed (single GPU).
 Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches from
 Python; "graph" replays the CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is the next decode
 step of the same B sequences, as in a server: every context length grows by one token per step, so the graph
-runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving. Every timing (eager, each
+runner's plan ahead (GPUKimiForCausalLM.plan_ahead) applies as it would when serving. Every timing (eager, each
 graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at contexts
 CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
 graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
@@ -119,20 +119,6 @@ def _set_attrs(key: str, targets: list[tuple[object, str]], value) -> None:
             setattr(x, a, old)
 
 
-def _set_module_attr(module: str, attr: str, value) -> None:
-    import importlib
-
-    m = importlib.import_module(module)
-    _saved[(module, attr)] = getattr(m, attr)
-    setattr(m, attr, value)
-
-
-def _restore_module_attr(module: str, attr: str) -> None:
-    import importlib
-
-    setattr(importlib.import_module(module), attr, _saved[(module, attr)])
-
-
 def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
     """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2 /
     glu) and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
@@ -190,13 +176,21 @@ def _small_tuned(on: bool) -> None:
         mi.COMBINE_LAUNCH.update(_saved["small"][1])
 
 
-def _module_switch(name: str, what: str, module: str, attr: str, value) -> dict:
-    """One variant that sets module.attr to value while it is captured and timed."""
+def _setter_switch(name: str, what: str, setter: str, value) -> dict:
+    """One variant that calls setter(value) (a function "module:name" returning the previous value) while it is
+    captured and timed, then setter(previous)."""
+
+    def _call(v):
+        import importlib
+
+        module, fn = setter.split(":")
+        return getattr(importlib.import_module(module), fn)(v)
+
     return {
         name: (
             what,
-            lambda m, module=module, attr=attr, value=value: _set_module_attr(module, attr, value),
-            lambda m, module=module, attr=attr: _restore_module_attr(module, attr),
+            lambda m, value=value: _saved.__setitem__(setter, _call(value)),
+            lambda m: _call(_saved[setter]),
         )
     }
 
@@ -228,48 +222,39 @@ AB_VARIANTS = {
         )
         for n in (1, 2, 4, 8, 16)
     },
-    **_module_switch(
-        "prologue_on",
-        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.kernels.triton.linear_small_m.FUSE_PROLOGUE)",
-        "kimi.kernels.triton.linear_small_m",
-        "FUSE_PROLOGUE",
-        True,
+    "prologue_on": (
+        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (GPUKimiForCausalLM.set_fuse_prologue)",
+        lambda m: m.set_fuse_prologue(True),
+        lambda m: m.set_fuse_prologue(False),
     ),
-    **_module_switch(
+    **_setter_switch(
         "pdl_off",
-        "no programmatic dependent launch (kimi.kernels.triton.pdl.ENABLED False)",
-        "kimi.kernels.triton.pdl",
-        "ENABLED",
+        "no programmatic dependent launch (kimi.kernels.triton.pdl.set_enabled(False))",
+        "kimi.kernels.triton.pdl:set_enabled",
         False,
     ),
     **{
         k: v
         for n in (0, 1, 4, 8)
-        for k, v in _module_switch(
+        for k, v in _setter_switch(
             f"pf{n}",
             f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
-            "kimi.kernels.triton.linear_small_m",
-            "PREFETCH_TILES",
+            "kimi.kernels.triton.linear_small_m:set_prefetch_tiles",
             n,
         ).items()
     },
-    **_module_switch(
-        "plan_ahead_off",
-        "FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
-        "kimi.worker.cuda_graph",
-        "PLAN_AHEAD",
-        False,
+    "plan_ahead_off": (
+        "FlashInfer planned before each replay (no plan ahead: GPUKimiForCausalLM.plan_ahead False)",
+        lambda m: _set_attrs("plan_ahead", [(m, "plan_ahead")], False),
+        lambda m: _set_attrs("plan_ahead", [(m, "plan_ahead")], None),
     ),
     **{
-        k: v
+        f"moe_cuda_pdl_{mode}": (
+            f"kimi's CUDA expert GEMMs with PDL mode {mode} (cuda_experts_forward's pdl_mode)",
+            lambda m, mode=mode: _set_attrs("pdl_mode", _cuda_gemm_impls(m, "pdl_mode"), mode),
+            lambda m: _set_attrs("pdl_mode", _cuda_gemm_impls(m, "pdl_mode"), None),
+        )
         for mode in ("early", "late", "off")
-        for k, v in _module_switch(
-            f"moe_cuda_pdl_{mode}",
-            f"kimi's CUDA expert GEMMs with PDL mode {mode} (kimi.kernels.cuda.moe_w4a16.PDL_MODE)",
-            "kimi.kernels.cuda.moe_w4a16",
-            "PDL_MODE",
-            mode,
-        ).items()
     },
     **{
         f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (
@@ -280,21 +265,17 @@ AB_VARIANTS = {
         for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
         for c in MOE_CUDA_CONFIGS
     },
-    **_module_switch(
-        "down_waits_first",
+    "down_waits_first": (
         "kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
-        "(kimi.kernels.cuda.moe_w4a16.EARLY_WEIGHTS_DOWN False)",
-        "kimi.kernels.cuda.moe_w4a16",
-        "EARLY_WEIGHTS_DOWN",
-        False,
+        "(cuda_experts_forward's early_weights False)",
+        lambda m: _set_attrs("early_weights", _cuda_gemm_impls(m, "early_weights"), False),
+        lambda m: _set_attrs("early_weights", _cuda_gemm_impls(m, "early_weights"), None),
     ),
-    **_module_switch(
-        "pads_token0",
+    "pads_token0": (
         "kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling them "
-        "(kimi.kernels.cuda.moe_w4a16.ZERO_PAD_ROWS False)",
-        "kimi.kernels.cuda.moe_w4a16",
-        "ZERO_PAD_ROWS",
-        False,
+        "(cuda_experts_forward's zero_pads False)",
+        lambda m: _set_attrs("zero_pads", _cuda_gemm_impls(m, "zero_pads"), False),
+        lambda m: _set_attrs("zero_pads", _cuda_gemm_impls(m, "zero_pads"), None),
     ),
     "glu_unfused": (
         "kimi's CUDA gate_up GEMM writes its plain outputs and the silu_mul_rows kernel computes SiLU(gate) * up "

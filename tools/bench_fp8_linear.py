@@ -165,8 +165,8 @@ def main() -> int:
                 at = [i % copies for i in range(reps)]
                 for key, sk in (("humming", False), ("humming_streamk", True)) if hum else ():
                     # humming's heuristic schedule without Stream-K (what Fp8Linear runs) and with it (its default)
-                    lf.HUMMING_STREAM_K = sk
                     for h in hum:
+                        h.humming_stream_k = sk
                         h._tuning.clear()
                     try:
                         err = (hum[0](x).float() - ref).abs().max().item()
@@ -176,7 +176,9 @@ def main() -> int:
                             row[f"{key}_GBps"] = row["fp8_bytes"] / row[f"{key}_us"] / 1e3
                     except Exception as e:
                         row[f"{key}_error"] = repr(e)[:300]
-                lf.HUMMING_STREAM_K = False
+                for h in hum:
+                    h.humming_stream_k = False
+                    h._tuning.clear()
                 if M > lf.MAX_M:  # prefill: humming vs dequantise + F.linear
                     row["dequant_us"] = timer.time_calls([lambda q=qs[j], x=x: lf.fp8_linear_ref(x, *q) for j in at_r])
                     results.append(row)

@@ -39,9 +39,15 @@ def dense_linear(x: torch.Tensor, w) -> torch.Tensor:
     return _bf16_linear(x, w)
 
 
-def prologue_config_for(x: torch.Tensor, w, silu_mul: bool = False):
-    """prologue_config for bf16 weights; None (no fused prologue) for an Fp8Linear."""
-    return None if isinstance(w, Fp8Linear) else prologue_config(x, w, silu_mul=silu_mul)
+def prologue_config_for(x: torch.Tensor, w, silu_mul: bool = False, fuse: bool = False):
+    """The config to run the GEMM x @ w^T with its prologue (the q_a RMSNorm, or SiLU * up with silu_mul) fused into
+    its loads (kimi.kernels.triton.linear_small_m.prologue_config), or None: run the prologue kernel, then the GEMM.
+    None unless `fuse` (off by default: in the K2.6 decode step on an H200 the fused q_b / shared-down GEMMs cost more
+    than the norm and SiLU kernels they replace, 4.92 -> 5.96 ms of eager GEMM time per step at 8 local sequences;
+    docs/performance.md, Tried and not kept) and always for an Fp8Linear."""
+    if not fuse or isinstance(w, Fp8Linear):
+        return None
+    return prologue_config(x, w, silu_mul=silu_mul)
 
 
 FP8_DENSE_CHOICES = ("off", "triton", "humming")
@@ -49,8 +55,7 @@ FP8_DENSE_CHOICES = ("off", "triton", "humming")
 on CUDA. "off" (default): dequantised to the model dtype on load (the fastest decode measured: bf16 GEMMs with the
 q_a norm and SiLU*up fused in). "triton": kept FP8 (half their memory, ~8.7 GB less per rank at K2-Instruct's
 shapes) and run by kimi's Triton FP8 kernel (kimi.kernels.triton.linear_fp8), deterministic. "humming": kept FP8 and
-run by
-humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
+run by humming-kernels' dense W8A16 GEMM where N and K are whole scale tiles (faster prefill GEMMs, slower small decode
 GEMMs; Stream-K off, so deterministic), else by kimi's kernel. Measured: docs/performance.md."""
 
 

@@ -19,7 +19,7 @@ Attention, by the model's `decode_attention`:
   positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
   then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
 - "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
-  `use_cuda_graph=True` wrapper whose index buffers the graph captured. With PLAN_AHEAD, `run_host` also plans
+  `use_cuda_graph=True` wrapper whose index buffers the graph captured. With plan_ahead, `run_host` also plans
   the bucket's next step (same batch, every length + 1) right after launching the replay, while the GPU works;
   when the next step is that one, only its page ids are copied before the replay (FlashInferMLA.plan_ahead).
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -56,10 +55,6 @@ _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # torch.profiler run in the same process; docs/performance.md), so one graph is the default.
 LAYERS_PER_GRAPH = 0
 
-# Plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same batch
-# one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips FlashInfer's host
-# scheduler before its replay. $KIMI_PLAN_AHEAD=0 turns it off (CudaGraphRunner.plan_ahead per runner).
-PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
 
 # run_host copies its staging buffer's used prefix rounded up to a multiple of this many int64 words
 _COPY_ROUND = 256
@@ -97,7 +92,8 @@ class CudaGraphRunner:
     replayed batch may have (the buckets' FlashInfer wrappers share one kv_indices buffer of max_batch * this many
     pages);
     buckets: capture only these sizes (default bucket_sizes(max_batch)); layers_per_graph: layers per graph
-    segment (None or <= 0: one graph for the whole forward).
+    segment (None or <= 0: one graph for the whole forward); plan_ahead: plan FlashInfer's next decode step while a
+    replay runs (`run_host`; FlashInfer attention only).
     """
 
     # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows (for
@@ -114,6 +110,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
         layers_per_graph: int | None = LAYERS_PER_GRAPH,
+        plan_ahead: bool = True,
     ):
         from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
@@ -192,7 +189,10 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: _POOL_HANDLE | None = None
         self.num_replays = 0
-        self.plan_ahead = PLAN_AHEAD and not self.triton_attn
+        # plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same
+        # batch one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips
+        # FlashInfer's host scheduler before its replay
+        self.plan_ahead = plan_ahead and not self.triton_attn
         self._ahead_failed = False  # a plan-ahead error was logged (once)
         # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
         self.host_marks = (0.0,) * len(HOST_MARKS)

@@ -73,6 +73,7 @@ class GPUMLAAttention(MLAAttention):
     """
 
     w_qkv_a: torch.Tensor | Fp8Linear  # set by `prepare` when the two projections merge
+    fuse_prologue = False  # q_a_layernorm fused into the q_b GEMM (kimi.backends.linear.prologue_config_for)
 
     def prepare(self) -> None:
         """Also merges q_a_proj and kv_a_proj_with_mqa into one [q_lora + L + R, D] weight `w_qkv_a` (the two
@@ -141,7 +142,7 @@ class GPUMLAAttention(MLAAttention):
             assert ql is not None, "prepare merges q_a_proj only with a q_lora_rank"
             qkv_a = dense_linear(hidden, w_qkv_a)  # [T, q_lora + L + R]
             q_a = qkv_a[:, :ql]  # [T, q_lora]
-            cfg = prologue_config_for(q_a, self.q_b_proj)
+            cfg = prologue_config_for(q_a, self.q_b_proj, fuse=self.fuse_prologue)
             if cfg is not None:  # q_a_layernorm fused into the q_b GEMM's x loads
                 q = linear_small_m(q_a, self.q_b_proj, config=cfg, norm_weight=self.q_a_layernorm, eps=LATENT_NORM_EPS)
             else:
@@ -203,7 +204,21 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     overlap_shared = (
         True  # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
     )
+    # GEMM prologues: the q_a norm / SiLU * up fused into the following GEMM's loads (kimi.backends.linear.
+    # prologue_config_for; off, the measured-faster choice). Set it with set_fuse_prologue (the attention layers too)
+    fuse_prologue = False
+    # plan FlashInfer's next decode step during a replay (kimi.worker.cuda_graph.CudaGraphRunner's plan_ahead); read
+    # when the graphs are captured
+    plan_ahead = True
     _side = None
+
+    def set_fuse_prologue(self, flag: bool) -> None:
+        """Turn the fused GEMM prologues on or off in this model's layers (benchmarks A/B them)."""
+        self.fuse_prologue = bool(flag)
+        for layer in self.layers:
+            attn = layer.self_attn
+            assert isinstance(attn, GPUMLAAttention), "build_gpu_model made every MLAAttention a GPUMLAAttention"
+            attn.fuse_prologue = bool(flag)
 
     def _side_stream(self):
         """The side CUDA stream for the shared expert (created on first use; None off CUDA)."""
@@ -348,7 +363,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             layer = self.layers[i]
             a = layer.self_attn(x, positions, attn, kv_caches[i], self.rope)  # [T, D]
             h, x = fused.add_rms_norm(h, a, None, layer.post_attention_layernorm, eps)
-            d1, d2 = _mlp_fused(layer.mlp, x, side, row_valid)
+            d1, d2 = _mlp_fused(layer.mlp, x, side, row_valid, self.fuse_prologue)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             h, x = fused.add_rms_norm(h, d1, d2, nxt, eps)
         return h, x
@@ -383,6 +398,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
             max_batch,
             max_blocks_per_seq,
             layers_per_graph=LAYERS_PER_GRAPH if layers_per_graph is None else layers_per_graph,
+            plan_ahead=self.plan_ahead,
         )
         runner.capture()
         self.graphs = runner
@@ -394,21 +410,26 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         )
 
 
-def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor) -> torch.Tensor:
-    """DenseMLP.forward with the merged gate/up weight `w13` (set by _finish) and SiLU * up fused into the down
-    GEMM where kimi.kernels.triton.linear_small_m.prologue_config allows (else the fused.silu_mul kernel)."""
+def _dense_mlp_fused(m: DenseMLP, x: torch.Tensor, fuse_prologue: bool = False) -> torch.Tensor:
+    """DenseMLP.forward with the merged gate/up weight `w13` (set by _finish) and, with fuse_prologue, SiLU * up
+    fused into the down GEMM where kimi.backends.linear.prologue_config_for allows (else the fused.silu_mul
+    kernel)."""
     w13 = getattr(m, "w13", None)
     if w13 is None:
         return m(x)
     y13 = dense_linear(x, w13)  # [T, 2I]
-    cfg = prologue_config_for(y13, m.down_proj, silu_mul=True)
+    cfg = prologue_config_for(y13, m.down_proj, silu_mul=True, fuse=fuse_prologue)
     if cfg is not None:  # SiLU * up fused into the down GEMM's x loads
         return linear_small_m(y13, m.down_proj, config=cfg, silu_mul=True)
     return dense_linear(fused.silu_mul(y13), m.down_proj)
 
 
 def _mlp_fused(
-    mlp: MoELayer | DenseMLP, x: torch.Tensor, side=None, row_valid: torch.Tensor | None = None
+    mlp: MoELayer | DenseMLP,
+    x: torch.Tensor,
+    side=None,
+    row_valid: torch.Tensor | None = None,
+    fuse_prologue: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
     adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
@@ -422,9 +443,9 @@ def _mlp_fused(
     stream's reads were enqueued.
 
     row_valid: see GPUKimiForCausalLM.layers_fused (rows where it is 0 are routed to no expert; their routed output
-    is 0)."""
+    is 0). fuse_prologue: see _dense_mlp_fused."""
     if not isinstance(mlp, MoELayer):
-        return _dense_mlp_fused(mlp, x), None
+        return _dense_mlp_fused(mlp, x, fuse_prologue), None
     a2a = mlp.a2a
     if a2a is None:
         if mlp.ep_size != 1:
@@ -437,7 +458,7 @@ def _mlp_fused(
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            shared = _dense_mlp_fused(mlp.shared_experts, x)
+            shared = _dense_mlp_fused(mlp.shared_experts, x, fuse_prologue)
     topk_weights, topk_ids = fused.router_topk(
         x, mlp.gate, mlp.e_score_correction_bias, mlp.top_k, mlp.routed_scaling_factor, mlp.norm_topk_prob, row_valid
     )
@@ -447,7 +468,7 @@ def _mlp_fused(
     if shared is not None:
         main.wait_stream(side)
     elif mlp.shared_experts is not None:
-        shared = _dense_mlp_fused(mlp.shared_experts, x)
+        shared = _dense_mlp_fused(mlp.shared_experts, x, fuse_prologue)
     return out, shared
 
 

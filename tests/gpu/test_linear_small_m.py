@@ -260,12 +260,11 @@ def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
         y = lsm.linear(o, w_o)
         return fused.add_rms_norm(x, y, None, w_n1, 1e-6)
 
-    saved = pdl.ENABLED
+    saved = pdl.set_enabled(False)
     try:
-        pdl.ENABLED = False
         xs = [rnd(M, D) for _ in range(3)]
         refs = [chain(x) for x in xs]
-        pdl.ENABLED = True
+        pdl.set_enabled(True)
         static_x = xs[0].clone()
         chain(static_x)  # warm-up: compile the PDL variants, counter buffer outside capture
         torch.cuda.synchronize()
@@ -284,4 +283,4 @@ def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
             hn, yn = chain(x)
             assert torch.equal(hn, rh) and torch.equal(yn, ry)
     finally:
-        pdl.ENABLED = saved
+        pdl.set_enabled(saved)

@@ -167,15 +167,11 @@ _ALIGN = textwrap.dedent("""
         # the grid path: several programs (256 pairs each), moe_align's exact output and order
         s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, None, grid=True)
         assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn) and torch.equal(s, rs), (T, bm, "grid")
-    # dispatch: from ALIGN_GRID_MIN_P pairs on, the grid path (exact order)
-    fused.ALIGN_GRID_MIN_P, saved = 512, fused.ALIGN_GRID_MIN_P
-    try:
-        ids = torch.rand(70, 32).topk(8, 1).indices.to(torch.int64)  # 560 pairs, 3 programs
-        s, be, npd, mb = fused.moe_align_fused(ids, 12, 8, 16)
-        rs, rbe, rn, rmb = moe_align(ids, 12, 8, 16)
-        assert torch.equal(s, rs) and torch.equal(be, rbe) and torch.equal(npd, rn)
-    finally:
-        fused.ALIGN_GRID_MIN_P = saved
+    # dispatch: from grid_min_p (ALIGN_GRID_MIN_P) pairs on, the grid path (exact order)
+    ids = torch.rand(70, 32).topk(8, 1).indices.to(torch.int64)  # 560 pairs, 3 programs
+    s, be, npd, mb = fused._moe_align(ids, 12, 8, 16, None, grid_min_p=512)
+    rs, rbe, rn, rmb = moe_align(ids, 12, 8, 16)
+    assert torch.equal(s, rs) and torch.equal(be, rbe) and torch.equal(npd, rn)
     # dispatch: P above the threshold takes the two-kernel path, still correct
     T = fused.ALIGN_ONE_PROGRAM_MAX_P // 8 + 3
     ids = torch.rand(T, 32).topk(8, 1).indices.to(torch.int64)

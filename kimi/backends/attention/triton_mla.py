@@ -43,21 +43,11 @@ class TritonMLADecodeRun:
 
 
 def triton_mla_config():
-    """The launch config of the Triton decode attention: $KIMI_MLA_DECODE_CONFIG as "block_h,block_n,block_dv,
-    num_warps,num_stages" (benchmarks), else kimi.kernels.triton.mla_decode.DEFAULT_CONFIG. Raises ValueError on a
-    malformed variable."""
-    import os
-
+    """The launch config of the Triton decode attention: kimi.kernels.triton.mla_decode.DEFAULT_CONFIG (the fastest
+    measured, tools/bench_mla.py); a TritonMLADecodeRun takes another as its `config`."""
     from kimi.kernels.triton import mla_decode as mdt
 
-    env = os.environ.get("KIMI_MLA_DECODE_CONFIG")
-    if not env:
-        return mdt.DEFAULT_CONFIG
-    try:
-        h, n, dv, w, st = (int(v) for v in env.split(","))
-    except ValueError as e:
-        raise ValueError(f"KIMI_MLA_DECODE_CONFIG={env!r}: want block_h,block_n,block_dv,num_warps,num_stages") from e
-    return mdt.MLADecodeConfig(block_h=h, block_n=n, block_dv=dv, num_warps=w, num_stages=st)
+    return mdt.DEFAULT_CONFIG
 
 
 def triton_mla_splits(batch: int, num_heads: int, kv_lora_rank: int, device, max_ctx: int | None = None) -> int:

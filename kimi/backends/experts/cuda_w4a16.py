@@ -57,6 +57,8 @@ class CudaInt4Experts(nn.Module):
         self.config13: tuple[int, int, int] | None = None
         self.config2: tuple[int, int, int] | None = None
         self.glu = True
+        # the GEMMs' launch variants (cuda_experts_forward; the measured-faster defaults, benchmarks A/B the others)
+        self.pdl_mode, self.early_weights, self.zero_pads = "early", True, True
         self.glu_group = mc.GLU_GROUP  # w13's rows in glu_interleave's order (config_for above: I % 32 == 0)
         w13, s13 = mc.repack(*mc.glu_interleave(w13_packed, w13_scale))
         w2, s2 = mc.repack(w2_packed, w2_scale)
@@ -99,6 +101,9 @@ class CudaInt4Experts(nn.Module):
             self.glu,
             expert_major=expert_major,
             max_pairs=max_pairs,
+            pdl_mode=self.pdl_mode,
+            early_weights=self.early_weights,
+            zero_pads=self.zero_pads,
         )
 
 
@@ -120,6 +125,9 @@ def cuda_experts_forward(
     fuse_glu: bool = True,
     expert_major: bool = False,
     max_pairs: int | None = None,
+    pdl_mode: str = "early",
+    early_weights: bool = True,
+    zero_pads: bool = True,
 ) -> torch.Tensor:
     """The routed experts through kimi's CUDA GEMM (kimi.kernels.cuda.moe_w4a16.indexed_gemm): align in 16-row blocks
     (kimi.kernels.triton.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows
@@ -131,7 +139,9 @@ def cuda_experts_forward(
     stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel).
     Returns [T, D] (rows without a local pair are 0). expert_major / max_pairs: as kimi.ops.moe.DispatchResult
     (with expert_major and k == 1 the down GEMM's output is returned: weights not applied, rows without a local
-    expert unset; max_pairs bounds the local pairs, sizing the align and the GEMM grids)."""
+    expert unset; max_pairs bounds the local pairs, sizing the align and the GEMM grids). pdl_mode / zero_pads: both
+    GEMMs' (kimi.kernels.cuda.moe_w4a16.indexed_gemm); early_weights: the down GEMM's (its align is two kernels
+    back). CUDA graphs keep the values of their capture."""
     from kimi.kernels.cuda import moe_w4a16 as mc
     from kimi.kernels.triton.fused import moe_align_fused, silu_mul_rows
     from kimi.kernels.triton.moe_w4a16 import combine_into
@@ -147,17 +157,51 @@ def cuda_experts_forward(
     if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
         act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
         mc.indexed_gemm(
-            x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config=config13, glu=True
+            x.contiguous(),
+            w13,
+            s13,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            k,
+            act,
+            config=config13,
+            glu=True,
+            zero_pads=zero_pads,
+            pdl_mode=pdl_mode,
         )
     else:
         y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config=config13)
+        mc.indexed_gemm(
+            x.contiguous(),
+            w13,
+            s13,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            k,
+            y1,
+            config=config13,
+            zero_pads=zero_pads,
+            pdl_mode=pdl_mode,
+        )
         act = silu_mul_rows(y1, sorted_ids, num_padded, inter, interleave=glu_group)  # [P, I], listed rows only
     y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
     # the align is two kernels back (gate_up, or gate_up + silu_mul_rows, each waiting before it releases): the down
     # GEMM may start loading its weights before it waits
     mc.indexed_gemm(
-        act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config=config2, early_weights=mc.EARLY_WEIGHTS_DOWN
+        act,
+        w2,
+        s2,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        1,
+        y2,
+        config=config2,
+        early_weights=early_weights,
+        zero_pads=zero_pads,
+        pdl_mode=pdl_mode,
     )
     if expert_major and k == 1:  # rows = pairs, weights applied by the combine, unset rows never read
         return y2

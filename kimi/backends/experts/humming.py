@@ -246,6 +246,8 @@ class HummingInt4Experts(HummingExperts):
             w13_packed, w13_scale = mc.glu_interleave(w13_packed, w13_scale)
             self.glu_group = mc.GLU_GROUP
         self.cuda_glu = True
+        # kimi's GEMMs' launch variants (cuda_experts_forward; the measured-faster defaults, benchmarks A/B the others)
+        self.cuda_pdl_mode, self.cuda_early_weights, self.cuda_zero_pads = "early", True, True
         wcfg = dict(
             quant_method="compressed-tensors",
             format="pack-quantized",
@@ -369,5 +371,8 @@ class HummingInt4Experts(HummingExperts):
                 self.cuda_glu,
                 expert_major=expert_major,
                 max_pairs=max_pairs,
+                pdl_mode=self.cuda_pdl_mode,
+                early_weights=self.cuda_early_weights,
+                zero_pads=self.cuda_zero_pads,
             )
         return super().forward(x, topk_weights, topk_ids, expert_major, max_pairs, m_local)

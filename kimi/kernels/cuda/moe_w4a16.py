@@ -55,8 +55,6 @@ kimi/kernels/cuda/csrc/moe_w4a16_binding.cpp, sm_90a) and cached under $KIMI_CSR
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kimi.kernels import tuning
@@ -95,19 +93,6 @@ CONFIGS = (
     (8, 2, 2),
 )
 DEFAULT_CONFIG = (4, 4, 4)
-# Programmatic dependent launch of the GEMM when kimi.kernels.triton.pdl.enabled: "early" lets the next kernel launch
-# right
-# after this one's wait, "late" after its main loop, "off" never (tools/bench_decode.py A/Bs them).
-PDL_MODE = os.environ.get("KIMI_MOE_CUDA_PDL", "early")
-# The down GEMM's CTAs read their block's expert and start loading their first S - 1 chunks of weights before they
-# wait for the gate_up GEMM ahead (indexed_gemm's early_weights; cuda_experts_forward). Read at each call; CUDA graphs
-# keep the value of their capture (tools/bench_decode.py A/Bs it).
-EARLY_WEIGHTS_DOWN = os.environ.get("KIMI_MOE_CUDA_EARLY_WEIGHTS", "1") != "0"
-# The pad rows of an align block (ids past the pairs) get zeros as their inputs (cp.async's zero fill: no read)
-# instead of token 0's row: their MMA columns are never stored either way, and zero operands toggle fewer bits in the
-# tensor cores of a step that runs at the power cap. Read at each call; CUDA graphs keep the value of their capture
-# (tools/bench_decode.py A/Bs it as `pads_token0`).
-ZERO_PAD_ROWS = os.environ.get("KIMI_MOE_CUDA_ZERO_PADS", "1") != "0"
 
 
 # Measured picks, GEMM [N, K] -> ((m_max, config), ...): the first entry whose m_max (None: no bound) is at least the
@@ -259,32 +244,28 @@ def indexed_gemm(
     pdl: str | None = None,
     glu: bool = False,
     early_weights: bool = False,
-    zero_pads: bool | None = None,
+    zero_pads: bool = True,
+    pdl_mode: str = "early",
 ) -> torch.Tensor:
     """out[r] = W_{block_expert[r's block]} @ x[r // top_k] for every listed row r (module docstring).
 
     x: [R, K] bf16, unit last-dim stride; weights / scales: from `repack` ([E, K/16, 2N] int32, [E, K/32, N] bf16,
-    contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped in
-    blocks of 16 rows of one expert (`kimi.kernels.triton.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are
-    pads);
-    block_expert: [cap / 16] int32; num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out: [P, N] bf16
-    (rows not listed are left as
-    they are). glu: the weights' rows are in `glu_interleave`'s order (group GLU_GROUP) and out is [P, N/2]:
-    out[r, 32 j + i] = silu(y[64 j + i]) * y[64 j + 32 + i] of the GEMM's y = W x (y and the SiLU rounded to bf16
-    first, as `kimi.kernels.triton.fused.silu_mul_rows` rounds). config: (NT, KW, S) of CONFIGS (default:
-    `config_for(N, K)`,
-    TABLE's pick for the smallest steps).
-    pdl: "early",
-    "late" or "off" (default PDL_MODE where kimi.kernels.triton.pdl.enabled, else "off"). early_weights: the caller
-    guarantees that
-    the align which wrote sorted_ids / block_expert / num_padded is not the kernel directly ahead on the stream and that
+    contiguous; humming-kernels' transformed INT4 tensors have this layout); sorted_ids: [cap] int32 pair ids grouped
+    in blocks of 16 rows of one expert (`kimi.kernels.triton.fused.moe_align_fused(..., 16)`; ids >= out.shape[0] are
+    pads); block_expert: [cap / 16] int32; num_padded: [1] int32 (blocks past num_padded / 16 do nothing); out:
+    [P, N] bf16 (rows not listed are left as they are). glu: the weights' rows are in `glu_interleave`'s order (group
+    GLU_GROUP) and out is [P, N/2]: out[r, 32 j + i] = silu(y[64 j + i]) * y[64 j + 32 + i] of the GEMM's y = W x (y
+    and the SiLU rounded to bf16 first, as `kimi.kernels.triton.fused.silu_mul_rows` rounds). config: (NT, KW, S) of
+    CONFIGS (default: `config_for(N, K)`, TABLE's pick for the smallest steps).
+    pdl: "early" (the next kernel may launch right after this one's wait), "late" (after its main loop) or "off";
+    default: pdl_mode where kimi.kernels.triton.pdl.enabled, else "off". early_weights: the caller guarantees that the
+    align which wrote sorted_ids / block_expert / num_padded is not the kernel directly ahead on the stream and that
     every kernel between the two waits for its own predecessor before letting the next one launch
-    (kimi.kernels.triton.pdl's
-    contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel starts. Each CTA then reads
-    its block's expert and issues its first S - 1 chunks of weights and scales before its griddepcontrol.wait, and an
-    empty block exits without waiting; the outputs are the same. zero_pads (default ZERO_PAD_ROWS): the pad rows'
-    inputs are zeros (no read) instead of token 0's row; the outputs are the same. No host synchronisation:
-    graph-capturable.
+    (kimi.kernels.triton.pdl's contract; the gate_up GEMM, silu_mul_rows), so the align is complete when this kernel
+    starts. Each CTA then reads its block's expert and issues its first S - 1 chunks of weights and scales before its
+    griddepcontrol.wait, and an empty block exits without waiting; the outputs are the same. zero_pads: the pad rows'
+    inputs are zeros (cp.async's zero fill, no read) instead of token 0's row; the outputs are the same (zero operands
+    toggle fewer bits in the tensor cores of a step at the power cap). No host synchronisation: graph-capturable.
     Raises ValueError for mismatched shapes / dtypes, a config that cannot run the shape, more than 65535 blocks;
     RuntimeError (from the extension) for tensors on another device.
     """
@@ -322,7 +303,7 @@ def indexed_gemm(
     if pdl is None:
         from kimi.kernels.triton.pdl import enabled
 
-        pdl = PDL_MODE if enabled(x.device) else "off"
+        pdl = pdl_mode if enabled(x.device) else "off"
     modes = {"off": 0, "early": 1, "late": 2}
     if pdl not in modes:
         raise ValueError(f"indexed_gemm: pdl {pdl!r} not one of {', '.join(modes)}")
@@ -341,6 +322,6 @@ def indexed_gemm(
         modes[pdl],
         bool(glu),
         bool(early_weights),
-        bool(ZERO_PAD_ROWS if zero_pads is None else zero_pads),
+        bool(zero_pads),
     )
     return out

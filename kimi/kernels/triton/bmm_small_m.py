@@ -18,15 +18,14 @@ Algorithm (written for this project): program (h, pid_n) owns head h and output 
 w are clamped to the last valid row (loaded, never stored); K is masked when K % BLOCK_K != 0.
 
 Dispatch (`bmm_heads`): the Triton kernel where tools/bench_bmm.py measured it faster than the torch path (the
-table kimi/kernels/tuning/bmm_small_m.json, or the file named by $KIMI_BMM_SMALL_M_TABLE; the format of
-kimi.kernels.triton.linear_small_m.load_table, keyed by (M bucket, N, K); used only on the GPU it was measured on), else
-torch.bmm plus the copies. $KIMI_BMM_SMALL_M=0 disables the Triton path. CUDA graphs: no host sync, no
+table kimi/kernels/tuning/bmm_small_m.json, or the file named by $KIMI_BMM_SMALL_M_TABLE, keyed by (M bucket, N, K);
+used only on the GPU it was measured on), else torch.bmm plus the copies; $KIMI_BMM_SMALL_M_TABLE=off gives the torch
+path everywhere. CUDA graphs: no host sync, no
 allocation besides the output (caching allocator).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import asdict, dataclass
 
@@ -220,7 +219,6 @@ def bmm_heads_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
 _table_lock = threading.Lock()
 _table: dict | None = None
 _gpu_ok: dict[int, bool] = {}
-_ENABLED = os.environ.get("KIMI_BMM_SMALL_M", "1") != "0"
 
 
 def _get_table() -> dict:
@@ -252,7 +250,6 @@ def bmm_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     `bmm_heads_ref`. Errors: torch.bmm's."""
     if (
         HAS_TRITON
-        and _ENABLED
         and x.is_cuda
         and x.dim() == 3
         and w.dim() == 3

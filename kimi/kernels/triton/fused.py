@@ -1205,9 +1205,10 @@ def _moe_align(
     one_program: bool | None,
     grid: bool | None = None,
     max_pairs: int | None = None,
+    grid_min_p: int | None = None,
 ):
     """moe_align_fused with the path forced (grid True: the grid path; else one_program True / False; None for both:
-    by T*k). Tests and the benchmark."""
+    by T*k, the grid path from grid_min_p pairs on, default ALIGN_GRID_MIN_P). Tests and the benchmark."""
     P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m, max_pairs)
     E = num_local_experts
     dev = topk_ids.device
@@ -1217,7 +1218,7 @@ def _moe_align(
     num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
     BLOCK_E = triton.next_power_of_2(E + 1)
     BLOCK_B = max(16, min(128, 8192 // BLOCK_E))
-    if grid or (grid is None and one_program is None and P >= ALIGN_GRID_MIN_P):
+    if grid or (grid is None and one_program is None and (ALIGN_GRID_MIN_P if grid_min_p is None else grid_min_p) <= P):
         BLOCK = ALIGN_GRID_BLOCK
         G = max(1, triton.cdiv(P, BLOCK))
         part = torch.empty((G, BLOCK_E), dtype=torch.int32, device=dev)  # partial histograms, then bases

@@ -66,10 +66,6 @@ __all__ = [
 
 MAX_M = 64
 PREFETCH_TILES = 2  # W tiles per program prefetched into L2 before the PDL wait
-# humming's heuristic schedules for dense FP8 layers, with Stream-K turned off (HUMMING_STREAM_K False): its Stream-K
-# fix-up made a CUDA-graph replay differ from the eager call in the last bit (tests/gpu/test_linear_fp8.py), i.e. the
-# result depended on timing; without it every output element is one program's fixed-order sum.
-HUMMING_STREAM_K = os.environ.get("KIMI_HUMMING_DENSE_STREAM_K", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -449,6 +445,10 @@ class Fp8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.hl: Any = None  # a humming-kernels HummingLayer once `to_humming` succeeded
         self._tuning: dict[int, dict] = {}
+        # humming's heuristic schedules run with Stream-K off: its fix-up made a CUDA-graph replay differ from the eager
+        # call in the last bit (tests/gpu/test_linear_fp8.py), i.e. the result depended on timing; without it every
+        # output element is one program's fixed-order sum. True: humming's own choice (benchmarks compare the two).
+        self.humming_stream_k = False
 
     @property
     def shape(self) -> torch.Size:
@@ -497,7 +497,7 @@ class Fp8Linear(nn.Module):
         return True
 
     def _humming_tuning(self, M: int) -> dict:
-        """humming's heuristic schedule for M rows (the next power of two; Stream-K off unless HUMMING_STREAM_K),
+        """humming's heuristic schedule for M rows (the next power of two; Stream-K off unless humming_stream_k),
         cached: no host heuristics per call."""
         b = 1 << max(0, M - 1).bit_length()
         cfg = self._tuning.get(b)
@@ -505,7 +505,7 @@ class Fp8Linear(nn.Module):
             from humming.tune import get_heuristics_config
 
             cfg = get_heuristics_config(self.hl.humming_config, shape_m=b, gemm_type="dense")
-            if not HUMMING_STREAM_K and cfg.get("use_stream_k"):
+            if not self.humming_stream_k and cfg.get("use_stream_k"):
                 cfg = {**cfg, "use_stream_k": False}
             self._tuning[b] = cfg
         return cfg

@@ -48,8 +48,9 @@ Config choice: `linear()` uses Triton only for (M bucket, N, K) entries of a tab
 tools/bench_gemm.py, where the best Triton config beat F.linear. The table is read once from
 kimi/kernels/tuning/linear_small_m.json (or the file named by $KIMI_LINEAR_SMALL_M_TABLE) and only used when the
 current GPU's name equals the one the table was measured on; otherwise (or without Triton, or on CPU, or
-for M > 64, other dtypes, non-contiguous W, ...) `linear()` is `F.linear`. $KIMI_LINEAR_SMALL_M=0 disables
-the Triton path. Tables are keyed by bucket: M=1 -> 1, 2..8 -> 8, 9..16 -> 16, 17..32 -> 32, 33..64 -> 64.
+for M > 64, other dtypes, non-contiguous W, ...) `linear()` is `F.linear`; $KIMI_LINEAR_SMALL_M_TABLE=off (no
+table) gives F.linear everywhere. Tables are keyed by bucket: M=1 -> 1, 2..8 -> 8, 9..16 -> 16, 17..32 -> 32,
+33..64 -> 64.
 (Two q_b entries were added by hand, see the table's "notes".)
 
 PDL (kimi/kernels/triton/pdl.py, Hopper): the kernels are launched with programmatic dependent launch; each program
@@ -163,10 +164,21 @@ def _num_stages(cfg: SmallMConfig, block_m: int, prologue: int = 0) -> int:
 
 
 # With PDL (kimi.kernels.triton.pdl), each program first prefetches into L2 the first PREFETCH_TILES W tiles of its K
-# range
-# ([BLOCK_N, BLOCK_K] each; weights are never written during a step, so this may run before griddepcontrol.wait,
-# while the kernel ahead finishes), then waits. 0: no prefetch. Set before CUDA-graph capture (a constexpr).
+# range ([BLOCK_N, BLOCK_K] each; weights are never written during a step, so this may run before
+# griddepcontrol.wait, while the kernel ahead finishes), then waits. 0: no prefetch. A constexpr: CUDA graphs keep
+# the value of their capture (`set_prefetch_tiles`).
 PREFETCH_TILES = 2
+
+
+def set_prefetch_tiles(n: int) -> int:
+    """Set PREFETCH_TILES (W tiles prefetched per program, >= 0) for later launches; returns the previous value
+    (benchmarks A/B it). Raises ValueError for n < 0."""
+    global PREFETCH_TILES
+    if n < 0:
+        raise ValueError(f"prefetch tiles {n} < 0")
+    previous, PREFETCH_TILES = PREFETCH_TILES, int(n)
+    return previous
+
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -675,20 +687,16 @@ def lookup(M: int, N: int, K: int, device: torch.device) -> SmallMConfig | None:
     return table["entries"].get((m_bucket(M), N, K))
 
 
-_ENABLED = os.environ.get("KIMI_LINEAR_SMALL_M", "1") != "0"
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y = x @ w^T (F.linear without bias), Triton small-M kernel where measured faster, else F.linear.
 
-    x [..., K], w [N, K] -> y [..., N] (dtype of x). The Triton kernel is used when: Triton is installed,
-    $KIMI_LINEAR_SMALL_M != "0", x and w are CUDA bf16/fp16 of one dtype, x flattens to M <= 64 rows with unit
-    stride on K, w has unit stride on K, and the table (see module docstring) has an entry for (bucket(M), N, K)
-    on this GPU. Everything else, including CPU tensors, is exactly F.linear(x, w). Errors are F.linear's.
+    x [..., K], w [N, K] -> y [..., N] (dtype of x). The Triton kernel is used when: Triton is installed, x and w
+    are CUDA bf16/fp16 of one dtype, x flattens to M <= 64 rows with unit stride on K, w has unit stride on K, and
+    the table (see module docstring) has an entry for (bucket(M), N, K) on this GPU. Everything else, including CPU
+    tensors, is exactly F.linear(x, w). Errors are F.linear's.
     """
     if (
         not HAS_TRITON
-        or not _ENABLED
         or not x.is_cuda
         or x.dtype not in (torch.bfloat16, torch.float16)
         or w.dtype != x.dtype
@@ -712,22 +720,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear_small_m(x2, w, config=cfg).reshape(*x.shape[:-1], w.shape[0])
 
 
-# Off by default: in the K2.6 decode step on an H200 the fused q_b / shared-down GEMMs cost more than the norm and
-# SiLU kernels they replace (eager Triton GEMM time 4.92 -> 5.96 ms per step at 8 local sequences; the graph step
-# 0.1 ms slower; docs/performance.md, Tried and not kept). $KIMI_FUSE_PROLOGUE=1 turns it on; tools/bench_decode.py
-# compares the two (--ab prologue_on).
-FUSE_PROLOGUE = os.environ.get("KIMI_FUSE_PROLOGUE", "0") == "1"
-
-
 def prologue_config(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> SmallMConfig | None:
     """The config to run `linear_small_m` with a fused prologue (norm_weight, or silu_mul) for x [M, K] ([M, 2K]
     with silu_mul) and w [N, K], or None: then run the prologue op and `linear` apart. Not None only when `linear`
-    itself would take the Triton path for (M, N, K) (the table's entry; the plain GEMM's config is used), and
-    FUSE_PROLOGUE ($KIMI_FUSE_PROLOGUE=1; off by default, see above) is on."""
+    itself would take the Triton path for (M, N, K) (the table's entry; the plain GEMM's config is used). Whether to
+    fuse at all is the caller's policy (kimi.backends.linear.prologue_config_for)."""
     if not (
         HAS_TRITON
-        and _ENABLED
-        and FUSE_PROLOGUE
         and x.is_cuda
         and x.dim() == 2
         and w.dim() == 2

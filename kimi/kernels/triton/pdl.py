@@ -20,22 +20,29 @@ between (the gate_up GEMM, silu_mul_rows) wait before they trigger, so it has co
 launch; the reads go through L2 (ld.global.cg), where its writes are. Any kernel placed between the align and the
 down GEMM must keep that order: wait, then trigger.
 
-Switch: `ENABLED` (environment KIMI_PDL=0 turns it off at import; tests and benchmarks may set the attribute).
+Switch: `ENABLED` (on; `set_enabled` turns it off for later launches: tests and benchmarks compare the two).
 Off under Triton's CPU interpreter (no griddepcontrol there) and on GPUs before sm_90.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from kimi.kernels.triton.common import INTERPRET, tl, triton
 
-__all__ = ["ENABLED", "enabled", "launch_kwargs"]
+__all__ = ["ENABLED", "enabled", "launch_kwargs", "set_enabled"]
 
-ENABLED = os.environ.get("KIMI_PDL", "1") != "0"
+ENABLED = True
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn PDL on or off for later launches (CUDA graphs keep the setting of their capture); returns the previous
+    setting."""
+    global ENABLED
+    previous, ENABLED = ENABLED, bool(flag)
+    return previous
 
 
 @functools.cache

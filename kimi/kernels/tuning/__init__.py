@@ -69,12 +69,12 @@ class TuningTable:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """A shipped table: its file in this folder, the environment variable that names another file instead (read at
-    load; "" or "off" gives an empty table), and how its entries name their rows ("bucket": `m`; "range":
+    """A shipped table: its file in this folder, the environment variable that names another file instead (None:
+    none; read at load; "" or "off" gives an empty table), and how its entries name their rows ("bucket": `m`; "range":
     `m_min` / `m_max`)."""
 
     file: str
-    env: str
+    env: str | None
     keys: Literal["bucket", "range"]
 
 
@@ -83,7 +83,7 @@ TABLES: dict[str, TableSpec] = {
     "bmm_small_m": TableSpec("bmm_small_m.json", "KIMI_BMM_SMALL_M_TABLE", "bucket"),
     "linear_fp8": TableSpec("linear_fp8.json", "KIMI_LINEAR_FP8_TABLE", "bucket"),
     "humming": TableSpec("humming.json", "KIMI_HUMMING_TABLE", "range"),
-    "moe_w4a16_cuda": TableSpec("moe_w4a16_cuda.json", "KIMI_MOE_W4A16_CUDA_TABLE", "range"),
+    "moe_w4a16_cuda": TableSpec("moe_w4a16_cuda.json", None, "range"),
 }
 
 EMPTY = TuningTable(gpu=None, date="", tuner="", entries=())
@@ -93,7 +93,7 @@ def path_of(name: str) -> Path | None:
     """The file table `name` is read from: $<spec.env> when set (None when it is "" or "off"), else the shipped
     file. Raises KeyError for an unknown name."""
     spec = TABLES[name]
-    env = os.environ.get(spec.env)
+    env = os.environ.get(spec.env) if spec.env else None
     if env is not None:
         return None if env.strip().lower() in ("", "off") else Path(env)
     return DIR / spec.file

@@ -2,10 +2,10 @@
 shapes.
 
 The two per-head products of every MLA layer at Kimi-K2.6's shape (H = 64 heads per rank):
-  - uk: q_lat [M, H, 512] = q_nope [M, H, 128] @ W_UK; q_nope is a strided view of q [M, H, 192] (as in the
-    model); w_uk_t [H, 512, 128].
-  - uv: o [M, H * 128] = o_lat [M, H, 512] @ W_UV^T per head, written into the [M, H * 128] o_proj input;
-    w_uv [H, 128, 512].
+  - uk: q_lat [M, H, 512] = q_nope [M, H, 128] @ W_UK; q_nope is a strided view of q [M, H, 192] (as in the model);
+    w_uk_t [H, 512, 128].
+  - uv: o [M, H * 128] = o_lat [M, H, 512] @ W_UV^T per head, written into the [M, H * 128] o_proj input; w_uv [H, 128,
+    512].
 Each at M in --ms (the dispatch buckets 1, 8, 16, 32, 64). Timed:
   - "torch_old": torch.bmm on head-major transposes with the checkpoint's weight layouts ([H, 128, 512] for uk,
     then .contiguous(); [H, 512, 128] for uv, then .reshape to [M, H * 128], a copy): the path this kernel replaced;
@@ -14,10 +14,9 @@ Each at M in --ms (the dispatch buckets 1, 8, 16, 32, 64). Timed:
     the model's path where the table has no entry, e.g. prefill);
   - every Triton config of kimi.kernels.triton.bmm_small_m.CONFIGS (checked against fp32 first: max abs err <= 1e-2 *
     max |ref|, else dropped).
-Method: as tools/bench_gemm.py (kimi.benchmarks.gpu.GraphTimer): each sample is one CUDA-graph replay of R calls
-cycling through enough copies of W to cover >= 512 MiB (so W comes from HBM, not the 50 MB L2), median of samples,
-per call. GB/s = (W + x + y bytes) / time; "of copy" = that / a 2 GiB device copy's bandwidth measured in the same
-run.
+Method: as tools/bench_gemm.py (kimi.benchmarks.gpu.GraphTimer): each sample is one CUDA-graph replay of R calls cycling
+through enough copies of W to cover >= 512 MiB (so W comes from HBM, not the 50 MB L2), median of samples, per call.
+GB/s = (W + x + y bytes) / time; "of copy" = that / a 2 GiB device copy's bandwidth measured in the same run.
 
 Output: a table on stdout, JSON to --out, the snapshot (--snapshot: bmm-small-m.json; bmm-small-m_custom for
 other M) and, as the tuner of kimi/kernels/tuning/bmm_small_m.json, the dispatch table (entries where the best Triton

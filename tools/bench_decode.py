@@ -1,4 +1,4 @@
-"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
+"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_model.py).
 
     python tools/bench_decode.py [--seqs 8,32] [--quant fp8 --ep-size 16] [--ab control0,...] [--snapshot]
 
@@ -10,7 +10,7 @@ run by
 the chosen MoE backend), B local sequences at CTX tokens of context (FlashInfer MLA decode over the paged
 [num_blocks, 64, 576] cache, blocks randomly permuted).
 
-EP emulation (kimi.benchmarks.emulated_rank.EmulatedEP, the all-to-all seam of kimi.ops.moe): the MoE of every layer
+EP emulation (kimi.benchmarks.emulated_rank.EmulatedEP, the all-to-all seam of kimi.model.moe): the MoE of every layer
 sees the 8 * B tokens of all ranks (this rank's B rows plus 7 * B fixed random rows standing for the other ranks'
 tokens), each routed to top-8 of all 384 experts by fixed random routing drawn per layer (distinct experts per
 token); only pairs landing on the 48 local experts are computed, as that rank would; combine keeps this rank's rows.
@@ -66,7 +66,7 @@ from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown,
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
 from kimi.kernels.cuda.moe_w4a16 import CONFIGS as MOE_CUDA_CONFIGS
-from kimi.ops.sampling import start_host_copy
+from kimi.model.sampling import start_host_copy
 
 # The A/B variants (--ab): each flips one switch of the product as it runs today, or applies a tuner's output, for a
 # graph captured and timed next to the headline. name: (what it changes, apply(model), undo(model)); applied before
@@ -700,10 +700,10 @@ def main() -> None:
     _LPG[0] = args.layers_per_graph
 
     from kimi.config import ModelConfig
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
+    from kimi.model.weights import load_gpu_model
     from kimi.presets import load_preset
     from kimi.worker.cuda_graph import HOST_MARKS, CudaGraphRunner
-    from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -118,7 +118,7 @@ def main() -> int:
     import triton
 
     from kimi.kernels.triton import linear_small_m as lsm
-    from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+    from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 
     t0 = time.time()
     ms_list = [int(v) for v in args.ms.split(",") if v] + [int(v) for v in args.prefill_ms.split(",") if v]

@@ -6,7 +6,7 @@ scattered by a random permutation): every config of CONFIGS at a few num_splits 
 half and double it, and 1 for B >= 64), each call captured in a CUDA graph and timed as graph replays; FlashInfer
 fa3 (if importable) eager `run()` (plan excluded; plan's host time reported apart) and replayed from a CUDA graph.
 Median of triton.testing.do_bench (L2 cleared before each call: cold cache).
-Every timed variant is first checked against kimi.ops.attention.mla_decode_ref (rel err = max abs err / max abs
+Every timed variant is first checked against kimi.model.attention.mla_decode_ref (rel err = max abs err / max abs
 ref). Bytes = KV read (B * ctx * 576 * 2) + q + o; GB/s = bytes / time.
 
 The Triton kernel's CONFIGS and its DEFAULT_CONFIG / choose_num_splits come from this sweep.
@@ -27,7 +27,7 @@ import torch
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import import_gpu_module, require_gpu
 from kimi.kernels.triton import mla_decode as mdt
-from kimi.ops.attention import mla_decode_ref
+from kimi.model.attention import mla_decode_ref
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 

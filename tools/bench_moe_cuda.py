@@ -14,10 +14,10 @@ random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - the SM clock and board power during each timing (`kimi.benchmarks.smi.GpuSampler`, nvidia-smi every 20 ms; a
   timing lasts ~50 ms and the power reading lags, so each row's power mostly shows the rows before it).
 `table_config` is the configuration kimi.kernels.cuda.moe_w4a16.TABLE picks at the step's expected local pairs (what the
-model runs); its picks, and kimi.backends.experts.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM),
-come from this sweep and the decode step's A/B of the candidates (tools/bench_decode.py --ab moe_cuda_...).
-Also whether kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout
---moe-backend auto shares).
+model runs); its picks, and kimi.backends.experts.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM), come
+from this sweep and the decode step's A/B of the candidates (tools/bench_decode.py --ab moe_cuda_...). Also whether
+kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout --moe-backend auto
+shares).
 
 Usage: python tools/bench_moe_cuda.py [--tokens 64,256,512,1024] [--out F] [--snapshot]
 Snapshot: moe-w4a16.json (moe-w4a16_custom for other tokens or GEMMs).
@@ -36,8 +36,8 @@ from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
 from kimi.kernels.cuda import moe_w4a16 as mc
-from kimi.ops.quant import dequant_int4
-from kimi.worker.dummy_weights import random_packed_experts
+from kimi.model.quant import dequant_int4
+from kimi.model.weights import random_packed_experts
 
 _MISSING = None  # its imports need no GPU package; main() still exits with one line without a CUDA device
 

@@ -12,13 +12,11 @@ Every variant's output is compared with the default's first (combine / silu_mul_
 written; align: block experts and num_padded equal, row blocks equal as sets; router: ids equal, weights within
 1e-5; norms within 1e-2 relative) and a variant that differs is not eligible.
 
-Timing: kimi.benchmarks.gpu.GraphTimer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL
-as configured (kimi.kernels.triton.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op:
-the
-variant with the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the
-JSON (--out) holds the LAUNCH / COMBINE_LAUNCH values to use. This is the tuner of the launch tables written in
-code, kimi.kernels.triton.fused.LAUNCH and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH (its picks are copied there by
-hand);
+Timing: kimi.benchmarks.gpu.GraphTimer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL as
+configured (kimi.kernels.triton.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the
+variant with the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the JSON
+(--out) holds the LAUNCH / COMBINE_LAUNCH values to use. This is the tuner of the launch tables written in code,
+kimi.kernels.triton.fused.LAUNCH and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH (its picks are copied there by hand);
 tools/bench_decode.py --ab small_tuned applies a picks file ($KIMI_SMALL_PICKS) to a whole decode step first.
 
 Usage: python tools/sweep_small_kernels.py --out small_kernels.json

@@ -1,4 +1,4 @@
-"""Expert-parallel all-to-all backends behind `kimi.ops.moe.AllToAllBackend` (dispatch / combine).
+"""Expert-parallel all-to-all backends behind `kimi.model.moe.AllToAllBackend` (dispatch / combine).
 
 Rank r of N owns routed experts [r * E / N, (r + 1) * E / N). Every MoE layer of every rank calls
 `dispatch` then `combine` once per step, also with zero local tokens (an idle DP rank), so that all ranks
@@ -36,7 +36,7 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 
-from kimi.ops.moe import DispatchResult, LocalAllToAll
+from kimi.model.moe import DispatchResult, LocalAllToAll
 
 log = logging.getLogger("kimi.a2a")
 
@@ -130,7 +130,7 @@ def step_mode(per_rank_tokens: Iterable[int], all_single_token: bool, ll_max_tok
 
 
 class LocalBackend(LocalAllToAll):
-    """ep_size 1: dispatch and combine are identities (kimi.ops.moe.LocalAllToAll) plus the `set_mode` hook."""
+    """ep_size 1: dispatch and combine are identities (kimi.model.moe.LocalAllToAll) plus the `set_mode` hook."""
 
     def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
         """Nothing to switch."""
@@ -220,7 +220,7 @@ class DeepEPAllToAll:
     the received tensor is [E_local, M * N, D] expert-major with per-expert counts; it is handed to the
     expert computation as [E_local * M * N, D] rows with one (weight 1, expert id) pair each (padding rows
     get id -1 and are skipped) and the low-latency combine applies the routing weights. The result is marked
-    expert-major (kimi.ops.moe.DispatchResult), with the step's tokens x top-k (from `set_mode`) as the bound on
+    expert-major (kimi.model.moe.DispatchResult), with the step's tokens x top-k (from `set_mode`) as the bound on
     rows with a local expert: the kimi / humming expert backends then size their grids by it, skip the weighted
     sum and leave the padding rows unwritten, where the plain path wrote all E_local * M * N rows (704 MB per
     layer at 8 ranks x 48 experts x 128 tokens x 7168).
@@ -347,7 +347,7 @@ class DeepEPAllToAll:
 
 
 Backend: TypeAlias = LocalBackend | TorchAllToAll | DeepEPAllToAll
-"""What `make_all_to_all` builds: a kimi.ops.moe.AllToAllBackend with the `set_mode` step hook."""
+"""What `make_all_to_all` builds: a kimi.model.moe.AllToAllBackend with the `set_mode` step hook."""
 
 
 def make_all_to_all(

@@ -15,10 +15,10 @@ import torch
 from kimi.kernels.triton.linear_fp8 import Fp8Linear
 from kimi.kernels.triton.linear_small_m import linear as _bf16_linear
 from kimi.kernels.triton.linear_small_m import prologue_config
-from kimi.ops.moe import MoELayer
+from kimi.model.moe import MoELayer
 
 if TYPE_CHECKING:
-    from kimi.worker.model import KimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
 
 __all__ = [
     "FP8_DENSE_CHOICES",

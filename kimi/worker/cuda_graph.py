@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kimi.backends.attention import AttentionPlan
-from kimi.ops.attention import AttentionMetadata
+from kimi.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -85,7 +85,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures and replays decode graphs of a GPUKimiForCausalLM (kimi/worker/gpu_model.py).
+    """Captures and replays decode graphs of a GPUKimiForCausalLM (kimi/model/gpu_model.py).
 
     model: the GPU model; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
     block_size: tokens per block; max_batch: largest bucket; max_blocks_per_seq: widest block table a

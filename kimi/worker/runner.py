@@ -24,13 +24,13 @@ from kimi import protocol
 from kimi.backends.all_to_all import Backend, step_mode
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
-from kimi.ops.attention import build_attention_metadata
-from kimi.ops.sampling import SampleLaunch, prompt_logprobs, sample_launch
+from kimi.model.attention import build_attention_metadata
+from kimi.model.model import KimiForCausalLM
+from kimi.model.sampling import SampleLaunch, prompt_logprobs, sample_launch
 from kimi.structured_output.backend import GrammarBackend
 from kimi.structured_output.bitmask import GuidedRequests, GuidedRow
 from kimi.structured_output.vocab import load_tokenizer
 from kimi.worker.kv_cache import KVCacheSizeError, allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
-from kimi.worker.model import KimiForCausalLM
 
 log = logging.getLogger("kimi.worker")
 
@@ -151,7 +151,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
-        # gpu_options (cuda only, kimi/worker/gpu_model.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
+        # gpu_options (cuda only, kimi/model/gpu_model.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
         # (0 = eager)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
@@ -159,7 +159,7 @@ class ModelRunner:
         self.model: KimiForCausalLM
         gpu_model = None  # the same model when it is the GPU one
         if self.device.type == "cuda":
-            from kimi.worker.gpu_model import load_gpu_model
+            from kimi.model.weights import load_gpu_model
 
             self.model = gpu_model = load_gpu_model(
                 model_dir,

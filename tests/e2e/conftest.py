@@ -70,7 +70,7 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
         "tiny",
         *extra,
     ]
-    if os.environ.get("KIMI_TEST_DEVICE") == "cuda":  # run the e2e suite on the GPU path (kimi/worker/gpu_model.py)
+    if os.environ.get("KIMI_TEST_DEVICE") == "cuda":  # run the e2e suite on the GPU path (kimi/model/gpu_model.py)
         cmd += ["--device", "cuda"]
     if os.environ.get("KIMI_TEST_A2A"):  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
         cmd += ["--a2a-backend", os.environ["KIMI_TEST_A2A"]]

@@ -1,4 +1,4 @@
-"""The GPU model (kimi/worker/gpu_model.py) against the CPU reference model, and CUDA graph replay against eager.
+"""The GPU model (kimi/model/gpu_model.py) against the CPU reference model, and CUDA graph replay against eager.
 
 Checkpoints: the tiny K2.6 / K2-Instruct layouts of kimi/tiny_checkpoint.py, plus "tiny-mla": the K2.6
 layout with Kimi's real attention widths (kv_lora 512, rope 64, nope 128, v 128; 16 heads, hidden 1024,
@@ -81,7 +81,7 @@ _CPU = {}
 def cpu_model(path):
     from kimi.checkpoint import load_checkpoint
     from kimi.config import ModelConfig
-    from kimi.worker.model import KimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
 
     if path not in _CPU:
         cfg = ModelConfig.from_dir(path)
@@ -93,7 +93,7 @@ def cpu_model(path):
 
 def run_steps(model, cfg, device, dtype, poison: bool):
     """Prefill 2 sequences (21 and 37 tokens), then 4 decode steps of both; returns logits per step (CPU f32)."""
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
     from kimi.worker.kv_cache import allocate_kv_caches
 
     bs = 16
@@ -138,9 +138,9 @@ def _rows(want: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[int, int, 
 
 
 def ref_bf16_on_gpu(path, cfg):
-    """The reference model (kimi/worker/model.py) with bf16 weights on the GPU: bf16's own error."""
+    """The reference model (kimi/model/model.py) with bf16 weights on the GPU: bf16's own error."""
     from kimi.checkpoint import load_checkpoint
-    from kimi.worker.model import KimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
 
     m = KimiForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
     m.load_weights(load_checkpoint(path, cfg, progress=False))
@@ -173,7 +173,7 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
     showed 1.5-nat misses that the bf16 reference shares (bf16 rounding flipping near-tied routing on a random
     model), which a fixed 0.25 bound cannot tell from a bug; a GPU kernel bug exceeds bf16's own error."""
     from kimi.kernels.triton.linear_fp8 import Fp8Linear
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
 
     path = ckpts[name]
     cfg, ref = cpu_model(path)
@@ -243,8 +243,8 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
     (forward_decode / CudaGraphRunner.run_host) bit-equal to the tensor path's replay."""
     from kimi.config import ModelConfig
-    from kimi.ops.attention import build_attention_metadata
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.attention import build_attention_metadata
+    from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     path = ckpts["tiny-mla"]
@@ -310,7 +310,7 @@ def test_cuda_graph_padding_rows_route_to_no_expert(ckpts, backend):
     layer (row_valid), the batch's rows keep their experts, and their hidden outputs are bit-equal to a replay that
     routes the padding rows (CudaGraphRunner.mask_padding False), for B = 1..bucket."""
     from kimi.config import ModelConfig
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     path = ckpts["tiny-mla"]
@@ -385,7 +385,7 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     (`_stage_pages`; the row stride grows and shrinks with the longest table) give the same hidden states as writing
     every row afresh each step."""
     from kimi.config import ModelConfig
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     path = ckpts["tiny-mla"]

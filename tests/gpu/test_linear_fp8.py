@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kimi.kernels.triton import linear_fp8 as lf
-from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 
 pytestmark = [
     pytest.mark.gpu,

@@ -198,7 +198,7 @@ def test_errors():
 def test_fused_prologues_vs_unfused(kind):
     """The RMSNorm (q_a_layernorm -> q_b) and SiLU * up (-> down) prologues against the unfused ops in fp32 after
     the same roundings; table configs where present, plus a pointer and a split-K variant."""
-    from kimi.ops.norm import rms_norm
+    from kimi.model.norm import rms_norm
 
     N, K = (12288, 1536) if kind == "rmsnorm" else (7168, 2048)
     torch.manual_seed(7)
@@ -232,8 +232,7 @@ def test_fused_prologues_vs_unfused(kind):
 def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
     """A decode-like chain of PDL kernels (norm -> split-K GEMM -> norm -> GEMM -> add+norm -> bmm -> GEMM,
     each reading the one before) captured in one CUDA graph with PDL on (kimi.kernels.triton.pdl) and L2 prefetch,
-    replayed
-    on new inputs copied into the static buffer, equals the same chain run eagerly with PDL off, bit for bit
+    replayed on new inputs copied into the static buffer, equals the same chain run eagerly with PDL off, bit for bit
     (same kernels and math; only the launch differs). A wait placed after a dependent read would show up as
     values of the previous replay's inputs (each replay gets new ones) or as the NaN the outputs are poisoned with."""
     from kimi.kernels.triton import fused, pdl

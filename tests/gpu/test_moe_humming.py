@@ -10,7 +10,7 @@ case; tolerance max |y - ref| <= 2e-2 * max |ref| (bf16 GEMM outputs and interme
 import pytest
 import torch
 
-from kimi.worker.dummy_weights import random_packed_experts
+from kimi.model.weights import random_packed_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -59,14 +59,14 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
 @pytest.mark.parametrize("T,E", [(8, 48), (64, 48), (256, 48), (2048, 48), (512, 24)])
 def test_humming_fp8_backend_matches_ref(T, E):
     """FP8 block-quantised experts (K2-Instruct format: float8_e4m3fn, float32 scale per 128 x 128 tile) kept FP8 by
-    HummingFp8Experts, against the reference backend on the same weights dequantised (kimi.ops.quant), at the real
+    HummingFp8Experts, against the reference backend on the same weights dequantised (kimi.model.quant), at the real
     shapes (48 local of 384 under EP8, 24 under EP16, D 7168, I 2048); tolerance max |y - ref| <= 2e-2 * max |ref|. The
     weights on the device take FP8 bytes (at most 1.1x the checkpoint's, humming's bf16 group scales included), and a
     CUDA graph's replay equals the eager call (allclose at the same tolerance: stream-K sums may differ in order)."""
     pytest.importorskip("humming")
     from kimi.backends.experts import make_experts
     from kimi.backends.experts.fp8 import HummingFp8Experts
-    from kimi.worker.dummy_weights import random_fp8_experts
+    from kimi.model.weights import random_fp8_experts
 
     D, inter, k, E_total, offset = 7168, 2048, 8, 384, 96
     gen = torch.Generator(device="cuda").manual_seed(2000 + T)
@@ -121,7 +121,7 @@ def test_fp8_parts_fall_back_to_ref_off_humming():
     from kimi.backends.experts import make_experts
     from kimi.backends.experts.fp8 import HummingFp8Experts
     from kimi.backends.experts.reference import RefExperts
-    from kimi.worker.dummy_weights import random_fp8_experts
+    from kimi.model.weights import random_fp8_experts
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     w13, s13 = random_fp8_experts(4, 2 * 64, 256, gen, "cuda")

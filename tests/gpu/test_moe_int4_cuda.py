@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kimi.kernels.cuda import moe_w4a16 as mc
-from kimi.ops.quant import dequant_int4
-from kimi.worker.dummy_weights import random_packed_experts
+from kimi.model.quant import dequant_int4
+from kimi.model.weights import random_packed_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -388,7 +388,7 @@ def test_expert_major_rows_match_the_reference(backend):
     the padding rows hold NaN, as the plain call's rows do (which sum k == 1 pairs of weight 1 and write every row).
     With `auto`, a small expected_pairs runs kimi's GEMM and a large one humming's."""
     from kimi.backends.experts import make_experts
-    from kimi.ops.moe import DispatchResult, run_experts
+    from kimi.model.moe import DispatchResult, run_experts
 
     if backend == "auto":
         pytest.importorskip("humming")

@@ -28,7 +28,7 @@ from kimi.backends.all_to_all import (
 )
 from kimi.config import ModelConfig
 from kimi.controller.transport import free_tcp_port
-from kimi.ops.moe import MoELayer, fused_experts_ref, select_experts
+from kimi.model.moe import MoELayer, fused_experts_ref, select_experts
 
 E, K, D, INTER = 16, 4, 32, 24
 
@@ -177,7 +177,7 @@ def test_run_experts_passes_expert_major_only_to_backends_that_take_it():
     `expert_major_ok` (here the reference) gets the plain call and returns 0 in the padding rows; a backend with it
     gets expert_major=True and the bounds. A plain DispatchResult never carries the flag."""
     from kimi.backends.experts.reference import RefExperts
-    from kimi.ops.moe import DispatchResult, run_experts
+    from kimi.model.moe import DispatchResult, run_experts
 
     g = torch.Generator().manual_seed(5)
     E_local, D, inter, offset = 2, 16, 8, 2

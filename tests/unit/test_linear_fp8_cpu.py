@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kimi.config import ModelConfig
 from kimi.kernels.triton import linear_fp8 as lf
-from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 from kimi.tiny_checkpoint import TINY_DIMS, tiny_config
 from tests.unit.triton_interp import run_interpreted
 
@@ -142,7 +142,7 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
     """Which dense weights stay FP8 (only merges whose non-last part is whole scale tiles), and the prepared model's
     merged layers compute what the separate dequantised weights compute."""
     from kimi.backends.linear import fp8_dense_names, install_fp8
-    from kimi.worker.gpu_model import _finish, build_gpu_model
+    from kimi.model.weights import _finish, build_gpu_model
 
     cfg = _tiny_cfg(q_lora_rank=q_lora, moe_intermediate_size=moe_inter)
     model = build_gpu_model(cfg, dtype=torch.float32, device="cpu")
@@ -164,7 +164,7 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
     )
     assert fp8_dense_names(model, (128, 128), lambda n: False) == set()
     from kimi.backends.linear import check_fp8_dense
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
 
     for ok in ("off", "triton", "humming"):
         check_fp8_dense(ok)
@@ -222,7 +222,7 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
 _INTERP_SCRIPT = textwrap.dedent("""
     import torch
     from kimi.kernels.triton.linear_fp8 import Fp8Config, fp8_linear_small_m, fp8_linear_ref
-    from kimi.ops.quant import quant_fp8_block
+    from kimi.model.quant import quant_fp8_block
     torch.manual_seed(0)
     cases = [(1, 64, 128, (128, 128), Fp8Config(16, 4, 2, 1, 1)), (3, 200, 300, (128, 128), Fp8Config(16, 4, 3, 2, 0)),
              (16, 256, 640, (128, 128), Fp8Config(64, 4, 3, 2, 2)),
@@ -252,7 +252,7 @@ def test_kernel_interpreted():
 
 def test_fp8_dense_without_fp8_weights_warns(caplog):
     """fp8_dense asked for where nothing can stay FP8 (a bf16 / INT4 checkpoint, or not CUDA): said, not silent."""
-    from kimi.worker.gpu_model import _finish, build_gpu_model
+    from kimi.model.weights import _finish, build_gpu_model
 
     model = build_gpu_model(_tiny_cfg(), dtype=torch.float32, device="cpu")
     with caplog.at_level("WARNING", logger="kimi.worker"):

@@ -108,7 +108,7 @@ _INTERP_PROLOGUE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from kimi.kernels.triton.linear_small_m import SmallMConfig, linear_small_m
-    from kimi.ops.norm import rms_norm
+    from kimi.model.norm import rms_norm
     torch.manual_seed(0)
     cases = [(3, 40, 200, SmallMConfig(block_n=32, block_k=64)),                    # ragged K, N < tile
              (8, 96, 256, SmallMConfig(block_n=32, block_k=64, split_k=2, swap_ab=True)),

@@ -12,7 +12,7 @@ import torch
 
 from kimi.kernels.cuda import moe_w4a16 as mc
 from kimi.kernels.cuda.loader import CSRC
-from kimi.ops.quant import dequant_int4, pack_int4, unpack_int4
+from kimi.model.quant import dequant_int4, pack_int4, unpack_int4
 
 
 @pytest.mark.parametrize("E,N,K", [(1, 64, 64), (3, 192, 192), (2, 128, 512)])

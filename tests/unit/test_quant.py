@@ -1,11 +1,11 @@
-"""kimi.ops.quant against the compressed-tensors library (INT4) and explicit index math (INT4, FP8)."""
+"""kimi.model.quant against the compressed-tensors library (INT4) and explicit index math (INT4, FP8)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kimi.ops.quant import FP8_MAX, dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block, unpack_int4
+from kimi.model.quant import FP8_MAX, dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block, unpack_int4
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
@@ -159,7 +159,7 @@ def test_make_experts_dequantises_fp8_parts_without_an_fp8_kernel():
     over dequant_fp8_block's weights: the same outputs as RefExperts built from those weights directly."""
     from kimi.backends.experts import make_experts
     from kimi.backends.experts.reference import RefExperts, dequant_fp8_parts
-    from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+    from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 
     g = torch.Generator().manual_seed(3)
     E, D, inter = 3, 256, 128

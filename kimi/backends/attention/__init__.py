@@ -11,7 +11,7 @@ Contract (`AttentionBackend`), every backend: built once per model (eager) or pe
   the last query_len tokens of its context); `num_rows` rows, the batch's first ones;
 - capture / replay: a backend a CUDA graph captures reads only static device buffers during `run` (the graph
   runner's, kimi/worker/cuda_graph.py), and its host planning writes into those buffers before each replay.
-The torch reference (`AttentionPlan.run` None: kimi.ops.attention's float32 math) runs latent sizes no kernel has.
+The torch reference (`AttentionPlan.run` None: kimi.model.attention's float32 math) runs latent sizes no kernel has.
 
 Registry: DECODE_BACKENDS, what pure decode batches run ("flashinfer", the default, or "triton"); prefill and
 mixed batches always run FlashInfer. Modules: flashinfer (FlashInferMLA, FlashInferMLADecode), triton_mla

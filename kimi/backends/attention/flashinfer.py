@@ -1,7 +1,7 @@
 """Absorbed MLA on the GPU through FlashInfer's paged MLA kernel (`BatchMLAPagedAttentionWrapper`, FA3 on Hopper):
 decode, prefill and chunked prefill, mixed in one plan / one run.
 
-Math (docs/model-format.md, Math: the absorbed form; the same function as `kimi.ops.attention.mla_decode_ref` for one
+Math (docs/model-format.md, Math: the absorbed form; the same function as `kimi.model.attention.mla_decode_ref` for one
 query row, and as `mla_prefill_ref` after the W_UK / W_UV absorption): MQA of H query heads over the 576-wide latent
 cache. For a sequence with qo_len Q new rows and kv_len S context tokens (the new ones included), query row i
 (0 <= i < Q) sits at position S - Q + i and, with ``causal=True``,
@@ -404,7 +404,7 @@ class FlashInferMLA:
         self.causal = causal
 
     def plan_from_metadata(self, attn, causal: bool = True) -> None:
-        """Plan every sequence of a kimi.ops.attention.AttentionMetadata (rows in its flat order)."""
+        """Plan every sequence of a kimi.model.attention.AttentionMetadata (rows in its flat order)."""
         self.plan(list(attn.query_lens_cpu), list(attn.seq_lens_cpu), attn.block_tables, attn.block_size, causal)
 
     def run(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None):
@@ -441,7 +441,7 @@ class FlashInferMLADecode(FlashInferMLA):
         super().plan([1] * len(seq_lens_cpu), list(seq_lens_cpu), block_tables, block_size, causal=False)
 
     def plan_from_metadata(self, attn, causal: bool = False) -> None:
-        """Plan from a kimi.ops.attention.AttentionMetadata of a pure decode batch (every query_len == 1)."""
+        """Plan from a kimi.model.attention.AttentionMetadata of a pure decode batch (every query_len == 1)."""
         if any(q != 1 for q in attn.query_lens_cpu):
             raise ValueError("FlashInferMLADecode handles decode only (query_len 1 per sequence)")
         self.plan(list(attn.seq_lens_cpu), attn.block_tables, attn.block_size)

@@ -10,8 +10,8 @@ __all__ = ["TritonMLADecodeRun", "triton_mla_config", "triton_mla_splits"]
 
 class TritonMLADecodeRun:
     """The AttentionBackend (`AttentionPlan.run`) of a pure decode batch run by kimi.kernels.triton.mla_decode: no
-    host plan, the kernel reads the lengths and tables from device tensors (the CUDA-graph runner's static buffers,
-    or an eager step's AttentionMetadata).
+    host plan, the kernel reads the lengths and tables from device tensors (the CUDA-graph runner's static buffers, or
+    an eager step's AttentionMetadata).
 
     seq_lens: [B] int32 / int64 device tensor (>= 1); block_tables: [B, W] int32 / int64 device tensor; scale:
     softmax scale; num_splits: KV splits per request (host int); config: a MLADecodeConfig or None (default).

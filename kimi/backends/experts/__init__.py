@@ -1,26 +1,23 @@
-"""Routed-expert backends (`ExpertsBackend`) and their registry: the same function as `kimi.ops.moe.fused_experts_ref`,
-over the
-experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights kept in FP8) on the device.
+"""Routed-expert backends (`ExpertsBackend`) and their registry: the same function as
+`kimi.model.moe.fused_experts_ref`, over the experts this rank owns, with the INT4 weights kept PACKED (and FP8 weights
+kept in FP8) on the device.
 
 - `HummingInt4Experts` (`humming`, and `auto`, the default on CUDA): humming-kernels' indexed W4A16 MoE GEMM
-  (humming 0.1.20, API read from its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors
-  `weight_packed` / `weight_scale` / `weight_shape`, `transform()`ed once into humming's layout, then called with
-  moe_align's sorted pair ids).
-  Steps: align (kimi.kernels.triton.moe_w4a16.moe_align, pure torch, graph-capturable) -> gate_up GEMM per (token, slot)
-  pair -> silu(gate) * up (on CUDA: kimi.kernels.triton.fused.silu_mul_rows over the local pairs' rows only; align:
-  kimi.kernels.triton.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied once).
-  With `cuda_decode` (backend `auto`), steps of up to AUTO_CUDA_MAX_PAIRS expected local pairs run kimi's CUDA
-  GEMM instead (kimi/kernels/cuda/csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves
-  both), larger steps
-  (prefill) humming's: the faster of the two at each size (docs/performance.md). The gate_up rows are
+  (humming 0.1.20, API read from its wheel: `humming.layer.HummingLayer` loaded from compressed-tensors `weight_packed`
+  / `weight_scale` / `weight_shape`, `transform()`ed once into humming's layout, then called with moe_align's sorted
+  pair ids). Steps: align (kimi.kernels.triton.moe_w4a16.moe_align, pure torch, graph-capturable) -> gate_up GEMM per
+  (token, slot) pair -> silu(gate) * up (on CUDA: kimi.kernels.triton.fused.silu_mul_rows over the local pairs' rows
+  only; align: kimi.kernels.triton.fused.moe_align_fused) -> down GEMM -> our Triton combine (routing weights applied
+  once). With `cuda_decode` (backend `auto`), steps of up to AUTO_CUDA_MAX_PAIRS expected local pairs run kimi's CUDA
+  GEMM instead (kimi/kernels/cuda/csrc/moe_w4a16.cu, which reads humming's layout: one copy of the experts serves both),
+  larger steps (prefill) humming's: the faster of the two at each size (docs/performance.md). The gate_up rows are
   stored interleaved (kimi.kernels.cuda.moe_w4a16.glu_interleave), so kimi's gate_up GEMM writes silu(gate) * up from
   its epilogue and silu_mul_rows reads humming's output in that order.
 - `HummingFp8Experts` (humming backend, FP8 checkpoints: K2-Instruct): the same steps over humming's W8A16 indexed
   GEMMs, the float8_e4m3fn weights with their 128 x 128 tile scales loaded through humming's fp8 schema.
 - `CudaInt4Experts` (`cuda`): kimi's CUDA W4A16 indexed GEMM at every size (kimi/kernels/cuda/csrc/moe_w4a16.cu via
   kimi.kernels.cuda.moe_w4a16; weights repacked once at load by kimi.kernels.cuda.moe_w4a16.repack, no humming needed),
-  in
-  the same steps as humming's (align in 16-row blocks). Faster than humming at decode sizes, about 2x slower at
+  in the same steps as humming's (align in 16-row blocks). Faster than humming at decode sizes, about 2x slower at
   prefill sizes (it streams an expert's weights once per 16-row block; docs/performance.md). bf16 models only.
 - `TritonInt4Experts`: kimi's Triton W4A16 fused MoE (`fused_experts_int4`).
 - `RefExperts`: dequantised weights (bf16) and `fused_experts_ref` (not capturable in a CUDA graph: it reads
@@ -32,7 +29,7 @@ Contract (`ExpertsBackend`), every backend: an nn.Module built from one layer's 
 [T, k] int64 global ids) -> [T, D]`; pairs whose expert is not in [expert_offset, expert_offset + E_local)
 contribute nothing; rows with no local pair are 0. `graph_safe`: whether a CUDA graph may capture its forward (it
 reads nothing on the host). Optional `expert_major_ok`: forward also takes expert-major inputs
-(kimi.ops.moe.run_experts).
+(kimi.model.moe.run_experts).
 
 Modules: reference (`ref`), triton_w4a16 (`triton`), cuda_w4a16 (`cuda`), humming (`humming`; `auto` is humming
 with kimi's CUDA GEMM at decode sizes, auto.py), fp8 (FP8 experts on humming).

@@ -4,6 +4,7 @@ and the forward the `auto` backend runs at decode sizes (`cuda_experts_forward`)
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,17 +28,16 @@ class CudaInt4Experts(nn.Module):
 
     Same arguments as TritonInt4Experts (the packed tensors are consumed). Steps per call: align in 16-row blocks
     (kimi.kernels.triton.fused.moe_align_fused) -> gate_up GEMM over the local pairs' rows, its epilogue writing
-    silu(gate) *
-    up (gate_up rows stored in `kimi.kernels.cuda.moe_w4a16.glu_interleave`'s order; `glu` False: the plain GEMM and the
-    silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once). bf16
-    activations only. Raises ValueError for shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU
+    silu(gate) * up (gate_up rows stored in `kimi.kernels.cuda.moe_w4a16.glu_interleave`'s order; `glu` False: the plain
+    GEMM and the silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once).
+    bf16 activations only. Raises ValueError for shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU
     that is not sm_90 (Hopper: the kernel is built for sm_90a), and what `kimi.kernels.cuda.moe_w4a16.load_extension`
-    raises when it cannot be built; all of them here, at model load (so kimi.worker.gpu_model.make_experts_or_ref can
+    raises when it cannot be built; all of them here, at model load (so kimi.model.gpu_model.make_experts_or_ref can
     fall back to the reference).
     """
 
     graph_safe = True
-    expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
+    expert_major_ok = True  # forward(..., expert_major=True): see kimi.model.moe.run_experts
     w13: torch.Tensor  # the buffers `__init__` registers
     w13_scale: torch.Tensor
     w2: torch.Tensor
@@ -80,7 +80,7 @@ class CudaInt4Experts(nn.Module):
         expected_pairs: int | None = None,
     ) -> torch.Tensor:
         """x [T, D], topk_weights [T, k], topk_ids [T, k] -> [T, D] (`cuda_experts_forward`; the keywords as
-        kimi.ops.moe.DispatchResult)."""
+        kimi.model.moe.DispatchResult)."""
         T, k = topk_ids.shape
         m_local = expected_pairs or expected_local_pairs(T, k, self.E, self.num_experts_total)
         return cuda_experts_forward(
@@ -131,16 +131,15 @@ def cuda_experts_forward(
 ) -> torch.Tensor:
     """The routed experts through kimi's CUDA GEMM (kimi.kernels.cuda.moe_w4a16.indexed_gemm): align in 16-row blocks
     (kimi.kernels.triton.fused.moe_align_fused) -> gate_up over the local pairs' rows -> silu(gate) * up on those rows
-    -> down
-    -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16, 4I]
-    int32, [E, D/32, 2I] bf16) and w2 / s2 ([E, I/16, 2D], [E, I/32, D]) in the kernel's layout; m_local: the step's
+    -> down -> the Triton combine. x [T, D] bf16, topk_weights [T, k], topk_ids [T, k] global ids; w13 / s13 ([E, D/16,
+    4I] int32, [E, D/32, 2I] bf16) and w2 / s2 ([E, I/16, 2D], [E, I/32, D]) in the kernel's layout; m_local: the step's
     expected local pairs, which picks the launch configurations (kimi.kernels.cuda.moe_w4a16.config_for) unless config13
     / config2 are given. glu_group: 0, or the group of `kimi.kernels.cuda.moe_w4a16.glu_interleave` that w13's rows are
-    stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel).
-    Returns [T, D] (rows without a local pair are 0). expert_major / max_pairs: as kimi.ops.moe.DispatchResult
-    (with expert_major and k == 1 the down GEMM's output is returned: weights not applied, rows without a local
-    expert unset; max_pairs bounds the local pairs, sizing the align and the GEMM grids). pdl_mode / zero_pads: both
-    GEMMs' (kimi.kernels.cuda.moe_w4a16.indexed_gemm); early_weights: the down GEMM's (its align is two kernels
+    stored in; with GLU_GROUP and fuse_glu the gate_up GEMM's epilogue writes SiLU(gate) * up (no SiLU kernel). Returns
+    [T, D] (rows without a local pair are 0). expert_major / max_pairs: as kimi.model.moe.DispatchResult (with
+    expert_major and k == 1 the down GEMM's output is returned: weights not applied, rows without a local expert unset;
+    max_pairs bounds the local pairs, sizing the align and the GEMM grids). pdl_mode / zero_pads: both GEMMs'
+    (kimi.kernels.cuda.moe_w4a16.indexed_gemm); early_weights: the down GEMM's (its align is two kernels
     back). CUDA graphs keep the values of their capture."""
     from kimi.kernels.cuda import moe_w4a16 as mc
     from kimi.kernels.triton.fused import moe_align_fused, silu_mul_rows
@@ -154,54 +153,21 @@ def cuda_experts_forward(
     P = T * k
     config13 = config13 or mc.config_for(2 * inter, D, m_local)
     config2 = config2 or mc.config_for(D, inter, m_local)
+    kw: dict[str, Any] = {"zero_pads": zero_pads, "pdl_mode": pdl_mode}  # both GEMMs' launch variants
     if fuse_glu and glu_group == mc.GLU_GROUP:  # SiLU(gate) * up from the gate_up GEMM's epilogue
         act = torch.empty((P, inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
         mc.indexed_gemm(
-            x.contiguous(),
-            w13,
-            s13,
-            sorted_ids,
-            block_expert,
-            num_padded,
-            k,
-            act,
-            config=config13,
-            glu=True,
-            zero_pads=zero_pads,
-            pdl_mode=pdl_mode,
+            x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, act, config13, glu=True, **kw
         )
     else:
         y1 = torch.empty((P, 2 * inter), dtype=x.dtype, device=x.device)  # rows = pair ids (local ones written)
-        mc.indexed_gemm(
-            x.contiguous(),
-            w13,
-            s13,
-            sorted_ids,
-            block_expert,
-            num_padded,
-            k,
-            y1,
-            config=config13,
-            zero_pads=zero_pads,
-            pdl_mode=pdl_mode,
-        )
+        mc.indexed_gemm(x.contiguous(), w13, s13, sorted_ids, block_expert, num_padded, k, y1, config13, **kw)
         act = silu_mul_rows(y1, sorted_ids, num_padded, inter, interleave=glu_group)  # [P, I], listed rows only
     y2 = torch.empty((P, D), dtype=x.dtype, device=x.device)
     # the align is two kernels back (gate_up, or gate_up + silu_mul_rows, each waiting before it releases): the down
     # GEMM may start loading its weights before it waits
     mc.indexed_gemm(
-        act,
-        w2,
-        s2,
-        sorted_ids,
-        block_expert,
-        num_padded,
-        1,
-        y2,
-        config=config2,
-        early_weights=early_weights,
-        zero_pads=zero_pads,
-        pdl_mode=pdl_mode,
+        act, w2, s2, sorted_ids, block_expert, num_padded, 1, y2, config2, early_weights=early_weights, **kw
     )
     if expert_major and k == 1:  # rows = pairs, weights applied by the combine, unset rows never read
         return y2

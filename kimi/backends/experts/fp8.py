@@ -18,12 +18,12 @@ class HummingFp8Experts(HummingExperts):
     block_n x block_k tile, DeepSeek-V3's format) kept in FP8 on the device and run by humming-kernels' indexed
     MoE GEMMs (W8A16: bf16 activations, fp32 accumulation), in the same steps as HummingInt4Experts.
 
-    humming's fp8 schema turns the tile scales into per-row group scales along K (group block_k) in the model
-    dtype, so W[n, k] = float(w[n, k]) * bf16(scale_inv[n // block_n, k // block_k]): the scale is rounded to bf16
-    (relative 2^-9) where `kimi.ops.quant.dequant_fp8_block` keeps it in float32. The GPU tests bound the output's
-    distance from the dequantised reference (RefExperts) by 2e-2 of its max |ref| (measured <= 1.01e-2). Half the bytes
-    of bf16 experts (dequantised on load, the `ref` path), and CUDA-graph capturable. Schedules: tuning/humming.json's
-    "fp8" entries, else humming's heuristic.
+    humming's fp8 schema turns the tile scales into per-row group scales along K (group block_k) in the model dtype, so
+    W[n, k] = float(w[n, k]) * bf16(scale_inv[n // block_n, k // block_k]): the scale is rounded to bf16 (relative 2^-9)
+    where `kimi.model.quant.dequant_fp8_block` keeps it in float32. The GPU tests bound the output's distance from the
+    dequantised reference (RefExperts) by 2e-2 of its max |ref| (measured <= 1.01e-2). Half the bytes of bf16 experts
+    (dequantised on load, the `ref` path), and CUDA-graph capturable. Schedules: tuning/humming.json's "fp8" entries,
+    else humming's heuristic.
 
     Args: w13 [E, 2I, D] float8_e4m3fn (gate rows then up rows), w13_scale_inv [E, 2I / block_n, D / block_k]
     float32, w2 [E, D, I] float8_e4m3fn, w2_scale_inv [E, D / block_n, I / block_k] float32, all on the device;

@@ -95,7 +95,7 @@ class HummingExperts(nn.Module):
     `weight_kind` picks the tuning/humming.json entries that apply."""
 
     graph_safe = True
-    expert_major_ok = True  # forward(..., expert_major=True): see kimi.ops.moe.run_experts
+    expert_major_ok = True  # forward(..., expert_major=True): see kimi.model.moe.run_experts
     weight_kind = "int4"  # which tuning/humming.json entries apply (HummingFp8Experts: "fp8")
     glu_group = 0  # > 0: the gate_up rows are in kimi.kernels.cuda.moe_w4a16.glu_interleave's order with this group
 
@@ -162,7 +162,7 @@ class HummingExperts(nn.Module):
     ) -> torch.Tensor:
         """x [T, D], topk_weights [T, k] f32, topk_ids [T, k] global ids -> [T, D], the routing-weighted sum of
         each row's local experts (0 for rows without one). expert_major / max_pairs / expected_pairs: as
-        kimi.ops.moe.DispatchResult (expert_major: k == 1, the weights are not applied and rows without a local
+        kimi.model.moe.DispatchResult (expert_major: k == 1, the weights are not applied and rows without a local
         expert are left unset; the down GEMM's output is returned as it is)."""
         from kimi.kernels.triton.moe_w4a16 import combine_into, moe_align
 
@@ -219,12 +219,12 @@ class HummingInt4Experts(HummingExperts):
 
     Same arguments as TritonInt4Experts, plus cuda_decode (backend `auto`): steps of up to cuda_max_pairs
     (AUTO_CUDA_MAX_PAIRS) expected local pairs run kimi's CUDA GEMM over humming's transformed tensors, where
-    `_cuda_unavailable` finds nothing against it at load (else cuda_max_pairs is 0 and a warning says why). The
-    gate_up rows are stored in `kimi.kernels.cuda.moe_w4a16.glu_interleave`'s order (when I is a multiple of its group),
-    so kimi's GEMM writes SiLU(gate) * up itself (`cuda_glu`; False: its plain outputs and the silu_mul_rows kernel,
-    for A/B runs) and humming's outputs go through silu_mul_rows with the same interleave. The tensors passed in
-    are consumed (humming keeps its own transformed copies; the caller should drop its references). Raises
-    ImportError when humming is not installed.
+    `_cuda_unavailable` finds nothing against it at load (else cuda_max_pairs is 0 and a warning says why). The gate_up
+    rows are stored in `kimi.kernels.cuda.moe_w4a16.glu_interleave`'s order (when I is a multiple of its group), so
+    kimi's GEMM writes SiLU(gate) * up itself (`cuda_glu`; False: its plain outputs and the silu_mul_rows kernel, for
+    A/B runs) and humming's outputs go through silu_mul_rows with the same interleave. The tensors passed in are
+    consumed (humming keeps its own transformed copies; the caller should drop its references). Raises ImportError when
+    humming is not installed.
     """
 
     def __init__(

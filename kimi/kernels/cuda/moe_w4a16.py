@@ -6,17 +6,16 @@ of the 16-row block holding r), with W_e the expert's INT4 group-32 weights, W =
 as Kimi's checkpoints store them; other scale dtypes are rounded to bf16 first). Per group of 32 inputs the
 products (nibble - 8) * x are summed in fp32 on the tensor cores (mma.sync m16n8k16, exact products), the group's
 scale multiplies that sum in fp32, and the result is rounded once to bf16. So the weights are never rounded:
-`kimi.ops.quant.dequant_int4` rounds (nibble - 8) * scale to bf16, and the two differ by that rounding (relative
+`kimi.model.quant.dequant_int4` rounds (nibble - 8) * scale to bf16, and the two differ by that rounding (relative
 at most 2^-9 per weight). Rows not listed are not written.
 
-Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read
-of the packed weights, and the decode step runs at the H200's 700 W power cap (SM clocks 1.3-2.0 GHz in the step;
-docs/performance.md), where each instruction issued per weight costs clock. Per weight the kernel
-issues little beyond the conversion: each warp loads 16 bytes per lane per tile (one coalesced 512-byte read per
-warp) into shared memory, several chunks in flight, and a LOP3 (plus a shift for three of every four) turns two
-nibbles into the bf16 pair (128 + nibble); the MMA multiplies those raw values, an MMA with the constant -136 adds
--136 * (the group's input sum) once per chunk for all tiles, and one FFMA per accumulator applies the scale per
-group.
+Why: decode streams every touched expert's weights once per step (a few rows per expert), so this GEMM is a read of the
+packed weights, and the decode step runs at the H200's 700 W power cap (SM clocks 1.3-2.0 GHz in the step;
+docs/performance.md), where each instruction issued per weight costs clock. Per weight the kernel issues little beyond
+the conversion: each warp loads 16 bytes per lane per tile (one coalesced 512-byte read per warp) into shared memory,
+several chunks in flight, and a LOP3 (plus a shift for three of every four) turns two nibbles into the bf16 pair (128 +
+nibble); the MMA multiplies those raw values, an MMA with the constant -136 adds -136 * (the group's input sum) once per
+chunk for all tiles, and one FFMA per accumulator applies the scale per group.
 
 Layout (`repack`, once at load): the layout humming-kernels' W4A16 GEMM uses for 16-bit inputs, so that with
 `--moe-backend auto` one copy of the experts serves humming's GEMM at prefill sizes and this kernel at decode sizes
@@ -33,21 +32,19 @@ PTX ISA's mma.m16n8k16 fragment tables; the GPU tests check that `repack` builds
 A chunk of k64 inputs covers 4 k16 steps and 2 scale groups (steps 0, 1 are group 2c, steps 2, 3 group 2c + 1).
 Requires N % 64 == 0 and K % 64 == 0 (Kimi's experts: N 4096 and 7168, K 7168 and 2048).
 
-Work split: a CTA of KW warps owns one 16-row block of the align (one expert; up to 16 pairs, one or two n8
-halves of the MMA) and NT 16-row tiles of N; its warps split K, each streaming its chunks through a ring of S
-shared-memory slots filled by cp.async (S - 1 chunks of weights, scales and activation fragments in flight), and
-sum their partials in shared memory at the end. With `glu` (the gate_up weights' rows in `glu_interleave`'s order:
-each n64 block holds 32 gate rows, then the 32 matching up rows) that final sum writes SiLU(gate) * up, the down
-GEMM's input, instead of the GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept,
-docs/performance.md, Tried and not kept: split-K over CTAs; persistent CTAs that stream unit after unit without a
-break, also with equal shares of work per CTA; the down GEMM chained to gate_up per align block; a 200-register
-build for 5 CTAs per SM; a warp-specialised stream-K kernel, a producer warp filling a ring of k64 stages for 7-8
-computing warps; two CTAs per block, one per n8 half (fewer registers, more warps).)
-Launched with programmatic dependent launch when `kimi.kernels.triton.pdl.enabled` (it waits for the kernel ahead
-before it
-reads anything, then lets the next kernel launch). With `early_weights` (the down GEMM of `cuda_experts_forward`,
-whose align is two kernels back) a CTA reads its block's expert and issues its first S - 1 chunks of weights before
-that wait.
+Work split: a CTA of KW warps owns one 16-row block of the align (one expert; up to 16 pairs, one or two n8 halves of
+the MMA) and NT 16-row tiles of N; its warps split K, each streaming its chunks through a ring of S shared-memory slots
+filled by cp.async (S - 1 chunks of weights, scales and activation fragments in flight), and sum their partials in
+shared memory at the end. With `glu` (the gate_up weights' rows in `glu_interleave`'s order: each n64 block holds 32
+gate rows, then the 32 matching up rows) that final sum writes SiLU(gate) * up, the down GEMM's input, instead of the
+GEMM's own outputs (no SiLU kernel between the two GEMMs). (Measured and not kept, docs/performance.md, Tried and not
+kept: split-K over CTAs; persistent CTAs that stream unit after unit without a break, also with equal shares of work per
+CTA; the down GEMM chained to gate_up per align block; a 200-register build for 5 CTAs per SM; a warp-specialised
+stream-K kernel, a producer warp filling a ring of k64 stages for 7-8 computing warps; two CTAs per block, one per n8
+half (fewer registers, more warps).) Launched with programmatic dependent launch when `kimi.kernels.triton.pdl.enabled`
+(it waits for the kernel ahead before it reads anything, then lets the next kernel launch). With `early_weights` (the
+down GEMM of `cuda_experts_forward`, whose align is two kernels back) a CTA reads its block's expert and issues its
+first S - 1 chunks of weights before that wait.
 
 The extension is built with torch's extension loader at first use (sources kimi/kernels/cuda/csrc/moe_w4a16.cu and
 kimi/kernels/cuda/csrc/moe_w4a16_binding.cpp, sm_90a) and cached under $KIMI_CSRC_CACHE (default ~/.cache/kimi/csrc).
@@ -58,7 +55,7 @@ from __future__ import annotations
 import torch
 
 from kimi.kernels import tuning
-from kimi.ops.quant import pack_nibbles, unpack_int4
+from kimi.model.quant import pack_nibbles, unpack_int4
 
 __all__ = [
     "CONFIGS",
@@ -195,11 +192,10 @@ def glu_interleave(
     packed: torch.Tensor, scale: torch.Tensor, group: int = GLU_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder the rows of a gate_up weight [E, 2I, ...] (rows [0, I) gate, [I, 2I) up, as the checkpoints store
-    them) to [gate 0 .. group-1, up 0 .. group-1, gate group .. 2 group-1, up group .. , ...]: packed [E, 2I, K/8]
-    int32 and scale [E, 2I, K/32] -> the same shapes, new tensors. The GEMM's outputs then come in the same order:
-    `kimi.kernels.triton.fused.silu_mul_rows(..., interleave=group)` reads them, and with group = GLU_GROUP (32, half
-    an n64
-    block) kimi's kernel computes SiLU(gate) * up in its epilogue (`indexed_gemm(..., glu=True)`).
+    them) to [gate 0 .. group-1, up 0 .. group-1, gate group .. 2 group-1, up group .. , ...]: packed [E, 2I, K/8] int32
+    and scale [E, 2I, K/32] -> the same shapes, new tensors. The GEMM's outputs then come in the same order:
+    `kimi.kernels.triton.fused.silu_mul_rows(..., interleave=group)` reads them, and with group = GLU_GROUP (32, half an
+    n64 block) kimi's kernel computes SiLU(gate) * up in its epilogue (`indexed_gemm(..., glu=True)`).
     Raises ValueError when 2I is not a multiple of 2 group or the shapes disagree."""
     if packed.dim() != 3 or scale.dim() != 3 or packed.shape[:2] != scale.shape[:2]:
         raise ValueError(
@@ -222,9 +218,8 @@ def glu_rows(inter: int, group: int, device=None) -> torch.Tensor:
 
 def load_extension():
     """Build (first use) and import the extension (kimi.kernels.cuda.loader.load: sources
-    kimi/kernels/cuda/csrc/moe_w4a16_binding.cpp and
-    kimi/kernels/cuda/csrc/moe_w4a16.cu, cached per torch / CUDA / Python version). Raises what torch's extension
-    loader raises when it
+    kimi/kernels/cuda/csrc/moe_w4a16_binding.cpp and kimi/kernels/cuda/csrc/moe_w4a16.cu, cached per torch / CUDA /
+    Python version). Raises what torch's extension loader raises when it
     cannot build here (OSError without a CUDA toolkit, RuntimeError on a compile error or without ninja)."""
     from kimi.kernels.cuda.loader import load
 

@@ -1,6 +1,6 @@
-"""Fused Triton kernels for the GPU decode path (kimi/worker/gpu_model.py), each with its plain-PyTorch reference.
+"""Fused Triton kernels for the GPU decode path (kimi/model/gpu_model.py), each with its plain-PyTorch reference.
 
-The CPU model keeps the references (kimi/ops/norm.py, rope.py, moe.py); the GPU model calls the fused ops.
+The CPU model keeps the references (kimi/model/norm.py, rope.py, moe.py); the GPU model calls the fused ops.
 All launches are CUDA-graph capturable: no host synchronisation, no tensor-dependent host control flow; the only
 persistent buffer (the router's int32 arrival counters) is allocated by the first call outside capture.
 
@@ -68,9 +68,8 @@ __all__ = [
 ROUTER_FUSED_MAX_T = 0  # router_topk: one fused kernel up to this many rows, the two-kernel path above
 ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (token, slot) pairs
 # moe_align_fused from this many pairs on: the grid path. tools/bench_fused.py --ops align_grid (H200; grid vs two
-# kernels at block 16 / 96): 12.8 / 11.7 vs 6.1 / 5.2 us at 2048
-# pairs, 16.2 / 13.0 vs 12.3 / 10.0 at 8192, 20.6 / 13.2 vs 20.7 / 14.7 at 16384, 105 / 50 vs 141 / 94 at 131072.
-# ALIGN_GRID_BLOCK pairs per program.
+# kernels at block 16 / 96): 12.8 / 11.7 vs 6.1 / 5.2 us at 2048 pairs, 16.2 / 13.0 vs 12.3 / 10.0 at 8192, 20.6 / 13.2
+# vs 20.7 / 14.7 at 16384, 105 / 50 vs 141 / 94 at 131072. ALIGN_GRID_BLOCK pairs per program.
 ALIGN_GRID_MIN_P = 16384
 ALIGN_GRID_BLOCK = 256
 
@@ -148,7 +147,7 @@ def _nw(block: int) -> int:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D] (last dim contiguous, any row stride), weight [D] -> rmsnorm [T, D] in x.dtype (fp32 math,
-    kimi.ops.norm.rms_norm). out: optional [T, D] destination (unit last-dim stride), returned."""
+    kimi.model.norm.rms_norm). out: optional [T, D] destination (unit last-dim stride), returned."""
     T, D = x.shape
     assert x.stride(1) == 1
     y = torch.empty((T, D), dtype=x.dtype, device=x.device) if out is None else out
@@ -212,8 +211,8 @@ def add_rms_norm(h: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor | None, wei
 
 
 def add_rms_norm_ref(h, d1, d2, weight, eps):
-    """Reference: `h + (d1 + d2)` in the model dtype (as the model's residual adds), then kimi.ops.norm.rms_norm."""
-    from kimi.ops.norm import rms_norm as ref
+    """Reference: `h + (d1 + d2)` in the model dtype (as the model's residual adds), then kimi.model.norm.rms_norm."""
+    from kimi.model.norm import rms_norm as ref
 
     d = d1 if d2 is None else d1 + d2
     h_new = h + d
@@ -369,7 +368,7 @@ def glu_split(y: torch.Tensor, inter: int, interleave: int = 0) -> tuple[torch.T
 @triton.jit
 def _rope_pairs(x, c, s, ROWS: tl.constexpr, R: tl.constexpr):
     """Interleaved rope of x [ROWS, R] fp32 (pairs (2i, 2i+1)) with c, s [R/2] fp32 -> [ROWS, R] fp32:
-    y[2i] = x[2i] c_i - x[2i+1] s_i, y[2i+1] = x[2i+1] c_i + x[2i] s_i (kimi.ops.rope.apply_rope_interleaved)."""
+    y[2i] = x[2i] c_i - x[2i+1] s_i, y[2i+1] = x[2i+1] c_i + x[2i] s_i (kimi.model.rope.apply_rope_interleaved)."""
     x0, x1 = tl.split(tl.reshape(x, (ROWS, R // 2, 2)))
     cc = c[None, :]
     ss = s[None, :]
@@ -495,8 +494,8 @@ def mla_rope_kv_write(
 
 def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positions, slot_mapping, kv_cache, nope):
     """Reference: the GPUMLAAttention / MLAAttention sequence (rms_norm, apply_rope_interleaved, index_copy_)."""
-    from kimi.ops.norm import rms_norm as ref_norm
-    from kimi.ops.rope import apply_rope_interleaved
+    from kimi.model.norm import rms_norm as ref_norm
+    from kimi.model.rope import apply_rope_interleaved
 
     _T, _H, NR = q.shape
     R = NR - nope
@@ -512,8 +511,7 @@ def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positio
 # ---- router ----------------------------------------------------------------------------------------------
 
 # int32 arrival counters of the fused router kernel: kimi.kernels.triton.linear_small_m's per-device buffer, allocated
-# once
-# (zeros) outside graph capture, split in regions that successive calls rotate through (_counter_region); the
+# once (zeros) outside graph capture, split in regions that successive calls rotate through (_counter_region); the
 # kernel leaves every counter at 0.
 _warned_capture = [False]
 
@@ -876,13 +874,13 @@ def router_topk(
     norm_topk_prob: bool = True,
     row_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kimi.ops.moe.select_experts on the GPU: x [T, D], gate_weight [E, D] (model dtype), bias [E] f32 ->
+    """kimi.model.moe.select_experts on the GPU: x [T, D], gate_weight [E, D] (model dtype), bias [E] f32 ->
     (topk_weights [T, k] f32, topk_ids [T, k] int64), ids in descending order of s + bias.
 
-    row_valid: None, or [T] int32 / int64 on x's device, read by the kernel (so a CUDA graph replays it with the
-    values of each replay): rows where it is 0 get ids -1 and weights 0, i.e. no expert (every experts backend and
-    the combine skip ids outside their local range; DeepEP's dispatch skips -1). The decode graphs mark their
-    padding rows so (kimi/worker/cuda_graph.py).
+    row_valid: None, or [T] int32 / int64 on x's device, read by the kernel (so a CUDA graph replays it with the values
+    of each replay): rows where it is 0 get ids -1 and weights 0, i.e. no expert (every experts backend and the combine
+    skip ids outside their local range; DeepEP's dispatch skips -1). The decode graphs mark their padding rows so
+    (kimi/worker/cuda_graph.py).
 
     top_k must be a power of two (8 for Kimi) and <= E; x and gate_weight need unit last-dim stride
     (AssertionError otherwise). One kernel for T <= ROUTER_FUSED_MAX_T, two above. The one-kernel path needs the
@@ -929,7 +927,7 @@ def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool
 
 
 def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):
-    from kimi.ops.moe import select_experts
+    from kimi.model.moe import select_experts
 
     return select_experts(x, gate_weight, bias, top_k, scale, norm_topk_prob)
 

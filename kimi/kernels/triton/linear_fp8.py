@@ -8,27 +8,24 @@ Format (DeepSeek-V3 / K2-Instruct, docs/model-format.md, Tensors): W [N, K] floa
 Math: y[m, n] = sum_k x[m, k] * W[n, k] (weight-only quantisation, W8A16: the activations stay bf16). The kernel
 converts each FP8 weight tile to the activation dtype (exact: every e4m3 value is a bf16 / fp16 value), takes the
 tensor-core dot of one bk-wide K block in fp32, multiplies that partial sum by the rows' tile scale (fp32) and
-accumulates in fp32; y is rounded once. The reference (`fp8_linear_ref`) dequantises W to the activation dtype
-first (`kimi.ops.quant.dequant_fp8_block`, as the bf16 model loaded before this module existed) and calls
-F.linear; the two differ by that rounding of W*s to bf16 (the kernel keeps the product in fp32), below the
-bf16 GEMM's own rounding.
+accumulates in fp32; y is rounded once. The reference (`fp8_linear_ref`) dequantises W to the activation dtype first
+(`kimi.model.quant.dequant_fp8_block`, as the bf16 model loaded before this module existed) and calls F.linear; the two
+differ by that rounding of W*s to bf16 (the kernel keeps the product in fp32), below the bf16 GEMM's own rounding.
 
 Why: in FP8 K2-Instruct's dense weights take half the memory of the bf16 copy the loader makes otherwise
 (attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half
 the bytes, but at these sizes (15-60 MB per GEMM) the kernel does not turn that into time: 1-2% slower per step than
-the bf16 path (docs/performance.md), so kimi.worker.gpu_model keeps them FP8 only on request (`fp8_dense`).
+the bf16 path (docs/performance.md), so kimi.model.gpu_model keeps them FP8 only on request (`fp8_dense`).
 
 Paths (`fp8_linear`):
 - M <= 64 rows on CUDA: the Triton kernel below, one program per BLOCK_N rows of W and split-K range (split-K
   partials reduced by the last program to arrive, in fixed order: deterministic and graph-safe, the scheme of
   kimi.kernels.triton.linear_small_m), k_unroll W tiles [BLOCK_N, bk] per iteration software-pipelined (`num_stages`),
-  the
-  activation tiles [BLOCK_M, bk] alongside; programmatic dependent launch (kimi.kernels.triton.pdl) with an L2 prefetch
-  of
-  the first W tiles before the wait, as kimi.kernels.triton.linear_small_m.
+  the activation tiles [BLOCK_M, bk] alongside; programmatic dependent launch (kimi.kernels.triton.pdl) with an L2
+  prefetch of the first W tiles before the wait, as kimi.kernels.triton.linear_small_m.
 - More rows (prefill) or no Triton / CPU: W is dequantised to the activation dtype, a chunk of rows at a time
   (`fp8_linear_dequant`: at most DEQUANT_CHUNK_BYTES of transient weights), and multiplied by F.linear (cuBLAS).
-- `Fp8Linear` layers handed to humming-kernels (`Fp8Linear.to_humming`; kimi.worker.gpu_model's fp8_dense "humming",
+- `Fp8Linear` layers handed to humming-kernels (`Fp8Linear.to_humming`; kimi.model.gpu_model's fp8_dense "humming",
   for whole-tile shapes) run humming's dense W8A16 GEMM for every M instead.
 
 Config choice: `lookup` reads kimi/kernels/tuning/linear_fp8.json (measured by tools/bench_fp8_linear.py on the GPU
@@ -48,7 +45,7 @@ from torch import nn
 
 from kimi.kernels import tuning
 from kimi.kernels.triton.common import HAS_TRITON, INTERPRET, tl, triton
-from kimi.ops.quant import dequant_fp8_block
+from kimi.model.quant import dequant_fp8_block
 
 __all__ = [
     "HAS_TRITON",

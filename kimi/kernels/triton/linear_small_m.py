@@ -44,19 +44,16 @@ allocated by the first call on a device outside capture (the model's warm-up). A
 capture* with split_k > 1 falls back to F.linear for that call (with a warning) rather than allocating
 inside the graph.
 
-Config choice: `linear()` uses Triton only for (M bucket, N, K) entries of a table measured by
-tools/bench_gemm.py, where the best Triton config beat F.linear. The table is read once from
-kimi/kernels/tuning/linear_small_m.json (or the file named by $KIMI_LINEAR_SMALL_M_TABLE) and only used when the
-current GPU's name equals the one the table was measured on; otherwise (or without Triton, or on CPU, or
-for M > 64, other dtypes, non-contiguous W, ...) `linear()` is `F.linear`; $KIMI_LINEAR_SMALL_M_TABLE=off (no
-table) gives F.linear everywhere. Tables are keyed by bucket: M=1 -> 1, 2..8 -> 8, 9..16 -> 16, 17..32 -> 32,
-33..64 -> 64.
-(Two q_b entries were added by hand, see the table's "notes".)
+Config choice: `linear()` uses Triton only for (M bucket, N, K) entries of a table measured by tools/bench_gemm.py,
+where the best Triton config beat F.linear. The table is read once from kimi/kernels/tuning/linear_small_m.json (or the
+file named by $KIMI_LINEAR_SMALL_M_TABLE) and only used when the current GPU's name equals the one the table was
+measured on; otherwise (or without Triton, or on CPU, or for M > 64, other dtypes, non-contiguous W, ...) `linear()` is
+`F.linear`; $KIMI_LINEAR_SMALL_M_TABLE=off (no table) gives F.linear everywhere. Tables are keyed by bucket: M=1 -> 1,
+2..8 -> 8, 9..16 -> 16, 17..32 -> 32, 33..64 -> 64. (Two q_b entries were added by hand, see the table's "notes".)
 
 PDL (kimi/kernels/triton/pdl.py, Hopper): the kernels are launched with programmatic dependent launch; each program
-first
-issues `prefetch.global.L2` for the first PREFETCH_TILES W tiles of its K range (weights only), then waits for
-the kernel ahead (`griddepcontrol.wait`), then lets the next kernel launch.
+first issues `prefetch.global.L2` for the first PREFETCH_TILES W tiles of its K range (weights only), then waits for the
+kernel ahead (`griddepcontrol.wait`), then lets the next kernel launch.
 
 Limits: x [M, K] and W [N, K] with unit stride on the last dim, same dtype (bf16 / fp16), 1 <= M <= 64;
 any N, K >= 1 (K % BLOCK_K != 0 takes a masked path); pointer offsets are 64-bit.
@@ -123,8 +120,8 @@ class SmallMConfig:
         )
 
 
-# Tile configs the benchmark sweeps (each also with several split_k values). Kept small: every entry is a
-# separate compile per BLOCK_M.
+# Tile configs the benchmark sweeps (each also with several split_k values). Kept small: every entry is a separate
+# compile per BLOCK_M.
 CONFIGS: tuple[SmallMConfig, ...] = (
     SmallMConfig(block_n=64, block_k=256, num_warps=4, num_stages=4),
     SmallMConfig(block_n=64, block_k=128, num_warps=4, num_stages=6),
@@ -639,9 +636,9 @@ def linear_small_m(
 
 
 def _unfused(x, w, out, norm_weight, eps, silu_mul):
-    """The prologue (torch references kimi.ops.norm.rms_norm / F.silu, same roundings) then F.linear."""
+    """The prologue (torch references kimi.model.norm.rms_norm / F.silu, same roundings) then F.linear."""
     if norm_weight is not None:
-        from kimi.ops.norm import rms_norm
+        from kimi.model.norm import rms_norm
 
         x = rms_norm(x, norm_weight, eps)
     elif silu_mul:

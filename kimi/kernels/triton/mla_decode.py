@@ -5,8 +5,8 @@ the critical path) and its run time grows with B. This kernel reads seq_lens / b
 tensors; its grid depends only on (B, H, num_splits, config), so a decode step can be captured once per batch
 size in a CUDA graph and replayed with new lengths / tables written into the same static buffers.
 
-Math (docs/model-format.md, Math: the absorbed form; the same function as `kimi.ops.attention.mla_decode_ref`): MQA of H
-query heads over the (L + R)-wide latent cache,
+Math (docs/model-format.md, Math: the absorbed form; the same function as `kimi.model.attention.mla_decode_ref`):
+MQA of H query heads over the (L + R)-wide latent cache,
 
     score[b, h, s] = (q_lat[b, h] . ckv_s + q_pe[b, h] . kpe_s) * scale     for s < seq_lens[b],
     o_lat[b, h]    = softmax_s(score[b, h]) @ ckv                           (float32 softmax / accumulation),

@@ -1,6 +1,6 @@
 """Fused W4A16 MoE (routed experts, INT4 pack-quantized weights) in Triton.
 
-`fused_experts_int4` computes the same function as `kimi.ops.moe.fused_experts_ref` but reads the
+`fused_experts_int4` computes the same function as `kimi.model.moe.fused_experts_ref` but reads the
 checkpoint's compressed-tensors **pack-quantized** INT4 weights directly (docs/model-format.md, Tensors):
 
 - `w13_packed` int32 [E, 2I, H/8]: rows 0..I-1 are gate_proj, rows I..2I-1 up_proj; element k of row n is the

@@ -10,15 +10,13 @@ latency and the ramp-up of the next kernel overlap the tail of the current one; 
 Contract of every kernel that takes `PDL: tl.constexpr` (see `wait_and_release`):
 - before `griddepcontrol.wait` it reads only data no kernel of the step writes (weights, the L2 prefetch of
   kimi.kernels.triton.linear_small_m) and writes nothing;
-- right after the wait it executes `launch_dependents`, so at most one kernel waits ahead of a running one.
-Kernels we do not own (FlashInfer, humming, cuBLAS, torch) never trigger early: a PDL kernel after them
-starts at their completion, as without PDL.
-One exception to the first rule, in kimi's CUDA expert GEMM (kimi/kernels/cuda/csrc/moe_w4a16.cu, `early_weights`): the
-down GEMM reads
-the align's outputs (num_padded, block_expert) before its wait. That align is two kernels back, and the kernels in
-between (the gate_up GEMM, silu_mul_rows) wait before they trigger, so it has completed before the down GEMM can
-launch; the reads go through L2 (ld.global.cg), where its writes are. Any kernel placed between the align and the
-down GEMM must keep that order: wait, then trigger.
+- right after the wait it executes `launch_dependents`, so at most one kernel waits ahead of a running one. Kernels we
+do not own (FlashInfer, humming, cuBLAS, torch) never trigger early: a PDL kernel after them starts at their completion,
+as without PDL. One exception to the first rule, in kimi's CUDA expert GEMM (kimi/kernels/cuda/csrc/moe_w4a16.cu,
+`early_weights`): the down GEMM reads the align's outputs (num_padded, block_expert) before its wait. That align is two
+kernels back, and the kernels in between (the gate_up GEMM, silu_mul_rows) wait before they trigger, so it has completed
+before the down GEMM can launch; the reads go through L2 (ld.global.cg), where its writes are. Any kernel placed between
+the align and the down GEMM must keep that order: wait, then trigger.
 
 Switch: `ENABLED` (on; `set_enabled` turns it off for later launches: tests and benchmarks compare the two).
 Off under Triton's CPU interpreter (no griddepcontrol there) and on GPUs before sm_90.

@@ -4,8 +4,8 @@ Each table is a JSON file beside this module, written by the tool its `tuner` fi
 regenerates it), and used only on the GPU it was measured on (`gpu`, as torch.cuda.get_device_name gives it).
 
 Schema (every table; `TuningTable`, type-checked on load):
-    {"gpu": str, "date": str (ISO 8601), "tuner": str (the command that regenerates the file), "notes": str
-     (optional), "entries": [entry, ...]}
+    {"gpu": str, "date": str (ISO 8601), "tuner": str (the command that regenerates the file), "notes": str (optional),
+     "entries": [entry, ...]}
     entry: {"n": int, "k": int (the GEMM's N, K), the rows it applies to -- "m": int (an M bucket: tables of
      `TableSpec.keys` "bucket") or "m_min": int, "m_max": int or null (no bound; tables of keys "range") --,
      "config": {launch fields of the kernel}, and optionally "weight": "int4" | "fp8", "e_local": int (the layers

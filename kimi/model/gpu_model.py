@@ -1,15 +1,14 @@
-"""The GPU path of KimiForCausalLM: the reference model (kimi/worker/model.py) with GPU kernels put in.
+"""The GPU path of KimiForCausalLM: the reference model (kimi/model/model.py) with GPU kernels put in.
 
 - Weights on the GPU in the model dtype (bf16), built on the `meta` device first so the stacked bf16 expert
-  parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4
-  compressed-tensors `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run
-  through a kimi.backends.experts module (`auto` default, `humming`, `cuda`, `triton`, `ref`) set as
-  `MoELayer.experts_impl`. FP8 (K2-Instruct) tensors: the routed experts stay FP8 under the auto and humming backends
-  (kimi.backends.experts.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections
-  (q_a + kv_a, q_b, o_proj, the gate/up/down of the shared experts and layer 0; `fp8_dense_names`) stay FP8 as
+  parameters `w13` / `w2` are never allocated: each MoE layer's routed experts stay PACKED (INT4 compressed-tensors
+  `weight_packed` / `weight_scale`, from `load_checkpoint(..., dequantize=False)`) and run through a
+  kimi.backends.experts module (`auto` default, `humming`, `cuda`, `triton`, `ref`) set as `MoELayer.experts_impl`. FP8
+  (K2-Instruct) tensors: the routed experts stay FP8 under the auto and humming backends
+  (kimi.backends.experts.HummingFp8Experts) when I is a multiple of the scale tile; on CUDA the dense projections (q_a +
+  kv_a, q_b, o_proj, the gate/up/down of the shared experts and layer 0; `fp8_dense_names`) stay FP8 as
   kimi.kernels.triton.linear_fp8.Fp8Linear layers with fp8_dense "triton" or "humming" (FP8_DENSE_CHOICES; default
-  "off":
-  dequantised); the rest is dequantised to the model dtype.
+  "off": dequantised); the rest is dequantised to the model dtype.
 - Attention (`GPUMLAAttention`): the same projections as the reference, then the absorbed form for EVERY row,
   decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer paged MLA run per layer
   over the one [num_blocks, bs, 576] cache buffer with a causal plan (a sequence's query rows are the last
@@ -17,12 +16,12 @@
   loop. Latent sizes FlashInfer has no kernel for (tiny 64-wide test models) use the float32 references instead
   (`mla_decode_ref` for decode rows, `mla_prefill_ref` per prefill sequence).
 - `GPUKimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
-  (kimi/worker/cuda_graph.py); anything else runs eagerly, with one FlashInfer plan per step for all layers
-  (planned on the host, outside any graph).
+  (kimi/worker/cuda_graph.py); anything else runs eagerly, with one FlashInfer plan per step for all layers (planned on
+  the host, outside any graph).
 - Fused Triton kernels (kimi/kernels/triton/fused.py) on CUDA: residual add + RMSNorm (across layers), merged q_a + kv_a
   GEMM (`w_qkv_a`, the two parameters are views of it), rope + latent norm + paged KV write in one kernel, merged
   gate/up weights (`w13` of each DenseMLP) + SiLU*up, the Triton router; the CPU path keeps the references.
-- `--load-format dummy`: random weights of the real shapes generated on the GPU (kimi/worker/dummy_weights.py).
+- `--load-format dummy`: random weights of the real shapes generated on the GPU (kimi/model/weights.py).
 """
 
 from __future__ import annotations
@@ -37,17 +36,14 @@ from torch import nn
 
 from kimi.backends.attention import AttentionPlan
 from kimi.backends.attention.triton_mla import TritonMLADecodeRun, triton_mla_splits
-from kimi.backends.experts import make_experts_or_ref
-from kimi.backends.linear import check_fp8_dense, dense_linear, fp8_dense_names, install_fp8, prologue_config_for
-from kimi.config import ModelConfig
+from kimi.backends.linear import dense_linear, prologue_config_for
 from kimi.kernels.triton.bmm_small_m import bmm_heads
 from kimi.kernels.triton.linear_fp8 import Fp8Linear
 from kimi.kernels.triton.linear_small_m import linear_small_m
-from kimi.ops.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
-from kimi.ops.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
-from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
-from kimi.ops.rope import RotaryEmbedding
-from kimi.worker.model import KimiForCausalLM
+from kimi.model.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
+from kimi.model.model import KimiForCausalLM
+from kimi.model.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
+from kimi.model.norm import LATENT_NORM_EPS, rms_norm
 
 if TYPE_CHECKING:
     from kimi.backends.attention.flashinfer import FlashInferMLA
@@ -61,7 +57,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("kimi.worker")
 
 
-__all__ = ["GPUKimiForCausalLM", "GPUMLAAttention", "build_gpu_model", "load_gpu_model"]
+__all__ = ["GPUKimiForCausalLM", "GPUMLAAttention"]
 
 
 class GPUMLAAttention(MLAAttention):
@@ -99,9 +95,8 @@ class GPUMLAAttention(MLAAttention):
         bf16) -> o [T, H * V] (bf16, contiguous: o_proj's input).
 
         q_lat = q_nope @ W_UK per head (kimi.kernels.triton.bmm_small_m.bmm_heads: bf16 in, fp32 accumulation), one
-        `fi.run`
-        over all planned rows (decode rows and the causal rows of prefill / chunked-prefill sequences alike; o_lat
-        [T, H, L] bf16, float32 softmax inside the kernel), o = o_lat @ W_UV^T per head written straight into the
+        `fi.run` over all planned rows (decode rows and the causal rows of prefill / chunked-prefill sequences alike;
+        o_lat [T, H, L] bf16, float32 softmax inside the kernel), o = o_lat @ W_UV^T per head written straight into the
         [T, H * V] buffer. Rows past fi.num_rows (padding) get zeros. Raises ValueError when the plan has more
         rows than the batch."""
         T, H = q_nope.shape[:2]
@@ -196,6 +191,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
     Built by `build_gpu_model` (never directly). `graphs`: a kimi.worker.cuda_graph.CudaGraphRunner or None.
     """
 
+    attention_class = GPUMLAAttention
     fi_eager: FlashInferMLA | None = None
     graphs: CudaGraphRunner | None = None
     # pure decode attention: "triton" (kimi.kernels.triton.mla_decode, no host plan) or "flashinfer"; prefill and mixed
@@ -306,7 +302,7 @@ class GPUKimiForCausalLM(KimiForCausalLM):
         g = self.graphs
         if g is not None and g.can_run_host(seq_lens, block_size):
             return g.run_host(input_ids, positions, seq_lens, block_tables, fill=fill)
-        from kimi.ops.attention import build_attention_metadata
+        from kimi.model.attention import build_attention_metadata
 
         dev = self.norm.device
         attn = build_attention_metadata([1] * len(input_ids), seq_lens, block_tables, block_size, dev)
@@ -432,15 +428,14 @@ def _mlp_fused(
     fuse_prologue: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MLP of a layer on the GPU -> (routed or dense output, shared-expert output or None); the caller
-    adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine
-    as MoELayer.forward.
+    adds both to the residual in one kernel. MoE: Triton router, then the same dispatch / experts / combine as
+    MoELayer.forward.
 
-    side: a torch.cuda.Stream or None. When given, the shared expert runs on it, forked after x is ready and
-    joined before returning, so its three bandwidth-bound kernels overlap the router / all-to-all / routed
-    expert GEMMs (also inside CUDA graph capture, where the fork / join become graph edges). Memory safety:
-    x is produced on the main stream before the fork; the shared output is read on the main stream only after
-    the join, and the side stream's next use of freed blocks comes after the next fork, i.e. after the main
-    stream's reads were enqueued.
+    side: a torch.cuda.Stream or None. When given, the shared expert runs on it, forked after x is ready and joined
+    before returning, so its three bandwidth-bound kernels overlap the router / all-to-all / routed expert GEMMs (also
+    inside CUDA graph capture, where the fork / join become graph edges). Memory safety: x is produced on the main
+    stream before the fork; the shared output is read on the main stream only after the join, and the side stream's next
+    use of freed blocks comes after the next fork, i.e. after the main stream's reads were enqueued.
 
     row_valid: see GPUKimiForCausalLM.layers_fused (rows where it is 0 are routed to no expert; their routed output
     is 0). fuse_prologue: see _dense_mlp_fused."""
@@ -470,195 +465,3 @@ def _mlp_fused(
     elif mlp.shared_experts is not None:
         shared = _dense_mlp_fused(mlp.shared_experts, x, fuse_prologue)
     return out, shared
-
-
-def _is_expert_param(module: nn.Module, name: str) -> bool:
-    return isinstance(module, MoELayer) and name in ("w13", "w2")
-
-
-def build_gpu_model(
-    cfg: ModelConfig,
-    *,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    a2a=None,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cuda",
-    max_positions: int | None = None,
-) -> GPUKimiForCausalLM:
-    """An unloaded GPUKimiForCausalLM: every parameter allocated (uninitialised) on `device` except the stacked
-    bf16 expert parameters, which stay on `meta`; MLA layers are GPUMLAAttention."""
-    model = GPUKimiForCausalLM(
-        cfg, ep_rank=ep_rank, ep_size=ep_size, dtype=dtype, device="meta", a2a=a2a, max_positions=max_positions
-    )
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or _is_expert_param(module, name):
-                continue
-            module._parameters[name] = nn.Parameter(
-                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False
-            )
-        if isinstance(module, MLAAttention):
-            module.__class__ = GPUMLAAttention
-    model.rope = RotaryEmbedding(cfg, max_positions, device)
-    return model
-
-
-def _merge_gate_up(m: DenseMLP) -> None:
-    """One [2I, D] gate/up weight `m.w13`; gate_proj / up_proj become views of it (no extra memory). FP8 (an
-    Fp8Linear pair): `m.w13` is their concatenation and gate_proj / up_proj are dropped."""
-    if isinstance(m.gate_proj, Fp8Linear):
-        m.w13 = Fp8Linear.cat([m.gate_proj, m.up_proj])
-        m.gate_proj = m.up_proj = None
-        return
-    if not m.gate_proj.is_cuda:
-        return
-    inter = m.gate_proj.shape[0]
-    w = torch.cat([m.gate_proj.detach(), m.up_proj.detach()], 0)
-    m.gate_proj = nn.Parameter(w[:inter], requires_grad=False)
-    m.up_proj = nn.Parameter(w[inter:], requires_grad=False)
-    m.w13 = w
-
-
-def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCausalLM:
-    for layer in model.layers:
-        attn = layer.self_attn
-        assert isinstance(attn, GPUMLAAttention), "build_gpu_model made every MLAAttention a GPUMLAAttention"
-        attn.prepare()
-        mlp = layer.mlp
-        if isinstance(mlp, DenseMLP):
-            _merge_gate_up(mlp)
-        elif isinstance(mlp, MoELayer) and mlp.shared_experts is not None:
-            _merge_gate_up(mlp.shared_experts)
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    # humming after the merges (its layout cannot be concatenated)
-    taken = sum(m.to_humming(model.embed_tokens.dtype) for m in fp8) if fp8_dense == "humming" else 0
-    if fp8:
-        log.info("FP8 dense layers kept FP8: %d on humming, %d on kimi's Triton kernel", taken, len(fp8) - taken)
-    elif fp8_dense != "off":
-        log.warning(
-            "fp8_dense %s: no dense weight was kept FP8 (the checkpoint has no FP8 dense weights, or the "
-            "device is not CUDA); they run as bf16",
-            fp8_dense,
-        )
-    model.eval()
-    return model
-
-
-@torch.no_grad()
-def load_gpu_model(
-    model_dir: str,
-    cfg: ModelConfig,
-    *,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    a2a=None,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cuda",
-    moe_backend: str = "auto",
-    load_format: str = "auto",
-    progress: bool = True,
-    max_positions: int | None = None,
-    seed: int = 0,
-    fp8_dense: str = "off",
-) -> GPUKimiForCausalLM:
-    """Build the GPU model and fill it from the checkpoint in model_dir (load_format "auto") or with random
-    weights of the real shapes (load_format "dummy"; model_dir unused). fp8_dense: FP8_DENSE_CHOICES.
-
-    Raises ValueError naming missing / misshapen tensors or a bad fp8_dense, CheckpointError from the loader.
-    """
-    check_fp8_dense(fp8_dense)
-    from kimi.checkpoint import load_checkpoint
-    from kimi.ops.quant import dequant_fp8_block
-
-    model = build_gpu_model(
-        cfg, ep_rank=ep_rank, ep_size=ep_size, a2a=a2a, dtype=dtype, device=device, max_positions=max_positions
-    )
-    if load_format == "dummy":
-        from kimi.worker.dummy_weights import fill_dummy
-
-        fill_dummy(model, cfg, moe_backend=moe_backend, dtype=dtype, seed=seed, fp8_dense=fp8_dense)
-        return _finish(model, fp8_dense)
-    if load_format != "auto":
-        raise ValueError(f"unknown load format {load_format!r} (auto, dummy)")
-    ws = load_checkpoint(
-        model_dir, cfg, ep_rank=ep_rank, ep_size=ep_size, dequantize=False, dtype=dtype, device="cpu", progress=progress
-    )
-    block = cfg.quant.block if cfg.quant is not None else (128, 128)
-
-    def dense(name: str) -> torch.Tensor:
-        """A floating tensor by canonical `.weight` name, FP8 dequantised; raises KeyError if absent."""
-        t = ws[name]
-        if t.dtype == torch.float8_e4m3fn:
-            return dequant_fp8_block(t.to(device), ws[name + "_scale_inv"].to(device), block, torch.float32)
-        return t
-
-    targets = model._weight_targets()
-    keep_fp8 = set()
-    if fp8_dense != "off" and torch.device(device).type == "cuda":
-        keep_fp8 = fp8_dense_names(model, block, lambda n: n in ws and ws[n].dtype == torch.float8_e4m3fn)
-    missing = []
-    for name in list(targets):
-        dst = targets.pop(name)  # (a bf16 parameter replaced by an Fp8Linear is freed once dst moves on)
-        if ".mlp.experts." in name:
-            continue
-        if name not in ws:
-            missing.append(name)
-            continue
-        if name in keep_fp8:
-            install_fp8(model, name, ws[name], ws[name + "_scale_inv"], block)
-            continue
-        src = dense(name)
-        if tuple(src.shape) != tuple(dst.shape):
-            raise ValueError(f"load_gpu_model: {name}: got {tuple(src.shape)}, want {tuple(dst.shape)}")
-        dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
-    if missing:
-        raise ValueError(f"load_gpu_model: {len(missing)} missing: {', '.join(missing[:8])}")
-    for i, layer in enumerate(model.layers):
-        mlp = layer.mlp
-        if not isinstance(mlp, MoELayer):
-            continue
-        names = [f"model.layers.{i}.mlp.experts.{mlp.expert_offset + j}." for j in range(mlp.num_local_experts)]
-
-        def stack(proj_parts, suffix, names=names):
-            """The local experts' tensors `proj + suffix`, projections concatenated along N, stacked: [E, N, ...]."""
-            return torch.stack([torch.cat([ws[n + p + suffix] for p in proj_parts], 0) for n in names]).to(device)
-
-        if names[0] + "gate_proj.weight_packed" in ws:
-            parts = {
-                "w13_packed": stack(("gate_proj", "up_proj"), ".weight_packed"),
-                "w13_scale": stack(("gate_proj", "up_proj"), ".weight_scale"),
-                "w2_packed": stack(("down_proj",), ".weight_packed"),
-                "w2_scale": stack(("down_proj",), ".weight_scale"),
-            }
-        elif (
-            moe_backend in ("humming", "auto")
-            and ws[names[0] + "gate_proj.weight"].dtype == torch.float8_e4m3fn
-            and cfg.moe_intermediate_size % block[0] == 0
-        ):
-            # FP8 experts stay FP8 (HummingFp8Experts); gate and up tiles stack along N (I a multiple of the tile)
-            parts = {
-                "w13_fp8": stack(("gate_proj", "up_proj"), ".weight"),
-                "w13_scale_inv": stack(("gate_proj", "up_proj"), ".weight_scale_inv"),
-                "w2_fp8": stack(("down_proj",), ".weight"),
-                "w2_scale_inv": stack(("down_proj",), ".weight_scale_inv"),
-            }
-        else:
-            parts = {
-                "w13": torch.stack(
-                    [
-                        torch.cat([dense(n + "gate_proj.weight"), dense(n + "up_proj.weight")], 0).to(device, dtype)
-                        for n in names
-                    ]
-                ),
-                "w2": torch.stack([dense(n + "down_proj.weight").to(device, dtype) for n in names]),
-            }
-        for n in names:
-            for k in [k for k in ws if k.startswith(n)]:
-                del ws[k]
-        mlp.experts_impl = make_experts_or_ref(
-            moe_backend, parts, mlp.expert_offset, cfg.n_routed_experts, dtype, fp8_block=block
-        )
-        del parts
-    ws.clear()  # the loaded tensors are freed here, before the model is returned
-    return _finish(model, fp8_dense)

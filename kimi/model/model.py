@@ -3,7 +3,7 @@
 Layer (docs/model-format.md, Math): `h = x + attn(rmsnorm(x)); out = h + mlp(rmsnorm(h))`; layers below
 first_k_dense_replace use a dense SwiGLU MLP, the rest MoE (noaux_tc router + routed experts + shared
 experts); final `model.norm`, untied `lm_head`. Attention is MLA over the paged latent cache
-(kimi/ops/attention.py). Inference only.
+(kimi/model/attention.py). Inference only.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops.attention import AttentionMetadata, MLAAttention
-from kimi.ops.moe import AllToAllBackend, DenseMLP, MoELayer
-from kimi.ops.norm import rms_norm
-from kimi.ops.rope import RotaryEmbedding
+from kimi.model.attention import AttentionMetadata, MLAAttention
+from kimi.model.moe import AllToAllBackend, DenseMLP, MoELayer
+from kimi.model.norm import rms_norm
+from kimi.model.rope import RotaryEmbedding
 
 # Names some dumps carry that the model does not use (docs/model-format.md, Tensors).
 _IGNORED_SUFFIXES = ("self_attn.rotary_emb.inv_freq",)
@@ -40,13 +40,14 @@ class DecoderLayer(nn.Module):
         a2a: AllToAllBackend | None,
         dtype: torch.dtype,
         device: torch.device | str,
+        attention_class: type[MLAAttention] = MLAAttention,
     ):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.is_moe = cfg.is_moe_layer(layer)
         self.input_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.post_attention_layernorm = _param((cfg.hidden_size,), dtype, device)
-        self.self_attn = MLAAttention(cfg, dtype, device)
+        self.self_attn = attention_class(cfg, dtype, device)
         self.mlp: MoELayer | DenseMLP
         if self.is_moe:
             self.mlp = MoELayer(cfg, ep_rank, ep_size, a2a, dtype, device)
@@ -86,11 +87,14 @@ class DecoderLayers(nn.ModuleList):
 class KimiForCausalLM(nn.Module):
     """The Kimi-K2 causal LM (docs/architecture.md, Interfaces), one expert-parallel rank of it.
 
-    cfg: the text backbone's ModelConfig; ep_rank / ep_size: this rank holds routed experts
-    [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size); a2a: the MoE all-to-all backend (None = local,
-    only valid for ep_size 1); dtype / device of the weights (float32 on CPU for tests, bfloat16 on GPU);
-    max_positions: size of the rope cos/sin cache (default cfg.max_position_embeddings).
+    cfg: the text backbone's ModelConfig; ep_rank / ep_size: this rank holds routed experts [ep_rank * E / ep_size,
+    (ep_rank + 1) * E / ep_size); a2a: the MoE all-to-all backend (None = local, only valid for ep_size 1); dtype /
+    device of the weights (float32 on CPU for tests, bfloat16 on GPU); max_positions: size of the rope cos/sin cache
+    (default cfg.max_position_embeddings). `attention_class`: the MLA layer each decoder layer is built with (the
+    reference here; the GPU model's layer in kimi.model.gpu_model).
     """
+
+    attention_class: type[MLAAttention] = MLAAttention
 
     def __init__(
         self,
@@ -109,7 +113,8 @@ class KimiForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.layers = DecoderLayers(
-            DecoderLayer(cfg, i, ep_rank, ep_size, a2a, dtype, device) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, ep_rank, ep_size, a2a, dtype, device, self.attention_class)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)

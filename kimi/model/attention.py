@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops.norm import LATENT_NORM_EPS, rms_norm
-from kimi.ops.rope import RotaryEmbedding
+from kimi.model.norm import LATENT_NORM_EPS, rms_norm
+from kimi.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from kimi.backends.attention import AttentionPlan

@@ -59,7 +59,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/clang-format --dry-run --Werror csrc/*.cu csrc/*.cpp
+	$(BIN)/clang-format --dry-run --Werror kimi/kernels/cuda/csrc/*.cu kimi/kernels/cuda/csrc/*.cpp
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from kimi.config import ModelConfig, QuantConfig
 from kimi.errors import CheckpointError
-from kimi.ops.quant import dequant_fp8_block, dequant_int4
+from kimi.model.quant import dequant_fp8_block, dequant_int4
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -319,7 +319,7 @@ def load_checkpoint(
 
     Returns canonical names (prefix stripped) -> tensors on `device`:
       - dequantize=True: every weight a floating `<module>.weight` of `dtype` ([out, in] for linears; INT4
-        and FP8 dequantised via kimi.ops.quant); `mlp.gate.e_score_correction_bias` stays float32.
+        and FP8 dequantised via kimi.model.quant); `mlp.gate.e_score_correction_bias` stays float32.
       - dequantize=False: INT4 experts keep `.weight_packed` (int32) / `.weight_scale` (bf16) (the validated
         `.weight_shape` is dropped); FP8 linears keep `.weight` (float8_e4m3fn) + `.weight_scale_inv`
         (float32); all other floating tensors are cast to `dtype` as above.

@@ -24,7 +24,7 @@ from typing import Any
 from kimi.errors import ConfigError
 
 IM_END_ID = 163586  # `<|im_end|>`; always a stop token for chat (docs/model-format.md, Checkpoint variants)
-# --moe-backend choices (kimi.ops.moe_backend: what each runs); here so the controller's CLI needs no torch import
+# --moe-backend choices (kimi.backends.experts: what each runs); here so the controller's CLI needs no torch import
 MOE_BACKENDS = ("auto", "humming", "cuda", "triton", "ref")
 # --log-level of `kimi serve` and of each worker rank: uvicorn's levels (trace is its most verbose; Python's logging
 # has none, so kimi logs it as debug)

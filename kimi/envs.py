@@ -5,7 +5,7 @@ subprocess that sets a variable sees it. Product modules read a variable only th
 (tests/unit/test_envs.py checks). `VARIABLES` lists them all in declaration order (docs/cli.md describes them).
 
     from kimi import envs
-    if envs.KIMI_PLAN_AHEAD.get(): ...
+    if envs.KIMI_TOKENIZER_DIR.get(): ...
 
 A value the parser refuses raises ConfigError (a ValueError) naming the variable and what it wants.
 """
@@ -63,11 +63,6 @@ def _str_or_none(raw: str) -> str | None:
     return raw or None
 
 
-def _off_if_0(raw: str) -> bool:
-    """An on-by-default switch: "0" turns it off, any other value leaves it on."""
-    return raw != "0"
-
-
 def _on_if_1(raw: str) -> bool:
     """An off-by-default switch: "1" turns it on, any other value leaves it off."""
     return raw == "1"
@@ -76,14 +71,6 @@ def _on_if_1(raw: str) -> bool:
 def _float_or_0(raw: str) -> float:
     """A number; "" is 0."""
     return float(raw or 0)
-
-
-def _ints5(raw: str) -> tuple[int, int, int, int, int] | None:
-    """Five comma-separated ints; "" is None."""
-    if not raw:
-        return None
-    a, b, c, d, e = (int(v) for v in raw.split(","))
-    return a, b, c, d, e
 
 
 VARIABLES: list[EnvVar[Any]] = []
@@ -130,7 +117,8 @@ KIMI_CSRC_CACHE = _declare(
         "KIMI_CSRC_CACHE",
         None,
         _str_or_none,
-        "folder where kimi's csrc/ extensions are built and cached (unset: ~/.cache/kimi/csrc)",
+        "folder where kimi's CUDA extensions (`kimi/kernels/cuda/csrc/`) are built and cached "
+        "(unset: ~/.cache/kimi/csrc)",
         "GPU workers",
     )
 )
@@ -140,7 +128,7 @@ KIMI_HUMMING_TABLE = _declare(
         None,
         str,
         'another humming schedule table (a path), or "off" / "" for humming\'s heuristic only (unset: the shipped '
-        "table)",
+        "kimi/kernels/tuning/humming.json)",
         "GPU workers",
     )
 )
@@ -149,7 +137,8 @@ KIMI_LINEAR_SMALL_M_TABLE = _declare(
         "KIMI_LINEAR_SMALL_M_TABLE",
         None,
         str,
-        "another tuning table of the small-M bf16 GEMM (unset: the shipped one)",
+        'another tuning table of the small-M bf16 GEMM, or "off" / "" for none (unset: the shipped one in '
+        "kimi/kernels/tuning/)",
         "GPU workers",
     )
 )
@@ -158,7 +147,8 @@ KIMI_BMM_SMALL_M_TABLE = _declare(
         "KIMI_BMM_SMALL_M_TABLE",
         None,
         str,
-        "another tuning table of the per-head MLA GEMM (unset: the shipped one)",
+        'another tuning table of the per-head MLA GEMM, or "off" / "" for none (unset: the shipped one in '
+        "kimi/kernels/tuning/)",
         "GPU workers",
     )
 )
@@ -167,87 +157,9 @@ KIMI_LINEAR_FP8_TABLE = _declare(
         "KIMI_LINEAR_FP8_TABLE",
         None,
         str,
-        "another tuning table of the FP8 dense GEMM (unset: the shipped one)",
+        'another tuning table of the FP8 dense GEMM, or "off" / "" for none (unset: the shipped one in '
+        "kimi/kernels/tuning/)",
         "GPU workers",
-    )
-)
-KIMI_LINEAR_SMALL_M = _declare(
-    EnvVar("KIMI_LINEAR_SMALL_M", True, _off_if_0, "0: dense bf16 GEMMs always through cuBLAS", "GPU workers (import)")
-)
-KIMI_BMM_SMALL_M = _declare(
-    EnvVar("KIMI_BMM_SMALL_M", True, _off_if_0, "0: the MLA absorptions through torch.bmm", "GPU workers (import)")
-)
-KIMI_PDL = _declare(
-    EnvVar(
-        "KIMI_PDL",
-        True,
-        _off_if_0,
-        "0: no programmatic dependent launch for kimi's Triton kernels (on by default on Hopper)",
-        "GPU workers (import)",
-    )
-)
-KIMI_PLAN_AHEAD = _declare(
-    EnvVar(
-        "KIMI_PLAN_AHEAD",
-        True,
-        _off_if_0,
-        "0: plan FlashInfer's next decode step only when it comes (by default during the current replay)",
-        "GPU workers (import)",
-    )
-)
-KIMI_FUSE_PROLOGUE = _declare(
-    EnvVar(
-        "KIMI_FUSE_PROLOGUE",
-        False,
-        _on_if_1,
-        "1: RMSNorm / SiLU-up fused into the following small-M GEMM's loads (benchmark switch)",
-        "GPU workers (import)",
-    )
-)
-KIMI_HUMMING_DENSE_STREAM_K = _declare(
-    EnvVar(
-        "KIMI_HUMMING_DENSE_STREAM_K",
-        False,
-        _on_if_1,
-        "1: humming's Stream-K on for dense FP8 layers (graph replay then differs from eager; benchmark switch)",
-        "GPU workers (import)",
-    )
-)
-KIMI_MOE_CUDA_PDL = _declare(
-    EnvVar(
-        "KIMI_MOE_CUDA_PDL",
-        "early",
-        str,
-        "PDL mode of kimi's CUDA expert GEMMs: early, late or off (benchmark switch)",
-        "GPU workers (import)",
-    )
-)
-KIMI_MOE_CUDA_EARLY_WEIGHTS = _declare(
-    EnvVar(
-        "KIMI_MOE_CUDA_EARLY_WEIGHTS",
-        True,
-        _off_if_0,
-        "0: the CUDA down GEMM loads weights only after its PDL wait (benchmark switch)",
-        "GPU workers (import)",
-    )
-)
-KIMI_MOE_CUDA_ZERO_PADS = _declare(
-    EnvVar(
-        "KIMI_MOE_CUDA_ZERO_PADS",
-        True,
-        _off_if_0,
-        "0: pad rows of the CUDA expert GEMMs read token 0's row instead of zeros (benchmark switch)",
-        "GPU workers (import)",
-    )
-)
-KIMI_MLA_DECODE_CONFIG = _declare(
-    EnvVar(
-        "KIMI_MLA_DECODE_CONFIG",
-        None,
-        _ints5,
-        'launch config of the Triton MLA decode kernel (unset or "": its DEFAULT_CONFIG; benchmark switch)',
-        "GPU workers",
-        "block_h,block_n,block_dv,num_warps,num_stages",
     )
 )
 TRITON_INTERPRET = _declare(
@@ -337,6 +249,14 @@ KIMI_GPU_REPORT = _declare(
 KIMI_LONG_CTX = _declare(
     EnvVar("KIMI_LONG_CTX", 33000, int, "prompt tokens of the long-context GPU test", "tests/gpu", "an int")
 )
+
+
+def by_name(name: str) -> EnvVar[Any]:
+    """The declaration of variable `name`. Raises KeyError for a name not declared here."""
+    for v in VARIABLES:
+        if v.name == name:
+            return v
+    raise KeyError(name)
 
 
 def csrc_cache_dir() -> Path:

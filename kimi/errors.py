@@ -170,3 +170,8 @@ PeerFailureError = PeerFailure
 class ProtocolError(KimiError, RuntimeError):
     """A party broke a protocol kimi's own code keeps: a step plan or result out of order or inconsistent with what
     was sent before, a KV slot overwritten, a method called out of order. Always a bug, never bad input."""
+
+
+class BackendUnavailableError(KimiError, RuntimeError):
+    """A kernel or backend this install or GPU cannot run: Triton not installed, a kernel built for another GPU
+    architecture."""

@@ -42,7 +42,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, tag=1):
     top_k: int = 0
     seed: int | None = None
     num_logprobs: int = -1
-    # appended (issue #5); semantics and order of application: kimi/ops/sampling.py
+    # appended (issue #5); semantics and order of application: kimi/model/sampling.py
     min_p: float = 0.0  # keep tokens with prob >= min_p * max prob (after temperature); 0 = off
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens

@@ -690,7 +690,7 @@ def _check_model(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer) -> Mo
             log.error("--device cuda: %s", err)
             return None
     if a.a2a_backend is not None and not a.attach:
-        from kimi.ops.all_to_all import check_backend
+        from kimi.backends.all_to_all import check_backend
 
         try:
             check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts)

@@ -22,7 +22,7 @@ Weights are drawn per tensor from a generator seeded by (seed, tensor name), so 
 deterministic and the same float weights underlie every layout: linear layers N(0, (gain / sqrt(fan_in))^2)
 (gain 1; 0.5 for o_proj / down_proj that write the residual; 3 for lm_head so logits have std ~3),
 embedding N(0, 1), norms 1 + N(0, 0.1^2), router bias N(0, 0.05^2). Quantised tensors are generated in
-float32 and then quantised (kimi.ops.quant), so their dequantised values are the "true" weights, which
+float32 and then quantised (kimi.model.quant), so their dequantised values are the "true" weights, which
 `generate_tiny_weights` returns next to the stored tensors.
 """
 
@@ -42,7 +42,7 @@ from torch import Tensor
 from kimi import envs
 from kimi.checkpoint import INDEX_FILE, expected_tensors
 from kimi.config import ModelConfig
-from kimi.ops.quant import dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block
+from kimi.model.quant import dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block
 from kimi.presets import load_preset
 
 __all__ = ["LAYOUTS", "TINY_DIMS", "generate_tiny_weights", "main", "make_tiny_checkpoint", "tiny_config"]

@@ -2,7 +2,7 @@
 # One device call: an A/B of an environment switch on the real server. `kimi serve --device cuda` on the real K2.6
 # config with dummy weights cut to $LAYERS layers is started once per value in $VALUES of the variable $VAR, and
 # tools/bench_serving.py drives each over HTTP; JSON and logs under $OUT (one subfolder per value).
-# Usage (device tool, carry .whl .whl_e2e .jitcache): VAR=KIMI_PLAN_AHEAD VALUES="0 1" LAYERS=4 bash scripts/serve_ab.sh
+# Usage (device tool, carry .whl .whl_e2e .jitcache): VAR=KIMI_HUMMING_TABLE VALUES="off kimi/kernels/tuning/humming.json" LAYERS=4 bash scripts/serve_ab.sh
 # VAR=flag: each value is a `kimi serve` flag instead (none = no flag), e.g. VALUES="none --no-async-scheduling".
 set -u
 source scripts/device_env.sh || exit 1

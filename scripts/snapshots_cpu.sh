@@ -29,8 +29,8 @@ echo "== serving against kimi serve --fake-workers"
 tmp=$(mktemp -d) pid=""
 trap '[ -z "$pid" ] || kill $pid 2> /dev/null || true; rm -rf "$tmp"' EXIT
 "$py" tools/make_tiny_checkpoint.py "$tmp/tiny-k2.6" --builtin-tokenizer 2> /dev/null
-port=$("$py" -c "from kimi.controller.transport import free_tcp_port; print(free_tcp_port())")
-zport=$("$py" -c "from kimi.controller.transport import free_tcp_port; print(free_tcp_port())")
+port=$("$py" -c "from kimi.ipc import free_tcp_port; print(free_tcp_port())")
+zport=$("$py" -c "from kimi.ipc import free_tcp_port; print(free_tcp_port())")
 serve=(kimi serve --model "$tmp/tiny-k2.6" --fake-workers --port "$port" --zmq-submit-addr "tcp://127.0.0.1:$zport"
        --max-num-seqs 64 --num-blocks 4096 --max-model-len 4096 --log-level warning)
 "${pin_server[@]}" "$py" -m "${serve[@]}" > "$tmp/server.log" 2>&1 &

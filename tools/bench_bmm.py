@@ -1,26 +1,27 @@
-"""Benchmark the per-head small-M GEMM (kimi.ops.bmm_small_m) against the torch path on the absorbed-MLA shapes.
+"""Benchmark the per-head small-M GEMM (kimi.kernels.triton.bmm_small_m) against the torch path on the absorbed-MLA
+shapes.
 
 The two per-head products of every MLA layer at Kimi-K2.6's shape (H = 64 heads per rank):
-  - uk: q_lat [M, H, 512] = q_nope [M, H, 128] @ W_UK; q_nope is a strided view of q [M, H, 192] (as in the
-    model); w_uk_t [H, 512, 128].
-  - uv: o [M, H * 128] = o_lat [M, H, 512] @ W_UV^T per head, written into the [M, H * 128] o_proj input;
-    w_uv [H, 128, 512].
+  - uk: q_lat [M, H, 512] = q_nope [M, H, 128] @ W_UK; q_nope is a strided view of q [M, H, 192] (as in the model);
+    w_uk_t [H, 512, 128].
+  - uv: o [M, H * 128] = o_lat [M, H, 512] @ W_UV^T per head, written into the [M, H * 128] o_proj input; w_uv [H, 128,
+    512].
 Each at M in --ms (the dispatch buckets 1, 8, 16, 32, 64). Timed:
   - "torch_old": torch.bmm on head-major transposes with the checkpoint's weight layouts ([H, 128, 512] for uk,
     then .contiguous(); [H, 512, 128] for uv, then .reshape to [M, H * 128], a copy): the path this kernel replaced;
-  - "torch": kimi.ops.bmm_small_m.bmm_heads_ref (torch.bmm with the kernel's layouts, writing the output in place:
+  - "torch": kimi.kernels.triton.bmm_small_m.bmm_heads_ref (torch.bmm with the kernel's layouts, writing the output in
+  place:
     the model's path where the table has no entry, e.g. prefill);
-  - every Triton config of kimi.ops.bmm_small_m.CONFIGS (checked against fp32 first: max abs err <= 1e-2 *
+  - every Triton config of kimi.kernels.triton.bmm_small_m.CONFIGS (checked against fp32 first: max abs err <= 1e-2 *
     max |ref|, else dropped).
-Method: as tools/bench_gemm.py (kimi.benchmarks.gpu.GraphTimer): each sample is one CUDA-graph replay of R calls
-cycling through enough copies of W to cover >= 512 MiB (so W comes from HBM, not the 50 MB L2), median of samples,
-per call. GB/s = (W + x + y bytes) / time; "of copy" = that / a 2 GiB device copy's bandwidth measured in the same
-run.
+Method: as tools/bench_gemm.py (kimi.benchmarks.gpu.GraphTimer): each sample is one CUDA-graph replay of R calls cycling
+through enough copies of W to cover >= 512 MiB (so W comes from HBM, not the 50 MB L2), median of samples, per call.
+GB/s = (W + x + y bytes) / time; "of copy" = that / a 2 GiB device copy's bandwidth measured in the same run.
 
 Output: a table on stdout, JSON to --out, the snapshot (--snapshot: bmm-small-m.json; bmm-small-m_custom for
-other M) and, as the tuner of kimi/ops/bmm_small_m_table.json, the dispatch table (entries where the best Triton
+other M) and, as the tuner of kimi/kernels/tuning/bmm_small_m.json, the dispatch table (entries where the best Triton
 config beats the faster torch path by more than --margin) to --table-out (`--table-out
-kimi/ops/bmm_small_m_table.json` regenerates the shipped one).
+kimi/kernels/tuning/bmm_small_m.json` regenerates the shipped one).
 
 Usage: python tools/bench_bmm.py [--ms 1,8,16,32,64] [--out F.json] [--table-out T.json] [--snapshot]
 """
@@ -38,8 +39,9 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import MIN_POOL_BYTES, GraphTimer, copy_bandwidth, require_gpu
-from kimi.ops import bmm_small_m as bmm
-from kimi.ops import linear_small_m as lsm
+from kimi.kernels import tuning
+from kimi.kernels.triton import bmm_small_m as bmm
+from kimi.kernels.triton import linear_small_m as lsm
 
 H, NOPE, ROPE, L, V = 64, 128, 64, 512, 128
 
@@ -93,7 +95,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement (at least 50)")
     ap.add_argument("--margin", type=float, default=0.02, help="a table entry needs this fraction over torch")
     ap.add_argument("--out", default=None, help="write the full JSON result here")
-    ap.add_argument("--table-out", default=None, help="write the dispatch table here (kimi/ops/bmm_small_m_table.json)")
+    ap.add_argument(
+        "--table-out", default=None, help="write the dispatch table here (kimi/kernels/tuning/bmm_small_m.json)"
+    )
     snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog)
@@ -208,9 +212,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if args.table_out:
-        with open(args.table_out, "w") as f:
-            tuner = snapshot.command_line()
-            json.dump({"gpu": gpu, "date": report["date"], "tuner": tuner, "table": table}, f, indent=1)
+        tuning.dump(args.table_out, gpu, snapshot.command_line(), tuning.bucket_entries(table))
     if args.snapshot:
         snapshot.write(
             args.snapshot,

@@ -1,15 +1,16 @@
-"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
+"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_model.py).
 
     python tools/bench_decode.py [--seqs 8,32] [--quant fp8 --ep-size 16] [--ab control0,...] [--snapshot]
 
 The rank: the real K2.6 text config (kimi/presets/kimi-k2.6.json), all 61 layers at full width, random weights
 generated on the GPU (`--load-format dummy`: INT4 experts as random int32 words + bf16 scales; with `--quant fp8`
 K2-Instruct's FP8 128 x 128 experts instead, kept FP8 by humming, and with --fp8-dense its FP8 dense projections,
-kept FP8 by kimi.ops.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size local experts per MoE layer, run by
+kept FP8 by kimi.kernels.triton.linear_fp8), EP rank 0 of 8 (--ep-size: its 384 / ep_size local experts per MoE layer,
+run by
 the chosen MoE backend), B local sequences at CTX tokens of context (FlashInfer MLA decode over the paged
 [num_blocks, 64, 576] cache, blocks randomly permuted).
 
-EP emulation (kimi.benchmarks.emulated_rank.EmulatedEP, the all-to-all seam of kimi.ops.moe): the MoE of every layer
+EP emulation (kimi.benchmarks.emulated_rank.EmulatedEP, the all-to-all seam of kimi.model.moe): the MoE of every layer
 sees the 8 * B tokens of all ranks (this rank's B rows plus 7 * B fixed random rows standing for the other ranks'
 tokens), each routed to top-8 of all 384 experts by fixed random routing drawn per layer (distinct experts per
 token); only pairs landing on the 48 local experts are computed, as that rank would; combine keeps this rank's rows.
@@ -19,7 +20,7 @@ touched are known exactly. No communication is timed (single GPU).
 Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches from
 Python; "graph" replays the CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is the next decode
 step of the same B sequences, as in a server: every context length grows by one token per step, so the graph
-runner's plan ahead (kimi.worker.cuda_graph.PLAN_AHEAD) applies as it would when serving. Every timing (eager, each
+runner's plan ahead (GPUKimiForCausalLM.plan_ahead) applies as it would when serving. Every timing (eager, each
 graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at contexts
 CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
 graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
@@ -36,7 +37,7 @@ KV read at the mean timed context (CTX - 0.5 for an even ITERS; B * that * 61 * 
 Per-op breakdown: CUDA kernel time of one eager step from torch.profiler, by kernel-name class, taken after all
 timings (a profiler session slows later CUDA-graph launches in the same process).
 cuda_gemm_layers: how many MoE layers run kimi's CUDA expert GEMM at decode sizes (--moe-backend cuda: all; auto:
-those whose humming tensors it can read, see kimi.ops.moe_backend.HummingInt4Experts).
+those whose humming tensors it can read, see kimi.backends.experts.HummingInt4Experts).
 gpu_clock (every graph timing and graph_pipelined): nvidia-smi's SM clock / power samples during it
 (kimi.benchmarks.smi.GpuSampler; the H200 runs this step at its 700 W power cap, and the clock there differs by
 machine).
@@ -59,13 +60,13 @@ import time
 import torch
 
 from kimi import envs
+from kimi.backends.experts import BACKENDS as MOE_BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
-from kimi.ops.moe_backend import BACKENDS as MOE_BACKENDS
-from kimi.ops.moe_int4_cuda import CONFIGS as MOE_CUDA_CONFIGS
-from kimi.ops.sampling import start_host_copy
+from kimi.kernels.cuda.moe_w4a16 import CONFIGS as MOE_CUDA_CONFIGS
+from kimi.model.sampling import start_host_copy
 
 # The A/B variants (--ab): each flips one switch of the product as it runs today, or applies a tuner's output, for a
 # graph captured and timed next to the headline. name: (what it changes, apply(model), undo(model)); applied before
@@ -86,24 +87,22 @@ def _set_attn(m, backend: str) -> None:
 
 def _swap_humming_table(m, table_file: str | None, on: bool) -> None:
     """humming_table_off (table_file None: humming's heuristic schedules) / humming_table_alt (the table in
-    $KIMI_HUMMING_TABLE_ALT) instead of kimi/ops/humming_table.json ($KIMI_HUMMING_TABLE); on=False restores.
+    $KIMI_HUMMING_TABLE_ALT) instead of kimi/kernels/tuning/humming.json ($KIMI_HUMMING_TABLE); on=False restores.
     The experts' cached schedules are dropped either way."""
-    from kimi.ops import moe_backend
+    from kimi.backends.experts import humming
 
     if on:
-        _saved["humming_table"] = moe_backend._humming_table
-        moe_backend._humming_table = (
-            moe_backend.load_humming_table(table_file) if table_file else {"gpu": None, "entries": {}}
-        )
+        table = humming.load_humming_table(table_file) if table_file else {"gpu": None, "entries": {}, "scope": {}}
+        _saved["humming_table"] = humming.use_humming_table(table)
     else:
-        moe_backend._humming_table = _saved["humming_table"]
+        humming.use_humming_table(_saved["humming_table"])
     for impl in _experts_impls(m):  # chosen again at the next capture
         if hasattr(impl, "_tuning"):
             impl._tuning.clear()
 
 
 def _experts_impls(m) -> list:
-    """Every MoE layer's routed-expert module (kimi.ops.moe_backend), in layer order."""
+    """Every MoE layer's routed-expert module (kimi.backends.experts), in layer order."""
     impls = (getattr(getattr(layer, "mlp", None), "experts_impl", None) for layer in m.layers)
     return [x for x in impls if x is not None]
 
@@ -120,24 +119,11 @@ def _set_attrs(key: str, targets: list[tuple[object, str]], value) -> None:
             setattr(x, a, old)
 
 
-def _set_module_attr(module: str, attr: str, value) -> None:
-    import importlib
-
-    m = importlib.import_module(module)
-    _saved[(module, attr)] = getattr(m, attr)
-    setattr(m, attr, value)
-
-
-def _restore_module_attr(module: str, attr: str) -> None:
-    import importlib
-
-    setattr(importlib.import_module(module), attr, _saved[(module, attr)])
-
-
 def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
     """(module, attribute) of every MoE layer running kimi's CUDA GEMM: CudaInt4Experts' attr (config13 / config2 /
     glu) and, under --moe-backend auto, HummingInt4Experts' cuda_<attr>."""
-    from kimi.ops.moe_backend import CudaInt4Experts, HummingInt4Experts
+    from kimi.backends.experts.cuda_w4a16 import CudaInt4Experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     return [
         (x, attr) if isinstance(x, CudaInt4Experts) else (x, "cuda_" + attr)
@@ -148,7 +134,7 @@ def _cuda_gemm_impls(m, attr: str) -> list[tuple[object, str]]:
 
 def _moe_cuda_config(m, attr: str, cfg) -> None:
     """moe_cuda_{gate_up,down}_c{NT}{KW}{S}: the launch configuration of one of kimi's CUDA expert GEMMs (attr
-    config13 / config2, see _cuda_gemm_impls; None: kimi.ops.moe_int4_cuda.config_for's pick by step size) set to
+    config13 / config2, see _cuda_gemm_impls; None: kimi.kernels.cuda.moe_w4a16.config_for's pick by step size) set to
     cfg; cfg None restores the saved ones."""
     _set_attrs(attr, _cuda_gemm_impls(m, attr), cfg)
 
@@ -156,7 +142,7 @@ def _moe_cuda_config(m, attr: str, cfg) -> None:
 def _auto_max_pairs(m, n: int | None) -> None:
     """auto_humming: under --moe-backend auto, every HummingInt4Experts' cuda_max_pairs set to n (0: humming's GEMM
     at every size); n None restores the saved ones."""
-    from kimi.ops.moe_backend import HummingInt4Experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     _set_attrs(
         "cuda_max_pairs", [(x, "cuda_max_pairs") for x in _experts_impls(m) if isinstance(x, HummingInt4Experts)], n
@@ -164,12 +150,13 @@ def _auto_max_pairs(m, n: int | None) -> None:
 
 
 def _small_tuned(on: bool) -> None:
-    """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over kimi.ops.fused.LAUNCH
-    and kimi.ops.moe_int4_triton.COMBINE_LAUNCH."""
+    """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over
+    kimi.kernels.triton.fused.LAUNCH
+    and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH."""
     import copy
 
-    from kimi.ops import fused
-    from kimi.ops import moe_int4_triton as mi
+    from kimi.kernels.triton import fused
+    from kimi.kernels.triton import moe_w4a16 as mi
 
     if on:
         _saved["small"] = (copy.deepcopy(fused.LAUNCH), dict(mi.COMBINE_LAUNCH))
@@ -189,13 +176,21 @@ def _small_tuned(on: bool) -> None:
         mi.COMBINE_LAUNCH.update(_saved["small"][1])
 
 
-def _module_switch(name: str, what: str, module: str, attr: str, value) -> dict:
-    """One variant that sets module.attr to value while it is captured and timed."""
+def _setter_switch(name: str, what: str, setter: str, value) -> dict:
+    """One variant that calls setter(value) (a function "module:name" returning the previous value) while it is
+    captured and timed, then setter(previous)."""
+
+    def _call(v):
+        import importlib
+
+        module, fn = setter.split(":")
+        return getattr(importlib.import_module(module), fn)(v)
+
     return {
         name: (
             what,
-            lambda m, module=module, attr=attr, value=value: _set_module_attr(module, attr, value),
-            lambda m, module=module, attr=attr: _restore_module_attr(module, attr),
+            lambda m, value=value: _saved.__setitem__(setter, _call(value)),
+            lambda m: _call(_saved[setter]),
         )
     }
 
@@ -210,7 +205,7 @@ AB_VARIANTS = {
         for i in range(4)
     },
     "attn_triton": (
-        "decode attention by kimi.ops.mla_decode_triton (no host plan)",
+        "decode attention by kimi.kernels.triton.mla_decode (no host plan)",
         lambda m: _set_attn(m, "triton"),
         lambda m: setattr(m, "decode_attention", _saved["decode_attention"]),
     ),
@@ -227,44 +222,39 @@ AB_VARIANTS = {
         )
         for n in (1, 2, 4, 8, 16)
     },
-    **_module_switch(
-        "prologue_on",
-        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (kimi.ops.linear_small_m.FUSE_PROLOGUE)",
-        "kimi.ops.linear_small_m",
-        "FUSE_PROLOGUE",
-        True,
+    "prologue_on": (
+        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (GPUKimiForCausalLM.set_fuse_prologue)",
+        lambda m: m.set_fuse_prologue(True),
+        lambda m: m.set_fuse_prologue(False),
     ),
-    **_module_switch(
-        "pdl_off", "no programmatic dependent launch (kimi.ops.pdl.ENABLED False)", "kimi.ops.pdl", "ENABLED", False
-    ),
-    **{
-        k: v
-        for n in (0, 1, 4, 8)
-        for k, v in _module_switch(
-            f"pf{n}",
-            f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
-            "kimi.ops.linear_small_m",
-            "PREFETCH_TILES",
-            n,
-        ).items()
-    },
-    **_module_switch(
-        "plan_ahead_off",
-        "FlashInfer planned before each replay (no plan ahead: kimi.worker.cuda_graph.PLAN_AHEAD False)",
-        "kimi.worker.cuda_graph",
-        "PLAN_AHEAD",
+    **_setter_switch(
+        "pdl_off",
+        "no programmatic dependent launch (kimi.kernels.triton.pdl.set_enabled(False))",
+        "kimi.kernels.triton.pdl:set_enabled",
         False,
     ),
     **{
         k: v
-        for mode in ("early", "late", "off")
-        for k, v in _module_switch(
-            f"moe_cuda_pdl_{mode}",
-            f"kimi's CUDA expert GEMMs with PDL mode {mode} (kimi.ops.moe_int4_cuda.PDL_MODE)",
-            "kimi.ops.moe_int4_cuda",
-            "PDL_MODE",
-            mode,
+        for n in (0, 1, 4, 8)
+        for k, v in _setter_switch(
+            f"pf{n}",
+            f"with PDL, {n} W tiles per program prefetched to L2 before the wait (linear_small_m.PREFETCH_TILES)",
+            "kimi.kernels.triton.linear_small_m:set_prefetch_tiles",
+            n,
         ).items()
+    },
+    "plan_ahead_off": (
+        "FlashInfer planned before each replay (no plan ahead: GPUKimiForCausalLM.plan_ahead False)",
+        lambda m: _set_attrs("plan_ahead", [(m, "plan_ahead")], False),
+        lambda m: _set_attrs("plan_ahead", [(m, "plan_ahead")], None),
+    ),
+    **{
+        f"moe_cuda_pdl_{mode}": (
+            f"kimi's CUDA expert GEMMs with PDL mode {mode} (cuda_experts_forward's pdl_mode)",
+            lambda m, mode=mode: _set_attrs("pdl_mode", _cuda_gemm_impls(m, "pdl_mode"), mode),
+            lambda m: _set_attrs("pdl_mode", _cuda_gemm_impls(m, "pdl_mode"), None),
+        )
+        for mode in ("early", "late", "off")
     },
     **{
         f"moe_cuda_{gemm}_c{c[0]}{c[1]}{c[2]}": (
@@ -275,21 +265,17 @@ AB_VARIANTS = {
         for gemm, attr in (("gate_up", "config13"), ("down", "config2"))
         for c in MOE_CUDA_CONFIGS
     },
-    **_module_switch(
-        "down_waits_first",
+    "down_waits_first": (
         "kimi's CUDA down GEMM reads its expert and loads weights only after griddepcontrol.wait "
-        "(kimi.ops.moe_int4_cuda.EARLY_WEIGHTS_DOWN False)",
-        "kimi.ops.moe_int4_cuda",
-        "EARLY_WEIGHTS_DOWN",
-        False,
+        "(cuda_experts_forward's early_weights False)",
+        lambda m: _set_attrs("early_weights", _cuda_gemm_impls(m, "early_weights"), False),
+        lambda m: _set_attrs("early_weights", _cuda_gemm_impls(m, "early_weights"), None),
     ),
-    **_module_switch(
-        "pads_token0",
+    "pads_token0": (
         "kimi's CUDA expert GEMMs read token 0's row for an align block's pad rows instead of zero-filling them "
-        "(kimi.ops.moe_int4_cuda.ZERO_PAD_ROWS False)",
-        "kimi.ops.moe_int4_cuda",
-        "ZERO_PAD_ROWS",
-        False,
+        "(cuda_experts_forward's zero_pads False)",
+        lambda m: _set_attrs("zero_pads", _cuda_gemm_impls(m, "zero_pads"), False),
+        lambda m: _set_attrs("zero_pads", _cuda_gemm_impls(m, "zero_pads"), None),
     ),
     "glu_unfused": (
         "kimi's CUDA gate_up GEMM writes its plain outputs and the silu_mul_rows kernel computes SiLU(gate) * up "
@@ -714,10 +700,10 @@ def main() -> None:
     _LPG[0] = args.layers_per_graph
 
     from kimi.config import ModelConfig
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
+    from kimi.model.weights import load_gpu_model
     from kimi.presets import load_preset
     from kimi.worker.cuda_graph import HOST_MARKS, CudaGraphRunner
-    from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -783,15 +769,15 @@ def main() -> None:
         "humming": sum(m.hl is not None for m in fp8_layers),
         "fp8_dense": args.fp8_dense,
     }
-    from kimi.ops import linear_small_m as _lsm
-    from kimi.ops import moe_backend
-    from kimi.ops import pdl as _pdl
+    from kimi.backends.experts import humming
+    from kimi.kernels import tuning
+    from kimi.kernels.triton import linear_small_m as _lsm
+    from kimi.kernels.triton import pdl as _pdl
 
     res["pdl"] = {"enabled": _pdl.ENABLED, "prefetch_tiles": _lsm.PREFETCH_TILES}
-    ht = moe_backend.load_humming_table()
-    ht_env = envs.KIMI_HUMMING_TABLE.get()
+    ht = humming.load_humming_table()
     res["humming_table"] = {
-        "path": ht_env if ht_env is not None else str(moe_backend.HUMMING_TABLE_PATH),
+        "path": str(tuning.path_of("humming")),
         "gpu": ht["gpu"],
         "entries": {f"{n}x{k}": [[lo, hi] for lo, hi, *_ in v] for (n, k), v in ht["entries"].items()},
     }

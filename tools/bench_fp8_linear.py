@@ -1,12 +1,12 @@
 """Benchmark kimi's FP8 block-weight GEMM and humming's against the bf16 GEMM (K2-Instruct dense shapes).
 
-Sweeps kimi.ops.linear_fp8's launch configs: the tuner of kimi/ops/linear_fp8_table.json (--table-out).
+Sweeps kimi.kernels.triton.linear_fp8's launch configs: the tuner of kimi/kernels/tuning/linear_fp8.json (--table-out).
 
 For each dense FP8 shape N x K of a K2-Instruct decode step (attention q_a+kv_a merged and padded to 2176 rows,
 q_b, o_proj; shared expert gate_up, down; dense layer-0 gate_up, down) and each M in --ms:
-  - bf16: kimi's dense GEMM (`kimi.ops.linear_small_m.linear`, its table's pick or cuBLAS) on the weight
+  - bf16: kimi's dense GEMM (`kimi.kernels.triton.linear_small_m.linear`, its table's pick or cuBLAS) on the weight
     dequantised to bf16, what the model ran before FP8 weights stayed FP8;
-  - fp8: kimi.ops.linear_fp8.fp8_linear_small_m for every config of --configs;
+  - fp8: kimi.kernels.triton.linear_fp8.fp8_linear_small_m for every config of --configs;
   - humming: humming-kernels' dense W8A16 GEMM (Fp8Linear.to_humming, its heuristic schedule without Stream-K, as
     Fp8Linear runs it, and with Stream-K, humming's default: "humming_streamk");
 and for each M in --prefill-ms (prefill chunks): humming against the dequantise + F.linear path (`fp8_linear_ref`).
@@ -17,7 +17,8 @@ bytes incl. scales + x + y) / time; "of copy" against a 2 GiB device copy measur
 
 Output: a table on stdout; JSON to --out (copy bandwidth, every measurement), the snapshot (--snapshot:
 fp8-linear.json; fp8-linear_custom for other shapes, M or configs) and the dispatch table to --table-out
-(kimi.ops.linear_fp8.load_table format; `--table-out kimi/ops/linear_fp8_table.json` regenerates the shipped one).
+(kimi.kernels.tuning format; `--table-out kimi/kernels/tuning/linear_fp8.json` regenerates the
+shipped one).
 
 Usage: python tools/bench_fp8_linear.py [--ms 1,8,16,32,64] [--shapes qkv_a,o_proj] [--out F.json] [--snapshot]
 """
@@ -36,7 +37,8 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import DENSE_SHAPES, MIN_POOL_BYTES, GraphTimer, copy_bandwidth, pick_shapes, require_gpu
-from kimi.ops import linear_fp8 as lf
+from kimi.kernels import tuning
+from kimi.kernels.triton import linear_fp8 as lf
 
 # the K2 dense shapes without lm_head (never FP8); q_a + kv_a as the FP8 merge holds it: 1536 + 576 rows
 # zero-padded to whole 128-row tiles (Fp8Linear.cat)
@@ -107,14 +109,16 @@ def main() -> int:
     )
     ap.add_argument("--samples", type=int, default=50, help="timed graph replays per measurement (at least 50)")
     ap.add_argument("--out", default=None, help="write the full JSON result here")
-    ap.add_argument("--table-out", default=None, help="write the dispatch table here (kimi/ops/linear_fp8_table.json)")
+    ap.add_argument(
+        "--table-out", default=None, help="write the dispatch table here (kimi/kernels/tuning/linear_fp8.json)"
+    )
     snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog, None if lf.HAS_TRITON else ImportError("Triton is not installed"))
     import triton
 
-    from kimi.ops import linear_small_m as lsm
-    from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+    from kimi.kernels.triton import linear_small_m as lsm
+    from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 
     t0 = time.time()
     ms_list = [int(v) for v in args.ms.split(",") if v] + [int(v) for v in args.prefill_ms.split(",") if v]
@@ -161,8 +165,8 @@ def main() -> int:
                 at = [i % copies for i in range(reps)]
                 for key, sk in (("humming", False), ("humming_streamk", True)) if hum else ():
                     # humming's heuristic schedule without Stream-K (what Fp8Linear runs) and with it (its default)
-                    lf.HUMMING_STREAM_K = sk
                     for h in hum:
+                        h.humming_stream_k = sk
                         h._tuning.clear()
                     try:
                         err = (hum[0](x).float() - ref).abs().max().item()
@@ -172,7 +176,9 @@ def main() -> int:
                             row[f"{key}_GBps"] = row["fp8_bytes"] / row[f"{key}_us"] / 1e3
                     except Exception as e:
                         row[f"{key}_error"] = repr(e)[:300]
-                lf.HUMMING_STREAM_K = False
+                for h in hum:
+                    h.humming_stream_k = False
+                    h._tuning.clear()
                 if M > lf.MAX_M:  # prefill: humming vs dequantise + F.linear
                     row["dequant_us"] = timer.time_calls([lambda q=qs[j], x=x: lf.fp8_linear_ref(x, *q) for j in at_r])
                     results.append(row)
@@ -235,7 +241,8 @@ def main() -> int:
         fatal = traceback.format_exc()
         print(f"FATAL, writing partial results:\n{fatal}", flush=True)
     report = {
-        "what": "FP8 block-weight small-M GEMM (kimi.ops.linear_fp8) vs kimi's bf16 GEMM on the dequantised weight",
+        "what": "FP8 block-weight small-M GEMM (kimi.kernels.triton.linear_fp8) vs kimi's bf16 GEMM"
+        " on the dequantised weight",
         "args": vars(args),
         "gpu": gpu,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -252,9 +259,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if args.table_out:
-        with open(args.table_out, "w") as f:
-            tuner = snapshot.command_line()
-            json.dump({"gpu": gpu, "date": report["date"], "tuner": tuner, "table": table}, f, indent=1)
+        tuning.dump(args.table_out, gpu, snapshot.command_line(), tuning.bucket_entries(table))
     if args.snapshot and not fatal:
         custom = (args.ms, args.prefill_ms, args.shapes, args.configs) != (
             DEFAULT_MS,

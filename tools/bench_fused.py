@@ -1,8 +1,8 @@
-"""Benchmark the fused decode kernels of kimi/ops/fused.py against their alternatives (A/B).
+"""Benchmark the fused decode kernels of kimi/kernels/triton/fused.py against their alternatives (A/B).
 
 Every case times two implementations, "new" and "old", and records which of them the model runs at that size
-(`model_runs`, from the thresholds in kimi.ops.fused: ROUTER_FUSED_MAX_T, ALIGN_ONE_PROGRAM_MAX_P, ALIGN_GRID_MIN_P,
-LAUNCH["router_logits_large"]["min_t"]); those thresholds come from these measurements.
+(`model_runs`, from the thresholds in kimi.kernels.triton.fused: ROUTER_FUSED_MAX_T, ALIGN_ONE_PROGRAM_MAX_P,
+ALIGN_GRID_MIN_P, LAUNCH["router_logits_large"]["min_t"]); those thresholds come from these measurements.
 
 Ops and shapes (Kimi-K2.6, one rank of the decode step):
   - rms_norm / add_rms_norm (D 7168; rms_norm also D 1536, the q_a norm), T = 8 and 32 rows. "old": the previous
@@ -10,13 +10,13 @@ Ops and shapes (Kimi-K2.6, one rank of the decode step):
   - mla_rope_kv_write (H 64, N 128, R 64, L 512, paged cache of 64-token blocks), T = 8 and 32. "old": the previous
     grid-(T,) kernel, kept in this file.
   - router_topk (E 384, D 7168, top-8), T = 8, 32, 64, 256: "new" = the one fused kernel (fused._router_topk forced
-    fused), "old" = the two-kernel path. 20 distinct gate matrices (110 MB, > L2), cycled, so each call reads its
-    gate from HBM as in the model.
+    fused), "old" = the two-kernel path. 20 distinct gate matrices (110 MB, > L2), cycled, so each call reads its gate
+    from HBM as in the model.
   - moe_align_fused (48 local experts of 384, top-8), T = 64, 256, 512 tokens (P = 512, 2048, 4096 pairs), block_m
     16 and 64: "new" = the single program, "old" = the two-kernel path.
   - align_grid: moe_align_fused's grid path against the two-kernel path, T = 256 .. 16384 (prefill sizes).
-  - router_large: the two-kernel router's large-T launch (bigger tiles, K unsplit) against its decode launch,
-    T = 512, 2048, 8192.
+  - router_large: the two-kernel router's large-T launch (bigger tiles, K unsplit) against its decode launch, T = 512,
+    2048, 8192.
   - silu_mul (for reference, no alternative): M 8 and 512 rows, I 2048.
 Before timing, each new output is compared with the old one (rmsnorm / mla: max abs difference; router: ids equal;
 align: identical sets per row block) and the result goes into the report.
@@ -50,7 +50,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 except ImportError as _e:
     _MISSING = _e
 

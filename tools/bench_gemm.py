@@ -1,11 +1,11 @@
-"""Benchmark the small-M bf16 GEMM (kimi.ops.linear_small_m) against cuBLAS (F.linear) on Kimi-K2.6 shapes.
+"""Benchmark the small-M bf16 GEMM (kimi.kernels.triton.linear_small_m) against cuBLAS (F.linear) on Kimi-K2.6 shapes.
 
 One run measures, on the current CUDA device:
   - HBM copy bandwidth: a 2 GiB device-to-device copy (`b.copy_(a)`), median of 20 timed copies, reported as
     (bytes read + bytes written) / time, the usual convention.
   - For each weight shape N x K of a decode step (attention q_a+kv_a, q_b, o_proj; shared expert gate_up, down;
     dense layer-0 MLP gate_up, down; lm_head) and each M in --ms (default 1, 8, 16, 32, 64):
-    F.linear(x, W) and every Triton config of kimi.ops.linear_small_m.CONFIGS at several split_k values.
+    F.linear(x, W) and every Triton config of kimi.kernels.triton.linear_small_m.CONFIGS at several split_k values.
     Each config's first output is checked against F.linear (max abs err <= 1e-2 * max |ref|, else dropped).
 
 Timing (each number is the median of --samples >= 50 samples):
@@ -20,9 +20,10 @@ Timing (each number is the median of --samples >= 50 samples):
   - GB/s = (bytes of W + x + y) / time; "of copy" = that / the measured copy bandwidth.
 
 Output: a table on stdout, JSON to --out (every measurement, the chosen table), the snapshot (--snapshot:
-gemm-small-m.json; gemm-small-m_custom for other shapes or M) and, as the tuner of kimi/ops/linear_small_m_table.json,
-the dispatch table to --table-out in the format kimi.ops.linear_small_m.load_table reads (`--table-out
-kimi/ops/linear_small_m_table.json` regenerates the shipped one). A (bucket, N, K) entry is chosen only when the
+gemm-small-m.json; gemm-small-m_custom for other shapes or M) and, as the tuner of
+kimi/kernels/tuning/linear_small_m.json,
+the dispatch table to --table-out in kimi.kernels.tuning's format (`--table-out
+kimi/kernels/tuning/linear_small_m.json` regenerates the shipped one). A (bucket, N, K) entry is chosen only when the
 best Triton config beats F.linear by more than --margin (default 2 %). --budget-s (default 85): once exceeded, the
 remaining (shape, M) pairs are measured with cuBLAS and only the configs that won so far. Progress goes to stdout; a
 fatal error (e.g. a CUDA fault) still writes the JSON with what was measured and the error.
@@ -47,7 +48,8 @@ import torch.nn.functional as F
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import DENSE_SHAPES, MIN_POOL_BYTES, GraphTimer, copy_bandwidth, pick_shapes, require_gpu
-from kimi.ops import linear_small_m as lsm
+from kimi.kernels import tuning
+from kimi.kernels.triton import linear_small_m as lsm
 
 SHAPES = DENSE_SHAPES
 SPLITS = (1, 2, 3, 4, 6, 8)
@@ -117,7 +119,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=85.0, help="seconds after which only winning configs are timed")
     ap.add_argument("--out", default=None, help="write the full JSON result here")
     ap.add_argument(
-        "--table-out", default=None, help="write the dispatch table here (kimi/ops/linear_small_m_table.json)"
+        "--table-out", default=None, help="write the dispatch table here (kimi/kernels/tuning/linear_small_m.json)"
     )
     snapshot.add_arguments(ap)
     args = ap.parse_args()
@@ -273,9 +275,7 @@ def main() -> int:
             json.dump(report, f, indent=1)
     if args.table_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.table_out)), exist_ok=True)
-        with open(args.table_out, "w") as f:
-            tuner = snapshot.command_line()
-            json.dump({"gpu": gpu, "date": report["date"], "tuner": tuner, "table": table}, f, indent=1)
+        tuning.dump(args.table_out, gpu, snapshot.command_line(), tuning.bucket_entries(table))
     if args.snapshot and not fatal:
         custom = args.ms != DEFAULT_MS or args.shapes != ",".join(SHAPES)
         snapshot.write(

@@ -1,5 +1,5 @@
 """Sweep humming-kernels' schedule configs for Kimi's two expert GEMMs at decode shapes (one H200): the tuner of
-kimi/ops/humming_table.json.
+kimi/kernels/tuning/humming.json.
 
 The default (`HummingInt4Experts._configs`) asks humming's heuristics for a config at shape_m = the expected
 number of local (token, expert) pairs. This tool times, per GEMM (w13 gate_up [4096 x 7168], w2 down
@@ -12,9 +12,10 @@ Each distinct config is JIT-compiled on first use (the compile time is recorded)
 new config is tried. Timing: triton.testing.do_bench median, L2 cleared, NSETS distinct routing sets cycled.
 GB/s = weight bytes of the distinct local experts hit by that GEMM / time. rel_diff_vs_default: the relative
 difference from the default config's output over the local pairs' rows (the only rows written) of the first
-input set. Output: JSON (--out) and a table; --table-out writes a kimi.ops.moe_backend humming table: per GEMM and
+input set. Output: JSON (--out) and a table; --table-out writes a kimi.backends.experts humming table: per GEMM and
 T, the fastest config when it beats the default by more than --min-gain (`--grid --table-out
-kimi/ops/humming_table.json` regenerates the shipped table's plain entries; its `over_heuristic` entries were chosen
+kimi/kernels/tuning/humming.json` regenerates the shipped table's plain entries; its `over_heuristic` entries were
+chosen
 in the decode step, tools/bench_decode.py --ab humming_table_alt, and are carried over by hand).
 
 Usage: python tools/bench_humming_sweep.py [--tokens 64,256] [--grid] [--out F] [--table-out T]
@@ -46,7 +47,8 @@ from kimi.benchmarks.moe import (
     make_weights,
     touched,
 )
-from kimi.ops.moe_int4_triton import moe_align
+from kimi.kernels import tuning
+from kimi.kernels.triton.moe_w4a16 import moe_align
 
 # --help without Triton or humming; a run stops in require_gpu
 _MISSING = import_gpu_module("triton.testing")[1] or import_gpu_module("humming.tune")[1]
@@ -150,7 +152,7 @@ def main():
     ap.add_argument(
         "--table-out",
         default=None,
-        help="write a kimi.ops.moe_backend humming table: per GEMM and T, the fastest config when it beats "
+        help="write a kimi.backends.experts humming table: per GEMM and T, the fastest config when it beats "
         "the default by more than --min-gain, for expected local pairs from midway to the previous swept "
         "T's to midway to the next one's (the largest T: up to its own)",
     )
@@ -267,13 +269,7 @@ def main():
                         "default_ms": d["ms"],
                     }
                 )
-        with open(args.table_out, "w") as f:
-            json.dump(
-                {"gpu": res["gpu"], "date": res["date"], "tuner": snapshot.command_line(), "entries": entries},
-                f,
-                indent=1,
-                default=str,
-            )
+        tuning.dump(args.table_out, res["gpu"], snapshot.command_line(), json.loads(json.dumps(entries, default=str)))
         print(f"humming table: {len(entries)} entries -> {args.table_out}")
     print(f"\ncopy {copy_bw:.0f} GB/s")
     for c in res["cases"]:

@@ -1,12 +1,12 @@
 """FlashInfer's MLA decode (fa3, kimi's decode attention) against kimi's planless Triton MLA decode kernel
-(kimi.ops.mla_decode_triton, `decode_attention = "triton"`), on kimi's paged latent cache.
+(kimi.kernels.triton.mla_decode, `decode_attention = "triton"`), on kimi's paged latent cache.
 
 Per case (B requests, all at ctx tokens of context; 64 heads, 512 + 64 latent, block_size 64, bf16, blocks
 scattered by a random permutation): every config of CONFIGS at a few num_splits values (choose_num_splits' pick,
 half and double it, and 1 for B >= 64), each call captured in a CUDA graph and timed as graph replays; FlashInfer
 fa3 (if importable) eager `run()` (plan excluded; plan's host time reported apart) and replayed from a CUDA graph.
 Median of triton.testing.do_bench (L2 cleared before each call: cold cache).
-Every timed variant is first checked against kimi.ops.attention.mla_decode_ref (rel err = max abs err / max abs
+Every timed variant is first checked against kimi.model.attention.mla_decode_ref (rel err = max abs err / max abs
 ref). Bytes = KV read (B * ctx * 576 * 2) + q + o; GB/s = bytes / time.
 
 The Triton kernel's CONFIGS and its DEFAULT_CONFIG / choose_num_splits come from this sweep.
@@ -26,8 +26,8 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import import_gpu_module, require_gpu
-from kimi.ops import mla_decode_triton as mdt
-from kimi.ops.attention import mla_decode_ref
+from kimi.kernels.triton import mla_decode as mdt
+from kimi.model.attention import mla_decode_ref
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 
@@ -221,7 +221,7 @@ def main():
         try:
             import flashinfer
 
-            from kimi.ops import attention_flashinfer as fi_mod
+            from kimi.backends.attention import flashinfer as fi_mod
 
             fi_version = flashinfer.__version__
         except Exception as e:
@@ -238,7 +238,7 @@ def main():
         configs = [by_name[n] for n in names]
     explicit_splits = [int(v) for v in args.splits.split(",") if v]
     res = {
-        "what": "planless Triton split-KV MLA decode (kimi.ops.mla_decode_triton) vs FlashInfer fa3 decode",
+        "what": "planless Triton split-KV MLA decode (kimi.kernels.triton.mla_decode) vs FlashInfer fa3 decode",
         "num_sms": num_sms,
         "versions": {
             "torch": torch.__version__,

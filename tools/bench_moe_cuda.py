@@ -1,4 +1,5 @@
-"""kimi's CUDA W4A16 indexed expert GEMM (kimi/ops/moe_int4_cuda.py, csrc/moe_w4a16.cu) against humming-kernels'
+"""kimi's CUDA W4A16 indexed expert GEMM (kimi/kernels/cuda/moe_w4a16.py, kimi/kernels/cuda/csrc/moe_w4a16.cu) against
+humming-kernels'
 indexed GEMM, one run, one GPU, at Kimi-K2's expert shapes.
 
 For each T (MoE tokens of one rank's step; the decode bench's 8 / 32 local sequences under EP8 are T = 64 / 256) in
@@ -12,11 +13,11 @@ random pack-quantized INT4 words and bf16 scales. For each GEMM:
 - GB/s: bytes of the experts hit (packed words + scales) / time, against the copy bandwidth measured in the run.
 - the SM clock and board power during each timing (`kimi.benchmarks.smi.GpuSampler`, nvidia-smi every 20 ms; a
   timing lasts ~50 ms and the power reading lags, so each row's power mostly shows the rows before it).
-`table_config` is the configuration kimi.ops.moe_int4_cuda.TABLE picks at the step's expected local pairs (what the
-model runs); its picks, and kimi.ops.moe_backend.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM),
-come from this sweep and the decode step's A/B of the candidates (tools/bench_decode.py --ab moe_cuda_...).
-Also whether kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout
---moe-backend auto shares).
+`table_config` is the configuration kimi.kernels.cuda.moe_w4a16.TABLE picks at the step's expected local pairs (what the
+model runs); its picks, and kimi.backends.experts.AUTO_CUDA_MAX_PAIRS (where `auto` hands over to humming's GEMM), come
+from this sweep and the decode step's A/B of the candidates (tools/bench_decode.py --ab moe_cuda_...). Also whether
+kimi's repack builds humming's transformed tensors bit for bit (`repack_equals_humming`: the layout --moe-backend auto
+shares).
 
 Usage: python tools/bench_moe_cuda.py [--tokens 64,256,512,1024] [--out F] [--snapshot]
 Snapshot: moe-w4a16.json (moe-w4a16_custom for other tokens or GEMMs).
@@ -34,9 +35,9 @@ import torch
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
-from kimi.ops import moe_int4_cuda as mc
-from kimi.ops.quant import dequant_int4
-from kimi.worker.dummy_weights import random_packed_experts
+from kimi.kernels.cuda import moe_w4a16 as mc
+from kimi.model.quant import dequant_int4
+from kimi.model.weights import random_packed_experts
 
 _MISSING = None  # its imports need no GPU package; main() still exits with one line without a CUDA device
 
@@ -130,8 +131,8 @@ def main() -> None:
     require_gpu(ap.prog, _MISSING)
     from humming.layer import HummingLayer  # noqa: F401  (fails loudly when humming is absent)
 
-    from kimi.ops.fused import moe_align_fused
-    from kimi.ops.moe_backend import HummingInt4Experts
+    from kimi.backends.experts.humming import HummingInt4Experts
+    from kimi.kernels.triton.fused import moe_align_fused
 
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,9 +1,9 @@
-"""FP8 routed experts (K2-Instruct) on one GPU: humming's W8A16 indexed GEMMs (kimi.ops.moe_backend.HummingFp8Experts)
+"""FP8 routed experts (K2-Instruct) on one GPU: humming's W8A16 indexed GEMMs (kimi.backends.experts.HummingFp8Experts)
 against the fallback path of FP8 experts (dequantised to bf16 on load, `RefExperts`: the other backends, or an
 expert width humming cannot tile), with the INT4 humming backend of K2.6 at the same shapes for scale.
 
 Shapes: the real Kimi experts (D 7168, I 2048), 48 local of 384 (EP rank 2 of 8), top-8. Weights: random FP8
-(kimi.worker.dummy_weights.random_fp8_experts: N(0, 1) e4m3 values, float32 128 x 128 tile scales) and random packed
+(kimi.model.weights.random_fp8_experts: N(0, 1) e4m3 values, float32 128 x 128 tile scales) and random packed
 INT4 (random_packed_experts). For each T in --tokens, NSETS distinct (x, routing) sets; each timed call takes the
 next set. Timer: triton.testing.do_bench (L2 cleared before every call), median. humming runs as CUDA-graph replays
 (one graph per set: what the decode step does); RefExperts eagerly (it reads expert counts on the host and cannot be
@@ -27,10 +27,10 @@ import time
 
 import torch
 
+from kimi.backends.experts import make_experts
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import copy_bandwidth, import_gpu_module, require_gpu
-from kimi.ops.moe_backend import make_experts
-from kimi.worker.dummy_weights import random_fp8_experts, random_packed_experts
+from kimi.model.weights import random_fp8_experts, random_packed_experts
 
 triton, _MISSING = import_gpu_module("triton.testing")  # --help without Triton; a run stops in require_gpu
 

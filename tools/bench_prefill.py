@@ -1,4 +1,4 @@
-"""Prefill steps of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/worker/gpu_model.py).
+"""Prefill steps of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_model.py).
 
 The rank is the decode benchmark's (tools/bench_decode.py): the real K2.6 text config, all 61 layers at full width,
 random weights generated on the GPU (`--load-format dummy`), EP rank 0 of 8 with its 48 local INT4 experts per MoE
@@ -40,10 +40,10 @@ import time
 
 import torch
 
+from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import require_gpu
-from kimi.ops.moe_backend import BACKENDS
 
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
@@ -150,9 +150,9 @@ def main() -> None:
     cases = parse_cases(args.cases, args.chunk)
 
     from kimi.config import ModelConfig
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
+    from kimi.model.weights import load_gpu_model
     from kimi.presets import load_preset
-    from kimi.worker.gpu_model import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -1,4 +1,4 @@
-"""Time the batched sampler (kimi.ops.sampling.sample) against the per-row reference (sample_ref) on the GPU.
+"""Time the batched sampler (kimi.model.sampling.sample) against the per-row reference (sample_ref) on the GPU.
 
 Logits [B, 163840] float32 (Kimi's vocabulary) on the device; per B in --batch two mixes: all greedy, and
 "mixed" (half greedy with 5 logprobs, half temperature 0.8 / top-k 50 / top-p 0.9 with the sampled logprob).
@@ -20,7 +20,7 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import require_gpu
-from kimi.ops.sampling import sample, sample_ref
+from kimi.model.sampling import sample, sample_ref
 from kimi.protocol import SamplingParams
 
 V = 163840

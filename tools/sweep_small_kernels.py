@@ -1,5 +1,5 @@
-"""Sweep the launch parameters of the decode step's small kernels (kimi.ops.fused.LAUNCH and
-kimi.ops.moe_int4_triton.COMBINE_LAUNCH) at the Kimi-K2.6 decode shapes of one rank, on one GPU.
+"""Sweep the launch parameters of the decode step's small kernels (kimi.kernels.triton.fused.LAUNCH and
+kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH) at the Kimi-K2.6 decode shapes of one rank, on one GPU.
 
 Ops and shapes (B local rows = 8 / 32; the MoE sees 8 * B tokens, top-8 of 384 experts, the 48 of one EP rank):
   - combine_into: y [8B * 8, 7168] -> out [8B, 7168]; block_n x warps.
@@ -12,11 +12,11 @@ Every variant's output is compared with the default's first (combine / silu_mul_
 written; align: block experts and num_padded equal, row blocks equal as sets; router: ids equal, weights within
 1e-5; norms within 1e-2 relative) and a variant that differs is not eligible.
 
-Timing: kimi.benchmarks.gpu.GraphTimer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL
-as configured (kimi.ops.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the
-variant with the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the
-JSON (--out) holds the LAUNCH / COMBINE_LAUNCH values to use. This is the tuner of the launch tables written in
-code, kimi.ops.fused.LAUNCH and kimi.ops.moe_int4_triton.COMBINE_LAUNCH (its picks are copied there by hand);
+Timing: kimi.benchmarks.gpu.GraphTimer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL as
+configured (kimi.kernels.triton.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the
+variant with the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the JSON
+(--out) holds the LAUNCH / COMBINE_LAUNCH values to use. This is the tuner of the launch tables written in code,
+kimi.kernels.triton.fused.LAUNCH and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH (its picks are copied there by hand);
 tools/bench_decode.py --ab small_tuned applies a picks file ($KIMI_SMALL_PICKS) to a whole decode step first.
 
 Usage: python tools/sweep_small_kernels.py --out small_kernels.json
@@ -35,12 +35,12 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import GraphTimer, require_gpu
-from kimi.ops import moe_int4_triton as mi
+from kimi.kernels.triton import moe_w4a16 as mi
 
 # GPU packages: a CPU-only install still gets --help; main() then exits with one line (require_gpu)
 _MISSING = None
 try:
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 except ImportError as _e:
     _MISSING = _e
 
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the full JSON result (and its picks) here")
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
-    from kimi.ops import pdl
+    from kimi.kernels.triton import pdl
 
     g = torch.Generator(device=DEV).manual_seed(0)
     res = {

@@ -1,7 +1,7 @@
 """One DP x EP rank of a Kimi-K2 model on one GPU, for the decode and prefill benchmarks (tools/bench_decode.py,
 tools/bench_prefill.py).
 
-`EmulatedEP` stands in for the all-to-all seam of kimi.ops.moe: the MoE of every layer sees the tokens of all ranks
+`EmulatedEP` stands in for the all-to-all seam of kimi.model.moe: the MoE of every layer sees the tokens of all ranks
 (this rank's rows plus fixed random rows standing for the other ranks'), routed by fixed random routing drawn per
 layer (distinct experts per token), so the bytes each step touches are known exactly; combine keeps this rank's
 rows. No communication is timed. `time_ms` times a step with CUDA events; `breakdown` gives torch.profiler's CUDA
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kimi.benchmarks.gpu import event_times
-from kimi.ops.moe import DispatchResult
+from kimi.model.moe import DispatchResult
 
 
 class EmulatedEP:

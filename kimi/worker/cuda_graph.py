@@ -9,16 +9,17 @@ The logits and sampling run eagerly after it on the rows in use.
 
 Padding: a batch of B <= bucket sequences fills rows [0, B); rows [B, bucket) get token 0 at position 0, slot 0
 of the null block 0 (their cache writes land there), and attend over that block with seq_len 1. A fourth static
-input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router (kimi.ops.fused.router_topk), which
+input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router
+(kimi.kernels.triton.fused.router_topk), which
 gives padding rows no expert: the expert GEMMs see only the batch's own (token, expert) pairs. Padding rows still
 run the dense layers and attention (a bucket's static shape); their outputs are dropped.
 
 Attention, by the model's `decode_attention`:
-- "triton" (kimi.ops.mla_decode_triton): no planning. Context lengths and block tables go, with the ids /
+- "triton" (kimi.kernels.triton.mla_decode): no planning. Context lengths and block tables go, with the ids /
   positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
   then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
 - "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
-  `use_cuda_graph=True` wrapper whose index buffers the graph captured. With PLAN_AHEAD, `run_host` also plans
+  `use_cuda_graph=True` wrapper whose index buffers the graph captured. With plan_ahead, `run_host` also plans
   the bucket's next step (same batch, every length + 1) right after launching the replay, while the GPU works;
   when the next step is that one, only its page ids are copied before the replay (FlashInferMLA.plan_ahead).
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -35,17 +35,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kimi.ops.attention import AttentionMetadata
+from kimi.backends.attention import AttentionPlan
+from kimi.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from kimi.ops.attention_flashinfer import FlashInferMLADecode
-    from kimi.worker.gpu_model import TritonMLADecodeRun
+    from kimi.backends.attention.flashinfer import FlashInferMLADecode
+    from kimi.backends.attention.triton_mla import TritonMLADecodeRun
 
 __all__ = ["CudaGraphRunner", "bucket_sizes"]
 
-log = logging.getLogger("kimi.worker")
+log = logging.getLogger(__name__)
 
 _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Layers per captured graph (0: the whole forward in one graph). A chain of smaller graphs lets the GPU run segment
@@ -54,10 +55,6 @@ _BASE = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # torch.profiler run in the same process; docs/performance.md), so one graph is the default.
 LAYERS_PER_GRAPH = 0
 
-# Plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same batch
-# one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips FlashInfer's host
-# scheduler before its replay. $KIMI_PLAN_AHEAD=0 turns it off (CudaGraphRunner.plan_ahead per runner).
-PLAN_AHEAD = os.environ.get("KIMI_PLAN_AHEAD", "1") != "0"
 
 # run_host copies its staging buffer's used prefix rounded up to a multiple of this many int64 words
 _COPY_ROUND = 256
@@ -88,14 +85,15 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures and replays decode graphs of a GPUKimiForCausalLM (kimi/worker/gpu_model.py).
+    """Captures and replays decode graphs of a GPUKimiForCausalLM (kimi/model/gpu_model.py).
 
     model: the GPU model; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
     block_size: tokens per block; max_batch: largest bucket; max_blocks_per_seq: widest block table a
     replayed batch may have (the buckets' FlashInfer wrappers share one kv_indices buffer of max_batch * this many
     pages);
     buckets: capture only these sizes (default bucket_sizes(max_batch)); layers_per_graph: layers per graph
-    segment (None or <= 0: one graph for the whole forward).
+    segment (None or <= 0: one graph for the whole forward); plan_ahead: plan FlashInfer's next decode step while a
+    replay runs (`run_host`; FlashInfer attention only).
     """
 
     # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows (for
@@ -112,8 +110,9 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
         layers_per_graph: int | None = LAYERS_PER_GRAPH,
+        plan_ahead: bool = True,
     ):
-        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+        from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
         self.model = model
         self.kv_caches = kv_caches
@@ -150,7 +149,7 @@ class CudaGraphRunner:
         self.fi: Mapping[int, TritonMLADecodeRun | FlashInferMLADecode]
         self.fi_flashinfer: dict[int, FlashInferMLADecode] = {}
         if self.triton_attn:
-            from kimi.worker.gpu_model import TritonMLADecodeRun, triton_mla_splits
+            from kimi.backends.attention.triton_mla import TritonMLADecodeRun, triton_mla_splits
 
             mb, n = max_blocks_per_seq, self.max_batch * (1 + max_blocks_per_seq)
             self.attn_in = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch] seq_lens, then tables
@@ -190,7 +189,10 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: _POOL_HANDLE | None = None
         self.num_replays = 0
-        self.plan_ahead = PLAN_AHEAD and not self.triton_attn
+        # plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same
+        # batch one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips
+        # FlashInfer's host scheduler before its replay
+        self.plan_ahead = plan_ahead and not self.triton_attn
         self._ahead_failed = False  # a plan-ahead error was logged (once)
         # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
         self.host_marks = (0.0,) * len(HOST_MARKS)
@@ -231,8 +233,6 @@ class CudaGraphRunner:
         return fi
 
     def _meta(self, bs: int, fi) -> AttentionMetadata:
-        from kimi.worker.gpu_model import GPUAttnPlan
-
         attn = AttentionMetadata(
             query_start_loc=torch.arange(bs + 1, dtype=torch.int64, device=self.device),
             seq_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
@@ -242,7 +242,7 @@ class CudaGraphRunner:
             query_lens_cpu=[1] * bs,
             seq_lens_cpu=[1] * bs,
         )
-        attn.gpu = GPUAttnPlan(fi, self.slot_mapping[:bs], True)
+        attn.plan = AttentionPlan(fi, self.slot_mapping[:bs], True)
         return attn
 
     @torch.inference_mode()

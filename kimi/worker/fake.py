@@ -252,7 +252,7 @@ class FakeRunner:
         """The fake's token for a constrained row (module docstring); `draw` is the unconstrained rule's token."""
         import torch
 
-        from kimi.ops.sampling import unpack_bitmask
+        from kimi.model.sampling import unpack_bitmask
 
         got = self.guided.fill([(0, guide)], 1)
         if got is None:  # terminated (or failed: accept reports it)

@@ -7,7 +7,7 @@ or (non-zero, after sending `WorkerError`) on any failure, including a gap in st
 
 Many ranks: torch.distributed is initialised from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) with gloo on CPU and nccl on CUDA, and the MoE all-to-all backend is built from
-`--a2a-backend` (kimi/ops/all_to_all.py; default local for one rank, gloo on CPU, nccl on CUDA). Rank r
+`--a2a-backend` (kimi/backends/all_to_all.py; default local for one rank, gloo on CPU, nccl on CUDA). Rank r
 runs DP rank r's requests and owns experts [r*E/N, (r+1)*E/N). A `Heartbeat` thread answers the
 controller's pings while steps run, and ends the process when the controller's pings stop for
 `--controller-timeout` + 5 s even if the main thread is stuck in a collective. Several nodes: run the same
@@ -30,7 +30,7 @@ from kimi.errors import CheckpointError, ConfigError, KVCacheSizeError, Protocol
 from kimi.ipc import Heartbeat, WorkerTransport
 
 if TYPE_CHECKING:
-    from kimi.ops.all_to_all import Backend
+    from kimi.backends.all_to_all import Backend
     from kimi.worker.runner_base import Runner, StepHandle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,7 +79,7 @@ def build_runner(
 ) -> tuple[Runner, Backend | None]:
     """This rank's runner (a FakeRunner with `--fake`, else a ModelRunner with its all-to-all backend, which is
     returned too). Raises CheckpointError / ConfigError / KVCacheSizeError naming the file, field or flag."""
-    from kimi.ops.all_to_all import default_backend, init_distributed, make_all_to_all
+    from kimi.backends.all_to_all import default_backend, init_distributed, make_all_to_all
     from kimi.worker.runner import ModelRunner
 
     if args.model.startswith("preset:"):

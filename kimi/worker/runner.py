@@ -4,7 +4,7 @@ The runner holds no request policy: it computes exactly the tokens the plan name
 token of every request whose computed tokens reach the end of its known tokens (protocol.py).
 
 Many ranks (DP attention x EP MoE): each rank runs the requests whose `dp_rank` is its rank and the routed
-experts it owns; the MoE all-to-all (kimi/ops/all_to_all.py) is collective, so a rank with nothing to run
+experts it owns; the MoE all-to-all (kimi/backends/all_to_all.py) is collective, so a rank with nothing to run
 still takes part: `_idle_step` runs every MoE layer's dispatch / combine with zero tokens, in layer order,
 exactly as a forward would. Every rank also tracks which rank owns every live request (all plans reach all
 ranks), so all ranks pick the same all-to-all mode for a step (`step_mode`).
@@ -20,18 +20,18 @@ from typing import Any
 import torch
 
 from kimi import protocol
+from kimi.backends.all_to_all import Backend, step_mode
 from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
 from kimi.errors import KVCacheSizeError, ProtocolError
-from kimi.ops.all_to_all import Backend, step_mode
-from kimi.ops.attention import build_attention_metadata
-from kimi.ops.sampling import prompt_logprobs, sample_launch
+from kimi.model.attention import build_attention_metadata
+from kimi.model.model import KimiForCausalLM
+from kimi.model.sampling import prompt_logprobs, sample_launch
 from kimi.structured_output.backend import GrammarBackend
 from kimi.structured_output.bitmask import GuidedRequests
 from kimi.structured_output.vocab import load_tokenizer
 from kimi.worker.inputs import ScheduledRow, StepInputs, WorkerRequest, prepare_inputs
 from kimi.worker.kv_cache import allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
-from kimi.worker.model import KimiForCausalLM
 from kimi.worker.runner_base import PromptLogprobs, StepHandle
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class ModelRunner:
     """Loads this rank's shard and runs steps.
 
     rank / world_size: this worker's DP rank and EP rank (the same under DP attention + EP MoE).
-    a2a: the MoE all-to-all backend (kimi.ops.all_to_all; None = local, world_size 1 only).
+    a2a: the MoE all-to-all backend (kimi.backends.all_to_all; None = local, world_size 1 only).
     ll_max_tokens_per_rank: decode steps with at most this many tokens on every rank use the backend's
     low-latency mode (DeepEP); others use its normal mode.
     Guided decoding (SamplingParams.grammar): `guided` holds this rank's matchers (kimi.structured_output.bitmask):
@@ -105,7 +105,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
-        # gpu_options (cuda only, kimi/worker/gpu_model.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
+        # gpu_options (cuda only, kimi/model/gpu_model.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
         # (0 = eager)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
@@ -113,7 +113,7 @@ class ModelRunner:
         self.model: KimiForCausalLM
         gpu_model = None  # the same model when it is the GPU one
         if self.device.type == "cuda":
-            from kimi.worker.gpu_model import load_gpu_model
+            from kimi.model.weights import load_gpu_model
 
             self.model = gpu_model = load_gpu_model(
                 model_dir,

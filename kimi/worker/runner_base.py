@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 from kimi import protocol
 
 if TYPE_CHECKING:
-    from kimi.ops.sampling import SampleLaunch
+    from kimi.model.sampling import SampleLaunch
     from kimi.structured_output.bitmask import GuidedRequests
     from kimi.worker.inputs import WorkerRequest
 

@@ -1,4 +1,4 @@
-"""GPU tests of the per-head small-M GEMM (kimi.ops.bmm_small_m) against a float32 reference.
+"""GPU tests of the per-head small-M GEMM (kimi.kernels.triton.bmm_small_m) against a float32 reference.
 
 Reference: torch.einsum("mhk,hnk->mhn") of x.float(), w.float() on fresh random bf16 inputs; outputs poisoned with
 NaN first; tolerance max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is ~4e-3 relative).
@@ -7,7 +7,7 @@ NaN first; tolerance max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is 
 import pytest
 import torch
 
-from kimi.ops import bmm_small_m as bmm
+from kimi.kernels.triton import bmm_small_m as bmm
 
 pytestmark = [
     pytest.mark.gpu,

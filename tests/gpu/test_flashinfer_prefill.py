@@ -1,11 +1,11 @@
-"""Prefill and chunked prefill through FlashInfer's paged MLA kernel (kimi.ops.attention_flashinfer.FlashInferMLA,
+"""Prefill and chunked prefill through FlashInfer's paged MLA kernel (kimi.backends.attention.flashinfer.FlashInferMLA,
 causal plan) on the GPU.
 
 (a) Kernel level: random bf16 q_lat / q_pe and a random bf16 [num_blocks, 64, 576] cache, one plan + one run over a
     batch that mixes fresh prefills (qo_len == kv_len), chunked prefills over a cached prefix (qo_len < kv_len),
     decode rows (qo_len 1, kv_len 1 included) and long decodes that make FlashInfer split the KV, with shuffled
     block tables; H = 16 (the "tiny-mla" model) and 64 (Kimi per rank). Reference: `causal_absorbed_ref`, the
-    absorbed form of kimi.ops.attention.mla_decode_ref with the causal mask of mla_prefill_ref (query i of a
+    absorbed form of kimi.model.attention.mla_decode_ref with the causal mask of mla_prefill_ref (query i of a
     sequence with Q rows and S keys sees keys 0..S-Q+i), float32 on the GPU; it is itself checked against
     mla_decode_ref (decode rows) and mla_prefill_ref (naive form, via W_UK / W_UV) in
     test_causal_reference_matches_kimi_refs. Every cache slot no request may read (block 0, unused blocks, the
@@ -56,7 +56,7 @@ def causal_absorbed_ref(q_lat, q_pe, kv_cache, block_tables, qo_lens, seq_lens, 
     score[i, h, s] = (q_lat[i, h] . ckv_s + q_pe[i, h] . kpe_s) * scale for s <= S - Q + i (mla_decode_ref's
     math, mla_prefill_ref's mask); returns o_lat [N, H, L] float32 = softmax(score) @ ckv.
     """
-    from kimi.ops.attention import gather_kv_cache
+    from kimi.model.attention import gather_kv_cache
 
     Lk = q_lat.shape[-1]
     out = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)  # [N, H, L]
@@ -114,7 +114,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_flashinfer_mla_causal_prefill(case, H):
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import FlashInferMLA
+    from kimi.backends.attention.flashinfer import FlashInferMLA
 
     qo_lens = [q for q, _ in CASES[case]]
     seq_lens = [s for _, s in CASES[case]]
@@ -155,7 +155,7 @@ def test_flashinfer_mla_replan_and_decode_class(H):
     """One wrapper planned twice in a row without a sync (the pinned staging buffer is reused), and the
     decode subclass (non-causal, the CUDA-graph path) on decode rows equals the causal plan on the same rows."""
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import FlashInferMLA, FlashInferMLADecode
+    from kimi.backends.attention.flashinfer import FlashInferMLA, FlashInferMLADecode
 
     gen = torch.Generator().manual_seed(5 + H)
     qo1, s1 = [40, 1, 200], [100, 77, 200]
@@ -184,7 +184,7 @@ def test_flashinfer_mla_graph_decode_plans():
     planned lengths (a hit: no scheduler run; page ids written into an external kv_indices buffer by the
     caller), a miss (other lengths), and plan_ahead dropped by an intervening plan."""
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import FlashInferMLADecode
+    from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
     H, B, W = 64, 4, 6
     gen = torch.Generator().manual_seed(9)
@@ -231,7 +231,7 @@ def test_flashinfer_mla_graph_decode_plans():
 def test_flashinfer_mla_work_limit():
     """Batches past FlashInfer's fixed work table are refused with ValueError before FlashInfer sees them."""
     _need_flashinfer()
-    from kimi.ops.attention_flashinfer import MAX_PLAN_WORKS, FlashInferMLA
+    from kimi.backends.attention.flashinfer import MAX_PLAN_WORKS, FlashInferMLA
 
     mla = FlashInferMLA(64, SCALE)
     assert mla.max_works([2048]) < MAX_PLAN_WORKS
@@ -243,7 +243,7 @@ def test_flashinfer_mla_work_limit():
 
 
 def test_causal_reference_matches_kimi_refs():
-    """The test reference against kimi.ops.attention: decode rows == mla_decode_ref; with q_lat = q_nope @ W_UK
+    """The test reference against kimi.model.attention: decode rows == mla_decode_ref; with q_lat = q_nope @ W_UK
     and o = o_lat @ W_UV^T, every row == mla_prefill_ref (naive form, kv_b expansion), float32."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -252,7 +252,7 @@ def test_causal_reference_matches_kimi_refs():
 
 def check_reference(dev: str) -> None:
     """Body of test_causal_reference_matches_kimi_refs on any device (also runs on the CPU)."""
-    from kimi.ops.attention import gather_kv_cache, mla_decode_ref, mla_prefill_ref
+    from kimi.model.attention import gather_kv_cache, mla_decode_ref, mla_prefill_ref
 
     H, N, V = 4, 128, 128
     qo_lens, seq_lens = [70, 1, 33, 1], [70, 90, 200, 1]
@@ -296,7 +296,7 @@ SCHEDULE = [
 def run_schedule(model, cfg, device, dtype, poison: bool, on_step):
     """Run SCHEDULE through `model` with teacher-forced decode tokens; calls on_step(step, hidden [T, D]) so the
     caller compares logits row by row without keeping them all."""
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
     from kimi.worker.kv_cache import allocate_kv_caches
 
     g = torch.Generator().manual_seed(21)
@@ -397,7 +397,7 @@ def tiny_mla(tmp_path_factory):
 
 def _load_gpu(path):
     from kimi.config import ModelConfig
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
 
     cfg = ModelConfig.from_dir(path)
     gm = load_gpu_model(path, cfg, dtype=torch.bfloat16, device="cuda", moe_backend="humming", progress=False)
@@ -443,7 +443,7 @@ def test_gpu_model_flashinfer_prefill_matches_torch_attention(tiny_mla, monkeypa
     torch fallback attention it replaces (float32 mla_prefill_ref per prefill sequence, mla_decode_ref for decode
     rows): isolates the attention path."""
     _need_flashinfer()
-    from kimi.worker.gpu_model import GPUKimiForCausalLM
+    from kimi.model.gpu_model import GPUKimiForCausalLM
 
     cfg, gm = _load_gpu(tiny_mla)
     got = _gpu_hidden(gm, cfg)

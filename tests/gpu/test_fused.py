@@ -1,4 +1,4 @@
-"""Fused Triton kernels (kimi/ops/fused.py) against their plain-PyTorch references on the GPU.
+"""Fused Triton kernels (kimi/kernels/triton/fused.py) against their plain-PyTorch references on the GPU.
 
 Fresh random inputs per test, outputs (and the KV cache) poisoned with NaN before the run, bf16 relative error
 ||out - ref|| / ||ref|| <= 1e-2; router ids and align outputs compared exactly (align: identical to moe_align on the
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from kimi.ops import linear_small_m as lsm
+from kimi.kernels.triton import linear_small_m as lsm
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def rel_err(out, ref) -> float:
 @pytest.mark.parametrize("T", [1, 8, 64, 300])
 @pytest.mark.parametrize("D", [7168, 1536])
 def test_add_rms_norm(T, D):
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     g = torch.Generator(device=DEV).manual_seed(T * 7 + D)
     h, d1, d2 = (torch.randn(T, D, generator=g, device=DEV).to(torch.bfloat16) for _ in range(3))
@@ -60,7 +60,7 @@ def test_add_rms_norm(T, D):
 
 @pytest.mark.parametrize("M,I", [(8, 18432), (512, 2048), (64, 4096)])
 def test_silu_mul(M, I):
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     g = torch.Generator(device=DEV).manual_seed(M + I)
     y = torch.randn(M, 2 * I, generator=g, device=DEV).to(torch.bfloat16) * 3
@@ -69,7 +69,7 @@ def test_silu_mul(M, I):
 
 @pytest.mark.parametrize("T", [1, 8, 32, 64, 100])  # T > 64: the larger head group
 def test_mla_rope_kv_write(T):
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     H, N, R, L, ql, bs, nb = 64, 128, 64, 512, 1536, 64, 40
     g = torch.Generator(device=DEV).manual_seed(100 + T)
@@ -117,7 +117,7 @@ def _check_router(w, ids, rw, rids):
 @pytest.mark.parametrize("path", [None, True, False])  # default dispatch, one fused kernel, two kernels
 @pytest.mark.parametrize("T", [1, 8, 64, 256, 300, 2048])  # 2048: the large-T launch (prefill)
 def test_router_topk(T, path):
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     x, gw, bias = _router_inputs(T, 200 + T)
     w, ids = (
@@ -136,7 +136,7 @@ def test_router_topk(T, path):
 
 def test_router_topk_cuda_graph():
     """The fused path captured in a graph (20 calls, rotating counter regions), replayed 3 times = eager."""
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     x, gw, bias = _router_inputs(8, 7)
     ref = fused._router_topk(x, gw, bias, 8, 2.827, True, True)  # eager first: allocates the counters
@@ -163,7 +163,7 @@ def test_router_topk_cuda_graph():
 def test_silu_mul_rows(T, bm):
     """silu_mul_rows over moe_align_fused's rows (K2.6 I = 2048, 48 local of 384 experts): exactly the local
     pairs' rows written (out poisoned with NaN first), each equal to silu_mul_ref; also inside a CUDA graph."""
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     g = torch.Generator(device=DEV).manual_seed(700 + T + bm)
     I = 2048
@@ -191,8 +191,8 @@ def test_silu_mul_rows(T, bm):
     "T,bm", [(1, 16), (8, 8), (64, 16), (64, 64), (256, 16), (256, 8), (512, 64), (2048, 64), (16384, 96)]
 )
 def test_moe_align_fused(T, bm, one):
-    from kimi.ops import fused
-    from kimi.ops.moe_int4_triton import moe_align
+    from kimi.kernels.triton import fused
+    from kimi.kernels.triton.moe_w4a16 import moe_align
 
     g = torch.Generator(device=DEV).manual_seed(300 + T)
     ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, 1).indices.to(torch.int64)
@@ -217,7 +217,7 @@ def test_moe_align_fused_max_pairs(one):
     bound on the local pairs, the align's buffers and block count come from the bound, and its blocks, num_padded
     and (per block) pairs equal the unbounded align's; with a bound too small it writes nothing past its buffers
     (the pairs past the bound are lost, nothing else changes)."""
-    from kimi.ops import fused
+    from kimi.kernels.triton import fused
 
     g = torch.Generator(device=DEV).manual_seed(7)
     E, off, slab, bm = 48, 96, 1024, 16  # 48 local experts x 1024 rows (128 tokens x 8 ranks)
@@ -246,7 +246,7 @@ def test_moe_align_fused_max_pairs(one):
 
 _TOO_SMALL_BOUND = """
 import torch
-from kimi.ops import fused
+from kimi.kernels.triton import fused
 E, off, slab = 48, 96, 1024
 g = torch.Generator(device="cuda").manual_seed(8)
 counts = torch.randint(17, 41, (E,), generator=g, device="cuda")  # 2-3 blocks of 16 each

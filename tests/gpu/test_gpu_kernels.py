@@ -1,8 +1,8 @@
 """GPU kernels against their plain-PyTorch references (fresh random inputs, poisoned outputs).
 
-- fused_experts_int4 (Triton W4A16 MoE) vs kimi.ops.moe.fused_experts_ref on the dequantised weights
-  (kimi.ops.quant.dequant_int4), computed in float32 on the GPU; tolerance ||out - ref|| / ||ref|| <= 1e-2.
-- FlashInferMLADecode vs kimi.ops.attention.mla_decode_ref (float32), same tolerance.
+- fused_experts_int4 (Triton W4A16 MoE) vs kimi.model.moe.fused_experts_ref on the dequantised weights
+  (kimi.model.quant.dequant_int4), computed in float32 on the GPU; tolerance ||out - ref|| / ||ref|| <= 1e-2.
+- FlashInferMLADecode vs kimi.model.attention.mla_decode_ref (float32), same tolerance.
 Outputs are pre-filled with NaN, so an unwritten element fails the check.
 """
 
@@ -22,8 +22,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_int4_experts(E: int, H: int, I: int, gen: torch.Generator, device="cuda"):
-    """Random experts quantised with kimi.ops.quant.pack_int4; returns packed, scales and fp32 dequantised."""
-    from kimi.ops.quant import pack_int4
+    """Random experts quantised with kimi.model.quant.pack_int4; returns packed, scales and fp32 dequantised."""
+    from kimi.model.quant import pack_int4
 
     p13, s13, p2, s2 = [], [], [], []
     for _ in range(E):
@@ -37,7 +37,7 @@ def make_int4_experts(E: int, H: int, I: int, gen: torch.Generator, device="cuda
 
 
 def dequant_experts(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    from kimi.ops.quant import dequant_int4
+    from kimi.model.quant import dequant_int4
 
     return torch.stack([dequant_int4(packed[e], scale[e]) for e in range(packed.shape[0])])
 
@@ -71,8 +71,8 @@ def _real_experts():
     ],
 )
 def test_fused_experts_int4(T, H, I, E, E_total, k, offset):
-    from kimi.ops.moe import fused_experts_ref
-    from kimi.ops.moe_int4_triton import fused_experts_int4
+    from kimi.kernels.triton.moe_w4a16 import fused_experts_int4
+    from kimi.model.moe import fused_experts_ref
 
     gen = torch.Generator(device="cuda").manual_seed(T * 7919 + H)
     if H == 7168:
@@ -100,8 +100,8 @@ def test_fused_experts_int4(T, H, I, E, E_total, k, offset):
 
 @pytest.mark.parametrize("B", [8, 64])
 def test_flashinfer_mla_decode(B):
-    from kimi.ops.attention import mla_decode_ref
-    from kimi.ops.attention_flashinfer import FlashInferMLADecode
+    from kimi.backends.attention.flashinfer import FlashInferMLADecode
+    from kimi.model.attention import mla_decode_ref
 
     H, L, R, bs, ctx = 64, 512, 64, 64, 2048
     gen = torch.Generator(device="cuda").manual_seed(B)
@@ -134,8 +134,8 @@ def test_flashinfer_mla_decode(B):
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_fused_experts_int4_variants(T, H, I, E, E_total, k, offset, swap_ab):
     """Both operand orders of the kernels against the reference."""
-    from kimi.ops.moe import fused_experts_ref
-    from kimi.ops.moe_int4_triton import MoeTileConfig, fused_experts_int4
+    from kimi.kernels.triton.moe_w4a16 import MoeTileConfig, fused_experts_int4
+    from kimi.model.moe import fused_experts_ref
 
     gen = torch.Generator(device="cuda").manual_seed(T * 31 + swap_ab)
     if H == 7168:

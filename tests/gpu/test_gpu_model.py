@@ -1,4 +1,4 @@
-"""The GPU model (kimi/worker/gpu_model.py) against the CPU reference model, and CUDA graph replay against eager.
+"""The GPU model (kimi/model/gpu_model.py) against the CPU reference model, and CUDA graph replay against eager.
 
 Checkpoints: the tiny K2.6 / K2-Instruct layouts of kimi/tiny_checkpoint.py, plus "tiny-mla": the K2.6
 layout with Kimi's real attention widths (kv_lora 512, rope 64, nope 128, v 128; 16 heads, hidden 1024,
@@ -60,7 +60,7 @@ def make_ckpt(root: Path, name: str) -> str:
         if name == "tiny-mla":
             mtc.TINY_DIMS.update(MLA_DIMS)
         if name == "tiny-k2-instruct-i128":  # expert I and q_lora a multiple of the FP8 tile: humming keeps the
-            # experts FP8, and the merged q_a + kv_a and shared gate_up stay FP8 too (kimi.ops.linear_fp8)
+            # experts FP8, and the merged q_a + kv_a and shared gate_up stay FP8 too (kimi.kernels.triton.linear_fp8)
             mtc.TINY_DIMS.update(moe_intermediate_size=128, q_lora_rank=128)
         layout = "k2-instruct" if name.startswith("tiny-k2-instruct") else "k2.6"
         mtc.make_tiny_checkpoint(str(d), layout=layout, seed=0)
@@ -82,7 +82,7 @@ _CPU = {}
 def cpu_model(path):
     from kimi.checkpoint import load_checkpoint
     from kimi.config import ModelConfig
-    from kimi.worker.model import KimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
 
     if path not in _CPU:
         cfg = ModelConfig.from_dir(path)
@@ -94,7 +94,7 @@ def cpu_model(path):
 
 def run_steps(model, cfg, device, dtype, poison: bool):
     """Prefill 2 sequences (21 and 37 tokens), then 4 decode steps of both; returns logits per step (CPU f32)."""
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
     from kimi.worker.kv_cache import allocate_kv_caches
 
     bs = 16
@@ -139,9 +139,9 @@ def _rows(want: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[int, int, 
 
 
 def ref_bf16_on_gpu(path, cfg):
-    """The reference model (kimi/worker/model.py) with bf16 weights on the GPU: bf16's own error."""
+    """The reference model (kimi/model/model.py) with bf16 weights on the GPU: bf16's own error."""
     from kimi.checkpoint import load_checkpoint
-    from kimi.worker.model import KimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
 
     m = KimiForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
     m.load_weights(load_checkpoint(path, cfg, progress=False))
@@ -173,8 +173,8 @@ def test_gpu_model_matches_cpu(ckpts, name, backend, attn, fp8_dense):
     model in bf16 (on the GPU); top-1 agreement >= min(90% of rows, R16's agreement - 1). The tiny FP8 layout
     showed 1.5-nat misses that the bf16 reference shares (bf16 rounding flipping near-tied routing on a random
     model), which a fixed 0.25 bound cannot tell from a bug; a GPU kernel bug exceeds bf16's own error."""
-    from kimi.ops.linear_fp8 import Fp8Linear
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.kernels.triton.linear_fp8 import Fp8Linear
+    from kimi.model.weights import load_gpu_model
 
     path = ckpts[name]
     cfg, ref = cpu_model(path)
@@ -244,8 +244,8 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
     graph's hidden output vs the eager forward over the same cache state, and the host-list path
     (forward_decode / CudaGraphRunner.run_host) bit-equal to the tensor path's replay."""
     from kimi.config import ModelConfig
-    from kimi.ops.attention import build_attention_metadata
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.attention import build_attention_metadata
+    from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     path = ckpts["tiny-mla"]
@@ -274,7 +274,7 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
                 ids = torch.randint(0, 163000, (B,), generator=g).cuda()
                 pos = torch.tensor([s - 1 for s in slens]).cuda()
                 a1 = build_attention_metadata([1] * B, slens, tabs, bs, "cuda")
-                gm.plan_eager(a1)  # attn.gpu set: the forward below runs eagerly
+                gm.plan_eager(a1)  # attn.plan set: the forward below runs eagerly
                 eager = gm(ids, pos, a1, kv).clone()
                 for o in gm.graphs.outputs.values():
                     o.fill_(float("nan"))
@@ -306,13 +306,12 @@ def test_cuda_graph_replay_equals_eager(ckpts, backend, attn, lpg):
 
 
 @pytest.mark.parametrize("backend", ["cuda", "humming", "triton"])
-def test_cuda_graph_padding_rows_route_to_no_expert(ckpts, backend, monkeypatch):
+def test_cuda_graph_padding_rows_route_to_no_expert(ckpts, backend):
     """A batch of B < bucket rows: the padding rows' routing in the replayed graph is id -1 / weight 0 in every MoE
     layer (row_valid), the batch's rows keep their experts, and their hidden outputs are bit-equal to a replay that
     routes the padding rows (CudaGraphRunner.mask_padding False), for B = 1..bucket."""
     from kimi.config import ModelConfig
-    from kimi.worker import gpu_model
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     path = ckpts["tiny-mla"]
@@ -324,16 +323,26 @@ def test_cuda_graph_padding_rows_route_to_no_expert(ckpts, backend, monkeypatch)
     for c in kv:
         c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
     seen = []  # per MoE layer of each capture: the routing tensors the graph writes (kept alive: never reused)
-    real_run_experts = gpu_model.run_experts
 
-    def recording(impl, recv):
-        if torch.cuda.is_current_stream_capturing():
-            seen.append((recv.topk_ids, recv.topk_weights))
-        return real_run_experts(impl, recv)
+    class Recording(torch.nn.Module):
+        """An experts backend that records the routing it gets during capture, then runs the real one."""
 
-    monkeypatch.setattr(gpu_model, "run_experts", recording)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.graph_safe = inner.graph_safe
+
+        def forward(self, x, topk_weights, topk_ids):
+            if torch.cuda.is_current_stream_capturing():
+                seen.append((topk_ids, topk_weights))
+            return self.inner(x, topk_weights, topk_ids)
+
+    moe = [layer.mlp for layer in gm.layers if getattr(layer.mlp, "experts_impl", None) is not None]
+    for mlp in moe:
+        mlp.experts_impl = Recording(mlp.experts_impl)
     gm.capture_cuda_graphs(kv, bs, 8, 8, layers_per_graph=0)
-    monkeypatch.setattr(gpu_model, "run_experts", real_run_experts)
+    for mlp in moe:
+        mlp.experts_impl = mlp.experts_impl.inner
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     assert n_moe >= 1 and len(seen) == n_moe * len(gm.graphs.buckets)  # captured largest bucket first
     routing_of_8 = seen[:n_moe]
@@ -377,7 +386,7 @@ def test_plan_ahead_equals_fresh_plans(ckpts):
     (`_stage_pages`; the row stride grows and shrinks with the longest table) give the same hidden states as writing
     every row afresh each step."""
     from kimi.config import ModelConfig
-    from kimi.worker.gpu_model import load_gpu_model
+    from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
 
     path = ckpts["tiny-mla"]

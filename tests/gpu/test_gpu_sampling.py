@@ -1,4 +1,4 @@
-"""The batched sampler (kimi.ops.sampling.sample) on CUDA against the per-row CPU reference (sample_ref).
+"""The batched sampler (kimi.model.sampling.sample) on CUDA against the per-row CPU reference (sample_ref).
 
 - greedy: identical token ids (penalties, logit_bias, min_tokens included), raw logprobs within 1e-5;
 - masks (min_p, top-k, top-p on the GPU vs per row on the CPU): identical, except for tokens whose
@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kimi.ops.sampling as S
+import kimi.model.sampling as S
 from kimi.protocol import SamplingParams
 from tests.unit.test_sampling import _chi2_pvalue
 

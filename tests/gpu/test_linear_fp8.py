@@ -1,4 +1,4 @@
-"""GPU tests of the FP8 block-weight GEMM (kimi.ops.linear_fp8) against a float32 reference.
+"""GPU tests of the FP8 block-weight GEMM (kimi.kernels.triton.linear_fp8) against a float32 reference.
 
 Reference: x.float() @ dequant_fp8_block(w, scale_inv).T in float32, on fresh random inputs (W quantised from
 N(0, 1/K), 128 x 128 tiles); outputs are poisoned with NaN before the kernel runs; tolerance max |y - ref| <=
@@ -10,8 +10,8 @@ equals the eager call bit for bit.
 import pytest
 import torch
 
-from kimi.ops import linear_fp8 as lf
-from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+from kimi.kernels.triton import linear_fp8 as lf
+from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 
 pytestmark = [
     pytest.mark.gpu,

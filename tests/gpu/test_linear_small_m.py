@@ -1,4 +1,4 @@
-"""GPU tests of the small-M Triton GEMM (kimi.ops.linear_small_m) against a float32 reference.
+"""GPU tests of the small-M Triton GEMM (kimi.kernels.triton.linear_small_m) against a float32 reference.
 
 Reference: x.float() @ w.float().T on fresh random bf16 inputs; outputs are poisoned with NaN before the kernel
 runs; tolerance max |y - ref| <= 1e-2 * max |ref| (bf16 output rounding is ~4e-3 relative).
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimi.ops import linear_small_m as lsm
+from kimi.kernels.triton import linear_small_m as lsm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -198,7 +198,7 @@ def test_errors():
 def test_fused_prologues_vs_unfused(kind):
     """The RMSNorm (q_a_layernorm -> q_b) and SiLU * up (-> down) prologues against the unfused ops in fp32 after
     the same roundings; table configs where present, plus a pointer and a split-K variant."""
-    from kimi.ops.norm import rms_norm
+    from kimi.model.norm import rms_norm
 
     N, K = (12288, 1536) if kind == "rmsnorm" else (7168, 2048)
     torch.manual_seed(7)
@@ -231,12 +231,12 @@ def test_fused_prologues_vs_unfused(kind):
 @pytest.mark.parametrize("M", [8, 32])
 def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
     """A decode-like chain of PDL kernels (norm -> split-K GEMM -> norm -> GEMM -> add+norm -> bmm -> GEMM,
-    each reading the one before) captured in one CUDA graph with PDL on (kimi.ops.pdl) and L2 prefetch, replayed
-    on new inputs copied into the static buffer, equals the same chain run eagerly with PDL off, bit for bit
+    each reading the one before) captured in one CUDA graph with PDL on (kimi.kernels.triton.pdl) and L2 prefetch,
+    replayed on new inputs copied into the static buffer, equals the same chain run eagerly with PDL off, bit for bit
     (same kernels and math; only the launch differs). A wait placed after a dependent read would show up as
     values of the previous replay's inputs (each replay gets new ones) or as the NaN the outputs are poisoned with."""
-    from kimi.ops import fused, pdl
-    from kimi.ops.bmm_small_m import bmm_small_m
+    from kimi.kernels.triton import fused, pdl
+    from kimi.kernels.triton.bmm_small_m import bmm_small_m
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90")
@@ -259,12 +259,11 @@ def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
         y = lsm.linear(o, w_o)
         return fused.add_rms_norm(x, y, None, w_n1, 1e-6)
 
-    saved = pdl.ENABLED
+    saved = pdl.set_enabled(False)
     try:
-        pdl.ENABLED = False
         xs = [rnd(M, D) for _ in range(3)]
         refs = [chain(x) for x in xs]
-        pdl.ENABLED = True
+        pdl.set_enabled(True)
         static_x = xs[0].clone()
         chain(static_x)  # warm-up: compile the PDL variants, counter buffer outside capture
         torch.cuda.synchronize()
@@ -283,4 +282,4 @@ def test_pdl_chain_in_graph_equals_eager_without_pdl(M):
             hn, yn = chain(x)
             assert torch.equal(hn, rh) and torch.equal(yn, ry)
     finally:
-        pdl.ENABLED = saved
+        pdl.set_enabled(saved)

@@ -1,5 +1,5 @@
 """Decode at long positions on the GPU (issue #6 item 4): the GPU model (bf16, FlashInfer MLA, packed INT4
-experts, fused kernels) against the reference model (kimi/worker/model.py, plain PyTorch) past 32k positions.
+experts, fused kernels) against the reference model (kimi/model/model.py, plain PyTorch) past 32k positions.
 
 Checkpoint: "tiny-mla" (the K2.6 layout with Kimi's real attention widths, so FlashInfer's MLA kernel runs;
 see test_gpu_model.py). All models take the same $KIMI_LONG_CTX-token random prompt (default 33000) by
@@ -36,7 +36,7 @@ DECODE_STEPS = 8
 
 def run_long(model, cfg, device, dtype, n_ctx: int, poison: bool) -> torch.Tensor:
     """Chunked prefill of n_ctx tokens then DECODE_STEPS decodes; returns [DECODE_STEPS, V] float32 logits (CPU)."""
-    from kimi.ops.attention import build_attention_metadata
+    from kimi.model.attention import build_attention_metadata
     from kimi.worker.kv_cache import allocate_kv_caches
 
     n_blocks = -(-(n_ctx + DECODE_STEPS) // BS)
@@ -78,8 +78,8 @@ def _per_step(want: torch.Tensor, got: torch.Tensor) -> tuple[int, list[float]]:
 def test_gpu_decode_past_32k_matches_reference(tmp_path_factory):
     from kimi.checkpoint import load_checkpoint
     from kimi.config import ModelConfig
-    from kimi.worker.gpu_model import load_gpu_model
-    from kimi.worker.model import KimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
+    from kimi.model.weights import load_gpu_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     n_ctx = envs.KIMI_LONG_CTX.get()

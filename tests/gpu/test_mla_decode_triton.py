@@ -1,6 +1,6 @@
-"""GPU tests of the planless Triton MLA decode kernel (kimi.ops.mla_decode_triton) on Kimi's shapes.
+"""GPU tests of the planless Triton MLA decode kernel (kimi.kernels.triton.mla_decode) on Kimi's shapes.
 
-Reference: kimi.ops.attention.mla_decode_ref in float32 on random bf16 inputs, blocks scattered by a random
+Reference: kimi.model.attention.mla_decode_ref in float32 on random bf16 inputs, blocks scattered by a random
 permutation; outputs are poisoned with NaN before every kernel call; tolerance max |o - ref| <= 1e-2 * max |ref|
 (bf16 output rounding and the bf16 p of the P @ V dot are ~4e-3 relative). Also: every config of CONFIGS, CUDA
 graph capture + replay with new lengths / tables in the static buffers, 64-bit cache offsets, and FlashInfer's
@@ -10,8 +10,8 @@ MLA decode (when importable) on the same inputs.
 import pytest
 import torch
 
-from kimi.ops import mla_decode_triton as mdt
-from kimi.ops.attention import mla_decode_ref
+from kimi.kernels.triton import mla_decode as mdt
+from kimi.model.attention import mla_decode_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -156,7 +156,7 @@ def test_cuda_graph_capture_and_replay():
 
 def test_matches_flashinfer():
     try:
-        from kimi.ops.attention_flashinfer import FlashInferMLADecode
+        from kimi.backends.attention.flashinfer import FlashInferMLADecode
 
         m = FlashInferMLADecode(H, SCALE, backend="fa3")
     except Exception as e:

@@ -1,5 +1,5 @@
-"""GPU test of the humming MoE backend (kimi.ops.moe_backend.HummingInt4Experts) at the real Kimi expert shapes
-with the schedules it picks there (kimi/ops/humming_table.json entries and humming's heuristic), against the
+"""GPU test of the humming MoE backend (kimi.backends.experts.HummingInt4Experts) at the real Kimi expert shapes
+with the schedules it picks there (kimi/kernels/tuning/humming.json entries and humming's heuristic), against the
 dequantised reference backend on the same packed weights.
 
 Shapes: 48 local experts of 384, top-8, hidden 7168, expert intermediate 2048, at 64 and 256 MoE tokens (the
@@ -10,7 +10,7 @@ case; tolerance max |y - ref| <= 2e-2 * max |ref| (bf16 GEMM outputs and interme
 import pytest
 import torch
 
-from kimi.worker.dummy_weights import random_packed_experts
+from kimi.model.weights import random_packed_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("T", [64, 256])
 def test_humming_backend_matches_ref_at_kimi_shapes(T):
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import make_experts
+    from kimi.backends.experts import make_experts
 
     E, D, inter, k, E_total, offset = 48, 7168, 2048, 8, 384, 96
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -36,7 +36,7 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
     wts = torch.rand((T, k), device="cuda", generator=gen)
     y = hum(x, wts, ids).float()
     c1, c2 = hum._configs(hum._m_local(T, k))
-    from kimi.ops.moe_backend import humming_table_config
+    from kimi.backends.experts.humming import humming_table_config
 
     m_local = T * k * E // E_total
     for c, (n, kk) in ((c1, (2 * inter, D)), (c2, (D, inter))):  # the table's entry (if any) is what ran
@@ -59,13 +59,14 @@ def test_humming_backend_matches_ref_at_kimi_shapes(T):
 @pytest.mark.parametrize("T,E", [(8, 48), (64, 48), (256, 48), (2048, 48), (512, 24)])
 def test_humming_fp8_backend_matches_ref(T, E):
     """FP8 block-quantised experts (K2-Instruct format: float8_e4m3fn, float32 scale per 128 x 128 tile) kept FP8 by
-    HummingFp8Experts, against the reference backend on the same weights dequantised (kimi.ops.quant), at the real
+    HummingFp8Experts, against the reference backend on the same weights dequantised (kimi.model.quant), at the real
     shapes (48 local of 384 under EP8, 24 under EP16, D 7168, I 2048); tolerance max |y - ref| <= 2e-2 * max |ref|. The
     weights on the device take FP8 bytes (at most 1.1x the checkpoint's, humming's bf16 group scales included), and a
     CUDA graph's replay equals the eager call (allclose at the same tolerance: stream-K sums may differ in order)."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingFp8Experts, make_experts
-    from kimi.worker.dummy_weights import random_fp8_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.fp8 import HummingFp8Experts
+    from kimi.model.weights import random_fp8_experts
 
     D, inter, k, E_total, offset = 7168, 2048, 8, 384, 96
     gen = torch.Generator(device="cuda").manual_seed(2000 + T)
@@ -95,7 +96,7 @@ def test_humming_fp8_backend_matches_ref(T, E):
     torch.cuda.synchronize()
     y, out = y.float(), out.float()
     c1, c2 = hum._configs(hum._m_local(T, k))
-    if E == 24 and torch.cuda.get_device_name() == "NVIDIA H200":  # humming_table.json's fp8 entry (EP16) ran
+    if E == 24 and torch.cuda.get_device_name() == "NVIDIA H200":  # humming.json's fp8 entry (EP16) ran
         assert c1["block_shape"] == [16, 256, 64], c1
     del hum, g
     torch.cuda.empty_cache()
@@ -117,8 +118,10 @@ def test_fp8_parts_fall_back_to_ref_off_humming():
     """FP8 parts under a backend without an FP8 kernel (triton) are dequantised into RefExperts, and humming
     rejects shapes whose gate / up tiles would straddle (I not a multiple of 128) with a ValueError naming them."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingFp8Experts, RefExperts, make_experts
-    from kimi.worker.dummy_weights import random_fp8_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.fp8 import HummingFp8Experts
+    from kimi.backends.experts.reference import RefExperts
+    from kimi.model.weights import random_fp8_experts
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     w13, s13 = random_fp8_experts(4, 2 * 64, 256, gen, "cuda")

@@ -1,4 +1,5 @@
-"""GPU tests of kimi's CUDA W4A16 indexed expert GEMM (kimi.ops.moe_int4_cuda, csrc/moe_w4a16.cu) and the `cuda` MoE
+"""GPU tests of kimi's CUDA W4A16 indexed expert GEMM (kimi.kernels.cuda.moe_w4a16,
+kimi/kernels/cuda/csrc/moe_w4a16.cu) and the `cuda` MoE
 backend built on it.
 
 Reference: every listed row y[r] = x[r // top_k] @ W_e^T in float32, W_e = `dequant_int4` of the expert's packed
@@ -11,9 +12,9 @@ Rows not listed must keep their poison (the kernel writes listed rows only).
 import pytest
 import torch
 
-from kimi.ops import moe_int4_cuda as mc
-from kimi.ops.quant import dequant_int4
-from kimi.worker.dummy_weights import random_packed_experts
+from kimi.kernels.cuda import moe_w4a16 as mc
+from kimi.model.quant import dequant_int4
+from kimi.model.weights import random_packed_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -36,7 +37,7 @@ def _routing(T, E_total, k, gen):
     ],
 )
 def test_indexed_gemm_matches_dequant_reference(E, N, K, T, k, E_total, offset):
-    from kimi.ops.fused import moe_align_fused
+    from kimi.kernels.triton.fused import moe_align_fused
 
     gen = torch.Generator(device="cuda").manual_seed(N + K + T)
     packed, scale = _experts(E, N, K, gen)
@@ -77,7 +78,7 @@ def test_zero_filled_pad_rows_change_no_output(E, N, K, T, k, E_total, offset):
     """zero_pads (the pad rows' inputs zero-filled, no read) against token 0's row as the pads' inputs: bit-equal
     outputs at every configuration, both row modes (x[pair // k] and x[pair]), glu off; rows not listed keep their
     poison. A pad's MMA column is never stored, so its inputs must not change any listed row."""
-    from kimi.ops.fused import moe_align_fused
+    from kimi.kernels.triton.fused import moe_align_fused
 
     gen = torch.Generator(device="cuda").manual_seed(N + T + 3)
     w, s = mc.repack(*_experts(E, N, K, gen))
@@ -101,7 +102,7 @@ def test_zero_filled_pad_rows_change_no_output(E, N, K, T, k, E_total, offset):
 
 
 def test_indexed_gemm_in_a_cuda_graph():
-    from kimi.ops.fused import moe_align_fused
+    from kimi.kernels.triton.fused import moe_align_fused
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     E, N, K, T, k = 8, 256, 512, 16, 4
@@ -143,7 +144,7 @@ def test_glu_epilogue_matches_silu_of_the_plain_gemm(E, I, K, T, k, E_total, off
     on the same weights (both round the GEMM output and the SiLU to bf16; the SiLU's exp / division may differ in the
     last bits: within 4 bf16 ulps of the unfused value), and = silu(gate) * up of the fp32 reference within 1e-2 of
     its max; rows not listed keep their poison. Every configuration that runs the shape."""
-    from kimi.ops.fused import moe_align_fused, silu_mul_rows
+    from kimi.kernels.triton.fused import moe_align_fused, silu_mul_rows
 
     gen = torch.Generator(device="cuda").manual_seed(I + T)
     packed, scale = _experts(E, 2 * I, K, gen)
@@ -193,7 +194,7 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
     rewritten would show); rows not listed keep their poison. Then in CUDA graphs (align, gate_up, early down), one
     per PDL mode: each replay after new routing ids and inputs are written equals a fresh eager waiting run, and
     writes no other row."""
-    from kimi.ops.fused import moe_align_fused, silu_mul_rows
+    from kimi.kernels.triton.fused import moe_align_fused, silu_mul_rows
 
     gen = torch.Generator(device="cuda").manual_seed(I + T + 1)
     w13, s13 = mc.repack(*mc.glu_interleave(*_experts(E, 2 * I, D, gen)))
@@ -255,7 +256,7 @@ def test_early_weights_down_equals_the_waiting_down(E, I, D, T, k, E_total, offs
 
 
 def test_cuda_backend_matches_ref_backend():
-    from kimi.ops.moe_backend import make_experts
+    from kimi.backends.experts import make_experts
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     E, D, inter, T, k, E_total, offset = 8, 512, 256, 12, 4, 32, 8
@@ -287,7 +288,8 @@ def test_repack_builds_hummings_layout_and_auto_switches_by_size():
     auto backend (HummingInt4Experts with cuda_decode) runs kimi's GEMM up to cuda_max_pairs expected local pairs and
     humming's above, both matching the reference backend (2e-2 of max |ref|)."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingInt4Experts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
@@ -332,7 +334,8 @@ def test_auto_uses_hummings_gemm_where_humming_re_encodes_the_weights(caplog):
     read: the auto backend then says why (a warning) and runs humming's GEMM at every size, still matching the
     reference backend (2e-2 of max |ref|)."""
     pytest.importorskip("humming")
-    from kimi.ops.moe_backend import HummingInt4Experts, make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.humming import HummingInt4Experts
 
     gen = torch.Generator(device="cuda").manual_seed(13)
     E, D, inter, k, E_total, offset = 8, 512, 256, 4, 32, 8
@@ -347,7 +350,7 @@ def test_auto_uses_hummings_gemm_where_humming_re_encodes_the_weights(caplog):
         "w2_packed": p2.clone(),
         "w2_scale": s2.clone(),
     }
-    with caplog.at_level("WARNING", logger="kimi.worker"):
+    with caplog.at_level("WARNING", logger="kimi"):
         auto = make_experts("auto", parts(), offset, E_total, torch.bfloat16)
     assert isinstance(auto, HummingInt4Experts) and auto.cuda_max_pairs == 0
     assert "not uint4 codes" in caplog.text, caplog.text
@@ -384,8 +387,8 @@ def test_expert_major_rows_match_the_reference(backend):
     every valid row matches the reference backend on the same rows within 2e-2 of max |ref|, is finite although
     the padding rows hold NaN, as the plain call's rows do (which sum k == 1 pairs of weight 1 and write every row).
     With `auto`, a small expected_pairs runs kimi's GEMM and a large one humming's."""
-    from kimi.ops.moe import DispatchResult, run_experts
-    from kimi.ops.moe_backend import make_experts
+    from kimi.backends.experts import make_experts
+    from kimi.model.moe import DispatchResult, run_experts
 
     if backend == "auto":
         pytest.importorskip("humming")
@@ -432,7 +435,7 @@ def test_a_failed_launch_raises_runtime_error():
     """A configuration the extension was not built with (the launcher returns cudaErrorInvalidValue) is a
     RuntimeError naming the launcher and the configuration: the message is formatted before TORCH_CHECK (streaming
     int64 values into TORCH_CHECK's message segfaults the process)."""
-    from kimi.ops.fused import moe_align_fused
+    from kimi.kernels.triton.fused import moe_align_fused
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     E, N, K, T, k = 4, 128, 256, 4, 2

@@ -1,4 +1,4 @@
-"""EP all-to-all backends (kimi/ops/all_to_all.py) against a single-process reference.
+"""EP all-to-all backends (kimi/backends/all_to_all.py) against a single-process reference.
 
 The gloo test spawns real ranks (torch.multiprocessing) with a real gloo process group. Every rank builds
 the same global inputs from one seed, runs its own tokens through the backend's dispatch -> local experts
@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimi.config import ModelConfig
-from kimi.ipc import free_tcp_port
-from kimi.ops.all_to_all import (
+from kimi.backends.all_to_all import (
     DECODE,
     PREFILL,
     LocalBackend,
@@ -28,7 +26,9 @@ from kimi.ops.all_to_all import (
     make_all_to_all,
     step_mode,
 )
-from kimi.ops.moe import MoELayer, fused_experts_ref, select_experts
+from kimi.config import ModelConfig
+from kimi.ipc import free_tcp_port
+from kimi.model.moe import MoELayer, fused_experts_ref, select_experts
 
 E, K, D, INTER = 16, 4, 32, 24
 
@@ -176,8 +176,8 @@ def test_run_experts_passes_expert_major_only_to_backends_that_take_it():
     """DeepEP's low-latency layout (k == 1, weight 1, padding rows with id -1): a backend without
     `expert_major_ok` (here the reference) gets the plain call and returns 0 in the padding rows; a backend with it
     gets expert_major=True and the bounds. A plain DispatchResult never carries the flag."""
-    from kimi.ops.moe import DispatchResult, run_experts
-    from kimi.ops.moe_backend import RefExperts
+    from kimi.backends.experts.reference import RefExperts
+    from kimi.model.moe import DispatchResult, run_experts
 
     g = torch.Generator().manual_seed(5)
     E_local, D, inter, offset = 2, 16, 8, 2

@@ -1,4 +1,5 @@
-"""CPU tests of kimi.ops.bmm_small_m: off the GPU `bmm_heads` is the torch path (equal to an einsum), the input
+"""CPU tests of kimi.kernels.triton.bmm_small_m: off the GPU `bmm_heads` is the torch path (equal to an einsum), the
+input
 checks, and (where Triton's interpreter is usable) the kernel itself under TRITON_INTERPRET=1 in a subprocess, in
 fp16 (the interpreter's bf16 arithmetic is not faithful)."""
 
@@ -8,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from kimi.ops import bmm_small_m as bmm
+from kimi.kernels.triton import bmm_small_m as bmm
 from tests.unit.triton_interp import run_interpreted
 
 
@@ -42,7 +43,7 @@ def test_input_checks():
 
 _INTERP_SCRIPT = textwrap.dedent("""
     import torch
-    from kimi.ops.bmm_small_m import BmmConfig, bmm_small_m
+    from kimi.kernels.triton.bmm_small_m import BmmConfig, bmm_small_m
     torch.manual_seed(0)
     cases = [(1, 4, 64, 32, BmmConfig(block_n=32, block_k=32)),
              (8, 3, 40, 48, BmmConfig(block_n=32, block_k=32)),                 # ragged K and N

@@ -1,4 +1,5 @@
-"""CPU tests of the fused Triton kernels (kimi/ops/fused.py) under Triton's interpreter (TRITON_INTERPRET=1, in a
+"""CPU tests of the fused Triton kernels (kimi/kernels/triton/fused.py) under Triton's interpreter (TRITON_INTERPRET=1,
+in a
 subprocess: the variable must be set before Triton is imported), against the plain-PyTorch references, on small
 random inputs. fp16 / fp32 only (the interpreter's bf16 arithmetic is not faithful). Skipped, with the reason,
 where Triton is not installed or its interpreter does not work with the installed numpy.
@@ -18,8 +19,8 @@ from tests.unit.triton_interp import run_interpreted
 
 _PRELUDE = textwrap.dedent("""
     import torch
-    from kimi.ops import fused
-    from kimi.ops import linear_small_m as lsm
+    from kimi.kernels.triton import fused
+    from kimi.kernels.triton import linear_small_m as lsm
     torch.manual_seed(0)
 
     def rel(a, b):
@@ -148,7 +149,7 @@ _ROUTER = textwrap.dedent("""
 """)
 
 _ALIGN = textwrap.dedent("""
-    from kimi.ops.moe_int4_triton import moe_align
+    from kimi.kernels.triton.moe_w4a16 import moe_align
     # (40, 8, 8) / (24, 8, 8): experts with one and with two blocks in one align
     cases = [(0, 8, 16), (1, 8, 8), (8, 8, 16), (33, 4, 16), (200, 8, 64), (200, 8, 16), (40, 8, 8), (24, 8, 8)]
     for T, k, bm in cases:
@@ -166,15 +167,11 @@ _ALIGN = textwrap.dedent("""
         # the grid path: several programs (256 pairs each), moe_align's exact output and order
         s, be, npd, mb = fused._moe_align(ids, 12, 8, bm, None, grid=True)
         assert mb == rmb and torch.equal(be, rbe) and torch.equal(npd, rn) and torch.equal(s, rs), (T, bm, "grid")
-    # dispatch: from ALIGN_GRID_MIN_P pairs on, the grid path (exact order)
-    fused.ALIGN_GRID_MIN_P, saved = 512, fused.ALIGN_GRID_MIN_P
-    try:
-        ids = torch.rand(70, 32).topk(8, 1).indices.to(torch.int64)  # 560 pairs, 3 programs
-        s, be, npd, mb = fused.moe_align_fused(ids, 12, 8, 16)
-        rs, rbe, rn, rmb = moe_align(ids, 12, 8, 16)
-        assert torch.equal(s, rs) and torch.equal(be, rbe) and torch.equal(npd, rn)
-    finally:
-        fused.ALIGN_GRID_MIN_P = saved
+    # dispatch: from grid_min_p (ALIGN_GRID_MIN_P) pairs on, the grid path (exact order)
+    ids = torch.rand(70, 32).topk(8, 1).indices.to(torch.int64)  # 560 pairs, 3 programs
+    s, be, npd, mb = fused._moe_align(ids, 12, 8, 16, None, grid_min_p=512)
+    rs, rbe, rn, rmb = moe_align(ids, 12, 8, 16)
+    assert torch.equal(s, rs) and torch.equal(be, rbe) and torch.equal(npd, rn)
     # dispatch: P above the threshold takes the two-kernel path, still correct
     T = fused.ALIGN_ONE_PROGRAM_MAX_P // 8 + 3
     ids = torch.rand(T, 32).topk(8, 1).indices.to(torch.int64)
@@ -206,7 +203,7 @@ _ALIGN = textwrap.dedent("""
 """)
 
 _SILU_ROWS = textwrap.dedent("""
-    from kimi.ops.moe_int4_triton import moe_align
+    from kimi.kernels.triton.moe_w4a16 import moe_align
     cases = [(1, 8, 8, 40, 4), (9, 8, 16, 100, 8), (33, 4, 16, 64, 3), (20, 8, 8, 48, 1), (0, 8, 8, 16, 4)]
     for T, k, bm, I, R in cases:
         ids = torch.rand(T, 32).topk(k, 1).indices.to(torch.int64)  # 32 global experts, 12 local from 8
@@ -228,9 +225,9 @@ _SILU_ROWS = textwrap.dedent("""
         o0 = torch.full((P, I), float("nan")).half()
         fused.silu_mul_rows(y, s, torch.zeros(1, dtype=torch.int32), I, out=o0)
         assert o0.isnan().all()
-    # gate / up interleaved in groups of G (kimi.ops.moe_int4_cuda.glu_interleave's order): the same result as the
+    # gate / up interleaved in groups of G (kimi.kernels.cuda.moe_w4a16.glu_interleave's order): the same result as the
     # plain layout's on the columns permuted back
-    from kimi.ops.moe_int4_cuda import glu_rows
+    from kimi.kernels.cuda.moe_w4a16 import glu_rows
     for T, I, G in [(5, 64, 32), (3, 48, 8)]:
         ids = torch.rand(T, 32).topk(8, 1).indices.to(torch.int64)
         s, be, npd, mb = fused._moe_align(ids, 12, 8, 16, False)

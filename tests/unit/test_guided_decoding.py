@@ -23,7 +23,7 @@ from kimi.controller.parsers import (
     TOOL_CALLS_SECTION_END_ID,
 )
 from kimi.controller.validation import BadRequest
-from kimi.ops.sampling import apply_token_bitmask, apply_token_bitmask_ref, sample, sample_ref, unpack_bitmask
+from kimi.model.sampling import apply_token_bitmask, apply_token_bitmask_ref, sample, sample_ref, unpack_bitmask
 from kimi.structured_output.backend import GrammarBackend, GrammarError
 from kimi.structured_output.bitmask import GuidedRequests
 from kimi.structured_output.request import Guided, chat_grammar, completion_grammar, constrain

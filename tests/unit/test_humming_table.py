@@ -1,27 +1,30 @@
-"""The measured humming schedule table (kimi.ops.moe_backend.load_humming_table / humming_table_config): the shipped
-file parses, ranges select the right entry, another GPU gets none, $KIMI_HUMMING_TABLE switches or disables it,
+"""The measured humming schedule table (kimi.backends.experts.humming.load_humming_table / humming_table_config): the
+shipped file parses, ranges select the right entry, another GPU gets none, $KIMI_HUMMING_TABLE switches or disables it,
 malformed files raise ValueError naming the file."""
 
 import json
 
 import pytest
 
-from kimi.ops import moe_backend as mb
+from kimi.backends.experts import humming as mb
+from kimi.kernels import tuning
 
 
 def _write(tmp_path, entries, gpu="GPU-A"):
     p = tmp_path / "t.json"
-    p.write_text(json.dumps({"gpu": gpu, "entries": entries}))
+    p.write_text(json.dumps({"gpu": gpu, "date": "2026-01-01", "tuner": "test", "entries": entries}))
     return p
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache(monkeypatch):
-    monkeypatch.setattr(mb, "_humming_table", None)
+def _fresh_cache():
+    previous = mb.use_humming_table(None)  # each test reads its table afresh
+    yield
+    mb.use_humming_table(previous)
 
 
 def test_shipped_table_parses():
-    t = mb.load_humming_table(mb.HUMMING_TABLE_PATH)
+    t = mb.load_humming_table(tuning.DIR / "humming.json")
     assert t["gpu"] == "NVIDIA H200"
     for (n, k), v in t["entries"].items():
         assert n > 0 and k > 0
@@ -107,7 +110,7 @@ def test_weight_and_e_local_scope(tmp_path, monkeypatch):
 def test_shipped_fp8_entry_is_scoped():
     """The shipped table's FP8 gate_up entry (measured at EP16) applies to FP8 layers with 24 local experts only; the
     INT4 entries are unchanged for INT4 layers."""
-    mb._humming_table = mb.load_humming_table(mb.HUMMING_TABLE_PATH)
+    mb.use_humming_table(mb.load_humming_table(tuning.DIR / "humming.json"))
     h = {"block_shape": [8, 128, 64], "mma_type": "wgmma", "num_ctas_per_sm": 4}
     fp8 = mb.humming_table_config(4096, 7168, 256, "NVIDIA H200", h, "fp8", 24)
     assert fp8["block_shape"] == [16, 256, 64] and fp8["mma_type"] == "mma"

@@ -1,4 +1,4 @@
-"""CPU tests of kimi.ops.linear_fp8 (FP8 block weights kept FP8): the reference and dispatch off the GPU, the
+"""CPU tests of kimi.kernels.triton.linear_fp8 (FP8 block weights kept FP8): the reference and dispatch off the GPU, the
 layer merge (Fp8Linear.cat), which dense weights load_gpu_model keeps FP8 (fp8_dense_names) and how the merged
 layers come out of the model's preparation, the table file, and the Triton kernel itself under TRITON_INTERPRET=1
 in a subprocess (fp16: the interpreter's bf16 arithmetic is not faithful)."""
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kimi.config import ModelConfig
-from kimi.ops import linear_fp8 as lf
-from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+from kimi.kernels.triton import linear_fp8 as lf
+from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 from kimi.tiny_checkpoint import TINY_DIMS, tiny_config
 from tests.unit.triton_interp import run_interpreted
 
@@ -98,17 +98,28 @@ def test_table_file(tmp_path):
         json.dumps(
             {
                 "gpu": "NVIDIA H200",
-                "table": {
-                    "32,2112,7168": {"block_n": 16, "num_warps": 4, "num_stages": 8, "k_unroll": 4, "split_k": 2}
-                },
+                "date": "2026-01-01",
+                "tuner": "test",
+                "entries": [
+                    {
+                        "m": 32,
+                        "n": 2112,
+                        "k": 7168,
+                        "config": {"block_n": 16, "num_warps": 4, "num_stages": 8, "k_unroll": 4, "split_k": 2},
+                    }
+                ],
             }
         )
     )
     assert lf.load_table(p) == {"gpu": "NVIDIA H200", "entries": {(32, 2112, 7168): lf.Fp8Config(16, 4, 8, 4, 2)}}
-    p.write_text(json.dumps({"gpu": "x", "table": {"8,2112": {}}}))
+    p.write_text(json.dumps({"gpu": "x", "date": "", "tuner": "t", "entries": [{"n": 2112, "k": 1, "config": {}}]}))
     with pytest.raises(ValueError):
-        lf.load_table(p)
-    p.write_text(json.dumps({"gpu": "x", "table": {"8,1,2": {"block_m": 3}}}))
+        lf.load_table(p)  # no M bucket
+    p.write_text(
+        json.dumps(
+            {"gpu": "x", "date": "", "tuner": "t", "entries": [{"m": 8, "n": 1, "k": 2, "config": {"block_m": 3}}]}
+        )
+    )
     with pytest.raises(ValueError):
         lf.load_table(p)
     shipped = lf.load_table()  # the file in the repository parses
@@ -130,7 +141,8 @@ def _tiny_cfg(**over) -> ModelConfig:
 def test_fp8_dense_names_and_merge(q_lora, moe_inter):
     """Which dense weights stay FP8 (only merges whose non-last part is whole scale tiles), and the prepared model's
     merged layers compute what the separate dequantised weights compute."""
-    from kimi.worker.gpu_model import _finish, build_gpu_model, fp8_dense_names, install_fp8
+    from kimi.backends.linear import fp8_dense_names, install_fp8
+    from kimi.model.weights import _finish, build_gpu_model
 
     cfg = _tiny_cfg(q_lora_rank=q_lora, moe_intermediate_size=moe_inter)
     model = build_gpu_model(cfg, dtype=torch.float32, device="cpu")
@@ -151,7 +163,8 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
         for n in names
     )
     assert fp8_dense_names(model, (128, 128), lambda n: False) == set()
-    from kimi.worker.gpu_model import check_fp8_dense, load_gpu_model
+    from kimi.backends.linear import check_fp8_dense
+    from kimi.model.weights import load_gpu_model
 
     for ok in ("off", "triton", "humming"):
         check_fp8_dense(ok)
@@ -208,8 +221,8 @@ def test_fp8_dense_names_and_merge(q_lora, moe_inter):
 
 _INTERP_SCRIPT = textwrap.dedent("""
     import torch
-    from kimi.ops.linear_fp8 import Fp8Config, fp8_linear_small_m, fp8_linear_ref
-    from kimi.ops.quant import quant_fp8_block
+    from kimi.kernels.triton.linear_fp8 import Fp8Config, fp8_linear_small_m, fp8_linear_ref
+    from kimi.model.quant import quant_fp8_block
     torch.manual_seed(0)
     cases = [(1, 64, 128, (128, 128), Fp8Config(16, 4, 2, 1, 1)), (3, 200, 300, (128, 128), Fp8Config(16, 4, 3, 2, 0)),
              (16, 256, 640, (128, 128), Fp8Config(64, 4, 3, 2, 2)),
@@ -239,13 +252,13 @@ def test_kernel_interpreted():
 
 def test_fp8_dense_without_fp8_weights_warns(caplog):
     """fp8_dense asked for where nothing can stay FP8 (a bf16 / INT4 checkpoint, or not CUDA): said, not silent."""
-    from kimi.worker.gpu_model import _finish, build_gpu_model
+    from kimi.model.weights import _finish, build_gpu_model
 
     model = build_gpu_model(_tiny_cfg(), dtype=torch.float32, device="cpu")
-    with caplog.at_level("WARNING", logger="kimi.worker"):
+    with caplog.at_level("WARNING", logger="kimi"):
         _finish(model, "triton")
     assert "no dense weight was kept FP8" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="kimi.worker"):
+    with caplog.at_level("WARNING", logger="kimi"):
         _finish(build_gpu_model(_tiny_cfg(), dtype=torch.float32, device="cpu"), "off")
     assert "kept FP8" not in caplog.text

@@ -1,4 +1,5 @@
-"""CPU tests of kimi.ops.linear_small_m: the dispatch is F.linear off the GPU, the table file format, and (where
+"""CPU tests of kimi.kernels.triton.linear_small_m: the dispatch is F.linear off the GPU, the table file format, and
+(where
 Triton is installed and its interpreter works with the installed numpy) the kernel itself under
 TRITON_INTERPRET=1 in a subprocess, in fp16 (the interpreter's bf16 arithmetic is not faithful)."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimi.ops import linear_small_m as lsm
+from kimi.kernels.triton import linear_small_m as lsm
 from tests.unit.triton_interp import run_interpreted
 
 
@@ -37,25 +38,37 @@ def test_table_file(tmp_path):
         json.dumps(
             {
                 "gpu": "NVIDIA H200",
-                "table": {
-                    "8,2112,7168": {
-                        "block_n": 64,
-                        "block_k": 256,
-                        "split_k": 4,
-                        "num_warps": 4,
-                        "num_stages": 4,
-                        "swap_ab": False,
+                "date": "2026-01-01",
+                "tuner": "test",
+                "entries": [
+                    {
+                        "m": 8,
+                        "n": 2112,
+                        "k": 7168,
+                        "config": {
+                            "block_n": 64,
+                            "block_k": 256,
+                            "split_k": 4,
+                            "num_warps": 4,
+                            "num_stages": 4,
+                            "swap_ab": False,
+                        },
                     }
-                },
+                ],
             }
         )
     )
     t = lsm.load_table(p)
     assert t["gpu"] == "NVIDIA H200"
     assert t["entries"] == {(8, 2112, 7168): lsm.SmallMConfig(block_n=64, block_k=256, split_k=4)}
-    p.write_text(json.dumps({"gpu": "x", "table": {"8,2112": {}}}))
+    p.write_text(json.dumps({"gpu": "x", "date": "", "tuner": "t", "entries": [{"m": 8, "n": 2112, "config": {}}]}))
     with pytest.raises(ValueError):
-        lsm.load_table(p)
+        lsm.load_table(p)  # no k
+    p.write_text(
+        json.dumps({"gpu": "x", "date": "", "tuner": "t", "entries": [{"m": 8, "n": 1, "k": 1, "config": {"x": 1}}]})
+    )
+    with pytest.raises(ValueError):
+        lsm.load_table(p)  # not a SmallMConfig field
 
 
 def test_linear_small_m_rejects_cpu_tensors():
@@ -70,7 +83,7 @@ def test_linear_small_m_rejects_cpu_tensors():
 
 _INTERP_SCRIPT = textwrap.dedent("""
     import torch
-    from kimi.ops.linear_small_m import SmallMConfig, linear_small_m
+    from kimi.kernels.triton.linear_small_m import SmallMConfig, linear_small_m
     torch.manual_seed(0)
     cases = [(1, 64, 256, SmallMConfig(block_n=32, block_k=64)),
              (3, 40, 200, SmallMConfig(block_n=32, block_k=64)),                   # ragged K, N < tile
@@ -94,8 +107,8 @@ _INTERP_SCRIPT = textwrap.dedent("""
 _INTERP_PROLOGUE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    from kimi.ops.linear_small_m import SmallMConfig, linear_small_m
-    from kimi.ops.norm import rms_norm
+    from kimi.kernels.triton.linear_small_m import SmallMConfig, linear_small_m
+    from kimi.model.norm import rms_norm
     torch.manual_seed(0)
     cases = [(3, 40, 200, SmallMConfig(block_n=32, block_k=64)),                    # ragged K, N < tile
              (8, 96, 256, SmallMConfig(block_n=32, block_k=64, split_k=2, swap_ab=True)),

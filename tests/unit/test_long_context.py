@@ -15,10 +15,10 @@ import random
 import torch
 
 from kimi.config import ModelConfig
-from kimi.ops.attention import build_attention_metadata
+from kimi.model.attention import build_attention_metadata
+from kimi.model.model import KimiForCausalLM
 from kimi.tiny_checkpoint import generate_tiny_weights, tiny_config
 from kimi.worker.kv_cache import allocate_kv_caches
-from kimi.worker.model import KimiForCausalLM
 
 BS = 64
 PREFILL = 8200

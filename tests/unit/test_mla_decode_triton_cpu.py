@@ -1,6 +1,6 @@
-"""CPU tests of kimi.ops.mla_decode_triton: the host helpers in process, and (where Triton is installed and its
+"""CPU tests of kimi.kernels.triton.mla_decode: the host helpers in process, and (where Triton is installed and its
 interpreter works with the installed numpy) both kernels under TRITON_INTERPRET=1 in a subprocess, in fp16 (the
-interpreter's bf16 arithmetic is not faithful), against kimi.ops.attention.mla_decode_ref in float32.
+interpreter's bf16 arithmetic is not faithful), against kimi.model.attention.mla_decode_ref in float32.
 
 Tolerance: max |o - ref| <= 1e-2 * max |ref| (fp16 output rounding and the fp16 p of the P @ V dot are ~1e-3
 relative). Outputs are poisoned with NaN before every call.
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from kimi.ops import mla_decode_triton as mdt
+from kimi.kernels.triton import mla_decode as mdt
 from tests.unit.triton_interp import run_interpreted
 
 
@@ -65,8 +65,8 @@ def test_without_triton_raises():
 
 _INTERP_SCRIPT = textwrap.dedent("""
     import torch
-    from kimi.ops.attention import mla_decode_ref
-    from kimi.ops.mla_decode_triton import MLADecodeConfig, mla_decode, workspace_numel
+    from kimi.model.attention import mla_decode_ref
+    from kimi.kernels.triton.mla_decode import MLADecodeConfig, mla_decode, workspace_numel
 
     L, R, SCALE = 512, 64, 0.05
 

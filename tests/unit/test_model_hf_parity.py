@@ -26,11 +26,11 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
 from kimi.checkpoint import load_checkpoint  # noqa: E402
 from kimi.config import ModelConfig  # noqa: E402
-from kimi.ops.attention import build_attention_metadata  # noqa: E402
-from kimi.ops.rope import rope_inv_freq  # noqa: E402
+from kimi.model.attention import build_attention_metadata  # noqa: E402
+from kimi.model.model import KimiForCausalLM  # noqa: E402
+from kimi.model.rope import rope_inv_freq  # noqa: E402
 from kimi.tiny_checkpoint import LAYOUTS, make_tiny_checkpoint  # noqa: E402
 from kimi.worker.kv_cache import allocate_kv_caches  # noqa: E402
-from kimi.worker.model import KimiForCausalLM  # noqa: E402
 
 TOL = 1e-3
 BLOCK_SIZE = 4

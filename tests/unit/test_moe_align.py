@@ -1,11 +1,12 @@
-"""kimi.ops.moe_int4_triton.moe_align (the torch reference of the MoE align; kimi.ops.fused.moe_align_fused must equal
+"""kimi.kernels.triton.moe_w4a16.moe_align (the torch reference of the MoE align;
+kimi.kernels.triton.fused.moe_align_fused must equal
 it): every local pair listed once, inside its expert's padded run, runs contiguous and in expert order, pairs in
 ascending id within a run, block_expert matching the runs, nothing past num_padded."""
 
 import pytest
 import torch
 
-from kimi.ops.moe_int4_triton import moe_align
+from kimi.kernels.triton.moe_w4a16 import moe_align
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,18 @@
-"""CPU tests of kimi's CUDA W4A16 GEMM's host side: the weight repack (kimi.ops.moe_int4_cuda.repack) read back
-through the kernel's fragment layout equals `dequant_int4`, bad shapes are refused, and csrc/moe_w4a16.cu compiles for
+"""CPU tests of kimi's CUDA W4A16 GEMM's host side: the weight repack (kimi.kernels.cuda.moe_w4a16.repack) read back
+through the kernel's fragment layout equals `dequant_int4`, bad shapes are refused, and
+kimi/kernels/cuda/csrc/moe_w4a16.cu compiles for
 sm_90a (nvcc; skipped with the reason where nvcc is absent). The kernel itself runs in tests/gpu."""
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from kimi.ops import moe_int4_cuda as mc
-from kimi.ops.cuda_ext import CSRC
-from kimi.ops.quant import dequant_int4, pack_int4, unpack_int4
+from kimi.kernels.cuda import moe_w4a16 as mc
+from kimi.kernels.cuda.loader import CSRC
+from kimi.model.quant import dequant_int4, pack_int4, unpack_int4
 
 
 @pytest.mark.parametrize("E,N,K", [(1, 64, 64), (3, 192, 192), (2, 128, 512)])
@@ -150,11 +152,12 @@ def test_config_for_picks_a_configuration_that_runs_the_shape():
 
 
 def test_a_failed_extension_build_is_not_retried(tmp_path, monkeypatch):
-    """kimi.ops.cuda_ext.load raises the first build's error again at once instead of rebuilding (each MoE layer asks
+    """kimi.kernels.cuda.loader.load raises the first build's error again at once instead of rebuilding (each MoE layer
+    asks
     for the extension at model load)."""
     import time
 
-    from kimi.ops import cuda_ext
+    from kimi.kernels.cuda import loader
 
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++;\n")
@@ -162,14 +165,14 @@ def test_a_failed_extension_build_is_not_retried(tmp_path, monkeypatch):
     name = "test_broken_build"
     try:
         with pytest.raises(Exception) as first:
-            cuda_ext.load(name, [str(bad)])
+            loader.load(name, [str(bad)])
         t0 = time.perf_counter()
         with pytest.raises(Exception) as again:
-            cuda_ext.load(name, [str(bad)])
+            loader.load(name, [str(bad)])
         assert again.value is first.value  # the cached failure, not a second build
         assert time.perf_counter() - t0 < 5.0  # a rebuild runs the compiler: seconds
     finally:
-        cuda_ext._failed.pop(name, None)
+        loader._failed.pop(name, None)
 
 
 def test_glu_interleave_orders_gate_and_up_rows_in_groups():
@@ -185,3 +188,17 @@ def test_glu_interleave_orders_gate_and_up_rows_in_groups():
     assert sorted(mc.glu_rows(I, G).tolist()) == list(range(2 * I))
     with pytest.raises(ValueError, match="whole pairs"):
         mc.glu_interleave(packed[:, :100], scale[:, :100], G)
+
+
+def test_csrc_ships_inside_the_package():
+    """The CUDA sources live in the kimi package and pyproject's package-data ships them (a non-editable install
+    builds the extension from its own copy)."""
+    import tomllib
+
+    import kimi
+
+    assert CSRC.is_relative_to(Path(kimi.__file__).resolve().parent)
+    data = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["kimi.kernels.cuda"]
+    shipped = {p for g in globs for p in (CSRC.parent).glob(g)}
+    assert {CSRC / "moe_w4a16.cu", CSRC / "moe_w4a16_binding.cpp"} <= shipped

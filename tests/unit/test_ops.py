@@ -9,18 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from kimi.config import ModelConfig, RopeScaling
-from kimi.ops.attention import (
+from kimi.model.attention import (
     build_attention_metadata,
     gather_kv_cache,
     mla_decode_ref,
     mla_prefill_ref,
     write_kv_cache,
 )
-from kimi.ops.moe import MoELayer, fused_experts_ref, select_experts
-from kimi.ops.norm import rms_norm
-from kimi.ops.rope import RotaryEmbedding, apply_rope_interleaved, rope_inv_freq, yarn_correction_range
+from kimi.model.model import KimiForCausalLM
+from kimi.model.moe import MoELayer, fused_experts_ref, select_experts
+from kimi.model.norm import rms_norm
+from kimi.model.rope import RotaryEmbedding, apply_rope_interleaved, rope_inv_freq, yarn_correction_range
 from kimi.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from kimi.worker.model import KimiForCausalLM
 
 
 def small_cfg(**over) -> ModelConfig:

@@ -1,11 +1,11 @@
-"""kimi.ops.quant against the compressed-tensors library (INT4) and explicit index math (INT4, FP8)."""
+"""kimi.model.quant against the compressed-tensors library (INT4) and explicit index math (INT4, FP8)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kimi.ops.quant import FP8_MAX, dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block, unpack_int4
+from kimi.model.quant import FP8_MAX, dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block, unpack_int4
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
@@ -157,8 +157,9 @@ def test_fp8_errors_and_zero_tile() -> None:
 def test_make_experts_dequantises_fp8_parts_without_an_fp8_kernel():
     """FP8 expert parts (K2-Instruct tiles) under backends without an FP8 kernel ("ref", "triton") become RefExperts
     over dequant_fp8_block's weights: the same outputs as RefExperts built from those weights directly."""
-    from kimi.ops.moe_backend import RefExperts, dequant_fp8_parts, make_experts
-    from kimi.ops.quant import dequant_fp8_block, quant_fp8_block
+    from kimi.backends.experts import make_experts
+    from kimi.backends.experts.reference import RefExperts, dequant_fp8_parts
+    from kimi.model.quant import dequant_fp8_block, quant_fp8_block
 
     g = torch.Generator().manual_seed(3)
     E, D, inter = 3, 256, 128

@@ -1,4 +1,4 @@
-"""kimi.ops.sampling against the formulas written out by hand (HF / vLLM / OpenAI semantics), and the batched
+"""kimi.model.sampling against the formulas written out by hand (HF / vLLM / OpenAI semantics), and the batched
 sampler (`sample`, `process_logits`, `filter_logits`, `exponential_race`) against the per-row reference
 (`sample_ref`, `process_logits_ref`): exact equality on CPU, chi-square / total-variation for the draws."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kimi.ops.sampling import (
+from kimi.model.sampling import (
     _filter_min_p,
     _filter_top_k_top_p,
     exponential_race,
@@ -129,7 +129,7 @@ def test_prompt_logprobs_match_log_softmax():
     assert none_ids is None and none_lps is None and lp0 == lp
 
 
-# ---- the batched sampler against the per-row reference (kimi.ops.sampling.sample_ref) ---------------------
+# ---- the batched sampler against the per-row reference (kimi.model.sampling.sample_ref) ---------------------
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kimi.errors import KimiError
+from kimi.errors import BackendUnavailableError, KimiError
 from kimi.structured_output.spec import GrammarSpec
 
 if TYPE_CHECKING:
@@ -126,11 +126,14 @@ class GrammarBackend:
             return self._vocab
 
     def compiler(self) -> xgrammar.GrammarCompiler:
-        """The xgrammar.GrammarCompiler (built on first use)."""
+        """The xgrammar.GrammarCompiler (built on first use). Raises BackendUnavailableError without xgrammar."""
         vocab = self.encoded_vocab()
         with self._init_lock:
             if self._compiler is None:
-                import xgrammar as xgr
+                try:
+                    import xgrammar as xgr
+                except ImportError as e:
+                    raise BackendUnavailableError(f"xgrammar is not installed on this server ({e})") from None
 
                 info = xgr.TokenizerInfo(
                     vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
@@ -140,7 +143,8 @@ class GrammarBackend:
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (cached). Raises GrammarError when xgrammar refuses it."""
+        """The compiled grammar of `spec` (cached). Raises GrammarError when xgrammar refuses it,
+        BackendUnavailableError when xgrammar is not installed."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:

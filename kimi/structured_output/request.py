@@ -41,6 +41,7 @@ from kimi.controller.parsers import (
     TOOL_CALLS_SECTION_END_ID,
 )
 from kimi.controller.validation import BadRequest
+from kimi.errors import BackendUnavailableError
 from kimi.protocol import SamplingParams
 from kimi.structured_output.backend import MAX_WHITESPACE, GrammarBackend, GrammarError
 from kimi.structured_output.spec import GrammarSpec
@@ -301,6 +302,10 @@ async def constrain(backend: GrammarBackend, guided: Guided, sampling: SamplingP
         await backend.compile_async(guided.spec)
     except GrammarError as e:
         raise BadRequest(f"'{guided.param}' cannot be compiled: {e}", guided.param) from None
+    except BackendUnavailableError as e:
+        raise BadRequest(
+            f"'{guided.param}' needs guided decoding, which this server cannot run: {e}", guided.param
+        ) from None
     return msgspec.structs.replace(sampling, grammar=guided.spec)
 
 

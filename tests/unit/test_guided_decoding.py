@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import jsonschema
 import pytest
@@ -571,3 +572,14 @@ def test_model_runner_outputs_validate_pipelined_and_after_preemption(ckpt):
         results.append(out)
         runner.close()
     assert results[0] == results[1] == results[2], "pipelined and preempted runs sample the same tokens"
+
+
+def test_a_server_without_xgrammar_refuses_the_constraint_naming_the_field(tok, monkeypatch):
+    """An install whose xgrammar is missing: a constrained request is a 400 naming its field, not a server error."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    fresh = GrammarBackend(tok, V, [EOS])
+    body = {"response_format": {"type": "json_object"}}
+    with pytest.raises(BadRequest) as e:
+        asyncio.run(constrain(fresh, completion_grammar(body), protocol.SamplingParams()))
+    assert e.value.param == "response_format" and e.value.status == 400
+    assert "xgrammar is not installed" in e.value.message

@@ -1,5 +1,5 @@
-// kimi: torch binding of kimi/kernels/cuda/csrc/moe_w4a16.cu (kimi_w4a16_indexed_gemm). Built by kimi/kernels/cuda/moe_w4a16.py with
-// torch's extension loader; the Python wrapper there documents the arguments.
+// kimi: torch binding of moe_w4a16.cu beside it (kimi_w4a16_indexed_gemm). Built by kimi/kernels/cuda/moe_w4a16.py
+// with torch's extension loader; the Python wrapper there documents the arguments.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>

@@ -23,8 +23,8 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -339,50 +339,11 @@ def load_checkpoint(
     model_dir = os.fspath(model_dir)
     file_map = _file_map(model_dir)
     to_read, local = _classify(file_map, cfg, ep_rank, ep_size)
-    missing = [n for n in local if n not in to_read]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"missing tensor {cfg.weight_prefix + missing[0]!r}{more} in checkpoint {model_dir}")
+    _check_present(cfg, model_dir, to_read, local)
 
     out: dict[str, Tensor] = {}
     pending: dict[str, dict[str, Tensor]] = {}  # quantised module -> parts read so far
     method = cfg.quant.method if cfg.quant is not None else None
-    parts_needed: dict[str | None, tuple[str, ...]] = {
-        "int4": ("weight_packed", "weight_scale", "weight_shape"),
-        "fp8": ("weight", "weight_scale_inv"),
-    }
-
-    def emit(name: str, t: Tensor) -> None:
-        if t.is_floating_point() and not name.endswith("e_score_correction_bias"):
-            t = t.to(dtype)
-        out[name] = t.to(device)
-
-    def finish_module(module: str, parts: dict[str, Tensor], fname: str, fpath: str) -> None:
-        quant = cfg.quant
-        assert quant is not None, "only a quantised checkpoint has modules in parts"
-        if "weight_packed" in parts:
-            o, i = parts["weight_packed"].shape[0], parts["weight_packed"].shape[1] * 8
-            ws = parts["weight_shape"].tolist()
-            if ws != [o, i]:
-                raise CheckpointError(
-                    f"tensor {cfg.weight_prefix + module + '.weight_shape'!r} in {fpath} is {ws}, expected [{o}, {i}]"
-                )
-            if dequantize:
-                w = dequant_int4(parts["weight_packed"], parts["weight_scale"], quant.group_size, dtype)
-                out[module + ".weight"] = w.to(device)
-            else:
-                out[module + ".weight_packed"] = parts["weight_packed"].to(device)
-                out[module + ".weight_scale"] = parts["weight_scale"].to(device)
-        else:
-            if dequantize:
-                w = dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], quant.block, dtype)
-                out[module + ".weight"] = w.to(device)
-            else:
-                out[module + ".weight"] = parts["weight"].to(device)
-                out[module + ".weight_scale_inv"] = parts["weight_scale_inv"].to(device)
-
-    def part_is_scale(name: str) -> bool:
-        return name.endswith((".weight_scale_inv", ".weight_scale"))
 
     bar = tqdm(
         total=len(to_read),
@@ -398,36 +359,17 @@ def load_checkpoint(
             with _open_shard(path, device="cpu") as f:
                 for name in names:
                     fname = to_read[name][0]
-                    want_shape, want_dtype = local[name]
-                    try:
-                        sl = f.get_slice(fname)
-                    except Exception as e:  # the index lists a tensor the file lacks
-                        raise CheckpointError(f"tensor {fname!r} is not in {fpath}: {e}") from e
-                    shape = tuple(int(x) for x in sl.get_shape())
-                    got_dtype = _ST_DTYPES.get(sl.get_dtype())
-                    if shape != tuple(want_shape):
-                        raise CheckpointError(
-                            f"tensor {fname!r} in {fpath} has shape {list(shape)}, expected {list(want_shape)}"
-                        )
-                    if got_dtype != want_dtype:
-                        raise CheckpointError(
-                            f"tensor {fname!r} in {fpath} has dtype {sl.get_dtype()}, expected {want_dtype}"
-                        )
-                    t = f.get_tensor(fname)
-                    if part_is_scale(name) and not bool(torch.isfinite(t).all()):
-                        # a NaN / inf scale would silently turn every output of the module into garbage
-                        raise CheckpointError(f"tensor {fname!r} in {fpath} holds NaN or infinite scales")
+                    t = _read_tensor(f, name, fname, fpath, local[name])
                     module, _, part = name.rpartition(".")
-                    quantised = (method == "int4" and part in parts_needed["int4"] and ".mlp.experts." in name) or (
-                        method == "fp8" and module + ".weight_scale_inv" in local and part in parts_needed["fp8"]
-                    )
-                    if quantised:
+                    if _is_quantised_part(method, name, local):
                         parts = pending.setdefault(module, {})
                         parts[part] = t
-                        if all(p in parts for p in parts_needed[method]):
-                            finish_module(module, pending.pop(module), fname, fpath)
+                        if all(p in parts for p in _QUANT_PARTS[method]):
+                            out.update(
+                                _finish_module(cfg, module, pending.pop(module), fpath, dequantize, dtype, device)
+                            )
                     else:
-                        emit(name, t)
+                        out[name] = _cast(name, t, dtype).to(device)
                     bar.update(1)
     finally:
         bar.close()
@@ -435,3 +377,99 @@ def load_checkpoint(
     if cfg.tie_word_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+_QUANT_PARTS: dict[str | None, tuple[str, ...]] = {  # quantisation method -> the tensors of one quantised module
+    "int4": ("weight_packed", "weight_scale", "weight_shape"),
+    "fp8": ("weight", "weight_scale_inv"),
+}
+
+
+def _check_present(cfg: ModelConfig, model_dir: str, to_read: Collection[str], local: Collection[str]) -> None:
+    """Raise CheckpointError naming the first expected tensor (of `local`) the checkpoint lacks, if any."""
+    missing = [n for n in local if n not in to_read]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {cfg.weight_prefix + missing[0]!r}{more} in checkpoint {model_dir}")
+
+
+def _cast(name: str, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t cast to `dtype` when floating, except `mlp.gate.e_score_correction_bias` (kept as stored)."""
+    if t.is_floating_point() and not name.endswith("e_score_correction_bias"):
+        t = t.to(dtype)
+    return t
+
+
+def _is_quantised_part(method: str | None, name: str, local: Collection[str]) -> bool:
+    """Whether canonical tensor `name` is one part of a quantised module (`_QUANT_PARTS[method]`): an INT4
+    routed expert's part, or an FP8 linear's part where the checkpoint expects the module's weight_scale_inv."""
+    module, _, part = name.rpartition(".")
+    return (method == "int4" and part in _QUANT_PARTS["int4"] and ".mlp.experts." in name) or (
+        method == "fp8" and module + ".weight_scale_inv" in local and part in _QUANT_PARTS["fp8"]
+    )
+
+
+def _read_tensor(f: Any, name: str, fname: str, fpath: str, want: tuple[tuple[int, ...], torch.dtype]) -> Tensor:
+    """Tensor `fname` of the open shard `f` (file `fpath`), checked against `want` (shape, dtype); a scale
+    tensor (canonical `name` ending `.weight_scale_inv` / `.weight_scale`) must be finite.
+
+    Raises:
+        CheckpointError: the tensor is absent, of another shape or dtype, or a scale holds NaN / inf.
+    """
+    want_shape, want_dtype = want
+    try:
+        sl = f.get_slice(fname)
+    except Exception as e:  # the index lists a tensor the file lacks
+        raise CheckpointError(f"tensor {fname!r} is not in {fpath}: {e}") from e
+    shape = tuple(int(x) for x in sl.get_shape())
+    got_dtype = _ST_DTYPES.get(sl.get_dtype())
+    if shape != tuple(want_shape):
+        raise CheckpointError(f"tensor {fname!r} in {fpath} has shape {list(shape)}, expected {list(want_shape)}")
+    if got_dtype != want_dtype:
+        raise CheckpointError(f"tensor {fname!r} in {fpath} has dtype {sl.get_dtype()}, expected {want_dtype}")
+    t: Tensor = f.get_tensor(fname)
+    if name.endswith((".weight_scale_inv", ".weight_scale")) and not bool(torch.isfinite(t).all()):
+        # a NaN / inf scale would silently turn every output of the module into garbage
+        raise CheckpointError(f"tensor {fname!r} in {fpath} holds NaN or infinite scales")
+    return t
+
+
+def _finish_module(
+    cfg: ModelConfig,
+    module: str,
+    parts: dict[str, Tensor],
+    fpath: str,
+    dequantize: bool,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> dict[str, Tensor]:
+    """The output tensors (canonical name -> tensor on `device`) of one quantised module from its parts
+    (INT4: weight_packed, weight_scale, weight_shape; FP8: weight, weight_scale_inv), dequantised to `dtype`
+    with `dequantize`, else kept as stored (INT4's weight_shape dropped).
+
+    Raises:
+        CheckpointError: an INT4 weight_shape that disagrees with weight_packed's shape.
+    """
+    quant = cfg.quant
+    assert quant is not None, "only a quantised checkpoint has modules in parts"
+    if "weight_packed" in parts:
+        o, i = parts["weight_packed"].shape[0], parts["weight_packed"].shape[1] * 8
+        ws = parts["weight_shape"].tolist()
+        if ws != [o, i]:
+            raise CheckpointError(
+                f"tensor {cfg.weight_prefix + module + '.weight_shape'!r} in {fpath} is {ws}, expected [{o}, {i}]"
+            )
+        if dequantize:
+            w = dequant_int4(parts["weight_packed"], parts["weight_scale"], quant.group_size, dtype)
+            return {module + ".weight": w.to(device)}
+        return {
+            module + ".weight_packed": parts["weight_packed"].to(device),
+            module + ".weight_scale": parts["weight_scale"].to(device),
+        }
+    if dequantize:
+        w = dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], quant.block, dtype)
+        return {module + ".weight": w.to(device)}
+    return {
+        module + ".weight": parts["weight"].to(device),
+        module + ".weight_scale_inv": parts["weight_scale_inv"].to(device),
+    }

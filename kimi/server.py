@@ -814,12 +814,7 @@ async def serve(a: ServeArgs) -> int:
     eos = eos_token_ids(cfg, tokenizer)
     max_model_len = a.max_model_len or cfg.max_position_embeddings
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))
-    # an IPv6 literal host goes in brackets: tcp://[::1]:port
-    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
-    if a.api_key and a.zmq_submit_addr is None:
-        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
-        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
-
+    submit_addr = _submit_addr(a)
     bound = _bind(a, cfg, tokenizer, eos, max_model_len, submit_addr)
     if bound is None:
         return 1
@@ -868,14 +863,30 @@ async def serve(a: ServeArgs) -> int:
                 submit_task.cancel()
             submit.close()
             await _stop_http(http_task, http_socks)
-            if workers is not None:
-                # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and
-                # never see Shutdown; ranks still loading do not read it either: give them 1 s instead of 5
-                # before the process group is terminated
-                quick = engine.fatal_error is not None or rc or not engine.ready
-                await asyncio.to_thread(workers.stop, 1.0 if quick else 5.0)
+            await _stop_workers(workers, engine, rc)
             transport.close()
     return rc
+
+
+def _submit_addr(a: ServeArgs) -> str:
+    """The ZeroMQ submit API's address: --zmq-submit-addr, else the HTTP host at port + 1 (loopback with an API
+    key, since the submit API has no authentication)."""
+    # an IPv6 literal host goes in brackets: tcp://[::1]:port
+    submit_addr = a.zmq_submit_addr or f"tcp://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port + 1}"
+    if a.api_key and a.zmq_submit_addr is None:
+        # The ZeroMQ submit API has no authentication: with an API key it stays on loopback.
+        submit_addr = f"tcp://127.0.0.1:{a.port + 1}"
+    return submit_addr
+
+
+async def _stop_workers(workers: WorkerProcess | None, engine: Engine, rc: int) -> None:
+    """Stop the worker processes (if launched): 5 s for a clean stop after a normal run, 1 s otherwise."""
+    if workers is not None:
+        # after a failure the surviving ranks may sit in a collective with a dead / stopped peer and
+        # never see Shutdown; ranks still loading do not read it either: give them 1 s instead of 5
+        # before the process group is terminated
+        quick = engine.fatal_error is not None or rc or not engine.ready
+        await asyncio.to_thread(workers.stop, 1.0 if quick else 5.0)
 
 
 def _handle_signals(http: _Server, engine: Engine) -> None:

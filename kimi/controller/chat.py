@@ -268,10 +268,6 @@ def encode_chat(
     """
     sent = messages
     messages = validate_messages(messages)
-
-    def reasoning_key(i: int) -> str:  # the field the client sent the reasoning in
-        return "reasoning_content" if sent[i].get("reasoning_content") is not None else "reasoning"
-
     if tools:
         blob = json.dumps(tools, ensure_ascii=False)
         found = _special_ids(tokenizer)[0].search(blob)  # one scan of the declarations
@@ -280,57 +276,111 @@ def encode_chat(
         _check_tree(tools, "tools")
     if template_kwargs:
         _check_tree(template_kwargs, "chat_template_kwargs")
-    pieces: list[str] = []
+    marked, pieces, final_piece = _mark_messages(messages, sent, continue_final_message)
+    if max_model_len is not None:  # the prompt holds every piece: refuse one surely too long before tokenizing it
+        check_prompt_text_fits(tokenizer, "".join(pieces), max_model_len, "messages", "the messages' text has")
+    rendered = _render_template(tokenizer, marked, tools, template_kwargs, add_generation_prompt)
+    if continue_final_message:  # cut after the final message's last piece of content
+        end = f"{_MARK}{final_piece}{_MARK}"
+        at = rendered.rfind(end)
+        if final_piece < 0 or at < 0:
+            raise BadRequest(
+                "'continue_final_message': the chat template does not render the final message's content",
+                "messages",
+            )
+        rendered = rendered[: at + len(end)]
+    return _encode_rendered(tokenizer, rendered, pieces)
 
-    def mark(s: str, param: str) -> str:
+
+class _Pieces:
+    """The user-controlled strings of a chat request, each replaced in the messages by a numbered marker
+    (`_MARK` index `_MARK`) so the rendered prompt shows where each one goes."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, s: str, param: str) -> str:
+        """Check s (BadRequest naming `param`), store it; return its marker."""
         _check_text(s, param)
-        pieces.append(s)
-        return f"{_MARK}{len(pieces) - 1}{_MARK}"
+        self.texts.append(s)
+        return f"{_MARK}{len(self.texts) - 1}{_MARK}"
 
+
+def _mark_messages(
+    messages: list[dict[str, Any]], sent: Any, continue_final_message: bool
+) -> tuple[list[dict[str, Any]], list[str], int]:
+    """(the messages with every user-controlled string replaced by its marker, the strings in marker order, the
+    index of the final message's last content piece with continue_final_message, else -1). `sent` is the
+    messages as the client sent them (for the name of the reasoning field). Raises BadRequest naming the field."""
+    pieces = _Pieces()
     marked = []
-    final_piece = -1  # continue_final_message: the index of the final message's last content piece
+    final_piece = -1
     for i, m in enumerate(messages):
-        m2 = dict(m)
-        c = m.get("content")
         final = continue_final_message and i == len(messages) - 1
-        if final and not c:  # an empty prefill: its marker still shows where the content goes
-            c = ""
-            m2["content"] = mark("", f"messages[{i}].content")
-        elif isinstance(c, str):
-            m2["content"] = mark(c, f"messages[{i}].content") if c else c
-        elif isinstance(c, list):
-            m2["content"] = [
-                {**part, "text": mark(part["text"], f"messages[{i}].content[{j}].text")} for j, part in enumerate(c)
-            ]
+        m2, c = _mark_content(m, i, final, pieces)
         if final:
-            final_piece = len(pieces) - 1
-        if isinstance(m.get("name"), str) and m["name"]:
-            m2["name"] = mark(m["name"], f"messages[{i}].name")
-        if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
-            m2["reasoning_content"] = mark(m["reasoning_content"], f"messages[{i}].{reasoning_key(i)}")
-        if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:
-            m2["tool_call_id"] = mark(m["tool_call_id"], f"messages[{i}].tool_call_id")
-        if m.get("tool_calls"):
-            calls = []
-            for j, call in enumerate(m["tool_calls"]):
-                fn = dict(call["function"])
-                args = fn.get("arguments")
-                if isinstance(args, dict):  # the template's compact JSON, marked so it stays text
-                    args = json.dumps(args, separators=(",", ":"), ensure_ascii=False)
-                fn["arguments"] = mark(args, f"messages[{i}].tool_calls[{j}].function.arguments") if args else "{}"
-                fn["name"] = mark(fn["name"], f"messages[{i}].tool_calls[{j}].function.name")
-                calls.append({**call, "id": mark(call["id"], f"messages[{i}].tool_calls[{j}].id"), "function": fn})
-            m2["tool_calls"] = calls
+            final_piece = len(pieces.texts) - 1
+        _mark_other_fields(m, m2, i, sent, pieces)
         # any other field the template may copy; the strings marked above were checked there (not dumped again)
         rest = {k: v for k, v in m.items() if k not in ("content", "name", "tool_call_id", "reasoning_content")}
         if isinstance(c, list):  # the parts' other keys
             rest["content"] = [{**part, "text": ""} for part in c]
         _check_tree(rest, f"messages[{i}]")
         marked.append(m2)
-    if max_model_len is not None:  # the prompt holds every piece: refuse one surely too long before tokenizing it
-        check_prompt_text_fits(tokenizer, "".join(pieces), max_model_len, "messages", "the messages' text has")
+    return marked, pieces.texts, final_piece
+
+
+def _mark_content(m: dict[str, Any], i: int, final: bool, pieces: _Pieces) -> tuple[dict[str, Any], Any]:
+    """(a copy of message i with its content marked, the content as it was; "" for an empty final message)."""
+    m2 = dict(m)
+    c = m.get("content")
+    if final and not c:  # an empty prefill: its marker still shows where the content goes
+        c = ""
+        m2["content"] = pieces.mark("", f"messages[{i}].content")
+    elif isinstance(c, str):
+        m2["content"] = pieces.mark(c, f"messages[{i}].content") if c else c
+    elif isinstance(c, list):
+        m2["content"] = [
+            {**part, "text": pieces.mark(part["text"], f"messages[{i}].content[{j}].text")} for j, part in enumerate(c)
+        ]
+    return m2, c
+
+
+def _mark_other_fields(m: dict[str, Any], m2: dict[str, Any], i: int, sent: Any, pieces: _Pieces) -> None:
+    """Mark message i's name, reasoning, tool_call_id and tool calls into m2."""
+    if isinstance(m.get("name"), str) and m["name"]:
+        m2["name"] = pieces.mark(m["name"], f"messages[{i}].name")
+    if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+        # the field the client sent the reasoning in
+        key = "reasoning_content" if sent[i].get("reasoning_content") is not None else "reasoning"
+        m2["reasoning_content"] = pieces.mark(m["reasoning_content"], f"messages[{i}].{key}")
+    if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:
+        m2["tool_call_id"] = pieces.mark(m["tool_call_id"], f"messages[{i}].tool_call_id")
+    if m.get("tool_calls"):
+        calls = []
+        for j, call in enumerate(m["tool_calls"]):
+            fn = dict(call["function"])
+            args = fn.get("arguments")
+            if isinstance(args, dict):  # the template's compact JSON, marked so it stays text
+                args = json.dumps(args, separators=(",", ":"), ensure_ascii=False)
+            p = f"messages[{i}].tool_calls[{j}]"
+            fn["arguments"] = pieces.mark(args, f"{p}.function.arguments") if args else "{}"
+            fn["name"] = pieces.mark(fn["name"], f"{p}.function.name")
+            calls.append({**call, "id": pieces.mark(call["id"], f"{p}.id"), "function": fn})
+        m2["tool_calls"] = calls
+
+
+def _render_template(
+    tokenizer: KimiTokenizer,
+    marked: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+    add_generation_prompt: bool,
+) -> str:
+    """The chat template rendered on the marked messages. A template ValueError is a BadRequest naming
+    `chat_template_kwargs` when the messages render without the kwargs, else naming `messages`."""
     try:
-        rendered = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             marked, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
     except ValueError as e:
@@ -346,19 +396,16 @@ def encode_chat(
                     "chat_template_kwargs",
                 ) from None
         raise BadRequest(str(e), "messages") from None
-    if continue_final_message:  # cut after the final message's last piece of content
-        end = f"{_MARK}{final_piece}{_MARK}"
-        at = rendered.rfind(end)
-        if final_piece < 0 or at < 0:
-            raise BadRequest(
-                "'continue_final_message': the chat template does not render the final message's content",
-                "messages",
-            )
-        rendered = rendered[: at + len(end)]
-    # Tokenize as encode(rendered prompt, allow_special=True) would (HF / vLLM): the text between two control
-    # tokens is ONE ordinary run, whether it comes from the template or from the request, so a message's text
-    # merges with the template text around it as it does there (" functions" after "## Return of", "foo" + "bar"
-    # of two text parts). Control tokens are recognised only in the template's own text.
+
+
+def _encode_rendered(tokenizer: KimiTokenizer, rendered: str, pieces: list[str]) -> list[int]:
+    """Token ids of the rendered prompt, its markers replaced by `pieces`.
+
+    Tokenizes as encode(rendered prompt, allow_special=True) would (HF / vLLM): the text between two control
+    tokens is ONE ordinary run, whether it comes from the template or from the request, so a message's text
+    merges with the template text around it as it does there (" functions" after "## Return of", "foo" + "bar"
+    of two text parts). Control tokens are recognised only in the template's own text.
+    """
     special = _special_ids(tokenizer)
     ids: list[int] = []
     run: list[str] = []

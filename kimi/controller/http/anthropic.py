@@ -27,7 +27,7 @@ from kimi.controller.http.chat import ChatAPI, _ChatRun, final_message_parts
 from kimi.controller.http.common import _Choice, with_parser_tail
 from kimi.controller.http.streaming import _SSE
 from kimi.controller.offload import run_sized
-from kimi.controller.parsers import OutputParser, ToolCall
+from kimi.controller.parsers import OutputParser, ToolCall, ToolCallDelta
 from kimi.controller.validation import BadRequest, Fields
 from kimi.protocol import RequestOutput
 
@@ -245,32 +245,9 @@ def _messages(system: Any, messages: Any) -> list[dict[str, Any]]:
                     raise BadRequest(f"'{q}.thinking' must be a string", f"{q}.thinking")
                 thinking.append(b["thinking"])
             elif kind == "tool_use":
-                if not isinstance(b.get("id"), str) or not b["id"]:
-                    raise BadRequest(f"'{q}.id' must be a non-empty string", f"{q}.id")
-                if not isinstance(b.get("name"), str) or not b["name"]:
-                    raise BadRequest(f"'{q}.name' must be a non-empty string", f"{q}.name")
-                args = _object(b.get("input"), f"{q}.input")
-                calls.append(
-                    {
-                        "id": kimi_call_id(b["id"]),
-                        "type": "function",
-                        "function": {"name": b["name"], "arguments": args},
-                    }
-                )
+                calls.append(_tool_use_call(b, q))
             elif kind == "tool_result":
-                if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
-                    raise BadRequest(f"'{q}.tool_use_id' must be a non-empty string", f"{q}.tool_use_id")
-                for k in b:
-                    if k not in ("type", "tool_use_id", "content", "is_error", "cache_control"):
-                        raise BadRequest(f"'{q}.{k}' is not supported by this server", f"{q}.{k}")
-                body = b.get("content")
-                result = "" if body is None else _text_blocks(body, f"{q}.content")
-                is_error = b.get("is_error")
-                if is_error is not None and not isinstance(is_error, bool):
-                    raise BadRequest(f"'{q}.is_error' must be a boolean", f"{q}.is_error")
-                if is_error:  # Kimi's format has no error flag: the result says so in words
-                    result = f"Error: {result}"
-                results.append({"role": "tool", "tool_call_id": kimi_call_id(b["tool_use_id"]), "content": result})
+                results.append(_tool_result_message(b, q))
         out.extend(results)
         if role == "user":
             if text or not results:
@@ -283,6 +260,38 @@ def _messages(system: Any, messages: Any) -> list[dict[str, Any]]:
             msg["tool_calls"] = calls
         out.append(msg)
     return out
+
+
+def _tool_use_call(b: dict[str, Any], q: str) -> dict[str, Any]:
+    """A `tool_use` block (at path q) -> an OpenAI tool call. Raises BadRequest naming the Anthropic path."""
+    if not isinstance(b.get("id"), str) or not b["id"]:
+        raise BadRequest(f"'{q}.id' must be a non-empty string", f"{q}.id")
+    if not isinstance(b.get("name"), str) or not b["name"]:
+        raise BadRequest(f"'{q}.name' must be a non-empty string", f"{q}.name")
+    args = _object(b.get("input"), f"{q}.input")
+    return {
+        "id": kimi_call_id(b["id"]),
+        "type": "function",
+        "function": {"name": b["name"], "arguments": args},
+    }
+
+
+def _tool_result_message(b: dict[str, Any], q: str) -> dict[str, Any]:
+    """A `tool_result` block (at path q) -> an OpenAI `tool` message. Raises BadRequest naming the Anthropic
+    path."""
+    if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
+        raise BadRequest(f"'{q}.tool_use_id' must be a non-empty string", f"{q}.tool_use_id")
+    for k in b:
+        if k not in ("type", "tool_use_id", "content", "is_error", "cache_control"):
+            raise BadRequest(f"'{q}.{k}' is not supported by this server", f"{q}.{k}")
+    body = b.get("content")
+    result = "" if body is None else _text_blocks(body, f"{q}.content")
+    is_error = b.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise BadRequest(f"'{q}.is_error' must be a boolean", f"{q}.is_error")
+    if is_error:  # Kimi's format has no error flag: the result says so in words
+        result = f"Error: {result}"
+    return {"role": "tool", "tool_call_id": kimi_call_id(b["tool_use_id"]), "content": result}
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -437,28 +446,33 @@ def to_chat_body(body: dict[str, Any], count_only: bool = False) -> tuple[dict[s
     if body.get("thinking") is not None:
         on, show_thinking = _thinking(body["thinking"], max_tokens)
         out["chat_template_kwargs"] = {"thinking": on}
-    oc = body.get("output_config")
-    if oc is not None:
-        oc = _object(oc, "output_config")
-        for k in oc:
-            if k not in ("format", "effort"):
-                raise BadRequest(f"'output_config.{k}' is not supported by this server", f"output_config.{k}")
-        effort = oc.get("effort")
-        if effort is not None:  # passed to the template (Kimi's templates do not read it)
-            if effort not in _EFFORTS:
-                raise BadRequest(f"'output_config.effort' must be one of {', '.join(_EFFORTS)}", "output_config.effort")
-            out.setdefault("chat_template_kwargs", {})["reasoning_effort"] = effort
-        fmt = oc.get("format")
-        if fmt is not None:
-            fmt = _object(fmt, "output_config.format")
-            if fmt.get("type") != "json_schema":
-                raise BadRequest("'output_config.format.type' must be 'json_schema'", "output_config.format.type")
-            for k in fmt:
-                if k not in ("type", "schema"):
-                    raise BadRequest(f"'output_config.format.{k}' is not supported", f"output_config.format.{k}")
-            schema = _object(fmt.get("schema"), "output_config.format.schema")
-            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    if body.get("output_config") is not None:
+        _output_config(body["output_config"], out)
     return out, show_thinking
+
+
+def _output_config(oc: Any, out: dict[str, Any]) -> None:
+    """Anthropic `output_config` (effort, format) into the chat body `out`: chat_template_kwargs'
+    reasoning_effort and response_format. Raises BadRequest naming the field."""
+    oc = _object(oc, "output_config")
+    for k in oc:
+        if k not in ("format", "effort"):
+            raise BadRequest(f"'output_config.{k}' is not supported by this server", f"output_config.{k}")
+    effort = oc.get("effort")
+    if effort is not None:  # passed to the template (Kimi's templates do not read it)
+        if effort not in _EFFORTS:
+            raise BadRequest(f"'output_config.effort' must be one of {', '.join(_EFFORTS)}", "output_config.effort")
+        out.setdefault("chat_template_kwargs", {})["reasoning_effort"] = effort
+    fmt = oc.get("format")
+    if fmt is not None:
+        fmt = _object(fmt, "output_config.format")
+        if fmt.get("type") != "json_schema":
+            raise BadRequest("'output_config.format.type' must be 'json_schema'", "output_config.format.type")
+        for k in fmt:
+            if k not in ("type", "schema"):
+                raise BadRequest(f"'output_config.format.{k}' is not supported", f"output_config.format.{k}")
+        schema = _object(fmt.get("schema"), "output_config.format.schema")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
@@ -554,75 +568,7 @@ class AnthropicAPI(ChatAPI):
         """The event stream: message_start, ping, content blocks (thinking / text / tool_use, each started,
         delta'd and stopped in turn; a thinking block under display "omitted" has no deltas), message_delta (stop
         reason, usage), message_stop; an error is an `error` event that ends the stream."""
-        p = c.parser
-        assert p is not None
-        state: dict[str, Any] = {"index": -1, "kind": None, "call": None}
-
-        def open_block(kind: str, block: dict[str, Any], call: int | None = None) -> bytes:
-            data = close_block()
-            state["index"] += 1
-            state["kind"], state["call"] = kind, call
-            return data + _event("content_block_start", {"index": state["index"], "content_block": block})
-
-        def close_block() -> bytes:
-            if state["kind"] is None:
-                return b""
-            state["kind"] = None
-            return _event("content_block_stop", {"index": state["index"]})
-
-        def delta(d: dict[str, Any]) -> bytes:
-            return _event("content_block_delta", {"index": state["index"], "delta": d})
-
-        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
-            c.note(o)
-            if o.error is not None:
-                return _event("error", {"error": {"type": "api_error", "message": o.error}}), True
-            d = c.parse(o) if o.token_ids else None
-            d = with_parser_tail(p, o, d)
-            out = []
-            if d is not None:
-                if d.reasoning_content and reasons:
-                    if state["kind"] != "thinking":
-                        out.append(open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
-                    if show_thinking:
-                        out.append(delta({"type": "thinking_delta", "thinking": d.reasoning_content}))
-                if d.content:
-                    if state["kind"] != "text":
-                        out.append(open_block("text", {"type": "text", "text": ""}))
-                    out.append(delta({"type": "text_delta", "text": d.content}))
-                for t in d.tool_calls:
-                    if not run.parallel and t.index > 0:
-                        continue
-                    if t.is_head:
-                        assert t.id is not None
-                        block: dict[str, Any] = {
-                            "type": "tool_use",
-                            "id": tool_use_id(t.id),
-                            "name": t.name,
-                            "input": {},
-                        }
-                        out.append(open_block("tool_use", block, t.index))
-                    elif state["kind"] != "tool_use" or state["call"] != t.index:
-                        continue  # a fragment of a call whose block is closed (calls arrive one after another)
-                    if t.arguments:
-                        out.append(delta({"type": "input_json_delta", "partial_json": t.arguments}))
-            if o.finished:
-                if state["index"] < 0:  # an empty reply: one empty text block, as Anthropic sends
-                    out.append(open_block("text", {"type": "text", "text": ""}))
-                out.append(close_block())
-                stop_reason, stop_sequence = self._stop_reason(c)
-                out.append(
-                    _event(
-                        "message_delta",
-                        {
-                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            "usage": self._message_usage(run, c),
-                        },
-                    )
-                )
-                out.append(_event("message_stop", {}))
-            return b"".join(out), False
-
+        stream = _MessageStream(self, run, c, reasons, show_thinking)
         first = _event(
             "message_start",
             {
@@ -643,7 +589,7 @@ class AnthropicAPI(ChatAPI):
                 }
             },
         ) + _event("ping", {})
-        return _SSE(run.sib, render, first, done=b"")
+        return _SSE(run.sib, stream.render, first, done=b"")
 
     async def count_tokens(self, request: HTTPRequest) -> Response:
         """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt tokens /v1/messages would give the
@@ -669,3 +615,91 @@ class AnthropicAPI(ChatAPI):
         except BadRequest as e:
             return anthropic_error(e.message, e.status)
         return JSONResponse({"input_tokens": len(ids)})
+
+
+class _MessageStream:
+    """The state of one streamed /v1/messages reply (`AnthropicAPI._message_stream`): the open content block's
+    index, kind and tool-call index."""
+
+    def __init__(self, api: AnthropicAPI, run: _ChatRun, c: _Choice, reasons: bool, show_thinking: bool) -> None:
+        assert c.parser is not None
+        self.api, self.run, self.c, self.p = api, run, c, c.parser
+        self.reasons, self.show_thinking = reasons, show_thinking
+        self.state: dict[str, Any] = {"index": -1, "kind": None, "call": None}
+
+    def open_block(self, kind: str, block: dict[str, Any], call: int | None = None) -> bytes:
+        """Stop the open block, start `block` (of `kind`; a tool_use block: of call `call`); its events."""
+        state = self.state
+        data = self.close_block()
+        state["index"] += 1
+        state["kind"], state["call"] = kind, call
+        return data + _event("content_block_start", {"index": state["index"], "content_block": block})
+
+    def close_block(self) -> bytes:
+        """The open block's content_block_stop (none open: b"")."""
+        if self.state["kind"] is None:
+            return b""
+        self.state["kind"] = None
+        return _event("content_block_stop", {"index": self.state["index"]})
+
+    def delta(self, d: dict[str, Any]) -> bytes:
+        """A content_block_delta of the open block."""
+        return _event("content_block_delta", {"index": self.state["index"], "delta": d})
+
+    def render(self, i: int, o: RequestOutput) -> tuple[bytes, bool]:
+        """SSE events for output o, and whether the stream ends with it (see _SSE)."""
+        c, state = self.c, self.state
+        c.note(o)
+        if o.error is not None:
+            return _event("error", {"error": {"type": "api_error", "message": o.error}}), True
+        d = c.parse(o) if o.token_ids else None
+        d = with_parser_tail(self.p, o, d)
+        out = []
+        if d is not None:
+            if d.reasoning_content and self.reasons:
+                if state["kind"] != "thinking":
+                    out.append(self.open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
+                if self.show_thinking:
+                    out.append(self.delta({"type": "thinking_delta", "thinking": d.reasoning_content}))
+            if d.content:
+                if state["kind"] != "text":
+                    out.append(self.open_block("text", {"type": "text", "text": ""}))
+                out.append(self.delta({"type": "text_delta", "text": d.content}))
+            out.extend(self._call_events(d.tool_calls))
+        if o.finished:
+            if state["index"] < 0:  # an empty reply: one empty text block, as Anthropic sends
+                out.append(self.open_block("text", {"type": "text", "text": ""}))
+            out.append(self.close_block())
+            stop_reason, stop_sequence = self.api._stop_reason(c)
+            out.append(
+                _event(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                        "usage": self.api._message_usage(self.run, c),
+                    },
+                )
+            )
+            out.append(_event("message_stop", {}))
+        return b"".join(out), False
+
+    def _call_events(self, tool_calls: list[ToolCallDelta]) -> list[bytes]:
+        """Events of the tool-call fragments of one output (not parallel: only the first call's)."""
+        out = []
+        for t in tool_calls:
+            if not self.run.parallel and t.index > 0:
+                continue
+            if t.is_head:
+                assert t.id is not None
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": tool_use_id(t.id),
+                    "name": t.name,
+                    "input": {},
+                }
+                out.append(self.open_block("tool_use", block, t.index))
+            elif self.state["kind"] != "tool_use" or self.state["call"] != t.index:
+                continue  # a fragment of a call whose block is closed (calls arrive one after another)
+            if t.arguments:
+                out.append(self.delta({"type": "input_json_delta", "partial_json": t.arguments}))
+        return out

@@ -176,157 +176,163 @@ class ChatAPI(ServerBase):
             run = await self._chat_start(f)
         except BadRequest as e:
             return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
-        ids, g, pcfg, sib, parallel, want_lp = run.ids, run.g, run.pcfg, run.sib, run.parallel, run.want_lp
-        include_reasoning, echo_text, k_prompt, token_ids_out, rid = (
-            run.include_reasoning,
-            run.echo_text,
-            run.k_prompt,
-            run.token_ids_out,
-            run.rid,
-        )
+        g, sib = run.g, run.sib
         created = int(time.time())
-        base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        base = {"id": run.rid, "object": "chat.completion", "created": created, "model": self.model_name}
         choices = [
-            _Choice(i, r, parser=OutputParser(pcfg), request=sib.requests[i] if sib.requests else None)
+            _Choice(i, r, parser=OutputParser(run.pcfg), request=sib.requests[i] if sib.requests else None)
             for i, r in enumerate(sib.ids)
         ]
-
-        def finish_reason(c: _Choice) -> str | None:
-            base_reason = c.last.finish_reason if c.last else None
-            if base_reason in ("stop", "length"):
-                assert c.parser is not None, "every chat choice has a parser"
-                return c.parser.finish_reason(base_reason)
-            return base_reason
-
+        out = _ChatOutput(self, run, base, choices)
         if not g.stream:
             err = await self._collect(request, sib, choices)
             if err is not None:  # an error ending a request because the server shuts down is retryable
                 return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
-            out = []
-            for c in choices:
-                content, reasoning, tool_calls = final_message_parts(c, parallel)
-                calls = [t.to_openai() for t in tool_calls]
-                text = echo_text + content
-                reasons = pcfg.starts_in_reasoning and include_reasoning
-                thought = reasoning if reasons else ""
-                # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
-                msg: dict[str, Any] = {
-                    "role": "assistant",
-                    "content": text if (text or not (calls or thought)) else None,
-                }
-                if reasons:  # `reasoning`: current vLLM's name; `reasoning_content`: DeepSeek's and older vLLM's
-                    msg["reasoning"] = msg["reasoning_content"] = thought or None
-                if calls:
-                    msg["tool_calls"] = calls
-                lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if want_lp else None
-                choice: dict[str, Any] = {
-                    "index": c.index,
-                    "message": msg,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(c),
-                    "stop_reason": c.final.stop_reason,
-                }
-                if token_ids_out:
-                    choice["token_ids"] = c.token_ids
-                out.append(choice)
-            resp: dict[str, Any] = {**base, "choices": out, "usage": self._usage_of(g, choices)}
-            if k_prompt is not None:
-                c0 = choices[0]
-                resp["prompt_logprobs"] = self._vllm_prompt_logprobs(
-                    ids, c0.prompt_logprobs, c0.prompt_top_ids, c0.prompt_top_logprobs
-                )
-            if token_ids_out:
-                resp["prompt_token_ids"] = ids
-            return JSONResponse(resp)
+            return JSONResponse(out.body())
+        return out.stream()
 
-        chunk_base = {**base, "object": "chat.completion.chunk"}
+
+class _ChatOutput:
+    """The response of one admitted chat request (`run`): the JSON body once every choice finished (`body`), or
+    the SSE stream of its chunks (`stream`). `base` holds the body's id, object, created and model."""
+
+    def __init__(self, api: ChatAPI, run: _ChatRun, base: dict[str, Any], choices: list[_Choice]) -> None:
+        self.api = api
+        self.run = run
+        self.g = run.g
+        self.base = base
+        self.choices = choices
+
+    @staticmethod
+    def finish_reason(c: _Choice) -> str | None:
+        """Choice c's finish reason, "tool_calls" where its parser saw a tool call end the message."""
+        base_reason = c.last.finish_reason if c.last else None
+        if base_reason in ("stop", "length"):
+            assert c.parser is not None, "every chat choice has a parser"
+            return c.parser.finish_reason(base_reason)
+        return base_reason
+
+    def body(self) -> dict[str, Any]:
+        """The non-streaming response body, every choice finished."""
+        api, run, g, choices = self.api, self.run, self.g, self.choices
+        out = []
+        for c in choices:
+            content, reasoning, tool_calls = final_message_parts(c, run.parallel)
+            calls = [t.to_openai() for t in tool_calls]
+            text = run.echo_text + content
+            reasons = run.pcfg.starts_in_reasoning and run.include_reasoning
+            thought = reasoning if reasons else ""
+            # no text beside tool calls or reasoning: null content (OpenAI's tool-call replies, vLLM's reasoning)
+            msg: dict[str, Any] = {
+                "role": "assistant",
+                "content": text if (text or not (calls or thought)) else None,
+            }
+            if reasons:  # `reasoning`: current vLLM's name; `reasoning_content`: DeepSeek's and older vLLM's
+                msg["reasoning"] = msg["reasoning_content"] = thought or None
+            if calls:
+                msg["tool_calls"] = calls
+            lp = api._chat_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs) if run.want_lp else None
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": msg,
+                "logprobs": lp,
+                "finish_reason": self.finish_reason(c),
+                "stop_reason": c.final.stop_reason,
+            }
+            if run.token_ids_out:
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
+        resp: dict[str, Any] = {**self.base, "choices": out, "usage": api._usage_of(g, choices)}
+        if run.k_prompt is not None:
+            c0 = choices[0]
+            resp["prompt_logprobs"] = api._vllm_prompt_logprobs(
+                run.ids, c0.prompt_logprobs, c0.prompt_top_ids, c0.prompt_top_logprobs
+            )
+        if run.token_ids_out:
+            resp["prompt_token_ids"] = run.ids
+        return resp
+
+    def stream(self) -> _SSE:
+        """The SSE response of the request's siblings."""
+        run, g = self.run, self.g
+        chunk_base = {**self.base, "object": "chat.completion.chunk"}
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             chunk_base["usage"] = None
-        continuous = g.continuous_usage
-        n_prompt = len(g.prompt_token_ids)
-        fast = not (want_lp or continuous or token_ids_out)  # chunks that differ only in one text field
+        self.chunk_base = chunk_base
+        self.continuous = g.continuous_usage
+        self.n_prompt = len(g.prompt_token_ids)
+        # chunks that differ only in one text field
+        self.fast = not (run.want_lp or self.continuous or run.token_ids_out)
+        self.content_event = self._delta_template({"content": _SLOT})
+        self.reasoning_event = self._delta_template({"reasoning": _SLOT, "reasoning_content": _SLOT})
+        return _SSE(run.sib, self.render, self._first(), self.usage)
 
-        content_event = _EventTemplate(
+    def _delta_template(self, delta: dict[str, Any]) -> _EventTemplate:
+        chunk_base = self.chunk_base
+        return _EventTemplate(
             lambda i: {
                 **chunk_base,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"content": _SLOT},
-                        "logprobs": None,
-                        "finish_reason": None,
-                        "stop_reason": None,
-                    }
-                ],
-            }
-        )
-        reasoning_event = _EventTemplate(
-            lambda i: {
-                **chunk_base,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"reasoning": _SLOT, "reasoning_content": _SLOT},
-                        "logprobs": None,
-                        "finish_reason": None,
-                        "stop_reason": None,
-                    }
-                ],
+                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}],
             }
         )
 
-        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
-            """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
-            c = choices[i]
-            p = c.parser
-            assert p is not None
-            c.note(o)
-            if o.error is not None:
-                return sse_event(self._error_chunk(o.error)), True
-            d = c.parse(o) if o.token_ids else None
-            if d is not None and not o.finished and not d.tool_calls and fast:
-                # the common chunks: only the content or only the reasoning text varies
-                if not d.reasoning_content:
-                    return (content_event.fill(i, d.content) if d.content else b""), False
-                if not d.content:
-                    return (reasoning_event.fill(i, d.reasoning_content) if include_reasoning else b""), False
-            d = with_parser_tail(p, o, d)
-            delta = d.to_openai() if d is not None else {}
-            if "reasoning_content" in delta:
-                if include_reasoning:
-                    delta = {"reasoning": delta["reasoning_content"], **delta}
-                else:
-                    del delta["reasoning_content"]
-            if not parallel and "tool_calls" in delta:
-                delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
-                if not delta["tool_calls"]:
-                    del delta["tool_calls"]
-            lp = None
-            if want_lp and o.token_ids:
-                lp = self._chat_logprobs(o.token_ids, *_token_logprobs(o))
-            if delta or lp is not None or o.finished:
-                ch: dict[str, Any] = {
-                    "index": i,
-                    "delta": delta,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(c) if o.finished else None,
-                    "stop_reason": o.stop_reason if o.finished else None,
-                }
-                if token_ids_out:
-                    ch["token_ids"] = o.token_ids
-                if continuous:
-                    return sse_event({**chunk_base, "choices": [ch], "usage": self._chunk_usage(n_prompt, o)}), False
-                return sse_event({**chunk_base, "choices": [ch]}), False
-            return b"", False
+    def render(self, i: int, o: RequestOutput) -> tuple[bytes, bool]:
+        """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
+        run = self.run
+        c = self.choices[i]
+        p = c.parser
+        assert p is not None
+        c.note(o)
+        if o.error is not None:
+            return sse_event(self.api._error_chunk(o.error)), True
+        d = c.parse(o) if o.token_ids else None
+        if d is not None and not o.finished and not d.tool_calls and self.fast:
+            # the common chunks: only the content or only the reasoning text varies
+            if not d.reasoning_content:
+                return (self.content_event.fill(i, d.content) if d.content else b""), False
+            if not d.content:
+                return (self.reasoning_event.fill(i, d.reasoning_content) if run.include_reasoning else b""), False
+        d = with_parser_tail(p, o, d)
+        delta = d.to_openai() if d is not None else {}
+        if "reasoning_content" in delta:
+            if run.include_reasoning:
+                delta = {"reasoning": delta["reasoning_content"], **delta}
+            else:
+                del delta["reasoning_content"]
+        if not run.parallel and "tool_calls" in delta:
+            delta["tool_calls"] = [t for t in delta["tool_calls"] if t["index"] == 0]
+            if not delta["tool_calls"]:
+                del delta["tool_calls"]
+        lp = None
+        if run.want_lp and o.token_ids:
+            lp = self.api._chat_logprobs(o.token_ids, *_token_logprobs(o))
+        if delta or lp is not None or o.finished:
+            ch: dict[str, Any] = {
+                "index": i,
+                "delta": delta,
+                "logprobs": lp,
+                "finish_reason": self.finish_reason(c) if o.finished else None,
+                "stop_reason": o.stop_reason if o.finished else None,
+            }
+            if run.token_ids_out:
+                ch["token_ids"] = o.token_ids
+            if self.continuous:
+                usage = self.api._chunk_usage(self.n_prompt, o)
+                return sse_event({**self.chunk_base, "choices": [ch], "usage": usage}), False
+            return sse_event({**self.chunk_base, "choices": [ch]}), False
+        return b"", False
 
-        def usage() -> bytes:
-            return (
-                sse_event({**chunk_base, "choices": [], "usage": self._usage_of(g, choices)})
-                if g.include_usage
-                else b""
-            )
+    def usage(self) -> bytes:
+        """The usage chunk after the last output (include_usage), else b""."""
+        if self.g.include_usage:
+            return sse_event({**self.chunk_base, "choices": [], "usage": self.api._usage_of(self.g, self.choices)})
+        return b""
 
-        first = b"".join(
+    def _first(self) -> bytes:
+        """Each choice's role chunk (and its echoed text chunk with echo), sent before any output."""
+        run, chunk_base, continuous = self.run, self.chunk_base, self.continuous
+        usage = {"usage": self.api._chunk_usage(self.n_prompt, None)} if continuous else {}
+        return b"".join(
             sse_event(
                 {
                     **chunk_base,
@@ -339,8 +345,8 @@ class ChatAPI(ServerBase):
                             "stop_reason": None,
                         }
                     ],
-                    **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
-                    **({"prompt_token_ids": ids} if token_ids_out and c.index == 0 else {}),
+                    **usage,
+                    **({"prompt_token_ids": run.ids} if run.token_ids_out and c.index == 0 else {}),
                 }
             )
             + (
@@ -350,18 +356,17 @@ class ChatAPI(ServerBase):
                         "choices": [
                             {
                                 "index": c.index,
-                                "delta": {"content": echo_text},
+                                "delta": {"content": run.echo_text},
                                 "logprobs": None,
                                 "finish_reason": None,
                                 "stop_reason": None,
                             }
                         ],
-                        **({"usage": self._chunk_usage(n_prompt, None)} if continuous else {}),
+                        **usage,
                     }
                 )
-                if echo_text
+                if run.echo_text
                 else b""
             )
-            for c in choices
+            for c in self.choices
         )
-        return _SSE(sib, render, first, usage)

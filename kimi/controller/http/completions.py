@@ -10,9 +10,17 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from kimi.controller.http.common import CHAT_ONLY_FIELDS, ServerBase, _Choice, _finite, _token_logprobs, error_response
+from kimi.controller.http.common import (
+    CHAT_ONLY_FIELDS,
+    GenerationArgs,
+    ServerBase,
+    _Choice,
+    _finite,
+    _token_logprobs,
+    error_response,
+)
 from kimi.controller.http.protocol import COMPLETION_FIELDS, CompletionRequest
-from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, sse_event
+from kimi.controller.http.streaming import _SLOT, _SSE, _EventTemplate, _Siblings, sse_event
 from kimi.controller.offload import run_sized
 from kimi.controller.params import MAX_LOGPROBS
 from kimi.controller.validation import BadRequest, check_prompt_text_fits
@@ -172,130 +180,177 @@ class CompletionsAPI(ServerBase):
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         choices = [_Choice(i, r) for i, r in enumerate(sib.ids)]
-        n = g.n
-
-        def echo_logprobs(c: _Choice) -> dict[str, Any]:
-            ids = prompts[c.index // n]
-            k = len(ids)
-            plp = c.prompt_logprobs or [None] * k
-            ptid = c.prompt_top_ids or [None] * k
-            ptlp = c.prompt_top_logprobs or [None] * k
-            if k_echo < max(k_echo, k_prompt or 0):  # the worker sent prompt_logprobs' larger top-k
-                ptid = [None if t is None else t[:k_echo] for t in ptid]
-                ptlp = [None if t is None else t[:k_echo] for t in ptlp]
-            return self._completion_logprobs(
-                ids, plp, ptid, ptlp, self._prompt_offsets(ids, prompt_texts[c.index // n])
-            )
-
+        out = _CompletionOutput(self, g, base, choices, prompt_texts, k_echo, k_prompt)
         if not g.stream:
             err = await self._collect(request, sib, choices)
             if err is not None:  # an error ending a request because the server shuts down is retryable
                 return error_response(BadRequest(err, None, status=503 if err == self.engine.closing else 500))
-            out = []
-            for c in choices:
-                prompt_text = prompt_texts[c.index // n]
-                text = "".join(c.text)
-                lp = None
-                if g.logprobs is not None:
-                    pos = len(prompt_text) if echo else 0
-                    place = self._piece_offsets(g.skip_special_tokens, pos)
-                    offs: list[int] = []
-                    for o in c.outputs:  # the same offsets as the streamed chunks (see _prompt_offsets)
-                        offs.extend(place(o, pos))
-                        pos += len(o.text)
-                    lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, offs)
-                    if echo:
-                        prompt_lp = echo_logprobs(c)
-                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
-                if echo:
-                    text = prompt_text + text
-                choice: dict[str, Any] = {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": c.final.finish_reason,
-                    "stop_reason": c.final.stop_reason,
-                }
-                if k_prompt is not None:
-                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
-                        prompts[c.index // n], c.prompt_logprobs, c.prompt_top_ids, c.prompt_top_logprobs
-                    )
-                if g.return_token_ids:
-                    choice["prompt_token_ids"] = prompts[c.index // n]
-                    choice["token_ids"] = c.token_ids
-                out.append(choice)
-            return JSONResponse({**base, "choices": out, "usage": self._usage_of(g, choices)})
+            return JSONResponse({**base, "choices": out.choices_json(), "usage": self._usage_of(g, choices)})
+        return out.stream(sib)
 
+
+class _CompletionOutput:
+    """The response of one /v1/completions request: the choices of the JSON body once every choice finished
+    (`choices_json`), or the SSE stream of its chunks (`stream`).
+
+    `base` holds the fields of every body / chunk (id, object, created, model); choice i answers prompt
+    `i // g.n` (`g.prompts`, text `prompt_texts`). `k_echo`: the top-k of the echoed prompt's logprobs (-1:
+    none); `k_prompt`: vLLM's prompt_logprobs (None: not asked).
+    """
+
+    def __init__(
+        self,
+        api: CompletionsAPI,
+        g: GenerationArgs,
+        base: dict[str, Any],
+        choices: list[_Choice],
+        prompt_texts: list[str],
+        k_echo: int,
+        k_prompt: int | None,
+    ) -> None:
+        self.api = api
+        self.g = g
+        self.base = base
+        self.choices = choices
+        self.prompts = g.prompts
+        self.prompt_texts = prompt_texts
+        self.n = g.n
+        self.echo = g.echo
+        self.k_echo = k_echo
+        self.k_prompt = k_prompt
+
+    def echo_logprobs(self, c: _Choice) -> dict[str, Any]:
+        """Legacy logprobs of choice c's echoed prompt (top-k cut to `k_echo`)."""
+        k_echo, k_prompt = self.k_echo, self.k_prompt
+        ids = self.prompts[c.index // self.n]
+        k = len(ids)
+        plp = c.prompt_logprobs or [None] * k
+        ptid = c.prompt_top_ids or [None] * k
+        ptlp = c.prompt_top_logprobs or [None] * k
+        if k_echo < max(k_echo, k_prompt or 0):  # the worker sent prompt_logprobs' larger top-k
+            ptid = [None if t is None else t[:k_echo] for t in ptid]
+            ptlp = [None if t is None else t[:k_echo] for t in ptlp]
+        return self.api._completion_logprobs(
+            ids, plp, ptid, ptlp, self.api._prompt_offsets(ids, self.prompt_texts[c.index // self.n])
+        )
+
+    def choices_json(self) -> list[dict[str, Any]]:
+        """The `choices` of the non-streaming body, every choice finished."""
+        api, g, echo, n = self.api, self.g, self.echo, self.n
+        out = []
+        for c in self.choices:
+            prompt_text = self.prompt_texts[c.index // n]
+            text = "".join(c.text)
+            lp = None
+            if g.logprobs is not None:
+                pos = len(prompt_text) if echo else 0
+                place = api._piece_offsets(g.skip_special_tokens, pos)
+                offs: list[int] = []
+                for o in c.outputs:  # the same offsets as the streamed chunks (see _prompt_offsets)
+                    offs.extend(place(o, pos))
+                    pos += len(o.text)
+                lp = api._completion_logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs, offs)
+                if echo:
+                    prompt_lp = self.echo_logprobs(c)
+                    lp = {k: prompt_lp[k] + lp[k] for k in lp}
+            if echo:
+                text = prompt_text + text
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": c.final.finish_reason,
+                "stop_reason": c.final.stop_reason,
+            }
+            if self.k_prompt is not None:
+                choice["prompt_logprobs"] = api._vllm_prompt_logprobs(
+                    self.prompts[c.index // n], c.prompt_logprobs, c.prompt_top_ids, c.prompt_top_logprobs
+                )
+            if g.return_token_ids:
+                choice["prompt_token_ids"] = self.prompts[c.index // n]
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
+        return out
+
+    def stream(self, sib: _Siblings) -> _SSE:
+        """The SSE response of the request's siblings `sib`."""
+        g, base, choices, n = self.g, self.base, self.choices, self.n
         if g.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
             base["usage"] = None
-        text_event = _EventTemplate(
+        self.text_event = _EventTemplate(
             lambda i: {
                 **base,
                 "choices": [{"index": i, "text": _SLOT, "logprobs": None, "finish_reason": None, "stop_reason": None}],
             }
         )
-        offsets = [len(prompt_texts[i // n]) if echo else 0 for i in range(len(choices))]
-        echoed = [False] * len(choices)
-        continuous = g.continuous_usage
-        token_ids_out = g.return_token_ids
-        plain = g.logprobs is None and not continuous and not token_ids_out  # chunks that differ only in their text
-        started = [False] * len(choices)
-        places = (
-            [self._piece_offsets(g.skip_special_tokens, offsets[i]) for i in range(len(choices))]
+        self.offsets = [len(self.prompt_texts[i // n]) if self.echo else 0 for i in range(len(choices))]
+        self.echoed = [False] * len(choices)
+        # chunks that differ only in their text
+        self.plain = g.logprobs is None and not g.continuous_usage and not g.return_token_ids
+        self.started = [False] * len(choices)
+        self.places = (
+            [self.api._piece_offsets(g.skip_special_tokens, self.offsets[i]) for i in range(len(choices))]
             if g.logprobs is not None
             else []
         )
+        single = self.plain and not self.echo and len(choices) == 1
+        text_only = (choices[0], self.text_event) if single else None
+        return _SSE(sib, self.render, b"", self.tail, text_only)
 
-        def chunk(i: int, o: RequestOutput | None, ch: dict[str, Any]) -> bytes:
-            if token_ids_out:  # vLLM: the prompt's ids with a choice's first chunk, every chunk's new ids
-                if not started[i]:
-                    started[i] = True
-                    ch["prompt_token_ids"] = prompts[i // n]
-                ch["token_ids"] = o.token_ids if o is not None else []
-            if continuous:
-                return sse_event({**base, "choices": [ch], "usage": self._chunk_usage(len(prompts[i // n]), o)})
-            return sse_event({**base, "choices": [ch]})
+    def _chunk(self, i: int, o: RequestOutput | None, ch: dict[str, Any]) -> bytes:
+        if self.g.return_token_ids:  # vLLM: the prompt's ids with a choice's first chunk, every chunk's new ids
+            if not self.started[i]:
+                self.started[i] = True
+                ch["prompt_token_ids"] = self.prompts[i // self.n]
+            ch["token_ids"] = o.token_ids if o is not None else []
+        if self.g.continuous_usage:
+            usage = self.api._chunk_usage(len(self.prompts[i // self.n]), o)
+            return sse_event({**self.base, "choices": [ch], "usage": usage})
+        return sse_event({**self.base, "choices": [ch]})
 
-        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
-            """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
-            c = choices[i]
-            if o.prompt_logprobs is None:
-                c.last = o  # _Choice.note, inlined
-            else:
-                c.note(o)
-            if o.error is not None:
-                return sse_event(self._error_chunk(o.error)), True
-            if plain and not o.finished and (echoed[i] or not echo):  # the common chunk: only the text varies
-                return (text_event.fill(i, o.text) if o.text else b""), False
-            events: list[bytes] = []
-            if echo and not echoed[i]:
-                echoed[i] = True
-                lp = echo_logprobs(c) if g.logprobs is not None else None
-                head = {
-                    "index": i,
-                    "text": prompt_texts[i // n],
-                    "logprobs": lp,
-                    "finish_reason": None,
-                    "stop_reason": None,
-                }
-                events.append(chunk(i, None, head))
-            lp = None
-            if g.logprobs is not None and o.token_ids:
-                lp = self._completion_logprobs(o.token_ids, *_token_logprobs(o), places[i](o, offsets[i]))
-            offsets[i] += len(o.text)
-            if o.text or o.finished or lp is not None:
-                ch: dict[str, Any] = {
-                    "index": i,
-                    "text": o.text,
-                    "logprobs": lp,
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason if o.finished else None,
-                }
-                events.append(chunk(i, o, ch))
-            return b"".join(events), False
+    def render(self, i: int, o: RequestOutput) -> tuple[bytes, bool]:
+        """SSE events for output o of choice i, and whether the stream ends with it (see _SSE)."""
+        c = self.choices[i]
+        if o.prompt_logprobs is None:
+            c.last = o  # _Choice.note, inlined
+        else:
+            c.note(o)
+        if o.error is not None:
+            return sse_event(self.api._error_chunk(o.error)), True
+        if (
+            self.plain and not o.finished and (self.echoed[i] or not self.echo)
+        ):  # the common chunk: only the text varies
+            return (self.text_event.fill(i, o.text) if o.text else b""), False
+        events: list[bytes] = []
+        logprobs = self.g.logprobs is not None
+        if self.echo and not self.echoed[i]:
+            self.echoed[i] = True
+            lp = self.echo_logprobs(c) if logprobs else None
+            head = {
+                "index": i,
+                "text": self.prompt_texts[i // self.n],
+                "logprobs": lp,
+                "finish_reason": None,
+                "stop_reason": None,
+            }
+            events.append(self._chunk(i, None, head))
+        lp = None
+        if logprobs and o.token_ids:
+            lp = self.api._completion_logprobs(o.token_ids, *_token_logprobs(o), self.places[i](o, self.offsets[i]))
+        self.offsets[i] += len(o.text)
+        if o.text or o.finished or lp is not None:
+            ch: dict[str, Any] = {
+                "index": i,
+                "text": o.text,
+                "logprobs": lp,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason if o.finished else None,
+            }
+            events.append(self._chunk(i, o, ch))
+        return b"".join(events), False
 
-        def tail() -> bytes:
-            return sse_event({**base, "choices": [], "usage": self._usage_of(g, choices)}) if g.include_usage else b""
-
-        text_only = (choices[0], text_event) if plain and not echo and len(choices) == 1 else None
-        return _SSE(sib, render, b"", tail, text_only)
+    def tail(self) -> bytes:
+        """The usage chunk after the last output (include_usage), else b""."""
+        if self.g.include_usage:
+            return sse_event({**self.base, "choices": [], "usage": self.api._usage_of(self.g, self.choices)})
+        return b""

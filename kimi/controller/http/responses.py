@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from kimi.controller.http.chat import ChatAPI, _ChatRun
 from kimi.controller.http.common import REASONING_EFFORTS, _Choice, error_response, with_parser_tail
 from kimi.controller.http.streaming import _SSE
-from kimi.controller.parsers import OutputParser, ToolCall
+from kimi.controller.parsers import OutputParser, ToolCall, ToolCallDelta
 from kimi.controller.validation import BadRequest, Fields
 from kimi.protocol import RequestOutput
 
@@ -647,150 +647,188 @@ class ResponsesAPI(ChatAPI):
         """The event stream: response.created, response.in_progress, then each output item in turn (added, its
         content part added, text / reasoning / argument deltas, done events), then response.completed (or
         response.incomplete at max_output_tokens); an engine error is response.failed, which ends the stream."""
-        p = c.parser
-        assert p is not None
-        seq = [0]
-        output: list[dict[str, Any]] = []
+        stream = _ResponseStream(self, run, c, body, rid, created, reasons, remember)
+        start = self._response_object(rid, body, created, "in_progress", [])
+        first = _sse("response.created", {"response": start}, stream.seq) + _sse(
+            "response.in_progress", {"response": start}, stream.seq
+        )
+        return _SSE(run.sib, stream.render, first, done=b"")
+
+
+class _ResponseStream:
+    """The state of one streamed /v1/responses reply (`ResponsesAPI._response_stream`): the event sequence
+    number, the output items done so far, the open item and the reply accumulated for the store."""
+
+    def __init__(
+        self,
+        api: ResponsesAPI,
+        run: _ChatRun,
+        c: _Choice,
+        body: dict[str, Any],
+        rid: str,
+        created: int,
+        reasons: bool,
+        remember: Any,
+    ) -> None:
+        assert c.parser is not None
+        self.api, self.run, self.c, self.p = api, run, c, c.parser
+        self.body, self.rid, self.created, self.reasons, self.remember = body, rid, created, reasons, remember
+        self.seq = [0]
+        self.output: list[dict[str, Any]] = []
         # the open item: kind ("reasoning" / "message" / "function_call" / None), id, text so far, call index
-        st: dict[str, Any] = {"kind": None, "id": "", "text": "", "call": None, "name": "", "call_id": ""}
-        acc: dict[str, Any] = {"text": "", "thought": "", "calls": [], "n_reasoning": 0}
+        self.st: dict[str, Any] = {"kind": None, "id": "", "text": "", "call": None, "name": "", "call_id": ""}
+        self.acc: dict[str, Any] = {"text": "", "thought": "", "calls": [], "n_reasoning": 0}
 
-        def close(status: str = "completed") -> bytes:
-            kind = st["kind"]
-            if kind is None:
-                return b""
-            st["kind"] = None
-            idx = len(output)
-            iid, text = st["id"], st["text"]
-            ev = []
-            if kind == "function_call":
-                item = _call_item(iid, st["call_id"], st["name"], text, "completed")
-                acc["calls"].append(ToolCall(st["call_id"], st["name"], text))
-                ev.append(
-                    _sse(
-                        "response.function_call_arguments.done",
-                        {"item_id": iid, "output_index": idx, "arguments": text, "name": st["name"]},
-                        seq,
-                    )
-                )
-            else:
-                if kind == "message":
-                    item = _message_item(iid, text, status)
-                    part = item["content"][0]
-                    ev.append(
-                        _sse(
-                            "response.output_text.done",
-                            {"item_id": iid, "output_index": idx, "content_index": 0, "text": text, "logprobs": []},
-                            seq,
-                        )
-                    )
-                else:
-                    item = _reasoning_item(iid, text, "completed")
-                    part = item["content"][0]
-                    ev.append(
-                        _sse(
-                            "response.reasoning_text.done",
-                            {"item_id": iid, "output_index": idx, "content_index": 0, "text": text},
-                            seq,
-                        )
-                    )
-                ev.append(
-                    _sse(
-                        "response.content_part.done",
-                        {"item_id": iid, "output_index": idx, "content_index": 0, "part": part},
-                        seq,
-                    )
-                )
-            ev.append(_sse("response.output_item.done", {"output_index": idx, "item": item}, seq))
-            output.append(item)
-            return b"".join(ev)
-
-        def open_item(kind: str, call: Any = None) -> bytes:
-            data = close()
-            idx = len(output)
-            st.update(kind=kind, text="", call=None)
-            if kind == "function_call":
-                st.update(id=_item_id("fc"), call=call.index, name=call.name, call_id=call.id)
-                item = _call_item(st["id"], call.id, call.name, "", "in_progress")
-                return data + _sse("response.output_item.added", {"output_index": idx, "item": item}, seq)
-            if kind == "message":
-                st["id"] = _item_id("msg")
-                item = {**_message_item(st["id"], "", "in_progress"), "content": []}
-                part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            else:
-                st["id"] = _item_id("rs")
-                item = {**_reasoning_item(st["id"], "", "in_progress"), "content": []}
-                part = {"type": "reasoning_text", "text": ""}
-            return (
-                data
-                + _sse("response.output_item.added", {"output_index": idx, "item": item}, seq)
-                + _sse(
-                    "response.content_part.added",
-                    {"item_id": st["id"], "output_index": idx, "content_index": 0, "part": part},
+    def close(self, status: str = "completed") -> bytes:
+        """The done events of the open item (none open: b""), which joins `output`."""
+        st, seq, output = self.st, self.seq, self.output
+        kind = st["kind"]
+        if kind is None:
+            return b""
+        st["kind"] = None
+        idx = len(output)
+        iid, text = st["id"], st["text"]
+        ev = []
+        if kind == "function_call":
+            item = _call_item(iid, st["call_id"], st["name"], text, "completed")
+            self.acc["calls"].append(ToolCall(st["call_id"], st["name"], text))
+            ev.append(
+                _sse(
+                    "response.function_call_arguments.done",
+                    {"item_id": iid, "output_index": idx, "arguments": text, "name": st["name"]},
                     seq,
                 )
             )
-
-        def text_delta(kind: str, delta: str) -> bytes:
-            st["text"] += delta
-            ev = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-            data: dict[str, Any] = {"item_id": st["id"], "output_index": len(output), "content_index": 0}
-            data["delta"] = delta
+        else:
             if kind == "message":
-                data["logprobs"] = []
-            return _sse(ev, data, seq)
+                item = _message_item(iid, text, status)
+                part = item["content"][0]
+                ev.append(
+                    _sse(
+                        "response.output_text.done",
+                        {"item_id": iid, "output_index": idx, "content_index": 0, "text": text, "logprobs": []},
+                        seq,
+                    )
+                )
+            else:
+                item = _reasoning_item(iid, text, "completed")
+                part = item["content"][0]
+                ev.append(
+                    _sse(
+                        "response.reasoning_text.done",
+                        {"item_id": iid, "output_index": idx, "content_index": 0, "text": text},
+                        seq,
+                    )
+                )
+            ev.append(
+                _sse(
+                    "response.content_part.done",
+                    {"item_id": iid, "output_index": idx, "content_index": 0, "part": part},
+                    seq,
+                )
+            )
+        ev.append(_sse("response.output_item.done", {"output_index": idx, "item": item}, seq))
+        output.append(item)
+        return b"".join(ev)
 
-        def render(i: int, o: RequestOutput) -> tuple[bytes, bool]:
-            c.note(o)
-            if o.error is not None:
-                resp = self._response_object(rid, body, created, "failed", output)
-                resp["error"] = {"code": "server_error", "message": o.error}
-                return _sse("response.failed", {"response": resp}, seq), True
-            d = c.parse(o) if o.token_ids else None
-            if d is not None and d.reasoning_content:
-                acc["n_reasoning"] += len(o.token_ids)
-            d = with_parser_tail(p, o, d)
-            out = []
-            if d is not None:
-                if d.reasoning_content and reasons:
-                    if st["kind"] != "reasoning":
-                        out.append(open_item("reasoning"))
-                    out.append(text_delta("reasoning", d.reasoning_content))
-                    acc["thought"] += d.reasoning_content
-                if d.content:
-                    if st["kind"] != "message":
-                        out.append(open_item("message"))
-                    out.append(text_delta("message", d.content))
-                    acc["text"] += d.content
-                for t in d.tool_calls:
-                    if not run.parallel and t.index > 0:
-                        continue
-                    if t.is_head:
-                        out.append(open_item("function_call", t))
-                    elif st["kind"] != "function_call" or st["call"] != t.index:
-                        continue  # a fragment of a call whose item is closed (calls arrive one after another)
-                    if t.arguments:
-                        st["text"] += t.arguments
-                        out.append(
-                            _sse(
-                                "response.function_call_arguments.delta",
-                                {"item_id": st["id"], "output_index": len(output), "delta": t.arguments},
-                                seq,
-                            )
-                        )
-            if o.finished:
-                status = "incomplete" if o.finish_reason == "length" else "completed"
-                if not output and st["kind"] is None:  # an empty reply: one empty message, as non-streamed
-                    out.append(open_item("message"))
-                out.append(close(status))
-                resp = self._response_object(rid, body, created, status, output)
-                resp["usage"] = self._response_usage(run, c, acc["n_reasoning"] if reasons else 0)
-                remember(acc["text"], acc["thought"], acc["calls"], resp)
-                out.append(_sse(f"response.{status}", {"response": resp}, seq))
-            return b"".join(out), False
-
-        start = self._response_object(rid, body, created, "in_progress", [])
-        first = _sse("response.created", {"response": start}, seq) + _sse(
-            "response.in_progress", {"response": start}, seq
+    def open_item(self, kind: str, call: Any = None) -> bytes:
+        """Close the open item, open one of `kind` (a function_call: for tool-call head `call`); its events."""
+        st, seq = self.st, self.seq
+        data = self.close()
+        idx = len(self.output)
+        st.update(kind=kind, text="", call=None)
+        if kind == "function_call":
+            st.update(id=_item_id("fc"), call=call.index, name=call.name, call_id=call.id)
+            item = _call_item(st["id"], call.id, call.name, "", "in_progress")
+            return data + _sse("response.output_item.added", {"output_index": idx, "item": item}, seq)
+        if kind == "message":
+            st["id"] = _item_id("msg")
+            item = {**_message_item(st["id"], "", "in_progress"), "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            st["id"] = _item_id("rs")
+            item = {**_reasoning_item(st["id"], "", "in_progress"), "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        return (
+            data
+            + _sse("response.output_item.added", {"output_index": idx, "item": item}, seq)
+            + _sse(
+                "response.content_part.added",
+                {"item_id": st["id"], "output_index": idx, "content_index": 0, "part": part},
+                seq,
+            )
         )
-        return _SSE(run.sib, render, first, done=b"")
+
+    def text_delta(self, kind: str, delta: str) -> bytes:
+        """A text / reasoning delta event of the open item."""
+        self.st["text"] += delta
+        ev = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        data: dict[str, Any] = {"item_id": self.st["id"], "output_index": len(self.output), "content_index": 0}
+        data["delta"] = delta
+        if kind == "message":
+            data["logprobs"] = []
+        return _sse(ev, data, self.seq)
+
+    def render(self, i: int, o: RequestOutput) -> tuple[bytes, bool]:
+        """SSE events for output o, and whether the stream ends with it (see _SSE)."""
+        c, st, acc = self.c, self.st, self.acc
+        c.note(o)
+        if o.error is not None:
+            resp = self.api._response_object(self.rid, self.body, self.created, "failed", self.output)
+            resp["error"] = {"code": "server_error", "message": o.error}
+            return _sse("response.failed", {"response": resp}, self.seq), True
+        d = c.parse(o) if o.token_ids else None
+        if d is not None and d.reasoning_content:
+            acc["n_reasoning"] += len(o.token_ids)
+        d = with_parser_tail(self.p, o, d)
+        out = []
+        if d is not None:
+            if d.reasoning_content and self.reasons:
+                if st["kind"] != "reasoning":
+                    out.append(self.open_item("reasoning"))
+                out.append(self.text_delta("reasoning", d.reasoning_content))
+                acc["thought"] += d.reasoning_content
+            if d.content:
+                if st["kind"] != "message":
+                    out.append(self.open_item("message"))
+                out.append(self.text_delta("message", d.content))
+                acc["text"] += d.content
+            out.extend(self._call_events(d.tool_calls))
+        if o.finished:
+            out.extend(self._finish(o))
+        return b"".join(out), False
+
+    def _call_events(self, tool_calls: list[ToolCallDelta]) -> list[bytes]:
+        """Events of the tool-call fragments of one output (not parallel: only the first call's)."""
+        st, out = self.st, []
+        for t in tool_calls:
+            if not self.run.parallel and t.index > 0:
+                continue
+            if t.is_head:
+                out.append(self.open_item("function_call", t))
+            elif st["kind"] != "function_call" or st["call"] != t.index:
+                continue  # a fragment of a call whose item is closed (calls arrive one after another)
+            if t.arguments:
+                st["text"] += t.arguments
+                out.append(
+                    _sse(
+                        "response.function_call_arguments.delta",
+                        {"item_id": st["id"], "output_index": len(self.output), "delta": t.arguments},
+                        self.seq,
+                    )
+                )
+        return out
+
+    def _finish(self, o: RequestOutput) -> list[bytes]:
+        """The events ending the stream after the final output o: the open item's done events, then
+        response.completed (response.incomplete at the length limit); the reply is remembered."""
+        out = []
+        status = "incomplete" if o.finish_reason == "length" else "completed"
+        if not self.output and self.st["kind"] is None:  # an empty reply: one empty message, as non-streamed
+            out.append(self.open_item("message"))
+        out.append(self.close(status))
+        resp = self.api._response_object(self.rid, self.body, self.created, status, self.output)
+        resp["usage"] = self.api._response_usage(self.run, self.c, self.acc["n_reasoning"] if self.reasons else 0)
+        self.remember(self.acc["text"], self.acc["thought"], self.acc["calls"], resp)
+        out.append(_sse(f"response.{status}", {"response": resp}, self.seq))
+        return out

@@ -185,6 +185,14 @@ def test_reply_tool_use_id_round_trips(srv, client):
     accepted, and the model sees Kimi's id: the prompt counts the same with the id written either way."""
     body = _body(len(SESSION["requests"]) - 1)
     body["tool_choice"] = {"type": "tool", "name": "Glob", "disable_parallel_tool_use": True}
+    # Glob's input narrowed to one value: the forced call of the random model then always closes within max_tokens
+    glob = next(t for t in body["tools"] if t["name"] == "Glob")
+    glob["input_schema"] = {
+        "type": "object",
+        "properties": {"pattern": {"type": "string", "enum": ["**/*.py"]}},
+        "required": ["pattern"],
+        "additionalProperties": False,
+    }
     with client.messages.stream(**_kw(body)) as s:
         events = list(s)
         first = s.get_final_message()
@@ -199,6 +207,7 @@ def test_reply_tool_use_id_round_trips(srv, client):
     assert kimi_id.startswith("functions.Glob:") and kimi_id.split(":")[1].isdigit(), kimi_id
 
     follow = _body(len(SESSION["requests"]) - 1)
+    follow["tools"] = body["tools"]
     follow["messages"] += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {

@@ -1,4 +1,5 @@
-"""Command line: `kimi serve ...` (see `kimi serve --help`), `kimi --version`. The tiny test checkpoint is made by
+"""Command line: `kimi serve ...` (see `kimi serve --help`), `kimi warmup ...` (the same flags: start, warm up, stop),
+`kimi --version`. The tiny test checkpoint is made by
 `tools/make_tiny_checkpoint.py OUT` (`make tiny`)."""
 
 from __future__ import annotations
@@ -41,17 +42,28 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=HelpFormatter,
     )
     add_serve_args(serve_p)
+    warmup_p = sub.add_parser(
+        "warmup",
+        help="start as `kimi serve` would, warm up (filling the kernel cache, --cache-dir), and exit: for image builds",
+        description="Run `kimi serve`'s start-up and warm-up with the same flags, then stop: every kernel a server "
+        "with these flags launches is compiled into --cache-dir, so a server started later on this machine (or from "
+        "an image holding that folder) compiles nothing (docs/cli.md).",
+        formatter_class=HelpFormatter,
+    )
+    add_serve_args(warmup_p)
     args = p.parse_args(argv)  # exits 2 naming the flag on a value no server can run with
     if args.cmd is None:  # bare `kimi`: what it can do, not an argparse error
         p.print_help()
         return 0
-    if args.cmd == "serve":
+    if args.cmd in ("serve", "warmup"):
         from kimi.server import run
 
-        a = ServeArgs(**{k: v for k, v in vars(args).items() if k != "cmd"})
+        a = ServeArgs(**{k: v for k, v in vars(args).items() if k != "cmd"}, warmup_only=args.cmd == "warmup")
         err = check_serve_args(a)  # the checks that involve two flags
         if err is not None:
-            serve_p.error(err)
+            (serve_p if args.cmd == "serve" else warmup_p).error(err)
+        if a.warmup_only and a.skip_warmup:
+            warmup_p.error("--skip-warmup: kimi warmup exists to run the warm-up")
         return run(a)
     return 2
 

@@ -519,6 +519,24 @@ class WorkerConfig:
         choices=("off", "triton", "humming"),
     )
 
+    max_num_seqs: int = _flag(
+        256, "running requests per DP rank (also the largest decode CUDA graph and warmed batch)", type=int
+    )
+    token_budget: int = _flag(
+        2048, "tokens per step per rank; longer prompts are prefilled in chunks (the largest warmed prefill)", type=int
+    )
+    max_model_len: int | None = _flag(
+        None, "prompt + output tokens per request (default: the config's max_position_embeddings)", type=int
+    )
+    skip_warmup: bool = _flag(
+        False, "report ready without the start-up warm-up (kimi.worker.warmup): the first requests pay the compiles"
+    )
+    cache_dir: str | None = _flag(
+        None,
+        "the folder of compiled kernels shared by kimi, FlashInfer, humming and Triton (default: $KIMI_CACHE_DIR, "
+        "else ~/.cache/kimi; kimi.cache_dir)",
+    )
+
     def to_argv(self) -> list[str]:
         """The worker's command-line arguments: the required flags, then every field that differs from its default
         (a true bool as a bare switch)."""

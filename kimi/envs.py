@@ -111,6 +111,46 @@ LOCAL_RANK = _declare(
     EnvVar("LOCAL_RANK", 0, int, "this process's rank on its host (its GPU)", "workers (torchrun sets it)", "an int")
 )
 
+KIMI_CACHE_DIR = _declare(
+    EnvVar(
+        "KIMI_CACHE_DIR",
+        None,
+        _str_or_none,
+        "default of `kimi serve --cache-dir`: the one folder of compiled kernels shared by kimi, FlashInfer, humming "
+        "and Triton (unset: ~/.cache/kimi; kimi.cache_dir)",
+        "kimi serve, kimi warmup",
+    )
+)
+
+# Libraries' own cache folders: kimi sets each to its subfolder of --cache-dir unless it is set (kimi.cache_dir)
+FLASHINFER_WORKSPACE_BASE = _declare(
+    EnvVar(
+        "FLASHINFER_WORKSPACE_BASE",
+        None,
+        _str_or_none,
+        "FlashInfer's JIT cache base (it writes under <base>/.cache/flashinfer; unset: <--cache-dir>/flashinfer)",
+        "FlashInfer, in the GPU workers",
+    )
+)
+HUMMING_CACHE_DIR = _declare(
+    EnvVar(
+        "HUMMING_CACHE_DIR",
+        None,
+        _str_or_none,
+        "humming-kernels' compiled kernels (unset: <--cache-dir>/humming)",
+        "humming-kernels, in the GPU workers",
+    )
+)
+TRITON_CACHE_DIR = _declare(
+    EnvVar(
+        "TRITON_CACHE_DIR",
+        None,
+        _str_or_none,
+        "Triton's compiled kernels (unset: <--cache-dir>/triton)",
+        "Triton, in the GPU workers",
+    )
+)
+
 # ---------------------------------------------------------------------------------------------- GPU workers
 KIMI_CSRC_CACHE = _declare(
     EnvVar(
@@ -118,7 +158,7 @@ KIMI_CSRC_CACHE = _declare(
         None,
         _str_or_none,
         "folder where kimi's CUDA extensions (`kimi/kernels/cuda/csrc/`) are built and cached "
-        "(unset: ~/.cache/kimi/csrc)",
+        "(unset: <--cache-dir>/csrc)",
         "GPU workers",
     )
 )

@@ -37,7 +37,7 @@ from pathlib import Path
 import uvicorn
 import zmq
 
-from kimi import envs
+from kimi import cache_dir, envs
 from kimi.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig, worker_flag
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
@@ -99,6 +99,9 @@ class ServeArgs:
     enforce_eager: bool = False
     fp8_dense: str = "off"
     no_async_scheduling: bool = False
+    skip_warmup: bool = False
+    cache_dir: str | None = None
+    warmup_only: bool = False  # `kimi warmup`: start, warm up (filling the cache dir), stop
 
 
 # Every numeric `kimi serve` flag: (type, lowest, highest, inclusive lowest). Checked by argparse (`kimi serve`
@@ -241,24 +244,8 @@ def _add_model_and_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-memory-utilization", **worker_flag("gpu_memory_utilization", type=_numeric("gpu_memory_utilization"))
     )
-    p.add_argument(
-        "--max-model-len",
-        type=_numeric("max_model_len"),
-        default=None,
-        help="prompt + output tokens per request (default: the config's max_position_embeddings)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=_numeric("max_num_seqs"),
-        default=256,
-        help="running requests per DP rank (also the largest decode CUDA graph)",
-    )
-    p.add_argument(
-        "--token-budget",
-        type=_numeric("token_budget"),
-        default=2048,
-        help="tokens per step per rank; longer prompts are prefilled in chunks",
-    )
+    for name in ("max_model_len", "max_num_seqs", "token_budget"):
+        p.add_argument("--" + name.replace("_", "-"), **worker_flag(name, type=_numeric(name)))
     p.add_argument("--num-hidden-layers", **worker_flag("num_hidden_layers", type=_numeric("num_hidden_layers")))
 
 
@@ -288,6 +275,8 @@ def _add_worker_and_queue_flags(p: argparse.ArgumentParser) -> None:
         help="seconds the workers may take to load the model and report ready",
     )
     p.add_argument("--log-level", **worker_flag("log_level"))
+    p.add_argument("--skip-warmup", **worker_flag("skip_warmup"))
+    p.add_argument("--cache-dir", **worker_flag("cache_dir"))
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the automatic prefix cache off")
     p.add_argument(
         "--max-waiting",
@@ -395,6 +384,11 @@ def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfi
         load_format=a.load_format if cuda else d.load_format,
         fp8_dense=a.fp8_dense if cuda else d.fp8_dense,
         cuda_graph_max_bs=(0 if a.enforce_eager else a.max_num_seqs) if cuda else d.cuda_graph_max_bs,
+        max_num_seqs=a.max_num_seqs,
+        token_budget=a.token_budget,
+        max_model_len=a.max_model_len,
+        skip_warmup=a.skip_warmup,
+        cache_dir=a.cache_dir or cache_dir.default_dir(),
     )
 
 
@@ -840,6 +834,9 @@ async def serve(a: ServeArgs) -> int:
             log.error("start-up failed: %s", e)
             engine.fail_all(str(e))
             return 1
+        if a.warmup_only:
+            log.info("warm-up done: the kernel cache under %s is filled", a.cache_dir or cache_dir.default_dir())
+            return 0
         log.info("ready: model %r on http://%s:%d, ZeroMQ submit API on %s", name, a.host, a.port, submit_addr)
         # Everything allocated so far lives for the whole run: keep it out of the cyclic collector's scans,
         # and collect young objects less often (each step churns a few objects per running request).

@@ -46,10 +46,11 @@ from kimi.controller.output import OutputProcessor
 from kimi.controller.request import OutputStream, Request, RequestStatus, StopParams
 from kimi.controller.router import DPRouter
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
-from kimi.errors import ConfigError, EngineDeadError, ProtocolError, WorkerFailedError
+from kimi.errors import BackendUnavailableError, ConfigError, EngineDeadError, ProtocolError, WorkerFailedError
 from kimi.ipc import ControllerTransport
 from kimi.protocol import RequestOutput, SamplingParams
 from kimi.structured_output.backend import GrammarBackend
+from kimi.structured_output.spec import GrammarSpec
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class Engine:
         Raises WorkerFailedError if a rank fails, a liveness check fails, or timeout_s passes; ConfigError if the
         workers' block size is not the controller's.
         """
+        # the controller's own first-use costs (xgrammar's vocabulary), built while the workers load
+        warm = asyncio.get_running_loop().run_in_executor(None, self.warm_up)
         ready: dict[int, protocol.Ready] = {}
         deadline = time.monotonic() + timeout_s
         seq = 0
@@ -187,8 +190,21 @@ class Engine:
                 self.max_model_len,
                 self.kv_capacity_tokens,
             )
+        await warm
         self.liveness.start(world_size)  # the heartbeat clock starts when every rank is ready
         self.ready = True
+
+    def warm_up(self) -> None:
+        """Build what the first request would otherwise wait for: xgrammar's view of the vocabulary and a compiled
+        JSON-object grammar (guided decoding's admission check, `grammars`), and one detokenization. Without
+        xgrammar, only the latter."""
+        t0 = time.monotonic()
+        self.output.tokenizer.decode(self.output.tokenizer.encode("warm-up"))
+        try:
+            self.grammars.compile(GrammarSpec("json_object", ""))
+        except BackendUnavailableError:
+            pass
+        log.info("controller warm-up in %.1f s", time.monotonic() - t0)
 
     # ---- front-end API ------------------------------------------------------------------------------------
     def add_request(

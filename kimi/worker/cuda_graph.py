@@ -246,6 +246,13 @@ class CudaGraphRunner:
         return attn
 
     @torch.inference_mode()
+    def reset_counters(self) -> None:
+        """Zero num_replays and the FlashInfer wrappers' plan-ahead hits / misses (after the start-up warm-up)."""
+        self.num_replays = 0
+        for fi in self.fi.values():
+            if hasattr(fi, "ahead_hits") and hasattr(fi, "ahead_misses"):  # FlashInfer's (Triton plans nothing)
+                fi.ahead_hits = fi.ahead_misses = 0
+
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool (warm-up runs first: JIT, autotune)."""
         self.input_ids.zero_()

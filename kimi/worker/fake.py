@@ -135,6 +135,12 @@ class FakeRunner:
         """Stop the guided-decoding compile thread."""
         self.guided.close()
 
+    def reset_counters(self) -> None:
+        """Zero the served counts and step times (after the start-up warm-up, kimi.worker.warmup)."""
+        self.num_requests = self.num_sampled = self.num_idle_steps = 0
+        self.step_times.clear()
+        self.guided.num_requests = 0
+
     def _dump(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump({"rank": self.rank, "steps": self.step_times}, f)

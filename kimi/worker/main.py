@@ -20,11 +20,12 @@ import logging
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kimi import envs, protocol
+from kimi import cache_dir, envs, protocol
 from kimi.config import CacheConfig, ModelConfig, WorkerConfig
 from kimi.errors import CheckpointError, ConfigError, KVCacheSizeError, ProtocolError
 from kimi.ipc import Heartbeat, WorkerTransport
@@ -49,11 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     transport = WorkerTransport(args.plan_addr, args.result_addr)
     heartbeat = Heartbeat(args.plan_addr, args.result_addr, rank, args.controller_timeout + 5.0).start()
     try:
+        dirs = cache_dir.configure(args.cache_dir or cache_dir.default_dir())  # before any kernel library loads
+        files_before = cache_dir.count_files(dirs)
         device = "cpu"
         if args.device == "cuda":
             torch.cuda.set_device(local_rank)
             device = f"cuda:{local_rank}"
         runner, a2a = build_runner(args, rank, world_size, device, progress=not (args.no_progress or quiet))
+        if not args.skip_warmup:
+            run_warmup(runner, args, world_size, device, rank)
+        if rank == 0:
+            _log_compiled(dirs, files_before)
     except Exception as e:
         if not isinstance(e, (CheckpointError, ConfigError, KVCacheSizeError)):  # these name the file / field / flag
             traceback.print_exc()
@@ -131,6 +138,40 @@ def build_runner(
         ),
     )
     return runner, a2a
+
+
+def run_warmup(runner: Runner, args: WorkerConfig, world_size: int, device: str, rank: int) -> None:
+    """The start-up warm-up (kimi.worker.warmup) of this rank, logged phase by phase on rank 0."""
+    from kimi.worker.warmup import WarmupConfig, warm_up
+
+    cfg = runner.cfg
+    wcfg = WarmupConfig(
+        world_size=world_size,
+        token_budget=args.token_budget,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or cfg.max_position_embeddings,
+        block_size=args.block_size,
+        num_blocks=runner.num_blocks,
+        vocab_size=cfg.vocab_size,
+        device_type=torch.device(device).type,
+        model=not args.fake,
+    )
+    t0 = time.monotonic()
+    report = warm_up(runner, wcfg)
+    if rank == 0:
+        parts = ", ".join(f"{name} {s:.1f} s ({n} steps)" for name, s, n in report)
+        log.info("warm-up in %.1f s: %s", time.monotonic() - t0, parts)
+
+
+def _log_compiled(dirs: dict[str, Path], before: dict[str, int]) -> None:
+    """One line: the files each kernel library added to the cache dir during start-up (its compiles)."""
+    after = cache_dir.count_files(dirs)
+    new = {lib: after[lib] - before.get(lib, 0) for lib in after}
+    log.info(
+        "start-up compiled %s (kernel cache: %s)",
+        ", ".join(f"{lib} {n} files" for lib, n in new.items()) if any(new.values()) else "nothing",
+        ", ".join(f"{lib} {d}" for lib, d in dirs.items()),
+    )
 
 
 class StepLoop:

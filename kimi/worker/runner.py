@@ -420,6 +420,15 @@ class ModelRunner:
         """Release what outlives a step (the guided-decoding compile thread)."""
         self.guided.close()
 
+    def reset_counters(self) -> None:
+        """Zero the served counts (after the start-up warm-up, kimi.worker.warmup): requests, sampled tokens, idle and
+        overlapped steps, constrained requests, and the CUDA graphs' replay and plan-ahead counts."""
+        self.num_requests = self.num_sampled = self.num_idle_steps = self.num_overlapped = 0
+        self.guided.num_requests = 0
+        graphs = getattr(self.model, "graphs", None)
+        if graphs is not None:
+            graphs.reset_counters()
+
     def _idle_step(self) -> None:
         """No local tokens this step: run every MoE layer's dispatch / combine on a [0, hidden] batch, in layer
         order, so this rank issues the same collectives as the ranks that run a forward (nothing is written to

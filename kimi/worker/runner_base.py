@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 from kimi import protocol
 
 if TYPE_CHECKING:
+    from kimi.config import ModelConfig
     from kimi.model.sampling import SampleLaunch
     from kimi.structured_output.bitmask import GuidedRequests
     from kimi.worker.inputs import WorkerRequest
@@ -48,11 +49,13 @@ class StepHandle:
 class Runner(Protocol):
     """One rank's runner as kimi.worker.main drives it.
 
-    num_blocks: KV-cache blocks of this rank (sent in `Ready`); guided: the rank's guided-decoding matchers.
+    cfg: the model's config; num_blocks: KV-cache blocks of this rank (sent in `Ready`); guided: the rank's
+    guided-decoding matchers.
     Counters logged at exit: num_requests (NewRequest entries this rank ran), num_sampled (tokens sampled),
     num_idle_steps (steps with no local tokens that still ran the collectives).
     """
 
+    cfg: ModelConfig
     num_blocks: int
     num_requests: int
     num_sampled: int
@@ -80,4 +83,8 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release what outlives a step (the guided-decoding compile thread)."""
+        ...
+
+    def reset_counters(self) -> None:
+        """Zero the counters above (and the runner's own), after the start-up warm-up (kimi.worker.warmup)."""
         ...

@@ -33,6 +33,11 @@ OTHER = dict(
     load_format="dummy",
     cuda_graph_max_bs=256,
     fp8_dense="humming",
+    max_num_seqs=32,
+    token_budget=512,
+    max_model_len=4096,
+    skip_warmup=True,
+    cache_dir="/var/cache/kimi",
 )
 
 

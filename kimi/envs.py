@@ -248,12 +248,13 @@ OPENAI_API_KEY = _declare(
         "kimi.benchmarks.serving",
     )
 )
-KIMI_SMALL_PICKS = _declare(
+KIMI_SMALL_KERNELS_TABLE_ALT = _declare(
     EnvVar(
-        "KIMI_SMALL_PICKS",
+        "KIMI_SMALL_KERNELS_TABLE_ALT",
         None,
         _str_or_none,
-        "picks file of tools/bench_decode.py's `small_tuned` A/B",
+        "small_kernels launch table (tools/sweep_small_kernels.py --table-out) of tools/bench_decode.py's "
+        "`small_tuned` A/B",
         "tools/bench_decode.py",
     )
 )

@@ -150,30 +150,22 @@ def _auto_max_pairs(m, n: int | None) -> None:
 
 
 def _small_tuned(on: bool) -> None:
-    """small_tuned: the launch picks of tools/sweep_small_kernels.py (file $KIMI_SMALL_PICKS) over
-    kimi.kernels.triton.fused.LAUNCH
-    and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH."""
-    import copy
-
+    """small_tuned: the small_kernels table of $KIMI_SMALL_KERNELS_TABLE_ALT (tools/sweep_small_kernels.py
+    --table-out) as the launch of kimi.kernels.triton.fused and of moe_w4a16's combine (their use_launch /
+    use_combine_launch); off puts the previous ones back."""
+    from kimi.kernels import tuning
     from kimi.kernels.triton import fused
     from kimi.kernels.triton import moe_w4a16 as mi
 
     if on:
-        _saved["small"] = (copy.deepcopy(fused.LAUNCH), dict(mi.COMBINE_LAUNCH))
-        with open(envs.KIMI_SMALL_PICKS.require()) as f:
-            picks = json.load(f)["picks"]
-        for var in picks.values():
-            for k, v in var.items():
-                if k == "combine":
-                    mi.COMBINE_LAUNCH.update(v)
-                else:
-                    fused.LAUNCH[k] = v
-        print(f"small_tuned: {json.dumps(picks)}", flush=True)
+        table = tuning.load("small_kernels", envs.KIMI_SMALL_KERNELS_TABLE_ALT.require())
+        launch = tuning.launch_configs(table, fused.LAUNCH_FIELDS)
+        combine = tuning.launch_configs(table, mi.COMBINE_LAUNCH_FIELDS)["combine"]
+        _saved["small"] = (fused.use_launch(launch), mi.use_combine_launch(combine))
+        print(f"small_tuned: {json.dumps(launch | {'combine': combine})}", flush=True)
     else:
-        fused.LAUNCH.clear()
-        fused.LAUNCH.update(_saved["small"][0])
-        mi.COMBINE_LAUNCH.clear()
-        mi.COMBINE_LAUNCH.update(_saved["small"][1])
+        fused.use_launch(_saved["small"][0])
+        mi.use_combine_launch(_saved["small"][1])
 
 
 def _setter_switch(name: str, what: str, setter: str, value) -> dict:
@@ -299,7 +291,7 @@ AB_VARIANTS = {
         lambda m: _swap_humming_table(m, None, False),
     ),
     "small_tuned": (
-        "small-kernel launch parameters picked by tools/sweep_small_kernels.py ($KIMI_SMALL_PICKS)",
+        "small-kernel launch table of tools/sweep_small_kernels.py --table-out ($KIMI_SMALL_KERNELS_TABLE_ALT)",
         lambda m: _small_tuned(True),
         lambda m: _small_tuned(False),
     ),

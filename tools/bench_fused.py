@@ -2,7 +2,8 @@
 
 Every case times two implementations, "new" and "old", and records which of them the model runs at that size
 (`model_runs`, from the thresholds in kimi.kernels.triton.fused: ROUTER_FUSED_MAX_T, ALIGN_ONE_PROGRAM_MAX_P,
-ALIGN_GRID_MIN_P, LAUNCH["router_logits_large"]["min_t"]); those thresholds come from these measurements.
+ALIGN_GRID_MIN_P, LAUNCH["router_logits_large"]["m_min"] of kimi/kernels/tuning/small_kernels.json); those thresholds
+come from these measurements.
 
 Ops and shapes (Kimi-K2.6, one rank of the decode step):
   - rms_norm / add_rms_norm (D 7168; rms_norm also D 1536, the q_a norm), T = 8 and 32 rows. "old": the previous
@@ -339,12 +340,8 @@ def align_cases(reps):
 
 def _router_decode_launch(x, gw, bias):
     """The two-kernel router with the decode launch (split K, small tiles) at any T."""
-    big = fused.LAUNCH["router_logits_large"]
-    fused.LAUNCH["router_logits_large"] = dict(big, min_t=1 << 30)
-    try:
-        return fused._router_topk(x, gw, bias, 8, 2.827, True, False)
-    finally:
-        fused.LAUNCH["router_logits_large"] = big
+    launch = fused.LAUNCH | {"router_logits_large": fused.LAUNCH["router_logits_large"] | {"m_min": 1 << 30}}
+    return fused._router_topk(x, gw, bias, 8, 2.827, True, False, launch=launch)
 
 
 def router_large_cases(reps):
@@ -362,7 +359,7 @@ def router_large_cases(reps):
         new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
         old = [lambda gw=gw, x=x: _router_decode_launch(x, gw, bias) for gw in gates]
         meta = {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check}
-        meta |= {"model_runs": "new" if fused.LAUNCH["router_logits_large"]["min_t"] <= T else "old"}
+        meta |= {"model_runs": "new" if fused.LAUNCH["router_logits_large"]["m_min"] <= T else "old"}
         meta |= {"new_is": "large-T launch (64 x 64 tiles, K unsplit)", "old_is": "decode launch (split K)"}
         yield meta, new, old
 

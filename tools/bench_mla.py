@@ -9,15 +9,18 @@ Median of triton.testing.do_bench (L2 cleared before each call: cold cache).
 Every timed variant is first checked against kimi.model.attention.mla_decode_ref (rel err = max abs err / max abs
 ref). Bytes = KV read (B * ctx * 576 * 2) + q + o; GB/s = bytes / time.
 
-The Triton kernel's CONFIGS and its DEFAULT_CONFIG / choose_num_splits come from this sweep.
+The Triton kernel's CONFIGS and choose_num_splits come from this sweep, and its DEFAULT_CONFIG: --table-out F writes
+the mla_decode table (kimi.kernels.tuning) holding the config with the smallest sum over the cases of its best time
+(over the split counts; configs correct in every case only), the tuner of kimi/kernels/tuning/mla_decode.json.
 
-Usage: python tools/bench_mla.py [--cases 8x2048,32x2048,...] [--out F] [--snapshot]
+Usage: python tools/bench_mla.py [--cases 8x2048,32x2048,...] [--out F] [--table-out F] [--snapshot]
 Prints a table; --out: the full JSON; --snapshot: mla.json (mla_<config> for another case list or configs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 import traceback
@@ -26,6 +29,7 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import import_gpu_module, require_gpu
+from kimi.kernels import tuning
 from kimi.kernels.triton import mla_decode as mdt
 from kimi.model.attention import mla_decode_ref
 
@@ -197,6 +201,41 @@ def summarize(res: dict) -> dict:
     }
 
 
+def fastest_config(cases: list[dict], configs: list) -> tuple | None:
+    """(config, {case "BxCTX": us}) of the config with the smallest sum over `cases` of its best correct time (over
+    the split counts), among the configs correct in every case; None when none is."""
+    best = None
+    for cfg in configs:
+        us = {}
+        for c in cases:
+            ok = [r["us"] for r in c.get("triton", []) if r.get("ok") and r["config"] == cfg.name()]
+            if not ok:
+                break
+            us[f"{c['B']}x{c['ctx']}"] = min(ok)
+        else:
+            if cases and (best is None or sum(us.values()) < sum(best[1].values())):
+                best = (cfg, us)
+    return best
+
+
+def write_table(path: str, cases: list[dict], configs: list, cases_arg: str) -> None:
+    """The mla_decode table with fastest_config's pick as its "stage1" entry (SystemExit when no config is correct
+    in every case)."""
+    best = fastest_config(cases, configs)
+    if best is None:
+        raise SystemExit("--table-out: no config ran correctly in every case")
+    cfg, us = best
+    timings = ", ".join(f"{k}: {v:.1f} us" for k, v in us.items())
+    tuning.dump(
+        path,
+        torch.cuda.get_device_name(),
+        f"python tools/bench_mla.py --cases {cases_arg} --table-out {path}",
+        tuning.launch_entries({"stage1": dataclasses.asdict(cfg)}),
+        notes=f"stage 1's fastest config of {len(configs)} at {HEADS} heads ({timings}, best split count each)",
+    )
+    print(f"wrote {path}: {cfg.name()}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
     ap.add_argument("--cases", default=DEFAULT_CASES, help="BxCTX,... (B requests, all at CTX tokens)")
@@ -212,6 +251,7 @@ def main():
     )
     ap.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel only")
     ap.add_argument("--out", default=None, help="write the full JSON result here")
+    ap.add_argument("--table-out", default=None, help="write the mla_decode table (the fastest config) here")
     snapshot.add_arguments(ap)
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
@@ -309,6 +349,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+    if args.table_out:
+        write_table(args.table_out, res["cases"], configs, args.cases)
     if args.snapshot:
         custom = args.cases != DEFAULT_CASES or args.configs or args.splits or args.no_flashinfer
         snapshot.write(

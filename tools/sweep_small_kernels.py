@@ -1,5 +1,6 @@
 """Sweep the launch parameters of the decode step's small kernels (kimi.kernels.triton.fused.LAUNCH and
-kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH) at the Kimi-K2.6 decode shapes of one rank, on one GPU.
+kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH, both from kimi/kernels/tuning/small_kernels.json) at the Kimi-K2.6
+decode shapes of one rank, on one GPU.
 
 Ops and shapes (B local rows = 8 / 32; the MoE sees 8 * B tokens, top-8 of 384 experts, the 48 of one EP rank):
   - combine_into: y [8B * 8, 7168] -> out [8B, 7168]; block_n x warps.
@@ -15,17 +16,17 @@ written; align: block experts and num_padded equal, row blocks equal as sets; ro
 Timing: kimi.benchmarks.gpu.GraphTimer: one sample = one CUDA-graph replay of --reps back-to-back calls with PDL as
 configured (kimi.kernels.triton.pdl), CUDA-event timed, divided by reps; median of --samples samples. Pick per op: the
 variant with the smallest sum over both B, when it beats the default's sum by more than --min-gain; "picks" in the JSON
-(--out) holds the LAUNCH / COMBINE_LAUNCH values to use. This is the tuner of the launch tables written in code,
-kimi.kernels.triton.fused.LAUNCH and kimi.kernels.triton.moe_w4a16.COMBINE_LAUNCH (its picks are copied there by hand);
-tools/bench_decode.py --ab small_tuned applies a picks file ($KIMI_SMALL_PICKS) to a whole decode step first.
+(--out) holds them. Each variant is passed to the op as its `launch` (the module defaults stay as they are).
+--table-out F writes the small_kernels table (kimi.kernels.tuning) with the picks over the current values (entries
+not swept kept as found): the tuner of kimi/kernels/tuning/small_kernels.json. tools/bench_decode.py --ab small_tuned
+applies such a table ($KIMI_SMALL_KERNELS_TABLE_ALT) to a whole decode step first.
 
-Usage: python tools/sweep_small_kernels.py --out small_kernels.json
+Usage: python tools/sweep_small_kernels.py [--out small_kernels_sweep.json] [--table-out F]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import itertools
 import json
@@ -35,6 +36,7 @@ import torch
 
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.gpu import GraphTimer, require_gpu
+from kimi.kernels import tuning
 from kimi.kernels.triton import moe_w4a16 as mi
 
 # GPU packages: a CPU-only install still gets --help; main() then exits with one line (require_gpu)
@@ -47,11 +49,16 @@ except ImportError as _e:
 DEV = "cuda"
 BF16 = torch.bfloat16
 D, I2, E_ALL, E_LOC, TOPK, OFF = 7168, 4096, 384, 48, 8, 96
+# the `tuner` of the table --table-out writes (router_logits_large is not swept here: kept as found)
+TUNER = (
+    "python tools/sweep_small_kernels.py --table-out kimi/kernels/tuning/small_kernels.json (router_logits_large, "
+    "which the sweep keeps as found: its m_min and tiles from python tools/bench_fused.py --ops router_large)"
+)
 
 
-def graph_us(timer, fn, reps: int) -> float:
-    """Median us per call of fn(0..reps-1) replayed as one CUDA graph (GraphTimer)."""
-    return timer.time_calls([lambda i=i: fn(i) for i in range(reps)])
+def graph_us(timer, fn, launch, reps: int) -> float:
+    """Median us per call of fn(0..reps-1, launch) replayed as one CUDA graph (GraphTimer)."""
+    return timer.time_calls([lambda i=i: fn(i, launch) for i in range(reps)])
 
 
 def routing(T: int, g):
@@ -60,19 +67,14 @@ def routing(T: int, g):
     return (w / w.sum(1, keepdim=True)).float(), ids.to(torch.int64)
 
 
-def set_launch(key: str, value) -> None:
-    if key == "combine":
-        mi.COMBINE_LAUNCH.update(value)
-    else:
-        fused.LAUNCH[key] = copy.deepcopy(value)
-
-
-def get_launch(key: str):
-    return dict(mi.COMBINE_LAUNCH) if key == "combine" else copy.deepcopy(fused.LAUNCH[key])
+def current_launch() -> dict:
+    """{name: config} of every small_kernels entry as the kernels use it now (fused.LAUNCH and "combine")."""
+    return {**fused.LAUNCH, "combine": dict(mi.COMBINE_LAUNCH)}
 
 
 def op_cases(g):
-    """([(op, launch keys, variants)], {B: {op: (run(i) -> output, check(out, ref) -> bool, poison() or None)}})"""
+    """([(op, launch names, variants)], {B: {op: (run(i, launch) -> output, check(out, ref) -> bool, poison() or
+    None)}}); launch: {name: config} as current_launch()."""
     ops = []
     setups = {}
     for B in (8, 32):
@@ -93,17 +95,19 @@ def op_cases(g):
         loc = ((ids >= OFF) & (ids < OFF + E_LOC)).reshape(-1).nonzero().flatten()
         setups[B] = dict(
             combine=(
-                lambda i=0, w=w, ids=ids, y2=y2, out=out: mi.combine_into(y2, w, ids, OFF, E_LOC, out),
+                lambda i, lp, w=w, ids=ids, y2=y2, out=out: mi.combine_into(
+                    y2, w, ids, OFF, E_LOC, out, launch=lp["combine"]
+                ),
                 lambda a, b: torch.equal(a, b),
                 lambda out=out: out.fill_(float("nan")),
             ),
             silu_rows=(
-                lambda i=0, y1=y1, al=al, so=so: fused.silu_mul_rows(y1, al[0], al[2], I2 // 2, out=so),
+                lambda i, lp, y1=y1, al=al, so=so: fused.silu_mul_rows(y1, al[0], al[2], I2 // 2, out=so, launch=lp),
                 lambda a, b, loc=loc: torch.equal(a[loc], b[loc]),
                 lambda so=so: so.fill_(float("nan")),
             ),
             align=(
-                lambda i=0, ids=ids: fused._moe_align(ids, E_LOC, OFF, 8, False),
+                lambda i, lp, ids=ids: fused._moe_align(ids, E_LOC, OFF, 8, False, launch=lp),
                 lambda a, b: (
                     torch.equal(a[1], b[1])
                     and torch.equal(a[2], b[2])
@@ -112,16 +116,16 @@ def op_cases(g):
                 None,
             ),
             router=(
-                lambda i=0, x=x, gates=gates, bias=bias: fused._router_topk(
-                    x, gates[i % 20], bias, TOPK, 2.827, True, False
+                lambda i, lp, x=x, gates=gates, bias=bias: fused._router_topk(
+                    x, gates[i % 20], bias, TOPK, 2.827, True, False, launch=lp
                 ),
                 lambda a, b: torch.equal(a[1], b[1]) and (a[0] - b[0]).abs().max().item() <= 1e-5,
                 None,
             ),
             rmsnorm=(
-                lambda i=0, xq=xq, wq=wq, x=x, d1=d1, d2=d2, wd=wd: (
-                    fused.rms_norm(xq, wq, 1e-6),
-                    fused.add_rms_norm(x, d1, d2, wd, 1e-6)[1],
+                lambda i, lp, xq=xq, wq=wq, x=x, d1=d1, d2=d2, wd=wd: (
+                    fused.rms_norm(xq, wq, 1e-6, launch=lp),
+                    fused.add_rms_norm(x, d1, d2, wd, 1e-6, launch=lp)[1],
                 ),
                 lambda a, b: all(
                     ((p.float() - q.float()).norm() / q.float().norm()).item() <= 1e-2 for p, q in zip(a, b)
@@ -129,8 +133,8 @@ def op_cases(g):
                 None,
             ),
         )
-    lr = fused.LAUNCH["router_logits"]
-    router_vars = [{"router_logits": lr, "router_topk_warps": fused.LAUNCH["router_topk_warps"]}]
+    lr, tk = fused.LAUNCH["router_logits"], fused.LAUNCH["router_topk"]
+    router_vars = [{"router_logits": lr, "router_topk": tk}]
     for k, vals in (
         ("bt", (32,)),
         ("be", (64, 128)),
@@ -139,9 +143,9 @@ def op_cases(g):
         ("split_elems", (256, 1024, 2048)),
     ):
         for v in vals:
-            router_vars.append({"router_logits": lr | {k: v}, "router_topk_warps": fused.LAUNCH["router_topk_warps"]})
+            router_vars.append({"router_logits": lr | {k: v}, "router_topk": tk})
     for tw in (1, 4):
-        router_vars.append({"router_logits": lr, "router_topk_warps": tw})
+        router_vars.append({"router_logits": lr, "router_topk": {"warps": tw}})
     ops.append(
         (
             "combine",
@@ -165,17 +169,15 @@ def op_cases(g):
     ops.append(
         (
             "align",
-            ["align_count_warps", "align_scatter"],
+            ["align_count", "align_scatter"],
             [
-                {"align_count_warps": cw, "align_scatter": {"block": sb, "warps": sw}}
+                {"align_count": {"warps": cw}, "align_scatter": {"block": sb, "warps": sw}}
                 for cw, (sb, sw) in itertools.product((8, 4, 16), ((256, 4), (128, 4), (512, 4), (1024, 4), (256, 2)))
             ],
         )
     )
-    ops.append(("router", ["router_logits", "router_topk_warps"], router_vars))
-    ops.append(
-        ("rmsnorm", ["rmsnorm_warps"], [{"rmsnorm_warps": None}] + [{"rmsnorm_warps": n} for n in (2, 4, 8, 16)])
-    )
+    ops.append(("router", ["router_logits", "router_topk"], router_vars))
+    ops.append(("rmsnorm", ["rmsnorm"], [{"rmsnorm": {"warps": n}} for n in (None, 2, 4, 8, 16)]))
     return ops, setups
 
 
@@ -193,6 +195,11 @@ def main() -> None:
     ap.add_argument("--min-gain", type=float, default=0.03, help="a pick needs this fraction over the default")
     ap.add_argument("--ops", default="combine,silu_rows,align,router,rmsnorm", help="which ops to sweep")
     ap.add_argument("--out", default=None, help="write the full JSON result (and its picks) here")
+    ap.add_argument(
+        "--table-out",
+        default=None,
+        help="write the small_kernels table (kimi.kernels.tuning schema): the picks over the current values",
+    )
     args = ap.parse_args()
     require_gpu(ap.prog, _MISSING)
     from kimi.kernels.triton import pdl
@@ -210,41 +217,37 @@ def main() -> None:
     }
     ops, setups = op_cases(g)
     timer = GraphTimer(args.samples)
+    current = current_launch()
+    notes = []
     for name, keys, variants in ops:
         if name not in args.ops.split(","):
             continue
-        default = {k: get_launch(k) for k in keys}
+        default = {k: current[k] for k in keys}
         variants = [default] + [v for v in variants if v != default]  # rows[0]: the current default
         refs = {}
-        for k, v in default.items():
-            set_launch(k, v)
         for B, st in setups.items():
             if st[name][2] is not None:
                 st[name][2]()
-            refs[B] = snap(st[name][0]())
+            refs[B] = snap(st[name][0](0, current))
         torch.cuda.synchronize()
         rows = []
         for var in variants:
             row = {"launch": var}
+            launch = current | var
             try:
-                for k, v in var.items():
-                    set_launch(k, v)
                 ok = True
                 for B, st in setups.items():
                     run, check, poison = st[name]
                     if poison is not None:
                         poison()
-                    outp = run()
+                    outp = run(0, launch)
                     torch.cuda.synchronize()
                     ok = ok and check(outp, refs[B])
                 row["same_output"] = bool(ok)
-                row["us"] = {B: graph_us(timer, st[name][0], args.reps) for B, st in setups.items()}
+                row["us"] = {B: graph_us(timer, st[name][0], launch, args.reps) for B, st in setups.items()}
                 row["sum_us"] = sum(row["us"].values())
             except Exception:
                 row["error"] = traceback.format_exc()[-500:]
-            finally:
-                for k, v in default.items():
-                    set_launch(k, v)
             rows.append(row)
             print(name, json.dumps(row, default=str)[:240], flush=True)
         base = rows[0].get("sum_us")
@@ -252,6 +255,7 @@ def main() -> None:
         res["ops"][name] = {"default": default, "rows": rows}
         if good and base and good[0]["sum_us"] < base * (1 - args.min_gain):
             res["picks"][name] = good[0]["launch"]
+            notes.append(f"{name} {good[0]['sum_us']:.2f} us vs {base:.2f} (sum over B = 8, 32)")
             print(
                 f"PICK {name}: {json.dumps(good[0]['launch'])} {good[0]['sum_us']:.2f} us vs default {base:.2f}",
                 flush=True,
@@ -262,6 +266,16 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
+    if args.table_out:
+        table = current | {k: v for pick in res["picks"].values() for k, v in pick.items()}
+        tuning.dump(
+            args.table_out,
+            torch.cuda.get_device_name(),
+            TUNER,
+            tuning.launch_entries(table),
+            notes="picks over the previous values: " + ("; ".join(notes) or "none"),
+        )
+        print(f"wrote {args.table_out}", flush=True)
 
 
 if __name__ == "__main__":

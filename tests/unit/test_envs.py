@@ -138,11 +138,11 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, var, raw
 
 
 def test_require(monkeypatch):
-    monkeypatch.delenv("KIMI_SMALL_PICKS", raising=False)
-    with pytest.raises(ConfigError, match=r"^\$KIMI_SMALL_PICKS is not set: picks file"):
-        envs.KIMI_SMALL_PICKS.require()
-    monkeypatch.setenv("KIMI_SMALL_PICKS", "/tmp/picks.json")
-    assert envs.KIMI_SMALL_PICKS.require() == "/tmp/picks.json"
+    monkeypatch.delenv("KIMI_SMALL_KERNELS_TABLE_ALT", raising=False)
+    with pytest.raises(ConfigError, match=r"^\$KIMI_SMALL_KERNELS_TABLE_ALT is not set: small_kernels launch table"):
+        envs.KIMI_SMALL_KERNELS_TABLE_ALT.require()
+    monkeypatch.setenv("KIMI_SMALL_KERNELS_TABLE_ALT", "/tmp/small_kernels.json")
+    assert envs.KIMI_SMALL_KERNELS_TABLE_ALT.require() == "/tmp/small_kernels.json"
 
 
 def test_csrc_cache_dir(monkeypatch, tmp_path):

@@ -93,12 +93,9 @@ _ROUTER = textwrap.dedent("""
         w3, ids3 = fused.router_topk(x, gw, bias, k, 2.5, norm)  # default dispatch
         assert torch.equal(ids3, rids)
         # the large-T launch of the two-kernel path (unsplit K, bigger tiles), forced from 1 row on
-        big = fused.LAUNCH["router_logits_large"]
-        fused.LAUNCH["router_logits_large"] = dict(big, min_t=1, bt=16, be=32, bk=64)
-        try:
-            w4, ids4 = fused._router_topk(x, gw, bias, k, 2.5, norm, False)
-        finally:
-            fused.LAUNCH["router_logits_large"] = big
+        large = fused.LAUNCH["router_logits_large"] | {"m_min": 1, "bt": 16, "be": 32, "bk": 64}
+        launch = fused.LAUNCH | {"router_logits_large": large}
+        w4, ids4 = fused._router_topk(x, gw, bias, k, 2.5, norm, False, launch=launch)
         assert torch.equal(ids4, rids) and ((w4 - rw).abs() / rw.abs()).max().item() <= 1e-5, (T, E, D, "large")
     # many calls: the counter regions wrap around and every counter is back at 0 after each call
     x = torch.randn(20, 1100).half()

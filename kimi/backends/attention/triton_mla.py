@@ -44,7 +44,7 @@ class TritonMLADecodeRun:
 
 def triton_mla_config():
     """The launch config of the Triton decode attention: kimi.kernels.triton.mla_decode.DEFAULT_CONFIG (the fastest
-    measured, tools/bench_mla.py); a TritonMLADecodeRun takes another as its `config`."""
+    measured, from kimi/kernels/tuning/mla_decode.json); a TritonMLADecodeRun takes another as its `config`."""
     from kimi.kernels.triton import mla_decode as mdt
 
     return mdt.DEFAULT_CONFIG

@@ -89,6 +89,7 @@ CONFIGS = (
     (4, 4, 2),
     (8, 2, 2),
 )
+# config_for's fallback for a GEMM shape with no pick in TABLE: a constant (the first of CONFIGS), not a measurement.
 DEFAULT_CONFIG = (4, 4, 4)
 
 

@@ -32,12 +32,14 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kimi.kernels import tuning
 from kimi.kernels.triton.common import INTERPRET
 from kimi.kernels.triton.linear_small_m import COUNTER_REGION as _COUNTER_REGION
 from kimi.kernels.triton.linear_small_m import _counter_region
@@ -47,6 +49,7 @@ __all__ = [
     "ALIGN_GRID_MIN_P",
     "ALIGN_ONE_PROGRAM_MAX_P",
     "LAUNCH",
+    "LAUNCH_FIELDS",
     "ROUTER_FUSED_MAX_T",
     "add_rms_norm",
     "add_rms_norm_ref",
@@ -59,6 +62,7 @@ __all__ = [
     "silu_mul",
     "silu_mul_ref",
     "silu_mul_rows",
+    "use_launch",
 ]
 
 # Both one-kernel paths below are SLOWER than the two-kernel paths in the K2.6 decode step on an H200 (eager kernel
@@ -73,25 +77,31 @@ ALIGN_ONE_PROGRAM_MAX_P = 0  # moe_align_fused: one program up to this many (tok
 ALIGN_GRID_MIN_P = 16384
 ALIGN_GRID_BLOCK = 256
 
-# Launch parameters of the decode-path kernels below (read at each call; CUDA graphs keep the values of their
-# capture). tools/sweep_small_kernels.py times alternatives at the K2.6 decode shapes and checks their outputs;
-# the values below are its picks where one beat the previous value by > 3% (in the decode step the picks are within
-# 0.2 ms of the earlier values: 22.63 vs 22.59 ms at 8 seqs, 30.84 vs 31.01 at 32).
-#   rmsnorm_warps: None = by the row width (_nw); silu_rows: rows per program, column block, warps;
-#   router_logits: row / expert / K tiles, warps, K elements per split (at most 16 splits); router_topk_warps;
-#   align_count_warps; align_scatter: pairs per program, warps.
-LAUNCH: dict = {
-    "rmsnorm_warps": None,
-    "silu_rows": {"rows": 2, "block": 2048, "warps": 8},  # 1.88 / 2.30 us vs 2.54 / 3.02 at 8 / 32 local rows
-    "router_logits": {"bt": 16, "be": 32, "bk": 128, "warps": 4, "split_elems": 512},
-    # from min_t rows on (prefill): bigger tiles, K unsplit. tools/bench_fused.py --ops router_large (H200), router
-    # logits + top-k, this vs the decode launch above: 48.5 vs 40.5 us
-    # at 512 rows, 59 vs 147 at 2048, 170 vs 557 at 8192 (same top-k sets on every row)
-    "router_logits_large": {"min_t": 1024, "bt": 64, "be": 64, "bk": 64, "warps": 4, "split_elems": 1 << 30},
-    "router_topk_warps": 2,
-    "align_count_warps": 16,  # 4.08 / 6.72 us vs 4.09 / 7.16 (count + scatter)
-    "align_scatter": {"block": 256, "warps": 4},
+# Launch parameters of the decode-path kernels below, {launch name: config} with the fields of LAUNCH_FIELDS, from
+# kimi/kernels/tuning/small_kernels.json (its tuner regenerates it). Read at each call (CUDA graphs keep the values of
+# their capture); rms_norm, add_rms_norm, silu_mul_rows, _router_topk and _moe_align take another as `launch`, and
+# `use_launch` replaces this module's.
+LAUNCH_FIELDS: dict[str, tuple[str, ...]] = {
+    "rmsnorm": ("warps",),  # warps None: by the row width (_nw)
+    "silu_rows": ("rows", "block", "warps"),  # rows per program, column block
+    "router_logits": ("bt", "be", "bk", "warps", "split_elems"),  # row / expert / K tiles, K elements per split
+    "router_logits_large": ("m_min", "bt", "be", "bk", "warps", "split_elems"),  # instead, from m_min rows on
+    "router_topk": ("warps",),
+    "align_count": ("warps",),
+    "align_scatter": ("block", "warps"),  # pairs per program
 }
+LAUNCH: dict[str, dict[str, Any]] = tuning.launch_configs(tuning.load("small_kernels"), LAUNCH_FIELDS)
+
+
+def use_launch(launch: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Make `launch` ({name: config} with exactly LAUNCH_FIELDS' names and fields, e.g. `tuning.launch_configs` of
+    another small_kernels table) the launch of every later call that passes none; returns the previous LAUNCH.
+    Raises ValueError when a name or a config's fields differ."""
+    global LAUNCH
+    if sorted(launch) != sorted(LAUNCH_FIELDS) or any(sorted(launch[k]) != sorted(f) for k, f in LAUNCH_FIELDS.items()):
+        raise ValueError(f"use_launch: want the names and fields {LAUNCH_FIELDS}, got {launch}")
+    old, LAUNCH = LAUNCH, {k: dict(v) for k, v in launch.items()}
+    return old
 
 
 # ---- RMSNorm (+ residual add) ----------------------------------------------------------------------------
@@ -137,17 +147,25 @@ def _rmsnorm_kernel(
     tl.store(y_ptr + row * y_stride + offs, (w * (x * r)).to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _nw(block: int) -> int:
-    if LAUNCH["rmsnorm_warps"]:
-        return LAUNCH["rmsnorm_warps"]
-    # 8 warps from 2048 columns: rms_norm [8 / 32, 1536] + add_rms_norm [8 / 32, 7168] 5.72 us, 5.98 with 8 warps
-    # only from 4096 (tools/sweep_small_kernels.py)
+def _nw(block: int, launch: dict[str, dict[str, Any]] | None = None) -> int:
+    """Warps of the RMSNorm kernel at a row block of `block` columns: (launch or LAUNCH)["rmsnorm"]["warps"], else
+    by the row width (small_kernels.json's notes hold the measurement)."""
+    warps = (launch or LAUNCH)["rmsnorm"]["warps"]
+    if warps:
+        return warps
     return 8 if block >= 2048 else (4 if block >= 1024 else 2)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    launch: dict[str, dict[str, Any]] | None = None,
+) -> torch.Tensor:
     """x [T, D] (last dim contiguous, any row stride), weight [D] -> rmsnorm [T, D] in x.dtype (fp32 math,
-    kimi.model.norm.rms_norm). out: optional [T, D] destination (unit last-dim stride), returned."""
+    kimi.model.norm.rms_norm). out: optional [T, D] destination (unit last-dim stride), returned. launch: {name:
+    config} as LAUNCH (default LAUNCH; its "rmsnorm" entry is read)."""
     T, D = x.shape
     assert x.stride(1) == 1
     y = torch.empty((T, D), dtype=x.dtype, device=x.device) if out is None else out
@@ -171,15 +189,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         HAS_D1=False,
         HAS_D2=False,
         BLOCK=B,
-        num_warps=_nw(B),
+        num_warps=_nw(B, launch),
         **launch_kwargs(x.device),
     )
     return y
 
 
-def add_rms_norm(h: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rms_norm(
+    h: torch.Tensor,
+    d1: torch.Tensor,
+    d2: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    launch: dict[str, dict[str, Any]] | None = None,
+):
     """(h + d1 (+ d2), rmsnorm(that)): h, d1, d2 [T, D] (unit last-dim stride); returns (h_new [T, D] h.dtype,
-    y [T, D] h.dtype). The sum is rounded to h.dtype once and y normalises that rounded value (add_rms_norm_ref)."""
+    y [T, D] h.dtype). The sum is rounded to h.dtype once and y normalises that rounded value (add_rms_norm_ref).
+    launch: as rms_norm's."""
     T, D = h.shape
     h_new = torch.empty((T, D), dtype=h.dtype, device=h.device)
     y = torch.empty((T, D), dtype=h.dtype, device=h.device)
@@ -204,7 +230,7 @@ def add_rms_norm(h: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor | None, wei
         HAS_D1=True,
         HAS_D2=d2 is not None,
         BLOCK=B,
-        num_warps=_nw(B),
+        num_warps=_nw(B, launch),
         **launch_kwargs(h.device),
     )
     return h_new, y
@@ -307,6 +333,7 @@ def silu_mul_rows(
     rows_per_program: int | None = None,
     out: torch.Tensor | None = None,
     interleave: int = 0,
+    launch: dict[str, dict[str, Any]] | None = None,
 ) -> torch.Tensor:
     """silu_mul for the rows a MoE align lists only: y [P, 2I] (unit last-dim stride), rows [cap] int32 row ids
     (moe_align's sorted_ids: values >= P are pads, skipped), num_rows [1] int32 on the device (how many leading
@@ -314,7 +341,8 @@ def silu_mul_rows(
     for every listed row r; the other rows of o are left UNINITIALISED (the down GEMM reads only listed rows).
     out: optional [P, I] destination (unit last-dim stride), returned; its unlisted rows are not written.
     rows_per_program: listed rows per program, rounded up to a power of two (loaded as one [rows, block] tile);
-    default LAUNCH["silu_rows"]["rows"]. interleave: 0, or G > 0 when y's columns are gate / up groups of G
+    default the "silu_rows" entry of launch ({name: config} as LAUNCH; default LAUNCH), which also gives the column
+    block and warps. interleave: 0, or G > 0 when y's columns are gate / up groups of G
     (kimi.kernels.cuda.moe_w4a16.glu_interleave: o[r, G j + i] = silu(y[r, 2 G j + i]) * y[r, 2 G j + G + i]).
 
     Why: the gate_up GEMM writes only the rows of local (token, expert) pairs, about 1/ep_size of the P = T * k
@@ -332,7 +360,7 @@ def silu_mul_rows(
     cap = rows.numel()
     if P == 0 or cap == 0:
         return o
-    lp = LAUNCH["silu_rows"]
+    lp = (launch or LAUNCH)["silu_rows"]
     BLOCK = min(lp["block"], triton.next_power_of_2(inter))
     R = triton.next_power_of_2(lp["rows"] if rows_per_program is None else rows_per_program)
     _silu_mul_rows_kernel[(triton.cdiv(cap, R), triton.cdiv(inter, BLOCK))](
@@ -780,13 +808,15 @@ def _router_split(D: int, split_elems: int = 512, bk: int = _RT_BK) -> tuple[int
     return triton.cdiv(D, k_split), k_split
 
 
-def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid=None):
-    """The two-kernel path (large T): split-K partials [n_split, T, E] fp32, then one top-k program per row."""
+def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid=None, launch=None):
+    """The two-kernel path (large T): split-K partials [n_split, T, E] fp32, then one top-k program per row. launch:
+    {name: config} as LAUNCH (default LAUNCH)."""
     T, D = x.shape
     E = gate_weight.shape[0]
-    lp = LAUNCH["router_logits"]
-    if LAUNCH["router_logits_large"]["min_t"] <= T:
-        lp = LAUNCH["router_logits_large"]
+    launch = launch or LAUNCH
+    lp = launch["router_logits"]
+    if launch["router_logits_large"]["m_min"] <= T:
+        lp = launch["router_logits_large"]
     n_split, k_split = _router_split(D, lp["split_elems"], lp["bk"])
     logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
     _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
@@ -820,7 +850,7 @@ def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, 
         NORM=bool(norm_topk_prob),
         BLOCK_E=triton.next_power_of_2(E),
         HAS_VALID=row_valid is not None,
-        num_warps=LAUNCH["router_topk_warps"],
+        num_warps=launch["router_topk"]["warps"],
         **launch_kwargs(x.device),
     )
     return w, ids
@@ -891,8 +921,9 @@ def router_topk(
     return _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, None, row_valid)
 
 
-def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None):
-    """router_topk with the path forced (fused True / False; None: by T). For tests and tools/bench_fused.py."""
+def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None, launch=None):
+    """router_topk with the path forced (fused True / False; None: by T) and the two-kernel path's launch ({name:
+    config} as LAUNCH; default LAUNCH). For tests and the tools."""
     T, _D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
@@ -923,7 +954,7 @@ def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool
                 "(call once eagerly before capturing)",
                 stacklevel=2,
             )
-    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid)
+    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid, launch)
 
 
 def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):
@@ -1204,9 +1235,11 @@ def _moe_align(
     grid: bool | None = None,
     max_pairs: int | None = None,
     grid_min_p: int | None = None,
+    launch: dict[str, dict[str, Any]] | None = None,
 ):
     """moe_align_fused with the path forced (grid True: the grid path; else one_program True / False; None for both:
-    by T*k, the grid path from grid_min_p pairs on, default ALIGN_GRID_MIN_P). Tests and the benchmark."""
+    by T*k, the grid path from grid_min_p pairs on, default ALIGN_GRID_MIN_P) and the two-kernel path's launch
+    ({name: config} as LAUNCH; default LAUNCH). Tests and the tools."""
     P, max_blocks, cap = _align_sizes(topk_ids, num_local_experts, block_m, max_pairs)
     E = num_local_experts
     dev = topk_ids.device
@@ -1279,11 +1312,11 @@ def _moe_align(
         BLOCK_P=1024,
         BLOCK_E=BLOCK_E,
         BLOCK_B=BLOCK_B,
-        num_warps=LAUNCH["align_count_warps"],
+        num_warps=(launch or LAUNCH)["align_count"]["warps"],
         **launch_kwargs(dev),
     )
     if P:
-        sc = LAUNCH["align_scatter"]
+        sc = (launch or LAUNCH)["align_scatter"]
         _align_scatter_kernel[(triton.cdiv(P, sc["block"]),)](
             ids,
             P,

@@ -45,11 +45,14 @@ exceed 2^31 elements.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
 from kimi.errors import BackendUnavailableError
+from kimi.kernels import tuning
 from kimi.kernels.triton.common import HAS_TRITON, INTERPRET, tl, triton
 
 __all__ = [
@@ -59,6 +62,7 @@ __all__ = [
     "MAX_SPLITS",
     "MLADecodeConfig",
     "choose_num_splits",
+    "load_config",
     "mla_decode",
     "programs_per_split",
     "workspace_numel",
@@ -91,8 +95,9 @@ class MLADecodeConfig:
         return f"h{self.block_h}_n{self.block_n}_dv{self.block_dv}_w{self.num_warps}_st{self.num_stages}"
 
 
-# The configs DEFAULT_CONFIG was chosen from (the GPU tests run each); each is a separate compile. Register budget per
-# thread (fp32 accumulator): block_h * block_dv / (32 * num_warps), e.g. 64 * 512 / 256 = 128.
+# The configs DEFAULT_CONFIG is chosen from (tools/bench_mla.py times each; the GPU tests run each); each is a
+# separate compile. Register budget per thread (fp32 accumulator): block_h * block_dv / (32 * num_warps), e.g.
+# 64 * 512 / 256 = 128.
 CONFIGS: tuple[MLADecodeConfig, ...] = (
     MLADecodeConfig(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2),
     MLADecodeConfig(block_h=64, block_n=32, block_dv=256, num_warps=8, num_stages=2),
@@ -102,11 +107,21 @@ CONFIGS: tuple[MLADecodeConfig, ...] = (
     MLADecodeConfig(block_h=16, block_n=32, block_dv=512, num_warps=4, num_stages=3),
     MLADecodeConfig(block_h=16, block_n=64, block_dv=512, num_warps=4, num_stages=2),
 )
-# The fastest config of a sweep on the H200 (64 heads, ctx 2048) at B = 8 and 32, with about one
-# stage-1 program per SM (16 splits at B = 8: 33.9 us; 4 at B = 32: 80.4 us). FlashInfer fa3 takes 24.9 / 42.2 us
-# there, so this kernel is NOT kimi's default decode attention (GPUKimiForCausalLM.decode_attention;
-# docs/performance.md).
-DEFAULT_CONFIG = MLADecodeConfig(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2)
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> MLADecodeConfig:
+    """Stage 1's launch config from the "stage1" entry of kimi.kernels.tuning's "mla_decode" table (`path`, else
+    kimi/kernels/tuning/mla_decode.json; its tuner regenerates it). Raises ValueError when the entry is missing or
+    its fields are not MLADecodeConfig's (all ints)."""
+    table = tuning.load("mla_decode", path)
+    cfg = tuning.launch_configs(table, {"stage1": tuple(f.name for f in dataclasses.fields(MLADecodeConfig))})["stage1"]
+    values = {k: v for k, v in cfg.items() if isinstance(v, int)}
+    if len(values) != len(cfg):
+        raise ValueError(f"mla_decode table: stage1 config {cfg}: every field must be an int")
+    return MLADecodeConfig(**values)
+
+
+DEFAULT_CONFIG = load_config()  # stage 1's measured launch config
 
 
 def _next_pow2(n: int) -> int:

@@ -37,10 +37,12 @@ activation dtype (as in bf16 inference engines), so results match the fp32 refer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kimi.errors import BackendUnavailableError
+from kimi.kernels import tuning
 from kimi.kernels.triton.common import HAS_TRITON, tl, triton
 
 GROUP_SIZE = 32
@@ -432,18 +434,39 @@ def fused_experts_int4(
     return out
 
 
-# combine_into's launch (tools/sweep_small_kernels.py times alternatives): columns per program, warps
-COMBINE_LAUNCH = {"block_n": 1024, "warps": 4}
+# combine_into's launch {"block_n": columns per program, "warps": warps}: the "combine" entry of
+# kimi/kernels/tuning/small_kernels.json (its tuner regenerates it).
+COMBINE_LAUNCH_FIELDS: dict[str, tuple[str, ...]] = {"combine": ("block_n", "warps")}
+COMBINE_LAUNCH: dict[str, Any] = tuning.launch_configs(tuning.load("small_kernels"), COMBINE_LAUNCH_FIELDS)["combine"]
 
 
-def combine_into(y, topk_weights, topk_ids, expert_offset, num_local_experts, out, block_n: int | None = None):
-    """out[t] = sum_j [ids[t,j] local] * w[t,j] * y[t*k+j] (fp32 sum). y: [T*k, H]; out: [T, H]. block_n: columns
-    per program (default COMBINE_LAUNCH)."""
+def use_combine_launch(launch: dict[str, Any]) -> dict[str, Any]:
+    """Make `launch` ({"block_n": int, "warps": int}) the launch of every later combine_into call that passes none;
+    returns the previous COMBINE_LAUNCH. Raises ValueError on other fields."""
+    global COMBINE_LAUNCH
+    if sorted(launch) != sorted(COMBINE_LAUNCH_FIELDS["combine"]):
+        raise ValueError(f"use_combine_launch: want the fields block_n, warps; got {launch}")
+    old, COMBINE_LAUNCH = COMBINE_LAUNCH, dict(launch)
+    return old
+
+
+def combine_into(
+    y,
+    topk_weights,
+    topk_ids,
+    expert_offset,
+    num_local_experts,
+    out,
+    launch: dict[str, Any] | None = None,
+):
+    """out[t] = sum_j [ids[t,j] local] * w[t,j] * y[t*k+j] (fp32 sum). y: [T*k, H]; out: [T, H]. launch:
+    {"block_n": columns per program, "warps": warps} (default COMBINE_LAUNCH)."""
     T, k = topk_ids.shape
     H = out.shape[1]
     tw = topk_weights.contiguous()
     ti = topk_ids.contiguous()
-    bn = COMBINE_LAUNCH["block_n"] if block_n is None else block_n
+    launch = launch or COMBINE_LAUNCH
+    bn = launch["block_n"]
     _combine_kernel[(T, triton.cdiv(H, bn))](
         y,
         tw,
@@ -457,7 +480,7 @@ def combine_into(y, topk_weights, topk_ids, expert_offset, num_local_experts, ou
         out.stride(0),
         TOPK_P2=triton.next_power_of_2(k),
         BLOCK_N=bn,
-        num_warps=COMBINE_LAUNCH["warps"],
+        num_warps=launch["warps"],
         **launch_kwargs(out.device),
     )
     return out

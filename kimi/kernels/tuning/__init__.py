@@ -11,9 +11,13 @@ Schema (every table; `TuningTable`, type-checked on load):
      "config": {launch fields of the kernel}, and optionally "weight": "int4" | "fp8", "e_local": int (the layers
      it was measured on), "over_heuristic": bool (config holds only the fields it replaces in a heuristic
      schedule); other fields (labels, measurements) are kept in the file for the reader and ignored here}.
+    Tables of keys "launch" (launch parameters not keyed by a GEMM shape) hold instead
+    entry: {"name": str (the kernel launch it configures, unique in the table), "config": {field: int or null},
+     optionally "m_min": int (the rows it applies from)}; they load into `TuningTable.launch` (`entries` empty) and
+     apply on every GPU (their `gpu` records where they were measured).
 
 `load(name)` reads the shipped table (or the file its environment variable names), `dump` writes one; the kernels
-turn `TuningTable.entries` into their own config types.
+turn `TuningTable.entries` into their own config types, and a launch table's entries by `launch_configs`.
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ from kimi import envs
 __all__ = [
     "DIR",
     "TABLES",
+    "LaunchEntry",
     "TableEntry",
     "TableSpec",
     "TuningTable",
     "bucket_entries",
     "by_bucket",
     "dump",
+    "launch_configs",
+    "launch_entries",
     "load",
     "path_of",
 ]
@@ -59,25 +66,37 @@ class TableEntry:
 
 
 @dataclass(frozen=True)
+class LaunchEntry:
+    """One named launch config of a "launch" table: kernel launch `name`, its `config`, from `m_min` rows on (None:
+    any)."""
+
+    name: str
+    config: dict[str, int | None]
+    m_min: int | None = None
+
+
+@dataclass(frozen=True)
 class TuningTable:
-    """A table file: where it was measured, how to regenerate it, its entries (in file order)."""
+    """A table file: where it was measured, how to regenerate it, its entries (in file order): GEMM entries in
+    `entries`, named launch configs (tables of keys "launch") in `launch`."""
 
     gpu: str | None
     date: str
     tuner: str
     entries: tuple[TableEntry, ...]
     notes: str = ""
+    launch: tuple[LaunchEntry, ...] = ()
 
 
 @dataclass(frozen=True)
 class TableSpec:
     """A shipped table: its file in this folder, the environment variable that names another file instead (None:
     none; read at load; "" or "off" gives an empty table), and how its entries name their rows ("bucket": `m`; "range":
-    `m_min` / `m_max`)."""
+    `m_min` / `m_max`; "launch": named launch configs, not keyed by a GEMM)."""
 
     file: str
     env: str | None
-    keys: Literal["bucket", "range"]
+    keys: Literal["bucket", "range", "launch"]
 
 
 TABLES: dict[str, TableSpec] = {
@@ -86,6 +105,8 @@ TABLES: dict[str, TableSpec] = {
     "linear_fp8": TableSpec("linear_fp8.json", "KIMI_LINEAR_FP8_TABLE", "bucket"),
     "humming": TableSpec("humming.json", "KIMI_HUMMING_TABLE", "range"),
     "moe_w4a16_cuda": TableSpec("moe_w4a16_cuda.json", None, "range"),
+    "small_kernels": TableSpec("small_kernels.json", None, "launch"),
+    "mla_decode": TableSpec("mla_decode.json", None, "launch"),
 }
 
 EMPTY = TuningTable(gpu=None, date="", tuner="", entries=())
@@ -121,17 +142,33 @@ def _field(raw: dict[str, Any], key: str, types: tuple[type, ...], where: str) -
     return v
 
 
+def _launch_entry(e: dict[str, Any], i: int) -> LaunchEntry:
+    where = f"entry {i}: "
+    name = _field(e, "name", (str,), where)
+    config = _field(e, "config", (dict,), where)
+    for key, v in config.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"{where}config {key} {v!r}: want int or null")
+    m_min = _field(e, "m_min", (int, type(None)), where) if "m_min" in e else None
+    return LaunchEntry(name=name, config=config, m_min=m_min)
+
+
 def _parse(raw: Any) -> TuningTable:
-    """TuningTable of a decoded file; ValueError naming the first field off the schema."""
+    """TuningTable of a decoded file; ValueError naming the first field off the schema. An entry with "name" and no
+    "n" is a launch entry (`LaunchEntry`), any other a GEMM entry."""
     if not isinstance(raw, dict):
         raise ValueError("the file is not a JSON object")
     try:
         head = {key: _field(raw, key, (str,), "") for key in ("gpu", "date", "tuner")}
         entries_raw = _field(raw, "entries", (list,), "")
         entries = []
+        launch = []
         for i, e in enumerate(entries_raw):
             if not isinstance(e, dict):
                 raise ValueError(f"entry {i} is not an object")
+            if "name" in e and "n" not in e:
+                launch.append(_launch_entry(e, i))
+                continue
             missing = [key for key in ("n", "k", "config") if key not in e]
             if missing:
                 raise ValueError(f"entry {i}: no {', '.join(missing)}")
@@ -142,10 +179,23 @@ def _parse(raw: Any) -> TuningTable:
     except KeyError as e:
         raise ValueError(f"missing field {e}") from None
     notes = _field(raw, "notes", (str,), "") if "notes" in raw else ""
-    return TuningTable(entries=tuple(entries), notes=notes, **head)
+    return TuningTable(entries=tuple(entries), notes=notes, launch=tuple(launch), **head)
 
 
 def _check(t: TuningTable, keys: str) -> None:
+    if keys == "launch":
+        if t.entries:
+            raise ValueError("a launch table holds named launch configs only (an entry has 'n')")
+        names = [e.name for e in t.launch]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"names {dup} appear more than once")
+        low = [e.name for e in t.launch if e.m_min is not None and e.m_min < 1]
+        if low:
+            raise ValueError(f"{low}: want m_min >= 1")
+        return
+    if t.launch:
+        raise ValueError(f"entry {t.launch[0].name!r}: a GEMM table's entries name their 'n', 'k'")
     for i, e in enumerate(t.entries):
         if keys == "bucket":
             if e.m is None or e.m < 1 or e.m_min is not None or e.m_max is not None:
@@ -202,4 +252,33 @@ def bucket_entries(picks: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for key, cfg in picks.items():
         m, n, k = (int(v) for v in key.split(","))
         out.append({"m": m, "n": n, "k": k, "config": cfg})
+    return out
+
+
+def launch_configs(table: TuningTable, fields: dict[str, tuple[str, ...]]) -> dict[str, dict[str, int | None]]:
+    """{name: config} of a launch table for every name of `fields` (other names are other kernels' and skipped), an
+    entry's m_min as its config's "m_min". Each config must hold exactly the fields fields[name] ("m_min" among them
+    where the entry has one). Raises ValueError naming the first name missing from the table or off its fields."""
+    by_name = {e.name: e for e in table.launch}
+    out = {}
+    for name, want in fields.items():
+        e = by_name.get(name)
+        if e is None:
+            raise ValueError(f"launch table ({table.tuner!r}) has no entry {name!r}")
+        cfg = dict(e.config) | ({"m_min": e.m_min} if e.m_min is not None else {})
+        if sorted(cfg) != sorted(want):
+            raise ValueError(f"launch entry {name!r}: fields {sorted(cfg)}, want {sorted(want)}")
+        out[name] = cfg
+    return out
+
+
+def launch_entries(configs: dict[str, dict[str, int | None]]) -> list[dict[str, Any]]:
+    """Entries of a launch table (for `dump`) from {name: config} (a config's "m_min" goes to its entry): the inverse
+    of `launch_configs`."""
+    out = []
+    for name, cfg in configs.items():
+        entry: dict[str, Any] = {"name": name, "config": {k: v for k, v in cfg.items() if k != "m_min"}}
+        if cfg.get("m_min") is not None:
+            entry["m_min"] = cfg["m_min"]
+        out.append(entry)
     return out

@@ -45,7 +45,7 @@ def _files(dirs: dict[str, Path]) -> set[str]:
 def _complete(client: httpx.Client, base: str, n_prompt: int, seed: int, **kw) -> dict:
     rng = random.Random(seed)
     body = {"model": "k", "prompt": [rng.randrange(0, VOCAB) for _ in range(n_prompt)], "max_tokens": 4}
-    body.update(ignore_eos=True, temperature=0, **kw)
+    body.update({"ignore_eos": True, "temperature": 0, **kw})
     r = client.post(f"{base}/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()

@@ -6,6 +6,9 @@
 # (.jitcache/kimi_cache.tgz: what an earlier call compiled), creates $OUT (default /tmp/out) and records the GPU's
 # name, driver, memory and SM clock in $OUT/gpu.txt. Returns 1 when the wheels do not install.
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl $(ls .whl_e2e/*.whl 2>/dev/null) || return 1
+# humming keys its kernel cache by its sources' mtimes, which a fresh install sets to now: pin them, so the carried
+# cache stays valid across installs
+find /tmp/site/humming -type f -exec touch -d 2026-01-01T00:00:00 {} +
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KIMI_CACHE_DIR=/tmp/kimi_cache
 export KIMI_CSRC_CACHE=$KIMI_CACHE_DIR/csrc FLASHINFER_WORKSPACE_BASE=$KIMI_CACHE_DIR/flashinfer
 export HUMMING_CACHE_DIR=$KIMI_CACHE_DIR/humming TRITON_CACHE_DIR=$KIMI_CACHE_DIR/triton

@@ -42,8 +42,8 @@ def _files(dirs: dict[str, Path]) -> set[str]:
     return out
 
 
-def _complete(client: httpx.Client, base: str, n_prompt: int, seed: int, **kw) -> dict:
-    rng = random.Random(seed)
+def _complete(client: httpx.Client, base: str, n_prompt: int, prompt_seed: int, **kw) -> dict:
+    rng = random.Random(prompt_seed)
     body = {"model": "k", "prompt": [rng.randrange(0, VOCAB) for _ in range(n_prompt)], "max_tokens": 4}
     body.update({"ignore_eos": True, "temperature": 0, **kw})
     r = client.post(f"{base}/v1/completions", json=body, timeout=300)

@@ -104,7 +104,7 @@ CONFIGS: tuple[MLADecodeConfig, ...] = (
 )
 # The fastest config of a sweep on the H200 (64 heads, ctx 2048) at B = 8 and 32, with about one
 # stage-1 program per SM (16 splits at B = 8: 33.9 us; 4 at B = 32: 80.4 us). FlashInfer fa3 takes 24.9 / 42.2 us
-# there, so this kernel is NOT kimi's default decode attention (GPUKimiForCausalLM.decode_attention;
+# there, so this kernel is NOT kimi's default decode attention (KimiForCausalLM.decode_attention;
 # docs/performance.md).
 DEFAULT_CONFIG = MLADecodeConfig(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2)
 

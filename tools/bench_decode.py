@@ -1,4 +1,4 @@
-"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_model.py).
+"""One decode step of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_forward.py).
 
     python tools/bench_decode.py [--seqs 8,32] [--quant fp8 --ep-size 16] [--ab control0,...] [--snapshot]
 
@@ -20,7 +20,7 @@ touched are known exactly. No communication is timed (single GPU).
 Step = FlashInfer plan (host) + forward (embedding .. final norm) + lm_head logits + argmax. "eager" launches from
 Python; "graph" replays the CUDA graph of the bucket B (kimi/worker/cuda_graph.py). Each timed step is the next decode
 step of the same B sequences, as in a server: every context length grows by one token per step, so the graph
-runner's plan ahead (GPUKimiForCausalLM.plan_ahead) applies as it would when serving. Every timing (eager, each
+runner's plan ahead (KimiForCausalLM.plan_ahead) applies as it would when serving. Every timing (eager, each
 graph variant, each round) restarts at the same step: 3 warm-up steps, then the timed ones at contexts
 CTX - ITERS/2 .. CTX + ITERS/2 - 1 (DecodeSteps).
 graph_pipelined: the headline graph's steps issued as the worker issues them under async scheduling
@@ -215,7 +215,7 @@ AB_VARIANTS = {
         for n in (1, 2, 4, 8, 16)
     },
     "prologue_on": (
-        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (GPUKimiForCausalLM.set_fuse_prologue)",
+        "RMSNorm / SiLU*up fused into the q_b / down GEMMs' loads (KimiForCausalLM.set_fuse_prologue)",
         lambda m: m.set_fuse_prologue(True),
         lambda m: m.set_fuse_prologue(False),
     ),
@@ -236,7 +236,7 @@ AB_VARIANTS = {
         ).items()
     },
     "plan_ahead_off": (
-        "FlashInfer planned before each replay (no plan ahead: GPUKimiForCausalLM.plan_ahead False)",
+        "FlashInfer planned before each replay (no plan ahead: KimiForCausalLM.plan_ahead False)",
         lambda m: _set_attrs("plan_ahead", [(m, "plan_ahead")], False),
         lambda m: _set_attrs("plan_ahead", [(m, "plan_ahead")], None),
     ),
@@ -895,7 +895,8 @@ def main() -> None:
             runner = capture(case["overlap_shared"])
             case["capture_s"] = time.time() - t1
             variants.append(("graph", None, runner, nop, nop))
-            hits0 = runner.fi[B].ahead_hits if not runner.triton_attn else 0
+            planned_ahead = runner.graph_attention.plans_ahead  # the attention hooks plan ahead (FlashInfer)
+            hits0 = runner.fi[B].ahead_hits if planned_ahead else 0
             runs: dict[str, list] = {v[0]: [] for v in variants}
             spans: dict[str, list] = {v[0]: [] for v in variants}  # time.time() spans of each variant's timings
             for rnd in range(args.rounds):
@@ -921,7 +922,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             assert runner.num_replays > 0
             case["plan_ahead"] = runner.plan_ahead
-            if not runner.triton_attn:
+            if planned_ahead:
                 # of rounds x (_WARMUP + iters) steps; the first of each timing follows a restart (a miss)
                 case["plan_ahead_hits"] = runner.fi[B].ahead_hits - hits0
             gm = case["graph"]["median_ms"]

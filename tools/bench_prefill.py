@@ -1,4 +1,4 @@
-"""Prefill steps of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_model.py).
+"""Prefill steps of one rank of Kimi-K2.6 under DP8 x EP8, emulated on one GPU (kimi/model/gpu_forward.py).
 
 The rank is the decode benchmark's (tools/bench_decode.py): the real K2.6 text config, all 61 layers at full width,
 random weights generated on the GPU (`--load-format dummy`), EP rank 0 of 8 with its 48 local INT4 experts per MoE

@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (MLA) over a paged latent KV cache: the plain PyTorch reference.
+"""Multi-head Latent Attention (MLA) over a paged latent KV cache: the layer, its metadata, and the plain PyTorch
+reference math (the reference attention backend, kimi.backends.attention.reference).
 
 Math: DeepSeek-V2/V3 papers (MLA) and docs/model-format.md, Math. Per token and layer the cache holds
 `[rmsnorm(ckv) (kv_lora_rank) | roped k_pe (qk_rope_head_dim)]` (576 values for Kimi) at
@@ -10,11 +11,13 @@ Math: DeepSeek-V2/V3 papers (MLA) and docs/model-format.md, Math. Per token and 
 - Prefill / chunked-prefill rows (query_len > 1) use the NAIVE form (`mla_prefill_ref`): the sequence's
   whole cached context is gathered, expanded with kv_b into k_nope / v, causal w.r.t. positions.
 
-Both forms compute in float32 and can share one forward (mixed batches).
+Both forms compute in float32 and can share one forward (mixed batches). A layer of a fused model (kimi/model/model.py)
+runs its `planned_forward` (kimi.model.gpu_forward.mla_forward: the GPU kernels) instead whenever the step has a plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi.backends.attention.reference import reference_plan
 from kimi.config import ModelConfig
 from kimi.model.norm import LATENT_NORM_EPS, rms_norm
 from kimi.model.rope import RotaryEmbedding
@@ -48,7 +52,9 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    plan: AttentionPlan | None = None  # the step's attention plan (kimi.backends.attention), set by the GPU model
+    # the step's attention plan (kimi.backends.attention): set by KimiForCausalLM.plan_eager before the layers run,
+    # or by the CUDA-graph runner for a captured bucket; None: not planned yet
+    plan: AttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -205,7 +211,17 @@ class MLAAttention(nn.Module):
     Weights (out, in): q_a_proj [q_lora, D], q_a_layernorm [q_lora], q_b_proj [H * (N + R), q_lora]
     (or q_proj [H * (N + R), D] when q_lora_rank is None), kv_a_proj_with_mqa [L + R, D], kv_a_layernorm [L],
     kv_b_proj [H * (N + V), L], o_proj [D, H * V]. Kimi: D 7168, H 64, N 128, R 64, V 128, L 512, q_lora 1536.
+
+    planned_forward: None (the reference forward), or the forward of a fused model (kimi.model.gpu_forward.mla_forward,
+    called as planned_forward(layer, hidden, positions, attn, kv_cache, rope) when attn.plan is set; set by
+    KimiForCausalLM(fused=True)). fuse_prologue: that forward fuses the q_a norm into the q_b GEMM where it can.
     """
+
+    planned_forward: Callable[..., torch.Tensor] | None = None
+    fuse_prologue = False
+    # set by kimi.model.gpu_forward.prepare_attention (fused models): W_UK^T [H, L, N], W_UV [H, V, L]
+    w_uk_t: torch.Tensor
+    w_uv: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
@@ -241,8 +257,23 @@ class MLAAttention(nn.Module):
 
         Writes the T tokens' `[rmsnorm(ckv) | roped k_pe]` into kv_cache [num_blocks, bs, L + R] at
         attn.slot_mapping, then attends: query_len-1 sequences with the absorbed form, the rest naive.
-        Rows past attn.num_tokens (padding) get zero attention output.
+        Rows past attn.num_tokens (padding) get zero attention output. With a planned_forward and attn.plan set,
+        that forward runs instead (see the class docstring).
         """
+        if self.planned_forward is not None and attn.plan is not None:
+            return self.planned_forward(self, hidden, positions, attn, kv_cache, rope)
+        return self.forward_reference(hidden, positions, attn, kv_cache, rope)
+
+    def forward_reference(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """The reference forward (see `forward`), float32 attention over the reference plan's indices (attn.plan
+        when it is a reference plan, else kimi.backends.attention.reference.reference_plan(attn))."""
         T = hidden.shape[0]
         H, N, R, V, L = self.num_heads, self.nope, self.rope, self.v_dim, self.kv_lora
         if self.cfg.q_lora_rank is not None:
@@ -260,22 +291,18 @@ class MLAAttention(nn.Module):
         write_kv_cache(kv_cache, attn.slot_mapping, ckv[:n_real], k_pe[:n_real])
 
         o = torch.zeros(T, H, V, dtype=torch.float32, device=hidden.device)  # [T, H, V]
-        qsl = attn.query_start_loc.tolist()
-        decode = [b for b, ql in enumerate(attn.query_lens_cpu) if ql == 1]
-        if decode:
+        plan = attn.plan if attn.plan is not None and attn.plan.run is None else reference_plan(attn)
+        sel = plan.decode_seqs  # [Bd] decode sequences
+        if sel is not None:
             w_kv_b = self.kv_b_proj.float().view(H, N + V, L)  # [H, N + V, L]
             w_uk, w_uv = w_kv_b[:, :N, :], w_kv_b[:, N:, :]  # [H, N, L], [H, V, L]
-            rows = torch.tensor([qsl[b] for b in decode], dtype=torch.int64, device=hidden.device)  # [Bd]
-            sel = torch.tensor(decode, dtype=torch.int64, device=hidden.device)  # [Bd]
+            rows = plan.decode_rows if plan.decode_rows is not None else sel  # [Bd] their rows (all decode: b)
             q_lat = torch.einsum("bhn,hnl->bhl", q_nope[rows].float(), w_uk)  # [Bd, H, L]
             o_lat = mla_decode_ref(
                 q_lat, q_pe[rows], kv_cache, attn.block_tables[sel], attn.seq_lens[sel], self.scale
             )  # [Bd, H, L]
             o[rows] = torch.einsum("bhl,hvl->bhv", o_lat, w_uv)  # [Bd, H, V]
-        for b, ql in enumerate(attn.query_lens_cpu):
-            if ql == 1:
-                continue
-            s, e = qsl[b], qsl[b + 1]
+        for s, e, b in plan.prefill:
             latent = gather_kv_cache(kv_cache, attn.block_tables[b], attn.seq_lens_cpu[b])  # [S, L + R]
             o[s:e] = mla_prefill_ref(q_nope[s:e], q_pe[s:e], latent, self.kv_b_proj, H, N, V, self.scale)  # [Q, H, V]
         return F.linear(o.to(hidden.dtype).reshape(T, H * V), self.o_proj)  # [T, D]

@@ -1,24 +1,40 @@
-"""KimiForCausalLM: the DeepSeek-V3 / Kimi-K2 text backbone in plain PyTorch (the CPU reference path).
+"""KimiForCausalLM: the DeepSeek-V3 / Kimi-K2 text backbone, one class for the CPU and the GPU path.
 
 Layer (docs/model-format.md, Math): `h = x + attn(rmsnorm(x)); out = h + mlp(rmsnorm(h))`; layers below
 first_k_dense_replace use a dense SwiGLU MLP, the rest MoE (noaux_tc router + routed experts + shared
 experts); final `model.norm`, untied `lm_head`. Attention is MLA over the paged latent cache
 (kimi/model/attention.py). Inference only.
+
+Backends, chosen when the model is built, never by subclassing:
+- attention: each step's plan (`plan_eager`, stored as `AttentionMetadata.plan`) comes from a kimi.backends.attention
+  backend: the reference on CPU tensors and for latent sizes FlashInfer has no kernel for; on CUDA FlashInfer, or the
+  Triton decode kernel for pure decode batches with `decode_attention` "triton";
+- forward: `fused` False (the default, the CPU path) runs the plain PyTorch reference math; `fused` True (the GPU
+  model, kimi/model/weights.py) runs kimi/model/gpu_forward.py on CUDA (fused Triton kernels, the planned attention
+  run, and CUDA-graph replay of decode batches: kimi/worker/cuda_graph.py). That module is imported only then.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
 
+from kimi.backends.attention import DECODE_BACKENDS, AttentionBackend, AttentionPlan, make_attention_backend
 from kimi.config import ModelConfig
-from kimi.model.attention import AttentionMetadata, MLAAttention
+from kimi.model.attention import AttentionMetadata, MLAAttention, build_attention_metadata
 from kimi.model.moe import AllToAllBackend, DenseMLP, MoELayer
 from kimi.model.norm import rms_norm
 from kimi.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kimi.worker.cuda_graph import CudaGraphRunner
+
+log = logging.getLogger(__name__)
 
 # Names some dumps carry that the model does not use (docs/model-format.md, Tensors).
 _IGNORED_SUFFIXES = ("self_attn.rotary_emb.inv_freq",)
@@ -40,14 +56,13 @@ class DecoderLayer(nn.Module):
         a2a: AllToAllBackend | None,
         dtype: torch.dtype,
         device: torch.device | str,
-        attention_class: type[MLAAttention] = MLAAttention,
     ):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.is_moe = cfg.is_moe_layer(layer)
         self.input_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.post_attention_layernorm = _param((cfg.hidden_size,), dtype, device)
-        self.self_attn = attention_class(cfg, dtype, device)
+        self.self_attn = MLAAttention(cfg, dtype, device)
         self.mlp: MoELayer | DenseMLP
         if self.is_moe:
             self.mlp = MoELayer(cfg, ep_rank, ep_size, a2a, dtype, device)
@@ -90,11 +105,23 @@ class KimiForCausalLM(nn.Module):
     cfg: the text backbone's ModelConfig; ep_rank / ep_size: this rank holds routed experts [ep_rank * E / ep_size,
     (ep_rank + 1) * E / ep_size); a2a: the MoE all-to-all backend (None = local, only valid for ep_size 1); dtype /
     device of the weights (float32 on CPU for tests, bfloat16 on GPU); max_positions: size of the rope cos/sin cache
-    (default cfg.max_position_embeddings). `attention_class`: the MLA layer each decoder layer is built with (the
-    reference here; the GPU model's layer in kimi.model.gpu_model).
+    (default cfg.max_position_embeddings); fused: run the fused GPU forward (kimi.model.gpu_forward) on CUDA tensors
+    (kimi.model.weights.build_gpu_model sets it; False: the reference math everywhere). See the module docstring.
     """
 
-    attention_class: type[MLAAttention] = MLAAttention
+    graphs: CudaGraphRunner | None = None  # the captured decode graphs (capture_cuda_graphs), or None
+    # pure decode attention on CUDA: "triton" (kimi.kernels.triton.mla_decode, no host plan) or "flashinfer" (the
+    # default); prefill and mixed batches always run FlashInfer (kimi.backends.attention.DECODE_BACKENDS)
+    decode_attention = "flashinfer"
+    # in captured graphs, run the shared expert on a side stream, concurrently with the routed experts
+    overlap_shared = True
+    # GEMM prologues: the q_a norm / SiLU * up fused into the following GEMM's loads (kimi.backends.linear.
+    # prologue_config_for; off, the measured-faster choice). Set it with set_fuse_prologue (the attention layers too)
+    fuse_prologue = False
+    # plan FlashInfer's next decode step during a replay (kimi.worker.cuda_graph.CudaGraphRunner's plan_ahead); read
+    # when the graphs are captured
+    plan_ahead = True
+    _side: torch.cuda.Stream | None = None  # the shared expert's side stream (gpu_forward, on first use)
 
     def __init__(
         self,
@@ -106,19 +133,26 @@ class KimiForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         a2a: AllToAllBackend | None = None,
         max_positions: int | None = None,
+        fused: bool = False,
     ):
         super().__init__()
         self.cfg = cfg
+        self.fused = fused
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.dtype = dtype
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.layers = DecoderLayers(
-            DecoderLayer(cfg, i, ep_rank, ep_size, a2a, dtype, device, self.attention_class)
-            for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, ep_rank, ep_size, a2a, dtype, device) for i in range(cfg.num_hidden_layers)
         )
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.rope = RotaryEmbedding(cfg, max_positions, device)
+        self._attention: dict[str, AttentionBackend] = {}  # name -> backend, made on first use (`attention_backend`)
+        if fused:
+            from kimi.model import gpu_forward
+
+            for layer in self.layers:
+                layer.self_attn.planned_forward = gpu_forward.mla_forward
 
     # ---- weights ---------------------------------------------------------------------------------------
     def _weight_targets(self) -> dict[str, torch.Tensor]:
@@ -189,6 +223,57 @@ class KimiForCausalLM(nn.Module):
         for n, dst in targets.items():
             dst.copy_(weights[n].to(device=dst.device, dtype=dst.dtype))
 
+    # ---- attention backends ---------------------------------------------------------------------------
+    @property
+    def flashinfer_ok(self) -> bool:
+        """FlashInfer's MLA kernels exist for a 512 latent + 64 rope (Kimi / DeepSeek-V3); tiny test models use
+        the reference attention and run without CUDA graphs."""
+        return self.cfg.kv_lora_rank == 512 and self.cfg.qk_rope_head_dim == 64
+
+    def attention_backend(self, name: str) -> AttentionBackend:
+        """The model's attention backend `name` (kimi.backends.attention.ATTENTION_BACKENDS), made on first use on
+        the model's device and dtype. Raises ValueError on an unknown name."""
+        backend = self._attention.get(name)
+        if backend is None:
+            backend = self._attention[name] = make_attention_backend(name, self.cfg, self.norm.device, self.dtype)
+        return backend
+
+    def step_attention(self, attn: AttentionMetadata) -> AttentionBackend:
+        """The backend that plans attn's step: for a fused model on CUDA tensors where FlashInfer has kernels
+        (flashinfer_ok), "triton" for a pure decode batch with decode_attention "triton", else "flashinfer";
+        otherwise "reference"."""
+        if not (self.fused and self.flashinfer_ok and attn.slot_mapping.is_cuda):
+            return self.attention_backend("reference")
+        if self.decode_attention == "triton" and all(q == 1 for q in attn.query_lens_cpu):
+            return self.attention_backend("triton")
+        return self.attention_backend("flashinfer")
+
+    def decode_attention_backend(self) -> AttentionBackend:
+        """The backend of pure decode batches on CUDA, whose hooks the decode CUDA graphs use: `decode_attention`
+        ("flashinfer" or "triton", kimi.backends.attention.DECODE_BACKENDS). Raises ValueError on another value."""
+        if self.decode_attention not in DECODE_BACKENDS:
+            raise ValueError(f"decode_attention {self.decode_attention!r}: want one of {', '.join(DECODE_BACKENDS)}")
+        return self.attention_backend(self.decode_attention)
+
+    @property
+    def fi_eager(self) -> object | None:
+        """The FlashInferMLA of eager steps (None before the first FlashInfer-planned step)."""
+        backend = self._attention.get("flashinfer")
+        return getattr(backend, "fi_eager", None)
+
+    def plan_eager(self, attn: AttentionMetadata) -> AttentionPlan:
+        """Plan attn's step with its backend (`step_attention`; host work, once per step for all layers) and attach
+        the plan as attn.plan. Returns it."""
+        plan = self.step_attention(attn).plan(attn)
+        attn.plan = plan
+        return plan
+
+    def set_fuse_prologue(self, flag: bool) -> None:
+        """Turn the fused GEMM prologues on or off in this model's layers (benchmarks A/B them; fused path only)."""
+        self.fuse_prologue = bool(flag)
+        for layer in self.layers:
+            layer.self_attn.fuse_prologue = bool(flag)
+
     # ---- forward ---------------------------------------------------------------------------------------
     def forward(
         self,
@@ -200,8 +285,18 @@ class KimiForCausalLM(nn.Module):
         """input_ids [T] int64, positions [T] int64 -> hidden [T, D] after the final norm (model dtype).
 
         Writes the new tokens' latents into kv_caches[layer] ([num_blocks, bs, L + R]) at attn.slot_mapping.
+        Without attn.plan: a pure decode batch that fits a captured graph replays it (`graphs`); otherwise the step
+        is planned (`plan_eager`) and runs eagerly: the fused forward for a fused model on CUDA, else the reference.
         Raises ValueError if the number of caches differs from num_hidden_layers.
         """
+        if attn.plan is None:
+            if self.graphs is not None and self.graphs.can_run(attn):
+                return self.graphs.run(input_ids, positions, attn)
+            self.plan_eager(attn)
+        if self.fused and input_ids.is_cuda:
+            from kimi.model import gpu_forward
+
+            return gpu_forward.forward_fused(self, input_ids, positions, attn, kv_caches)
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         h = self.embed_tokens[input_ids]  # [T, D]
@@ -209,7 +304,111 @@ class KimiForCausalLM(nn.Module):
             h = layer(h, positions, attn, cache, self.rope)  # [T, D]
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)  # [T, D]
 
+    def forward_decode(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One decode step from host lists (one new token per sequence: positions[b] = seq_lens[b] - 1) ->
+        hidden [B, D] after the final norm. Replays a CUDA graph through `CudaGraphRunner.run_host` when one
+        fits (no AttentionMetadata is built), else builds the metadata and runs `forward`.
+
+        fill: None, or (rows [P] int64, values [M] int64, value rows [P] int64) on the device: input_ids[rows[i]]
+        is replaced by values[value rows[i]] on the device before the forward reads it (tokens the previous step
+        sampled that the host does not have yet: ModelRunner.launch)."""
+        g = self.graphs
+        if g is not None and g.can_run_host(seq_lens, block_size):
+            return g.run_host(input_ids, positions, seq_lens, block_tables, fill=fill)
+        dev = self.norm.device
+        attn = build_attention_metadata([1] * len(input_ids), seq_lens, block_tables, block_size, dev)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        if fill is not None:
+            ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
+        out: torch.Tensor = self(ids, torch.tensor(positions, dtype=torch.int64, device=dev), attn, kv_caches)
+        return out
+
+    def embed_fused(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kimi.model.gpu_forward.embed_fused of this model (fused, CUDA): input_ids [T] -> (h, x) [T, D] each."""
+        from kimi.model import gpu_forward
+
+        return gpu_forward.embed_fused(self, input_ids)
+
+    def layers_fused(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        start: int,
+        end: int,
+        row_valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kimi.model.gpu_forward.layers_fused of this model (fused, CUDA): layers [start, end), (h, x) -> (h, x)."""
+        from kimi.model import gpu_forward
+
+        return gpu_forward.layers_fused(self, h, x, positions, attn, kv_caches, start, end, row_valid)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, vocab_size] float32 (untied lm_head; embed_tokens when tied)."""
+        """hidden [N, D] -> logits [N, vocab_size] float32 (untied lm_head; embed_tokens when tied). A fused model
+        runs the GEMM through kimi.backends.linear.dense_linear, the reference through F.linear."""
+        if self.fused:
+            from kimi.model import gpu_forward
+
+            return gpu_forward.compute_logits(self, hidden)
         w = self.lm_head if self.lm_head is not None else self.embed_tokens
         return torch.nn.functional.linear(hidden, w).float()  # [N, V]
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------------
+    def capture_cuda_graphs(
+        self,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        layers_per_graph: int | None = None,
+    ) -> None:
+        """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py; a fused model on CUDA)
+        and keep them as `graphs`; layers_per_graph: layers per graph segment (default cuda_graph.LAYERS_PER_GRAPH;
+        0: one graph). Logs a warning and captures nothing when FlashInfer has no kernel for the latent size or an
+        MoE backend cannot be captured."""
+        from kimi.worker.cuda_graph import LAYERS_PER_GRAPH, CudaGraphRunner
+
+        if not self.flashinfer_ok:
+            log.warning(
+                "CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
+                self.cfg.kv_lora_rank,
+                self.cfg.qk_rope_head_dim,
+            )
+            return
+        bad = [
+            type(layer.mlp.experts_impl).__name__
+            for layer in self.layers
+            if isinstance(layer.mlp, MoELayer) and not getattr(layer.mlp.experts_impl, "graph_safe", False)
+        ]
+        if bad:
+            log.warning("CUDA graphs off: MoE backend %s cannot be captured", bad[0])
+            return
+        t0 = time.monotonic()
+        runner = CudaGraphRunner(
+            self,
+            kv_caches,
+            block_size,
+            max_batch,
+            max_blocks_per_seq,
+            layers_per_graph=LAYERS_PER_GRAPH if layers_per_graph is None else layers_per_graph,
+            plan_ahead=self.plan_ahead,
+        )
+        runner.capture()
+        self.graphs = runner
+        log.info(
+            "captured %d decode CUDA graphs (buckets %s) in %.1f s",
+            len(runner.buckets),
+            runner.buckets,
+            time.monotonic() - t0,
+        )

@@ -228,7 +228,7 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             DenseMLP(D, inter * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
         )
-        # GPU path (kimi/model/gpu_model.py): a kimi.backends.experts module that replaces w13 / w2 (packed INT4
+        # GPU path (kimi/model/gpu_forward.py): a kimi.backends.experts module that replaces w13 / w2 (packed INT4
         # kernels); None = the reference over w13 / w2.
         self.experts_impl: nn.Module | None = None
 

@@ -345,13 +345,28 @@ def process_logits(
     if not _any_processing(params):
         return logits.float()  # nothing to do: the common case costs no copy
     out = logits.float().clone()
-    B, V = out.shape
-    dev = out.device
     pen_rows = [b for b, p in enumerate(params) if _needs_history(p)]
     if pen_rows and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("min_tokens / penalties need token_ids and num_prompt_tokens")
     history: Sequence[Sequence[int]] = token_ids if token_ids is not None else ()  # read for pen_rows only
     n_prompts: Sequence[int] = num_prompt_tokens if num_prompt_tokens is not None else ()
+    _ban_and_bias(out, params, history, n_prompts)
+    rep_rows = [b for b in pen_rows if params[b].repetition_penalty != 1.0]
+    if rep_rows:
+        out = _repetition_penalty(out, params, history, rep_rows)
+    fp_rows = [b for b in pen_rows if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
+    if fp_rows:
+        out = _frequency_presence_penalty(out, params, history, n_prompts, fp_rows)
+    return out
+
+
+def _ban_and_bias(
+    out: torch.Tensor, params: Sequence[SamplingParams], history: Sequence[Sequence[int]], n_prompts: Sequence[int]
+) -> None:
+    """Steps 2 (min_tokens: the block ids to -inf while a row has fewer outputs) and 3 (logit_bias, added) of
+    process_logits, in place on out [B, V] float32; raises as process_logits does for bad logit_bias lists."""
+    V = out.shape[1]
+    dev = out.device
     ban_r: list[int] = []
     ban_c: list[int] = []
     bias_r: list[int] = []
@@ -382,39 +397,58 @@ def process_logits(
             _h2d(bias_v, out.dtype, dev),
             accumulate=True,
         )
-    rep_rows = [b for b in pen_rows if params[b].repetition_penalty != 1.0]
-    if rep_rows:
-        rr: list[int] = []
-        rc: list[int] = []
-        for b in rep_rows:
-            toks = [t for t in history[b] if 0 <= t < V]
-            rr += [b] * len(toks)
-            rc += toks
-        if rc:
-            seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-            seen.index_put_(
-                (_h2d(rr, torch.long, dev), _h2d(rc, torch.long, dev)), torch.ones((), dtype=torch.bool, device=dev)
-            )  # not `= True`: that copies from the host
-            r = _h2d([p.repetition_penalty for p in params], out.dtype, dev).unsqueeze(1)
-            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-    fp_rows = [b for b in pen_rows if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
-    if fp_rows:
-        cr: list[int] = []
-        cc: list[int] = []
-        for b in fp_rows:
-            gen = [t for t in history[b][n_prompts[b] :] if 0 <= t < V]
-            cr += [b] * len(gen)
-            cc += gen
-        if cc:
-            counts = torch.zeros(B, V, dtype=out.dtype, device=dev)
-            counts.index_put_(
-                (_h2d(cr, torch.long, dev), _h2d(cc, torch.long, dev)),
-                torch.ones((), dtype=out.dtype, device=dev).expand(len(cc)),
-                accumulate=True,
-            )
-            fp = _h2d([[p.frequency_penalty, p.presence_penalty] for p in params], out.dtype, dev)
-            out = out - fp[:, 0:1] * counts - fp[:, 1:2] * (counts > 0).to(out.dtype)
-    return out
+
+
+def _repetition_penalty(
+    out: torch.Tensor, params: Sequence[SamplingParams], history: Sequence[Sequence[int]], rep_rows: list[int]
+) -> torch.Tensor:
+    """Step 4a of process_logits: out [B, V] float32 with the repetition penalty of rows rep_rows applied to every
+    token of their histories (positive logits divided by it, the others multiplied) -> a new tensor, or out."""
+    B, V = out.shape
+    dev = out.device
+    rr: list[int] = []
+    rc: list[int] = []
+    for b in rep_rows:
+        toks = [t for t in history[b] if 0 <= t < V]
+        rr += [b] * len(toks)
+        rc += toks
+    if not rc:
+        return out
+    seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+    seen.index_put_(
+        (_h2d(rr, torch.long, dev), _h2d(rc, torch.long, dev)), torch.ones((), dtype=torch.bool, device=dev)
+    )  # not `= True`: that copies from the host
+    r = _h2d([p.repetition_penalty for p in params], out.dtype, dev).unsqueeze(1)
+    return torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+
+
+def _frequency_presence_penalty(
+    out: torch.Tensor,
+    params: Sequence[SamplingParams],
+    history: Sequence[Sequence[int]],
+    n_prompts: Sequence[int],
+    fp_rows: list[int],
+) -> torch.Tensor:
+    """Step 4b of process_logits: out [B, V] float32 minus, for rows fp_rows, frequency_penalty * count + presence
+    penalty * (count > 0) of each token among the row's generated tokens -> a new tensor, or out."""
+    B, V = out.shape
+    dev = out.device
+    cr: list[int] = []
+    cc: list[int] = []
+    for b in fp_rows:
+        gen = [t for t in history[b][n_prompts[b] :] if 0 <= t < V]
+        cr += [b] * len(gen)
+        cc += gen
+    if not cc:
+        return out
+    counts = torch.zeros(B, V, dtype=out.dtype, device=dev)
+    counts.index_put_(
+        (_h2d(cr, torch.long, dev), _h2d(cc, torch.long, dev)),
+        torch.ones((), dtype=out.dtype, device=dev).expand(len(cc)),
+        accumulate=True,
+    )
+    fp = _h2d([[p.frequency_penalty, p.presence_penalty] for p in params], out.dtype, dev)
+    return out - fp[:, 0:1] * counts - fp[:, 1:2] * (counts > 0).to(out.dtype)
 
 
 def filter_logits(

@@ -1,8 +1,8 @@
-"""The one module that installs the GPU model's weights: `load_gpu_model` builds GPUKimiForCausalLM
-(kimi.model.gpu_model) on the `meta` device, fills it from a checkpoint (load_format "auto") or with random weights
-(load_format "dummy"), sets each MoE layer's experts backend (kimi.backends.experts) and the FP8 dense layers
-(kimi.backends.linear), then merges what the fused kernels read (`_finish`). The CPU reference model loads through
-KimiForCausalLM.load_weights.
+"""The one module that installs the GPU model's weights: `load_gpu_model` builds a fused KimiForCausalLM
+(kimi.model.model, `fused=True`: its GPU forward is kimi.model.gpu_forward) on the `meta` device, fills it from a
+checkpoint (load_format "auto") or with random weights (load_format "dummy"), sets each MoE layer's experts backend
+(kimi.backends.experts) and the FP8 dense layers (kimi.backends.linear), then merges what the fused kernels read
+(`_finish`). The CPU reference model loads through KimiForCausalLM.load_weights.
 
 `--load-format dummy` (`fill_dummy`): random weights of the real shapes, generated directly on the GPU (no
 checkpoint). Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k2.6.json) on one GPU:
@@ -30,7 +30,8 @@ from kimi.backends.experts import make_experts_or_ref
 from kimi.backends.linear import check_fp8_dense, fp8_dense_names, install_fp8
 from kimi.config import ModelConfig
 from kimi.kernels.triton.linear_fp8 import Fp8Linear
-from kimi.model.gpu_model import GPUKimiForCausalLM, GPUMLAAttention
+from kimi.model.gpu_forward import prepare_attention
+from kimi.model.model import KimiForCausalLM
 from kimi.model.moe import DenseMLP, MoELayer
 from kimi.model.rope import RotaryEmbedding
 
@@ -130,11 +131,18 @@ def build_gpu_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cuda",
     max_positions: int | None = None,
-) -> GPUKimiForCausalLM:
-    """An unloaded GPUKimiForCausalLM: every parameter allocated (uninitialised) on `device` except the stacked
-    bf16 expert parameters, which stay on `meta`; its MLA layers are GPUMLAAttention (its attention_class)."""
-    model = GPUKimiForCausalLM(
-        cfg, ep_rank=ep_rank, ep_size=ep_size, dtype=dtype, device="meta", a2a=a2a, max_positions=max_positions
+) -> KimiForCausalLM:
+    """An unloaded fused KimiForCausalLM (`fused=True`): every parameter allocated (uninitialised) on `device` except
+    the stacked bf16 expert parameters, which stay on `meta`."""
+    model = KimiForCausalLM(
+        cfg,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        dtype=dtype,
+        device="meta",
+        a2a=a2a,
+        max_positions=max_positions,
+        fused=True,
     )
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -163,11 +171,11 @@ def _merge_gate_up(m: DenseMLP) -> None:
     m.w13 = w
 
 
-def _finish(model: GPUKimiForCausalLM, fp8_dense: str = "off") -> GPUKimiForCausalLM:
+def _finish(model: KimiForCausalLM, fp8_dense: str = "off") -> KimiForCausalLM:
+    """After the weights are in: what the fused kernels read (prepare_attention, merged gate/up weights), FP8 dense
+    layers onto humming (fp8_dense "humming"); the model in eval mode."""
     for layer in model.layers:
-        attn = layer.self_attn
-        assert isinstance(attn, GPUMLAAttention), "build_gpu_model made every MLAAttention a GPUMLAAttention"
-        attn.prepare()
+        prepare_attention(layer.self_attn)
         mlp = layer.mlp
         if isinstance(mlp, DenseMLP):
             _merge_gate_up(mlp)
@@ -204,9 +212,10 @@ def load_gpu_model(
     max_positions: int | None = None,
     seed: int = 0,
     fp8_dense: str = "off",
-) -> GPUKimiForCausalLM:
-    """Build the GPU model and fill it from the checkpoint in model_dir (load_format "auto") or with random
-    weights of the real shapes (load_format "dummy"; model_dir unused). fp8_dense: FP8_DENSE_CHOICES.
+) -> KimiForCausalLM:
+    """Build the GPU model (a fused KimiForCausalLM) and fill it from the checkpoint in model_dir (load_format
+    "auto") or with random weights of the real shapes (load_format "dummy"; model_dir unused). fp8_dense:
+    FP8_DENSE_CHOICES.
 
     Raises ValueError naming missing / misshapen tensors or a bad fp8_dense, CheckpointError from the loader.
     """
@@ -261,7 +270,7 @@ def load_gpu_model(
 
 
 def _load_experts(
-    model: GPUKimiForCausalLM,
+    model: KimiForCausalLM,
     ws: dict[str, torch.Tensor],
     cfg: ModelConfig,
     dense,

@@ -14,14 +14,15 @@ input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router
 gives padding rows no expert: the expert GEMMs see only the batch's own (token, expert) pairs. Padding rows still
 run the dense layers and attention (a bucket's static shape); their outputs are dropped.
 
-Attention, by the model's `decode_attention`:
-- "triton" (kimi.kernels.triton.mla_decode): no planning. Context lengths and block tables go, with the ids /
-  positions / slots, into static device buffers the captured kernels read (one int32 buffer: [max_batch] lengths
-  then [max_batch, max_blocks_per_seq] tables), by pinned non-blocking copies of the bucket's rows.
-- "flashinfer": FlashInfer's `plan` (host work) runs before each replay, outside the graph, into the bucket's own
-  `use_cuda_graph=True` wrapper whose index buffers the graph captured. With plan_ahead, `run_host` also plans
-  the bucket's next step (same batch, every length + 1) right after launching the replay, while the GPU works;
-  when the next step is that one, only its page ids are copied before the replay (FlashInferMLA.plan_ahead).
+Attention: the model's decode attention backend (`KimiForCausalLM.decode_attention_backend`, kimi.backends.attention)
+gives the runner its capture / replay hooks (`AttentionBackend.graph_attention` -> DecodeGraphAttention, the contract
+in kimi/backends/attention/__init__.py): per bucket the run its graphs capture (`fi`), the eager plan of a bucket
+(`_plan`), what is sent or planned before each replay (`stage`, `plan_replay`) and the plan of the bucket's next step
+while a replay runs (`plan_ahead`: same batch, every length + 1). A backend that reads page ids from the static input
+(`graph_page_rows`: FlashInfer) gets them in the runner's one pinned copy: row b's pages at b * page_stride, kept from
+step to step, only the ones the device does not hold yet (`_stage_pages`). The Triton decode kernel sends its own
+lengths and tables (two more pinned copies) and plans nothing; FlashInfer plans on the host (nothing to do when the
+previous replay planned this step ahead: FlashInferMLA.plan_ahead).
 """
 
 from __future__ import annotations
@@ -35,14 +36,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kimi.backends.attention import AttentionPlan
+from kimi.backends.attention import AttentionPlan, AttentionRun
 from kimi.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
-
-    from kimi.backends.attention.flashinfer import FlashInferMLADecode
-    from kimi.backends.attention.triton_mla import TritonMLADecodeRun
 
 __all__ = ["CudaGraphRunner", "bucket_sizes"]
 
@@ -85,15 +83,15 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures and replays decode graphs of a GPUKimiForCausalLM (kimi/model/gpu_model.py).
+    """Captures and replays decode graphs of a fused KimiForCausalLM (kimi/model/gpu_forward.py).
 
-    model: the GPU model; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
+    model: the fused model on CUDA; kv_caches: the per-layer cache buffers the graphs bind to (never reallocated);
     block_size: tokens per block; max_batch: largest bucket; max_blocks_per_seq: widest block table a
-    replayed batch may have (the buckets' FlashInfer wrappers share one kv_indices buffer of max_batch * this many
+    replayed batch may have (a page-row backend's buckets share one kv_indices buffer of max_batch * this many
     pages);
     buckets: capture only these sizes (default bucket_sizes(max_batch)); layers_per_graph: layers per graph
-    segment (None or <= 0: one graph for the whole forward); plan_ahead: plan FlashInfer's next decode step while a
-    replay runs (`run_host`; FlashInfer attention only).
+    segment (None or <= 0: one graph for the whole forward); plan_ahead: plan the next decode step while a
+    replay runs (`run_host`; backends whose hooks plan ahead only: FlashInfer).
     """
 
     # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows (for
@@ -112,24 +110,46 @@ class CudaGraphRunner:
         layers_per_graph: int | None = LAYERS_PER_GRAPH,
         plan_ahead: bool = True,
     ):
-        from kimi.backends.attention.flashinfer import FlashInferMLADecode
-
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buckets = sorted(buckets) if buckets else bucket_sizes(max_batch)  # explicit buckets: benchmarks
         self.max_batch = self.buckets[-1]
-        dev = model.embed_tokens.device
-        self.device = dev
-        cfg = model.cfg
-        self.triton_attn = getattr(model, "decode_attention", "flashinfer") == "triton"
-        # static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots, row_valid)
-        # and, for FlashInfer, the page ids (int32, the wrappers' shared kv_indices buffer: one bucket runs at a time;
-        # row b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so the host fast path
-        # (run_host) sends a step's inputs in ONE pinned, non-blocking copy
+        self.device = model.embed_tokens.device
+        self.attention = model.decode_attention_backend()
+        self.page_rows = self.attention.graph_page_rows  # page ids travel in the static input (`_stage_pages`)
+        self._init_inputs()
+        # the attention's capture / replay hooks; per bucket its attention run: `fi`
+        self.graph_attention = self.attention.graph_attention(
+            self.buckets, block_size, max_blocks_per_seq, self.kv_indices if self.page_rows else None
+        )
+        self.fi: Mapping[int, AttentionRun] = self.graph_attention.runs
+        # layer segments, one CUDA graph each (see the module docstring): [(start, end), ...] covering all layers
+        n = len(model.layers)
+        per = n if layers_per_graph is None or layers_per_graph <= 0 else layers_per_graph
+        self.segments = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: _POOL_HANDLE | None = None
+        self.num_replays = 0
+        # plan ahead: after launching a decode replay, plan the bucket's next step for the same batch one token
+        # further (the hooks' plan_ahead) while the GPU runs, so a steady decode step skips the host planning before
+        # its replay
+        self.plan_ahead = plan_ahead and self.graph_attention.plans_ahead
+        self._ahead_failed = False  # a plan-ahead error was logged (once)
+        # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
+        self.host_marks = (0.0,) * len(HOST_MARKS)
+
+    def _init_inputs(self) -> None:
+        """The static inputs: one int64 device buffer holding [4, max_batch] (token ids, positions, cache slots,
+        row_valid) and, for a page-row backend, the page ids (int32, the buckets' shared kv_indices buffer: one bucket
+        runs at a time; row b's pages at b * page_stride in every bucket, kept from step to step: _stage_pages), so
+        the host fast path (run_host) sends a step's inputs in ONE pinned, non-blocking copy; its pinned staging
+        buffer of the same layout."""
+        dev = self.device
         mb, nb = self.max_batch, 4 * self.max_batch
-        kv_words = 0 if self.triton_attn else -(-self.max_batch * max_blocks_per_seq // 2)
+        kv_words = -(-self.max_batch * self.max_blocks_per_seq // 2) if self.page_rows else 0
         self.dev_in = torch.zeros(nb + kv_words, dtype=torch.int64, device=dev)
         self.static_in = self.dev_in[:nb].view(4, mb)
         self.input_ids = self.static_in[0]  # [max_batch]
@@ -142,60 +162,9 @@ class CudaGraphRunner:
         self._host_kv = self.host_in[nb:].numpy().view(np.int32)
         self._host_in_free: torch.cuda.Event | None = None  # recorded after the staging copy
         self.page_stride = _MIN_PAGE_STRIDE  # run_host's pages per row of kv_indices (`_page_stride`)
-        self._forget_pages()  # run_host's page rows (FlashInfer): which table each row of kv_indices holds
+        self._forget_pages()  # run_host's page rows: which table each row of kv_indices holds
         self.page_rows_copied = 0  # the last run_host's copy covered page rows [0, this) (0: none changed; tests)
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # words -> (dev_in, host_in) prefixes
-        # per bucket, its attention run: `fi`; the same objects when they are FlashInfer's, else empty: `fi_flashinfer`
-        self.fi: Mapping[int, TritonMLADecodeRun | FlashInferMLADecode]
-        self.fi_flashinfer: dict[int, FlashInferMLADecode] = {}
-        if self.triton_attn:
-            from kimi.backends.attention.triton_mla import TritonMLADecodeRun, triton_mla_splits
-
-            mb, n = max_blocks_per_seq, self.max_batch * (1 + max_blocks_per_seq)
-            self.attn_in = torch.zeros(n, dtype=torch.int32, device=dev)  # [max_batch] seq_lens, then tables
-            self.attn_host = torch.zeros(n, dtype=torch.int32, pin_memory=True)  # staging
-            self.seq_lens = self.attn_in[: self.max_batch]  # [max_batch]
-            self.block_tables = self.attn_in[self.max_batch :].view(self.max_batch, mb)  # [max_batch, mb]
-            self.fi = {
-                bs: TritonMLADecodeRun(
-                    self.seq_lens[:bs],
-                    self.block_tables[:bs],
-                    cfg.softmax_scale,
-                    triton_mla_splits(bs, cfg.num_attention_heads, cfg.kv_lora_rank, dev, max_ctx=mb * block_size),
-                )
-                for bs in self.buckets
-            }
-        else:
-            self.fi = self.fi_flashinfer = {
-                bs: FlashInferMLADecode(
-                    cfg.num_attention_heads,
-                    cfg.softmax_scale,
-                    dev,
-                    cfg.kv_lora_rank,
-                    cfg.qk_rope_head_dim,
-                    use_cuda_graph=True,
-                    max_batch=bs,
-                    max_pages=bs * max_blocks_per_seq,
-                    dtype=model.dtype,
-                    kv_indices=self.kv_indices,
-                )
-                for bs in self.buckets
-            }
-        # layer segments, one CUDA graph each (see the module docstring): [(start, end), ...] covering all layers
-        n = len(model.layers)
-        per = n if layers_per_graph is None or layers_per_graph <= 0 else layers_per_graph
-        self.segments = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool: _POOL_HANDLE | None = None
-        self.num_replays = 0
-        # plan ahead (FlashInfer attention): after launching a decode replay, plan the bucket's next step for the same
-        # batch one token further (FlashInferMLA.plan_ahead) while the GPU runs, so a steady decode step skips
-        # FlashInfer's host scheduler before its replay
-        self.plan_ahead = plan_ahead and not self.triton_attn
-        self._ahead_failed = False  # a plan-ahead error was logged (once)
-        # host times of the last run_host (benchmarks), us from its start, in the order of HOST_MARKS
-        self.host_marks = (0.0,) * len(HOST_MARKS)
 
     def bucket_for(self, batch: int) -> int:
         """Smallest bucket >= batch; raises ValueError when batch exceeds the largest."""
@@ -214,25 +183,15 @@ class CudaGraphRunner:
             and attn.block_size == self.block_size
         )
 
-    def _plan(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor):
-        """Plan bucket bs with rows past len(seq_lens_cpu) padded (seq_len 1 over the null block 0)."""
-        B = len(seq_lens_cpu)
-        if self.triton_attn:  # device writes into the static buffers (eager, outside any graph)
-            self.seq_lens[:bs] = torch.tensor(list(seq_lens_cpu) + [1] * (bs - B), dtype=torch.int32)
-            self.block_tables[:bs].zero_()
-            if B:
-                self.block_tables[:B, : block_tables.shape[1]] = block_tables
-            return self.fi[bs]
-        width = max(1, block_tables.shape[1] if B else 1)
-        bt = torch.zeros((bs, width), dtype=torch.int64, device=self.device)  # [bs, width], 0 = null block
-        if B:
-            bt[:B, : block_tables.shape[1]] = block_tables
-        fi = self.fi_flashinfer[bs]
-        self._forget_pages()  # plan writes kv_indices in its own (concatenated) layout
-        fi.plan(list(seq_lens_cpu) + [1] * (bs - B), bt, self.block_size)
-        return fi
+    def _plan(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor) -> AttentionRun:
+        """Plan bucket bs with rows past len(seq_lens_cpu) padded (seq_len 1 over the null block 0): the hooks'
+        plan_capture (eager, outside any graph; a page-row backend writes kv_indices in its own layout, so the
+        page rows run_host kept are forgotten)."""
+        if self.page_rows:
+            self._forget_pages()
+        return self.graph_attention.plan_capture(bs, seq_lens_cpu, block_tables)
 
-    def _meta(self, bs: int, fi) -> AttentionMetadata:
+    def _meta(self, bs: int, fi: AttentionRun) -> AttentionMetadata:
         attn = AttentionMetadata(
             query_start_loc=torch.arange(bs + 1, dtype=torch.int64, device=self.device),
             seq_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
@@ -310,15 +269,14 @@ class CudaGraphRunner:
         sequence -> hidden [B, D] (a view of the graph's output buffer, valid until the next replay).
 
         The cache slots are computed on the host; ids, positions and slots (padded rows: token 0, position 0,
-        slot 0 of the null block) and, for FlashInfer, the page ids the device does not hold yet (row b's pages at
-        b * page_stride, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
-        to the static input buffer in ONE pinned non-blocking copy; then either the lengths and tables go to theirs
-        (Triton attention: two more pinned copies, no plan) or FlashInfer's schedule is planned
-        (`FlashInferMLA.plan_decode_schedule`: nothing to do when the previous call planned this step ahead). After
-        launching the replay, with `plan_ahead`, the bucket's next step (same batch, every length + 1) is planned
-        while the GPU works. fill: see GPUKimiForCausalLM.forward_decode (applied to the static token ids after the
-        staging copy, on the device). Raises ValueError when the batch exceeds the largest bucket or a table is too
-        short.
+        slot 0 of the null block) and, for a page-row backend, the page ids the device does not hold yet (row b's
+        pages at b * page_stride, kept from step to step: `_stage_pages`, whose contract on block_tables applies) go
+        to the static input buffer in ONE pinned non-blocking copy; then the attention hooks' `stage` (Triton: the
+        lengths and tables by two more pinned copies) and `plan_replay` (FlashInfer's schedule: nothing to do when
+        the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the bucket's next
+        step (same batch, every length + 1) is planned while the GPU works. fill: see KimiForCausalLM.forward_decode
+        (applied to the static token ids after the staging copy, on the device). Raises ValueError when the batch
+        exceeds the largest bucket or a table is too short.
         """
         t0 = time.perf_counter()
         B = len(input_ids)
@@ -328,24 +286,60 @@ class CudaGraphRunner:
                 f"{len(block_tables)} block tables (want the same number, at least 1)"
             )
         bs = self.bucket_for(B)
-        blk = self.block_size
-        pad = bs - B
-        W = self.page_stride
-        hi = -1  # FlashInfer: the last row whose page ids changed (rows [0, hi] are copied), -1: none
-        if not self.triton_attn:
-            ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
-            mx = self.max_blocks_per_seq
-            if max(ks) > mx or any(map(operator.gt, ks, map(len, block_tables))):
-                b = next(b for b, (t, k) in enumerate(zip(block_tables, ks)) if k > len(t) or k > mx)
-                raise ValueError(
-                    f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
-                    f"{len(block_tables[b])}, the graphs at most {mx}"
-                )
-            W = self._page_stride(max(ks))
+        ks = self._check_tables(seq_lens, block_tables) if self.page_rows else None  # pages per sequence
+        W = self.page_stride if ks is None else self._page_stride(max(ks))
         t_built = time.perf_counter()
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
         t_free = time.perf_counter()
+        hi = self._stage_inputs(input_ids, positions, block_tables, ks, W, bs)
+        t_staged = time.perf_counter()
+        self._copy_inputs(hi, W)
+        if fill is not None:  # tokens the previous step sampled, still on the device
+            self.input_ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
+        t1 = time.perf_counter()
+        self.graph_attention.stage(bs, seq_lens, block_tables)
+        if self._host_in_free is None:
+            self._host_in_free = torch.cuda.Event()
+        self._host_in_free.record(torch.cuda.current_stream(self.device))
+        self.graph_attention.plan_replay(bs, seq_lens, W)  # the schedule: planned ahead by the previous call, or now
+        t2 = time.perf_counter()
+        self.replay(bs)
+        self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
+        self.num_replays += 1
+        if self.plan_ahead and self.graph_attention.plans_ahead:
+            self._plan_next(bs, seq_lens)
+        return self.outputs[bs][:B]
+
+    def _check_tables(self, seq_lens: list[int], block_tables: list[list[int]]) -> list[int]:
+        """Pages per sequence (ceil(seq_len / block_size)); raises ValueError naming the first sequence whose table
+        is shorter than that or whose pages exceed max_blocks_per_seq."""
+        blk = self.block_size
+        ks = [-(-n // blk) for n in seq_lens]  # pages per sequence
+        mx = self.max_blocks_per_seq
+        if max(ks) > mx or any(map(operator.gt, ks, map(len, block_tables))):
+            b = next(b for b, (t, k) in enumerate(zip(block_tables, ks)) if k > len(t) or k > mx)
+            raise ValueError(
+                f"run_host: sequence {b}: {seq_lens[b]} tokens need {ks[b]} blocks; table has "
+                f"{len(block_tables[b])}, the graphs at most {mx}"
+            )
+        return ks
+
+    def _stage_inputs(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        ks: list[int] | None,
+        W: int,
+        bs: int,
+    ) -> int:
+        """Write a step's ids, positions, slots and row_valid into the staging buffer (rows [B, bs): padding), and
+        with ks (a page-row backend: pages per sequence) the page rows at stride W (`_stage_pages`); returns the last
+        page row written, -1 if none."""
+        B = len(input_ids)
+        blk = self.block_size
+        pad = bs - B
         h = self._host_np
         h[0, :B] = input_ids
         h[1, :B] = positions
@@ -355,16 +349,19 @@ class CudaGraphRunner:
             h[:, B:bs] = 0
             if not self.mask_padding:
                 h[3, B:bs] = 1
-        if not self.triton_attn:
-            if self.page_stride != W:  # another layout: every row is written again
-                self._forget_pages()
-                self.page_stride = W
-            hi = self._stage_pages(block_tables, ks, B, bs)
-            self.page_rows_copied = hi + 1
-        t_staged = time.perf_counter()
-        # the inputs and the page rows [0, hi] of the staging buffer, rounded up to _COPY_ROUND words (past them:
-        # rows the device holds already, or stale words no kernel reads) so that few (dst, src) views are ever
-        # made; one pinned non-blocking copy
+        if ks is None:
+            return -1
+        if self.page_stride != W:  # another layout: every row is written again
+            self._forget_pages()
+            self.page_stride = W
+        hi = self._stage_pages(block_tables, ks, B, bs)
+        self.page_rows_copied = hi + 1
+        return hi
+
+    def _copy_inputs(self, hi: int, W: int) -> None:
+        """The inputs and the page rows [0, hi] of the staging buffer, rounded up to _COPY_ROUND words (past them:
+        rows the device holds already, or stale words no kernel reads) so that few (dst, src) views are ever made;
+        one pinned non-blocking copy. On an error the page rows are forgotten (they did not reach the device)."""
         words = 4 * self.max_batch + ((hi + 1) * W + 1) // 2
         n_in = min(self.host_in.numel(), -(-words // _COPY_ROUND) * _COPY_ROUND)
         views = self._copy_views.get(n_in)
@@ -375,47 +372,20 @@ class CudaGraphRunner:
         except BaseException:
             self._forget_pages()  # the rows _stage_pages counted as staged did not reach the device
             raise
-        if fill is not None:  # tokens the previous step sampled, still on the device
-            self.input_ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
-        t1 = time.perf_counter()
-        if self.triton_attn:  # lengths and tables (padded rows: length 1 over the null block 0) by pinned copies
-            mb, mx = self.max_blocks_per_seq, self.max_batch
-            a = self.attn_host.numpy()
-            a[:B] = seq_lens
-            a[B:bs] = 1
-            tab = a[mx:].reshape(mx, mb)
-            for b, (t, n) in enumerate(zip(block_tables, seq_lens)):
-                k = -(-n // blk)
-                tab[b, :k] = t[:k]
-            tab[B:bs, 0] = 0
-            self.attn_in[:bs].copy_(self.attn_host[:bs], non_blocking=True)
-            self.attn_in[mx : mx + bs * mb].copy_(self.attn_host[mx : mx + bs * mb], non_blocking=True)
-        if self._host_in_free is None:
-            self._host_in_free = torch.cuda.Event()
-        self._host_in_free.record(torch.cuda.current_stream(self.device))
-        if not self.triton_attn:  # the schedule: planned ahead by the previous call, or now
-            self.fi_flashinfer[bs].plan_decode_schedule(list(seq_lens) + [1] * pad, blk, W)
-        t2 = time.perf_counter()
-        self.replay(bs)
-        self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
-        self.num_replays += 1
-        if self.plan_ahead and not self.triton_attn:
-            # the same batch one token further (padded rows stay at length 1); the next run_host of this bucket uses
-            # it when its lengths are exactly these, any other plan of the bucket discards it
-            k_next = -(-(max(seq_lens) + 1) // blk)
-            if k_next <= self.max_blocks_per_seq:
-                try:
-                    self.fi_flashinfer[bs].plan_ahead(
-                        [n + 1 for n in seq_lens] + [1] * pad, blk, self._page_stride(k_next)
-                    )
-                except Exception as e:
-                    self.fi_flashinfer[bs]._ahead = None
-                    if not self._ahead_failed:
-                        self._ahead_failed = True
-                        log.warning(
-                            "plan ahead failed (%s: %s); the next step plans before its replay", type(e).__name__, e
-                        )
-        return self.outputs[bs][:B]
+
+    def _plan_next(self, bs: int, seq_lens: list[int]) -> None:
+        """Plan ahead (after the replay was launched): the same batch one token further (padded rows stay at length
+        1); the next run_host of this bucket uses it when its lengths are exactly these, any other plan of the bucket
+        discards it. A failure is logged once; the next step then plans before its replay."""
+        k_next = -(-(max(seq_lens) + 1) // self.block_size)
+        if k_next > self.max_blocks_per_seq:
+            return
+        try:
+            self.graph_attention.plan_ahead(bs, [n + 1 for n in seq_lens], self._page_stride(k_next))
+        except Exception as e:
+            if not self._ahead_failed:
+                self._ahead_failed = True
+                log.warning("plan ahead failed (%s: %s); the next step plans before its replay", type(e).__name__, e)
 
     def _page_stride(self, max_pages: int) -> int:
         """Pages per row of run_host's kv_indices layout for a batch whose longest table needs max_pages: the next
@@ -469,7 +439,7 @@ class CudaGraphRunner:
             g.replay()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """`run_host` for a decode batch given as tensors + AttentionMetadata (GPUKimiForCausalLM.forward):
+        """`run_host` for a decode batch given as tensors + AttentionMetadata (KimiForCausalLM.forward):
         input_ids / positions [B] -> hidden [B, D]. Copies the ids, positions and block tables to the host first
         (a device sync); the worker's decode path calls run_host with its host lists instead."""
         return self.run_host(

@@ -105,17 +105,17 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
-        # gpu_options (cuda only, kimi/model/gpu_model.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
+        # gpu_options (cuda only, kimi/model/weights.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
         # (0 = eager)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
         self._check_requested_cache(cache_config)  # before the weights: a cache that cannot fit fails at once
         self.model: KimiForCausalLM
-        gpu_model = None  # the same model when it is the GPU one
+        fused_model = None  # the same model when it is the fused (GPU) one
         if self.device.type == "cuda":
             from kimi.model.weights import load_gpu_model
 
-            self.model = gpu_model = load_gpu_model(
+            self.model = fused_model = load_gpu_model(
                 model_dir,
                 cfg,
                 ep_rank=rank,
@@ -146,9 +146,9 @@ class ModelRunner:
         log.info("rank %d: weights loaded in %.1f s", rank, time.monotonic() - t0)
         self.num_blocks = self._num_blocks(cache_config)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, dtype, self.device)
-        if gpu_model is not None and graph_max_bs > 0 and world_size == 1:
+        if fused_model is not None and graph_max_bs > 0 and world_size == 1:
             max_blocks = -(-cfg.max_position_embeddings // self.block_size)
-            gpu_model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
+            fused_model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
         self.requests: dict[int, WorkerRequest] = {}
         self.guided = guided_requests(model_dir, cfg)
 
@@ -327,8 +327,9 @@ class ModelRunner:
         """Run the forward over the step's flat batch; returns the hidden states [T, hidden] (after the final norm).
 
         Tokens still on the device (`inputs.fills`) are gathered from prev's sampled ids into the inputs first. A pure
-        decode batch on the GPU model goes from the host lists straight to `forward_decode` (a CUDA graph replay,
-        kimi/worker/cuda_graph.py); anything else builds its AttentionMetadata and runs the model."""
+        decode batch on a model with captured CUDA graphs (`model.graphs`) goes from the host lists straight to
+        `forward_decode` (a graph replay, kimi/worker/cuda_graph.py); anything else builds its AttentionMetadata and
+        runs the model."""
         dev = self.device
         fill = None
         if inputs.fills:  # (input rows, prev's sampled ids, their rows): applied on the device before the forward
@@ -337,9 +338,8 @@ class ModelRunner:
             if dev.type == "cuda":
                 idx = idx.pin_memory().to(dev, non_blocking=True)
             fill = (idx[:, 0], prev.launch.ids, idx[:, 1])
-        fast = getattr(self.model, "forward_decode", None)
-        if fast is not None and not inputs.plp_rows and all(q == 1 for q in inputs.query_lens):
-            hidden: torch.Tensor = fast(
+        if self.model.graphs is not None and not inputs.plp_rows and all(q == 1 for q in inputs.query_lens):
+            hidden: torch.Tensor = self.model.forward_decode(
                 inputs.input_ids,
                 inputs.positions,
                 inputs.seq_lens,

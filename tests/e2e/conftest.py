@@ -71,7 +71,7 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
         "tiny",
         *extra,
     ]
-    if envs.KIMI_TEST_DEVICE.get() == "cuda":  # run the e2e suite on the GPU path (kimi/model/gpu_model.py)
+    if envs.KIMI_TEST_DEVICE.get() == "cuda":  # run the e2e suite on the GPU path (kimi/model/gpu_forward.py)
         cmd += ["--device", "cuda"]
     if a2a := envs.KIMI_TEST_A2A.get():  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
         cmd += ["--a2a-backend", a2a]

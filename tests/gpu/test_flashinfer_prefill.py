@@ -443,11 +443,11 @@ def test_gpu_model_flashinfer_prefill_matches_torch_attention(tiny_mla, monkeypa
     torch fallback attention it replaces (float32 mla_prefill_ref per prefill sequence, mla_decode_ref for decode
     rows): isolates the attention path."""
     _need_flashinfer()
-    from kimi.model.gpu_model import GPUKimiForCausalLM
+    from kimi.model.model import KimiForCausalLM
 
     cfg, gm = _load_gpu(tiny_mla)
     got = _gpu_hidden(gm, cfg)
-    monkeypatch.setattr(GPUKimiForCausalLM, "flashinfer_ok", property(lambda self: False))
+    monkeypatch.setattr(KimiForCausalLM, "flashinfer_ok", property(lambda self: False))
     stats = RowStats()
 
     def compare(step, h):

@@ -1,4 +1,5 @@
-"""The GPU model (kimi/model/gpu_model.py) against the CPU reference model, and CUDA graph replay against eager.
+"""The GPU model (fused KimiForCausalLM, kimi/model/gpu_forward.py) against the CPU reference model, and CUDA graph
+replay against eager.
 
 Checkpoints: the tiny K2.6 / K2-Instruct layouts of kimi/tiny_checkpoint.py, plus "tiny-mla": the K2.6
 layout with Kimi's real attention widths (kv_lora 512, rope 64, nope 128, v 128; 16 heads, hidden 1024,

@@ -1,62 +1,68 @@
-"""MLA attention backends for the GPU path: an interface, a registry of the decode choice, and the step's plan.
+"""MLA attention backends: the interface, the registry, and the step's plan.
 
-Contract (`AttentionBackend`), every backend: built once per model (eager) or per CUDA-graph bucket, then
-- plan (host work, once per step for all layers, outside any graph): from the step's AttentionMetadata
-  (`FlashInferMLA.plan_from_metadata(attn, causal)`), or, in a decode graph, from the bucket's host lists before each
-  replay (`FlashInferMLADecode.plan` / `plan_decode_schedule` / `plan_ahead`); a plan-free backend
-  (`TritonMLADecodeRun`) reads the lengths and block tables from device tensors instead;
-- forward (`run(q_lat [T, H, L], q_pe [T, H, R], kv_cache [num_blocks, bs, L + R], out=None) -> o_lat [T, H, L]`,
-  bf16, float32 softmax inside): ONE call per layer over every planned row of the flat batch -- decode rows and
-  the causal rows of prefill / chunked-prefill sequences alike (bottom-right aligned: a sequence's query rows are
-  the last query_len tokens of its context); `num_rows` rows, the batch's first ones;
-- capture / replay: a backend a CUDA graph captures reads only static device buffers during `run` (the graph
-  runner's, kimi/worker/cuda_graph.py), and its host planning writes into those buffers before each replay.
-The torch reference (`AttentionPlan.run` None: kimi.model.attention's float32 math) runs latent sizes no kernel has.
+Contract (`AttentionBackend`), every backend: built once per model (`make_attention_backend`, on first use), then
+- plan (host work, once per step for all layers, outside any graph): `plan(attn)` from the step's AttentionMetadata
+  returns the step's AttentionPlan (the model stores it as `AttentionMetadata.plan`);
+- forward (decode / prefill / mixed): the plan's `run` (an `AttentionRun`: `run(q_lat [T, H, L], q_pe [T, H, R],
+  kv_cache [num_blocks, bs, L + R], out=None) -> o_lat [T, H, L]`, bf16, float32 softmax inside) is ONE call per
+  layer over every planned row of the flat batch -- decode rows and the causal rows of prefill / chunked-prefill
+  sequences alike (bottom-right aligned: a sequence's query rows are the last query_len tokens of its context);
+  `num_rows` rows, the batch's first ones. A plan whose `run` is None is the torch reference's
+  (kimi.model.attention's float32 math over the plan's row / sequence indices);
+- capture / replay (`graph_attention(...) -> DecodeGraphAttention`, the hooks kimi/worker/cuda_graph.py calls): per
+  bucket one run whose `run` reads only static device buffers during capture and replay; `plan_capture` plans a
+  bucket eagerly (capture, or a replay by hand); `stage` and `plan_replay` make a bucket's next replay read a new
+  step's lengths / tables (pinned non-blocking copies or host planning, no device sync beyond waits on the backend's
+  own staging buffers); `plan_ahead` may plan the bucket's following step while the replay runs. A backend whose
+  `graph_page_rows` is True reads the page ids from the runner's static kv_indices buffer, which the runner fills
+  (row b's pages at b * page_stride, `CudaGraphRunner._stage_pages`).
 
-Registry: DECODE_BACKENDS, what pure decode batches run ("flashinfer", the default, or "triton"); prefill and
-mixed batches always run FlashInfer. Modules: flashinfer (FlashInferMLA, FlashInferMLADecode), triton_mla
-(TritonMLADecodeRun over kimi.kernels.triton.mla_decode).
+Registry (`ATTENTION_BACKENDS`, `make_attention_backend`): "reference" (reference.ReferenceAttention: CPU, and latent
+sizes no kernel has), "flashinfer" (flashinfer.FlashInferAttention: every batch on CUDA, the default), "triton"
+(triton_mla.TritonMLAAttention: pure decode batches only, over kimi.kernels.triton.mla_decode). DECODE_BACKENDS: what
+pure decode batches may run (the model's `decode_attention`); prefill and mixed batches always run FlashInfer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["DECODE_BACKENDS", "AttentionBackend", "AttentionPlan"]
+from kimi.backends.attention.base import AttentionBackend, AttentionPlan, AttentionRun, DecodeGraphAttention
 
+if TYPE_CHECKING:
+    from kimi.config import ModelConfig
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DECODE_BACKENDS",
+    "AttentionBackend",
+    "AttentionPlan",
+    "AttentionRun",
+    "DecodeGraphAttention",
+    "make_attention_backend",
+]
+
+ATTENTION_BACKENDS = ("reference", "flashinfer", "triton")
 DECODE_BACKENDS = ("flashinfer", "triton")
 
 
-class AttentionBackend(Protocol):
-    """A planned MLA attention run over the flat batch (the contract in the module docstring)."""
+def make_attention_backend(
+    name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> AttentionBackend:
+    """The backend `name` (ATTENTION_BACKENDS) for a model of cfg on device (dtype: q / kv / o of the kernels).
+    Raises ValueError on an unknown name; the GPU backends import their kernel libraries here."""
+    if name == "reference":
+        from kimi.backends.attention.reference import ReferenceAttention
 
-    num_rows: int
+        return ReferenceAttention()
+    if name == "flashinfer":
+        from kimi.backends.attention.flashinfer import FlashInferAttention
 
-    def run(
-        self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+        return FlashInferAttention(cfg, device, dtype)
+    if name == "triton":
+        from kimi.backends.attention.triton_mla import TritonMLAAttention
 
-
-@dataclass
-class AttentionPlan:
-    """The step's attention plan, shared by all layers (`AttentionMetadata.plan`; set by the GPU model).
-
-    run: a planned AttentionBackend (FlashInferMLA eagerly, FlashInferMLADecode in CUDA graphs, TritonMLADecodeRun
-    for pure decode with the Triton kernel) covering EVERY
-    row of the batch in its flat order (decode rows and the causal rows of prefill / chunked-prefill sequences:
-    one run per layer), or None: the torch fallback (no FlashInfer kernel for the latent size), which uses the
-    fallback fields below. slot_mapping: [T] int64 cache slots of every row (padded rows -> slots of the null
-    block 0); all_decode: every row is a decode row of its own sequence, in order.
-    Fallback only: decode_rows: [Bd] int64 rows of decode sequences (mixed batches); decode_seqs: [Bd] int64 their
-    sequence indices; prefill: (first row, last row + 1, sequence index) of each query_len > 1 sequence.
-    """
-
-    run: AttentionBackend | None
-    slot_mapping: torch.Tensor
-    all_decode: bool
-    decode_rows: torch.Tensor | None = None
-    prefill: list[tuple[int, int, int]] = field(default_factory=list)
-    decode_seqs: torch.Tensor | None = None  # [Bd] sequence indices of decode rows (torch fallback, run None)
+        return TritonMLAAttention(cfg, device)
+    raise ValueError(f"unknown attention backend {name!r} ({', '.join(ATTENTION_BACKENDS)})")

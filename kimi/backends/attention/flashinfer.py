@@ -60,12 +60,19 @@ The schedule a run uses is the LAST one planned: after `plan_ahead`, a run (or g
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
+from kimi.backends.attention.base import AttentionPlan
 from kimi.errors import ProtocolError
 
-__all__ = ["MAX_PLAN_WORKS", "FlashInferMLA", "FlashInferMLADecode"]
+if TYPE_CHECKING:
+    from kimi.config import ModelConfig
+    from kimi.model.attention import AttentionMetadata
+
+__all__ = ["MAX_PLAN_WORKS", "FlashInferAttention", "FlashInferDecodeGraphs", "FlashInferMLA", "FlashInferMLADecode"]
 
 # max_total_num_works of MLAPlan: flashinfer 0.6.4 include/flashinfer/attention/scheduler.cuh:1600
 MAX_PLAN_WORKS = 16384
@@ -95,7 +102,7 @@ class FlashInferMLA:
         sm_scale: softmax scale (cfg.softmax_scale, qk_head_dim 192-based, see docs/model-format.md, Math).
         device: CUDA device.
         kv_lora_rank: L (512); rope_dim: R (64); kimi uses FlashInfer only for 512 / 64
-            (GPUKimiForCausalLM.flashinfer_ok), other sizes run the torch references.
+            (KimiForCausalLM.flashinfer_ok), other sizes run the torch references.
         backend: FlashInfer MLA backend ("fa3" on Hopper, "fa2", or "auto"); both support causal qo_len > 1.
         workspace_bytes: float workspace for split-KV partial results (128 MiB as FlashInfer recommends).
         use_cuda_graph / max_batch / max_pages: fixed index buffers for graph capture (then every plan must have
@@ -447,3 +454,116 @@ class FlashInferMLADecode(FlashInferMLA):
         if any(q != 1 for q in attn.query_lens_cpu):
             raise ValueError("FlashInferMLADecode handles decode only (query_len 1 per sequence)")
         self.plan(list(attn.seq_lens_cpu), attn.block_tables, attn.block_size)
+
+
+class FlashInferAttention:
+    """The AttentionBackend of FlashInfer's paged MLA: any batch (decode, prefill, mixed) in one causal plan eagerly;
+    decode graphs through FlashInferDecodeGraphs. Only for kv_lora_rank 512 / rope 64 (KimiForCausalLM.flashinfer_ok).
+
+    cfg: the model's ModelConfig; device: its CUDA device; dtype: q / kv / o dtype (the model's, bf16).
+    `fi_eager`: the FlashInferMLA of eager steps (made by the first `plan`).
+    """
+
+    name = "flashinfer"
+    graph_page_rows = True  # the decode graphs read page ids from the runner's kv_indices buffer
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.fi_eager: FlashInferMLA | None = None
+
+    def plan(self, attn: AttentionMetadata) -> AttentionPlan:
+        """ONE plan over every sequence of attn, qo_len = query_len (decode rows are qo_len-1 requests), causal
+        unless the batch is pure decode (where causal == non-causal). Raises ValueError as FlashInferMLA.plan."""
+        all_decode = all(q == 1 for q in attn.query_lens_cpu)
+        if self.fi_eager is None:
+            cfg = self.cfg
+            self.fi_eager = FlashInferMLA(
+                cfg.num_attention_heads,
+                cfg.softmax_scale,
+                attn.slot_mapping.device,
+                cfg.kv_lora_rank,
+                cfg.qk_rope_head_dim,
+                dtype=self.dtype,
+            )
+        self.fi_eager.plan_from_metadata(attn, causal=not all_decode)
+        return AttentionPlan(self.fi_eager, attn.slot_mapping, all_decode)
+
+    def graph_attention(
+        self, buckets: list[int], block_size: int, max_blocks_per_seq: int, kv_indices: torch.Tensor | None
+    ) -> FlashInferDecodeGraphs:
+        """The CUDA-graph hooks; kv_indices: the runner's int32 page-id buffer (>= max(buckets) * max_blocks_per_seq).
+        Raises ValueError without it."""
+        if kv_indices is None:
+            raise ValueError("FlashInfer decode graphs read page ids from the runner's kv_indices buffer")
+        return FlashInferDecodeGraphs(
+            self.cfg, self.device, self.dtype, buckets, block_size, max_blocks_per_seq, kv_indices
+        )
+
+
+class FlashInferDecodeGraphs:
+    """DecodeGraphAttention of FlashInfer: per bucket a `use_cuda_graph=True` FlashInferMLADecode whose index buffers
+    the graph captured, all reading the page ids from the runner's one kv_indices buffer (one bucket runs at a time).
+    FlashInfer's `plan` (host work) runs before each replay, outside the graph (`plan_replay`:
+    FlashInferMLA.plan_decode_schedule, nothing to do when `plan_ahead` planned that step during the previous replay).
+    """
+
+    plans_ahead = True
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        buckets: list[int],
+        block_size: int,
+        max_blocks_per_seq: int,
+        kv_indices: torch.Tensor,
+    ):
+        self.device = device
+        self.block_size = block_size
+        self.runs = {
+            bs: FlashInferMLADecode(
+                cfg.num_attention_heads,
+                cfg.softmax_scale,
+                device,
+                cfg.kv_lora_rank,
+                cfg.qk_rope_head_dim,
+                use_cuda_graph=True,
+                max_batch=bs,
+                max_pages=bs * max_blocks_per_seq,
+                dtype=dtype,
+                kv_indices=kv_indices,
+            )
+            for bs in buckets
+        }
+
+    def plan_capture(self, bs: int, seq_lens_cpu: list[int], block_tables: torch.Tensor) -> FlashInferMLADecode:
+        """FlashInferMLADecode.plan of bucket bs, rows past len(seq_lens_cpu) padded (it writes kv_indices in its own
+        concatenated layout: the runner forgets its page rows first)."""
+        B = len(seq_lens_cpu)
+        width = max(1, block_tables.shape[1] if B else 1)
+        bt = torch.zeros((bs, width), dtype=torch.int64, device=self.device)  # [bs, width], 0 = null block
+        if B:
+            bt[:B, : block_tables.shape[1]] = block_tables
+        fi = self.runs[bs]
+        fi.plan(list(seq_lens_cpu) + [1] * (bs - B), bt, self.block_size)
+        return fi
+
+    def stage(self, bs: int, seq_lens: list[int], block_tables: list[list[int]]) -> None:
+        """Nothing: the page ids travel in the runner's static input copy."""
+
+    def plan_replay(self, bs: int, seq_lens: list[int], page_stride: int) -> None:
+        """The schedule of this step (planned ahead by the previous replay, or now), pages at b * page_stride."""
+        self.runs[bs].plan_decode_schedule(list(seq_lens) + [1] * (bs - len(seq_lens)), self.block_size, page_stride)
+
+    def plan_ahead(self, bs: int, seq_lens: list[int], page_stride: int) -> None:
+        """FlashInferMLA.plan_ahead of these lengths (padded rows stay at length 1); on an error the bucket's
+        plan-ahead state is dropped and the error re-raised."""
+        fi = self.runs[bs]
+        try:
+            fi.plan_ahead(list(seq_lens) + [1] * (bs - len(seq_lens)), self.block_size, page_stride)
+        except Exception:
+            fi._ahead = None
+            raise

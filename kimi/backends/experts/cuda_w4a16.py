@@ -34,7 +34,7 @@ class CudaInt4Experts(nn.Module):
     GEMM and the silu_mul_rows kernel, for A/B runs) -> down GEMM -> the Triton combine (routing weights applied once).
     bf16 activations only. Raises ValueError for shapes the kernel cannot take (N % 64, K % 64), RuntimeError on a GPU
     that is not sm_90 (Hopper: the kernel is built for sm_90a), and what `kimi.kernels.cuda.moe_w4a16.load_extension`
-    raises when it cannot be built; all of them here, at model load (so kimi.model.gpu_model.make_experts_or_ref can
+    raises when it cannot be built; all of them here, at model load (so kimi.backends.experts.make_experts_or_ref can
     fall back to the reference).
     """
 

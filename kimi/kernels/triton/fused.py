@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the GPU decode path (kimi/model/gpu_model.py), each with its plain-PyTorch reference.
+"""Fused Triton kernels for the GPU decode path (kimi/model/gpu_forward.py), each with its plain-PyTorch reference.
 
 The CPU model keeps the references (kimi/model/norm.py, rope.py, moe.py); the GPU model calls the fused ops.
 All launches are CUDA-graph capturable: no host synchronisation, no tensor-dependent host control flow; the only
@@ -521,7 +521,8 @@ def mla_rope_kv_write(
 
 
 def mla_rope_kv_write_ref(q, kv_a, kv_norm_w, eps, cos_cache, sin_cache, positions, slot_mapping, kv_cache, nope):
-    """Reference: the GPUMLAAttention / MLAAttention sequence (rms_norm, apply_rope_interleaved, index_copy_)."""
+    """Reference: the fused (kimi.model.gpu_forward.mla_forward) / reference MLAAttention sequence (rms_norm,
+    apply_rope_interleaved, index_copy_)."""
     from kimi.model.norm import rms_norm as ref_norm
     from kimi.model.rope import apply_rope_interleaved
 

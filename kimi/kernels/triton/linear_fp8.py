@@ -15,7 +15,7 @@ differ by that rounding of W*s to bf16 (the kernel keeps the product in fp32), b
 Why: in FP8 K2-Instruct's dense weights take half the memory of the bf16 copy the loader makes otherwise
 (attention 202 -> 110 MB per layer, kv_b_proj staying bf16; shared expert 88 -> 44 MB). A decode step reads half
 the bytes, but at these sizes (15-60 MB per GEMM) the kernel does not turn that into time: 1-2% slower per step than
-the bf16 path (docs/performance.md), so kimi.model.gpu_model keeps them FP8 only on request (`fp8_dense`).
+the bf16 path (docs/performance.md), so kimi.model.weights keeps them FP8 only on request (`fp8_dense`).
 
 Paths (`fp8_linear`):
 - M <= 64 rows on CUDA: the Triton kernel below, one program per BLOCK_N rows of W and split-K range (split-K
@@ -25,7 +25,7 @@ Paths (`fp8_linear`):
   prefetch of the first W tiles before the wait, as kimi.kernels.triton.linear_small_m.
 - More rows (prefill) or no Triton / CPU: W is dequantised to the activation dtype, a chunk of rows at a time
   (`fp8_linear_dequant`: at most DEQUANT_CHUNK_BYTES of transient weights), and multiplied by F.linear (cuBLAS).
-- `Fp8Linear` layers handed to humming-kernels (`Fp8Linear.to_humming`; kimi.model.gpu_model's fp8_dense "humming",
+- `Fp8Linear` layers handed to humming-kernels (`Fp8Linear.to_humming`; kimi.model.weights' fp8_dense "humming",
   for whole-tile shapes) run humming's dense W8A16 GEMM for every M instead.
 
 Config choice: `lookup` reads kimi/kernels/tuning/linear_fp8.json (measured by tools/bench_fp8_linear.py on the GPU

@@ -135,6 +135,10 @@ class FakeRunner:
         """Stop the guided-decoding compile thread."""
         self.guided.close()
 
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """No kernels: no step size needs warming."""
+        return []
+
     def reset_counters(self) -> None:
         """Zero the served counts and step times (after the start-up warm-up, kimi.worker.warmup)."""
         self.num_requests = self.num_sampled = self.num_idle_steps = 0

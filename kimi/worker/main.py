@@ -155,6 +155,7 @@ def run_warmup(runner: Runner, args: WorkerConfig, world_size: int, device: str,
         vocab_size=cfg.vocab_size,
         device_type=torch.device(device).type,
         model=not args.fake,
+        extra_prefill=tuple(runner.warmup_token_counts(args.token_budget)),
     )
     t0 = time.monotonic()
     report = warm_up(runner, wcfg)

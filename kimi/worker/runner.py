@@ -420,6 +420,16 @@ class ModelRunner:
         """Release what outlives a step (the guided-decoding compile thread)."""
         self.guided.close()
 
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """Step sizes T <= max_tokens at which the routed experts' backend switches to another JIT-compiled kernel
+        (its `kernel_variants`; every MoE layer has the same shapes, so the first one's), for the start-up warm-up;
+        [] when the backend compiles nothing per size."""
+        for layer in self.model.layers:
+            variants = getattr(getattr(layer.mlp, "experts_impl", None), "kernel_variants", None)
+            if variants is not None:
+                return list(variants(max_tokens, self.cfg.num_experts_per_tok))
+        return []
+
     def reset_counters(self) -> None:
         """Zero the served counts (after the start-up warm-up, kimi.worker.warmup): requests, sampled tokens, idle and
         overlapped steps, constrained requests, and the CUDA graphs' replay and plan-ahead counts."""

@@ -85,6 +85,10 @@ class Runner(Protocol):
         """Release what outlives a step (the guided-decoding compile thread)."""
         ...
 
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """Step sizes <= max_tokens the start-up warm-up runs besides its own (kernel variants chosen by size)."""
+        ...
+
     def reset_counters(self) -> None:
         """Zero the counters above (and the runner's own), after the start-up warm-up (kimi.worker.warmup)."""
         ...

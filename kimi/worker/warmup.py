@@ -8,7 +8,8 @@ rank issues the same collectives. In order:
    the guided-decoding thread while the rest runs) and decoded last (the bitmask fill and apply).
 2. prefill: one fresh prompt of each size of `prefill_sizes` (every power of two up to the token budget and the one
    above it, so each M bucket of the tuned GEMM tables and Triton's specializations on a size's divisibility by 16
-   run), the first with prompt logprobs.
+   run) and of each size at which the routed experts' backend picks another JIT-compiled kernel
+   (Runner.warmup_token_counts), the first with prompt logprobs.
 3. mixed: a prompt over two steps, its second chunk over the first's cached context, beside decode rows.
 4. decode: at each decode batch size (`decode_sizes`: the CUDA-graph buckets up to max_num_seqs), two steps launched
    back to back as the serving loop launches them (the second while the first's tokens are on their way to the
@@ -83,7 +84,7 @@ class WarmupConfig:
     """What a rank warms: world_size (DP ranks, each running its own copy of every request), token_budget (tokens per
     step), max_num_seqs (the largest decode batch), max_model_len, block_size / num_blocks (this rank's KV cache),
     vocab_size, device_type ("cuda" or "cpu"), guided (warm guided decoding: xgrammar installed), model (False: a
-    fake runner, only the guided path is warmed)."""
+    fake runner, only the guided path is warmed), extra_prefill (sizes warmed besides `prefill_sizes`)."""
 
     world_size: int
     token_budget: int
@@ -95,6 +96,7 @@ class WarmupConfig:
     device_type: str
     guided: bool = True
     model: bool = True
+    extra_prefill: tuple[int, ...] = ()  # more prefill sizes (Runner.warmup_token_counts: kernel variants by size)
 
 
 @dataclass
@@ -167,7 +169,11 @@ class WarmupPlanner:
 
     def _prefill_plans(self) -> Iterator[protocol.StepPlan]:
         """One fresh prompt per prefill size (the first with prompt logprobs)."""
-        sizes = prefill_sizes(self.cfg.token_budget, self.max_tokens - 1, self.cfg.device_type)
+        limit = self.max_tokens - 1
+        sizes = sorted(
+            set(prefill_sizes(self.cfg.token_budget, limit, self.cfg.device_type))
+            | {t for t in self.cfg.extra_prefill if 1 <= t <= min(limit, self.cfg.token_budget)}
+        )
         for i, t in enumerate(sizes):
             yield _plan(self._new(self._request(t, GREEDY, 1), plp=2 if i == 0 else -1), [])
 

@@ -161,3 +161,10 @@ def test_warm_up_of_the_fake_runner_is_its_guided_path(ckpt):
         assert runner.guided.backend().num_compiled == 1
     finally:
         runner.close()
+
+
+def test_kernel_variant_sizes_join_the_prefill_sizes():
+    steps = _check_plans(_cfg(extra_prefill=(3, 100, 2047, 5000)))
+    prefill = [r[0] for r in steps["prefill"]]
+    assert {3, 100, 2047} <= set(prefill) and 5000 not in prefill  # never past the token budget
+    assert prefill == sorted(set(prefill))

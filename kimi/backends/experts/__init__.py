@@ -29,7 +29,9 @@ Contract (`ExpertsBackend`), every backend: an nn.Module built from one layer's 
 [T, k] int64 global ids) -> [T, D]`; pairs whose expert is not in [expert_offset, expert_offset + E_local)
 contribute nothing; rows with no local pair are 0. `graph_safe`: whether a CUDA graph may capture its forward (it
 reads nothing on the host). Optional `expert_major_ok`: forward also takes expert-major inputs
-(kimi.model.moe.run_experts).
+(kimi.model.moe.run_experts). Optional `kernel_variants(max_tokens, top_k)`: step sizes, one per JIT-compiled kernel
+variant forward picks for steps of 1..max_tokens tokens (humming's schedules), which the start-up warm-up runs
+(kimi.worker.warmup).
 
 Modules: reference (`ref`), triton_w4a16 (`triton`), cuda_w4a16 (`cuda`), humming (`humming`; `auto` is humming
 with kimi's CUDA GEMM at decode sizes, auto.py), fp8 (FP8 experts on humming).

@@ -5,6 +5,7 @@ GEMM runs decode-sized steps over the same weights."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -150,6 +151,17 @@ class HummingExperts(nn.Module):
                 cs.append(humming_table_config(n, kk, m_local, gpu, h, self.weight_kind, self.E) or h)
             self._tuning[key] = (cs[0], cs[1])
         return self._tuning[key]
+
+    def kernel_variants(self, max_tokens: int, top_k: int) -> list[int]:
+        """Step sizes T in [1, max_tokens], the smallest T of each distinct pair of GEMM schedules `forward` picks for
+        steps of 1..max_tokens tokens of top_k pairs each (humming JIT-compiles one kernel per schedule): a warm-up
+        step of each size compiles every kernel those steps launch. Host work only (humming's heuristic and the
+        table, each m once)."""
+        first: dict[str, int] = {}
+        for t in range(1, max_tokens + 1):
+            key = json.dumps(self._configs(self._m_local(t, top_k)), sort_keys=True, default=str)
+            first.setdefault(key, t)
+        return sorted(first.values())
 
     def forward(
         self,

@@ -1,8 +1,9 @@
-"""The one module that installs the GPU model's weights: `load_gpu_model` builds a fused KimiForCausalLM
+"""The one module that installs a model's weights. `load_reference_model`: the CPU reference model (float32, the
+checkpoint dequantised, KimiForCausalLM.load_weights). `load_gpu_model` builds a fused KimiForCausalLM
 (kimi.model.model, `fused=True`: its GPU forward is kimi.model.gpu_forward) on the `meta` device, fills it from a
 checkpoint (load_format "auto") or with random weights (load_format "dummy"), sets each MoE layer's experts backend
 (kimi.backends.experts) and the FP8 dense layers (kimi.backends.linear), then merges what the fused kernels read
-(`_finish`). The CPU reference model loads through KimiForCausalLM.load_weights.
+(`_finish`).
 
 `--load-format dummy` (`fill_dummy`): random weights of the real shapes, generated directly on the GPU (no
 checkpoint). Used for benchmarks of the real model (e.g. the K2.6 preset, kimi/presets/kimi-k2.6.json) on one GPU:
@@ -28,6 +29,7 @@ from torch import nn
 
 from kimi.backends.experts import make_experts_or_ref
 from kimi.backends.linear import check_fp8_dense, fp8_dense_names, install_fp8
+from kimi.checkpoint import load_checkpoint
 from kimi.config import ModelConfig
 from kimi.kernels.triton.linear_fp8 import Fp8Linear
 from kimi.model.gpu_forward import prepare_attention
@@ -197,6 +199,35 @@ def _finish(model: KimiForCausalLM, fp8_dense: str = "off") -> KimiForCausalLM:
 
 
 @torch.no_grad()
+def load_reference_model(
+    model_dir: str,
+    cfg: ModelConfig,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    a2a=None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> KimiForCausalLM:
+    """The reference KimiForCausalLM of one EP rank on the CPU, its weights from the checkpoint in model_dir
+    dequantised to `dtype` (kimi.checkpoint.load_checkpoint), in eval mode. Raises CheckpointError on a missing or
+    malformed checkpoint, ValueError when its tensors do not match cfg (load_weights)."""
+    weights = load_checkpoint(
+        model_dir,
+        cfg,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        dequantize=True,
+        dtype=dtype,
+        device="cpu",
+        progress=progress,
+    )
+    model = KimiForCausalLM(cfg, ep_rank=ep_rank, ep_size=ep_size, dtype=dtype, device="cpu", a2a=a2a)
+    model.load_weights(weights)
+    del weights
+    return model.eval()
+
+
 def load_gpu_model(
     model_dir: str,
     cfg: ModelConfig,

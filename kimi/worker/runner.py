@@ -21,7 +21,6 @@ import torch
 
 from kimi import protocol
 from kimi.backends.all_to_all import Backend, step_mode
-from kimi.checkpoint import load_checkpoint
 from kimi.config import CacheConfig, ModelConfig
 from kimi.errors import KVCacheSizeError, ProtocolError
 from kimi.model.attention import build_attention_metadata
@@ -112,9 +111,9 @@ class ModelRunner:
         self._check_requested_cache(cache_config)  # before the weights: a cache that cannot fit fails at once
         self.model: KimiForCausalLM
         fused_model = None  # the same model when it is the fused (GPU) one
-        if self.device.type == "cuda":
-            from kimi.model.weights import load_gpu_model
+        from kimi.model.weights import load_gpu_model, load_reference_model
 
+        if self.device.type == "cuda":
             self.model = fused_model = load_gpu_model(
                 model_dir,
                 cfg,
@@ -127,22 +126,9 @@ class ModelRunner:
                 **gpu_opts,
             )
         else:
-            weights = load_checkpoint(
-                model_dir,
-                cfg,
-                ep_rank=rank,
-                ep_size=world_size,
-                dequantize=True,
-                dtype=dtype,
-                device="cpu",
-                progress=progress,
+            self.model = load_reference_model(
+                model_dir, cfg, ep_rank=rank, ep_size=world_size, a2a=a2a, dtype=dtype, progress=progress
             )
-            self.model = KimiForCausalLM(
-                cfg, ep_rank=rank, ep_size=world_size, dtype=dtype, device=self.device, a2a=a2a
-            )
-            self.model.load_weights(weights)
-            del weights
-            self.model.eval()
         log.info("rank %d: weights loaded in %.1f s", rank, time.monotonic() - t0)
         self.num_blocks = self._num_blocks(cache_config)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, dtype, self.device)

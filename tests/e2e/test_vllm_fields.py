@@ -137,7 +137,9 @@ def test_batched_token_id_prompts_echo_and_logprobs(client):
         lp = c.logprobs
         assert len(lp.tokens) == len(p) + 3  # the echoed prompt's tokens, then the generated ones
         assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
-        assert lp.token_logprobs == pytest.approx(one.logprobs.token_logprobs)
+        # float32 on the CPU: the two prompts' rows run in one step here and alone there, and the GEMMs' blocking
+        # depends on the row count, so logprobs agree to float32 rounding (a few ulps of the logits), not bit for bit
+        assert lp.token_logprobs == pytest.approx(one.logprobs.token_logprobs, rel=1e-5, abs=1e-5)
         assert lp.text_offset == one.logprobs.text_offset
     assert r.usage.prompt_tokens == 8
 

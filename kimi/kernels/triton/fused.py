@@ -1020,7 +1020,10 @@ def _align_header(
     return pad_start
 
 
-@triton.jit
+# The align kernels' sizes (pairs, blocks, capacity) change with every step and their divisibility by 16 follows no
+# simple rule of the token count, so none is specialized on: one compiled kernel serves every step (the warm-up covers
+# them all; kimi.worker.warmup).
+@triton.jit(do_not_specialize=["P", "max_blocks", "cap"])
 def _align_count_kernel(
     ids_ptr,
     P,
@@ -1047,7 +1050,7 @@ def _align_count_kernel(
     tl.store(cursor_ptr + eo, pad_start, mask=eo < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "cap"])
 def _align_scatter_kernel(
     ids_ptr, P, E, offset, sorted_ptr, cursor_ptr, cap, BLOCK: tl.constexpr, PDL: tl.constexpr = False
 ):
@@ -1060,7 +1063,7 @@ def _align_scatter_kernel(
     tl.store(sorted_ptr + dest, po.to(tl.int32), mask=ok & (dest < cap))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "max_blocks", "cap"])
 def _align_one_kernel(
     ids_ptr,
     P,
@@ -1099,7 +1102,7 @@ def _align_one_kernel(
         base += tl.sum(oh, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "cap", "fill_per"])
 def _align_grid_count_kernel(
     ids_ptr,
     P,
@@ -1132,7 +1135,7 @@ def _align_grid_count_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G", "max_blocks"])
 def _align_grid_offsets_kernel(
     part_ptr,
     G,
@@ -1171,7 +1174,7 @@ def _align_grid_offsets_kernel(
         run += tl.sum(c, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "cap"])
 def _align_grid_place_kernel(
     ids_ptr,
     P,

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         first_phases = runs[0].get("warmup_phases", {})
         for i, r in enumerate(runs):
-            compiled = ", ".join(f"{k} {n}" for k, n in r.get("compiled_files", {}).items())
+            compiled = ", ".join(f"{k} {n}" for k, n in r.get("compiled_files", {}).items()) or "nothing"
             rows.append(
                 [
                     i + 1,

@@ -57,7 +57,7 @@ def sampling_variants(vocab_size: int) -> list[protocol.SamplingParams]:
 def prefill_sizes(token_budget: int, max_len: int, device_type: str) -> list[int]:
     """Fresh-prompt sizes to warm: on CUDA every power of two up to the token budget, each one plus one (a size that
     is not a multiple of 16) and the budget itself; on the CPU (no compiles: first-use costs only) 1, 17 and 64.
-    Sizes above max_len (the longest prompt the KV cache and the model take) are dropped."""
+    Sizes above max_len (the longest prompt the KV cache and the model take) or the token budget are dropped."""
     if device_type != "cuda":
         sizes = {1, 17, 64}
     else:
@@ -66,7 +66,7 @@ def prefill_sizes(token_budget: int, max_len: int, device_type: str) -> list[int
         while p <= token_budget:
             sizes.update((p, min(p + 1, token_budget)))
             p *= 2
-    return sorted(s for s in sizes if 1 <= s <= max_len)
+    return sorted(s for s in sizes if 1 <= s <= min(max_len, token_budget))
 
 
 def decode_sizes(max_num_seqs: int, device_type: str) -> list[int]:
@@ -184,7 +184,8 @@ class WarmupPlanner:
         greedy = [self._request(PROMPT_LEN, GREEDY, extra) for _ in range(max(sizes))]
         sampled = [self._request(PROMPT_LEN, sp, extra) for sp in variants]
         everyone = [r for group in greedy + sampled for r in group]
-        per_step = max(1, cfg.token_budget // PROMPT_LEN) * cfg.world_size
+        # at most max_num_seqs prompts of token_budget tokens per rank and step, as the scheduler would send them
+        per_step = max(1, min(cfg.token_budget // PROMPT_LEN, cfg.max_num_seqs)) * cfg.world_size
         yield (
             "decode prompts",
             [[_plan(self._new(everyone[i : i + per_step]), [])] for i in range(0, len(everyone), per_step)],
@@ -193,8 +194,10 @@ class WarmupPlanner:
         if chunk_len >= 2:  # a prompt in two chunks, the second beside decode rows
             long = self._request(chunk_len, GREEDY, 1)
             first = self._new(long, num_new=chunk_len // 2)
-            rows = [protocol.ContinueRequest(r.rid, 1, []) for g in greedy[: min(8, len(greedy))] for r in g]
-            second = [protocol.ContinueRequest(r.rid, chunk_len - chunk_len // 2, []) for r in long]
+            rest = chunk_len - chunk_len // 2
+            n_rows = max(0, min(8, len(greedy), cfg.token_budget - rest, cfg.max_num_seqs - 1))
+            rows = [protocol.ContinueRequest(r.rid, 1, []) for g in greedy[:n_rows] for r in g]
+            second = [protocol.ContinueRequest(r.rid, rest, []) for r in long]
             yield "mixed", [[_plan(first, [])], [_plan([], rows + second)]]
         groups = []
         for b in sizes:

@@ -76,6 +76,10 @@ def _check_plans(cfg: WarmupConfig) -> dict[str, list[list[int]]]:
                     known[c.rid] = (rank, done, room)
                     per_rank[rank] += c.num_new_tokens
                 assert len(set(per_rank)) == 1, per_rank  # every rank runs the same shapes
+                # never a step the scheduler would not send: its token budget, its running-sequence limit
+                assert per_rank[0] <= cfg.token_budget, (name, per_rank)
+                seqs = len(plan.new) + len(plan.cont)
+                assert seqs <= cfg.max_num_seqs * cfg.world_size, (name, seqs)
                 out.setdefault(name, []).append(per_rank)
     assert set(planner.rids) == set(known) and len(planner.rids) == len(known)
     assert all(done <= cfg.max_model_len for _, done, _ in known.values())
@@ -95,6 +99,7 @@ def test_plans_cover_each_prefill_size_and_decode_bucket(world_size):
 
 def test_plans_fit_a_small_cache_and_a_short_model():
     _check_plans(_cfg(num_blocks=3, block_size=16, max_model_len=40, token_budget=48, max_num_seqs=8))
+    _check_plans(_cfg(token_budget=10, max_num_seqs=3))
     _check_plans(_cfg(device_type="cpu", num_blocks=40, block_size=16, max_model_len=512, token_budget=48))
     fake = _check_plans(_cfg(model=False))
     assert list(fake) == ["guided compile", "guided decode"]

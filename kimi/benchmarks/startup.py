@@ -21,11 +21,16 @@ from typing import Any
 import httpx
 
 from kimi import cache_dir
+from kimi.errors import KimiError
 from kimi.worker.warmup import prefill_sizes
 
-__all__ = ["Startup", "parse_log", "probe_compiles", "start"]
+__all__ = ["ServeFailed", "Startup", "parse_log", "probe_compiles", "start"]
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class ServeFailed(KimiError, RuntimeError):
+    """The measured server did not become ready, or one of the probe's requests failed."""
 
 
 @dataclass
@@ -50,7 +55,7 @@ class Startup:
 
 def start(serve_args: list[str], log_path: Path, cache: str, port: int, timeout_s: float = 1800) -> Startup:
     """Launch `kimi serve SERVE_ARGS --port PORT --cache-dir CACHE` (output to log_path) and wait for `/health` ok.
-    Raises RuntimeError with the log's tail when the server exits or is not ready within timeout_s."""
+    Raises ServeFailed with the log's tail when the server exits or is not ready within timeout_s."""
     cmd = [sys.executable, "-m", "kimi", "serve", *serve_args, "--port", str(port), "--cache-dir", cache]
     t0 = time.monotonic()
     with open(log_path, "w") as logf:
@@ -61,7 +66,7 @@ def start(serve_args: list[str], log_path: Path, cache: str, port: int, timeout_
             if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
                 if proc.poll() is None:
                     proc.kill()
-                raise RuntimeError(f"kimi serve not ready (rc {proc.poll()}):\n{log_path.read_text()[-4000:]}")
+                raise ServeFailed(f"kimi serve not ready (rc {proc.poll()}):\n{log_path.read_text()[-4000:]}")
             try:
                 if client.get(f"{base}/health", timeout=1).status_code == 200:
                     break
@@ -107,14 +112,14 @@ def _complete(client: httpx.Client, base: str, n_prompt: int, prompt_seed: int, 
     body.update({"ignore_eos": True, "temperature": 0, **kw})
     r = client.post(f"{base}/v1/completions", json=body, timeout=600)
     if r.status_code != 200:
-        raise RuntimeError(f"request of {n_prompt} tokens: HTTP {r.status_code}: {r.text[:500]}")
+        raise ServeFailed(f"request of {n_prompt} tokens: HTTP {r.status_code}: {r.text[:500]}")
 
 
 def probe_compiles(s: Startup, token_budget: int, max_num_seqs: int, vocab: int, max_model_len: int) -> list[str]:
     """Requests of every warmed prompt size and of sizes between them, a prompt chunked over cached context, prompt
     logprobs, a JSON-constrained request and max_num_seqs concurrent streams with every sampling option, one after
     another; returns the files that appeared meanwhile in the kernel libraries' cache folders (compiles). Raises
-    RuntimeError when a request fails."""
+    ServeFailed when a request fails."""
     before = _files(s.cache_dirs)
     sizes = prefill_sizes(token_budget, max_model_len - 16, "cuda")
     sizes += [

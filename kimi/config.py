@@ -493,9 +493,17 @@ class WorkerConfig:
         "MoE all-to-all between ranks (default: local for 1 rank, gloo on cpu, nccl on cuda)",
         choices=A2A_BACKENDS,
     )
+    a2a_static_decode: bool = _flag(
+        False,
+        "gloo / nccl: decode steps exchange a fixed number of rows per rank pair (the step's decode bucket, padded), "
+        "with no counts read on the host (CUDA-graph capturable); prefill and mixed steps keep variable splits",
+    )
     dist_timeout: float = _flag(600.0, "torch.distributed collective timeout, seconds", type=float)
     ll_max_tokens: int = _flag(
-        128, "decode steps with at most this many tokens per rank use low-latency all-to-all (deepep)", type=int
+        128,
+        "decode steps with at most this many tokens per rank use low-latency all-to-all (deepep) or the static "
+        "layout (--a2a-static-decode)",
+        type=int,
     )
     fake: bool = _flag(False, "load no weights; return pseudo-random tokens (kimi.worker.fake)")
     moe_backend: str = _flag(

@@ -93,6 +93,7 @@ class ServeArgs:
     allowed_origins: str = ""
     reasoning: str = "auto"
     a2a_backend: str | None = None
+    a2a_static_decode: bool = False
     heartbeat_timeout: float = 10.0
     moe_backend: str = "auto"
     load_format: str = "auto"
@@ -345,6 +346,7 @@ def _add_http_and_backend_flags(p: argparse.ArgumentParser) -> None:
         "tokenizer has a <think> token",
     )
     p.add_argument("--a2a-backend", **worker_flag("a2a_backend"))
+    p.add_argument("--a2a-static-decode", **worker_flag("a2a_static_decode"))
     p.add_argument(
         "--heartbeat-timeout",
         type=_numeric("heartbeat_timeout"),
@@ -379,6 +381,7 @@ def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfi
         num_hidden_layers=a.num_hidden_layers,
         log_level=a.log_level,
         a2a_backend=a.a2a_backend,
+        a2a_static_decode=a.a2a_static_decode,
         fake=a.fake_workers,
         moe_backend=a.moe_backend if cuda else d.moe_backend,
         load_format=a.load_format if cuda else d.load_format,
@@ -687,7 +690,7 @@ def _check_model(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer) -> Mo
         from kimi.backends.all_to_all import check_backend
 
         try:
-            check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts)
+            check_backend(a.a2a_backend, a.nproc, a.device, cfg.n_routed_experts, a.a2a_static_decode)
         except ValueError as e:
             log.error("%s", e)
             return None

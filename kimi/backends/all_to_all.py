@@ -11,7 +11,9 @@ Backends (`kimi serve --a2a-backend`):
   variable splits. gloo implements `all_to_all_single` with uneven splits for CPU tensors (checked on torch
   2.13: uneven and zero-sized splits both work), so both use the same code: one all-to-all of the per-rank
   token counts, then one of the token rows and one of their routing metadata (dispatch), and one of the
-  expert outputs (combine).
+  expert outputs (combine). With static capacities (`kimi serve --a2a-static-decode`) its decode steps use the
+  static layout instead (`TorchAllToAll`, Static layout): equal splits of a capacity fixed by the step plan,
+  no counts exchanged and nothing read on the host.
 - `deepep` (CUDA, needs DeepEP's `deep_ep` package): `DeepEPAllToAll`, normal dispatch/combine for prefill
   steps and low-latency dispatch/combine (fixed-size buffers, no CPU sync, CUDA-graph capturable) for
   decode steps. The mode is chosen per step from the step plan, identically on every rank (`step_mode`).
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -80,9 +82,14 @@ def check_deepep_experts(num_experts: int, world_size: int) -> None:
         )
 
 
-def check_backend(backend: str, world_size: int, device_type: str, num_experts: int | None = None) -> None:
+def check_backend(
+    backend: str, world_size: int, device_type: str, num_experts: int | None = None, static_decode: bool = False
+) -> None:
     """Raise ValueError when `backend` cannot serve `world_size` ranks on `device_type` ("cpu" / "cuda"), or,
-    given the model's `num_experts` (routed), when DeepEP cannot split them over the ranks (`check_deepep_experts`)."""
+    given the model's `num_experts` (routed), when DeepEP cannot split them over the ranks (`check_deepep_experts`),
+    or when `static_decode` (the static decode layout) is asked of deepep (its low-latency mode is the static one)."""
+    if static_decode and backend == "deepep":
+        raise ValueError("--a2a-static-decode is for the gloo / nccl backends; deepep decodes in low-latency mode")
     if backend not in BACKENDS:
         raise ValueError(f"unknown all-to-all backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "local" and world_size != 1:
@@ -117,7 +124,8 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.
 
 def step_mode(per_rank_tokens: Iterable[int], all_single_token: bool, ll_max_tokens_per_rank: int) -> str:
     """DECODE when every scheduled request computes one token and no rank has more than
-    `ll_max_tokens_per_rank` of them (DeepEP's low-latency buffers are sized for that), else PREFILL.
+    `ll_max_tokens_per_rank` of them (DeepEP's low-latency buffers and the static layout's largest capacity are
+    sized for that), else PREFILL.
 
     Every rank sees the whole step plan, so every rank computes the same answer: the all-to-all mode is
     collective and must agree across ranks.
@@ -128,7 +136,7 @@ def step_mode(per_rank_tokens: Iterable[int], all_single_token: bool, ll_max_tok
 class LocalBackend(LocalAllToAll):
     """ep_size 1: dispatch and combine are identities (kimi.model.moe.LocalAllToAll) plus the `set_mode` hook."""
 
-    def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
+    def set_mode(self, mode: str, num_tokens: int | None = None, max_tokens_per_rank: int | None = None) -> None:
         """Nothing to switch."""
 
 
@@ -145,37 +153,93 @@ def _rows_per_rank(topk_ids: torch.Tensor, num_local_experts: int, ep_size: int)
     return tok, in_rank.sum(0)  # [S], [N]
 
 
-class TorchAllToAll:
-    """`gloo` / `nccl`: torch.distributed.all_to_all_single with variable splits.
+def static_capacity(capacities: Sequence[int], max_tokens_per_rank: int | None) -> int | None:
+    """The static layout's rows per destination rank for a step whose busiest rank has `max_tokens_per_rank`
+    tokens: the smallest of `capacities` (sorted ascending) that holds them; None (the variable splits) when none
+    does or the count is unknown."""
+    if max_tokens_per_rank is None:
+        return None
+    return next((c for c in capacities if c >= max_tokens_per_rank), None)
 
-    group: the EP process group (all ranks, in rank order); num_experts: E (global); ep_rank / ep_size. dispatch: 4
-    collectives (counts, token rows, routing metadata as float32 [S, 2k] = weights | ids: ids are exact in float32 below
-    2^24), combine: 1. A failed collective raises PeerFailure. The counts are read on the host (`tolist`), so this
-    backend is not CUDA-graph capturable; DeepEP's low-latency mode is the capturable one.
-    Raises ValueError if E is not divisible by ep_size or too large for the float32 id encoding.
+
+class TorchAllToAll:
+    """`gloo` / `nccl`: torch.distributed.all_to_all_single, with variable splits or, on decode steps, a static layout.
+
+    group: the EP process group (all ranks, in rank order); num_experts: E (global); ep_rank / ep_size;
+    static_capacities: the static layout's capacities, rows per destination rank (ascending; empty: variable splits
+    only). A failed collective raises PeerFailure. Raises ValueError if E is not divisible by ep_size or too large
+    for the float32 id encoding, or for a capacity below 1.
+
+    Variable splits (prefill and mixed steps, and every step without static capacities): dispatch is 4 collectives
+    (the per-rank row counts, the token rows, their routing metadata as float32 [S, 2k] = weights | ids: ids are exact
+    in float32 below 2^24), combine 1. The counts are read on the host (`tolist`) and the row selection is a
+    `nonzero`, so this path is not CUDA-graph capturable.
+
+    Static layout (DECODE steps, `set_mode`, when a capacity holds the busiest rank's tokens): the capacity C is the
+    smallest of static_capacities >= the step's most tokens on one rank, which every rank computes from the step plan,
+    so all agree. Each rank sends every rank the same C rows: its T <= C tokens in token order, then C - T padding
+    rows of zeros; the routing sent to rank r keeps the (weight, id) pairs of r's experts and replaces the others by
+    (0, -1), so a row whose token has no expert on r, and every padding row, carries only id -1 (the padding marker:
+    expert computations skip ids outside their range and return 0 for such rows). A token is thus delivered once to
+    each rank that owns at least one of its experts, as with variable splits, in a fixed slot. dispatch is 2
+    collectives with equal splits (the rows [N * C, D], the routing [N * C, 2k] float32 = weights | ids), combine 1
+    ([N * C, D] back); then each token's N returned rows are summed in rank order in float32 (the rows of ranks it
+    was not sent to are 0), the sums of the variable path. Every shape is a function of (N, C, T, D, k) and nothing is
+    read on the host, so NCCL could run it inside a CUDA graph captured per capacity.
+    Counters: num_static_steps / num_variable_steps (steps set to each layout; every layer of a step uses it).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, ep_rank: int, ep_size: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        num_experts: int,
+        ep_rank: int,
+        ep_size: int,
+        static_capacities: Sequence[int] = (),
+    ) -> None:
         if num_experts % ep_size:
             raise ValueError(f"{num_experts} experts do not split over {ep_size} ranks")
         if num_experts >= 1 << 24:
             raise ValueError("expert ids must stay below 2^24")
+        if any(c < 1 for c in static_capacities):
+            raise ValueError(f"static all-to-all capacities must be >= 1, got {list(static_capacities)}")
         self.group = group
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.ep_rank = ep_rank
         self.ep_size = ep_size
+        self.static_capacities = tuple(sorted(static_capacities))
+        self.capacity: int | None = None  # this step's static rows per destination rank; None: variable splits
+        self.num_static_steps = 0
+        self.num_variable_steps = 0
 
-    def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
-        """One mode serves prefill and decode."""
+    def set_mode(self, mode: str, num_tokens: int | None = None, max_tokens_per_rank: int | None = None) -> None:
+        """Pick the step's layout, the same on every rank: static (capacity `static_capacity(static_capacities,
+        max_tokens_per_rank)`) on a DECODE step when a capacity holds the busiest rank's tokens, else variable splits.
+        num_tokens (the step's tokens over all ranks) is not needed. Raises ValueError for an unknown mode."""
+        if mode not in (PREFILL, DECODE):
+            raise ValueError(f"unknown all-to-all mode {mode!r}")
+        self.capacity = static_capacity(self.static_capacities, max_tokens_per_rank) if mode == DECODE else None
+        if self.capacity is None:
+            self.num_variable_steps += 1
+        else:
+            self.num_static_steps += 1
+
+    def reset_counters(self) -> None:
+        """Zero num_static_steps and num_variable_steps (after the start-up warm-up)."""
+        self.num_static_steps = self.num_variable_steps = 0
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> DispatchResult:
         """hidden [T, D], topk_weights [T, k] f32, topk_ids [T, k] int64 (global) -> rows for this rank's experts.
 
-        Returns DispatchResult(hidden [R, D], topk_weights [R, k] f32, topk_ids [R, k] int64 global ids,
+        Variable splits: DispatchResult(hidden [R, D], topk_weights [R, k] f32, topk_ids [R, k] int64 global ids,
         handle) where R = rows received from all ranks (rank-major, each sender's rows in token order).
-        T may be 0 (an idle rank still takes part in the collectives).
+        Static layout: R = N * C (sender-major, sender s's token t at row s * C + t), ids of other ranks' experts
+        and of padding rows -1 with weight 0. T may be 0 (an idle rank still takes part in the collectives).
+        Raises ProtocolError when T exceeds the static capacity (the ranks' step plans disagree).
         """
+        if self.capacity is not None:
+            return self._dispatch_static(hidden, topk_weights, topk_ids, self.capacity)
         T, k = topk_ids.shape
         D = hidden.shape[1]
         tok, send_counts = _rows_per_rank(topk_ids, self.num_local_experts, self.ep_size)  # [S], [N]
@@ -192,13 +256,52 @@ class TorchAllToAll:
         _collective(dist.all_to_all_single, meta_recv, meta_send, recv_splits, send_splits, group=self.group)
         w = meta_recv[:, :k].contiguous()  # [R, k] f32
         ids = meta_recv[:, k:].to(torch.int64)  # [R, k]
-        return DispatchResult(x_recv, w, ids, handle=(tok, send_splits, recv_splits, T))
+        return DispatchResult(x_recv, w, ids, handle=(PREFILL, tok, send_splits, recv_splits, T))
+
+    def _dispatch_static(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, C: int
+    ) -> DispatchResult:
+        """The static layout's dispatch (class docstring): 2 all-to-alls of N * C rows with equal splits."""
+        T, k = topk_ids.shape
+        D = hidden.shape[1]
+        N = self.ep_size
+        if T > C:
+            raise ProtocolError(f"{T} tokens exceed the step's static all-to-all capacity {C}")
+        dev = hidden.device
+        x_pad = hidden.new_zeros((C, D))  # [C, D]
+        x_pad[:T] = hidden
+        ids_pad = torch.full((C, k), -1, dtype=torch.int64, device=dev)  # [C, k]
+        ids_pad[:T] = topk_ids
+        w_pad = torch.zeros((C, k), dtype=torch.float32, device=dev)  # [C, k]
+        w_pad[:T] = topk_weights
+        ranks = torch.arange(N, device=dev).view(N, 1, 1)  # [N, 1, 1]
+        own = torch.div(ids_pad, self.num_local_experts, rounding_mode="floor").unsqueeze(0) == ranks  # [N, C, k]
+        ids_send = torch.where(own, ids_pad.unsqueeze(0), -1)  # [N, C, k]
+        w_send = torch.where(own, w_pad.unsqueeze(0), 0.0)  # [N, C, k]
+        meta_send = torch.cat([w_send, ids_send.float()], dim=2).view(N * C, 2 * k)  # [N * C, 2k]
+        x_send = x_pad.repeat(N, 1)  # [N * C, D]: the same C rows to every rank
+        x_recv = torch.empty_like(x_send)  # [N * C, D]
+        meta_recv = torch.empty_like(meta_send)  # [N * C, 2k]
+        _collective(dist.all_to_all_single, x_recv, x_send, group=self.group)
+        _collective(dist.all_to_all_single, meta_recv, meta_send, group=self.group)
+        w = meta_recv[:, :k].contiguous()  # [N * C, k] f32
+        ids = meta_recv[:, k:].to(torch.int64)  # [N * C, k]
+        return DispatchResult(x_recv, w, ids, handle=(DECODE, T, C))
 
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchResult) -> torch.Tensor:
         """expert_out [R, D] (routing-weighted partial sums) -> [T, D]: rows sent home and summed per token
         (in float32, in rank order), returned in expert_out.dtype."""
-        tok, send_splits, recv_splits, T = dispatched.handle
         D = expert_out.shape[1]
+        if dispatched.handle[0] == DECODE:
+            _, T, C = dispatched.handle
+            back = torch.empty_like(expert_out)  # [N * C, D]
+            _collective(dist.all_to_all_single, back, expert_out.contiguous(), group=self.group)
+            rows = back.view(self.ep_size, C, D)[:, :T].float()  # [N, T, D]: rank r's outputs for this rank's tokens
+            out = torch.zeros(T, D, dtype=torch.float32, device=expert_out.device)  # [T, D]
+            for r in range(self.ep_size):  # rank order, as the variable path's index_add_
+                out += rows[r]
+            return out.to(expert_out.dtype)
+        _, tok, send_splits, recv_splits, T = dispatched.handle
         back = expert_out.new_empty((len(tok), D))  # [S, D]
         _collective(dist.all_to_all_single, back, expert_out.contiguous(), send_splits, recv_splits, group=self.group)
         out = torch.zeros(T, D, dtype=torch.float32, device=expert_out.device)  # [T, D]
@@ -268,10 +371,11 @@ class DeepEPAllToAll:
         self.step_tokens: int | None = None
         self._ll_clean = False
 
-    def set_mode(self, mode: str, num_tokens: int | None = None) -> None:
+    def set_mode(self, mode: str, num_tokens: int | None = None, max_tokens_per_rank: int | None = None) -> None:
         """Switch between PREFILL (normal) and DECODE (low-latency) before a step; the same mode on all ranks.
         num_tokens: the step's tokens over all ranks (None: unknown), which bounds the rows a low-latency dispatch
-        delivers with a local expert (num_tokens x top-k) and gives their expected number."""
+        delivers with a local expert (num_tokens x top-k) and gives their expected number; max_tokens_per_rank is
+        not needed (the low-latency buffers have one size)."""
         if mode not in (PREFILL, DECODE):
             raise ValueError(f"unknown all-to-all mode {mode!r}")
         self.step_tokens = num_tokens
@@ -355,16 +459,21 @@ def make_all_to_all(
     ep_size: int,
     group: dist.ProcessGroup | None = None,
     ll_max_tokens_per_rank: int = 128,
+    static_capacities: Sequence[int] = (),
 ) -> Backend:
     """The backend object for `backend` (one of BACKENDS). `torch.distributed` must be initialised for all
-    but `local`. Raises ValueError for an unknown name or a local backend with ep_size > 1."""
+    but `local`. static_capacities: gloo / nccl decode steps use the static layout at these capacities
+    (TorchAllToAll; empty: variable splits only; ignored by `local`, which exchanges nothing). Raises ValueError for
+    an unknown name, a local backend with ep_size > 1, or static capacities with deepep."""
     if backend == "local":
         if ep_size != 1:
             raise ValueError("the local all-to-all backend serves one rank")
         return LocalBackend()
     if backend in ("gloo", "nccl"):
-        return TorchAllToAll(group, num_experts, ep_rank, ep_size)
+        return TorchAllToAll(group, num_experts, ep_rank, ep_size, static_capacities)
     if backend == "deepep":
+        if static_capacities:
+            raise ValueError("the static all-to-all layout is for the gloo / nccl backends, not deepep")
         check_deepep_experts(num_experts, ep_size)
         if group is None:
             raise ValueError("the deepep all-to-all backend needs a process group (init_distributed)")

@@ -87,6 +87,7 @@ def build_runner(
     """This rank's runner (a FakeRunner with `--fake`, else a ModelRunner with its all-to-all backend, which is
     returned too). Raises CheckpointError / ConfigError / KVCacheSizeError naming the file, field or flag."""
     from kimi.backends.all_to_all import default_backend, init_distributed, make_all_to_all
+    from kimi.worker.cuda_graph import bucket_sizes
     from kimi.worker.runner import ModelRunner
 
     if args.model.startswith("preset:"):
@@ -109,6 +110,8 @@ def build_runner(
         return FakeRunner(cfg, cache, rank=rank, world_size=world_size, model=args.model), None
     backend = args.a2a_backend or default_backend(world_size, args.device)
     group = init_distributed(backend, torch.device(device), args.dist_timeout)
+    # the static decode layout's capacities: the decode batch buckets (kimi.worker.cuda_graph) up to --ll-max-tokens
+    capacities = bucket_sizes(args.ll_max_tokens) if args.a2a_static_decode and backend in ("gloo", "nccl") else []
     a2a = make_all_to_all(
         backend,
         num_experts=cfg.n_routed_experts,
@@ -117,8 +120,10 @@ def build_runner(
         ep_size=world_size,
         group=group,
         ll_max_tokens_per_rank=args.ll_max_tokens,
+        static_capacities=capacities,
     )
-    log.info("rank %d of %d: all-to-all backend %s", rank, world_size, backend)
+    static = f", static decode layout at capacities {capacities}" if capacities else ""
+    log.info("rank %d of %d: all-to-all backend %s%s", rank, world_size, backend, static)
     runner = ModelRunner(
         args.model,
         cfg,
@@ -247,7 +252,8 @@ class StepLoop:
 
 
 def _log_exit(runner: Runner, rank: int, last_step: int) -> None:
-    """The rank's exit lines (tests read them): requests, tokens and steps served; guided decoding; CUDA graphs."""
+    """The rank's exit lines (tests read them): requests, tokens and steps served; guided decoding; the all-to-all
+    layouts (static decode layout only); CUDA graphs."""
     log.info(
         "rank %d served %d requests, sampled %d tokens, %d steps (%d idle)",
         rank,
@@ -261,6 +267,16 @@ def _log_exit(runner: Runner, rank: int, last_step: int) -> None:
         "rank %d: guided decoding: %d constrained requests, %d still held", rank, guided.num_requests, guided.num_held
     )
     guided.close()
+    from kimi.backends.all_to_all import TorchAllToAll
+
+    a2a = getattr(runner, "a2a", None)
+    if isinstance(a2a, TorchAllToAll) and a2a.static_capacities:  # the static decode layout
+        log.info(
+            "rank %d: all-to-all layout: %d static steps, %d variable-split steps",
+            rank,
+            a2a.num_static_steps,
+            a2a.num_variable_steps,
+        )
     graphs = getattr(getattr(runner, "model", None), "graphs", None)
     if graphs is not None:  # CUDA-graph decode: replays, and decode steps whose attention was planned ahead
         fis = [f for f in getattr(graphs, "fi", {}).values() if hasattr(f, "ahead_hits")]

@@ -63,7 +63,8 @@ class ModelRunner:
     rank / world_size: this worker's DP rank and EP rank (the same under DP attention + EP MoE).
     a2a: the MoE all-to-all backend (kimi.backends.all_to_all; None = local, world_size 1 only).
     ll_max_tokens_per_rank: decode steps with at most this many tokens on every rank use the backend's
-    low-latency mode (DeepEP); others use its normal mode.
+    low-latency mode (DeepEP) or static layout (gloo / nccl with static capacities); others use its normal mode
+    (variable splits). `update_states` gives the backend the step's mode, its tokens and its most tokens on one rank.
     Guided decoding (SamplingParams.grammar): `guided` holds this rank's matchers (kimi.structured_output.bitmask):
     each sampled token is accepted in `finish`, and the next bitmask is filled after the previous step is finished,
     just before this step's sampling is launched (on CUDA while this step's forward runs).
@@ -277,7 +278,8 @@ class ModelRunner:
             per_rank[self.rank_of[c.rid]] += c.num_new_tokens
         single = all(nr.num_new_tokens == 1 for nr in plan.new) and all(c.num_new_tokens == 1 for c in plan.cont)
         if self.a2a is not None:
-            self.a2a.set_mode(step_mode(per_rank, single, self.ll_max_tokens_per_rank), sum(per_rank))
+            mode = step_mode(per_rank, single, self.ll_max_tokens_per_rank)
+            self.a2a.set_mode(mode, sum(per_rank), max(per_rank, default=0))
         batch: list[ScheduledRow] = []
         for nr in plan.new:
             if nr.dp_rank == self.rank:
@@ -418,9 +420,13 @@ class ModelRunner:
 
     def reset_counters(self) -> None:
         """Zero the served counts (after the start-up warm-up, kimi.worker.warmup): requests, sampled tokens, idle and
-        overlapped steps, constrained requests, and the CUDA graphs' replay and plan-ahead counts."""
+        overlapped steps, constrained requests, the all-to-all's layout counts, and the CUDA graphs' replay and
+        plan-ahead counts."""
         self.num_requests = self.num_sampled = self.num_idle_steps = self.num_overlapped = 0
         self.guided.num_requests = 0
+        reset_a2a = getattr(self.a2a, "reset_counters", None)
+        if reset_a2a is not None:
+            reset_a2a()
         graphs = getattr(self.model, "graphs", None)
         if graphs is not None:
             graphs.reset_counters()

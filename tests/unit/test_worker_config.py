@@ -26,6 +26,7 @@ OTHER = dict(
     no_progress=True,
     log_level="trace",
     a2a_backend="gloo",
+    a2a_static_decode=True,
     dist_timeout=30.0,
     ll_max_tokens=64,
     fake=True,
@@ -98,6 +99,7 @@ def test_serve_shares_the_worker_declaration():
         ServeArgs(model="/x", fake_workers=True, num_blocks=64, log_level="warning", dtype="float32"),
         ServeArgs(model="/x", device="cuda", max_num_seqs=32, moe_backend="cuda", fp8_dense="triton"),
         ServeArgs(model="/x", device="cuda", enforce_eager=True, load_format="dummy", a2a_backend="nccl"),
+        ServeArgs(model="/x", nproc=2, a2a_backend="gloo", a2a_static_decode=True),
         ServeArgs(model="/x", moe_backend="ref", enforce_eager=True),  # cuda-only flags: not passed on the cpu
     ],
 )
@@ -106,12 +108,13 @@ def test_serve_to_worker(serve):
     cmd = worker_command(serve, "tcp://a", "tcp://b")
     c = worker_config(serve, "tcp://a", "tcp://b")
     assert WorkerConfig.from_argv(cmd[cmd.index("kimi.worker.main") + 1 :]) == c
-    assert (c.model, c.device, c.fake, c.num_blocks, c.log_level) == (
+    assert (c.model, c.device, c.fake, c.num_blocks, c.log_level, c.a2a_static_decode) == (
         serve.model,
         serve.device,
         serve.fake_workers,
         serve.num_blocks,
         serve.log_level,
+        serve.a2a_static_decode,
     )
     if serve.device == "cuda":
         assert c.cuda_graph_max_bs == (0 if serve.enforce_eager else serve.max_num_seqs)

@@ -47,10 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         help="start as `kimi serve` would, warm up (filling the kernel cache, --cache-dir), and exit: for image builds",
         description="Run `kimi serve`'s start-up and warm-up with the same flags, then stop: every kernel a server "
         "with these flags launches is compiled into --cache-dir, so a server started later on this machine (or from "
-        "an image holding that folder) compiles nothing (docs/cli.md).",
+        "an image holding that folder) reuses them (docs/cli.md). It binds the same HTTP and ZeroMQ ports as the "
+        "server would (pass free ones with --port / --zmq-submit-addr when a server runs). Exit status 0 once every "
+        "rank has warmed up, 1 when stopped or failed before that.",
         formatter_class=HelpFormatter,
     )
     add_serve_args(warmup_p)
+    for action in warmup_p._actions:  # the one serve flag kimi warmup refuses
+        if action.dest == "skip_warmup":
+            action.help = argparse.SUPPRESS
     args = p.parse_args(argv)  # exits 2 naming the flag on a value no server can run with
     if args.cmd is None:  # bare `kimi`: what it can do, not an argparse error
         p.print_help()

@@ -637,6 +637,13 @@ def _check_flags(a: ServeArgs) -> int | None:
             a.zmq_submit_addr,
         )
         return 2
+    if not a.attach:  # the local workers' kernel cache: a folder that cannot be made fails here, not in a rank
+        try:
+            for d in cache_dir.library_dirs(a.cache_dir or cache_dir.default_dir()).values():
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.error("--cache-dir %s: cannot create %s", a.cache_dir or cache_dir.default_dir(), e)
+            return 2
     return None
 
 
@@ -826,10 +833,13 @@ async def serve(a: ServeArgs) -> int:
         log.info('HTTP on http://%s:%d (/health says "loading" until the workers are ready)', a.host, a.port)
         http_task = asyncio.create_task(http.serve(sockets=http_socks))
         submit_task = asyncio.create_task(submit.serve())
-        start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.startup_timeout))
+        start = asyncio.create_task(engine.start(a.nproc, timeout_s=a.startup_timeout, warm_up=not a.skip_warmup))
         await asyncio.wait({start, http_task}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # HTTP stopped (a signal) while loading, or failed
             start.cancel()
+            if a.warmup_only:
+                log.error("kimi warmup: stopped before every rank was warmed up; the kernel cache is not complete")
+                return 1
             return _http_end(http_task, http)
         try:
             start.result()
@@ -838,7 +848,7 @@ async def serve(a: ServeArgs) -> int:
             engine.fail_all(str(e))
             return 1
         if a.warmup_only:
-            log.info("warm-up done: the kernel cache under %s is filled", a.cache_dir or cache_dir.default_dir())
+            log.info("warm-up done on every rank (kernel cache: %s)", a.cache_dir or cache_dir.default_dir())
             return 0
         log.info("ready: model %r on http://%s:%d, ZeroMQ submit API on %s", name, a.host, a.port, submit_addr)
         # Everything allocated so far lives for the whole run: keep it out of the cyclic collector's scans,

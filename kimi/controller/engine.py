@@ -30,6 +30,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -132,14 +133,39 @@ class Engine:
         self.grammars = GrammarBackend(tokenizer, vocab_size, eos_token_ids)
 
     # ---- start-up ---------------------------------------------------------------------------------------
-    async def start(self, world_size: int, timeout_s: float = 600.0) -> None:
-        """Ping until every rank reports Ready; then size one BlockPool per DP rank from the minimum.
+    async def start(self, world_size: int, timeout_s: float = 600.0, warm_up: bool = True) -> None:
+        """Ping until every rank reports Ready; then size one BlockPool per DP rank from the minimum. warm_up: also run
+        `warm_up` meanwhile and wait for it before reporting ready.
 
         Raises WorkerFailedError if a rank fails, a liveness check fails, or timeout_s passes; ConfigError if the
         workers' block size is not the controller's.
         """
-        # the controller's own first-use costs (xgrammar's vocabulary), built while the workers load
-        warm = asyncio.get_running_loop().run_in_executor(None, self.warm_up)
+        # the controller's own first-use costs (xgrammar's vocabulary), built while the workers load, in a daemon
+        # thread: a server stopped meanwhile exits without waiting for it (the executor's threads are joined at exit)
+        loop = asyncio.get_running_loop()
+        warm: asyncio.Future[None] = loop.create_future()
+
+        def _warm() -> None:
+            try:
+                self.warm_up()
+                err = None
+            except BaseException as e:  # handed to the awaiting start()
+                err = e
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                loop.call_soon_threadsafe(_settle, err)
+
+        def _settle(err: BaseException | None) -> None:
+            if warm.done():
+                return
+            if err is not None:
+                warm.set_exception(err)
+            else:
+                warm.set_result(None)
+
+        if warm_up:
+            threading.Thread(target=_warm, name="controller-warm-up", daemon=True).start()
+        else:
+            warm.set_result(None)
         ready: dict[int, protocol.Ready] = {}
         deadline = time.monotonic() + timeout_s
         seq = 0

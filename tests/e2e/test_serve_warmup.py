@@ -4,6 +4,7 @@ start-up with the serve flags and exits."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -76,7 +77,7 @@ def test_kimi_warmup_starts_warms_and_exits(tiny_k26, tmp_path):
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    assert "rank0 INFO warm-up in" in out and "warm-up done: the kernel cache under" in out, out[-3000:]
+    assert "rank0 INFO warm-up in" in out and "warm-up done on every rank" in out, out[-3000:]
     assert "ready: model" not in out  # it never served
     assert sorted(d.name for d in cache.iterdir()) == ["csrc", "flashinfer", "humming", "triton"]
     deadline = time.monotonic() + 10
@@ -85,4 +86,38 @@ def test_kimi_warmup_starts_warms_and_exits(tiny_k26, tmp_path):
     assert worker_pids(tiny_k26) == []
     bad = subprocess.run([*cmd, "--skip-warmup"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--skip-warmup" in bad.stderr, bad.stderr
+    helptext = subprocess.run([*cmd[:3], "warmup", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert helptext.returncode == 0 and "--cache-dir" in helptext.stdout and "--skip-warmup" not in helptext.stdout
     assert Path(cache).is_dir()
+
+
+def test_kimi_warmup_stopped_before_ready_exits_1(tiny_k26, tmp_path):
+    """An image build must not pass on a half-filled cache: SIGTERM while the ranks load is exit 1, with a line."""
+    cmd = [sys.executable, "-m", "kimi", "warmup", "--model", tiny_k26, "--port", str(free_tcp_port())]
+    cmd += ["--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", "--cache-dir", str(tmp_path / "cache")]
+    log_path = tmp_path / "warmup.log"
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while "HTTP on" not in log_path.read_text() and time.monotonic() < deadline:  # the workers are launched
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(60)
+    out = log_path.read_text()
+    assert rc == 1, out[-3000:]
+    assert "kimi warmup: stopped before every rank was warmed up" in out and "warm-up done" not in out
+    deadline = time.monotonic() + 10
+    while worker_pids(tiny_k26) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert worker_pids(tiny_k26) == []
+
+
+def test_a_cache_dir_that_cannot_be_made_exits_2_before_any_worker(tiny_k26, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cmd = [sys.executable, "-m", "kimi", "serve", "--model", tiny_k26, "--port", str(free_tcp_port())]
+    cmd += ["--zmq-submit-addr", f"tcp://127.0.0.1:{free_tcp_port()}", "--cache-dir", str(blocker / "cache")]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "--cache-dir" in out, out[-3000:]
+    assert "Traceback" not in out and "all-to-all backend" not in out  # one line, and no rank was started

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kimi import envs
 
-__all__ = ["LIBRARY_VARIABLES", "SUBDIRS", "configure", "count_files", "default_dir", "library_dirs"]
+__all__ = ["LIBRARY_VARIABLES", "SUBDIRS", "configure", "count_files", "default_dir", "files", "library_dirs"]
 
 # library -> (subfolder of the cache dir, the environment variable the library reads)
 LIBRARY_VARIABLES: dict[str, tuple[str, envs.EnvVar[str | None]]] = {
@@ -59,12 +59,11 @@ def configure(cache_dir: str) -> dict[str, Path]:
     return dirs
 
 
+def files(folder: Path) -> set[str]:
+    """The paths of the files under folder (empty for a folder that does not exist)."""
+    return {os.path.join(root, f) for root, _, names in os.walk(folder) for f in names}
+
+
 def count_files(dirs: dict[str, Path]) -> dict[str, int]:
     """library -> the number of files under its folder (0 for a folder that does not exist)."""
-    out = {}
-    for lib, d in dirs.items():
-        n = 0
-        for _, _, files in os.walk(d):
-            n += len(files)
-        out[lib] = n
-    return out
+    return {lib: len(files(d)) for lib, d in dirs.items()}

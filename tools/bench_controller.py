@@ -58,9 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from kimi.benchmarks import snapshot
+from kimi.benchmarks.startup import wait_healthy
 from kimi.ipc import free_tcp_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,18 +163,7 @@ def run_one(n: int, args, model_dir: str, tmp: str, async_scheduling: bool = Tru
     with open(log_path, "w") as log:
         proc = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {Path(log_path).read_text()[-2000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server not ready")
-                time.sleep(0.3)
+            wait_healthy(proc, f"http://127.0.0.1:{port}", Path(log_path), 120, time.monotonic())
             spy = None
             if args.py_spy:
                 os.makedirs(args.py_spy, exist_ok=True)

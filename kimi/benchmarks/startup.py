@@ -8,7 +8,6 @@ the kernel cache folders, kimi.cache_dir). Used by tools/bench_startup.py and te
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import random
 import re
 import subprocess
@@ -24,7 +23,7 @@ from kimi import cache_dir
 from kimi.errors import KimiError
 from kimi.worker.warmup import prefill_sizes
 
-__all__ = ["ServeFailed", "Startup", "parse_log", "probe_compiles", "start"]
+__all__ = ["ServeFailed", "Startup", "parse_log", "probe_compiles", "start", "wait_healthy"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,6 +60,13 @@ def start(serve_args: list[str], log_path: Path, cache: str, port: int, timeout_
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, log_path, timeout_s, t0)
+    return Startup(proc, base, log_path, time.monotonic() - t0, cache_dir.library_dirs(cache))
+
+
+def wait_healthy(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float, t0: float) -> None:
+    """Poll base_url/health until it answers 200. Raises ServeFailed with the log's tail when proc exits or timeout_s
+    passes after t0 (time.monotonic()); the process is killed in the latter case."""
     with httpx.Client() as client:
         while True:
             if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
@@ -68,12 +74,11 @@ def start(serve_args: list[str], log_path: Path, cache: str, port: int, timeout_
                     proc.kill()
                 raise ServeFailed(f"kimi serve not ready (rc {proc.poll()}):\n{log_path.read_text()[-4000:]}")
             try:
-                if client.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
+                if client.get(f"{base_url}/health", timeout=1).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-    return Startup(proc, base, log_path, time.monotonic() - t0, cache_dir.library_dirs(cache))
 
 
 def parse_log(log: str) -> dict[str, Any]:
@@ -99,11 +104,7 @@ def parse_log(log: str) -> dict[str, Any]:
 
 
 def _files(dirs: dict[str, Path]) -> set[str]:
-    out: set[str] = set()
-    for d in dirs.values():
-        for root, _, files in os.walk(d):
-            out.update(os.path.join(root, f) for f in files)
-    return out
+    return set().union(*(cache_dir.files(d) for d in dirs.values()))
 
 
 def _complete(client: httpx.Client, base: str, n_prompt: int, prompt_seed: int, vocab: int, **kw: Any) -> None:

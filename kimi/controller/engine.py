@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -142,30 +143,20 @@ class Engine:
         """
         # the controller's own first-use costs (xgrammar's vocabulary), built while the workers load, in a daemon
         # thread: a server stopped meanwhile exits without waiting for it (the executor's threads are joined at exit)
-        loop = asyncio.get_running_loop()
-        warm: asyncio.Future[None] = loop.create_future()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def _warm() -> None:
             try:
                 self.warm_up()
-                err = None
+                done.set_result(None)
             except BaseException as e:  # handed to the awaiting start()
-                err = e
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
-                loop.call_soon_threadsafe(_settle, err)
-
-        def _settle(err: BaseException | None) -> None:
-            if warm.done():
-                return
-            if err is not None:
-                warm.set_exception(err)
-            else:
-                warm.set_result(None)
+                done.set_exception(e)
 
         if warm_up:
             threading.Thread(target=_warm, name="controller-warm-up", daemon=True).start()
         else:
-            warm.set_result(None)
+            done.set_result(None)
+        warm = asyncio.wrap_future(done)
         ready: dict[int, protocol.Ready] = {}
         deadline = time.monotonic() + timeout_s
         seq = 0

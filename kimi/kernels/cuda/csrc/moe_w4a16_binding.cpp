@@ -51,8 +51,8 @@ static void indexed_gemm(const torch::Tensor& x, const torch::Tensor& wq, const 
       early_weights ? 1 : 0, zero_pads ? 1 : 0, at::cuda::getCurrentCUDAStream());
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear it: a later, unrelated launch check must not see it
-    // formatted here: with int64 values streamed into TORCH_CHECK's message, a launch error segfaulted this extension
-    // (session 22, in a binding of the same form: std::ostream::_M_insert<long>, under cuda-gdb)
+    // formatted here: int64 values streamed into TORCH_CHECK's message crash in std::ostream::_M_insert<long> inside
+    // a torch extension built this way, so the message is built with snprintf
     char msg[256];
     snprintf(msg, sizeof(msg), "kimi_w4a16_indexed_gemm: %s (nt=%d, kw=%d, stages=%d, n=%d, k=%d)",
              cudaGetErrorString(err), (int)nt, (int)kw, (int)stages, (int)n, (int)k);

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -141,22 +139,13 @@ class Engine:
         Raises WorkerFailedError if a rank fails, a liveness check fails, or timeout_s passes; ConfigError if the
         workers' block size is not the controller's.
         """
-        # the controller's own first-use costs (xgrammar's vocabulary), built while the workers load, in a daemon
-        # thread: a server stopped meanwhile exits without waiting for it (the executor's threads are joined at exit)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def _warm() -> None:
-            try:
-                self.warm_up()
-                done.set_result(None)
-            except BaseException as e:  # handed to the awaiting start()
-                done.set_exception(e)
-
-        if warm_up:
-            threading.Thread(target=_warm, name="controller-warm-up", daemon=True).start()
-        else:
-            done.set_result(None)
-        warm = asyncio.wrap_future(done)
+        # the controller's own first-use costs (xgrammar's vocabulary), built while the workers load. In the default
+        # executor, not a daemon thread: a process that exits while xgrammar's C++ runs in a daemon thread aborts, so a
+        # stop during start-up waits for it instead
+        loop = asyncio.get_running_loop()
+        warm: asyncio.Future[None] = loop.run_in_executor(None, self.warm_up) if warm_up else loop.create_future()
+        if not warm_up:
+            warm.set_result(None)
         ready: dict[int, protocol.Ready] = {}
         deadline = time.monotonic() + timeout_s
         seq = 0

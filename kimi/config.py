@@ -518,6 +518,13 @@ class WorkerConfig:
         "--device cuda only: dummy = random weights of the checkpoint's shapes, generated on the GPU",
         choices=("auto", "dummy"),
     )
+    emulate_ep_size: int = _flag(
+        1,
+        "--device cuda, benchmarks only (--nproc 1, --load-format dummy): the one rank holds EP rank 0 of N's experts "
+        "(1 / N of them, as one rank of an N-GPU deployment) and drops the routed pairs of the other N - 1 ranks' "
+        "experts, so outputs are not the model's; start-up and step times are those of one such rank",
+        type=int,
+    )
     cuda_graph_max_bs: int = _flag(0, "cuda: largest decode CUDA graph bucket (0 = eager)", type=int)
     fp8_dense: str = _flag(
         "off",

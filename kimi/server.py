@@ -99,6 +99,7 @@ class ServeArgs:
     load_format: str = "auto"
     enforce_eager: bool = False
     fp8_dense: str = "off"
+    emulate_ep_size: int = 1
     no_async_scheduling: bool = False
     skip_warmup: bool = False
     cache_dir: str | None = None
@@ -124,7 +125,8 @@ NUMERIC_LIMITS: dict[str, tuple[type, float, float | None, bool]] = {
     "max_body_bytes": (int, 1, None, True),
     "request_body_timeout": (float, 0, None, False),
     "request_header_timeout": (float, 0, None, False),
-    "heartbeat_timeout": (float, 0, None, True),  # 0 = off; else at least HEARTBEAT_MIN_S (_limit_error)
+    "heartbeat_timeout": (float, 0, None, True),
+    "emulate_ep_size": (int, 1, None, True),  # 0 = off; else at least HEARTBEAT_MIN_S (_limit_error)
 }
 # a heartbeat timeout must span two of the controller's pings, or a healthy rank is declared dead
 HEARTBEAT_MIN_S = 2 * HEARTBEAT_S
@@ -173,7 +175,7 @@ def cuda_only_flags_set(a: ServeArgs) -> list[str]:
     d = ServeArgs(model=a.model)
     return [
         f"--{name.replace('_', '-')}"
-        for name in ("moe_backend", "load_format", "enforce_eager", "fp8_dense")
+        for name in ("moe_backend", "load_format", "enforce_eager", "fp8_dense", "emulate_ep_size")
         if getattr(a, name) != getattr(d, name)
     ]
 
@@ -203,6 +205,8 @@ def check_serve_args(a: ServeArgs) -> str | None:
         return "--served-model-name must not be empty"
     if a.scheduling_policy not in ("fcfs", "priority"):
         return f"--scheduling-policy must be fcfs or priority, got {a.scheduling_policy!r}"
+    if a.emulate_ep_size > 1 and a.device == "cuda" and (a.nproc != 1 or a.load_format != "dummy"):
+        return "--emulate-ep-size: benchmarks only, with --nproc 1 and --load-format dummy"
     return None
 
 
@@ -358,6 +362,7 @@ def _add_http_and_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", **worker_flag("load_format"))
     p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
     p.add_argument("--fp8-dense", **worker_flag("fp8_dense"))
+    p.add_argument("--emulate-ep-size", **worker_flag("emulate_ep_size", type=_numeric("emulate_ep_size")))
     p.add_argument(
         "--no-async-scheduling",
         action="store_true",
@@ -386,6 +391,7 @@ def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfi
         moe_backend=a.moe_backend if cuda else d.moe_backend,
         load_format=a.load_format if cuda else d.load_format,
         fp8_dense=a.fp8_dense if cuda else d.fp8_dense,
+        emulate_ep_size=a.emulate_ep_size if cuda else d.emulate_ep_size,
         cuda_graph_max_bs=(0 if a.enforce_eager else a.max_num_seqs) if cuda else d.cuda_graph_max_bs,
         max_num_seqs=a.max_num_seqs,
         token_budget=a.token_budget,
@@ -676,6 +682,14 @@ def _check_model(a: ServeArgs, cfg: ModelConfig, tokenizer: KimiTokenizer) -> Mo
             a.max_model_len,
             cfg.max_position_embeddings,
             cfg.max_position_embeddings,
+        )
+        return None
+    if cfg.n_routed_experts % a.emulate_ep_size:
+        log.error(
+            "--emulate-ep-size %d: the model's %d routed experts do not split evenly over %d ranks",
+            a.emulate_ep_size,
+            cfg.n_routed_experts,
+            a.emulate_ep_size,
         )
         return None
     if not a.fake_workers and cfg.n_routed_experts % a.nproc:  # --attach too: --nproc is then the world size

@@ -23,8 +23,12 @@ FLOPs counted (multiply-add = 2):
          (query, key) pair, causal; `attention_nonabsorbed_flops` gives the same pairs at 2 x heads x (192 + 128),
          the cost of a 192/128 ragged prefill kernel, for comparison.
 Ceiling: bf16 matmul TFLOPS measured in the same run (torch.matmul 8192^3, the best of 20 calls); `tflops` /
-`matmul_tflops` is the step's fraction of it. Per-op breakdown: torch.profiler kernel time of one step by class
-(kimi.benchmarks.emulated_rank.KERNEL_CLASSES).
+`matmul_tflops` is the step's fraction of it. Floor of a step: the larger of its FLOPs at that matmul rate and its
+bytes at the measured HBM copy bandwidth (4 GiB device copy): every non-expert weight, each local expert the routing
+hits and lm_head (when a prompt ends) read once, the step's KV written and its cached context's KV read.
+--idle-peers: the other ranks send nothing, so the MoE sees only this rank's tokens (one prompt on a quiet server:
+`--chunk 1024 --cases 1024 --idle-peers` is a lone 1024-token prompt's prefill). Per-op breakdown: torch.profiler
+kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES).
 
 Usage: python tools/bench_prefill.py [--cases 16x128,2048,8192] [--chunk 2048] [--snapshot]
 
@@ -43,7 +47,7 @@ import torch
 from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
-from kimi.benchmarks.gpu import require_gpu
+from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
@@ -87,6 +91,8 @@ def parse_cases(spec: str, chunk: int) -> list[dict]:
 def config_name(args: argparse.Namespace) -> str:
     """The snapshot configuration: EP size and chunk, then whatever differs from the headline run."""
     parts = [f"int4-ep{args.ep_size}-chunk{args.chunk}"]
+    if args.idle_peers:
+        parts.append("idle-peers")
     if args.layers != 61:
         parts.append(f"L{args.layers}")
     if args.moe_backend != "auto":
@@ -110,6 +116,8 @@ def summarize(res: dict) -> dict:
                 len(st),
                 " + ".join(f"{s['median_ms']:.1f}" for s in st),
                 round(c["prefill_ms"], 1),
+                round(c["floor_ms"], 1) if "floor_ms" in c else None,
+                round(c["prefill_ms"] / c["floor_ms"], 2) if "floor_ms" in c else None,
                 f"{min(tf):.0f}" if len(st) == 1 else f"{min(tf):.0f}-{max(tf):.0f}",
                 f"{min(frac):.2f}" if len(st) == 1 else f"{min(frac):.2f}-{max(frac):.2f}",
                 round(toks / (c["prefill_ms"] * 1e-3)),
@@ -121,12 +129,17 @@ def summarize(res: dict) -> dict:
             "steps",
             "step times (ms)",
             "prefill (ms)",
+            "floor (ms)",
+            "prefill / floor",
             "TFLOPS",
             "of matmul",
             "new tokens/s",
         ],
         "rows": rows,
-        "notes": [f"bf16 matmul {res['matmul_tflops']:.0f} TFLOPS in the same run (the ceiling)"],
+        "notes": [
+            f"bf16 matmul {res['matmul_tflops']:.0f} TFLOPS in the same run (the ceiling)"
+            + (f", copy {res['copy_GBps']:.0f} GB/s" if "copy_GBps" in res else "")
+        ],
     }
 
 
@@ -141,6 +154,11 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64, help="KV cache block size (tokens)")
     ap.add_argument("--chunk", type=int, default=2048, help="new tokens per step on this rank (--token-budget)")
     ap.add_argument("--cases", default="16x128,2048,8192", help="comma list of NxL (N prompts of L) or L (chunked)")
+    ap.add_argument(
+        "--idle-peers",
+        action="store_true",
+        help="the other ranks send no tokens: the MoE sees only this rank's (a lone prompt's TTFT on a quiet server)",
+    )
     ap.add_argument("--iters", type=int, default=5, help="timed steps per step of a case")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown of each step")
     ap.add_argument("--out", default=None, help="write the full JSON result here")
@@ -158,7 +176,8 @@ def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     res: dict = {"what": __doc__.split("\n")[0], "args": vars(args)}
     res["matmul_tflops"] = peak = matmul_tflops(dev)
-    print(f"bf16 matmul {peak:.0f} TFLOPS", flush=True)
+    res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]  # 4 GiB copy
+    print(f"bf16 matmul {peak:.0f} TFLOPS, copy {bw:.0f} GB/s", flush=True)
 
     cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
@@ -174,6 +193,7 @@ def main() -> None:
         cfg.routed_scaling_factor,
         dev,
         per_layer=True,
+        idle_peers=args.idle_peers,
     )
     max_len = max(max(c["prompts"]) for c in cases)
     t0 = time.time()
@@ -214,6 +234,25 @@ def main() -> None:
     res["expert_flops_per_pair"] = expert_flops_per_pair
     pairs = ep.local_pairs(offset, n_local)  # per step (every step routes the same drawn pairs)
     res["local_pairs_per_step"] = pairs
+    # bytes a step must move at least: every weight it multiplies read once (non-expert weights, the local experts the
+    # routing hits, lm_head), the new tokens' KV written and the cached context's read (kv_cache_dim bf16 per layer)
+    mlp1 = model.layers[cfg.first_k_dense_replace].mlp
+    expert_bytes = (
+        sum(
+            t.numel() * t.element_size()
+            for t in mlp1.experts_impl.state_dict().values()
+            if not (t.dtype == torch.int32 and t.dim() == 1)  # humming's 'locks' buffer
+        )
+        // n_local
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if not p.is_meta and ".experts_impl." not in n and n not in ("embed_tokens", "lm_head")
+    )
+    weight_bytes += sum(ep.experts_hit(offset, n_local)) * expert_bytes
+    kv_token_bytes = cfg.kv_cache_dim * 2 * cfg.num_hidden_layers
+    res["bytes_per_expert"], res["weight_bytes_per_step"] = expert_bytes, weight_bytes
 
     bs = args.block_size
     nblk = 1 + max(len(c["prompts"]) * -(-max(c["prompts"]) // bs) for c in cases)  # + the null block 0
@@ -252,6 +291,8 @@ def main() -> None:
                 f_attn = 2 * H * (lat + rope + lat) * kv_pairs * cfg.num_hidden_layers
                 f_attn_na = 2 * H * (cfg.qk_nope_head_dim + rope + cfg.v_head_dim) * kv_pairs * cfg.num_hidden_layers
                 total = f_dense + f_exp + f_attn
+                nbytes = weight_bytes + (lm_head.numel() * 2 if ends else 0) + kv_token_bytes * (T + sum(ctx))
+                floor = max(total / (peak * 1e12), nbytes / (bw * 1e9)) * 1e3  # ms
                 st = {
                     "query_lens": qlens if n <= 4 else f"{n} x {qlens[0]}",
                     "context_before": ctx if n <= 4 else 0,
@@ -264,6 +305,9 @@ def main() -> None:
                     "attention_nonabsorbed_flops": f_attn_na,
                     "tflops": total / (ms * 1e-3) / 1e12,
                     "tokens_per_s": T / (ms * 1e-3),
+                    "bytes": nbytes,
+                    "floor_ms": floor,
+                    "over_floor": ms / floor,
                 }
                 st["fraction_of_matmul"] = st["tflops"] / peak
                 if not args.no_profile:
@@ -279,10 +323,21 @@ def main() -> None:
                     flush=True,
                 )
             total_ms = sum(s["median_ms"] for s in out_steps)
+            floor_ms = sum(s["floor_ms"] for s in out_steps)
             res["cases"].append(
-                {"name": case["name"], "prompts": case["prompts"], "steps": out_steps, "prefill_ms": total_ms}
+                {
+                    "name": case["name"],
+                    "prompts": case["prompts"],
+                    "steps": out_steps,
+                    "prefill_ms": total_ms,
+                    "floor_ms": floor_ms,
+                }
             )
-            print(f"{case['name']}: prefill {total_ms:.1f} ms in {len(out_steps)} step(s)", flush=True)
+            print(
+                f"{case['name']}: prefill {total_ms:.1f} ms in {len(out_steps)} step(s), floor {floor_ms:.1f} ms "
+                f"({total_ms / floor_ms:.2f}x)",
+                flush=True,
+            )
     res["conditions"] = conds = snapshot.conditions(matmul_tflops=res["matmul_tflops"])
     if args.out:
         with open(args.out, "w") as f:

@@ -4,7 +4,8 @@
     python tools/bench_serving.py --base-url http://127.0.0.1:8000/v1 --model tiny-k2.6 \\
         --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 [--request-rate 8] \\
         [--input-dist fixed|uniform|normal] [--output-dist ...] [--prompt-kind tokens|words] \\
-        [--shared-prefix-ratio 0.5 --num-prefixes 4] [--api-key KEY] [--out result.json] [--snapshot]
+        [--shared-prefix-ratio 0.5 --num-prefixes 4] [--cases 1x1x8,1024x64,...] [--api-key KEY] [--out result.json]
+        [--snapshot]
 
 (`make serve` serves `tiny-k2.6` at http://127.0.0.1:8000.) The base URL may end in /v1 (as the OpenAI client takes
 it) or not. --api-key defaults to $OPENAI_API_KEY. Without --model the server's only model is used (GET /v1/models;
@@ -246,6 +247,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout, s")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="comma list of INPUTxCONCURRENCY[xREQUESTS] run one after another on the same server, each with its "
+        "own report and one snapshot row (e.g. 1024x1x8,1024x64: 8 lone 1024-token prompts, then a burst of 64); "
+        "overrides --input-len, --concurrency and --num-requests (default REQUESTS: the concurrency)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="write the JSON report here")
     snapshot.add_arguments(p)
@@ -259,9 +267,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prefixes, --concurrency and --num-requests must be >= 1")
     try:
         a.root = normalize_base_url(a.base_url)
+        a.case_list = parse_cases(a.cases) if a.cases else None
     except ValueError as e:
         p.error(str(e))
     return a
+
+
+def parse_cases(spec: str) -> list[tuple[int, int, int]]:
+    """'1024x1x8,1024x64' -> [(input_len, concurrency, num_requests), ...] (num_requests defaults to the
+    concurrency). Raises ValueError naming a malformed or non-positive entry."""
+    out = []
+    for c in [c for c in spec.split(",") if c]:
+        try:
+            v = [int(x) for x in c.split("x")]
+        except ValueError:
+            v = []
+        if len(v) not in (2, 3) or min(v) < 1:
+            raise ValueError(f"--cases: {c!r} is not INPUTxCONCURRENCY[xREQUESTS] of positive integers")
+        out.append((v[0], v[1], v[2] if len(v) == 3 else v[1]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,31 +296,40 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"bench_serving.py: {e}", file=sys.stderr)
             return 2
-    rep = asyncio.run(run(args))
+    reps = []
+    for case in args.case_list or [(args.input_len, args.concurrency, args.num_requests)]:
+        args.input_len, args.concurrency, args.num_requests = case
+        reps.append(asyncio.run(run(args)))
+        head = f"{case[0]}-token prompts, {case[1]} at a time: " if args.case_list else ""
+        print(head + summary_line(reps[-1]), flush=True)
+    rep: dict = reps[0] if args.case_list is None else {"cases": reps}
     text = json.dumps(rep, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    print(summary_line(rep), flush=True)
     print(text)
     if args.snapshot:
         gpu = (query_gpu("name") or {}).get("name")
-        config = args.snapshot_config or f"in{args.input_len}-out{args.output_len}-c{args.concurrency}"
+        config = args.snapshot_config or (
+            f"cases-out{args.output_len}"
+            if args.case_list
+            else f"in{args.input_len}-out{args.output_len}-c{args.concurrency}"
+        )
         conds = snapshot.conditions(server=args.server_note, model=args.model)
         snapshot.write(
             args.snapshot,
             benchmark="serving",
             config=config,
-            summary=summarize(rep),
+            summary=summarize(reps),
             results=rep,
             conds=conds,
             device=args.snapshot_device or snapshot.device_key(gpu),
         )
-    return 0 if rep["errors"] == 0 else 1
+    return 0 if all(r["errors"] == 0 for r in reps) else 1
 
 
-def summarize(rep: dict) -> dict:
-    """The snapshot's table: one row of the report's headline numbers."""
+def summarize(reps: list[dict]) -> dict:
+    """The snapshot's table: one row of headline numbers per report (per case)."""
 
     def r1(v: float | None) -> float | None:
         return None if v is None else round(v, 1)
@@ -309,6 +342,7 @@ def summarize(rep: dict) -> dict:
             "input / output tokens",
             "output tok/s",
             "TTFT p50 (ms)",
+            "TTFT p99 (ms)",
             "TPOT p50 (ms)",
             "ITL p50 (ms)",
             "TPOT p90 (ms)",
@@ -321,10 +355,12 @@ def summarize(rep: dict) -> dict:
                 f"{rep['config']['input_len']} / {rep['config']['output_len']}",
                 round(rep["output_token_throughput_per_s"]),
                 r1(rep["ttft"]["p50_ms"]),
+                r1(rep["ttft"]["p99_ms"]),
                 r1(rep["tpot"]["p50_ms"]),
                 r1(rep["itl"]["p50_ms"]),
                 r1(rep["tpot"]["p90_ms"]),
             ]
+            for rep in reps
         ],
     }
 

@@ -25,7 +25,8 @@ class EmulatedEP:
     """All-to-all stand-in: dispatch -> all ranks' tokens with fixed routing; combine -> this rank's rows.
 
     per_layer: draw the routing one layer at a time (prefill chunks: the whole [layers, T, E] score tensor would not
-    fit next to the model; other random draws than the default's, which the decode measurements used)."""
+    fit next to the model; other random draws than the default's, which the decode measurements used).
+    idle_peers: the other ranks send nothing (T = batch): the MoE sees only this rank's tokens."""
 
     def __init__(
         self,
@@ -39,9 +40,10 @@ class EmulatedEP:
         device: Any,
         seed: int = 0,
         per_layer: bool = False,
+        idle_peers: bool = False,
     ):
         g = torch.Generator(device=device).manual_seed(seed)
-        T = batch * ep_size
+        T = batch if idle_peers else batch * ep_size
         self.batch, self.n_layers, self.i = batch, num_moe_layers, 0
         self.foreign = torch.randn((T - batch, hidden), generator=g, device=device).to(torch.bfloat16)  # [T-B, D]
         n = 1 if per_layer else num_moe_layers

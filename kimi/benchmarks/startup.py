@@ -23,7 +23,7 @@ from kimi import cache_dir
 from kimi.errors import KimiError
 from kimi.worker.warmup import prefill_sizes
 
-__all__ = ["ServeFailed", "Startup", "parse_log", "probe_compiles", "start", "wait_healthy"]
+__all__ = ["ServeFailed", "Startup", "parse_log", "probe_compiles", "start", "timeline", "wait_healthy"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,6 +41,7 @@ class Startup:
     log_path: Path
     ready_s: float
     cache_dirs: dict[str, Path] = field(default_factory=dict)
+    launched_at: float = 0.0  # time.time() at launch
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -56,12 +57,12 @@ def start(serve_args: list[str], log_path: Path, cache: str, port: int, timeout_
     """Launch `kimi serve SERVE_ARGS --port PORT --cache-dir CACHE` (output to log_path) and wait for `/health` ok.
     Raises ServeFailed with the log's tail when the server exits or is not ready within timeout_s."""
     cmd = [sys.executable, "-m", "kimi", "serve", *serve_args, "--port", str(port), "--cache-dir", cache]
-    t0 = time.monotonic()
+    t0, launched_at = time.monotonic(), time.time()
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(proc, base, log_path, timeout_s, t0)
-    return Startup(proc, base, log_path, time.monotonic() - t0, cache_dir.library_dirs(cache))
+    return Startup(proc, base, log_path, time.monotonic() - t0, cache_dir.library_dirs(cache), launched_at)
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float, t0: float) -> None:
@@ -79,6 +80,36 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+
+
+# (event, the first log line that marks it) for `timeline`, in start-up order
+TIMELINE = (
+    ("controller logging", r""),
+    ("workers launched", r"HTTP on http"),
+    ("rank 0 logging", r" rank0 "),
+    ("rank 0 distributed init", r"rank0 INFO rank 0 of \d+: all-to-all backend"),
+    ("rank 0 weights loaded", r"rank0 INFO rank 0: weights loaded"),
+    ("rank 0 graphs captured", r"rank0 INFO captured \d+ decode CUDA graphs"),
+    ("rank 0 warm-up done", r"rank0 INFO warm-up in"),
+    ("every rank ready", r"rank \d+ ready: \d+ KV blocks"),
+    ("ready", r"INFO ready: model"),
+)
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def timeline(log: str, launched_at: float) -> dict[str, float]:
+    """Seconds from launch (launched_at: time.time() when the server was started) to the first log line of each
+    TIMELINE event (lines start with logging's asctime, local time); events the log lacks are left out."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m is None:
+            continue
+        t = time.mktime(time.strptime(m[1][:19], "%Y-%m-%d %H:%M:%S")) + int(m[1][20:]) / 1000
+        for event, rx in TIMELINE:
+            if event not in out and re.search(rx, line):
+                out[event] = round(t - launched_at, 1)
+    return out
 
 
 def parse_log(log: str) -> dict[str, Any]:

@@ -108,6 +108,11 @@ def build_runner(
         from kimi.worker.fake import FakeRunner
 
         return FakeRunner(cfg, cache, rank=rank, world_size=world_size, model=args.model), None
+    if args.emulate_ep_size > 1 and (world_size != 1 or args.device != "cuda" or args.load_format != "dummy"):
+        raise ConfigError("--emulate-ep-size: benchmarks only, one rank on cuda with --load-format dummy")
+    if cfg.n_routed_experts % args.emulate_ep_size:
+        n = args.emulate_ep_size
+        raise ConfigError(f"--emulate-ep-size {n}: the {cfg.n_routed_experts} experts do not split evenly over {n}")
     backend = args.a2a_backend or default_backend(world_size, args.device)
     group = init_distributed(backend, torch.device(device), args.dist_timeout)
     # the static decode layout's capacities: the decode batch buckets (kimi.worker.cuda_graph) up to --ll-max-tokens
@@ -140,6 +145,7 @@ def build_runner(
             load_format=args.load_format,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             fp8_dense=args.fp8_dense,
+            emulate_ep_size=args.emulate_ep_size,
         ),
     )
     return runner, a2a

@@ -106,9 +106,12 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
         # gpu_options (cuda only, kimi/model/weights.py): moe_backend, load_format, fp8_dense, cuda_graph_max_bs
-        # (0 = eager)
+        # (0 = eager), emulate_ep_size (WorkerConfig)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
+        # emulate_ep_size N > 1 (benchmarks, one rank): hold EP rank 0 of N's experts; other experts' pairs are dropped
+        emulate = int(gpu_opts.pop("emulate_ep_size", 1))
+        ep_rank, ep_size = (0, emulate) if emulate > 1 else (rank, world_size)
         self._check_requested_cache(cache_config)  # before the weights: a cache that cannot fit fails at once
         self.model: KimiForCausalLM
         fused_model = None  # the same model when it is the fused (GPU) one
@@ -118,8 +121,8 @@ class ModelRunner:
             self.model = fused_model = load_gpu_model(
                 model_dir,
                 cfg,
-                ep_rank=rank,
-                ep_size=world_size,
+                ep_rank=ep_rank,
+                ep_size=ep_size,
                 a2a=a2a,
                 dtype=dtype,
                 device=self.device,

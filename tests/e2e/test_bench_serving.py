@@ -65,3 +65,29 @@ def test_the_key_comes_from_openai_api_key_and_a_wrong_one_is_a_one_line_error(k
     assert r.returncode == 1
     rep = json.loads(r.stdout.partition("\n")[2])
     assert rep["errors"] == 4 and "HTTP 401" in rep["error_examples"][0]
+
+
+def test_cases_run_one_after_another_with_a_snapshot_row_each(keyed_srv, tmp_path):
+    r = bench(
+        "--base-url", keyed_srv.base_url, "--api-key", KEY, "--cases", "8x1x2,16x3",
+        "--snapshot", str(tmp_path), "--snapshot-device", "cpu", "--snapshot-config", "cases",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("8-token prompts, 1 at a time: 2 requests, 0 errors: "), lines[0]
+    assert lines[1].startswith("16-token prompts, 3 at a time: 3 requests, 0 errors: "), lines[1]
+    cases = json.loads("\n".join(lines[2:]))["cases"]
+    assert [(c["config"]["input_len"], c["config"]["concurrency"], c["completed"]) for c in cases] == [
+        (8, 1, 2),
+        (16, 3, 3),
+    ]
+    assert all(c["total_output_tokens"] == 4 * c["completed"] for c in cases)
+    snap = json.loads((tmp_path / "cpu" / "serving_cases.json").read_text())
+    rows = snap["summary"]["rows"]
+    assert [row[:4] for row in rows] == [[2, 0, 1, "8 / 4"], [3, 0, 3, "16 / 4"]]
+    assert "TTFT p99 (ms)" in snap["summary"]["columns"]
+
+
+def test_a_malformed_case_is_a_usage_error():
+    r = bench("--cases", "1024x")
+    assert r.returncode == 2 and "--cases: '1024x' is not INPUTxCONCURRENCY" in r.stderr, r.stderr

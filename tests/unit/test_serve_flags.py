@@ -43,6 +43,7 @@ BAD = [
     ("--heartbeat-timeout", "1.9"),
     ("--startup-timeout", "0"),
     ("--startup-timeout", "-1"),
+    ("--emulate-ep-size", "0"),
 ]
 
 
@@ -106,6 +107,11 @@ def test_programmatic_serve_rejects_bad_args():
     assert check_serve_args(ServeArgs(model="/x")) is None
     assert "--max-num-seqs" in check_serve_args(ServeArgs(model="/x", max_num_seqs=0))
     assert "--max-model-len" in check_serve_args(ServeArgs(model="/x", max_model_len=0))
+    assert "--emulate-ep-size" in check_serve_args(ServeArgs(model="/x", emulate_ep_size=0))
+    emulated = dict(model="preset:kimi-k2.6", device="cuda", emulate_ep_size=8)
+    assert check_serve_args(ServeArgs(**emulated, load_format="dummy")) is None
+    assert "--emulate-ep-size" in check_serve_args(ServeArgs(**emulated))  # a real checkpoint: outputs would be wrong
+    assert "--emulate-ep-size" in check_serve_args(ServeArgs(**emulated, load_format="dummy", nproc=2))
     assert asyncio.run(serve(ServeArgs(model="/nonexistent", token_budget=0))) == 2
 
 
@@ -127,6 +133,7 @@ def test_cuda_only_flags_are_named_when_the_device_is_cpu():
         "--enforce-eager",
     ]
     assert cuda_only_flags_set(ServeArgs(model="/x", fp8_dense="triton")) == ["--fp8-dense"]
+    assert cuda_only_flags_set(ServeArgs(model="/x", emulate_ep_size=8)) == ["--emulate-ep-size"]
 
 
 def test_fp8_dense_reaches_the_worker():

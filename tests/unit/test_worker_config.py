@@ -34,6 +34,7 @@ OTHER = dict(
     load_format="dummy",
     cuda_graph_max_bs=256,
     fp8_dense="humming",
+    emulate_ep_size=8,
     max_num_seqs=32,
     token_budget=512,
     max_model_len=4096,

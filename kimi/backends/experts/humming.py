@@ -117,7 +117,8 @@ class HummingExperts(nn.Module):
         under humming weight config wcfg, transformed into humming's layout."""
         from humming.layer import HummingLayer
 
-        with torch.cuda.device(dev):
+        # under torch.device(dev) humming allocates its parameters on the GPU (not on the host, then copied)
+        with torch.cuda.device(dev), torch.device(dev):
             self.l1 = HummingLayer(
                 shape_n=2 * inter, shape_k=D, weight_config=dict(wcfg), num_experts=E, torch_dtype=dtype
             )

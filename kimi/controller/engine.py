@@ -54,6 +54,7 @@ from kimi.structured_output.spec import GrammarSpec
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
+LOADING = "the server is still loading the model"  # why a request is refused before every rank is ready
 __all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFull"]
 
 
@@ -118,6 +119,8 @@ class Engine:
         self.ready = False
         self.world_size = 0
         self.max_model_len = scheduler_config.max_model_len
+        # tokens one DP rank's KV cache holds; max_model_len (the bound of a default max_tokens) until `start` knows
+        self.kv_capacity_tokens = self.max_model_len
         self.fatal_error: str | None = None
         self.closing: str | None = None  # set by drain(): shutting down, new requests refused
         self.stopped = asyncio.Event()
@@ -272,13 +275,13 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stop: StopParams, priority: int
     ) -> None:
         """Raise EngineDead (failed, closing or loading) or the AdmissionError (QueueFull included) that refuses this
-        request; returns when it may be admitted. Nothing changes either way."""
+        request; returns when it may be admitted. Nothing changes either way. While the workers load, a request
+        that breaks a limit known before they are ready (the prompt, max_model_len, max_tokens, the vocabulary) gets
+        that AdmissionError, as it would once ready; any other gets EngineDead (the KV cache's size is not known)."""
         if self.fatal_error is not None:
             raise EngineDeadError(self.fatal_error)
         if self.closing is not None:
             raise EngineDeadError(self.closing)
-        if not self.ready:
-            raise EngineDeadError("the engine is still loading")
         R = AdmissionReason
         if request_id in self.requests:
             raise AdmissionError(R.DUPLICATE_ID, "request_id", request_id=request_id)
@@ -297,14 +300,16 @@ class Engine:
             raise AdmissionError(R.MAX_TOKENS_TOO_SMALL, "max_tokens", limit=1, value=mt)
         if n + mt > self.max_model_len:
             raise AdmissionError(R.CONTEXT_OVERFLOW, "max_tokens", limit=self.max_model_len, value=mt, prompt_tokens=n)
-        if n >= self.kv_capacity_tokens:
-            raise AdmissionError(R.PROMPT_FILLS_KV, "prompt", limit=self.kv_capacity_tokens, value=n)
-        if n + mt > self.kv_capacity_tokens:
-            raise AdmissionError(R.KV_OVERFLOW, "max_tokens", limit=self.kv_capacity_tokens, value=mt, prompt_tokens=n)
         try:  # the sampling parameters go to every worker in the next plan: they must encode
             protocol.encode(sampling)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise AdmissionError(R.UNENCODABLE, None, detail=str(e)) from None
+        if not self.ready:
+            raise EngineDeadError(LOADING)
+        if n >= self.kv_capacity_tokens:
+            raise AdmissionError(R.PROMPT_FILLS_KV, "prompt", limit=self.kv_capacity_tokens, value=n)
+        if n + mt > self.kv_capacity_tokens:
+            raise AdmissionError(R.KV_OVERFLOW, "max_tokens", limit=self.kv_capacity_tokens, value=mt, prompt_tokens=n)
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(R.QUEUE_FULL, None, limit=self.max_waiting)
 

@@ -5,10 +5,13 @@ ready is a 400 now too, checked through the real openai and anthropic clients.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -80,3 +83,35 @@ def test_openai_routes_answer_503_for_a_valid_request_and_400_for_a_bad_one(load
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = _raw(base, "/v1/responses", b'{"model": "tiny", "input": "hi", "max_output_tokens": 4}')
     assert r.status_code == 503 and LOADING in r.json()["error"]["message"]
+
+
+def test_anthropic_routes_answer_529_overloaded_error_and_400_for_a_bad_request(loading_srv):
+    base, log_path = loading_srv
+    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.OverloadedError) as e:
+        client.messages.create(model="tiny", max_tokens=4, messages=MSGS)
+    assert e.value.status_code == 529 and e.value.response.headers["retry-after"] == "1"
+    assert e.value.body == {"type": "error", "error": {"type": "overloaded_error", "message": LOADING}}
+    # a stream is refused before its first event
+    with pytest.raises(anthropic.OverloadedError), client.messages.stream(model="tiny", max_tokens=4, messages=MSGS):
+        pass
+    # the SDK retries a 529 (here once, after the Retry-After second), then raises
+    retrying = anthropic.Anthropic(base_url=base, api_key="x", max_retries=1)
+    before = len(re.findall(r'"POST /v1/messages HTTP/1.1" 529', Path(log_path).read_text()))
+    t0 = time.monotonic()
+    with pytest.raises(anthropic.OverloadedError):
+        retrying.messages.create(model="tiny", max_tokens=4, messages=MSGS)
+    assert time.monotonic() - t0 >= 0.9
+    time.sleep(0.3)  # the access log line of the last answer
+    assert len(re.findall(r'"POST /v1/messages HTTP/1.1" 529', Path(log_path).read_text())) == before + 2
+    # failing validation, or not JSON: the 400 invalid_request_error of a ready server
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model="tiny", max_tokens=4, messages=MSGS, stop_sequences=["a"] * 5)
+    assert bad.value.body["error"]["type"] == "invalid_request_error" and "stop_sequences" in str(bad.value)
+    r = _raw(base, "/v1/messages", b'{"model": "tiny", "max_tokens": 4, "messages": [')
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = _raw(base, "/v1/messages", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}')
+    assert r.status_code == 400 and "'max_tokens'" in r.json()["error"]["message"]
+    # count_tokens needs no worker
+    assert client.messages.count_tokens(model="tiny", messages=MSGS).input_tokens > 0

@@ -90,8 +90,11 @@ _ERROR_TYPES = {
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    529: "overloaded_error",
 }
+# Anthropic's status for overloaded_error; kimi's retryable 503s (loading, a full queue, shutting down, a worker
+# failure) are sent with it on these routes (the anthropic SDK retries 529 as it retries 5xx)
+OVERLOADED = 529
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _TOOL_KEYS = frozenset(
     {
@@ -127,9 +130,12 @@ _PARAM_NAMES: tuple[tuple[str, str, bool], ...] = (
 
 
 def anthropic_error(message: str, status: int) -> JSONResponse:
-    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` with HTTP status `status`."""
+    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` with HTTP status `status`; kimi's
+    503 (retry later) is sent as Anthropic's 529 overloaded_error, with Retry-After."""
+    if status == 503:
+        status = OVERLOADED
     kind = _ERROR_TYPES.get(status, "api_error")
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = {"Retry-After": "1"} if status == OVERLOADED else None
     return JSONResponse(
         {"type": "error", "error": {"type": kind, "message": message}}, status_code=status, headers=headers
     )
@@ -595,7 +601,7 @@ class AnthropicAPI(ChatAPI):
         """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt tokens /v1/messages would give the
         same messages, system, tools and thinking."""
         try:
-            f = await self._body(request, need_engine=False)
+            f = await self._body(request)
             chat, _ = to_chat_body(f.body, count_only=True)
             try:
                 cf = Fields(chat)

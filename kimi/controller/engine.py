@@ -61,6 +61,18 @@ __all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFu
 EngineDead = EngineDeadError  # the name before kimi.errors
 
 
+def kv_cache_size_flags(devices: set[str]) -> str:
+    """The ways to a larger KV cache (or a smaller need) that apply on the ranks' devices (`Ready.device`: "cpu",
+    "cuda" or "cuda:N"), as a phrase for the small-cache warning: free memory and --gpu-memory-utilization size a
+    CUDA rank's cache; a CPU rank's is 0.5 GiB unless --kv-cache-memory-gib or --num-blocks says otherwise."""
+    if any(d.startswith("cuda") for d in devices):
+        return (
+            "more free GPU memory, --gpu-memory-utilization, --kv-cache-memory-gib, --num-blocks or a smaller "
+            "--max-model-len"
+        )
+    return "--kv-cache-memory-gib (0.5 GiB by default on cpu), --num-blocks or a smaller --max-model-len"
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -193,11 +205,11 @@ class Engine:
             log.warning(
                 "the KV cache holds %d tokens per DP rank, fewer than the max model length %d: a request "
                 "whose prompt plus max_tokens exceeds %d tokens is refused (400), and a default max_tokens "
-                "is clamped to fit (more GPU memory, --gpu-memory-utilization, --num-blocks or a smaller "
-                "--max-model-len change this)",
+                "is clamped to fit (%s change this)",
                 self.kv_capacity_tokens,
                 self.max_model_len,
                 self.kv_capacity_tokens,
+                kv_cache_size_flags({r.device for r in ready.values()}),
             )
         await warm
         self.liveness.start(world_size)  # the heartbeat clock starts when every rank is ready

@@ -24,7 +24,7 @@ import os
 import re
 import sys
 from collections.abc import Collection, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch import Tensor
@@ -298,6 +298,48 @@ def _iter_by_file(to_read: dict[str, tuple[str, str]], order: list[str]) -> Iter
     yield from groups.items()
 
 
+class _LoadProgress:
+    """The checkpoint-loading progress bar (tqdm, to `file`, default stderr): `advance()` once per tensor read,
+    then `close()`, which draws the final frame (100%, the overall rate) once. The last `advance()` only counts:
+    drawn by tqdm's update as well, the 100% frame would be written twice (both show in a log, where the carriage
+    returns between frames do not overwrite). enabled=False draws nothing."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        enabled: bool = True,
+        file: TextIO | None = None,
+        mininterval: float = 0.1,
+        miniters: int | None = None,
+    ) -> None:
+        """mininterval (seconds) / miniters (tensors): tqdm's least time / count between two drawn frames (its
+        defaults; miniters None: adaptive)."""
+        from tqdm import tqdm
+
+        self.total = total
+        self.bar = tqdm(
+            total=total,
+            desc="Loading checkpoint",
+            unit="tensor",
+            file=file if file is not None else sys.stderr,
+            disable=not enabled,
+            dynamic_ncols=True,
+            mininterval=mininterval,
+            miniters=miniters,
+        )
+
+    def advance(self) -> None:
+        """One more tensor read."""
+        if self.bar.n + 1 < self.total:
+            self.bar.update(1)
+        else:
+            self.bar.n = self.total  # drawn by close()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def load_checkpoint(
     model_dir: str | os.PathLike[str],
     cfg: ModelConfig,
@@ -334,8 +376,6 @@ def load_checkpoint(
             tensor and its file (the file alone for an unreadable one).
         ValueError: bad EP rank / size.
     """
-    from tqdm import tqdm
-
     model_dir = os.fspath(model_dir)
     file_map = _file_map(model_dir)
     to_read, local = _classify(file_map, cfg, ep_rank, ep_size)
@@ -345,14 +385,7 @@ def load_checkpoint(
     pending: dict[str, dict[str, Tensor]] = {}  # quantised module -> parts read so far
     method = cfg.quant.method if cfg.quant is not None else None
 
-    bar = tqdm(
-        total=len(to_read),
-        desc="Loading checkpoint",
-        unit="tensor",
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    bar = _LoadProgress(len(to_read), enabled=progress)
     try:
         for fpath, names in _iter_by_file(to_read, list(local)):
             path = os.path.join(model_dir, fpath)
@@ -370,7 +403,7 @@ def load_checkpoint(
                             )
                     else:
                         out[name] = _cast(name, t, dtype).to(device)
-                    bar.update(1)
+                    bar.advance()
     finally:
         bar.close()
     assert not pending, f"incomplete quantised modules: {sorted(pending)[:3]}"  # all parts were checked present

@@ -54,10 +54,23 @@ from kimi.structured_output.spec import GrammarSpec
 from kimi.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
+LOADING = "the server is still loading the model"  # why a request is refused before every rank is ready
 __all__ = ["AdmissionError", "AdmissionReason", "Engine", "EngineDead", "QueueFull"]
 
 
 EngineDead = EngineDeadError  # the name before kimi.errors
+
+
+def kv_cache_size_flags(devices: set[str]) -> str:
+    """The ways to a larger KV cache (or a smaller need) that apply on the ranks' devices (`Ready.device`: "cpu",
+    "cuda" or "cuda:N"), as a phrase for the small-cache warning: free memory and --gpu-memory-utilization size a
+    CUDA rank's cache; a CPU rank's is 0.5 GiB unless --kv-cache-memory-gib or --num-blocks says otherwise."""
+    if any(d.startswith("cuda") for d in devices):
+        return (
+            "more free GPU memory, --gpu-memory-utilization, --kv-cache-memory-gib, --num-blocks or a smaller "
+            "--max-model-len"
+        )
+    return "--kv-cache-memory-gib (0.5 GiB by default on cpu), --num-blocks or a smaller --max-model-len"
 
 
 @dataclass
@@ -118,6 +131,8 @@ class Engine:
         self.ready = False
         self.world_size = 0
         self.max_model_len = scheduler_config.max_model_len
+        # tokens one DP rank's KV cache holds; max_model_len (the bound of a default max_tokens) until `start` knows
+        self.kv_capacity_tokens = self.max_model_len
         self.fatal_error: str | None = None
         self.closing: str | None = None  # set by drain(): shutting down, new requests refused
         self.stopped = asyncio.Event()
@@ -190,11 +205,11 @@ class Engine:
             log.warning(
                 "the KV cache holds %d tokens per DP rank, fewer than the max model length %d: a request "
                 "whose prompt plus max_tokens exceeds %d tokens is refused (400), and a default max_tokens "
-                "is clamped to fit (more GPU memory, --gpu-memory-utilization, --num-blocks or a smaller "
-                "--max-model-len change this)",
+                "is clamped to fit (%s change this)",
                 self.kv_capacity_tokens,
                 self.max_model_len,
                 self.kv_capacity_tokens,
+                kv_cache_size_flags({r.device for r in ready.values()}),
             )
         await warm
         self.liveness.start(world_size)  # the heartbeat clock starts when every rank is ready
@@ -272,13 +287,13 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stop: StopParams, priority: int
     ) -> None:
         """Raise EngineDead (failed, closing or loading) or the AdmissionError (QueueFull included) that refuses this
-        request; returns when it may be admitted. Nothing changes either way."""
+        request; returns when it may be admitted. Nothing changes either way. While the workers load, a request
+        that breaks a limit known before they are ready (the prompt, max_model_len, max_tokens, the vocabulary) gets
+        that AdmissionError, as it would once ready; any other gets EngineDead (the KV cache's size is not known)."""
         if self.fatal_error is not None:
             raise EngineDeadError(self.fatal_error)
         if self.closing is not None:
             raise EngineDeadError(self.closing)
-        if not self.ready:
-            raise EngineDeadError("the engine is still loading")
         R = AdmissionReason
         if request_id in self.requests:
             raise AdmissionError(R.DUPLICATE_ID, "request_id", request_id=request_id)
@@ -297,14 +312,16 @@ class Engine:
             raise AdmissionError(R.MAX_TOKENS_TOO_SMALL, "max_tokens", limit=1, value=mt)
         if n + mt > self.max_model_len:
             raise AdmissionError(R.CONTEXT_OVERFLOW, "max_tokens", limit=self.max_model_len, value=mt, prompt_tokens=n)
-        if n >= self.kv_capacity_tokens:
-            raise AdmissionError(R.PROMPT_FILLS_KV, "prompt", limit=self.kv_capacity_tokens, value=n)
-        if n + mt > self.kv_capacity_tokens:
-            raise AdmissionError(R.KV_OVERFLOW, "max_tokens", limit=self.kv_capacity_tokens, value=mt, prompt_tokens=n)
         try:  # the sampling parameters go to every worker in the next plan: they must encode
             protocol.encode(sampling)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise AdmissionError(R.UNENCODABLE, None, detail=str(e)) from None
+        if not self.ready:
+            raise EngineDeadError(LOADING)
+        if n >= self.kv_capacity_tokens:
+            raise AdmissionError(R.PROMPT_FILLS_KV, "prompt", limit=self.kv_capacity_tokens, value=n)
+        if n + mt > self.kv_capacity_tokens:
+            raise AdmissionError(R.KV_OVERFLOW, "max_tokens", limit=self.kv_capacity_tokens, value=mt, prompt_tokens=n)
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(R.QUEUE_FULL, None, limit=self.max_waiting)
 

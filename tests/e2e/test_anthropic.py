@@ -235,6 +235,59 @@ def test_tool_choice_any_and_tool_force_valid_calls(client, stream):
             assert len(calls) == 1
 
 
+def _sse_events(srv, body: dict) -> list[dict]:
+    with httpx.stream(
+        "POST",
+        srv.base_url + "/v1/messages",
+        json={**body, "stream": True},
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200
+        raw = r.read().decode()
+    return [json.loads(e.split("\n")[1].removeprefix("data: ")) for e in raw.strip().split("\n\n")]
+
+
+def test_a_call_cut_by_max_tokens_is_no_tool_use_block(srv, client):
+    """A forced call cut inside its arguments (max_tokens 50, greedy: in the city's value): stop_reason max_tokens
+    and no tool_use block (its input would not be the call's object), streamed or not; a tool with
+    eager_input_streaming streams the cut call's input as generated (Anthropic's fine-grained streaming: the input
+    may end mid-value)."""
+    kw = dict(
+        model="tiny",
+        max_tokens=50,
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        thinking=NO_THINK,
+        extra_body={"temperature": 0},
+    )
+    msg = client.messages.create(**kw)
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 50
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "", msg
+    with client.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    assert streamed.stop_reason == "max_tokens" and [b.type for b in streamed.content] == ["text"], streamed
+    body = {k: v for k, v in kw.items() if k != "extra_body"} | {"temperature": 0}
+    events = _sse_events(srv, body)
+    assert not [e for e in events if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use"]
+    # the same output with the tool's input streamed eagerly: the call was cut after its head, inside its input
+    eager = _sse_events(srv, {**body, "tools": [{**WEATHER, "eager_input_streaming": True}]})
+    starts = [e for e in eager if e["type"] == "content_block_start"]
+    assert [e["content_block"]["type"] for e in starts] == ["tool_use"]
+    partial = "".join(e["delta"]["partial_json"] for e in eager if e["type"] == "content_block_delta")
+    assert partial.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(partial)
+    assert [e["delta"]["stop_reason"] for e in eager if e["type"] == "message_delta"] == ["max_tokens"]
+    # given room, the same call completes: one tool_use block, streamed whole once complete
+    done = _sse_events(srv, {**body, "max_tokens": 400})
+    blocks = [e for e in done if e["type"].startswith("content_block")]
+    assert [e["type"] for e in blocks] == ["content_block_start", "content_block_delta", "content_block_stop"]
+    jsonschema.validate(json.loads(blocks[1]["delta"]["partial_json"]), WEATHER["input_schema"])
+    assert [e["delta"]["stop_reason"] for e in done if e["type"] == "message_delta"] == ["tool_use"]
+
+
 def test_tool_result_round_trip_and_none(client):
     first = client.messages.create(
         model="tiny",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
@@ -241,6 +242,34 @@ def test_progress_bar_goes_to_stderr(tiny: dict[str, str], capfd) -> None:
     load_checkpoint(d, cfg, progress=False)
     out, err = capfd.readouterr()
     assert "Loading checkpoint" not in err
+
+
+def _frames(text: str) -> list[str]:
+    return [f for f in text.replace("\n", "\r").split("\r") if f.startswith("Loading checkpoint")]
+
+
+def test_progress_bar_draws_100_percent_once(tiny: dict[str, str], capfd) -> None:
+    """The 100% frame is written once, by the bar's close, not also by the last tensor's update: with every
+    update drawn (as a slow real load draws its last tensor's), and through a real load."""
+    from tqdm import tqdm
+
+    from kimi.checkpoint import _LoadProgress
+
+    plain, f = io.StringIO(), io.StringIO()
+    bar = tqdm(total=5, desc="Loading checkpoint", file=plain, mininterval=0, miniters=1)
+    ours = _LoadProgress(5, file=f, mininterval=0, miniters=1)
+    for _ in range(5):
+        bar.update(1)
+        ours.advance()
+    bar.close()
+    ours.close()
+    assert sum("100%" in x for x in _frames(plain.getvalue())) == 2  # what tqdm alone writes
+    frames = _frames(f.getvalue())
+    assert [x.split("%")[0][-3:] for x in frames] == ["  0", " 20", " 40", " 60", " 80", "100"], frames
+    d = tiny["k2-thinking"]
+    load_checkpoint(d, ModelConfig.from_dir(d), progress=True)
+    frames = _frames(capfd.readouterr().err)
+    assert sum("100%" in x for x in frames) == 1 and "100%" in frames[-1], frames[-3:]
 
 
 # ---- broken checkpoints -------------------------------------------------------------------------------

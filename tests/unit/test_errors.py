@@ -179,3 +179,15 @@ def test_engine_start_block_size_mismatch_is_a_config_error(tmp_path):
     engine = _engine(tmp_path, [protocol.Ready(0, 1, 8, 32, "cpu")])
     with pytest.raises(errors.ConfigError, match=r"^workers use block_size 32, controller 16$"):
         asyncio.run(engine.start(1, timeout_s=30))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_small_kv_cache_warning_names_the_flags_of_the_device(tmp_path, caplog, device):
+    """8 blocks of 16 tokens (112 usable) under a max model length of 256: the warning names what sizes the cache
+    on the ranks' device (a CPU rank's cache ignores --gpu-memory-utilization)."""
+    engine = _engine(tmp_path, [protocol.Ready(0, 1, 8, 16, device)])
+    with caplog.at_level(logging.WARNING, logger="kimi.controller.engine"):
+        asyncio.run(engine.start(1, timeout_s=30, warm_up=False))
+    (msg,) = [r.getMessage() for r in caplog.records if "KV cache holds 112 tokens" in r.getMessage()]
+    assert "--kv-cache-memory-gib" in msg and "--num-blocks" in msg and "--max-model-len" in msg
+    assert ("--gpu-memory-utilization" in msg) == (device == "cuda"), msg

@@ -90,8 +90,11 @@ _ERROR_TYPES = {
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    529: "overloaded_error",
 }
+# Anthropic's status for overloaded_error; kimi's retryable 503s (loading, a full queue, shutting down, a worker
+# failure) are sent with it on these routes (the anthropic SDK retries 529 as it retries 5xx)
+OVERLOADED = 529
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _TOOL_KEYS = frozenset(
     {
@@ -127,9 +130,12 @@ _PARAM_NAMES: tuple[tuple[str, str, bool], ...] = (
 
 
 def anthropic_error(message: str, status: int) -> JSONResponse:
-    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` with HTTP status `status`."""
+    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` with HTTP status `status`; kimi's
+    503 (retry later) is sent as Anthropic's 529 overloaded_error, with Retry-After."""
+    if status == 503:
+        status = OVERLOADED
     kind = _ERROR_TYPES.get(status, "api_error")
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = {"Retry-After": "1"} if status == OVERLOADED else None
     return JSONResponse(
         {"type": "error", "error": {"type": kind, "message": message}}, status_code=status, headers=headers
     )
@@ -539,6 +545,8 @@ class AnthropicAPI(ChatAPI):
             if err is not None:
                 return anthropic_error(err, 503 if err == self.engine.closing else 500)
             text, thought, calls = final_message_parts(c, run.parallel)
+            assert c.parser is not None
+            calls = calls[: len(c.parser.tool_calls)]  # a call cut by the end of the output has no tool_use block
             content: list[dict[str, Any]] = []
             if reasons and thought:  # display "omitted": the block with its text left out, as Anthropic does
                 content.append({"type": "thinking", "thinking": thought if show_thinking else "", "signature": ""})
@@ -558,17 +566,23 @@ class AnthropicAPI(ChatAPI):
                     "usage": self._message_usage(run, c),
                 }
             )
-        return self._message_stream(run, c, msg_id, reasons, show_thinking)
+        eager = frozenset(t["name"] for t in f.body.get("tools") or () if t.get("eager_input_streaming") is True)
+        return self._message_stream(run, c, msg_id, reasons, show_thinking, eager)
 
     @staticmethod
     def _tool_use(t: ToolCall) -> dict[str, Any]:
         return {"type": "tool_use", "id": tool_use_id(t.id), "name": t.name, "input": _tool_input(t.arguments)}
 
-    def _message_stream(self, run: _ChatRun, c: _Choice, msg_id: str, reasons: bool, show_thinking: bool) -> _SSE:
+    def _message_stream(
+        self, run: _ChatRun, c: _Choice, msg_id: str, reasons: bool, show_thinking: bool, eager: frozenset[str]
+    ) -> _SSE:
         """The event stream: message_start, ping, content blocks (thinking / text / tool_use, each started,
         delta'd and stopped in turn; a thinking block under display "omitted" has no deltas), message_delta (stop
-        reason, usage), message_stop; an error is an `error` event that ends the stream."""
-        stream = _MessageStream(self, run, c, reasons, show_thinking)
+        reason, usage), message_stop; an error is an `error` event that ends the stream. A tool_use block is sent
+        once its call is complete (a call cut by the end of the output is in no block, as in the non-streamed
+        message), except for the tools named in `eager` (`eager_input_streaming`), whose input streams as it is
+        generated."""
+        stream = _MessageStream(self, run, c, reasons, show_thinking, eager)
         first = _event(
             "message_start",
             {
@@ -595,7 +609,7 @@ class AnthropicAPI(ChatAPI):
         """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt tokens /v1/messages would give the
         same messages, system, tools and thinking."""
         try:
-            f = await self._body(request, need_engine=False)
+            f = await self._body(request)
             chat, _ = to_chat_body(f.body, count_only=True)
             try:
                 cf = Fields(chat)
@@ -621,11 +635,21 @@ class _MessageStream:
     """The state of one streamed /v1/messages reply (`AnthropicAPI._message_stream`): the open content block's
     index, kind and tool-call index."""
 
-    def __init__(self, api: AnthropicAPI, run: _ChatRun, c: _Choice, reasons: bool, show_thinking: bool) -> None:
+    def __init__(
+        self,
+        api: AnthropicAPI,
+        run: _ChatRun,
+        c: _Choice,
+        reasons: bool,
+        show_thinking: bool,
+        eager: frozenset[str] = frozenset(),
+    ) -> None:
         assert c.parser is not None
         self.api, self.run, self.c, self.p = api, run, c, c.parser
-        self.reasons, self.show_thinking = reasons, show_thinking
+        self.reasons, self.show_thinking, self.eager = reasons, show_thinking, eager
         self.state: dict[str, Any] = {"index": -1, "kind": None, "call": None}
+        self.live: set[int] = set()  # the calls (response index) whose tool_use block streams as generated
+        self.complete = 0  # the complete calls (the parser's tool_calls) looked at so far
 
     def open_block(self, kind: str, block: dict[str, Any], call: int | None = None) -> bytes:
         """Stop the open block, start `block` (of `kind`; a tool_use block: of call `call`); its events."""
@@ -684,22 +708,34 @@ class _MessageStream:
         return b"".join(out), False
 
     def _call_events(self, tool_calls: list[ToolCallDelta]) -> list[bytes]:
-        """Events of the tool-call fragments of one output (not parallel: only the first call's)."""
+        """Events of the tool calls of one output (not parallel: only the first call's): the fragments of a call
+        of an `eager` tool as they come; any other call whole (its block started, its arguments in one
+        input_json_delta) once complete."""
         out = []
         for t in tool_calls:
             if not self.run.parallel and t.index > 0:
                 continue
             if t.is_head:
+                if t.name not in self.eager:
+                    continue
                 assert t.id is not None
-                block: dict[str, Any] = {
-                    "type": "tool_use",
-                    "id": tool_use_id(t.id),
-                    "name": t.name,
-                    "input": {},
-                }
-                out.append(self.open_block("tool_use", block, t.index))
-            elif self.state["kind"] != "tool_use" or self.state["call"] != t.index:
-                continue  # a fragment of a call whose block is closed (calls arrive one after another)
+                self.live.add(t.index)
+                out.append(self.open_block("tool_use", self._block(t.id, t.name), t.index))
+            elif t.index not in self.live or self.state["kind"] != "tool_use" or self.state["call"] != t.index:
+                continue  # a buffered call, or a fragment of a call whose block is closed
             if t.arguments:
                 out.append(self.delta({"type": "input_json_delta", "partial_json": t.arguments}))
+        complete = self.p.tool_calls
+        for k in range(self.complete, len(complete)):
+            if k in self.live or (k > 0 and not self.run.parallel):
+                continue
+            call = complete[k]
+            out.append(self.open_block("tool_use", self._block(call.id, call.name), k))
+            if call.arguments:
+                out.append(self.delta({"type": "input_json_delta", "partial_json": call.arguments}))
+        self.complete = len(complete)
         return out
+
+    @staticmethod
+    def _block(call_id: str, name: str | None) -> dict[str, Any]:
+        return {"type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": {}}

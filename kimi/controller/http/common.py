@@ -205,18 +205,13 @@ class ServerBase:
     _marker_text: tuple[tuple[int, str], ...] | None
 
     # ---- shared parsing ---------------------------------------------------------------------------------------
-    async def _body(
-        self, request: HTTPRequest, need_engine: bool = True, struct: type[msgspec.Struct] | None = None
-    ) -> Fields:
-        """The request's JSON object (size, time and model checked). need_engine: a 503 until the workers are
-        ready and after a failure (the generation routes; the tokenizer routes answer meanwhile). struct: the
-        route's request Struct (kimi.controller.http.protocol.decode_struct), which decodes a well-formed body of
-        STRUCT_DECODE_MIN_BYTES or more; smaller bodies (Python's json is as fast there), bodies it refuses and
-        bodies with a UTF-16 surrogate escape go through `_decode_body`. The readers check every value after
-        either, so the outcome is the same."""
-        if need_engine and (not self.engine.ready or self.engine.fatal_error is not None):
-            msg = self.engine.fatal_error or "the server is still loading the model"
-            raise BadRequest(msg, None, status=503)
+    async def _body(self, request: HTTPRequest, struct: type[msgspec.Struct] | None = None) -> Fields:
+        """The request's JSON object (size, time and model checked). struct: the route's request Struct
+        (kimi.controller.http.protocol.decode_struct), which decodes a well-formed body of STRUCT_DECODE_MIN_BYTES
+        or more; smaller bodies (Python's json is as fast there), bodies it refuses and bodies with a UTF-16
+        surrogate escape go through `_decode_body`. The readers check every value after either, so the outcome is
+        the same. The engine's state is not looked at: a body that is a 400 when the workers are ready is a 400
+        while they load too; the 503 of a loading or failed engine comes at admission (`_start`)."""
         too_big = BadRequest(f"request body larger than {self.max_body_bytes} bytes", None, status=413)
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:

@@ -36,7 +36,7 @@ class TokenizeAPI(ServerBase):
         recognised, as vLLM's HF tokenizers do) or chat `messages` (rendered and encoded exactly as
         /v1/chat/completions does) -> `{count, max_model_len, tokens, token_strs}`."""
         try:
-            f = await self._body(request, need_engine=False)
+            f = await self._body(request)
             has_prompt, has_messages = f.has("prompt"), f.has("messages")
             if has_prompt == has_messages:
                 raise BadRequest("give exactly one of 'prompt' and 'messages'", "prompt" if has_prompt else "messages")
@@ -83,7 +83,7 @@ class TokenizeAPI(ServerBase):
         """`POST /detokenize` (vLLM's request and response): `tokens` (ids in the vocabulary) -> `{prompt}`,
         special tokens included."""
         try:
-            f = await self._body(request, need_engine=False)
+            f = await self._body(request)
             tokens = f._get("tokens")
             if tokens is None:
                 raise BadRequest("'tokens' is required", "tokens")

@@ -196,7 +196,8 @@ class TorchAllToAll:
     collectives with equal splits (the rows [N * C, D], the routing [N * C, 2k] float32 = weights | ids), combine 1
     ([N * C, D] back); then each token's N returned rows are summed in rank order in float32 (the rows of ranks it
     was not sent to are 0), the sums of the variable path. Every shape is a function of (N, C, T, D, k) and nothing is
-    read on the host, so NCCL could run it inside a CUDA graph captured per capacity.
+    read on the host, so NCCL runs it inside the decode CUDA graphs, captured per bucket with the bucket as C
+    (`set_mode`'s capacity; kimi.worker.cuda_graph.DecodeGraphPlan).
     Counters: num_static_steps / num_variable_steps (steps set to each layout; every layer of a step uses it).
     """
 

@@ -14,6 +14,12 @@ input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router
 gives padding rows no expert: the expert GEMMs see only the batch's own (token, expert) pairs. Padding rows still
 run the dense layers and attention (a bucket's static shape); their outputs are dropped.
 
+Many ranks (`DecodeGraphPlan`, `decode_graph_plan`): with a collective all-to-all of static decode shapes (nccl's static
+layout, DeepEP's low-latency mode) the graphs hold the MoE layers' collectives, so every rank captures the same buckets
+in the same order (`on_bucket` sets the all-to-all to the bucket's shapes first; the warm-up runs issue the collectives
+eagerly before each capture) and every rank replays the same bucket in a step: the bucket of the busiest rank, chosen
+from the step plan (`run_host`'s `bucket`; a rank with no rows replays it with padding rows only).
+
 Attention: the model's decode attention backend (`KimiForCausalLM.decode_attention_backend`, kimi.backends.attention)
 gives the runner its capture / replay hooks (`AttentionBackend.graph_attention` -> DecodeGraphAttention, the contract
 in kimi/backends/attention/__init__.py): per bucket the run its graphs capture (`fi`), the eager plan of a bucket
@@ -273,6 +279,9 @@ class CudaGraphRunner:
         self.slot_mapping.zero_()
         self.row_valid.fill_(1)
         n = len(self.model.layers)
+        # with collectives in the graphs (on_bucket), other threads may make CUDA calls during a capture: the process
+        # group's watchdog queries the events of the warm-up's collectives; "global" would fail those calls
+        capture_mode = "global" if self.on_bucket is None else "thread_local"
         for bs in sorted(self.buckets, reverse=True):
             if self.on_bucket is not None:
                 self.on_bucket(bs)
@@ -294,7 +303,7 @@ class CudaGraphRunner:
             x: torch.Tensor | None = None
             for start, end in self.segments:  # one graph per segment of layers, replayed in this order
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode=capture_mode):
                     if start == 0:
                         h, x = self.model.embed_fused(args[0])
                     h, x = self.model.layers_fused(

@@ -13,7 +13,7 @@ import pytest
 
 from kimi import protocol
 from kimi.backends.all_to_all import DECODE, PREFILL, LocalBackend, TorchAllToAll
-from kimi.config import CacheConfig, ModelConfig, WorkerConfig
+from kimi.config import CacheConfig, ModelConfig
 from kimi.tiny_checkpoint import make_tiny_checkpoint
 from kimi.worker.cuda_graph import DecodeGraphPlan, bucket_sizes, decode_graph_plan
 from kimi.worker.main import static_decode
@@ -74,16 +74,19 @@ def test_static_capacity_of_a_graph_step_is_its_bucket():
 
 
 def test_nccl_graphs_imply_the_static_decode_layout():
-    base = WorkerConfig(model="/x", plan_addr="tcp://a:1", result_addr="tcp://a:2")
-    graphs = WorkerConfig(
-        model="/x", plan_addr="tcp://a:1", result_addr="tcp://a:2", device="cuda", cuda_graph_max_bs=8
-    )
-    eager = WorkerConfig(model="/x", plan_addr="tcp://a:1", result_addr="tcp://a:2", device="cuda")
-    assert static_decode(graphs, "nccl")
-    assert not static_decode(eager, "nccl")  # --enforce-eager: the variable splits, as before
-    assert not static_decode(graphs, "deepep")  # low-latency mode is its static layout
-    assert not static_decode(base, "gloo")
-    flag = WorkerConfig(model="/x", plan_addr="tcp://a:1", result_addr="tcp://a:2", a2a_static_decode=True)
+    """`kimi serve --nproc 2 --device cuda` (nccl by default) asks its workers for graphs, which turn the static layout
+    on; --enforce-eager keeps the variable splits; deepep and gloo are unchanged."""
+    from kimi.server import ServeArgs, worker_config
+
+    serve = worker_config(ServeArgs(model="/x", nproc=2, device="cuda"), "tcp://a:1", "tcp://a:2")
+    eager = worker_config(ServeArgs(model="/x", nproc=2, device="cuda", enforce_eager=True), "tcp://a:1", "tcp://a:2")
+    cpu = worker_config(ServeArgs(model="/x", nproc=2), "tcp://a:1", "tcp://a:2")
+    assert serve.cuda_graph_max_bs == 256 and not serve.a2a_static_decode
+    assert static_decode(serve, "nccl")
+    assert not static_decode(eager, "nccl")
+    assert not static_decode(serve, "deepep")  # its low-latency mode is its static layout
+    assert not static_decode(cpu, "gloo")
+    flag = worker_config(ServeArgs(model="/x", nproc=2, a2a_static_decode=True), "tcp://a:1", "tcp://a:2")
     assert static_decode(flag, "gloo")
 
 

@@ -134,9 +134,20 @@ def step_mode(per_rank_tokens: Iterable[int], all_single_token: bool, ll_max_tok
 
 
 class LocalBackend(LocalAllToAll):
-    """ep_size 1: dispatch and combine are identities (kimi.model.moe.LocalAllToAll) plus the `set_mode` hook."""
+    """ep_size 1: dispatch and combine are identities (kimi.model.moe.LocalAllToAll) plus the `set_mode` hook.
+    collective False: it exchanges nothing, so a CUDA graph of any decode batch may run on it
+    (kimi.worker.cuda_graph)."""
 
-    def set_mode(self, mode: str, num_tokens: int | None = None, max_tokens_per_rank: int | None = None) -> None:
+    collective = False
+    graph_capturable = True
+
+    def set_mode(
+        self,
+        mode: str,
+        num_tokens: int | None = None,
+        max_tokens_per_rank: int | None = None,
+        capacity: int | None = None,
+    ) -> None:
         """Nothing to switch."""
 
 
@@ -185,7 +196,8 @@ class TorchAllToAll:
     collectives with equal splits (the rows [N * C, D], the routing [N * C, 2k] float32 = weights | ids), combine 1
     ([N * C, D] back); then each token's N returned rows are summed in rank order in float32 (the rows of ranks it
     was not sent to are 0), the sums of the variable path. Every shape is a function of (N, C, T, D, k) and nothing is
-    read on the host, so NCCL could run it inside a CUDA graph captured per capacity.
+    read on the host, so NCCL runs it inside the decode CUDA graphs, captured per bucket with the bucket as C
+    (`set_mode`'s capacity; kimi.worker.cuda_graph.DecodeGraphPlan).
     Counters: num_static_steps / num_variable_steps (steps set to each layout; every layer of a step uses it).
     """
 
@@ -213,13 +225,38 @@ class TorchAllToAll:
         self.num_static_steps = 0
         self.num_variable_steps = 0
 
-    def set_mode(self, mode: str, num_tokens: int | None = None, max_tokens_per_rank: int | None = None) -> None:
-        """Pick the step's layout, the same on every rank: static (capacity `static_capacity(static_capacities,
-        max_tokens_per_rank)`) on a DECODE step when a capacity holds the busiest rank's tokens, else variable splits.
-        num_tokens (the step's tokens over all ranks) is not needed. Raises ValueError for an unknown mode."""
+    collective = True
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can run inside a CUDA graph: only in the static layout (the variable splits read the
+        counts on the host), so only with static capacities; the graph then runs at a fixed capacity (`set_mode`'s
+        capacity)."""
+        return bool(self.static_capacities)
+
+    def set_mode(
+        self,
+        mode: str,
+        num_tokens: int | None = None,
+        max_tokens_per_rank: int | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        """Pick the step's layout, the same on every rank: static on a DECODE step when a capacity holds the busiest
+        rank's tokens, else variable splits. The capacity is `capacity` when given (a decode CUDA graph's bucket, the
+        fixed shape its collectives were captured with: kimi.worker.cuda_graph.DecodeGraphPlan), else
+        `static_capacity(static_capacities, max_tokens_per_rank)`. num_tokens (the step's tokens over all ranks) is not
+        needed. Raises ValueError for an unknown mode, a capacity outside DECODE mode, without static capacities or
+        below max_tokens_per_rank."""
         if mode not in (PREFILL, DECODE):
             raise ValueError(f"unknown all-to-all mode {mode!r}")
-        self.capacity = static_capacity(self.static_capacities, max_tokens_per_rank) if mode == DECODE else None
+        if capacity is not None:
+            if mode != DECODE or not self.static_capacities:
+                raise ValueError(f"a static capacity ({capacity}) is for DECODE steps of the static layout")
+            if capacity < max(1, max_tokens_per_rank or 0):
+                raise ValueError(f"static capacity {capacity} is below the busiest rank's {max_tokens_per_rank} tokens")
+            self.capacity = capacity
+        else:
+            self.capacity = static_capacity(self.static_capacities, max_tokens_per_rank) if mode == DECODE else None
         if self.capacity is None:
             self.num_variable_steps += 1
         else:
@@ -371,11 +408,21 @@ class DeepEPAllToAll:
         self.step_tokens: int | None = None
         self._ll_clean = False
 
-    def set_mode(self, mode: str, num_tokens: int | None = None, max_tokens_per_rank: int | None = None) -> None:
+    collective = True
+    graph_capturable = True  # low-latency mode: fixed buffers, no host sync
+
+    def set_mode(
+        self,
+        mode: str,
+        num_tokens: int | None = None,
+        max_tokens_per_rank: int | None = None,
+        capacity: int | None = None,
+    ) -> None:
         """Switch between PREFILL (normal) and DECODE (low-latency) before a step; the same mode on all ranks.
         num_tokens: the step's tokens over all ranks (None: unknown), which bounds the rows a low-latency dispatch
-        delivers with a local expert (num_tokens x top-k) and gives their expected number; max_tokens_per_rank is
-        not needed (the low-latency buffers have one size)."""
+        delivers with a local expert (num_tokens x top-k) and gives their expected number (a decode CUDA graph is
+        captured with num_tokens = ranks x its bucket, a bound for every replay); max_tokens_per_rank and capacity
+        (a graph's bucket) are not needed: the low-latency buffers have one size."""
         if mode not in (PREFILL, DECODE):
             raise ValueError(f"unknown all-to-all mode {mode!r}")
         self.step_tokens = num_tokens

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, overload
 
 import torch
@@ -313,6 +313,7 @@ class KimiForCausalLM(nn.Module):
         block_size: int,
         kv_caches: list[torch.Tensor],
         fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        bucket: int | None = None,
     ) -> torch.Tensor:
         """One decode step from host lists (one new token per sequence: positions[b] = seq_lens[b] - 1) ->
         hidden [B, D] after the final norm. Replays a CUDA graph through `CudaGraphRunner.run_host` when one
@@ -320,8 +321,14 @@ class KimiForCausalLM(nn.Module):
 
         fill: None, or (rows [P] int64, values [M] int64, value rows [P] int64) on the device: input_ids[rows[i]]
         is replaced by values[value rows[i]] on the device before the forward reads it (tokens the previous step
-        sampled that the host does not have yet: ModelRunner.launch)."""
+        sampled that the host does not have yet: ModelRunner.launch). bucket: replay exactly this captured bucket
+        (kimi.worker.cuda_graph.DecodeGraphPlan: the one every rank replays; B may be 0 then); never eager, so a
+        batch that does not fit raises ValueError instead of issuing other collectives than the other ranks."""
         g = self.graphs
+        if bucket is not None:
+            if g is None:
+                raise ValueError(f"forward_decode: bucket {bucket} asked of a model without CUDA graphs")
+            return g.run_host(input_ids, positions, seq_lens, block_tables, fill=fill, bucket=bucket)
         if g is not None and g.can_run_host(seq_lens, block_size):
             return g.run_host(input_ids, positions, seq_lens, block_tables, fill=fill)
         dev = self.norm.device
@@ -372,11 +379,15 @@ class KimiForCausalLM(nn.Module):
         max_batch: int,
         max_blocks_per_seq: int,
         layers_per_graph: int | None = None,
+        buckets: list[int] | None = None,
+        on_bucket: Callable[[int], None] | None = None,
     ) -> None:
         """Capture decode graphs for every bucket up to max_batch (kimi/worker/cuda_graph.py; a fused model on CUDA)
         and keep them as `graphs`; layers_per_graph: layers per graph segment (default cuda_graph.LAYERS_PER_GRAPH;
-        0: one graph). Logs a warning and captures nothing when FlashInfer has no kernel for the latent size or an
-        MoE backend cannot be captured."""
+        0: one graph); buckets / on_bucket: see CudaGraphRunner (the buckets of a DecodeGraphPlan, and the hook that
+        sets the all-to-all to each bucket's static shapes before it is captured). Logs a warning and captures nothing
+        when FlashInfer has no kernel for the latent size or an MoE backend cannot be captured (both follow from the
+        config and the flags, so every rank decides the same)."""
         from kimi.worker.cuda_graph import LAYERS_PER_GRAPH, CudaGraphRunner
 
         if not self.flashinfer_ok:
@@ -401,8 +412,10 @@ class KimiForCausalLM(nn.Module):
             block_size,
             max_batch,
             max_blocks_per_seq,
+            buckets=buckets,
             layers_per_graph=LAYERS_PER_GRAPH if layers_per_graph is None else layers_per_graph,
             plan_ahead=self.plan_ahead,
+            on_bucket=on_bucket,
         )
         runner.capture()
         self.graphs = runner

@@ -14,6 +14,12 @@ input row, `row_valid` (1 for rows [0, B), 0 past them), goes to the MoE router
 gives padding rows no expert: the expert GEMMs see only the batch's own (token, expert) pairs. Padding rows still
 run the dense layers and attention (a bucket's static shape); their outputs are dropped.
 
+Many ranks (`DecodeGraphPlan`, `decode_graph_plan`): with a collective all-to-all of static decode shapes (nccl's static
+layout, DeepEP's low-latency mode) the graphs hold the MoE layers' collectives, so every rank captures the same buckets
+in the same order (`on_bucket` sets the all-to-all to the bucket's shapes first; the warm-up runs issue the collectives
+eagerly before each capture) and every rank replays the same bucket in a step: the bucket of the busiest rank, chosen
+from the step plan (`run_host`'s `bucket`; a rank with no rows replays it with padding rows only).
+
 Attention: the model's decode attention backend (`KimiForCausalLM.decode_attention_backend`, kimi.backends.attention)
 gives the runner its capture / replay hooks (`AttentionBackend.graph_attention` -> DecodeGraphAttention, the contract
 in kimi/backends/attention/__init__.py): per bucket the run its graphs capture (`fi`), the eager plan of a bucket
@@ -30,7 +36,8 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,7 +49,7 @@ from kimi.model.attention import AttentionMetadata
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-__all__ = ["CudaGraphRunner", "bucket_sizes"]
+__all__ = ["CudaGraphRunner", "DecodeGraphPlan", "bucket_sizes", "decode_graph_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +89,55 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class DecodeGraphPlan:
+    """Which decode graph every rank replays in a step, chosen from the step plan alone (no collective), so that every
+    rank issues the same collectives in the same shapes.
+
+    buckets: the captured buckets, ascending, the same list on every rank. lockstep: the all-to-all is collective
+    (kimi.backends.all_to_all: TorchAllToAll on its static layout, DeepEP in low-latency mode; also with one rank):
+    every rank then replays the bucket of the LARGEST local decode batch over all DP ranks (`bucket`), its own rows
+    [0, B) valid and the rest padding (row_valid 0: no expert, id -1 in the static layout), a rank with no local rows
+    too (all rows padding, its output dropped); the static all-to-all's capacity in that step is the bucket (the shape
+    the graph's collectives were captured with). Not lockstep (the `local` backend, one rank): a rank replays the
+    bucket of its own batch, as before.
+    """
+
+    buckets: tuple[int, ...]
+    lockstep: bool
+
+    def bucket(self, per_rank: Sequence[int], decode: bool) -> int | None:
+        """The bucket every rank replays this step: the smallest bucket >= max(per_rank) (per_rank: each DP rank's
+        tokens this step, from the plan); None (every rank runs eagerly) when the step is not a decode step of
+        static shapes (`decode`: lockstep, the all-to-all's DECODE mode; else every request computes one token), no
+        rank has tokens, or the busiest rank has more than the largest bucket."""
+        most = max(per_rank, default=0)
+        if not decode or most == 0:
+            return None
+        return next((b for b in self.buckets if b >= most), None)
+
+
+def decode_graph_plan(
+    max_batch: int, world_size: int, a2a: object | None, ll_max_tokens_per_rank: int
+) -> tuple[DecodeGraphPlan | None, str]:
+    """The decode graphs a rank captures: (plan, "") or (None, the reason none are). max_batch: the largest bucket asked
+    for (`--cuda-graph-max-bs`; 0: none); a2a: the rank's all-to-all backend (kimi.backends.all_to_all; None: local).
+    A backend that exchanges nothing (`collective` False) serves one rank only; any decode batch up to max_batch
+    replays. A collective one needs `graph_capturable` (nccl: the static decode layout; DeepEP: low-latency mode)
+    and its buckets stop at ll_max_tokens_per_rank, the most tokens per rank of a DECODE step (larger steps run the
+    variable splits / normal mode, eagerly). Every rank computes the same from the same flags."""
+    if max_batch <= 0:
+        return None, "off (--cuda-graph-max-bs 0 / --enforce-eager)"
+    collective = bool(getattr(a2a, "collective", False))
+    if not collective:
+        if world_size != 1:
+            return None, f"off: the all-to-all backend exchanges nothing, with {world_size} ranks"
+        return DecodeGraphPlan(tuple(bucket_sizes(max_batch)), lockstep=False), ""
+    if not getattr(a2a, "graph_capturable", False):
+        return None, "off: the all-to-all's variable splits read counts on the host (use --a2a-static-decode)"
+    return DecodeGraphPlan(tuple(bucket_sizes(min(max_batch, ll_max_tokens_per_rank))), lockstep=True), ""
+
+
 class CudaGraphRunner:
     """Captures and replays decode graphs of a fused KimiForCausalLM (kimi/model/gpu_forward.py).
 
@@ -91,7 +147,9 @@ class CudaGraphRunner:
     pages);
     buckets: capture only these sizes (default bucket_sizes(max_batch)); layers_per_graph: layers per graph
     segment (None or <= 0: one graph for the whole forward); plan_ahead: plan the next decode step while a
-    replay runs (`run_host`; backends whose hooks plan ahead only: FlashInfer).
+    replay runs (`run_host`; backends whose hooks plan ahead only: FlashInfer); on_bucket: called with each bucket
+    before its warm-up runs and capture (the all-to-all set to that bucket's static shapes: its collectives are
+    captured; with many ranks every rank captures the same buckets in the same order, largest first).
     """
 
     # padding rows get no expert (row_valid 0, see the module docstring); False routes them like real rows (for
@@ -109,8 +167,10 @@ class CudaGraphRunner:
         buckets: list[int] | None = None,
         layers_per_graph: int | None = LAYERS_PER_GRAPH,
         plan_ahead: bool = True,
+        on_bucket: Callable[[int], None] | None = None,
     ):
         self.model = model
+        self.on_bucket = on_bucket
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -219,7 +279,12 @@ class CudaGraphRunner:
         self.slot_mapping.zero_()
         self.row_valid.fill_(1)
         n = len(self.model.layers)
+        # with collectives in the graphs (on_bucket), other threads may make CUDA calls during a capture: the process
+        # group's watchdog queries the events of the warm-up's collectives; "global" would fail those calls
+        capture_mode = "global" if self.on_bucket is None else "thread_local"
         for bs in sorted(self.buckets, reverse=True):
+            if self.on_bucket is not None:
+                self.on_bucket(bs)
             fi = self._plan(bs, [], torch.zeros((0, 1), dtype=torch.int64, device=self.device))
             attn = self._meta(bs, fi)
             args = (self.input_ids[:bs], self.positions[:bs], attn, self.kv_caches)
@@ -238,7 +303,7 @@ class CudaGraphRunner:
             x: torch.Tensor | None = None
             for start, end in self.segments:  # one graph per segment of layers, replayed in this order
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode=capture_mode):
                     if start == 0:
                         h, x = self.model.embed_fused(args[0])
                     h, x = self.model.layers_fused(
@@ -262,7 +327,13 @@ class CudaGraphRunner:
         )
 
     def run_host(
-        self, input_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]], fill=None
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        fill=None,
+        bucket: int | None = None,
     ) -> torch.Tensor:
         """Replay a decode batch given as host lists (the worker's fast path: no AttentionMetadata, no device
         kernels before the replay): token id, position (= seq_len - 1), context length and block ids per
@@ -275,19 +346,26 @@ class CudaGraphRunner:
         lengths and tables by two more pinned copies) and `plan_replay` (FlashInfer's schedule: nothing to do when
         the previous call planned this step ahead). After launching the replay, with `plan_ahead`, the bucket's next
         step (same batch, every length + 1) is planned while the GPU works. fill: see KimiForCausalLM.forward_decode
-        (applied to the static token ids after the staging copy, on the device). Raises ValueError when the batch
-        exceeds the largest bucket or a table is too short.
+        (applied to the static token ids after the staging copy, on the device). bucket: replay this bucket (a
+        captured one, >= B) instead of the smallest holding B (DecodeGraphPlan: every rank replays the same one); with
+        it B may be 0 (a rank with no rows of its own: every row is padding, the result is [0, D]). Raises ValueError
+        when the batch exceeds the largest bucket (or `bucket`), `bucket` was not captured, or a table is too short.
         """
         t0 = time.perf_counter()
         B = len(input_ids)
-        if B == 0 or not len(positions) == len(seq_lens) == len(block_tables) == B:
+        if (B == 0 and bucket is None) or not len(positions) == len(seq_lens) == len(block_tables) == B:
             raise ValueError(
                 f"run_host: {B} input ids, {len(positions)} positions, {len(seq_lens)} lengths, "
-                f"{len(block_tables)} block tables (want the same number, at least 1)"
+                f"{len(block_tables)} block tables (want the same number, at least 1 without a bucket)"
             )
-        bs = self.bucket_for(B)
-        ks = self._check_tables(seq_lens, block_tables) if self.page_rows else None  # pages per sequence
-        W = self.page_stride if ks is None else self._page_stride(max(ks))
+        if bucket is None:
+            bs = self.bucket_for(B)
+        elif bucket not in self.graphs or bucket < B:
+            raise ValueError(f"run_host: bucket {bucket} for {B} rows; captured buckets {self.buckets}")
+        else:
+            bs = bucket
+        ks = (self._check_tables(seq_lens, block_tables) if B else []) if self.page_rows else None  # pages per sequence
+        W = self._page_stride(max(ks)) if ks else self.page_stride
         t_built = time.perf_counter()
         if self._host_in_free is not None:
             self._host_in_free.synchronize()  # the previous step's copy has left the staging buffer
@@ -307,7 +385,7 @@ class CudaGraphRunner:
         self.replay(bs)
         self.host_marks = tuple((t - t0) * 1e6 for t in (t_built, t_free, t_staged, t1, t2, time.perf_counter()))
         self.num_replays += 1
-        if self.plan_ahead and self.graph_attention.plans_ahead:
+        if B and self.plan_ahead and self.graph_attention.plans_ahead:
             self._plan_next(bs, seq_lens)
         return self.outputs[bs][:B]
 

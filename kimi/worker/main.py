@@ -115,8 +115,10 @@ def build_runner(
         raise ConfigError(f"--emulate-ep-size {n}: the {cfg.n_routed_experts} experts do not split evenly over {n}")
     backend = args.a2a_backend or default_backend(world_size, args.device)
     group = init_distributed(backend, torch.device(device), args.dist_timeout)
-    # the static decode layout's capacities: the decode batch buckets (kimi.worker.cuda_graph) up to --ll-max-tokens
-    capacities = bucket_sizes(args.ll_max_tokens) if args.a2a_static_decode and backend in ("gloo", "nccl") else []
+    # the static decode layout's capacities: the decode batch buckets (kimi.worker.cuda_graph) up to --ll-max-tokens;
+    # on nccl, decode CUDA graphs (--cuda-graph-max-bs > 0) imply the static layout (the variable splits cannot be
+    # captured)
+    capacities = bucket_sizes(args.ll_max_tokens) if static_decode(args, backend) else []
     a2a = make_all_to_all(
         backend,
         num_experts=cfg.n_routed_experts,
@@ -149,6 +151,15 @@ def build_runner(
         ),
     )
     return runner, a2a
+
+
+def static_decode(args: WorkerConfig, backend: str) -> bool:
+    """Whether the all-to-all `backend` runs decode steps in the static layout: gloo / nccl with
+    --a2a-static-decode, and nccl whenever decode CUDA graphs are asked for (--cuda-graph-max-bs > 0 with
+    --device cuda; `kimi serve --device cuda` asks unless --enforce-eager)."""
+    if backend == "nccl" and args.device == "cuda" and args.cuda_graph_max_bs > 0:
+        return True
+    return args.a2a_static_decode and backend in ("gloo", "nccl")
 
 
 def run_warmup(runner: Runner, args: WorkerConfig, world_size: int, device: str, rank: int) -> None:

@@ -8,6 +8,12 @@ experts it owns; the MoE all-to-all (kimi/backends/all_to_all.py) is collective,
 still takes part: `_idle_step` runs every MoE layer's dispatch / combine with zero tokens, in layer order,
 exactly as a forward would. Every rank also tracks which rank owns every live request (all plans reach all
 ranks), so all ranks pick the same all-to-all mode for a step (`step_mode`).
+
+Decode CUDA graphs (cuda, `cuda_graph_max_bs` > 0): with a collective all-to-all whose decode steps have static shapes
+(nccl's static layout, DeepEP's low-latency mode; kimi.worker.cuda_graph.decode_graph_plan) every rank captures the
+same buckets in the same order, and in a decode step every rank replays the bucket of the largest local batch over
+all ranks (`step_bucket`, from the plan: DecodeGraphPlan), a rank without rows of its own too (`_idle_replay`); the
+static all-to-all's capacity is that bucket. Prefill and mixed steps run eagerly on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import torch
 
 from kimi import protocol
-from kimi.backends.all_to_all import Backend, step_mode
+from kimi.backends.all_to_all import DECODE, Backend, step_mode
 from kimi.config import CacheConfig, ModelConfig
 from kimi.errors import KVCacheSizeError, ProtocolError
 from kimi.model.attention import build_attention_metadata
@@ -29,6 +35,7 @@ from kimi.model.sampling import prompt_logprobs, sample_launch
 from kimi.structured_output.backend import GrammarBackend
 from kimi.structured_output.bitmask import GuidedRequests
 from kimi.structured_output.vocab import load_tokenizer
+from kimi.worker.cuda_graph import DecodeGraphPlan, decode_graph_plan
 from kimi.worker.inputs import ScheduledRow, StepInputs, WorkerRequest, prepare_inputs
 from kimi.worker.kv_cache import allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
 from kimi.worker.runner_base import PromptLogprobs, StepHandle
@@ -65,6 +72,8 @@ class ModelRunner:
     ll_max_tokens_per_rank: decode steps with at most this many tokens on every rank use the backend's
     low-latency mode (DeepEP) or static layout (gloo / nccl with static capacities); others use its normal mode
     (variable splits). `update_states` gives the backend the step's mode, its tokens and its most tokens on one rank.
+    gpu_options["cuda_graph_max_bs"] > 0 captures decode CUDA graphs when the all-to-all allows it (`graph_plan`, the
+    module docstring); `step_bucket`: the bucket every rank replays in the current step (None: eager).
     Guided decoding (SamplingParams.grammar): `guided` holds this rank's matchers (kimi.structured_output.bitmask):
     each sampled token is accepted in `finish`, and the next bitmask is filled after the previous step is finished,
     just before this step's sampling is launched (on CUDA while this step's forward runs).
@@ -136,11 +145,44 @@ class ModelRunner:
         log.info("rank %d: weights loaded in %.1f s", rank, time.monotonic() - t0)
         self.num_blocks = self._num_blocks(cache_config)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, dtype, self.device)
-        if fused_model is not None and graph_max_bs > 0 and world_size == 1:
-            max_blocks = -(-cfg.max_position_embeddings // self.block_size)
-            fused_model.capture_cuda_graphs(self.kv_caches, self.block_size, graph_max_bs, max_blocks)
+        self.graph_plan: DecodeGraphPlan | None = None  # the captured decode graphs' buckets (None: none captured)
+        self.step_bucket: int | None = None  # the bucket every rank replays this step (lockstep graphs; None: eager)
+        if fused_model is not None and graph_max_bs > 0:
+            self._capture_graphs(fused_model, graph_max_bs)
         self.requests: dict[int, WorkerRequest] = {}
         self.guided = guided_requests(model_dir, cfg)
+
+    def _capture_graphs(self, model: KimiForCausalLM, max_batch: int) -> None:
+        """Capture the decode graphs `decode_graph_plan` allows (logged on rank 0 when none). Lockstep (a collective
+        all-to-all): the all-to-all is set to each bucket's static shapes before it is captured (DECODE mode, capacity
+        the bucket, every rank's tokens at most the bucket); this is collective: every rank runs it, in the same
+        order."""
+        plan, why = decode_graph_plan(max_batch, self.world_size, self.a2a, self.ll_max_tokens_per_rank)
+        if plan is None:
+            if self.rank == 0:
+                log.warning("CUDA graphs %s", why)
+            return
+        a2a, n = self.a2a, self.world_size
+        on_bucket = None
+        if plan.lockstep and a2a is not None:
+
+            def on_bucket(bs: int) -> None:
+                a2a.set_mode(DECODE, n * bs, bs, capacity=bs)
+
+        max_blocks = -(-self.cfg.max_position_embeddings // self.block_size)
+        model.capture_cuda_graphs(
+            self.kv_caches,
+            self.block_size,
+            plan.buckets[-1],
+            max_blocks,
+            buckets=list(plan.buckets),
+            on_bucket=on_bucket,
+        )
+        if model.graphs is not None:
+            self.graph_plan = plan
+        reset_a2a = getattr(a2a, "reset_counters", None)
+        if reset_a2a is not None:
+            reset_a2a()  # the captures' set_mode calls are no served steps
 
     def _check_requested_cache(self, cc: CacheConfig) -> None:
         """Raise KVCacheSizeError when an explicit cache size (--num-blocks, --kv-cache-memory-gib) exceeds the
@@ -245,7 +287,9 @@ class ModelRunner:
         batch = self.update_states(plan)
         if not batch:
             self._finish_prev(prev, on_prev)
-            if self.world_size > 1:
+            if self.step_bucket is not None:
+                self._idle_replay(self.step_bucket)
+            elif self.world_size > 1:
                 self._idle_step()
             return StepHandle(plan.step, [], None, [], {})
         if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None):
@@ -265,8 +309,9 @@ class ModelRunner:
 
     def update_states(self, plan: protocol.StepPlan) -> list[ScheduledRow]:
         """Apply the plan's diff: drop its finished rids, add this rank's new requests, extend the continuing ones'
-        block tables, set the all-to-all mode; returns this rank's batch. Raises ProtocolError for a continuing rid
-        never sent as new."""
+        block tables, set the all-to-all mode and (lockstep decode graphs) `step_bucket`, the bucket every rank replays:
+        DecodeGraphPlan.bucket of every rank's tokens, which is the static all-to-all's capacity then; returns this
+        rank's batch. Raises ProtocolError for a continuing rid never sent as new."""
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self.rank_of.pop(rid, None)
@@ -280,9 +325,11 @@ class ModelRunner:
                 raise ProtocolError(f"step {plan.step}: continuing rid {c.rid} was never sent as new")
             per_rank[self.rank_of[c.rid]] += c.num_new_tokens
         single = all(nr.num_new_tokens == 1 for nr in plan.new) and all(c.num_new_tokens == 1 for c in plan.cont)
+        mode = step_mode(per_rank, single, self.ll_max_tokens_per_rank)
+        gp = self.graph_plan
+        self.step_bucket = gp.bucket(per_rank, mode == DECODE) if gp is not None and gp.lockstep else None
         if self.a2a is not None:
-            mode = step_mode(per_rank, single, self.ll_max_tokens_per_rank)
-            self.a2a.set_mode(mode, sum(per_rank), max(per_rank, default=0))
+            self.a2a.set_mode(mode, sum(per_rank), max(per_rank, default=0), capacity=self.step_bucket)
         batch: list[ScheduledRow] = []
         for nr in plan.new:
             if nr.dp_rank == self.rank:
@@ -320,7 +367,9 @@ class ModelRunner:
         Tokens still on the device (`inputs.fills`) are gathered from prev's sampled ids into the inputs first. A pure
         decode batch on a model with captured CUDA graphs (`model.graphs`) goes from the host lists straight to
         `forward_decode` (a graph replay, kimi/worker/cuda_graph.py); anything else builds its AttentionMetadata and
-        runs the model."""
+        runs the model. Lockstep graphs (`graph_plan.lockstep`): the replay is of `step_bucket`, the bucket every rank
+        replays, and only when it is set; an eager step is planned first, so it never replays a graph of another
+        bucket (its static all-to-all runs at the step's capacity, the shapes of the other ranks' collectives)."""
         dev = self.device
         fill = None
         if inputs.fills:  # (input rows, prev's sampled ids, their rows): applied on the device before the forward
@@ -329,7 +378,9 @@ class ModelRunner:
             if dev.type == "cuda":
                 idx = idx.pin_memory().to(dev, non_blocking=True)
             fill = (idx[:, 0], prev.launch.ids, idx[:, 1])
-        if self.model.graphs is not None and not inputs.plp_rows and all(q == 1 for q in inputs.query_lens):
+        lockstep = self.graph_plan is not None and self.graph_plan.lockstep
+        replay = self.model.graphs is not None and not inputs.plp_rows and all(q == 1 for q in inputs.query_lens)
+        if replay and (not lockstep or self.step_bucket is not None):
             hidden: torch.Tensor = self.model.forward_decode(
                 inputs.input_ids,
                 inputs.positions,
@@ -338,9 +389,12 @@ class ModelRunner:
                 self.block_size,
                 self.kv_caches,
                 fill=fill,
+                bucket=self.step_bucket if lockstep else None,
             )
             return hidden
         attn = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.tables, self.block_size, dev)
+        if lockstep:
+            self.model.plan_eager(attn)  # attn.plan set: the forward runs eagerly, never a graph
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         if fill is not None:
             ids.index_copy_(0, fill[0], fill[1].index_select(0, fill[2]))
@@ -433,6 +487,13 @@ class ModelRunner:
         graphs = getattr(self.model, "graphs", None)
         if graphs is not None:
             graphs.reset_counters()
+
+    def _idle_replay(self, bucket: int) -> None:
+        """No local tokens in a decode step where other ranks decode (lockstep graphs): replay `bucket`, the one every
+        rank replays, with every row padding (row_valid 0: no expert; their cache writes go to the null block), so
+        this rank issues the other ranks' collectives in their shapes; the output is dropped."""
+        self.model.forward_decode([], [], [], [], self.block_size, self.kv_caches, bucket=bucket)
+        self.num_idle_steps += 1
 
     def _idle_step(self) -> None:
         """No local tokens this step: run every MoE layer's dispatch / combine on a [0, hidden] batch, in layer

@@ -134,6 +134,7 @@ class HummingExperts(nn.Module):
         self.expert_offset = expert_offset
         self.num_experts_total = num_experts_total
         self._tuning: dict[int, tuple[dict, dict]] = {}
+        self._gpu_name = torch.cuda.get_device_name(dev)  # the tuning table's key (once: kernel_variants asks per m)
 
     def _m_local(self, T: int, k: int) -> int:
         """The expected local pairs of a step of T tokens, top-k (`expected_local_pairs`)."""
@@ -145,7 +146,7 @@ class HummingExperts(nn.Module):
         if key not in self._tuning:
             from humming.tune import get_heuristics_config
 
-            gpu = torch.cuda.get_device_name(self.device)
+            gpu = self._gpu_name
             cs = []
             for layer, n, kk in ((self.l1, 2 * self.inter, self.D), (self.l2, self.D, self.inter)):
                 h = get_heuristics_config(layer.humming_config, shape_m=m_local, gemm_type="indexed")

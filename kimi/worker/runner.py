@@ -271,7 +271,7 @@ class ModelRunner:
         if self.draft is not None:
             from kimi.worker.speculative import speculative_step
 
-            return speculative_step(self, plan, prev, on_prev)
+            return speculative_step(self, plan, prev, on_prev, position_seed)
         batch = self.update_states(plan)
         if not batch:
             self._finish_prev(prev, on_prev)

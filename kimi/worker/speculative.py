@@ -45,9 +45,11 @@ def speculative_step(
     plan: protocol.StepPlan,
     prev: StepHandle | None,
     on_prev: Callable[[StepHandle], None] | None,
+    position_seed: Callable[[int, int], int],
 ) -> StepHandle:
-    """Run `plan` on `runner` (module docstring); returns a finished StepHandle. Raises ProtocolError when a plan
-    verifies more draft tokens than the request's proposal holds, or asks for tokens it does not have."""
+    """Run `plan` on `runner` (module docstring); returns a finished StepHandle. position_seed(seed, position): the
+    generator seed of a seeded request's draw at a position (kimi.worker.runner.position_seed). Raises ProtocolError
+    when a plan verifies more draft tokens than the request's proposal holds, or asks for tokens it does not have."""
     runner._finish_prev(prev, on_prev)
     batch = runner.update_states(plan)
     done = StepHandle(plan.step, [], None, [], {}, outputs=[])
@@ -80,14 +82,16 @@ def speculative_step(
         outputs = list(runner.finish(runner.sample(plan.step, batch, inputs, hidden)))
     emitted = set(inputs.sample_idx)
     for i, row0, nv in inputs.verify_rows:
-        outputs.append(_verify_row(runner, batch[i], hidden[row0 : row0 + nv + 1], nv))
+        outputs.append(_verify_row(runner, batch[i], hidden[row0 : row0 + nv + 1], nv, position_seed))
         emitted.add(i)
     _run_draft(draft, runner.num_speculative_tokens, batch, starts, inputs, aux, emitted)
     done.outputs = outputs
     return done
 
 
-def _verify_row(runner: ModelRunner, row: ScheduledRow, hidden: torch.Tensor, nv: int) -> protocol.TokenOutput:
+def _verify_row(
+    runner: ModelRunner, row: ScheduledRow, hidden: torch.Tensor, nv: int, position_seed: Callable[[int, int], int]
+) -> protocol.TokenOutput:
     """Verify one request's nv drafts from its nv + 1 hidden rows; append the emitted tokens, set its computed tokens
     to those with valid KV; its TokenOutput (first token, then next_token_ids)."""
     rid, wr, _ = row
@@ -95,8 +99,6 @@ def _verify_row(runner: ModelRunner, row: ScheduledRow, hidden: torch.Tensor, nv
     g = wr.generator
     seed_at = None
     if g is not None:
-        from kimi.worker.runner import position_seed
-
         assert sp.seed is not None, "only a seeded request has a generator"
         base, seed, gen = len(wr.token_ids), sp.seed, g
 

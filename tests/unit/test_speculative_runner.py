@@ -33,14 +33,16 @@ PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [500, 7, 900, 7, 500], 
 GREEDY = protocol.SamplingParams(temperature=0.0, num_logprobs=1)
 
 
-def _generate(runner: ModelRunner, max_tokens: int, force=None) -> tuple[list[list[int]], list[list[float]]]:
+def _generate(
+    runner: ModelRunner, max_tokens: int, force=None, sp: protocol.SamplingParams = GREEDY
+) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy generation of PROMPTS together, the controller's way (one step per plan, drafts verified when the
     rank holds a proposal); force(rid, n_out) -> a proposal to put in place of the draft's (None: the draft's)."""
     outs: list[list[int]] = [[] for _ in PROMPTS]
     lps: list[list[float]] = [[] for _ in PROMPTS]
     blocks = 6
     new = [
-        protocol.NewRequest(rid, 0, p, 0, len(p), list(range(1 + rid * blocks, 1 + (rid + 1) * blocks)), GREEDY)
+        protocol.NewRequest(rid, 0, p, 0, len(p), list(range(1 + rid * blocks, 1 + (rid + 1) * blocks)), sp)
         for rid, p in enumerate(PROMPTS)
     ]
     step = 1
@@ -95,3 +97,14 @@ def test_greedy_equal_with_and_without_speculation(dirs) -> None:
     assert got == ref
     assert 0 < partial.num_accepted_tokens < partial.num_draft_tokens
     assert steps_all > 0
+
+
+def test_seeded_sampling_with_speculation_reproduces(dirs) -> None:
+    """A seeded sampled request verifies by rejection sampling with its generator reseeded per drawn position: two
+    runs give the same tokens (the distribution itself: tests/unit/test_rejection_sampler.py)."""
+    ckpt, draft = dirs
+    sp = protocol.SamplingParams(temperature=0.9, top_k=50, seed=1234, num_logprobs=0)
+    a, _ = _generate(_runner(ckpt, draft), 10, sp=sp)
+    b, _ = _generate(_runner(ckpt, draft), 10, sp=sp)
+    assert a == b
+    assert len({t for o in a for t in o}) > 5  # sampled, not one repeated token

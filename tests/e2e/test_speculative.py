@@ -2,8 +2,9 @@
 draft, real CPU torchrun workers, HTTP on a loopback port.
 
 - the tiny K2.6 model: 16 concurrent greedy requests, some with stop strings, under KV pressure (preemption), give
-  the same text, finish reasons, token counts and logprobs with speculation as without it; the Prometheus counters
-  show the verified drafts;
+  the same text, finish reasons, token counts and logprobs with speculation as without it, on one rank and on two
+  (DP x EP); the Prometheus counters show the verified drafts (the tiny random draft is almost never right, so
+  these runs check verification and rejection; the fake workers below check acceptance);
 - `--fake-workers` (the fake model's draft is right about 70% of the time, so several tokens come back per verify
   step): the same requests give the same outputs with and without speculation, stop strings met inside an accepted
   run cut the output there, and the per-position acceptance counters add up;
@@ -99,25 +100,36 @@ def _assert_same(got: list[tuple], ref: list[tuple], lp_tol: float) -> None:
         assert g[3] == pytest.approx(r[3], abs=lp_tol), i
 
 
-def test_greedy_equal_with_speculation_tiny_model(tiny_k26, draft, tmp_path) -> None:
-    bodies = _bodies(20)
-    srv = _serve(tiny_k26, str(tmp_path / "ref.log"), "--num-blocks", "24")
+@pytest.fixture(scope="module")
+def tiny_ref(tiny_k26, tmp_path_factory) -> tuple[list[tuple], dict]:
+    """The 16 requests' outputs and /metrics without speculation (24 blocks of 16 tokens: they preempt)."""
+    srv = _serve(tiny_k26, str(tmp_path_factory.mktemp("log") / "ref.log"), "--num-blocks", "24")
     try:
-        ref, ref_m = _outputs(srv, bodies)
+        return _outputs(srv, _bodies(20))
     finally:
         assert stop_server(srv) == 0, srv.log()
-    srv = _serve(tiny_k26, str(tmp_path / "spec.log"), "--num-blocks", "24", *_spec_flag(draft))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_greedy_equal_with_speculation_tiny_model(tiny_k26, draft, tiny_ref, tmp_path, nproc) -> None:
+    """One rank, and two (DP attention x EP MoE over gloo: each rank verifies its own requests, the MoE all-to-all
+    carries every rank's verify rows)."""
+    ref, ref_m = tiny_ref
+    log = tmp_path / "spec.log"
+    srv = _serve(tiny_k26, str(log), "--num-blocks", "24", "--nproc", str(nproc), *_spec_flag(draft))
     try:
-        got, m = _outputs(srv, bodies)
+        got, m = _outputs(srv, _bodies(20))
     finally:
         assert stop_server(srv) == 0, srv.log()
     _assert_same(got, ref, 1e-3)
     assert any(r[1] == "stop" for r in ref) and any(r[1] == "length" for r in ref)
-    assert m["kimi:num_preemptions_total[]"] > 0 and ref_m["kimi:num_preemptions_total[]"] > 0
+    assert ref_m["kimi:num_preemptions_total[]"] > 0
+    if nproc == 1:
+        assert m["kimi:num_preemptions_total[]"] > 0
     assert m["kimi:spec_decode_num_drafts_total[]"] > 0
     assert m["kimi:spec_decode_num_draft_tokens_total[]"] >= m["kimi:spec_decode_num_drafts_total[]"]
     assert "spec_decode_num_drafts_total[]" not in str(ref_m)  # exported only with speculation on
-    assert "speculative decoding:" in Path(tmp_path / "spec.log").read_text()  # the rank's exit line
+    assert log.read_text().count("speculative decoding:") == nproc  # each rank's exit line
 
 
 def test_fake_workers_accept_several_tokens_per_step(tiny_k26, draft, tmp_path) -> None:

@@ -344,11 +344,26 @@ def make_tiny_checkpoint(
     return out
 
 
-def tiny_draft_config(layout: str = "k2.6") -> dict[str, Any]:
+def tiny_draft_config(layout: str = "k2.6", attention: str = "llama") -> dict[str, Any]:
     """config.json of the tiny EAGLE3 draft for the tiny checkpoint of `layout`, in the published layout
-    (`LlamaForCausalLMEagle3`, `eagle_config.eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`)."""
+    (`eagle_config.eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`): attention "llama"
+    (`LlamaForCausalLMEagle3`, TINY_DRAFT_DIMS) or "mla" (`Eagle3DeepseekV2ForCausalLM`, the `-mla` drafts' layout,
+    with the tiny target's MLA sizes and YaRN). ValueError for another attention or layout."""
+    if attention not in ("llama", "mla"):
+        raise ValueError(f"unknown draft attention {attention!r}; choose llama or mla")
     cfg, _ = tiny_config(layout)
     text = cfg.get("text_config", cfg)
+    mla: dict[str, Any] = {}
+    if attention == "mla":
+        keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_scaling")
+        mla = {k: text[k] for k in keys}
+        mla |= {
+            "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+            "model_type": "kimi_k2",
+            "num_key_value_heads": text["num_attention_heads"],
+            "rope_theta": text["rope_theta"],
+            "rms_norm_eps": text["rms_norm_eps"],
+        }
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -359,19 +374,22 @@ def tiny_draft_config(layout: str = "k2.6") -> dict[str, Any]:
         "max_position_embeddings": text["max_position_embeddings"],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
         **TINY_DRAFT_DIMS,
+        **mla,
     }
 
 
-def make_tiny_eagle3_draft(out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0) -> str:
-    """Write the tiny EAGLE3 draft of the tiny `layout` checkpoint into `out_dir`: config.json (`tiny_draft_config`)
-    and model.safetensors with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d` in bf16 /
-    int64 / bool (no embed_tokens: shared with the target). Weights: kimi.model.eagle3.random_draft_weights.
-    Returns out_dir as a str; ValueError for an unknown layout."""
+def make_tiny_eagle3_draft(
+    out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0, attention: str = "llama"
+) -> str:
+    """Write the tiny EAGLE3 draft of the tiny `layout` checkpoint into `out_dir`: config.json (`tiny_draft_config`
+    of `attention`) and model.safetensors with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
+    in bf16 / int64 / bool (no embed_tokens: shared with the target). Weights: kimi.model.eagle3.random_draft_weights.
+    Returns out_dir as a str; ValueError for an unknown layout or attention."""
     from safetensors.torch import save_file
 
     from kimi.model.eagle3 import Eagle3Config, random_draft_weights
 
-    draft_cfg = tiny_draft_config(layout)
+    draft_cfg = tiny_draft_config(layout, attention)
     cfg_json, gen = tiny_config(layout)
     target = ModelConfig.from_dict(cfg_json, gen)
     weights = random_draft_weights(Eagle3Config.from_dict(draft_cfg), target, seed)
@@ -418,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="also write a tiny EAGLE3 draft for this checkpoint into DIR (docs/speculative.md)",
     )
+    p.add_argument(
+        "--eagle3-attention",
+        choices=("llama", "mla"),
+        default="llama",
+        help="the tiny draft's attention: Llama's (LlamaForCausalLMEagle3) or MLA (the -mla drafts' layout)",
+    )
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     source: Any = None if a.builtin_tokenizer else (a.tokenizer_dir if a.tokenizer_dir else _DEFAULT)
@@ -425,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_tokenizer_source(source)  # once: the build and the message below use the same folder
         out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source, a.max_new_tokens)
         if a.eagle3_draft:
-            make_tiny_eagle3_draft(a.eagle3_draft, a.layout, a.seed)
+            make_tiny_eagle3_draft(a.eagle3_draft, a.layout, a.seed, a.eagle3_attention)
     except (OSError, ValueError) as e:
         print(f"make_tiny_checkpoint: {e}", file=sys.stderr)
         return 1

@@ -14,9 +14,13 @@ Layer: `e = input_layernorm(embed)`, `f = hidden_norm(feature)`, residual = feat
 `i + d2t[i]`. The pre-norm `h` is the next step's feature.
 
 Checkpoint layout (the published Hugging Face one, docs/speculative.md): `fc.weight`, `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t` int64 [Vd], `t2d` bool [V] (optional), `embed_tokens.weight` (optional: shared with the
-target when absent). A leading `model.` on any name is accepted. Only Llama attention drafts load; the MLA drafts
-(`Eagle3DeepseekV2ForCausalLM`) are refused with a ConfigError.
+`lm_head.weight`, `d2t` int64 [Vd] (optional when Vd == V: the identity), `t2d` bool [V] (optional),
+`embed_tokens.weight` (optional: shared with the target when absent). A leading `model.` on any name is accepted.
+
+Attention: Llama's (`LlamaForCausalLMEagle3`: q / k / v / o projections, grouped-query, rotate-half rotary) or
+DeepSeek's MLA (`Eagle3DeepseekV2ForCausalLM`, the `-mla` drafts: q_a / q_b (or q_proj), kv_a_proj_with_mqa,
+kv_b_proj, o_proj; interleaved rotary with YaRN when configured; the naive form, the draft caching the normed latent
+and the roped k_pe per position). The MLA latent norms use the config's rms_norm_eps, as vLLM's draft does.
 
 The draft keeps its own per-request KV (`DraftKV`, a dense host-side cache on the worker): speculation on the CPU
 reference path only.
@@ -34,9 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.config import ModelConfig, RopeScaling, yarn_get_mscale
 from kimi.errors import CheckpointError, ConfigError
 from kimi.model.norm import rms_norm
+from kimi.model.rope import apply_rope_interleaved, rope_inv_freq, rope_mscale
 
 # architectures of a Llama-attention EAGLE3 draft (SpecForge / vLLM / SGLang spell it either way)
 LLAMA_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -56,7 +61,8 @@ class Eagle3Config:
     hidden_size H, target_hidden_size Ht (the target's hidden size, fc's input is 3 * Ht), heads / kv heads of
     head_dim, intermediate_size of the SwiGLU MLP, rms_norm_eps, rope_theta (plain rotary embedding, no scaling),
     vocab_size V (the target's), draft_vocab_size Vd, aux_layer_ids (None: `default_aux_layer_ids` of the target),
-    norm_before_residual (the residual is the normed feature).
+    norm_before_residual (the residual is the normed feature); attention "llama" or "mla" with, for MLA, q_lora_rank
+    (None: a plain q_proj), kv_lora_rank, qk_nope / qk_rope / v head dims and rope_scaling (YaRN or None).
     """
 
     hidden_size: int
@@ -71,25 +77,34 @@ class Eagle3Config:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...] | None
     norm_before_residual: bool = False
+    # MLA drafts (attention "mla"): DeepSeek's MLA sizes and YaRN; unused by Llama drafts
+    attention: str = "llama"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_scaling: RopeScaling | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> Eagle3Config:
         """Parse a draft's config dict. Raises ConfigError naming the field for a draft kimi cannot run: another
-        architecture (MLA drafts included), num_hidden_layers other than 1, use_aux_hidden_state false, rope_scaling
-        set, a missing or non-positive size."""
+        architecture, num_hidden_layers other than 1, use_aux_hidden_state false, rope_scaling on a Llama draft (an
+        MLA draft's must be YaRN), a missing or non-positive size."""
         arch = d.get("architectures") or []
-        if any(a in MLA_ARCHITECTURES for a in arch):
-            raise ConfigError(f"{where}: architectures {arch}: MLA EAGLE3 drafts are not supported yet")
-        if not any(a in LLAMA_ARCHITECTURES for a in arch):
-            raise ConfigError(f"{where}: architectures {arch}: want one of {', '.join(LLAMA_ARCHITECTURES)}")
+        mla = any(a in MLA_ARCHITECTURES for a in arch)
+        if not mla and not any(a in LLAMA_ARCHITECTURES for a in arch):
+            raise ConfigError(
+                f"{where}: architectures {arch}: want one of {', '.join(LLAMA_ARCHITECTURES + MLA_ARCHITECTURES)}"
+            )
         if d.get("num_hidden_layers", 1) != 1:
             raise ConfigError(f"{where}: num_hidden_layers {d.get('num_hidden_layers')}: only 1-layer drafts load")
         eagle = d.get("eagle_config") or {}
         if not eagle.get("use_aux_hidden_state", True):
             raise ConfigError(f"{where}: eagle_config.use_aux_hidden_state false: EAGLE3 fuses aux hidden states")
-        if d.get("rope_scaling"):
-            raise ConfigError(f"{where}: rope_scaling {d['rope_scaling']}: only plain rotary drafts load")
+        if d.get("rope_scaling") and not mla:
+            raise ConfigError(f"{where}: rope_scaling {d['rope_scaling']}: only plain rotary Llama drafts load")
 
         def need(name: str) -> int:
             v = d.get(name)
@@ -104,7 +119,20 @@ class Eagle3Config:
         if ids is not None and (not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids)):
             raise ConfigError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {ids!r}: want 3 layer ids")
         vocab = need("vocab_size")
+        mla_fields: dict[str, Any] = {}
+        if mla:
+            q_lora = d.get("q_lora_rank")
+            mla_fields = dict(
+                attention="mla",
+                q_lora_rank=None if q_lora is None else need("q_lora_rank"),
+                kv_lora_rank=need("kv_lora_rank"),
+                qk_nope_head_dim=need("qk_nope_head_dim"),
+                qk_rope_head_dim=need("qk_rope_head_dim"),
+                v_head_dim=need("v_head_dim"),
+                rope_scaling=_yarn(d.get("rope_scaling"), where),
+            )
         return cls(
+            **mla_fields,
             hidden_size=hidden,
             target_hidden_size=int(d.get("target_hidden_size") or hidden),
             num_attention_heads=heads,
@@ -142,16 +170,38 @@ class Eagle3Config:
         """Every tensor of the published layout: name -> (shape, dtype; None = any float). `t2d` is optional and
         not listed (checked by the loader when present); `embed_tokens.weight` only when `with_embedding`."""
         H, Ht, I = self.hidden_size, self.target_hidden_size, self.intermediate_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         s: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
             "fc.weight": ((H, 3 * Ht), None),
             "midlayer.hidden_norm.weight": ((H,), None),
             "midlayer.input_layernorm.weight": ((H,), None),
             "midlayer.post_attention_layernorm.weight": ((H,), None),
-            "midlayer.self_attn.q_proj.weight": ((q, 2 * H), None),
-            "midlayer.self_attn.k_proj.weight": ((kv, 2 * H), None),
-            "midlayer.self_attn.v_proj.weight": ((kv, 2 * H), None),
-            "midlayer.self_attn.o_proj.weight": ((H, q), None),
+        }
+        a = "midlayer.self_attn."
+        if self.attention == "mla":
+            nh, N, R, V, L = (
+                self.num_attention_heads,
+                self.qk_nope_head_dim,
+                self.qk_rope_head_dim,
+                self.v_head_dim,
+                self.kv_lora_rank,
+            )
+            if self.q_lora_rank is not None:
+                s[a + "q_a_proj.weight"] = ((self.q_lora_rank, 2 * H), None)
+                s[a + "q_a_layernorm.weight"] = ((self.q_lora_rank,), None)
+                s[a + "q_b_proj.weight"] = ((nh * (N + R), self.q_lora_rank), None)
+            else:
+                s[a + "q_proj.weight"] = ((nh * (N + R), 2 * H), None)
+            s[a + "kv_a_proj_with_mqa.weight"] = ((L + R, 2 * H), None)
+            s[a + "kv_a_layernorm.weight"] = ((L,), None)
+            s[a + "kv_b_proj.weight"] = ((nh * (N + V), L), None)
+            s[a + "o_proj.weight"] = ((H, nh * V), None)
+        else:
+            q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+            s[a + "q_proj.weight"] = ((q, 2 * H), None)
+            s[a + "k_proj.weight"] = ((kv, 2 * H), None)
+            s[a + "v_proj.weight"] = ((kv, 2 * H), None)
+            s[a + "o_proj.weight"] = ((H, q), None)
+        s |= {
             "midlayer.mlp.gate_proj.weight": ((I, H), None),
             "midlayer.mlp.up_proj.weight": ((I, H), None),
             "midlayer.mlp.down_proj.weight": ((H, I), None),
@@ -199,6 +249,22 @@ class DraftKV:
         self.length = need
 
 
+def _yarn(rs: Any, where: str) -> RopeScaling | None:
+    """An MLA draft's rope_scaling: None, or YaRN (`type` / `rope_type` "yarn") as the target's. ConfigError else."""
+    if not rs:
+        return None
+    if not isinstance(rs, dict) or rs.get("type", rs.get("rope_type")) != "yarn" or "factor" not in rs:
+        raise ConfigError(f"{where}: rope_scaling {rs!r:.80}: want null or YaRN with a factor")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
+        beta_fast=float(rs.get("beta_fast", 32)),
+        beta_slow=float(rs.get("beta_slow", 1)),
+        mscale=float(rs.get("mscale", 1.0)),
+        mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
+    )
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -227,9 +293,20 @@ class Eagle3Draft(nn.Module):
             for n, (shape, dt) in cfg.tensor_shapes(with_embedding=embed is None).items()
         }
         self.embed = embed if embed is not None else self.params["embed_tokens.weight"]
-        hd = cfg.head_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
-        self.inv_freq = inv  # [hd / 2]
+        if cfg.attention == "mla":
+            R = cfg.qk_rope_head_dim
+            self.inv_freq = rope_inv_freq(R, cfg.rope_theta, cfg.rope_scaling).to(device)  # [R / 2]
+            self.rope_mscale = rope_mscale(cfg.rope_scaling)
+            scale = (cfg.qk_nope_head_dim + R) ** -0.5
+            if cfg.rope_scaling is not None:
+                m = yarn_get_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim)
+                scale = scale * m * m
+            self.scale = scale
+        else:
+            hd = cfg.head_dim
+            self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+            self.rope_mscale = 1.0
+            self.scale = hd**-0.5
         self.target_ids = torch.empty(0, dtype=torch.long)  # [Vd], set by load_weights
 
     @torch.no_grad()
@@ -241,13 +318,16 @@ class Eagle3Draft(nn.Module):
         self.target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [Vd] int64
 
     def new_kv(self) -> DraftKV:
-        """An empty per-request draft cache."""
+        """An empty per-request draft cache: keys / values [cap, kv_heads, head_dim] (Llama), or the latent
+        [cap, 1, kv_lora_rank + qk_rope_head_dim] as keys and no values (MLA)."""
         c = self.cfg
-        shape = (16, c.num_key_value_heads, c.head_dim)
+        if c.attention == "mla":
+            ks: tuple[int, ...] = (16, 1, c.kv_lora_rank + c.qk_rope_head_dim)
+            vs: tuple[int, ...] = (16, 1, 0)
+        else:
+            ks = vs = (16, c.num_key_value_heads, c.head_dim)
         dev = self.params["fc.weight"].device
-        return DraftKV(
-            torch.empty(shape, dtype=self.dtype, device=dev), torch.empty(shape, dtype=self.dtype, device=dev)
-        )
+        return DraftKV(torch.empty(ks, dtype=self.dtype, device=dev), torch.empty(vs, dtype=self.dtype, device=dev))
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3 * Ht] (the target's residual stream entering aux_layer_ids, concatenated) -> feature [T, H]."""
@@ -261,15 +341,34 @@ class Eagle3Draft(nn.Module):
         Returns (logits [T, Vd] float32, pre-norm hidden [T, H], the next step's feature)."""
         c, p = self.cfg, self.params
         eps = c.rms_norm_eps
-        T = input_ids.shape[0]
         e = rms_norm(self.embed[input_ids].to(self.dtype), p["midlayer.input_layernorm.weight"], eps)  # [T, H]
         f = rms_norm(feature, p["midlayer.hidden_norm.weight"], eps)  # [T, H]
         residual = f if c.norm_before_residual else feature
         x = torch.cat([e, f], dim=-1)  # [T, 2H]
+        attend = self._attend_mla if c.attention == "mla" else self._attend_llama
+        h = residual + attend(x, positions, kv)  # [T, H]
+        m = rms_norm(h, p["midlayer.post_attention_layernorm.weight"], eps)
+        gate = torch.nn.functional.linear(m, p["midlayer.mlp.gate_proj.weight"])
+        up = torch.nn.functional.linear(m, p["midlayer.mlp.up_proj.weight"])
+        h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, p["midlayer.mlp.down_proj.weight"])
+        logits = torch.nn.functional.linear(rms_norm(h, p["norm.weight"], eps), p["lm_head.weight"]).float()
+        return logits, h
+
+    def _causal(self, scores: torch.Tensor, positions: torch.Tensor, kv: DraftKV) -> torch.Tensor:
+        """Softmax over the cached positions of scores [heads, T, S], the keys after each query's position masked."""
+        key_pos = torch.arange(kv.base, kv.base + kv.length, device=scores.device)
+        mask = key_pos.unsqueeze(0) > positions.unsqueeze(1)  # [T, S]: future keys
+        return torch.softmax(scores.masked_fill(mask.unsqueeze(0), float("-inf")), dim=-1)
+
+    def _attend_llama(self, x: torch.Tensor, positions: torch.Tensor, kv: DraftKV) -> torch.Tensor:
+        """Llama attention of x [T, 2H] at positions [T] over kv (appending the T positions) -> [T, H]."""
+        c, p = self.cfg, self.params
+        T = x.shape[0]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = torch.nn.functional.linear(x, p["midlayer.self_attn.q_proj.weight"]).view(T, nh, hd)
-        k = torch.nn.functional.linear(x, p["midlayer.self_attn.k_proj.weight"]).view(T, nkv, hd)
-        v = torch.nn.functional.linear(x, p["midlayer.self_attn.v_proj.weight"]).view(T, nkv, hd)
+        lin = torch.nn.functional.linear
+        q = lin(x, p["midlayer.self_attn.q_proj.weight"]).view(T, nh, hd)
+        k = lin(x, p["midlayer.self_attn.k_proj.weight"]).view(T, nkv, hd)
+        v = lin(x, p["midlayer.self_attn.v_proj.weight"]).view(T, nkv, hd)
         ang = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, hd / 2]
         cos = torch.cat([ang.cos(), ang.cos()], dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, hd]
         sin = torch.cat([ang.sin(), ang.sin()], dim=-1).unsqueeze(1).to(q.dtype)
@@ -279,18 +378,41 @@ class Eagle3Draft(nn.Module):
         S = kv.length
         keys = kv.k[:S].repeat_interleave(nh // nkv, dim=1)  # [S, nh, hd]
         vals = kv.v[:S].repeat_interleave(nh // nkv, dim=1)
-        scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) / math.sqrt(hd)  # [nh, T, S]
-        key_pos = torch.arange(kv.base, kv.base + S, device=q.device)
-        mask = key_pos.unsqueeze(0) > positions.unsqueeze(1)  # [T, S]: future keys
-        scores = scores.masked_fill(mask.unsqueeze(0), float("-inf"))
-        attn = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vals.float()).to(x.dtype)  # [T, nh, hd]
-        h = residual + torch.nn.functional.linear(attn.reshape(T, nh * hd), p["midlayer.self_attn.o_proj.weight"])
-        m = rms_norm(h, p["midlayer.post_attention_layernorm.weight"], eps)
-        gate = torch.nn.functional.linear(m, p["midlayer.mlp.gate_proj.weight"])
-        up = torch.nn.functional.linear(m, p["midlayer.mlp.up_proj.weight"])
-        h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, p["midlayer.mlp.down_proj.weight"])
-        logits = torch.nn.functional.linear(rms_norm(h, p["norm.weight"], eps), p["lm_head.weight"]).float()
-        return logits, h
+        scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) * self.scale  # [nh, T, S]
+        o = torch.einsum("hts,shd->thd", self._causal(scores, positions, kv), vals.float()).to(x.dtype)  # [T, nh, hd]
+        out: torch.Tensor = lin(o.reshape(T, nh * hd), p["midlayer.self_attn.o_proj.weight"])
+        return out
+
+    def _attend_mla(self, x: torch.Tensor, positions: torch.Tensor, kv: DraftKV) -> torch.Tensor:
+        """MLA (naive form) of x [T, 2H] at positions [T] over kv's cached `[rmsnorm(ckv) | roped k_pe]` (appending
+        the T positions) -> [T, H]. Math as kimi.model.attention's prefill reference, over a dense cache."""
+        c, p = self.cfg, self.params
+        T = x.shape[0]
+        nh, N, R, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        eps = c.rms_norm_eps
+        lin = torch.nn.functional.linear
+        a = "midlayer.self_attn."
+        if c.q_lora_rank is not None:
+            q_lat = rms_norm(lin(x, p[a + "q_a_proj.weight"]), p[a + "q_a_layernorm.weight"], eps)  # [T, q_lora]
+            q = lin(q_lat, p[a + "q_b_proj.weight"])
+        else:
+            q = lin(x, p[a + "q_proj.weight"])
+        q = q.view(T, nh, N + R)
+        kv_a = lin(x, p[a + "kv_a_proj_with_mqa.weight"])  # [T, L + R]
+        ckv = rms_norm(kv_a[:, :L], p[a + "kv_a_layernorm.weight"], eps)  # [T, L]
+        ang = positions.to(torch.float64).unsqueeze(1) * self.inv_freq.double().unsqueeze(0)  # [T, R / 2]
+        cos, sin = (ang.cos() * self.rope_mscale).float(), (ang.sin() * self.rope_mscale).float()
+        q_pe = apply_rope_interleaved(q[..., N:], cos, sin)  # [T, nh, R]
+        k_pe = apply_rope_interleaved(kv_a[:, L:], cos, sin)  # [T, R]
+        kv.append(int(positions[0]), torch.cat([ckv, k_pe], dim=-1).unsqueeze(1), kv.v.new_empty((T, 1, 0)))
+        S = kv.length
+        lat = kv.k[:S, 0].float()  # [S, L + R]
+        kvb = lin(lat[:, :L], p[a + "kv_b_proj.weight"].float()).view(S, nh, N + V)  # [S, nh, N + V]
+        scores = torch.einsum("thn,shn->hts", q[..., :N].float(), kvb[..., :N])
+        scores = (scores + torch.einsum("thr,sr->hts", q_pe.float(), lat[:, L:])) * self.scale  # [nh, T, S]
+        o = torch.einsum("hts,shv->thv", self._causal(scores, positions, kv), kvb[..., N:]).to(x.dtype)  # [T, nh, V]
+        out: torch.Tensor = lin(o.reshape(T, nh * V), p[a + "o_proj.weight"])
+        return out
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary ids [N] -> target ids [N] (`i + d2t[i]`)."""
@@ -384,6 +506,8 @@ def load_eagle3_draft(
     cfg = read_draft_config(draft_dir)
     ids = cfg.check_target(target)
     weights = random_draft_weights(cfg, target, seed) if dummy else read_draft_tensors(draft_dir)
+    if "d2t" not in weights and cfg.draft_vocab_size == cfg.vocab_size:
+        weights["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # the full vocabulary: identity
     check_draft_weights(cfg, target, weights)
     embed = None if "embed_tokens.weight" in weights else target_embed
     draft = Eagle3Draft(cfg, ids, embed, dtype, device)

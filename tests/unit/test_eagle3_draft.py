@@ -27,6 +27,11 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_eagle3_draft(tmp_path_factory.mktemp("draft")))
 
 
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_eagle3_draft(tmp_path_factory.mktemp("mla"), attention="mla"))
+
+
 def _embed(target: ModelConfig) -> torch.Tensor:
     return torch.randn(target.vocab_size, target.hidden_size, generator=torch.Generator().manual_seed(0))
 
@@ -44,15 +49,23 @@ def _copy(src: Path, dst: Path, edit_cfg=None, edit_tensors=None) -> Path:
     return dst
 
 
-def test_tiny_draft_loads_and_proposes(draft_dir: Path, target: ModelConfig) -> None:
-    names = set(load_file(str(draft_dir / "model.safetensors")))
-    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "d2t", "t2d"} <= names
+@pytest.mark.parametrize("attention", ["llama", "mla"])
+def test_tiny_draft_loads_and_proposes(draft_dir: Path, mla_dir: Path, target: ModelConfig, attention: str) -> None:
+    ddir = draft_dir if attention == "llama" else mla_dir
+    names = set(load_file(str(ddir / "model.safetensors")))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "d2t", "t2d"} <= names
     assert "embed_tokens.weight" not in names  # shared with the target
-    d = load_eagle3_draft(str(draft_dir), target, _embed(target))
+    d = load_eagle3_draft(str(ddir), target, _embed(target))
     assert d.aux_layer_ids == (0, 1, 2)
     H = target.hidden_size
     assert tuple(d.params["fc.weight"].shape) == (H, 3 * H)
-    assert tuple(d.params["midlayer.self_attn.q_proj.weight"].shape) == (4 * 32, 2 * H)
+    if attention == "llama":
+        assert tuple(d.params["midlayer.self_attn.q_proj.weight"].shape) == (4 * 32, 2 * H)
+    else:  # the tiny target's MLA sizes: q_lora 96, kv_lora 64, 4 heads x (32 nope + 16 rope), v 32
+        assert tuple(d.params["midlayer.self_attn.q_a_proj.weight"].shape) == (96, 2 * H)
+        assert tuple(d.params["midlayer.self_attn.kv_a_proj_with_mqa.weight"].shape) == (64 + 16, 2 * H)
+        assert tuple(d.params["midlayer.self_attn.kv_b_proj.weight"].shape) == (4 * (32 + 32), 64)
+        assert d.cfg.rope_scaling is not None and d.cfg.rope_scaling.factor == 64.0
     kv = d.new_kv()
     aux = torch.randn(5, 3 * H)
     logits, h = d(torch.tensor([1, 2, 3, 4, 5]), d.fuse(aux), torch.arange(7, 12), kv)
@@ -98,7 +111,8 @@ def test_mismatched_tensors_are_refused(draft_dir: Path, target: ModelConfig, tm
     "edit, match",
     [
         (lambda c: c.__setitem__("vocab_size", 32000), "vocab_size"),
-        (lambda c: c.__setitem__("architectures", ["Eagle3DeepseekV2ForCausalLM"]), "MLA"),
+        (lambda c: c.__setitem__("rope_scaling", {"type": "yarn", "factor": 4.0}), "rope_scaling"),
+        (lambda c: c.__setitem__("architectures", ["Eagle3DeepseekV2ForCausalLM"]), "kv_lora_rank"),
         (lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"]), "architectures"),
         (lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", [2, 30, 58]), "outside"),
         (lambda c: c.__setitem__("target_hidden_size", 7168), "target_hidden_size"),
@@ -132,3 +146,29 @@ def test_speculative_config_json() -> None:
     ]:
         with pytest.raises(ConfigError, match=field):
             SpeculativeConfig.from_json(text)
+
+
+def test_mla_draft_refuses_a_llama_tensor(mla_dir: Path, target: ModelConfig, tmp_path: Path) -> None:
+    def edit(t):
+        t.pop("midlayer.self_attn.kv_b_proj.weight")
+        t["midlayer.self_attn.k_proj.weight"] = torch.zeros(64, 256)
+
+    bad = _copy(mla_dir, tmp_path / "bad", edit_tensors=edit)
+    with pytest.raises(CheckpointError, match=r"midlayer\.self_attn\.kv_b_proj\.weight missing"):
+        load_eagle3_draft(str(bad), target, _embed(target))
+
+
+def test_full_vocabulary_draft_needs_no_d2t(draft_dir: Path, target: ModelConfig, tmp_path: Path) -> None:
+    """A draft over the whole target vocabulary may leave d2t out (the identity)."""
+
+    def cfg(c):
+        c["draft_vocab_size"] = c["vocab_size"]
+
+    def tensors(t):
+        t.pop("d2t")
+        t.pop("t2d")
+        t["lm_head.weight"] = torch.zeros(163840, 128, dtype=torch.bfloat16)
+
+    full = _copy(draft_dir, tmp_path / "full", edit_cfg=cfg, edit_tensors=tensors)
+    d = load_eagle3_draft(str(full), target, _embed(target))
+    assert torch.equal(d.target_ids, torch.arange(163840))

@@ -1,4 +1,5 @@
-"""Speculative steps on a rank (kimi.worker.speculative) on the tiny K2.6 checkpoint and its tiny EAGLE3 draft, CPU:
+"""Speculative steps on a rank (kimi.worker.speculative) on the tiny K2.6 checkpoint and its tiny EAGLE3 drafts (Llama
+attention and MLA), CPU:
 greedy outputs equal those without speculation token for token (verify steps of q_len k + 1 through the paged cache),
 with the real draft's proposals and with proposals forced to the known continuation (all accepted) or to it with
 a wrong token (accepted up to there, the rejected positions' KV then overwritten)."""
@@ -20,7 +21,8 @@ K = 3
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     ckpt = make_tiny_checkpoint(root / "k2.6", "k2.6", seed=0, tokenizer_source=None)
-    return ckpt, make_tiny_eagle3_draft(root / "draft", "k2.6", seed=0)
+    mla = make_tiny_eagle3_draft(root / "mla", "k2.6", seed=0, attention="mla")
+    return ckpt, make_tiny_eagle3_draft(root / "draft", "k2.6", seed=0), mla
 
 
 def _runner(ckpt: str, draft: str | None) -> ModelRunner:
@@ -68,8 +70,10 @@ def _generate(
         res = runner.execute(protocol.StepPlan(step, [], cont, []))
 
 
-def test_greedy_equal_with_and_without_speculation(dirs) -> None:
-    ckpt, draft = dirs
+@pytest.mark.parametrize("attention", ["llama", "mla"])
+def test_greedy_equal_with_and_without_speculation(dirs, attention: str) -> None:
+    ckpt, llama, mla = dirs
+    draft = llama if attention == "llama" else mla
     ref, ref_lp = _generate(_runner(ckpt, None), 12)
     spec_runner = _runner(ckpt, draft)
     got, got_lp = _generate(spec_runner, 12)
@@ -102,7 +106,7 @@ def test_greedy_equal_with_and_without_speculation(dirs) -> None:
 def test_seeded_sampling_with_speculation_reproduces(dirs) -> None:
     """A seeded sampled request verifies by rejection sampling with its generator reseeded per drawn position: two
     runs give the same tokens (the distribution itself: tests/unit/test_rejection_sampler.py)."""
-    ckpt, draft = dirs
+    ckpt, draft, _ = dirs
     sp = protocol.SamplingParams(temperature=0.9, top_k=50, seed=1234, num_logprobs=0)
     a, _ = _generate(_runner(ckpt, draft), 10, sp=sp)
     b, _ = _generate(_runner(ckpt, draft), 10, sp=sp)

@@ -47,7 +47,8 @@ def _spec_flag(draft: str, k: int = K) -> tuple[str, str]:
     return ("--speculative-config", json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k}))
 
 
-def _bodies(max_tokens: int) -> list[dict]:
+def _bodies(max_tokens: int, seeded: bool = False) -> list[dict]:
+    """16 completions: greedy (seeded: every fifth one sampled with a seed instead), a third with stop strings."""
     out = []
     for i in range(16):
         b = {
@@ -57,6 +58,8 @@ def _bodies(max_tokens: int) -> list[dict]:
             "temperature": 0,
             "logprobs": 1,
         }
+        if seeded and i % 5 == 3:
+            b |= {"temperature": 0.8, "seed": 1000 + i}
         if i % 3 == 1:
             b["stop"] = ["e", "a"]
         if i % 6 == 4:
@@ -133,7 +136,7 @@ def test_greedy_equal_with_speculation_tiny_model(tiny_k26, draft, tiny_ref, tmp
 
 
 def test_fake_workers_accept_several_tokens_per_step(tiny_k26, draft, tmp_path) -> None:
-    bodies = _bodies(40)
+    bodies = _bodies(40, seeded=True)  # the fake model's seeded tokens do not depend on how many come per step
     srv = _serve(tiny_k26, str(tmp_path / "fref.log"), "--fake-workers", "--num-blocks", "20")
     try:
         ref, _ = _outputs(srv, bodies)

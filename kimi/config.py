@@ -412,6 +412,75 @@ class SchedulerConfig:
     max_model_len: int = 8192
     waiting_reserve: int = 512
     policy: str = "fcfs"
+    # speculative decoding (docs/speculative.md): draft tokens verified per decode row per step; 0 = off
+    num_speculative_tokens: int = 0
+
+
+SPECULATIVE_METHODS = ("eagle3",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, vLLM's JSON (docs/speculative.md): `method` "eagle3", `model` (the draft's folder),
+    `num_speculative_tokens` k in [1, MAX_SPECULATIVE_TOKENS]; optional `load_format` "auto" | "dummy" (random draft
+    weights of the config's shapes, for benchmarks) and `draft_tensor_parallel_size` (1 only: the draft runs on every
+    rank whole)."""
+
+    method: str
+    model: str
+    num_speculative_tokens: int
+    load_format: str = "auto"
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON; ConfigError naming the field for a value kimi cannot run with (bad JSON, an unknown
+        key, a method other than eagle3, k out of range, no model)."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config: not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError("--speculative-config: want a JSON object")
+        known = {"method", "model", "num_speculative_tokens", "load_format", "draft_tensor_parallel_size"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config: unknown field {unknown[0]!r} (kimi reads {', '.join(sorted(known))})"
+            )
+        method = d.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"--speculative-config: method {method!r}: only {', '.join(SPECULATIVE_METHODS)} is served"
+            )
+        model = d.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError("--speculative-config: model: want the EAGLE3 draft's folder")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"--speculative-config: num_speculative_tokens {k!r}: want an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        fmt = d.get("load_format", "auto")
+        if fmt not in ("auto", "dummy"):
+            raise ConfigError(f"--speculative-config: load_format {fmt!r}: want auto or dummy")
+        tp = d.get("draft_tensor_parallel_size", 1)
+        if tp != 1:
+            raise ConfigError(
+                f"--speculative-config: draft_tensor_parallel_size {tp!r}: only 1 (the draft is whole on every rank)"
+            )
+        return cls(method, model, k, fmt)
+
+    def to_json(self) -> str:
+        """The JSON `from_json` reads back to this config (the worker's flag)."""
+        return json.dumps(
+            {
+                "method": self.method,
+                "model": self.model,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "load_format": self.load_format,
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -542,6 +611,11 @@ class WorkerConfig:
     )
     max_model_len: int | None = _flag(
         None, "prompt + output tokens per request (default: the config's max_position_embeddings)", type=int
+    )
+    speculative_config: str | None = _flag(
+        None,
+        'speculative decoding, vLLM\'s JSON: {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": K} '
+        "(docs/speculative.md; the CPU reference path only for now)",
     )
     skip_warmup: bool = _flag(
         False, "report ready without the start-up warm-up (kimi.worker.warmup): the first requests pay the compiles"

@@ -87,6 +87,9 @@ class ContinueRequest(msgspec.Struct, array_like=True, frozen=True, tag=11):
     rid: int
     num_new_tokens: int
     new_block_ids: list[int]
+    # appended: speculative decoding (docs/speculative.md): the last num_draft_tokens of the num_new_tokens are the
+    # first num_draft_tokens of the worker's own draft proposal for this request (the target verifies them)
+    num_draft_tokens: int = 0
 
 
 class StepPlan(msgspec.Struct, array_like=True, frozen=True, tag=12):
@@ -141,6 +144,12 @@ class TokenOutput(msgspec.Struct, array_like=True, frozen=True, tag=21):
     # appended: the worker cannot go on with this request (guided decoding: its grammar failed on the worker, or the
     # token is outside it); the controller ends the request with this error
     error: str | None = None
+    # appended: speculative decoding: the tokens emitted after token_id in the same verify step (accepted drafts, then
+    # the correction or bonus token), with their logprob / top alternatives when asked; None: token_id alone
+    next_token_ids: list[int] | None = None
+    next_logprobs: list[float | None] | None = None
+    next_top_ids: list[list[int] | None] | None = None
+    next_top_logprobs: list[list[float] | None] | None = None
 
 
 class StepResult(msgspec.Struct, array_like=True, frozen=True, tag=22):

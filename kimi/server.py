@@ -38,7 +38,7 @@ import uvicorn
 import zmq
 
 from kimi import cache_dir, envs
-from kimi.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig, worker_flag
+from kimi.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig, worker_flag
 from kimi.controller.engine import Engine
 from kimi.controller.http import OpenAIServer
 from kimi.controller.liveness import HEARTBEAT_S
@@ -51,6 +51,7 @@ from kimi.controller.security import (
     split_list,
 )
 from kimi.controller.submit import SubmitServer
+from kimi.errors import ConfigError
 from kimi.ipc import ControllerTransport
 from kimi.tokenizer import KimiTokenizer
 
@@ -103,6 +104,7 @@ class ServeArgs:
     no_async_scheduling: bool = False
     skip_warmup: bool = False
     cache_dir: str | None = None
+    speculative_config: str | None = None
     warmup_only: bool = False  # `kimi warmup`: start, warm up (filling the cache dir), stop
 
 
@@ -207,7 +209,27 @@ def check_serve_args(a: ServeArgs) -> str | None:
         return f"--scheduling-policy must be fcfs or priority, got {a.scheduling_policy!r}"
     if a.emulate_ep_size > 1 and a.device == "cuda" and (a.nproc != 1 or a.load_format != "dummy"):
         return "--emulate-ep-size: benchmarks only, with --nproc 1 and --load-format dummy"
+    if a.speculative_config is not None:
+        try:
+            SpeculativeConfig.from_json(a.speculative_config)
+        except ConfigError as e:
+            return str(e)
+        if a.device != "cpu":
+            return "--speculative-config: speculative decoding runs on --device cpu (the reference path) only for now"
     return None
+
+
+def speculative_config(a: ServeArgs, cfg: ModelConfig) -> SpeculativeConfig | None:
+    """The server's SpeculativeConfig, its draft's config.json checked against the target `cfg` (kimi.model.eagle3);
+    None without --speculative-config. Raises ConfigError naming the field (the tensors are checked by the workers,
+    which load them)."""
+    if a.speculative_config is None:
+        return None
+    from kimi.model.eagle3 import read_draft_config
+
+    spec = SpeculativeConfig.from_json(a.speculative_config)
+    read_draft_config(spec.model).check_target(cfg)
+    return spec
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -252,6 +274,7 @@ def _add_model_and_cache_flags(p: argparse.ArgumentParser) -> None:
     for name in ("max_model_len", "max_num_seqs", "token_budget"):
         p.add_argument("--" + name.replace("_", "-"), **worker_flag(name, type=_numeric(name)))
     p.add_argument("--num-hidden-layers", **worker_flag("num_hidden_layers", type=_numeric("num_hidden_layers")))
+    p.add_argument("--speculative-config", **worker_flag("speculative_config"))
 
 
 def _add_worker_and_queue_flags(p: argparse.ArgumentParser) -> None:
@@ -398,6 +421,7 @@ def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfi
         max_model_len=a.max_model_len,
         skip_warmup=a.skip_warmup,
         cache_dir=a.cache_dir or cache_dir.default_dir(),
+        speculative_config=a.speculative_config,
     )
 
 
@@ -729,6 +753,7 @@ def _bind(
     """Bind the worker sockets, HTTP and the ZeroMQ submit API, and build the engine; None (logged, everything
     bound so far closed) when an address cannot be bound."""
     # Bind everything before anything is launched.
+    spec = SpeculativeConfig.from_json(a.speculative_config) if a.speculative_config else None
     transport = None
     http_socks: list[socket.socket] = []
     try:
@@ -748,6 +773,7 @@ def _bind(
                 token_budget=a.token_budget,
                 max_model_len=max_model_len,
                 policy=a.scheduling_policy,
+                num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             ),
             CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gib=a.kv_cache_memory_gib),
             transport,
@@ -829,6 +855,11 @@ async def serve(a: ServeArgs) -> int:
     if checked is None:
         return 2
     cfg = checked
+    try:
+        speculative_config(a, cfg)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
     eos = eos_token_ids(cfg, tokenizer)
     max_model_len = a.max_model_len or cfg.max_position_embeddings
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model.removeprefix("preset:")))

@@ -1,7 +1,8 @@
 """A small random Kimi-K2 checkpoint in one of the real layouts (for tests and CPU end-to-end runs).
 
 Command line: `python tools/make_tiny_checkpoint.py OUT_DIR [--layout k2.6|k2-thinking|k2-instruct] [--seed N]
-[--tokenizer-dir DIR | --builtin-tokenizer]` (`main` below; `make tiny` runs it).
+[--tokenizer-dir DIR | --builtin-tokenizer] [--eagle3-draft DIR]` (`main` below; `make tiny` runs it; `--eagle3-draft`
+also writes the tiny EAGLE3 draft, `make_tiny_eagle3_draft`).
 
 Layouts (docs/model-format.md, "Checkpoint variants" and "Tensors"):
 
@@ -45,7 +46,17 @@ from kimi.config import ModelConfig
 from kimi.model.quant import dequant_fp8_block, dequant_int4, pack_int4, quant_fp8_block
 from kimi.presets import load_preset
 
-__all__ = ["LAYOUTS", "TINY_DIMS", "generate_tiny_weights", "main", "make_tiny_checkpoint", "tiny_config"]
+__all__ = [
+    "LAYOUTS",
+    "TINY_DIMS",
+    "TINY_DRAFT_DIMS",
+    "generate_tiny_weights",
+    "main",
+    "make_tiny_checkpoint",
+    "make_tiny_eagle3_draft",
+    "tiny_config",
+    "tiny_draft_config",
+]
 
 LAYOUTS = ("k2.6", "k2-thinking", "k2-instruct")
 
@@ -102,6 +113,19 @@ _VISION_TENSORS = {
 }
 
 _DEFAULT = object()
+
+# The tiny EAGLE3 draft (docs/speculative.md): one Llama-style layer at the tiny target's width, grouped-query
+# attention, a reduced draft vocabulary of every 40th target id, the target's three layers fused.
+TINY_DRAFT_DIMS: dict[str, Any] = {
+    "hidden_size": TINY_DIMS["hidden_size"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "draft_vocab_size": 4096,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}
 
 
 def tiny_config(layout: str = "k2.6") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -320,6 +344,66 @@ def make_tiny_checkpoint(
     return out
 
 
+def tiny_draft_config(layout: str = "k2.6", attention: str = "llama") -> dict[str, Any]:
+    """config.json of the tiny EAGLE3 draft for the tiny checkpoint of `layout`, in the published layout
+    (`eagle_config.eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`): attention "llama"
+    (`LlamaForCausalLMEagle3`, TINY_DRAFT_DIMS) or "mla" (`Eagle3DeepseekV2ForCausalLM`, the `-mla` drafts' layout,
+    with the tiny target's MLA sizes and YaRN). ValueError for another attention or layout."""
+    if attention not in ("llama", "mla"):
+        raise ValueError(f"unknown draft attention {attention!r}; choose llama or mla")
+    cfg, _ = tiny_config(layout)
+    text = cfg.get("text_config", cfg)
+    mla: dict[str, Any] = {}
+    if attention == "mla":
+        keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_scaling")
+        mla = {k: text[k] for k in keys}
+        mla |= {
+            "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+            "model_type": "kimi_k2",
+            "num_key_value_heads": text["num_attention_heads"],
+            "rope_theta": text["rope_theta"],
+            "rms_norm_eps": text["rms_norm_eps"],
+        }
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "vocab_size": text["vocab_size"],
+        "max_position_embeddings": text["max_position_embeddings"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
+        **TINY_DRAFT_DIMS,
+        **mla,
+    }
+
+
+def make_tiny_eagle3_draft(
+    out_dir: str | os.PathLike[str], layout: str = "k2.6", seed: int = 0, attention: str = "llama"
+) -> str:
+    """Write the tiny EAGLE3 draft of the tiny `layout` checkpoint into `out_dir`: config.json (`tiny_draft_config`
+    of `attention`) and model.safetensors with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
+    in bf16 / int64 / bool (no embed_tokens: shared with the target). Weights: kimi.model.eagle3.random_draft_weights.
+    Returns out_dir as a str; ValueError for an unknown layout or attention."""
+    from safetensors.torch import save_file
+
+    from kimi.model.eagle3 import Eagle3Config, random_draft_weights
+
+    draft_cfg = tiny_draft_config(layout, attention)
+    cfg_json, gen = tiny_config(layout)
+    target = ModelConfig.from_dict(cfg_json, gen)
+    weights = random_draft_weights(Eagle3Config.from_dict(draft_cfg), target, seed)
+    stored = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in weights.items()}
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    save_file(stored, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    tmp = os.path.join(out, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(draft_cfg, f, indent=2)
+    os.replace(tmp, os.path.join(out, "config.json"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line of tools/make_tiny_checkpoint.py: write the checkpoint, name its vocabulary on stderr; 0, or
     1 with a one-line error."""
@@ -346,12 +430,26 @@ def main(argv: list[str] | None = None) -> int:
         help="generation_config.json's max_new_tokens: the default max_tokens of a chat request (None: the rest of "
         "the context, as real checkpoints)",
     )
+    p.add_argument(
+        "--eagle3-draft",
+        default=None,
+        metavar="DIR",
+        help="also write a tiny EAGLE3 draft for this checkpoint into DIR (docs/speculative.md)",
+    )
+    p.add_argument(
+        "--eagle3-attention",
+        choices=("llama", "mla"),
+        default="llama",
+        help="the tiny draft's attention: Llama's (LlamaForCausalLMEagle3) or MLA (the -mla drafts' layout)",
+    )
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     source: Any = None if a.builtin_tokenizer else (a.tokenizer_dir if a.tokenizer_dir else _DEFAULT)
     try:
         source = resolve_tokenizer_source(source)  # once: the build and the message below use the same folder
         out = make_tiny_checkpoint(a.out_dir, a.layout, a.seed, source, a.max_new_tokens)
+        if a.eagle3_draft:
+            make_tiny_eagle3_draft(a.eagle3_draft, a.layout, a.seed, a.eagle3_attention)
     except (OSError, ValueError) as e:
         print(f"make_tiny_checkpoint: {e}", file=sys.stderr)
         return 1

@@ -422,7 +422,7 @@ class Engine:
                 req = sr.request
                 if not sr.is_new:  # the common case (every decode): checked first
                     nb = sr.new_blocks
-                    cont.append(Cont(req.rid, sr.num_new_tokens, list(nb) if nb else []))
+                    cont.append(Cont(req.rid, sr.num_new_tokens, list(nb) if nb else [], sr.num_draft_tokens))
                 else:
                     new.append(
                         protocol.NewRequest(
@@ -491,12 +491,43 @@ class Engine:
                 if tok.error is not None:  # the worker cannot go on with it (guided decoding)
                     self._finish(req, None, error=tok.error)
                     continue
+                if tok.next_token_ids:  # a verify step's accepted tokens (speculative decoding)
+                    n_out += self._apply_verified(req, tok, now)
+                    continue
                 delta = process(req, tok)
                 n_out += 1
                 req.outputs.put(delta)
                 if delta.finished:
                     self._finish(req, delta.finish_reason, emit=False)
         self.stats.generation_tokens += n_out
+
+    def _apply_verified(self, req: Request, tok: protocol.TokenOutput, now: float) -> int:
+        """The tokens of one verify step (tok.token_id, then tok.next_token_ids; the scheduler appended them all)
+        through the output processing one at a time, as if sampled one per step: stops, max_tokens and stop strings
+        are checked per token, and the tokens after the one that ends the request are dropped (also from
+        req.token_ids). Returns the number of tokens output."""
+        more = tok.next_token_ids or []
+        lps, tids, tlps = tok.next_logprobs, tok.next_top_ids, tok.next_top_logprobs
+        first = len(req.token_ids) - len(more)  # tokens up to and including tok.token_id
+        out = tok
+        for j in range(len(more) + 1):
+            if j:
+                out = protocol.TokenOutput(
+                    req.rid,
+                    more[j - 1],
+                    lps[j - 1] if lps is not None else None,
+                    tids[j - 1] if tids is not None else None,
+                    tlps[j - 1] if tlps is not None else None,
+                )
+                if self.observer is not None:
+                    self.observer.on_token(req, now)
+            delta = self.output.process(req, out, first + j)
+            req.outputs.put(delta)
+            if delta.finished:
+                del req.token_ids[first + j :]
+                self._finish(req, delta.finish_reason, emit=False)
+                return j + 1
+        return len(more) + 1
 
     async def run(self) -> None:
         """Step until `stop()`; on a worker failure fail every request, set fatal_error and return.

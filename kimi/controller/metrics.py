@@ -10,6 +10,10 @@ Names follow vLLM's where one exists, under the `kimi:` prefix (vLLM uses `vllm:
   engine has no prefix cache), `kimi:num_preemptions_total` (requests preempted because KV blocks ran out,
   summed over DP ranks), `kimi:request_success_total{finished_reason}` (requests that ended, by
   finish reason: stop, length, abort, error; each reason exported from the start, at 0);
+- speculative decoding counters (only with `--speculative-config`), vLLM's names: `kimi:spec_decode_num_drafts_total`
+  (verify steps of a request), `kimi:spec_decode_num_draft_tokens_total` (draft tokens verified),
+  `kimi:spec_decode_num_accepted_tokens_total` (accepted), `kimi:spec_decode_num_accepted_tokens_per_pos_total
+  {position}` (accepted at draft position i, 0-based); mean accepted length = 1 + accepted / drafts;
 - histograms, observed by the engine's hooks (`Engine.observer`), in seconds:
   `kimi:time_to_first_token_seconds` (arrival to the first sampled token),
   `kimi:inter_token_latency_seconds` (between consecutive sampled tokens of one request),
@@ -157,6 +161,39 @@ class _EngineCollector(Collector):
         for endpoint, n in sorted({**dict.fromkeys(ENDPOINTS, 0), **self.m.requests}.items()):
             admitted.add_metric([endpoint], n)
         yield admitted
+        yield from _spec_decode_metrics(e)
+
+
+def _spec_decode_metrics(e: Any) -> Iterator[Any]:
+    """vLLM's speculative-decoding counters under kimi's prefix, summed over DP ranks (kimi.controller.scheduler.
+    SpecDecodeStats); none when speculative decoding is off (num_speculative_tokens 0)."""
+    stats = [s.spec for s in getattr(e, "schedulers", ()) if getattr(s, "spec", None) is not None]
+    k = max((len(st.accepted_per_pos) for st in stats), default=0)
+    if k == 0:
+        return
+    yield CounterMetricFamily(
+        "kimi:spec_decode_num_drafts",
+        "Verify steps of a request (one draft each).",
+        value=sum(st.num_drafts for st in stats),
+    )
+    yield CounterMetricFamily(
+        "kimi:spec_decode_num_draft_tokens",
+        "Draft tokens verified.",
+        value=sum(st.num_draft_tokens for st in stats),
+    )
+    yield CounterMetricFamily(
+        "kimi:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted.",
+        value=sum(st.num_accepted_tokens for st in stats),
+    )
+    per_pos = CounterMetricFamily(
+        "kimi:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0-based).",
+        labels=["position"],
+    )
+    for i in range(k):
+        per_pos.add_metric([str(i)], sum(st.accepted_per_pos[i] for st in stats if i < len(st.accepted_per_pos)))
+    yield per_pos
 
 
 class Metrics:

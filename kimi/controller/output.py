@@ -89,9 +89,11 @@ class OutputProcessor:
             req.stop_checker = StopChecker(req.stop.stop, req.stop.include_stop_str_in_output)
             req.stop_held = []
 
-    def process(self, req: Request, out: TokenOutput) -> RequestOutput:
+    def process(self, req: Request, out: TokenOutput, num_tokens: int | None = None) -> RequestOutput:
         """Check stops and detokenize for `out.token_id`, which the scheduler has appended to `req.token_ids`
-        (Scheduler.update_from_output), and return the delta for the client.
+        (Scheduler.update_from_output), and return the delta for the client. num_tokens: the request's token count
+        up to and including this token (None: len(req.token_ids); a verify step's tokens are appended together and
+        processed one at a time).
 
         Stops, first match wins: a `stop_token_ids` id (finish "stop", stop_reason = the id); an EOS id
         unless ignore_eos (finish "stop", stop_reason None, as vLLM) - either token's text is left out of the
@@ -104,8 +106,8 @@ class OutputProcessor:
         Sets req.finish_reason when the request ends with this token.
         """
         tok = out.token_id
-        token_ids = req.token_ids
-        n_out = len(token_ids) - req.num_prompt_tokens
+        n_tokens = len(req.token_ids) if num_tokens is None else num_tokens
+        n_out = n_tokens - req.num_prompt_tokens
         stop = req.stop
         reason = None
         stop_reason: str | int | None = None
@@ -113,7 +115,7 @@ class OutputProcessor:
             reason, stop_reason = "stop", tok
         elif not stop.ignore_eos and tok in self.eos_token_ids:
             reason = "stop"
-        elif n_out >= stop.max_tokens or len(token_ids) >= self.max_model_len:
+        elif n_out >= stop.max_tokens or n_tokens >= self.max_model_len:
             reason = "length"
         # a stop token's (stop_token_ids, EOS) text is not output unless include_stop_str_in_output, as vLLM's
         # detokenizer leaves it out; its id still counts (token_ids, usage, logprobs)

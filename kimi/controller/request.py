@@ -146,6 +146,9 @@ class Request:
     num_preemptions: int = 0
     priority: int = 0  # the scheduler's order under policy "priority" (lower first)
     cache_salt: str | None = None  # folded into the first block's hash: only requests with this salt share blocks
+    # speculative decoding: the workers hold a draft proposal for this request (it has had a token applied since it
+    # was last sent to them); the scheduler then verifies draft tokens in its decode steps
+    drafts_ready: bool = False
 
     @property
     def num_output_tokens(self) -> int:

@@ -33,6 +33,12 @@ applied token shows (EOS, a stop string) has one extra token computed, which is 
 counters and bumps `num_preemptions`, the epoch that `ScheduledRequest.epoch` records, so the results of steps sent
 before it are ignored. Without async scheduling the counters equal num_computed_tokens / 0 between steps and
 everything above reduces to the synchronous rules.
+Speculative decoding (SchedulerConfig.num_speculative_tokens k > 0, docs/speculative.md): a decode of a request whose
+workers hold a draft proposal (`Request.drafts_ready`) computes 1 + k' tokens, k' = min(k, what max_tokens and
+max_model_len leave after the next token, budget - 1): its last token and k' draft tokens, whose KV slots it gets like
+any tokens. The result carries 1 .. k' + 1 tokens; only the accepted ones count as computed (`_apply_drafts`), so
+prefix-cache hashes cover accepted tokens only. A speculating request is never scheduled ahead of its in-flight step
+(how many tokens that step accepts is not known yet): under async scheduling it runs every other step.
 The controller never schedules work for a request it cannot hold: admission (`engine`) rejects requests
 whose prompt + max_tokens exceed what the whole cache holds.
 """
@@ -59,6 +65,8 @@ class ScheduledRequest:
     is_new: the workers do not hold this request yet (first schedule, or after preemption); its
     `num_computed_tokens` then counts the prefix-cache hit the workers must not recompute.
     epoch: the request's num_preemptions when scheduled (a result for an older epoch is ignored).
+    num_draft_tokens: k > 0 for a speculating decode: it computes its last token and k tokens of the workers' draft
+    proposal (num_new_tokens = k + 1), and 1 .. k + 1 tokens come back.
     """
 
     request: Request
@@ -66,6 +74,7 @@ class ScheduledRequest:
     new_blocks: list[int]
     is_new: bool
     epoch: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: of num_new_tokens, the last this many are verified drafts
 
 
 @dataclass
@@ -84,8 +93,9 @@ class Scheduler:
     """Waiting queue, running list and BlockPool of one DP rank.
 
     Not thread-safe; the engine's event loop owns it. Invariants: a running request's block table holds
-    exactly blocks_needed(num_scheduled_tokens) blocks between steps; its first `num_cached_blocks` blocks
-    are registered in the prefix cache; waiting requests hold no blocks.
+    exactly blocks_needed(num_scheduled_tokens) blocks between steps (at least that many after a verify step that
+    rejected draft tokens: the blocks of the rejected positions stay, the next steps fill them); its first
+    `num_cached_blocks` blocks are registered in the prefix cache; waiting requests hold no blocks.
     """
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, dp_rank: int = 0) -> None:
@@ -95,6 +105,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec = SpecDecodeStats([0] * config.num_speculative_tokens)
 
     # ---- queue management ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -135,6 +146,12 @@ class Scheduler:
         req.sent_to_workers = False
         req.num_scheduled_tokens = req.num_computed_tokens
         req.num_inflight_samples = 0
+        req.drafts_ready = False
+
+    def speculates(self, req: Request) -> bool:
+        """Whether req's decode steps verify draft tokens: speculative decoding is on and it has no grammar (guided
+        requests never speculate, docs/speculative.md)."""
+        return self.config.num_speculative_tokens > 0 and getattr(req.sampling, "grammar", None) is None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -241,7 +258,7 @@ class Scheduler:
             req = sr.request
             n = req.num_scheduled_tokens + sr.num_new_tokens
             req.num_scheduled_tokens = n
-            if n == len(req.token_ids) + req.num_inflight_samples:
+            if n - sr.num_draft_tokens == len(req.token_ids) + req.num_inflight_samples:
                 req.num_inflight_samples += 1  # this step samples the request's next token
             if sr.is_new:
                 req.sent_to_workers = True  # the plan made from this output carries it as a NewRequest
@@ -272,6 +289,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         scheduled = out.scheduled
         max_len = self.config.max_model_len
+        k = self.config.num_speculative_tokens
         for i, req in enumerate(order):
             if reserve and not held and i >= n_dec:
                 budget -= reserve  # held back from the prompt chunks, given back before admission
@@ -284,6 +302,7 @@ class Scheduler:
             if inflight and (
                 len(req.token_ids) + inflight - req.num_prompt_tokens >= req.stop.max_tokens
                 or len(req.token_ids) + inflight >= max_len
+                or (k and self.speculates(req))  # how many tokens its in-flight step accepts is not known yet
             ):
                 continue  # its in-flight token ends it ("length"): nothing more to compute
             num_new = len(req.token_ids) + inflight - req.num_scheduled_tokens
@@ -291,9 +310,15 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            nv = 0
+            if k and num_new == 1 and req.drafts_ready:  # verify draft tokens: as many as max_tokens / length allow
+                n_tok = len(req.token_ids)
+                nv = max(0, min(k, req.stop.max_tokens - (n_tok - req.num_prompt_tokens) - 1, max_len - n_tok - 1))
+                nv = min(nv, budget - 1)
+                num_new += nv
             if req.num_scheduled_tokens + num_new <= len(req.block_table) * bs and req.sent_to_workers:
                 # fast path (most decode steps): the tokens fit the blocks it holds
-                scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions))
+                scheduled.append(ScheduledRequest(req, num_new, _NO_BLOCKS, False, req.num_preemptions, nv))
                 scheduled_ids.add(req.rid)
                 budget -= num_new
                 continue
@@ -308,7 +333,9 @@ class Scheduler:
                 # Even after preempting everything newer, this request does not fit: preempt it too.
                 self._preempt(req, out)
                 continue
-            out.scheduled.append(ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions))
+            out.scheduled.append(
+                ScheduledRequest(req, num_new, blocks, not req.sent_to_workers, req.num_preemptions, nv)
+            )
             scheduled_ids.add(req.rid)
             budget -= num_new
 
@@ -360,7 +387,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             if not req.sent_to_workers or sr.epoch != req.num_preemptions:
                 continue  # preempted after this step was sent: it is recomputed from its tokens later
-            nct = req.num_computed_tokens + sr.num_new_tokens
+            nv = sr.num_draft_tokens
+            nct = req.num_computed_tokens + sr.num_new_tokens - nv
             req.num_computed_tokens = nct
             if nct >= (req.num_cached_blocks + 1) * bs:  # a block may have filled up: commit (cheap test)
                 self.commit(req)  # full blocks just computed join the prefix cache
@@ -372,8 +400,45 @@ class Scheduler:
             req.num_inflight_samples -= 1
             if tok.error is None:
                 req.token_ids.append(tok.token_id)
+                if nv or tok.next_token_ids:
+                    self._apply_drafts(req, tok, nv, step)
+                elif self.config.num_speculative_tokens:
+                    req.drafts_ready = self.speculates(req)
             sampled.append((req, tok))
         return sampled
+
+    def _apply_drafts(self, req: Request, tok: TokenOutput, nv: int, step: int) -> None:
+        """A verify step's result (req's first token already appended): append the accepted tokens after it, count
+        their KV as computed (the rejected positions' KV is not: later steps overwrite it), give back the scheduled
+        positions that were rejected, register newly full blocks, and count the drafts (SpecDecodeStats). Raises
+        ProtocolError for more tokens than nv + 1."""
+        more = tok.next_token_ids or []
+        if len(more) > nv:
+            raise ProtocolError(f"step {step}: rid {req.rid} got {len(more) + 1} tokens for {nv} draft tokens")
+        req.token_ids.extend(more)
+        req.num_computed_tokens += len(more)
+        req.num_scheduled_tokens -= nv - len(more)
+        if req.num_computed_tokens >= (req.num_cached_blocks + 1) * self.block_pool.block_size:
+            self.commit(req)
+        req.drafts_ready = True
+        st = self.spec
+        st.num_drafts += 1
+        st.num_draft_tokens += nv
+        st.num_accepted_tokens += len(more)
+        for i in range(len(more)):
+            st.accepted_per_pos[i] += 1
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counts of one scheduler (kimi.controller.metrics exports their sums over DP ranks):
+    verify steps of a request (num_drafts), draft tokens verified, draft tokens accepted, and per draft position
+    i (0-based) how often it was accepted."""
+
+    accepted_per_pos: list[int]
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def _waits_for_leader(req: Request) -> bool:

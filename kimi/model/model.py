@@ -122,6 +122,10 @@ class KimiForCausalLM(nn.Module):
     # when the graphs are captured
     plan_ahead = True
     _side: torch.cuda.Stream | None = None  # the shared expert's side stream (gpu_forward, on first use)
+    # EAGLE3 speculative decoding (kimi.model.eagle3): the reference forward keeps the residual stream entering these
+    # layers, concatenated in this order, as `last_aux` [T, len(ids) * D]; () = none kept (the fused path keeps none)
+    aux_layer_ids: tuple[int, ...] = ()
+    last_aux: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -284,7 +288,8 @@ class KimiForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> hidden [T, D] after the final norm (model dtype).
 
-        Writes the new tokens' latents into kv_caches[layer] ([num_blocks, bs, L + R]) at attn.slot_mapping.
+        Writes the new tokens' latents into kv_caches[layer] ([num_blocks, bs, L + R]) at attn.slot_mapping. The
+        reference forward also keeps `last_aux` when `aux_layer_ids` is set (EAGLE3 speculative decoding).
         Without attn.plan: a pure decode batch that fits a captured graph replays it (`graphs`); otherwise the step
         is planned (`plan_eager`) and runs eagerly: the fused forward for a fused model on CUDA, else the reference.
         Raises ValueError if the number of caches differs from num_hidden_layers.
@@ -300,8 +305,14 @@ class KimiForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         h = self.embed_tokens[input_ids]  # [T, D]
-        for layer, cache in zip(self.layers, kv_caches):
+        aux_ids = self.aux_layer_ids
+        kept: dict[int, torch.Tensor] = {}
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if aux_ids and i in aux_ids:
+                kept[i] = h  # the residual stream entering layer i
             h = layer(h, positions, attn, cache, self.rope)  # [T, D]
+        if aux_ids:
+            self.last_aux = torch.cat([kept[i] for i in aux_ids], dim=-1)  # [T, len(aux_ids) * D]
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)  # [T, D]
 
     def forward_decode(

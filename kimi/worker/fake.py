@@ -26,6 +26,10 @@ continuing request's last computed position must still hold its token; otherwise
 a block with the wrong content (or let someone overwrite a shared one) and the step fails loudly
 (ProtocolError -> WorkerError -> every request fails). Cost: one array store per token.
 
+Speculative decoding. A continuing request with `num_draft_tokens` k verifies the fake draft's k proposals
+(`fake_draft_token`: right about 70% of the time): accepted while they equal the fake model's tokens, then its
+token; so a greedy or seeded request yields the same tokens with and without speculation, 1 .. k + 1 per step.
+
 Simulated model time: with `$KIMI_FAKE_STEP_MS` (and `$KIMI_FAKE_TOKEN_US`) set, each step that computes tokens
 lasts at least STEP_MS + TOKEN_US * its tokens / 1000 milliseconds (the runner sleeps the rest, leaving the CPU
 to the controller as a GPU step would), so a benchmark can show how much of the controller's per-step work
@@ -74,6 +78,13 @@ def fake_token(prev_token: int, position: int, seed: int = 0) -> int:
     x = (x * 0x94D049BB133111EB) & _MASK
     x ^= x >> 31
     return x % FAKE_VOCAB
+
+
+def fake_draft_token(prev_token: int, position: int, seed: int = 0) -> int:
+    """The fake draft's proposal after `prev_token` at `position`: fake_token's token for about 70% of (prev_token,
+    position) pairs, a wrong one (the next id) for the rest, so verify steps accept a varying number of drafts."""
+    tok = fake_token(prev_token, position, seed)
+    return tok if fake_token(tok, position, 7) % 10 < 7 else (tok + 1) % FAKE_VOCAB
 
 
 @dataclass
@@ -130,6 +141,7 @@ class FakeRunner:
             atexit.register(self._dump, path)
         self.guided = _guided_requests(model, cfg)
         self._bytes_len: list[int] | None = None  # per token id: its byte length (the guided choice), built on use
+        self._verify: dict[int, int] = {}  # rid -> draft tokens this step verifies (speculative decoding)
 
     def close(self) -> None:
         """Stop the guided-decoding compile thread."""
@@ -219,9 +231,16 @@ class FakeRunner:
             if p >= 0 and kv[self._slot(known.block_table, p)] != known.token_ids[p]:
                 raise ProtocolError(f"rid {c.rid}: KV slot of position {p} was overwritten by another request")
             batch.append((c.rid, known, c.num_new_tokens))
+            if c.num_draft_tokens:
+                self._verify[c.rid] = c.num_draft_tokens
         outputs: list[protocol.TokenOutput] = []
         num_tokens = 0
         for rid, fr, n in batch:
+            nv = self._verify.pop(rid, 0)
+            if nv:
+                outputs.append(self._run_verify(rid, fr, n, nv))
+                num_tokens += n
+                continue
             start = fr.num_computed_tokens
             end = start + n
             if n <= 0 or end > len(fr.token_ids):
@@ -257,6 +276,51 @@ class FakeRunner:
         if self._record:
             self.step_times.append((t0, time.perf_counter(), len(batch), num_tokens))
         return outputs
+
+    def _run_verify(self, rid: int, fr: FakeRequest, n: int, nv: int) -> protocol.TokenOutput:
+        """A speculative decoding verify step of nv draft tokens (ContinueRequest.num_draft_tokens): the fake draft's
+        proposal (`fake_draft_token`) is written to the KV slots after the last token, accepted while it equals
+        fake_token's, then the correction or bonus token; computed tokens end at the accepted length, so the
+        rejected slots are overwritten by later steps. The output is the tokens of one step at a time."""
+        toks, table, bs, kv = fr.token_ids, fr.block_table, self.block_size, self.kv
+        start, L = fr.num_computed_tokens, len(fr.token_ids)
+        if start != L - 1 or n != nv + 1 or fr.sampling.grammar is not None:
+            raise ProtocolError(f"rid {rid}: verify {nv} drafts over tokens [{start}, {start + n}) of {L}")
+        if len(table) * bs < L + nv:
+            raise ProtocolError(f"rid {rid}: {len(table)} blocks cannot hold {L + nv} tokens")
+        sp = fr.sampling
+        seed = 0 if sp.greedy else (sp.seed if sp.seed is not None else random.randrange(1 << 32))
+        kv[table[start // bs] * bs + start % bs] = toks[start]
+        emitted: list[int] = []
+        prev = toks[-1]
+        for i in range(nv + 1):
+            true = fake_token(prev, L + i, seed)
+            if i == nv:
+                emitted.append(true)
+                break
+            d = fake_draft_token(prev, L + i, seed)
+            p = L + i
+            kv[table[p // bs] * bs + p % bs] = d
+            emitted.append(true)
+            if d != true:
+                break
+            prev = d
+        toks.extend(emitted)
+        fr.num_computed_tokens = len(toks) - 1
+        self.num_sampled += len(emitted)
+        lp = None if sp.num_logprobs < 0 else -1.0
+        more = emitted[1:] or None
+        return protocol.TokenOutput(
+            rid,
+            emitted[0],
+            lp,
+            [emitted[0]] * sp.num_logprobs if sp.num_logprobs > 0 else None,
+            [-1.0] * sp.num_logprobs if sp.num_logprobs > 0 else None,
+            next_token_ids=more,
+            next_logprobs=[lp] * len(more) if more and lp is not None else None,
+            next_top_ids=[[t] * sp.num_logprobs for t in more] if more and sp.num_logprobs > 0 else None,
+            next_top_logprobs=[[-1.0] * sp.num_logprobs for _ in more] if more and sp.num_logprobs > 0 else None,
+        )
 
     def _guided_token(self, guide: GuidedRow, draw: int) -> int:
         """The fake's token for a constrained row (module docstring); `draw` is the unconstrained rule's token."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kimi import protocol
 from kimi.errors import ProtocolError
@@ -34,6 +34,11 @@ class WorkerRequest:
     pending: bool = False
     # guided decoding: the request's matcher (SamplingParams.grammar), fed each token this object's step samples
     guide: GuidedRow | None = None
+    # speculative decoding (kimi.worker.speculative): the draft's proposal after the last token, its per-request KV
+    # (kimi.model.eagle3.DraftKV), and how many of the proposal this step verifies (ContinueRequest.num_draft_tokens)
+    draft_ids: list[int] = field(default_factory=list)
+    draft_kv: Any = None
+    num_verify: int = 0
 
 
 ScheduledRow = tuple[int, WorkerRequest, int]
@@ -49,7 +54,7 @@ class StepInputs:
     sample_rows: the flat rows whose logits are sampled (a request's last row when it reaches its known tokens'
     end), sample_idx: their batch indices; fills: (input row, row of prev's sampled ids) for tokens still on the
     device; plp_rows: (batch index, first flat row, prompt position of that row) of requests gathering prompt
-    logprobs."""
+    logprobs; verify_rows: see the field."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -60,6 +65,9 @@ class StepInputs:
     sample_idx: list[int] = field(default_factory=list)
     fills: list[tuple[int, int]] = field(default_factory=list)
     plp_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    # speculative decoding: (batch index, first flat row, k) of the requests verifying k draft tokens; their k + 1
+    # rows are verified (kimi.worker.speculative), not sampled
+    verify_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def prepare_inputs(batch: list[ScheduledRow], block_size: int, prev_rows: dict[int, int]) -> StepInputs:
@@ -76,14 +84,18 @@ def prepare_inputs(batch: list[ScheduledRow], block_size: int, prev_rows: dict[i
     for i, (rid, wr, n) in enumerate(batch):
         start = wr.num_computed_tokens
         end = start + n
-        known = len(wr.token_ids) + wr.pending
-        if n <= 0 or end > known:
+        nv = wr.num_verify
+        known = len(wr.token_ids) + wr.pending + nv
+        if n <= 0 or end > known or (nv and end != known):
             raise ProtocolError(f"plan asks rid {rid} for tokens [{start}, {end}) of {known}")
         if len(wr.block_table) * block_size < end:
             raise ProtocolError(f"rid {rid}: {len(wr.block_table)} blocks cannot hold {end} tokens")
         if wr.pending:  # its input is the token prev sampled (start == len(token_ids), n == 1)
             s.fills.append((row, prev_rows[rid]))
             input_ids.append(0)
+        elif nv:  # the known tokens from start, then the k draft tokens the step verifies
+            input_ids.extend(wr.token_ids[start:])
+            input_ids.extend(wr.draft_ids[:nv])
         else:
             input_ids.extend(wr.token_ids[start:end])
         positions.extend(range(start, end))
@@ -94,7 +106,9 @@ def prepare_inputs(batch: list[ScheduledRow], block_size: int, prev_rows: dict[i
             # rows predicting prompt tokens start+1 .. min(end, n_prompt - 1)
             s.plp_rows.append((i, row, start))
         row += n
-        if end == known:
+        if nv:
+            s.verify_rows.append((i, row - nv - 1, nv))
+        elif end == known:
             sample_rows.append(row - 1)
             sample_idx.append(i)
     return s

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kimi import cache_dir, envs, protocol
-from kimi.config import CacheConfig, ModelConfig, WorkerConfig
+from kimi.config import CacheConfig, ModelConfig, SpeculativeConfig, WorkerConfig
 from kimi.errors import CheckpointError, ConfigError, KVCacheSizeError, ProtocolError
 from kimi.ipc import Heartbeat, WorkerTransport
 
@@ -149,6 +149,7 @@ def build_runner(
             fp8_dense=args.fp8_dense,
             emulate_ep_size=args.emulate_ep_size,
         ),
+        speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
     )
     return runner, a2a
 
@@ -281,6 +282,13 @@ def _log_exit(runner: Runner, rank: int, last_step: int) -> None:
         last_step,
         runner.num_idle_steps,
     )
+    if getattr(runner, "draft", None) is not None:  # tests read this line
+        log.info(
+            "rank %d speculative decoding: %d draft tokens verified, %d accepted",
+            rank,
+            getattr(runner, "num_draft_tokens", 0),
+            getattr(runner, "num_accepted_tokens", 0),
+        )
     guided = runner.guided  # tests read this line: a live request's matcher only is held
     log.info(
         "rank %d: guided decoding: %d constrained requests, %d still held", rank, guided.num_requests, guided.num_held

@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kimi import protocol
 from kimi.backends.all_to_all import DECODE, Backend, step_mode
-from kimi.config import CacheConfig, ModelConfig
-from kimi.errors import KVCacheSizeError, ProtocolError
+from kimi.config import CacheConfig, ModelConfig, SpeculativeConfig
+from kimi.errors import ConfigError, KVCacheSizeError, ProtocolError
 from kimi.model.attention import build_attention_metadata
 from kimi.model.model import KimiForCausalLM
 from kimi.model.sampling import prompt_logprobs, sample_launch
@@ -39,6 +39,9 @@ from kimi.worker.cuda_graph import DecodeGraphPlan, decode_graph_plan
 from kimi.worker.inputs import ScheduledRow, StepInputs, WorkerRequest, prepare_inputs
 from kimi.worker.kv_cache import allocate_kv_caches, check_kv_cache_fits, kv_cache_bytes_per_block
 from kimi.worker.runner_base import PromptLogprobs, StepHandle
+
+if TYPE_CHECKING:
+    from kimi.model.eagle3 import Eagle3Draft
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class ModelRunner:
         a2a: Backend | None = None,
         ll_max_tokens_per_rank: int = 128,
         gpu_options: dict[str, Any] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.a2a = a2a
@@ -151,6 +155,30 @@ class ModelRunner:
             self._capture_graphs(fused_model, graph_max_bs)
         self.requests: dict[int, WorkerRequest] = {}
         self.guided = guided_requests(model_dir, cfg)
+        self.draft: Eagle3Draft | None = None
+        self.num_speculative_tokens = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # verified / accepted draft tokens (logged at exit)
+        if speculative is not None:
+            self._load_draft(speculative)
+
+    def _load_draft(self, spec: SpeculativeConfig) -> None:
+        """Load the EAGLE3 draft (kimi.model.eagle3) and make the target keep its aux hidden states; steps then run
+        through kimi.worker.speculative. Raises ConfigError on CUDA (the fused forward keeps no aux states yet) and
+        ConfigError / CheckpointError naming the field or tensor for a draft that does not fit the target."""
+        from kimi.model.eagle3 import load_eagle3_draft
+
+        if self.device.type != "cpu":
+            raise ConfigError("--speculative-config: speculative decoding runs on the CPU reference path only for now")
+        self.draft = load_eagle3_draft(
+            spec.model,
+            self.cfg,
+            self.model.embed_tokens.detach(),
+            dtype=self.dtype,
+            device=self.device,
+            dummy=spec.load_format == "dummy",
+        )
+        self.model.aux_layer_ids = self.draft.aux_layer_ids
+        self.num_speculative_tokens = spec.num_speculative_tokens
 
     def _capture_graphs(self, model: KimiForCausalLM, max_batch: int) -> None:
         """Capture the decode graphs `decode_graph_plan` allows (logged on rank 0 when none). Lockstep (a collective
@@ -282,8 +310,13 @@ class ModelRunner:
         step's inputs), so the GPU runs the two steps back to back while the host waits for prev's tokens. prev is
         finished before this step's sampling is launched (seeded draws, penalties and min_tokens read the token
         histories) and before prompt logprobs are read back, and `on_prev(prev)` is called as soon as it is, so its
-        result can go out first. Otherwise prev is finished first. Raises ProtocolError on plan inconsistencies.
+        result can go out first. Otherwise prev is finished first. A runner with a draft runs the step through
+        kimi.worker.speculative (synchronous: no overlap). Raises ProtocolError on plan inconsistencies.
         """
+        if self.draft is not None:
+            from kimi.worker.speculative import speculative_step
+
+            return speculative_step(self, plan, prev, on_prev, position_seed)
         batch = self.update_states(plan)
         if not batch:
             self._finish_prev(prev, on_prev)

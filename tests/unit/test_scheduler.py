@@ -14,6 +14,7 @@ from kimi.config import SchedulerConfig
 from kimi.controller.block_pool import BlockPool
 from kimi.controller.request import Request, RequestStatus, StopParams
 from kimi.controller.scheduler import Scheduler, SchedulerOutput
+from kimi.errors import ProtocolError
 from kimi.protocol import SamplingParams, TokenOutput
 
 BS = 4
@@ -364,3 +365,54 @@ def test_update_from_output_applies_a_step_to_the_counters():
     with pytest.raises(RuntimeError, match="step 3: no token for request rid 4"):
         s.update_from_output(s.schedule(), {}, 3)
     assert d.num_computed_tokens == 3 and d.num_output_tokens == 0
+
+
+def test_speculating_decode_verifies_drafts_within_max_tokens_and_keeps_only_accepted_tokens():
+    """num_speculative_tokens 3: once a token is applied the decode computes 1 + k' tokens (k' capped so the step cannot
+    pass max_tokens); a result with some drafts accepted appends them, counts only their KV as computed (the
+    rejected positions are scheduled again), and the SpecDecodeStats add up. Not planned ahead while in flight."""
+    cfg = SchedulerConfig(max_num_seqs=8, token_budget=64, max_model_len=4096, num_speculative_tokens=3)
+    s = Scheduler(cfg, BlockPool(32, BS, enable_caching=True))
+    req = make(1, list(range(1, 7)), max_tokens=6)
+    s.add(req)
+    out = s.schedule()  # the prompt: 6 tokens, no drafts yet
+    assert [(sr.num_new_tokens, sr.num_draft_tokens) for sr in out.scheduled] == [(6, 0)]
+    assert s.schedule().scheduled == []  # its sample is in flight: a speculating request is not planned ahead
+    s.update_from_output(out, {1: TokenOutput(1, 100)}, 1)
+    assert req.drafts_ready and req.token_ids[-1] == 100
+    out = s.schedule()
+    sr = out.scheduled[0]
+    assert (sr.num_new_tokens, sr.num_draft_tokens) == (4, 3)
+    assert len(req.block_table) * BS >= 6 + 4  # slots for the last token and the 3 drafts
+    s.update_from_output(out, {1: TokenOutput(1, 101, next_token_ids=[102])}, 2)  # 1 draft accepted + correction
+    assert req.token_ids[-3:] == [100, 101, 102]
+    assert req.num_computed_tokens == req.num_scheduled_tokens == len(req.token_ids) - 1 == 8
+    st = s.spec
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos) == (1, 3, 1, [1, 0, 0])
+    out = s.schedule()  # 3 outputs so far of max_tokens 6: the next token plus at most 2 drafts
+    assert (out.scheduled[0].num_new_tokens, out.scheduled[0].num_draft_tokens) == (3, 2)
+    s.update_from_output(out, {1: TokenOutput(1, 103, next_token_ids=[104, 105])}, 3)
+    assert req.num_output_tokens == 6 and st.accepted_per_pos == [2, 1, 0]
+    s.remove(req)  # the engine ends it at max_tokens
+    req2 = make(2, [9, 9, 9], max_tokens=8)
+    s.add(req2)
+    o = s.schedule()
+    s.update_from_output(o, {2: TokenOutput(2, 1)}, 4)
+    o = s.schedule()
+    assert o.scheduled[0].num_draft_tokens == 3
+    with pytest.raises(ProtocolError, match="got 5 tokens for 3 draft tokens"):
+        s.update_from_output(o, {2: TokenOutput(2, 1, next_token_ids=[2, 3, 4, 5])}, 5)
+
+
+def test_guided_requests_do_not_speculate():
+    from kimi.structured_output.spec import GrammarSpec
+
+    cfg = SchedulerConfig(max_num_seqs=8, token_budget=64, max_model_len=4096, num_speculative_tokens=3)
+    s = Scheduler(cfg, BlockPool(32, BS, enable_caching=True))
+    sp = SamplingParams(temperature=0.0, grammar=GrammarSpec("json_object", ""))
+    req = Request(1, "r1", [1, 2, 3], 3, sp, StopParams(8))
+    s.add(req)
+    out = s.schedule()
+    s.update_from_output(out, {1: TokenOutput(1, 5)}, 1)
+    assert not req.drafts_ready
+    assert [sr.num_draft_tokens for sr in s.schedule().scheduled] == [0]

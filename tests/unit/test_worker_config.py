@@ -38,6 +38,7 @@ OTHER = dict(
     max_num_seqs=32,
     token_budget=512,
     max_model_len=4096,
+    speculative_config='{"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}',
     skip_warmup=True,
     cache_dir="/var/cache/kimi",
 )

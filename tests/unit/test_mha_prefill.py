@@ -64,3 +64,17 @@ def test_mha_prefill_ref_padding_and_errors():
     for bad in ([], [1, 5], [0, 9], [0, 5, 4]):
         with pytest.raises(ValueError, match="cu_seqlens"):
             mha_prefill_ref(q, k, v, bad, 0.2)
+
+
+def test_set_prefill_attention():
+    from kimi.backends.attention import flashinfer as fib
+
+    assert fib.PREFILL_ATTENTION == "mla"  # the default: the absorbed MLA kernel for every prefill row
+    previous = fib.set_prefill_attention("mha")
+    try:
+        assert previous == "mla" and fib.PREFILL_ATTENTION == "mha"
+        with pytest.raises(ValueError, match="prefill attention"):
+            fib.set_prefill_attention("naive")
+        assert fib.PREFILL_ATTENTION == "mha"  # a bad name changes nothing
+    finally:
+        fib.set_prefill_attention(previous)

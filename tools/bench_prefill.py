@@ -30,10 +30,14 @@ hits and lm_head (when a prompt ends) read once, the step's KV written and its c
 `--chunk 1024 --cases 1024 --idle-peers` is a lone 1024-token prompt's prefill). Per-op breakdown: torch.profiler
 kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES).
 
+--prefill-attention mha: the rows of fresh prompt chunks run non-absorbed (kimi.backends.attention.flashinfer.
+set_prefill_attention); the FLOP counts and the floor stay those of the absorbed form, so the two choices' floors are
+equal and their times compare directly (`attention_nonabsorbed_flops` is the mha path's attention work).
+
 Usage: python tools/bench_prefill.py [--cases 16x128,2048,8192] [--chunk 2048] [--snapshot]
 
 Snapshot (--snapshot): prefill_<config>.json, config "int4-ep8-chunk2048" and whatever else differs from the
-headline run (layers, backend, preset).
+headline run (layers, backend, preset, prefill attention).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import time
 
 import torch
 
+from kimi.backends.attention.flashinfer import PREFILL_ATTENTION_CHOICES, set_prefill_attention
 from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
@@ -99,6 +104,8 @@ def config_name(args: argparse.Namespace) -> str:
         parts.append(args.moe_backend)
     if args.preset != "kimi-k2.6":
         parts.append(args.preset)
+    if args.prefill_attention != "mla":
+        parts.append(f"prefill-{args.prefill_attention}")
     return "-".join(parts)
 
 
@@ -159,6 +166,12 @@ def main() -> None:
         action="store_true",
         help="the other ranks send no tokens: the MoE sees only this rank's (a lone prompt's TTFT on a quiet server)",
     )
+    ap.add_argument(
+        "--prefill-attention",
+        default="mla",
+        choices=PREFILL_ATTENTION_CHOICES,
+        help="fresh prompt chunks: absorbed MLA kernel (mla) or non-absorbed 192/128 ragged prefill (mha)",
+    )
     ap.add_argument("--iters", type=int, default=5, help="timed steps per step of a case")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown of each step")
     ap.add_argument("--out", default=None, help="write the full JSON result here")
@@ -166,6 +179,7 @@ def main() -> None:
     args = ap.parse_args()
     require_gpu(ap.prog)
     cases = parse_cases(args.cases, args.chunk)
+    set_prefill_attention(args.prefill_attention)
 
     from kimi.config import ModelConfig
     from kimi.model.attention import build_attention_metadata

@@ -10,6 +10,11 @@ Math: DeepSeek-V2/V3 papers (MLA) and docs/model-format.md, Math. Per token and 
   `o[h] = o_lat[h] @ W_UV[h]^T`. GPU kernels (FlashInfer MLA) are tested against `mla_decode_ref`.
 - Prefill / chunked-prefill rows (query_len > 1) use the NAIVE form (`mla_prefill_ref`): the sequence's
   whole cached context is gathered, expanded with kv_b into k_nope / v, causal w.r.t. positions.
+- Fresh prompt chunks (no cached context) in the non-absorbed ("MHA") form, the math of the GPU's MHA prefill path
+  (kimi.backends.attention.flashinfer.set_prefill_attention("mha")): `mha_prefill_inputs` builds q / k
+  ([T, H, N + R]) and v ([T, H, V]) from the step's own latents, `mha_prefill_ref` is the causal attention over
+  them; `mla_prefill_absorbed_ref` is the same rows in the absorbed form (what FlashInfer's MLA kernel computes),
+  equal up to rounding.
 
 Both forms compute in float32 and can share one forward (mixed batches). A layer of a fused model (kimi/model/model.py)
 runs its `planned_forward` (kimi.model.gpu_forward.mla_forward: the GPU kernels) instead whenever the step has a plan.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -198,6 +204,99 @@ def mla_prefill_ref(
     return torch.einsum("hqs,shv->qhv", p, v)  # [Q, H, V]
 
 
+def mha_prefill_inputs(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    num_heads: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The non-absorbed ("MHA") q, k, v of T rows whose keys are the rows themselves (fresh prompt chunks: no cached
+    context), in the dtype of the inputs (float32 on the CPU reference, bf16 on the GPU path).
+
+    q_nope: [T, H, N] (any row / head strides); q_pe: [T, H, R] (roped); latent: [T, L + R] (`[rmsnorm(ckv) | roped
+    k_pe]` of the same T tokens, e.g. read back from the cache at their slots); kv_b_weight: [H * (N + V), L].
+    Returns q [T, H, N + R] = [q_nope | q_pe] (contiguous), k [T, H, N + R] = [k_nope | k_pe] with k_nope = the W_UK
+    half of `ckv @ kv_b^T` and k_pe broadcast over the heads (contiguous), v [T, H, V] = its W_UV half (a view, row
+    stride H * (N + V), head stride N + V). Math: DeepSeek-V3 MLA, naive form (docs/model-format.md, Math).
+    """
+    T = latent.shape[0]
+    H, N, V = num_heads, qk_nope_head_dim, v_head_dim
+    L = kv_b_weight.shape[1]
+    R = latent.shape[1] - L
+    kv = F.linear(latent[:, :L], kv_b_weight).view(T, H, N + V)  # [T, H, N + V]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, N + R]
+    k = torch.empty((T, H, N + R), dtype=kv.dtype, device=kv.device)  # [T, H, N + R]
+    k[..., :N] = kv[..., :N]
+    k[..., N:] = latent[:, None, L:]  # k_pe, shared by all heads
+    return q, k, kv[..., N:]
+
+
+def mha_prefill_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
+) -> torch.Tensor:
+    """Causal multi-head attention of fresh sequences (non-absorbed MLA prefill; the math of FlashInfer's ragged
+    prefill with qo_indptr = kv_indptr = cu_seqlens), float32.
+
+    q: [T, H, Dqk], k: [T, H, Dqk], v: [T, H, Dv]; cu_seqlens: [B + 1] host ints, sequence b is rows
+    [cu_seqlens[b], cu_seqlens[b + 1]) of q, k and v alike (its queries are its keys); row i of a sequence sees its
+    rows 0..i. scale: the softmax scale (cfg.softmax_scale). Returns o [T, H, Dv] float32; rows past cu_seqlens[-1]
+    are zero. Raises ValueError when cu_seqlens is not non-decreasing from 0 or exceeds T.
+    """
+    T = q.shape[0]
+    if not cu_seqlens or cu_seqlens[0] != 0 or cu_seqlens[-1] > T or any(a > b for a, b in pairwise(cu_seqlens)):
+        raise ValueError(f"cu_seqlens {cu_seqlens} must rise from 0 to at most {T}")
+    o = torch.zeros((T, q.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)  # [T, H, Dv]
+    for s, e in pairwise(cu_seqlens):
+        if e == s:
+            continue
+        scores = torch.einsum("qhd,shd->hqs", q[s:e].float(), k[s:e].float()) * scale  # [H, Q, Q]
+        causal = torch.ones((e - s, e - s), dtype=torch.bool, device=q.device).tril()  # [Q, Q]
+        p = torch.softmax(scores.masked_fill(~causal[None], float("-inf")), dim=-1)  # [H, Q, Q]
+        o[s:e] = torch.einsum("hqs,shv->qhv", p, v[s:e].float())  # [Q, H, Dv]
+    return o
+
+
+def mla_prefill_absorbed_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    cu_seqlens: list[int],
+    num_heads: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal prefill of fresh sequences in the ABSORBED form (the math FlashInfer's paged MLA kernel runs for them),
+    float32: q_lat[h] = q_nope[h] @ W_UK[h], score = (q_lat . ckv + q_pe . k_pe) * scale, o_lat = p @ ckv,
+    o[h] = o_lat[h] @ W_UV[h]^T.
+
+    Shapes as mha_prefill_inputs (q_nope [T, H, N], q_pe [T, H, R], latent [T, L + R] of the same rows, kv_b_weight
+    [H * (N + V), L]) and cu_seqlens as mha_prefill_ref. Returns o [T, H, V] float32, equal to mha_prefill_ref of
+    mha_prefill_inputs up to float rounding (the absorption is an identity).
+    """
+    H, N, V = num_heads, qk_nope_head_dim, v_head_dim
+    L = kv_b_weight.shape[1]
+    w = kv_b_weight.float().view(H, N + V, L)  # [H, N + V, L]
+    w_uk, w_uv = w[:, :N, :], w[:, N:, :]  # [H, N, L], [H, V, L]
+    lat = latent.float()
+    ckv, k_pe = lat[:, :L], lat[:, L:]  # [T, L], [T, R]
+    q_lat = torch.einsum("thn,hnl->thl", q_nope.float(), w_uk)  # [T, H, L]
+    o_lat = torch.zeros_like(q_lat)  # [T, H, L]
+    for s, e in pairwise(cu_seqlens):
+        if e == s:
+            continue
+        scores = torch.einsum("qhl,sl->hqs", q_lat[s:e], ckv[s:e])  # [H, Q, Q]
+        scores = (scores + torch.einsum("qhr,sr->hqs", q_pe[s:e].float(), k_pe[s:e])) * scale
+        causal = torch.ones((e - s, e - s), dtype=torch.bool, device=lat.device).tril()  # [Q, Q]
+        p = torch.softmax(scores.masked_fill(~causal[None], float("-inf")), dim=-1)  # [H, Q, Q]
+        o_lat[s:e] = torch.einsum("hqs,sl->qhl", p, ckv[s:e])  # [Q, H, L]
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)  # [T, H, V]
+
+
 # ---- the layer ------------------------------------------------------------------------------------------
 
 
@@ -291,7 +390,8 @@ class MLAAttention(nn.Module):
         write_kv_cache(kv_cache, attn.slot_mapping, ckv[:n_real], k_pe[:n_real])
 
         o = torch.zeros(T, H, V, dtype=torch.float32, device=hidden.device)  # [T, H, V]
-        plan = attn.plan if attn.plan is not None and attn.plan.run is None else reference_plan(attn)
+        own = attn.plan is not None and attn.plan.run is None and attn.plan.prefill_run is None
+        plan = attn.plan if own and attn.plan is not None else reference_plan(attn)
         sel = plan.decode_seqs  # [Bd] decode sequences
         if sel is not None:
             w_kv_b = self.kv_b_proj.float().view(H, N + V, L)  # [H, N + V, L]

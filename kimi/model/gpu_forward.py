@@ -14,8 +14,12 @@ functions the one model class and its MLAAttention layers call on CUDA, with GPU
   absorbed form for EVERY row, decode, prefill and chunked prefill alike: q_lat = q_nope @ W_UK (bf16), ONE FlashInfer
   paged MLA run per layer over the one [num_blocks, bs, 576] cache buffer with a causal plan (a sequence's query rows
   are the last query_len tokens of its context; kimi.backends.attention.flashinfer), o = o_lat @ W_UV^T (bf16). No
-  per-sequence loop. Latent sizes FlashInfer has no kernel for (tiny 64-wide test models) use the float32 references
-  instead (`mla_decode_ref` for decode rows, `mla_prefill_ref` per prefill sequence).
+  per-sequence loop. With prefill attention "mha" (kimi.backends.attention.flashinfer.set_prefill_attention) the rows
+  of fresh sequences (no cached context) run non-absorbed instead: their latents (read back from the cache) up-projected
+  with kv_b_proj to k_nope / v, q = [q_nope | q_pe] and k = [k_nope | k_pe] of 192, v of 128, one FlashInfer causal
+  ragged prefill (`_mha_prefill`); the other rows keep the absorbed run and each row's output goes back to its row.
+  Latent sizes FlashInfer has no kernel for (tiny 64-wide test models) use the float32 references instead
+  (`mla_decode_ref` for decode rows, `mla_prefill_ref` per prefill sequence).
 - `KimiForCausalLM.forward`: pure-decode batches that fit a captured bucket replay a CUDA graph
   (kimi/worker/cuda_graph.py); anything else runs eagerly (`forward_fused`), with one attention plan per step for all
   layers (the model's attention backend, kimi.backends.attention; planned on the host, outside any graph).
@@ -39,13 +43,20 @@ from kimi.errors import ProtocolError
 from kimi.kernels.triton.bmm_small_m import bmm_heads
 from kimi.kernels.triton.linear_fp8 import Fp8Linear
 from kimi.kernels.triton.linear_small_m import linear_small_m
-from kimi.model.attention import AttentionMetadata, MLAAttention, gather_kv_cache, mla_decode_ref, mla_prefill_ref
+from kimi.model.attention import (
+    AttentionMetadata,
+    MLAAttention,
+    gather_kv_cache,
+    mha_prefill_inputs,
+    mla_decode_ref,
+    mla_prefill_ref,
+)
 from kimi.model.moe import DenseMLP, LocalAllToAll, MoELayer, run_experts
 from kimi.model.norm import LATENT_NORM_EPS, rms_norm
 from kimi.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kimi.backends.attention import AttentionPlan, AttentionRun
+    from kimi.backends.attention import AttentionPlan, AttentionRun, PrefillRun
     from kimi.model.model import KimiForCausalLM
 
 try:  # Triton: the fused GPU kernels (absent on CPU-only installs, where the fused path is never run)
@@ -118,6 +129,59 @@ def _absorbed(
     return o
 
 
+def _mha_prefill(
+    layer: MLAAttention,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    run: PrefillRun,
+) -> torch.Tensor:
+    """The rows of fresh sequences in the non-absorbed form: q_nope [Tp, H, N] (any strides), q_pe [Tp, H, R] (roped),
+    slots [Tp] int64 their cache slots (already written this step) -> o [Tp, H * V] (model dtype, contiguous).
+
+    The rows' latents are read back from the cache (so both forms see the same bf16 `[rmsnorm(ckv) | roped k_pe]`),
+    up-projected with kv_b_proj in one GEMM (mha_prefill_inputs: k = [k_nope | k_pe], v = the W_UV half, a view) and
+    run through the planned causal ragged prefill (FlashInferMHAPrefill), written straight into the o_proj input."""
+    H, N, V, L, R = layer.num_heads, layer.nope, layer.v_dim, layer.kv_lora, layer.rope
+    latent = kv_cache.view(-1, L + R).index_select(0, slots)  # [Tp, L + R]
+    q, k, v = mha_prefill_inputs(q_nope, q_pe, latent, layer.kv_b_proj, H, N, V)
+    Tp = q.shape[0]
+    o = torch.empty((Tp, H * V), dtype=q.dtype, device=q.device)  # [Tp, H * V]
+    run.run(q, k, v, out=o.view(Tp, H, V))
+    return o
+
+
+def _split(
+    layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """A plan with a prefill_run (prefill attention "mha"): the fresh sequences' rows through `_mha_prefill`, the
+    others (plan.run_rows) through `_absorbed`, each row's output put back at its row. q_nope [T, H, N], q_pe
+    [T, H, R] -> o [T, H * V] (model dtype); rows neither run covers (padding) are zero."""
+    pr = plan.prefill_run
+    assert pr is not None, "_split runs plans with a prefill_run"
+    T, H = q_nope.shape[:2]
+    HV = H * layer.v_dim
+    rows = plan.prefill_rows
+    if rows is None:  # every sequence fresh: rows [0, Tp)
+        n = pr.num_rows
+        if n > T:
+            raise ValueError(f"MHA prefill plan has {n} rows, the batch {T}")
+        o_p = _mha_prefill(layer, q_nope[:n], q_pe[:n], kv_cache, plan.slot_mapping[:n], pr)  # [n, H * V]
+        if n == T:
+            return o_p
+        o = torch.zeros((T, HV), dtype=o_p.dtype, device=o_p.device)  # [T, H * V]
+        o[:n] = o_p
+        return o
+    o = torch.zeros((T, HV), dtype=q_nope.dtype, device=q_nope.device)  # [T, H * V]
+    o[rows] = _mha_prefill(layer, q_nope[rows], q_pe[rows], kv_cache, plan.slot_mapping[rows], pr)
+    if plan.run is not None:
+        r = plan.run_rows
+        assert r is not None, "a split plan with a run names its rows"
+        o[r] = _absorbed(layer, q_nope[r], q_pe[r], kv_cache, plan.run)
+    return o
+
+
 def _decode_ref(
     layer: MLAAttention,
     q_nope: torch.Tensor,
@@ -172,8 +236,9 @@ def mla_forward(
 ) -> torch.Tensor:
     """MLAAttention.forward of a fused model with the step's plan (attn.plan set): hidden [T, D] (input-layernormed),
     positions [T] int64 -> [T, D] after o_proj. Writes the T rows' latents at plan.slot_mapping (fused rope + norm +
-    cache write on CUDA); then plan.run over every row (`_absorbed`), or the float32 references over the plan's
-    indices when plan.run is None."""
+    cache write on CUDA); then plan.run over every row (`_absorbed`), or, with a plan.prefill_run (prefill attention
+    "mha"), the fresh sequences' rows non-absorbed and the rest through plan.run (`_split`), or the float32 references
+    over the plan's indices when both are None."""
     plan = attn.plan
     assert plan is not None, "MLAAttention.forward calls the planned forward only with a plan"
     T = hidden.shape[0]
@@ -199,6 +264,8 @@ def mla_forward(
         q_pe, k_pe = rope(positions, q[..., N:], kv_a[:, L:])  # [T, H, R], [T, R]
         flat = kv_cache.view(-1, L + R)  # [num_blocks * bs, L + R]
         flat.index_copy_(0, plan.slot_mapping, torch.cat([ckv, k_pe], dim=-1).to(kv_cache.dtype))
+    if plan.prefill_run is not None:  # fresh sequences non-absorbed, the other rows absorbed
+        return dense_linear(_split(layer, q_nope, q_pe, kv_cache, plan), layer.o_proj)  # [T, D]
     if plan.run is not None:  # decode + prefill rows: one causal run
         return dense_linear(_absorbed(layer, q_nope, q_pe, kv_cache, plan.run), layer.o_proj)  # [T, D]
     if plan.all_decode:

@@ -21,6 +21,11 @@ Registry (`ATTENTION_BACKENDS`, `make_attention_backend`): "reference" (referenc
 sizes no kernel has), "flashinfer" (flashinfer.FlashInferAttention: every batch on CUDA, the default), "triton"
 (triton_mla.TritonMLAAttention: pure decode batches only, over kimi.kernels.triton.mla_decode). DECODE_BACKENDS: what
 pure decode batches may run (the model's `decode_attention`); prefill and mixed batches always run FlashInfer.
+
+Prefill attention (flashinfer.PREFILL_ATTENTION, set with flashinfer.set_prefill_attention): "mla" (the default) runs
+every prefill row in the absorbed form above; "mha" runs the rows of fresh sequences (no cached context: a prompt's
+first chunk) as a non-absorbed causal ragged prefill (`AttentionPlan.prefill_run`, q / k of 192 and v of 128 from the
+step's own latents up-projected with kv_b) and the other rows through `run` as before.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kimi.backends.attention.base import AttentionBackend, AttentionPlan, AttentionRun, DecodeGraphAttention
+from kimi.backends.attention.base import (
+    AttentionBackend,
+    AttentionPlan,
+    AttentionRun,
+    DecodeGraphAttention,
+    PrefillRun,
+)
 
 if TYPE_CHECKING:
     from kimi.config import ModelConfig
@@ -41,6 +52,7 @@ __all__ = [
     "AttentionPlan",
     "AttentionRun",
     "DecodeGraphAttention",
+    "PrefillRun",
     "make_attention_backend",
 ]
 

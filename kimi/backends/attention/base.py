@@ -1,5 +1,5 @@
 """The types of the attention backend interface (re-exported by kimi.backends.attention, whose docstring is the
-contract): AttentionRun, AttentionPlan, DecodeGraphAttention, AttentionBackend."""
+contract): AttentionRun, PrefillRun, AttentionPlan, DecodeGraphAttention, AttentionBackend."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     from kimi.model.attention import AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionPlan", "AttentionRun", "DecodeGraphAttention"]
+__all__ = ["AttentionBackend", "AttentionPlan", "AttentionRun", "DecodeGraphAttention", "PrefillRun"]
 
 
 class AttentionRun(Protocol):
@@ -22,6 +22,18 @@ class AttentionRun(Protocol):
 
     def run(
         self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
+class PrefillRun(Protocol):
+    """A planned causal ragged attention over fresh sequences in the non-absorbed form (`AttentionPlan.prefill_run`):
+    `run(q [Tp, H, Dqk], k [Tp, H, Dqk], v [Tp, H, Dv], out=None) -> o [Tp, H, Dv]`, the keys of a sequence being its
+    own rows (kimi.model.attention.mha_prefill_ref's math); num_rows = Tp."""
+
+    num_rows: int
+
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
 
@@ -38,6 +50,10 @@ class AttentionPlan:
     Reference only: decode_rows: [Bd] int64 rows of decode sequences (mixed batches; None when all_decode, where
     row b is sequence b); decode_seqs: [Bd] int64 their sequence indices; prefill: (first row, last row + 1,
     sequence index) of each query_len > 1 sequence.
+    Non-absorbed prefill (FlashInfer with prefill attention "mha"): prefill_run: a planned PrefillRun over the rows of
+    the fresh sequences (no cached context), or None; then `run` covers only the other rows (None when there are
+    none). prefill_rows: [Tp] int64 the fresh sequences' rows in flat order, None when they are rows [0, Tp);
+    run_rows: [Tr] int64 the rows `run` covers (set whenever prefill_run and run both are).
     """
 
     run: AttentionRun | None
@@ -46,6 +62,9 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None = None
     prefill: list[tuple[int, int, int]] = field(default_factory=list)
     decode_seqs: torch.Tensor | None = None  # [Bd] sequence indices of decode rows (reference, run None)
+    prefill_run: PrefillRun | None = None
+    prefill_rows: torch.Tensor | None = None  # [Tp] rows of the fresh sequences (None: rows [0, Tp))
+    run_rows: torch.Tensor | None = None  # [Tr] rows of `run` when prefill_run is set
 
 
 class DecodeGraphAttention(Protocol):

@@ -72,10 +72,40 @@ if TYPE_CHECKING:
     from kimi.config import ModelConfig
     from kimi.model.attention import AttentionMetadata
 
-__all__ = ["MAX_PLAN_WORKS", "FlashInferAttention", "FlashInferDecodeGraphs", "FlashInferMLA", "FlashInferMLADecode"]
+__all__ = [
+    "MAX_PLAN_WORKS",
+    "MHA_HEAD_DIMS",
+    "PREFILL_ATTENTION",
+    "PREFILL_ATTENTION_CHOICES",
+    "FlashInferAttention",
+    "FlashInferDecodeGraphs",
+    "FlashInferMHAPrefill",
+    "FlashInferMLA",
+    "FlashInferMLADecode",
+    "set_prefill_attention",
+]
 
 # max_total_num_works of MLAPlan: flashinfer 0.6.4 include/flashinfer/attention/scheduler.cuh:1600
 MAX_PLAN_WORKS = 16384
+
+# How FlashInferAttention runs the rows of fresh sequences (no cached context): "mla", the absorbed paged MLA kernel
+# like every other row; "mha", FlashInfer's ragged prefill in the non-absorbed form (FlashInferMHAPrefill). Set it
+# with set_prefill_attention; read by every FlashInferAttention.plan.
+PREFILL_ATTENTION_CHOICES = ("mla", "mha")
+PREFILL_ATTENTION = "mla"
+# (qk head dim, vo head dim) FlashInfer 0.6.4's SM90 ragged prefill has a kernel for besides equal dims: 192 / 128
+# (include/flashinfer/attention/hopper/prefill_sm90.cuh, getCTATileSize); models of other head dims keep "mla"
+MHA_HEAD_DIMS = (192, 128)
+
+
+def set_prefill_attention(name: str) -> str:
+    """Make `name` (PREFILL_ATTENTION_CHOICES) the prefill attention of later plans; returns the previous choice.
+    Raises ValueError on another name."""
+    global PREFILL_ATTENTION
+    if name not in PREFILL_ATTENTION_CHOICES:
+        raise ValueError(f"prefill attention {name!r}: want one of {', '.join(PREFILL_ATTENTION_CHOICES)}")
+    previous, PREFILL_ATTENTION = PREFILL_ATTENTION, name
+    return previous
 
 
 def _decode_indptr(seq_lens: list[int], block_size: int, page_stride: int | None = None) -> list[int]:
@@ -434,6 +464,97 @@ class FlashInferMLA:
         return self.wrapper.run(q_lat, q_pe, ckv, kpe, out=out)
 
 
+class FlashInferMHAPrefill:
+    """Causal non-absorbed prefill of fresh sequences through FlashInfer's ragged prefill
+    (`BatchPrefillWithRaggedKVCacheWrapper`, FA3 on Hopper): the keys of a sequence are its own query rows
+    (qo_indptr = kv_indptr), q / k [Tp, H, head_dim_qk], v [Tp, H, head_dim_vo], NHD layout, one KV head per query
+    head. The math of kimi.model.attention.mha_prefill_ref (float32 softmax in the kernel).
+
+    Args:
+        num_heads: query (= key / value) heads per rank (64 for Kimi).
+        sm_scale: softmax scale, the MLA path's (cfg.softmax_scale: qk_head_dim 192-based, YaRN mscale^2 included).
+        workspace: FlashInfer's float workspace (uint8, on the device); FlashInferAttention passes its MLA wrapper's
+            one: the two runs of a layer execute one after the other in stream order, and each run's split-KV partials
+            are consumed inside that run.
+        head_dim_qk / head_dim_vo: 192 / 128 for Kimi (MHA_HEAD_DIMS).
+        dtype: q / k / v / o dtype (bf16).
+    FlashInfer reads the row / head strides of q, k, v and out (csrc/batch_prefill_sm90.cu, RaggedRun), so v may be a
+    strided view with a contiguous last dim. `plan` runs on the host, once per step outside CUDA graphs; it waits only
+    until the previous plan's host-to-device copy has run (FlashInfer reuses one pinned buffer per wrapper).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        sm_scale: float,
+        workspace: torch.Tensor,
+        head_dim_qk: int = 192,
+        head_dim_vo: int = 128,
+        dtype: torch.dtype = torch.bfloat16,
+        backend: str = "auto",
+    ):
+        import flashinfer  # deferred: optional GPU dependency
+
+        self.num_heads = num_heads
+        self.sm_scale = float(sm_scale)
+        self.head_dim_qk = head_dim_qk
+        self.head_dim_vo = head_dim_vo
+        self.dtype = dtype
+        self.device = workspace.device
+        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+        self.batch: int | None = None
+        self.num_rows = 0  # sum of the planned sequence lengths: rows of q / k / v / out
+        self._plan_done: torch.cuda.Event | None = None
+
+    def plan(self, seq_lens: list[int]) -> None:
+        """Plan one step over fresh sequences of seq_lens[b] >= 1 rows each (rows in order: sequence b is rows
+        [sum(seq_lens[:b]), sum(seq_lens[:b + 1])) of q, k, v). Host work; call outside CUDA graphs. Raises
+        ValueError on an empty batch or a length < 1."""
+        if not seq_lens or min(seq_lens) < 1:
+            raise ValueError(f"MHA prefill plan: want >= 1 sequences of >= 1 rows, got {seq_lens}")
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)  # [B+1] host
+        indptr[1:] = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        H = self.num_heads
+        self.wrapper.plan(
+            indptr,
+            indptr,
+            H,
+            H,
+            self.head_dim_qk,
+            self.head_dim_vo,
+            causal=True,
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            o_data_type=self.dtype,
+        )
+        if self._plan_done is None:
+            self._plan_done = torch.cuda.Event()
+        self._plan_done.record(torch.cuda.current_stream(self.device))
+        self.batch = len(seq_lens)
+        self.num_rows = int(indptr[-1])
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Tp, H, Dqk], k [Tp, H, Dqk], v [Tp, H, Dv] (the plan's dtype, last dim contiguous; Tp = num_rows) ->
+        o [Tp, H, Dv] (written into `out` when given: same shape, dtype, last two dims contiguous). Raises
+        ProtocolError before plan, ValueError on mismatched shapes."""
+        if self.batch is None:
+            raise ProtocolError("run before plan")
+        n, H = self.num_rows, self.num_heads
+        if (
+            tuple(q.shape) != (n, H, self.head_dim_qk)
+            or tuple(k.shape) != (n, H, self.head_dim_qk)
+            or tuple(v.shape) != (n, H, self.head_dim_vo)
+        ):
+            raise ValueError(
+                f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: the plan has {n} rows of {H} heads "
+                f"x {self.head_dim_qk} / {self.head_dim_vo}"
+            )
+        return self.wrapper.run(q, k, v, out=out)
+
+
 class FlashInferMLADecode(FlashInferMLA):
     """FlashInferMLA for pure decode batches (one query row per request, non-causal plan): the CUDA-graph
     decode path (kimi/worker/cuda_graph.py) and tools/bench_mla.py. Same constructor as FlashInferMLA."""
@@ -459,9 +580,12 @@ class FlashInferMLADecode(FlashInferMLA):
 class FlashInferAttention:
     """The AttentionBackend of FlashInfer's paged MLA: any batch (decode, prefill, mixed) in one causal plan eagerly;
     decode graphs through FlashInferDecodeGraphs. Only for kv_lora_rank 512 / rope 64 (KimiForCausalLM.flashinfer_ok).
+    With PREFILL_ATTENTION "mha" (and head dims MHA_HEAD_DIMS) the fresh sequences of a step (query_len > 1, no cached
+    context) are planned on a FlashInferMHAPrefill instead and the MLA plan covers the rest (see AttentionPlan).
 
     cfg: the model's ModelConfig; device: its CUDA device; dtype: q / kv / o dtype (the model's, bf16).
-    `fi_eager`: the FlashInferMLA of eager steps (made by the first `plan`).
+    `fi_eager`: the FlashInferMLA of eager steps (made by the first `plan`); `fi_mha`: the FlashInferMHAPrefill (made
+    by the first plan with a fresh sequence under "mha").
     """
 
     name = "flashinfer"
@@ -472,23 +596,80 @@ class FlashInferAttention:
         self.device = device
         self.dtype = dtype
         self.fi_eager: FlashInferMLA | None = None
+        self.fi_mha: FlashInferMHAPrefill | None = None
+        self.mha_ok = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == MHA_HEAD_DIMS
 
     def plan(self, attn: AttentionMetadata) -> AttentionPlan:
         """ONE plan over every sequence of attn, qo_len = query_len (decode rows are qo_len-1 requests), causal
-        unless the batch is pure decode (where causal == non-causal). Raises ValueError as FlashInferMLA.plan."""
-        all_decode = all(q == 1 for q in attn.query_lens_cpu)
+        unless the batch is pure decode (where causal == non-causal). Under PREFILL_ATTENTION "mha": the fresh
+        sequences (query_len > 1 == seq_len) on the MHA prefill, the others on the MLA plan. Raises ValueError as
+        FlashInferMLA.plan."""
+        qlens, slens = attn.query_lens_cpu, attn.seq_lens_cpu
+        all_decode = all(q == 1 for q in qlens)
+        fi = self._eager(attn.slot_mapping.device)
+        if not all_decode and PREFILL_ATTENTION == "mha" and self.mha_ok:
+            fresh = [b for b, (q, s) in enumerate(zip(qlens, slens)) if 1 < q == s]
+            if fresh:
+                return self._plan_split(attn, fresh, fi)
+        fi.plan_from_metadata(attn, causal=not all_decode)
+        return AttentionPlan(fi, attn.slot_mapping, all_decode)
+
+    def _plan_split(self, attn: AttentionMetadata, fresh: list[int], fi: FlashInferMLA) -> AttentionPlan:
+        """The plan of a step with fresh sequences `fresh` (indices into attn) under "mha": those on fi_mha, the rest
+        (decode rows, chunks over cached context, one-token prompts) on one causal plan of fi (fi_eager)."""
+        qlens, slens = attn.query_lens_cpu, attn.seq_lens_cpu
+        if self.fi_mha is None:
+            cfg = self.cfg
+            self.fi_mha = FlashInferMHAPrefill(
+                cfg.num_attention_heads,
+                cfg.softmax_scale,
+                fi.workspace,
+                cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                cfg.v_head_dim,
+                dtype=self.dtype,
+            )
+        self.fi_mha.plan([qlens[b] for b in fresh])
+        plan = AttentionPlan(None, attn.slot_mapping, False, prefill_run=self.fi_mha)
+        B = len(qlens)
+        if len(fresh) == B:  # every sequence fresh: the MHA rows are rows [0, Tp)
+            return plan
+        is_fresh = [False] * B
+        for b in fresh:
+            is_fresh[b] = True
+        rest = [b for b in range(B) if not is_fresh[b]]
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        dev = attn.slot_mapping.device
+        fresh_rows = [r for b in fresh for r in range(qsl[b], qsl[b + 1])]
+        rest_rows = [r for b in rest for r in range(qsl[b], qsl[b + 1])]
+        plan.prefill_rows = torch.tensor(fresh_rows, dtype=torch.int64, device=dev)  # [Tp]
+        plan.run_rows = torch.tensor(rest_rows, dtype=torch.int64, device=dev)  # [Tr]
+        rest_t = torch.tensor(rest, dtype=torch.int64, device=attn.block_tables.device)  # [Br]
+        rest_q = [qlens[b] for b in rest]
+        fi.plan(
+            rest_q,
+            [slens[b] for b in rest],
+            attn.block_tables.index_select(0, rest_t),
+            attn.block_size,
+            causal=any(q > 1 for q in rest_q),
+        )
+        plan.run = fi
+        return plan
+
+    def _eager(self, device: torch.device) -> FlashInferMLA:
+        """fi_eager, made on first use on device."""
         if self.fi_eager is None:
             cfg = self.cfg
             self.fi_eager = FlashInferMLA(
                 cfg.num_attention_heads,
                 cfg.softmax_scale,
-                attn.slot_mapping.device,
+                device,
                 cfg.kv_lora_rank,
                 cfg.qk_rope_head_dim,
                 dtype=self.dtype,
             )
-        self.fi_eager.plan_from_metadata(attn, causal=not all_decode)
-        return AttentionPlan(self.fi_eager, attn.slot_mapping, all_decode)
+        return self.fi_eager
 
     def graph_attention(
         self, buckets: list[int], block_size: int, max_blocks_per_seq: int, kv_indices: torch.Tensor | None

@@ -9,7 +9,8 @@ rope 64, nope 128, v 128 -> q / k of 192, v of 128), planned by the model's own 
 for one fresh prompt, several fresh prompts of different lengths in one step, and a mixed step (decode rows, a chunk
 over cached context, a one-token prompt and fresh prompts, fresh rows neither first nor contiguous). The cache write
 is the same in both paths (the second run rewrites the same values). Tolerances (bf16 projections, bf16 q / k / v):
-rel_max = max |out - want| / max |want| <= 3e-2 and rel_norm = ||out - want|| / ||want|| <= 1.5e-2, per step.
+rel_max = max |out - want| / max |want| <= 1.5e-2 and rel_norm = ||out - want|| / ||want|| <= 1.5e-2, per step (on an
+H200 both are at most 0.0066 for every case and comparison, the default path against the reference included).
 
 Run: KIMI_GPU_REPORT=/tmp/mha_prefill.jsonl .venv/bin/python -m pytest -q -s tests/gpu/test_mha_prefill_gpu.py
 """
@@ -23,7 +24,7 @@ from test_gpu_model import cpu_model, make_ckpt, report
 pytestmark = pytest.mark.gpu
 
 BS = 64
-REL_MAX, REL_NORM = 3e-2, 1.5e-2
+REL_MAX, REL_NORM = 1.5e-2, 1.5e-2
 
 CASES = {
     # steps of (sequence, query_len) in batch order; a sequence's first step is its fresh prompt chunk

@@ -60,9 +60,10 @@ def test_health_waits_for_the_warm_up_and_the_first_requests_pay_nothing(tiny_k2
             second = min(_timed(client, url, CHAT) for _ in range(2))
             second_guided = min(_timed(client, url, GUIDED) for _ in range(2))
         # generous: without the warm-up the first JSON-constrained request waits seconds for xgrammar's vocabulary
-        # (about 5 s against 0.5 s here), a loaded machine adds noise to both
-        assert first <= 3 * second + 1.0, (first, second)
-        assert first_guided <= 3 * second_guided + 1.0, (first_guided, second_guided)
+        # (about 5 s against 0.5 s here); on a machine loaded twice over its cores a first request has taken 2 s
+        # against 0.2 s for the next ones
+        assert first <= 3 * second + 2.5, (first, second)
+        assert first_guided <= 3 * second_guided + 2.5, (first_guided, second_guided)
         for sub in ("csrc", "flashinfer", "humming", "triton"):  # the one kernel cache, one folder per library
             assert (tmp_path / "cache" / sub).is_dir(), sub
     finally:

@@ -181,9 +181,9 @@ class FakeRunner:
         prev: StepHandle | None = None,
         on_prev: Callable[[StepHandle], None] | None = None,
     ) -> StepHandle:
-        """Finish `prev` (calling `on_prev(prev)`) if it is not, then run the whole step; returns a handle that is
-        done (`finish` returns its tokens). Raises ProtocolError as the module docstring says."""
-        if prev is not None and prev.outputs is None:
+        """Finish `prev` and hand it to `on_prev` (its result is not sent yet), then run the whole step; returns a
+        handle that is done (`finish` returns its tokens). Raises ProtocolError as the module docstring says."""
+        if prev is not None:
             self.finish(prev)
             if on_prev is not None:
                 on_prev(prev)

@@ -226,11 +226,13 @@ class StepLoop:
         self.device = device
         self.args = args
         self.last_step = 0
+        self.last_sent = 0  # the last step whose result went out
 
     def send_result(self, h: StepHandle) -> None:
         """Send a launched step's result (waiting for its tokens) and report its step to the heartbeat."""
         self.transport.send(protocol.StepResult(h.step, self.rank, self.runner.finish(h)))
         self.heartbeat.step = h.step
+        self.last_sent = h.step
 
     def run(self, a2a: object) -> int:
         """Serve messages until Shutdown (0) or controller silence (1). Raises ProtocolError on a step-number gap and
@@ -268,7 +270,9 @@ class StepLoop:
             if msg.step != self.last_step + 1:
                 raise ProtocolError(f"step plan gap: expected step {self.last_step + 1}, got {msg.step}")
             self.last_step = msg.step
-            pending = runner.launch(msg, pending, on_prev=self.send_result)  # sends pending's result when it is done
+            prev, pending = pending, runner.launch(msg, pending, on_prev=self.send_result)  # sends prev's result
+            if prev is not None and self.last_sent < prev.step:  # a runner that did not hand prev back: no hang
+                self.send_result(prev)
 
 
 def _log_exit(runner: Runner, rank: int, last_step: int) -> None:

@@ -287,7 +287,9 @@ class ModelRunner:
         return outputs
 
     def _finish_prev(self, prev: StepHandle | None, on_prev: Callable[[StepHandle], None] | None) -> None:
-        if prev is not None and prev.outputs is None:
+        """Finish `prev` if it is not (a speculative step's handle comes back finished) and hand it to `on_prev`:
+        the caller has not sent its result yet, whether or not it is finished."""
+        if prev is not None:
             self.finish(prev)
             if on_prev is not None:
                 on_prev(prev)
@@ -325,7 +327,9 @@ class ModelRunner:
             elif self.world_size > 1:
                 self._idle_step()
             return StepHandle(plan.step, [], None, [], {})
-        if prev is not None and ((self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None):
+        if prev is not None and (
+            (self.device.type != "cuda" and not self.overlap_cpu) or prev.launch is None or prev.outputs is not None
+        ):
             self._finish_prev(prev, on_prev)  # nothing to overlap
         overlap = prev is not None and prev.outputs is None
         self.num_overlapped += overlap

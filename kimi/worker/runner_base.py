@@ -68,9 +68,9 @@ class Runner(Protocol):
         prev: StepHandle | None = None,
         on_prev: Callable[[StepHandle], None] | None = None,
     ) -> StepHandle:
-        """Apply the plan's diff and start the step. `prev`: the step launched before, not finished yet; it is
-        finished (and `on_prev(prev)` called) before this step's tokens are sampled, so results go out in step
-        order. Raises ProtocolError on a plan the runner cannot run."""
+        """Apply the plan's diff and start the step. `prev`: the step launched before, whose result is not sent
+        yet (finished or not); it is finished and `on_prev(prev)` called once, before this step's tokens are
+        sampled, so results go out in step order. Raises ProtocolError on a plan the runner cannot run."""
         ...
 
     def finish(self, handle: StepHandle) -> list[protocol.TokenOutput]:

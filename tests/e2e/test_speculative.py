@@ -8,6 +8,9 @@ draft, real CPU torchrun workers, HTTP on a loopback port.
 - `--fake-workers` (the fake model's draft is right about 70% of the time, so several tokens come back per verify
   step): the same requests give the same outputs with and without speculation, stop strings met inside an accepted
   run cut the output there, and the per-position acceptance counters add up;
+- guided (json_schema) requests, which never speculate, in the same batches as speculating ones: every request
+  finishes (a step planned ahead of a verify step's result must not hold that result back), the guided replies
+  match the schema, the others are unchanged;
 - a draft that does not fit the target is refused at start-up naming the field or the tensor.
 """
 
@@ -187,3 +190,54 @@ def test_mismatched_draft_is_refused_at_start_up(tiny_k26, draft, tmp_path) -> N
     save_file(t, str(bad_shape / "model.safetensors"))
     rc, log = _serve_fails(tiny_k26, *_spec_flag(str(bad_shape)))
     assert rc != 0 and "midlayer.self_attn.q_proj.weight" in log, log
+
+
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"type": "string", "enum": ["red", "green"]}, "n": {"type": "integer"}},
+    "required": ["color", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_guided_requests_beside_speculating_ones(tiny_k26, draft, tmp_path, fake) -> None:
+    """Guided requests do not speculate (docs/speculative.md) but run in the same batches as requests that do: all
+    finish, the guided replies are valid JSON of the schema, the plain greedy ones are what they are without the
+    guided neighbours."""
+    plain = [b for b in _bodies(20) if "stop" not in b][:6]
+    guided = [
+        {
+            "model": "tiny",
+            "prompt": f"guided {i}: give me a color",
+            "max_tokens": 200,
+            "temperature": 0 if i % 2 else 0.9,
+            "seed": i,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": GUIDED_SCHEMA}},
+        }
+        for i in range(4)
+    ]
+    mode = ("--fake-workers",) if fake else ()
+    srv = _serve(tiny_k26, str(tmp_path / "ref.log"), *mode)
+    try:
+        ref, _ = _outputs(srv, plain)
+    finally:
+        assert stop_server(srv) == 0, srv.log()
+    srv = _serve(tiny_k26, str(tmp_path / "spec.log"), *mode, *_spec_flag(draft))
+    try:
+        mixed = [b for pair in zip(plain, guided + guided[:2]) for b in pair]  # interleaved: same batches
+        res = asyncio.run(_run_all(srv.base_url, mixed))
+    finally:
+        assert stop_server(srv) == 0, srv.log()
+    got = []
+    for b, r in zip(mixed, res):
+        ch = r["choices"][0]
+        if "response_format" in b:
+            assert ch["finish_reason"] == "stop", ch
+            obj = json.loads(ch["text"])
+            assert obj["color"] in ("red", "green") and isinstance(obj["n"], int) and set(obj) == {"color", "n"}
+        else:
+            got.append(
+                (ch["text"], ch["finish_reason"], r["usage"]["completion_tokens"], ch["logprobs"]["token_logprobs"])
+            )
+    _assert_same(got, ref, 1e-3 if not fake else 0.0)

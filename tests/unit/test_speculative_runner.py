@@ -112,3 +112,21 @@ def test_seeded_sampling_with_speculation_reproduces(dirs) -> None:
     b, _ = _generate(_runner(ckpt, draft), 10, sp=sp)
     assert a == b
     assert len({t for o in a for t in o}) > 5  # sampled, not one repeated token
+
+
+def test_launched_ahead_every_result_is_handed_back_in_order(dirs) -> None:
+    """The worker's loop launches a plan that arrives before the last step's result went out with that step as
+    `prev`: a speculative step comes back already finished, and it must still be handed to on_prev (once, in step
+    order), else its result is never sent and the controller waits for ever."""
+    ckpt, draft, _ = dirs
+    runner = _runner(ckpt, draft)
+    new = [protocol.NewRequest(0, 0, PROMPTS[0], 0, len(PROMPTS[0]), list(range(1, 7)), GREEDY)]
+    plans = [protocol.StepPlan(1, new, [], [])]
+    plans += [protocol.StepPlan(s, [], [protocol.ContinueRequest(0, 1, [], 0)], []) for s in range(2, 5)]
+    sent: list[int] = []
+    pending = None
+    for p in plans:
+        pending = runner.launch(p, pending, on_prev=lambda h: sent.append(h.step))
+        assert pending.done()
+    assert sent == [1, 2, 3]
+    assert len(runner.finish(pending)) == 1

@@ -130,6 +130,25 @@ def test_greedy_is_deterministic_and_stop_sequences(client):
         assert stop not in _text(c)
 
 
+def test_stream_usage_splits_the_prompt_by_the_cache_hit_from_message_start(client):
+    # a prompt of many blocks, sent twice: the streamed one reads most of it from the prefix cache, and
+    # message_start already says so, with the same split as message_delta
+    words = " ".join(f"w{i}" for i in range(300))
+    kw = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": words}], thinking=NO_THINK)
+    client.messages.create(**kw, extra_body={"temperature": 0})
+    start = delta = None
+    with client.messages.stream(**kw, extra_body={"temperature": 0}) as s:
+        for ev in s:
+            if ev.type == "message_start":
+                start = ev.message.usage
+            elif ev.type == "message_delta":
+                delta = ev.usage
+    assert start is not None and delta is not None
+    assert start.output_tokens == 0 and start.cache_read_input_tokens > 0
+    assert (start.input_tokens, start.cache_read_input_tokens) == (delta.input_tokens, delta.cache_read_input_tokens)
+    assert delta.output_tokens == 4
+
+
 @pytest.mark.parametrize("thinking", [NO_THINK, {"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}])
 def test_stream_reassembles_to_the_non_streamed_reply(srv, client, thinking):
     kw = dict(

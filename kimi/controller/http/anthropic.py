@@ -576,34 +576,16 @@ class AnthropicAPI(ChatAPI):
     def _message_stream(
         self, run: _ChatRun, c: _Choice, msg_id: str, reasons: bool, show_thinking: bool, eager: frozenset[str]
     ) -> _SSE:
-        """The event stream: message_start, ping, content blocks (thinking / text / tool_use, each started,
+        """The event stream: message_start (with the first output, when the prefix-cache hit that splits the prompt
+        into input_tokens and cache_read_input_tokens is known: the same split message_delta reports), ping, content
+        blocks (thinking / text / tool_use, each started,
         delta'd and stopped in turn; a thinking block under display "omitted" has no deltas), message_delta (stop
         reason, usage), message_stop; an error is an `error` event that ends the stream. A tool_use block is sent
         once its call is complete (a call cut by the end of the output is in no block, as in the non-streamed
         message), except for the tools named in `eager` (`eager_input_streaming`), whose input streams as it is
         generated."""
-        stream = _MessageStream(self, run, c, reasons, show_thinking, eager)
-        first = _event(
-            "message_start",
-            {
-                "message": {
-                    "id": msg_id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": self.model_name,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {
-                        "input_tokens": len(run.ids),
-                        "output_tokens": 0,
-                        "cache_creation_input_tokens": 0,
-                        "cache_read_input_tokens": 0,
-                    },
-                }
-            },
-        ) + _event("ping", {})
-        return _SSE(run.sib, stream.render, first, done=b"")
+        stream = _MessageStream(self, run, c, reasons, show_thinking, eager, msg_id)
+        return _SSE(run.sib, stream.render, done=b"")
 
     async def count_tokens(self, request: HTTPRequest) -> Response:
         """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt tokens /v1/messages would give the
@@ -643,9 +625,12 @@ class _MessageStream:
         reasons: bool,
         show_thinking: bool,
         eager: frozenset[str] = frozenset(),
+        msg_id: str = "",
     ) -> None:
         assert c.parser is not None
         self.api, self.run, self.c, self.p = api, run, c, c.parser
+        self.msg_id = msg_id
+        self.started = False  # message_start sent
         self.reasons, self.show_thinking, self.eager = reasons, show_thinking, eager
         self.state: dict[str, Any] = {"index": -1, "kind": None, "call": None}
         self.live: set[int] = set()  # the calls (response index) whose tool_use block streams as generated
@@ -670,15 +655,35 @@ class _MessageStream:
         """A content_block_delta of the open block."""
         return _event("content_block_delta", {"index": self.state["index"], "delta": d})
 
+    def message_start(self) -> bytes:
+        """message_start (usage: the prompt split by the prefix-cache hit of the outputs seen, no output tokens)
+        and a ping."""
+        usage = self.api._message_usage(self.run, self.c) | {"output_tokens": 0}
+        msg: dict[str, Any] = {
+            "id": self.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.api.model_name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        return _event("message_start", {"message": msg}) + _event("ping", {})
+
     def render(self, i: int, o: RequestOutput) -> tuple[bytes, bool]:
         """SSE events for output o, and whether the stream ends with it (see _SSE)."""
         c, state = self.c, self.state
         c.note(o)
+        out = []
+        if not self.started:
+            self.started = True
+            out.append(self.message_start())
         if o.error is not None:
-            return _event("error", {"error": {"type": "api_error", "message": o.error}}), True
+            out.append(_event("error", {"error": {"type": "api_error", "message": o.error}}))
+            return b"".join(out), True
         d = c.parse(o) if o.token_ids else None
         d = with_parser_tail(self.p, o, d)
-        out = []
         if d is not None:
             if d.reasoning_content and self.reasons:
                 if state["kind"] != "thinking":

@@ -28,13 +28,20 @@ is `fc` over the target's three aux states of B rows (once per step), `draft_ste
 embedding, the decoder layer, the norm and the lm_head over the draft vocabulary). It runs the draft's PyTorch path
 eagerly (CUDA events around each call): its B rows are positions of ONE request over a dense cache of CTX entries,
 so its attention reads one sequence's draft KV where B sequences read B; `draft_step_batched_ms` adds the other
-B - 1 sequences' draft KV bytes (B - 1) * CTX * 2 * 64 * 128 * 2 at the measured copy bandwidth. Its weight floor
-(weights read once per call / copy bandwidth) is reported beside it.
+B - 1 sequences' draft KV bytes (B - 1) * CTX * 2 * 64 * 128 * 2 at the measured copy bandwidth. Beside it: its
+kernel time (`draft_step_kernel_ms`, the sum of its CUDA kernels' durations from torch.profiler, taken after every
+graph timing: what the step would cost with its launch gaps gone, as in a CUDA graph) and its floor (its weights
+and the B sequences' draft KV read once / copy bandwidth).
+
+Floors (`floor_ms_q<q>`, `over_floor`), as tools/bench_decode.py's: the weights but the embedding (of which the T
+rows), each local expert hit once in each MoE layer, the B sequences' KV, all at the copy bandwidth measured in the
+same run.
 
 Tokens per second per sequence (`projection`): a step of k drafts costs verify(k) + draft_fc + k * draft_step
 (kimi's step: verify, then the draft over the accepted positions and k - 1 more proposals; draft_step_batched_ms is
 used), and emits A tokens per sequence on average (A: the mean accepted length, counting the target's own token,
-A <= k + 1); without speculation a step costs the decode step and emits 1. speedup = A * decode / step(k). Host work
+A <= k + 1); without speculation a step costs the decode step and emits 1. speedup = A * decode / step(k);
+`projection_draft_kernels` is the same with the draft step's kernel time. Host work
 (scheduling, the FlashInfer plan, the draft's per-request loop of today's worker) is not counted: both sides are
 device time.
 
@@ -47,12 +54,14 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kimi.backends.experts import BACKENDS as MOE_BACKENDS
 from kimi.benchmarks import snapshot
-from kimi.benchmarks.emulated_rank import EmulatedEP, time_ms
+from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 
 # the public K2 / K2.5 EAGLE3 Llama drafts' config (docs/speculative.md, "The draft's config")
@@ -115,8 +124,9 @@ def build_draft(cfg, embed: torch.Tensor, dev: torch.device, seed: int = 0):
     return draft
 
 
-def time_draft(draft, B: int, ctx: int, iters: int, bw_GBps: float) -> dict:
-    """draft_fc and draft_step of B rows (module docstring), ms, with the weight floors and the batched estimate."""
+def time_draft(draft, B: int, ctx: int, iters: int, bw_GBps: float) -> tuple[dict, Callable[[], Any]]:
+    """draft_fc and draft_step of B rows (module docstring), ms, with the weight floors and the batched estimate;
+    and the step itself (for its kernel time, profiled after every timing)."""
     from kimi.model.eagle3 import DraftKV
 
     c = draft.cfg
@@ -154,18 +164,20 @@ def time_draft(draft, B: int, ctx: int, iters: int, bw_GBps: float) -> dict:
         "draft_fc_floor_ms": nbytes(["fc.weight"]) / (bw_GBps * 1e9) * 1e3,
         "draft_step_floor_ms": (nbytes(layer) + B * ctx * kv_tok) / (bw_GBps * 1e9) * 1e3,
         "draft_step_samples_ms": [round(t, 4) for t in st["samples"]],
-    }
+    }, step
 
 
-def projection(decode_ms: float, verify_ms: dict[int, float], draft: dict, accepted: list[float]) -> list[dict]:
-    """Per mean accepted length A and draft count k (A <= k + 1): the step time, tokens/s per sequence with and
-    without speculation, and the speedup (module docstring)."""
+def projection(
+    decode_ms: float, verify_ms: dict[int, float], fc_ms: float, draft_ms: float, accepted: list[float]
+) -> list[dict]:
+    """Per mean accepted length A and draft count k (A <= k + 1): the step time verify(k) + fc_ms + k * draft_ms,
+    tokens/s per sequence with and without speculation, and the speedup (module docstring)."""
     out = []
     for A in accepted:
         for k, v in sorted(verify_ms.items()):
             if k == 0 or k + 1 < A:
                 continue
-            step = v + draft["draft_fc_ms"] + k * draft["draft_step_batched_ms"]
+            step = v + fc_ms + k * draft_ms
             out.append(
                 {
                     "accepted_length": A,
@@ -180,40 +192,49 @@ def projection(decode_ms: float, verify_ms: dict[int, float], draft: dict, accep
 
 
 def summarize(res: dict) -> dict:
-    """The snapshot's table: per local batch the decode step, the verify step at each k (ms and over decode), the
-    draft step, and the speedup at each accepted length with --headline-k drafts (the published accepted lengths of
-    Kimi drafts are at 3)."""
+    """The snapshot's table: per local batch the decode step, the verify step at each k (ms, over decode, over its
+    floor), the draft step, and the speedup at each accepted length with --headline-k drafts (the published accepted
+    lengths of Kimi drafts are at 3), with the draft's eager time and with its kernel time."""
     ks, hk = res["args"]["k"], res["args"]["headline_k"]
+
+    def at_k(projection: list[dict]) -> str:
+        return ", ".join(f"{p['accepted_length']:g}: {p['speedup']:.2f}x" for p in projection if p["k"] == hk)
+
     rows = []
     for c in res["cases"]:
-        at_k = {p["accepted_length"]: p for p in c["projection"] if p["k"] == hk}
+        d = c["draft"]
         rows.append(
             [
                 c["local_seqs"],
-                round(c["decode_ms"], 2),
+                f"{c['decode_ms']:.2f} ({c['over_floor']['0']:.2f})",
                 " / ".join(f"{c['verify_ms'][str(k)]:.2f}" for k in ks),
                 " / ".join(f"{c['verify_ms'][str(k)] / c['decode_ms']:.2f}" for k in ks),
-                f"{c['draft']['draft_step_batched_ms']:.3f} ({c['draft']['draft_step_floor_ms']:.3f})",
-                ", ".join(f"{A:g}: {p['speedup']:.2f}x" for A, p in sorted(at_k.items())),
+                " / ".join(f"{c['over_floor'][str(k)]:.2f}" for k in ks),
+                f"{d['draft_step_batched_ms']:.2f} / {d['draft_step_kernel_batched_ms']:.2f} / "
+                f"{d['draft_step_floor_ms']:.2f}",
+                at_k(c["projection"]),
+                at_k(c["projection_draft_kernels"]),
             ]
         )
     return {
         "columns": [
             "local sequences",
-            "decode step (ms)",
+            "decode step, ms (over floor)",
             f"verify step, k = {' / '.join(map(str, ks))} (ms)",
             "verify / decode",
-            "draft step (floor), ms",
-            f"tokens/s per sequence vs decode at k = {hk}, by mean accepted length",
+            "verify / its floor",
+            "draft step: eager / kernels / floor (ms)",
+            f"tokens/s per sequence vs decode, k = {hk}, by accepted length",
+            "the same with the draft's kernel time",
         ],
         "rows": rows,
         "notes": [
             f"copy {res['copy_GBps']:.0f} GB/s; context {res['args']['ctx']} tokens; kimi's decode graph "
             "(decode_runner) "
             + ", ".join(f"{c['local_seqs']} sequences {c['decode_runner_ms']:.2f} ms" for c in res["cases"]),
-            "device time only (graph replays; the draft's PyTorch path eagerly, plus the other sequences' draft KV "
-            "reads at the copy bandwidth); rejection sampling and host work not counted; every k's projection in "
-            "results.cases[].projection",
+            "device time only: graph replays; the draft's PyTorch path run eagerly (CUDA events) or its kernels' "
+            "time (torch.profiler), plus the other sequences' draft KV at the copy bandwidth; rejection sampling "
+            "and host work not counted; every k's projection in results.cases[].projection",
         ],
     }
 
@@ -308,6 +329,25 @@ def main() -> None:
     for c in kv:
         c.normal_(0, 1, generator=gen)
     res["cases"] = []
+    drafts: list[tuple[dict, Callable[[], Any]]] = []  # (case, its draft step), profiled after every timing
+    # bytes each step reads at least (its floor at the copy bandwidth): the weights but the embedding (of which the
+    # T rows), each local expert hit once, the KV of every sequence's context
+    n_local = cfg.n_routed_experts // args.ep_size
+    experts_impl: Any = model.layers[cfg.first_k_dense_replace].mlp.experts_impl
+    expert_bytes = (
+        sum(
+            t.numel() * t.element_size()
+            for t in experts_impl.state_dict().values()
+            if t.dtype != torch.int32 or t.dim() != 1  # humming's 'locks' buffer excluded
+        )
+        // n_local
+    )
+    dense_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if not p.is_meta and ".experts_impl." not in n and n != "embed_tokens"
+    )
+    res["bytes_per_expert"], res["dense_weight_bytes"] = expert_bytes, dense_bytes
     for B in seqs:
         perm = (torch.randperm(max_b * nblk, generator=torch.Generator().manual_seed(B)) + 1).tolist()
         tabs = [perm[i * nblk : (i + 1) * nblk] for i in range(B)]
@@ -341,8 +381,11 @@ def main() -> None:
                 g, out = capture_rows(model, kv, ids, positions, valid, attn, pool)
                 pool = g.pool() if pool is None else pool
                 case[f"capture_s_q{q}"] = round(time.time() - t1, 1)
-                n_local = cfg.n_routed_experts // args.ep_size
-                case[f"experts_hit_mean_q{q}"] = statistics.mean(ep.experts_hit(0, n_local))
+                hit = ep.experts_hit(0, n_local)
+                case[f"experts_hit_mean_q{q}"] = statistics.mean(hit)
+                kv_bytes = B * args.ctx * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
+                nbytes = dense_bytes + sum(hit) * expert_bytes + kv_bytes + T * cfg.hidden_size * 2
+                case[f"floor_ms_q{q}"] = nbytes / (bw * 1e9) * 1e3
                 variants[f"q{q}"] = (g.replay, (g, out, ep, attn, fi, ids, positions, valid))
                 print(f"B={B} q_len={q}: captured in {case[f'capture_s_q{q}']} s", flush=True)
             # the product's decode graph for bucket B, replayed with a fixed plan, then the lm_head and argmax
@@ -372,6 +415,7 @@ def main() -> None:
             case["decode_ms"] = med["q1"]
             case["decode_runner_ms"] = med["decode_runner"]
             case["verify_ms"] = {str(q - 1): med[f"q{q}"] for q in qs[1:]}
+            case["over_floor"] = {str(q - 1): med[f"q{q}"] / case[f"floor_ms_q{q}"] for q in qs}
             print(
                 f"B={B}: decode {med['q1']:.2f} ms (kimi's decode graph {med['decode_runner']:.2f} ms); verify "
                 + ", ".join(f"k={q - 1} {med[f'q{q}']:.2f} ms" for q in qs[1:]),
@@ -380,7 +424,8 @@ def main() -> None:
             variants.clear()
             del runner
             torch.cuda.empty_cache()
-            case["draft"] = time_draft(draft, B, args.ctx, args.iters, bw)
+            case["draft"], draft_step = time_draft(draft, B, args.ctx, args.iters, bw)
+            drafts.append((case, draft_step))
             d = case["draft"]
             print(
                 f"B={B}: draft fc {d['draft_fc_ms']:.3f} ms, step {d['draft_step_ms']:.3f} ms "
@@ -388,15 +433,25 @@ def main() -> None:
                 f"{d['draft_step_floor_ms']:.3f} ms)",
                 flush=True,
             )
+        res["cases"].append(case)
+    # the draft step's kernel time (torch.profiler), after every graph timing: a profiler session slows later
+    # graph launches in the process
+    with torch.inference_mode():
+        for case, draft_step in drafts:
+            d = case["draft"]
+            bd = breakdown(draft_step, steps=5)
+            d["draft_step_kernel_ms"] = bd["kernel_sum_ms"]
+            d["draft_step_kernel_batched_ms"] = bd["kernel_sum_ms"] + d["other_seqs_draft_kv_ms"]
+            d["draft_step_kernels_by_class_ms"] = bd["by_class_ms"]
+            verify = {int(k): v for k, v in case["verify_ms"].items()}
             case["projection"] = projection(
-                case["decode_ms"], {int(k): v for k, v in case["verify_ms"].items()}, d, accepted
+                case["decode_ms"], verify, d["draft_fc_ms"], d["draft_step_batched_ms"], accepted
+            )
+            case["projection_draft_kernels"] = projection(
+                case["decode_ms"], verify, d["draft_fc_ms"], d["draft_step_kernel_batched_ms"], accepted
             )
             for p in case["projection"]:
-                print(f"B={B}: {json.dumps(p)}", flush=True)
-        res["cases"].append(case)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+                print(f"B={case['local_seqs']}: {json.dumps(p)}", flush=True)
     conds = snapshot.conditions(copy_GBps=res["copy_GBps"])
     res["conditions"] = conds
     if args.out:

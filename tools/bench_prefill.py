@@ -28,7 +28,9 @@ bytes at the measured HBM copy bandwidth (4 GiB device copy): every non-expert w
 hits and lm_head (when a prompt ends) read once, the step's KV written and its cached context's KV read.
 --idle-peers: the other ranks send nothing, so the MoE sees only this rank's tokens (one prompt on a quiet server:
 `--chunk 1024 --cases 1024 --idle-peers` is a lone 1024-token prompt's prefill). Per-op breakdown: torch.profiler
-kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES).
+kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES); its `kernel_sum_ms` below the step
+time is time the GPU idles (host launches, host waits). --sync-debug: where a step makes the host wait for the device
+(`syncs`) and a cProfile of one step's host time (`host_profile`).
 
 --prefill-attention mha: the rows of fresh prompt chunks run non-absorbed (kimi.backends.attention.flashinfer.
 set_prefill_attention); the FLOP counts and the floor stay those of the absorbed form, so the two choices' floors are
@@ -52,7 +54,7 @@ from kimi.backends.attention.flashinfer import PREFILL_ATTENTION_CHOICES, set_pr
 from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
 from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
-from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
+from kimi.benchmarks.gpu import copy_bandwidth, require_gpu, sync_points
 
 
 def matmul_tflops(dev, n: int = 8192, iters: int = 20) -> float:
@@ -150,6 +152,24 @@ def summarize(res: dict) -> dict:
     }
 
 
+def host_profile(step, top: int = 25) -> str:
+    """cProfile of one call of step after a device sync, ended by another (so time the host waits for the device
+    shows in the waiting call): the `top` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=snapshot.HelpFormatter)
     ap.add_argument("--preset", default="kimi-k2.6", help="model preset (kimi/presets)")
@@ -174,6 +194,12 @@ def main() -> None:
     )
     ap.add_argument("--iters", type=int, default=5, help="timed steps per step of a case")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown of each step")
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="also where each step makes the host wait for the device (kimi.benchmarks.gpu.sync_points) and a "
+        "cProfile of one step's host time (the functions with the most own time)",
+    )
     ap.add_argument("--out", default=None, help="write the full JSON result here")
     snapshot.add_arguments(ap)
     args = ap.parse_args()
@@ -324,6 +350,13 @@ def main() -> None:
                     "over_floor": ms / floor,
                 }
                 st["fraction_of_matmul"] = st["tflops"] / peak
+                if args.sync_debug:
+                    st["syncs"] = sync_points(step)
+                    print(f"{case['name']}: {sum(x['count'] for x in st['syncs'])} device syncs per step", flush=True)
+                    for x in st["syncs"][:8]:
+                        print(f"  {x['count']} x {' <- '.join(reversed(x['stack']))}", flush=True)
+                    st["host_profile"] = host_profile(step)
+                    print(st["host_profile"], flush=True)
                 if not args.no_profile:
                     try:
                         st["breakdown"] = breakdown(step, steps=2)

@@ -3,7 +3,8 @@
 `require_gpu` / `import_gpu_module`: a GPU benchmark imports its GPU packages guardedly, so that its --help works on a
 CPU-only install, and refuses a run there with one line. `event_times`: CUDA-event times of back-to-back calls.
 `copy_bandwidth`: the device-to-device copy bandwidth that every floor divides by. `GraphTimer`: one CUDA-graph replay
-of a list of calls per sample (kernel benchmarks: no host launch cost, weights cycled past the L2).
+of a list of calls per sample (kernel benchmarks: no host launch cost, weights cycled past the L2). `sync_points`: where
+a call makes the host wait for the device.
 """
 
 from __future__ import annotations
@@ -55,6 +56,38 @@ def event_times(fn: Callable[[], Any], iters: int, warmup: int = 3) -> list[floa
         e.synchronize()
         ts.append(s.elapsed_time(e))
     return ts
+
+
+def sync_points(fn: Callable[[], Any], frames: int = 6) -> list[dict]:
+    """The device synchronisations one call of fn makes, found by torch.cuda.set_sync_debug_mode("warn") (each
+    synchronising CUDA call warns): per distinct call site, how many times it synchronised and the innermost `frames`
+    stack entries ("file:line function", the innermost last) in kimi's and the tools' files, most frequent first.
+    An eager step that synchronises per layer leaves the GPU idle while the host launches the next layer."""
+    import traceback
+    import warnings
+
+    sites: dict[tuple[str, ...], int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        stack = [
+            f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if "/kimi/" in f.filename or "/tools/" in f.filename
+        ]
+        key = tuple(stack[-frames:]) or (f"{filename}:{lineno}",)
+        sites[key] = sites.get(key, 0) + 1
+
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
+    return [{"count": n, "stack": list(k)} for k, n in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
 def copy_bandwidth(nbytes: int, device: Any = "cuda", iters: int = 20, warmup: int = 3) -> dict:

@@ -30,7 +30,8 @@ hits and lm_head (when a prompt ends) read once, the step's KV written and its c
 `--chunk 1024 --cases 1024 --idle-peers` is a lone 1024-token prompt's prefill). Per-op breakdown: torch.profiler
 kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES); its `kernel_sum_ms` below the step
 time is time the GPU idles (host launches, host waits). --sync-debug: where a step makes the host wait for the device
-(`syncs`) and a cProfile of one step's host time (`host_profile`).
+(`syncs`) and a cProfile of one step's host time (`host_profile`). --graph: each step also captured as one CUDA
+graph and timed by replay (`graph_ms`): the step without its host launches (kimi serves prefill steps eagerly).
 
 --prefill-attention mha: the rows of fresh prompt chunks run non-absorbed (kimi.backends.attention.flashinfer.
 set_prefill_attention); the FLOP counts and the floor stay those of the absorbed form, so the two choices' floors are
@@ -53,7 +54,7 @@ import torch
 from kimi.backends.attention.flashinfer import PREFILL_ATTENTION_CHOICES, set_prefill_attention
 from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
-from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
+from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, capture_forward, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu, sync_points
 
 
@@ -112,8 +113,10 @@ def config_name(args: argparse.Namespace) -> str:
 
 
 def summarize(res: dict) -> dict:
-    """The snapshot's table: per case its steps' times, TFLOPS (and fraction of the matmul rate) and new tokens/s."""
+    """The snapshot's table: per case its steps' times, TFLOPS (and fraction of the matmul rate) and new tokens/s;
+    with --graph, the steps' times as CUDA graphs and their sum over the floor."""
     rows = []
+    graphs = any("graph_ms" in s for c in res["cases"] for s in c["steps"])  # --graph
     for c in res["cases"]:
         st = c["steps"]
         tf = [s["tflops"] for s in st]
@@ -132,6 +135,10 @@ def summarize(res: dict) -> dict:
                 round(toks / (c["prefill_ms"] * 1e-3)),
             ]
         )
+        if graphs:
+            g = [s.get("graph_ms") for s in st]
+            rows[-1].append(" + ".join(f"{x:.1f}" for x in g) if None not in g else None)
+            rows[-1].append(round(sum(g) / c["floor_ms"], 2) if None not in g and "floor_ms" in c else None)
     return {
         "columns": [
             "case",
@@ -143,13 +150,45 @@ def summarize(res: dict) -> dict:
             "TFLOPS",
             "of matmul",
             "new tokens/s",
-        ],
+        ]
+        + (["as CUDA graphs (ms)", "graphs / floor"] if graphs else []),
         "rows": rows,
         "notes": [
             f"bf16 matmul {res['matmul_tflops']:.0f} TFLOPS in the same run (the ceiling)"
             + (f", copy {res['copy_GBps']:.0f} GB/s" if "copy_GBps" in res else "")
         ],
     }
+
+
+def graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, iters: int) -> float:
+    """--graph: the step (one causal FlashInfer plan over its sequences, made once with fixed index buffers, the
+    forward, the logits and argmax of the prompts that end) captured as one CUDA graph; median ms of `iters` replays
+    (CUDA events, each after the last one ended). The EmulatedEP routing is drawn per layer as in the eager step."""
+    from kimi.backends.attention.base import AttentionPlan
+    from kimi.backends.attention.flashinfer import FlashInferMLA
+    from kimi.model.attention import build_attention_metadata
+
+    a = build_attention_metadata(qlens, slens, tabs, bs, ids.device)
+    fi = FlashInferMLA(
+        cfg.num_attention_heads,
+        cfg.softmax_scale,
+        ids.device,
+        cfg.kv_lora_rank,
+        cfg.qk_rope_head_dim,
+        use_cuda_graph=True,
+        max_batch=len(qlens),
+        max_pages=sum(-(-s // bs) for s in slens),
+    )
+    fi.plan(qlens, slens, a.block_tables, bs, causal=True)
+    a.plan = AttentionPlan(fi, a.slot_mapping, False)
+    for layer in model.layers:
+        if hasattr(layer.mlp, "a2a"):
+            layer.mlp.a2a.i = 0
+    g, _ = capture_forward(model, kv, ids, pos, a, logit_rows=last if last.numel() else None)
+    t = time_ms(g.replay, iters, warmup=2)["median_ms"]
+    del g
+    torch.cuda.empty_cache()
+    return t
 
 
 def host_profile(step, top: int = 25) -> str:
@@ -194,6 +233,12 @@ def main() -> None:
     )
     ap.add_argument("--iters", type=int, default=5, help="timed steps per step of a case")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown of each step")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="also each step captured as one CUDA graph and timed by replay (`graph_ms`: the step without its host "
+        "launches; kimi serves prefill steps eagerly)",
+    )
     ap.add_argument(
         "--sync-debug",
         action="store_true",
@@ -350,6 +395,14 @@ def main() -> None:
                     "over_floor": ms / floor,
                 }
                 st["fraction_of_matmul"] = st["tflops"] / peak
+                if args.graph:
+                    st["graph_ms"] = graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, args.iters)
+                    st["graph_over_floor"] = st["graph_ms"] / floor
+                    print(
+                        f"{case['name']}: step {len(out_steps) + 1} as a CUDA graph {st['graph_ms']:.1f} ms "
+                        f"({st['graph_over_floor']:.2f}x floor)",
+                        flush=True,
+                    )
                 if args.sync_debug:
                     st["syncs"] = sync_points(step)
                     print(f"{case['name']}: {sum(x['count'] for x in st['syncs'])} device syncs per step", flush=True)

@@ -61,7 +61,7 @@ import torch
 
 from kimi.backends.experts import BACKENDS as MOE_BACKENDS
 from kimi.benchmarks import snapshot
-from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, time_ms
+from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, capture_forward, time_ms
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 
 # the public K2 / K2.5 EAGLE3 Llama drafts' config (docs/speculative.md, "The draft's config")
@@ -78,30 +78,6 @@ DRAFT_CONFIG = {
     "draft_vocab_size": 32000,
 }
 _WARMUP = 3
-
-
-def capture_rows(model, kv, ids, positions, valid, attn, pool=None):
-    """One CUDA graph of the forward over the rows ids [T] / positions [T] with attn (plan set) plus the lm_head and
-    argmax of every row -> (graph, argmax [T] int64 output buffer). Two eager runs first (JIT, autotune)."""
-    n = len(model.layers)
-
-    def fwd():
-        h, x = model.embed_fused(ids)
-        _, x = model.layers_fused(h, x, positions, attn, kv, 0, n, row_valid=valid)
-        return model.compute_logits(x).argmax(-1)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fwd()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        out = fwd()
-    torch.cuda.synchronize()
-    return g, out
 
 
 def build_draft(cfg, embed: torch.Tensor, dev: torch.device, seed: int = 0):
@@ -378,7 +354,7 @@ def main() -> None:
                 )
                 valid = torch.ones(T, dtype=torch.int64, device=dev)
                 t1 = time.time()
-                g, out = capture_rows(model, kv, ids, positions, valid, attn, pool)
+                g, out = capture_forward(model, kv, ids, positions, attn, valid, pool=pool)
                 pool = g.pool() if pool is None else pool
                 case[f"capture_s_q{q}"] = round(time.time() - t1, 1)
                 hit = ep.experts_hit(0, n_local)

@@ -5,7 +5,8 @@ tools/bench_prefill.py).
 (this rank's rows plus fixed random rows standing for the other ranks'), routed by fixed random routing drawn per
 layer (distinct experts per token), so the bytes each step touches are known exactly; combine keeps this rank's
 rows. No communication is timed. `time_ms` times a step with CUDA events; `breakdown` gives torch.profiler's CUDA
-kernel time per step by kernel-name class (KERNEL_CLASSES).
+kernel time per step by kernel-name class (KERNEL_CLASSES); `capture_forward` captures a step of any rows (prefill,
+verify) as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -106,6 +107,44 @@ KERNEL_CLASSES = [
     ("reduce_norm", r"reduce|Reduce|norm|Norm"),
     ("elementwise", r"elementwise|vectorized|Elementwise|unrolled"),
 ]
+
+
+def capture_forward(
+    model: Any,
+    kv_caches: list[torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: Any,
+    row_valid: torch.Tensor | None = None,
+    logit_rows: torch.Tensor | None = None,
+    pool: Any = None,
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One CUDA graph of a fused model's step over the rows input_ids [T] / positions [T] (int64, on the GPU) with
+    attn (AttentionMetadata whose plan is set, its attention run planned outside the graph with fixed index buffers,
+    e.g. a use_cuda_graph FlashInferMLA): the forward from the embedding to the final norm, then the lm_head and
+    argmax of the rows logit_rows [N] (None: every row) -> (graph, the argmax output [N] int64). row_valid: as
+    KimiForCausalLM.layers_fused's. Two eager runs first, on a side stream (Triton JIT, autotuning). pool: a graph
+    memory pool to share."""
+    n = len(model.layers)
+
+    def fwd() -> torch.Tensor:
+        h, x = model.embed_fused(input_ids)
+        _, x = model.layers_fused(h, x, positions, attn, kv_caches, 0, n, row_valid=row_valid)
+        rows = x if logit_rows is None else x.index_select(0, logit_rows)
+        return model.compute_logits(rows).argmax(-1)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fwd()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fwd()
+    torch.cuda.synchronize()
+    return g, out
 
 
 def breakdown(step: Callable[[], Any], steps: int = 3) -> dict:

@@ -595,6 +595,12 @@ class WorkerConfig:
         type=int,
     )
     cuda_graph_max_bs: int = _flag(0, "cuda: largest decode CUDA graph bucket (0 = eager)", type=int)
+    prefill_graph_max_tokens: int = _flag(
+        0,
+        "cuda, one rank, with decode graphs: largest prefill / mixed-step CUDA graph, in tokens (0 = those steps run "
+        "eagerly)",
+        type=int,
+    )
     fp8_dense: str = _flag(
         "off",
         "--device cuda only: FP8 checkpoints (K2-Instruct): keep the dense projections FP8 (half their "

@@ -99,6 +99,7 @@ class ServeArgs:
     moe_backend: str = "auto"
     load_format: str = "auto"
     enforce_eager: bool = False
+    no_prefill_graphs: bool = False
     fp8_dense: str = "off"
     emulate_ep_size: int = 1
     no_async_scheduling: bool = False
@@ -177,7 +178,7 @@ def cuda_only_flags_set(a: ServeArgs) -> list[str]:
     d = ServeArgs(model=a.model)
     return [
         f"--{name.replace('_', '-')}"
-        for name in ("moe_backend", "load_format", "enforce_eager", "fp8_dense", "emulate_ep_size")
+        for name in ("moe_backend", "load_format", "enforce_eager", "no_prefill_graphs", "fp8_dense", "emulate_ep_size")
         if getattr(a, name) != getattr(d, name)
     ]
 
@@ -383,7 +384,15 @@ def _add_http_and_backend_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--moe-backend", **worker_flag("moe_backend"))
     p.add_argument("--load-format", **worker_flag("load_format"))
-    p.add_argument("--enforce-eager", action="store_true", help="--device cuda only: no decode CUDA graphs")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="--device cuda only: no CUDA graphs (every step runs eagerly)"
+    )
+    p.add_argument(
+        "--no-prefill-graphs",
+        action="store_true",
+        help="--device cuda only: prefill and mixed steps run eagerly (default with --nproc 1: they replay CUDA "
+        "graphs per token bucket; with more ranks they always run eagerly)",
+    )
     p.add_argument("--fp8-dense", **worker_flag("fp8_dense"))
     p.add_argument("--emulate-ep-size", **worker_flag("emulate_ep_size", type=_numeric("emulate_ep_size")))
     p.add_argument(
@@ -416,6 +425,9 @@ def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfi
         fp8_dense=a.fp8_dense if cuda else d.fp8_dense,
         emulate_ep_size=a.emulate_ep_size if cuda else d.emulate_ep_size,
         cuda_graph_max_bs=(0 if a.enforce_eager else a.max_num_seqs) if cuda else d.cuda_graph_max_bs,
+        prefill_graph_max_tokens=(0 if a.enforce_eager or a.no_prefill_graphs or a.nproc != 1 else a.token_budget)
+        if cuda
+        else d.prefill_graph_max_tokens,
         max_num_seqs=a.max_num_seqs,
         token_budget=a.token_budget,
         max_model_len=a.max_model_len,

@@ -33,6 +33,7 @@ from kimi.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from kimi.worker.cuda_graph import CudaGraphRunner
+    from kimi.worker.prefill_graph import PrefillGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class KimiForCausalLM(nn.Module):
     """
 
     graphs: CudaGraphRunner | None = None  # the captured decode graphs (capture_cuda_graphs), or None
+    # the captured prefill / mixed-step graphs (capture_prefill_graphs, one rank), or None
+    prefill_graphs: PrefillGraphRunner | None = None
     # pure decode attention on CUDA: "triton" (kimi.kernels.triton.mla_decode, no host plan) or "flashinfer" (the
     # default); prefill and mixed batches always run FlashInfer (kimi.backends.attention.DECODE_BACKENDS)
     decode_attention = "flashinfer"
@@ -290,13 +293,16 @@ class KimiForCausalLM(nn.Module):
 
         Writes the new tokens' latents into kv_caches[layer] ([num_blocks, bs, L + R]) at attn.slot_mapping. The
         reference forward also keeps `last_aux` when `aux_layer_ids` is set (EAGLE3 speculative decoding).
-        Without attn.plan: a pure decode batch that fits a captured graph replays it (`graphs`); otherwise the step
-        is planned (`plan_eager`) and runs eagerly: the fused forward for a fused model on CUDA, else the reference.
+        Without attn.plan: a pure decode batch that fits a captured graph replays it (`graphs`), any other step that
+        fits a prefill graph replays that (`prefill_graphs`); otherwise the step is planned (`plan_eager`) and runs
+        eagerly: the fused forward for a fused model on CUDA, else the reference.
         Raises ValueError if the number of caches differs from num_hidden_layers.
         """
         if attn.plan is None:
             if self.graphs is not None and self.graphs.can_run(attn):
                 return self.graphs.run(input_ids, positions, attn)
+            if self.prefill_graphs is not None and self.prefill_graphs.can_run(attn):
+                return self.prefill_graphs.run(input_ids, positions, attn)
             self.plan_eager(attn)
         if self.fused and input_ids.is_cuda:
             from kimi.model import gpu_forward
@@ -383,6 +389,57 @@ class KimiForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, w).float()  # [N, V]
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
+    def _graphs_possible(self) -> bool:
+        """Whether this model can be captured: FlashInfer has a kernel for its latent size and every MoE backend is
+        graph-safe (both follow from the config and the flags, so every rank decides the same); a warning says why
+        not."""
+        if not self.flashinfer_ok:
+            log.warning(
+                "CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
+                self.cfg.kv_lora_rank,
+                self.cfg.qk_rope_head_dim,
+            )
+            return False
+        bad = [
+            type(layer.mlp.experts_impl).__name__
+            for layer in self.layers
+            if isinstance(layer.mlp, MoELayer) and not getattr(layer.mlp.experts_impl, "graph_safe", False)
+        ]
+        if bad:
+            log.warning("CUDA graphs off: MoE backend %s cannot be captured", bad[0])
+            return False
+        return True
+
+    def capture_prefill_graphs(
+        self,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        buckets: list[int] | None = None,
+    ) -> None:
+        """Capture the prefill / mixed-step graphs of one rank (kimi/worker/prefill_graph.py; a fused model on CUDA)
+        for steps of up to max_tokens rows and max_seqs sequences, in the decode graphs' memory pool when they were
+        captured first, and keep them as `prefill_graphs`; buckets: these token buckets instead of the default ones.
+        Captures nothing (with a warning) when the model cannot be captured (`capture_cuda_graphs`)."""
+        from kimi.worker.prefill_graph import PrefillGraphRunner
+
+        if not self._graphs_possible():
+            return
+        runner = PrefillGraphRunner(
+            self,
+            kv_caches,
+            block_size,
+            max_tokens,
+            max_seqs,
+            max_blocks_per_seq,
+            buckets=buckets,
+            pool=self.graphs.pool if self.graphs is not None else None,
+        )
+        runner.capture()
+        self.prefill_graphs = runner
+
     def capture_cuda_graphs(
         self,
         kv_caches: list[torch.Tensor],
@@ -401,20 +458,7 @@ class KimiForCausalLM(nn.Module):
         config and the flags, so every rank decides the same)."""
         from kimi.worker.cuda_graph import LAYERS_PER_GRAPH, CudaGraphRunner
 
-        if not self.flashinfer_ok:
-            log.warning(
-                "CUDA graphs off: no FlashInfer MLA kernel for kv_lora_rank %d / rope %d",
-                self.cfg.kv_lora_rank,
-                self.cfg.qk_rope_head_dim,
-            )
-            return
-        bad = [
-            type(layer.mlp.experts_impl).__name__
-            for layer in self.layers
-            if isinstance(layer.mlp, MoELayer) and not getattr(layer.mlp.experts_impl, "graph_safe", False)
-        ]
-        if bad:
-            log.warning("CUDA graphs off: MoE backend %s cannot be captured", bad[0])
+        if not self._graphs_possible():
             return
         t0 = time.monotonic()
         runner = CudaGraphRunner(

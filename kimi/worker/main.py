@@ -146,6 +146,7 @@ def build_runner(
             moe_backend=args.moe_backend,
             load_format=args.load_format,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            prefill_graph_max_tokens=args.prefill_graph_max_tokens,
             fp8_dense=args.fp8_dense,
             emulate_ep_size=args.emulate_ep_size,
         ),

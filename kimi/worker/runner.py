@@ -76,7 +76,9 @@ class ModelRunner:
     low-latency mode (DeepEP) or static layout (gloo / nccl with static capacities); others use its normal mode
     (variable splits). `update_states` gives the backend the step's mode, its tokens and its most tokens on one rank.
     gpu_options["cuda_graph_max_bs"] > 0 captures decode CUDA graphs when the all-to-all allows it (`graph_plan`, the
-    module docstring); `step_bucket`: the bucket every rank replays in the current step (None: eager).
+    module docstring) and, with one rank and gpu_options["prefill_graph_max_tokens"] > 0, prefill / mixed-step graphs
+    of up to that many tokens (kimi/worker/prefill_graph.py); `step_bucket`: the bucket every rank replays in the
+    current step (None: eager).
     Guided decoding (SamplingParams.grammar): `guided` holds this rank's matchers (kimi.structured_output.bitmask):
     each sampled token is accepted in `finish`, and the next bitmask is filled after the previous step is finished,
     just before this step's sampling is launched (on CUDA while this step's forward runs).
@@ -122,6 +124,7 @@ class ModelRunner:
         # (0 = eager), emulate_ep_size (WorkerConfig)
         gpu_opts = dict(gpu_options or {})
         graph_max_bs = int(gpu_opts.pop("cuda_graph_max_bs", 0))
+        prefill_graph_tokens = int(gpu_opts.pop("prefill_graph_max_tokens", 0))
         # emulate_ep_size N > 1 (benchmarks, one rank): hold EP rank 0 of N's experts; other experts' pairs are dropped
         emulate = int(gpu_opts.pop("emulate_ep_size", 1))
         ep_rank, ep_size = (0, emulate) if emulate > 1 else (rank, world_size)
@@ -153,6 +156,12 @@ class ModelRunner:
         self.step_bucket: int | None = None  # the bucket every rank replays this step (lockstep graphs; None: eager)
         if fused_model is not None and graph_max_bs > 0:
             self._capture_graphs(fused_model, graph_max_bs)
+            if prefill_graph_tokens > 0 and world_size == 1:
+                # prefill / mixed steps of up to the token budget and max_num_seqs sequences (prefill_graph.py)
+                max_blocks = -(-cfg.max_position_embeddings // self.block_size)
+                fused_model.capture_prefill_graphs(
+                    self.kv_caches, self.block_size, prefill_graph_tokens, graph_max_bs, max_blocks
+                )
         self.requests: dict[int, WorkerRequest] = {}
         self.guided = guided_requests(model_dir, cfg)
         self.draft: Eagle3Draft | None = None

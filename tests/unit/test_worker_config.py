@@ -33,6 +33,7 @@ OTHER = dict(
     moe_backend="triton",
     load_format="dummy",
     cuda_graph_max_bs=256,
+    prefill_graph_max_tokens=2048,
     fp8_dense="humming",
     emulate_ep_size=8,
     max_num_seqs=32,
@@ -101,6 +102,8 @@ def test_serve_shares_the_worker_declaration():
         ServeArgs(model="/x", fake_workers=True, num_blocks=64, log_level="warning", dtype="float32"),
         ServeArgs(model="/x", device="cuda", max_num_seqs=32, moe_backend="cuda", fp8_dense="triton"),
         ServeArgs(model="/x", device="cuda", enforce_eager=True, load_format="dummy", a2a_backend="nccl"),
+        ServeArgs(model="/x", device="cuda", no_prefill_graphs=True, token_budget=1024),
+        ServeArgs(model="/x", device="cuda", nproc=2, token_budget=1024),
         ServeArgs(model="/x", nproc=2, a2a_backend="gloo", a2a_static_decode=True),
         ServeArgs(model="/x", moe_backend="ref", enforce_eager=True),  # cuda-only flags: not passed on the cpu
     ],
@@ -120,6 +123,9 @@ def test_serve_to_worker(serve):
     )
     if serve.device == "cuda":
         assert c.cuda_graph_max_bs == (0 if serve.enforce_eager else serve.max_num_seqs)
+        # prefill graphs: one rank, up to the token budget, unless turned off
+        off = serve.enforce_eager or serve.no_prefill_graphs or serve.nproc != 1
+        assert c.prefill_graph_max_tokens == (0 if off else serve.token_budget)
         assert (c.moe_backend, c.fp8_dense, c.load_format) == (serve.moe_backend, serve.fp8_dense, serve.load_format)
     else:
-        assert (c.cuda_graph_max_bs, c.moe_backend) == (0, "auto")
+        assert (c.cuda_graph_max_bs, c.prefill_graph_max_tokens, c.moe_backend) == (0, 0, "auto")

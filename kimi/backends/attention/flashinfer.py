@@ -262,6 +262,43 @@ class FlashInferMLA:
         for b, (q, s) in enumerate(zip(qo_lens, seq_lens)):
             if q < 1 or q > s:
                 raise ValueError(f"plan: request {b}: qo_len {q} must be in [1, seq_len={s}]")
+        self._plan_tables(qo_lens, seq_lens, block_tables, block_size, causal)
+
+    def plan_padded(
+        self, qo_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int, rows: int
+    ) -> None:
+        """A causal plan of a step of B requests padded to a CUDA-graph wrapper's fixed shape (prefill graphs,
+        kimi/worker/prefill_graph.py): the B requests (as `plan`), then one padding request of the remaining
+        rows - sum(qo_lens) query rows over as many positions of the null block 0, then empty requests (no rows, no
+        context: FlashInfer schedules no work for them) up to max_batch requests. num_rows is `rows` after it. With
+        max_batch and rows fixed the schedule's shape (FlashInfer's cluster size, from the mean query rows per
+        request) is the same for every such plan, so one captured graph replays them all. block_tables: [B, W]
+        int, device or host. Raises ValueError when B >= max_batch, the rows do not fit, a qo_len is outside [1,
+        seq_len], or as `plan`."""
+        B, S = len(qo_lens), self.max_batch
+        pad = rows - sum(qo_lens)
+        if B >= S or pad < 0 or len(seq_lens) != B:
+            raise ValueError(
+                f"plan_padded: {B} requests of {sum(qo_lens)} rows ({len(seq_lens)} seq_lens) into {S - 1} "
+                f"requests and {rows} rows"
+            )
+        for b, (q, s) in enumerate(zip(qo_lens, seq_lens)):
+            if q < 1 or q > s:
+                raise ValueError(f"plan_padded: request {b}: qo_len {q} must be in [1, seq_len={s}]")
+        n_pad = (pad + block_size - 1) // block_size  # the padding request's pages: all the null block 0
+        width = max(block_tables.shape[1] if B else 0, n_pad, 1)
+        table = torch.zeros((S, width), dtype=torch.int64, device=self.device)  # [S, width]
+        if B:
+            table[:B, : block_tables.shape[1]] = block_tables.to(self.device)
+        empty = S - B - 1
+        self._plan_tables([*qo_lens, pad] + [0] * empty, [*seq_lens, pad] + [0] * empty, table, block_size, True)
+
+    def _plan_tables(
+        self, qo_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int, causal: bool
+    ) -> None:
+        """`plan` after its checks: the used page ids gathered from block_tables on the device, then FlashInfer's
+        plan."""
+        B = len(qo_lens)
         nblk = [(s + block_size - 1) // block_size for s in seq_lens]
         width = block_tables.shape[1]
         if max(nblk) > width:

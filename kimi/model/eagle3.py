@@ -154,8 +154,14 @@ class Eagle3Config:
         if self.vocab_size != target.vocab_size:
             raise ConfigError(f"draft vocab_size {self.vocab_size} != the target's {target.vocab_size}")
         if self.target_hidden_size != target.hidden_size:
+            if self.raw.get("target_hidden_size"):
+                raise ConfigError(
+                    f"draft target_hidden_size {self.target_hidden_size} != the target's hidden_size "
+                    f"{target.hidden_size}"
+                )
             raise ConfigError(
-                f"draft target_hidden_size {self.target_hidden_size} != the target's hidden_size {target.hidden_size}"
+                f"draft hidden_size {self.hidden_size} != the target's hidden_size {target.hidden_size}, and its "
+                "config.json has no target_hidden_size (the width of the target states fc reads) to say so"
             )
         ids = self.aux_layer_ids or default_aux_layer_ids(target.num_hidden_layers)
         bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]

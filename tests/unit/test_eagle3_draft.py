@@ -115,7 +115,8 @@ def test_mismatched_tensors_are_refused(draft_dir: Path, target: ModelConfig, tm
         (lambda c: c.__setitem__("architectures", ["Eagle3DeepseekV2ForCausalLM"]), "kv_lora_rank"),
         (lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"]), "architectures"),
         (lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", [2, 30, 58]), "outside"),
-        (lambda c: c.__setitem__("target_hidden_size", 7168), "target_hidden_size"),
+        (lambda c: c.__setitem__("target_hidden_size", 7168), "draft target_hidden_size 7168 != "),
+        (lambda c: c.__setitem__("hidden_size", 96), "draft hidden_size 96 .* no target_hidden_size"),
         (lambda c: c.__setitem__("num_hidden_layers", 2), "num_hidden_layers"),
     ],
 )

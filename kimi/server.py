@@ -403,6 +403,12 @@ def _add_http_and_backend_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+# the largest prefill / mixed-step CUDA graph `kimi serve` asks for (--nproc 1): a step of more tokens is bound by its
+# kernels, not by their launches, so a graph gains little there (a step of 2048 already: docs/performance.md) and
+# would hold its activations in the graph pool for the server's life
+PREFILL_GRAPH_TOKENS = 2048
+
+
 def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfig:
     """The settings of this server's worker ranks (the `--device cuda` only flags at their defaults on the cpu)."""
     cuda = a.device == "cuda"
@@ -425,7 +431,9 @@ def worker_config(a: ServeArgs, plan_addr: str, result_addr: str) -> WorkerConfi
         fp8_dense=a.fp8_dense if cuda else d.fp8_dense,
         emulate_ep_size=a.emulate_ep_size if cuda else d.emulate_ep_size,
         cuda_graph_max_bs=(0 if a.enforce_eager else a.max_num_seqs) if cuda else d.cuda_graph_max_bs,
-        prefill_graph_max_tokens=(0 if a.enforce_eager or a.no_prefill_graphs or a.nproc != 1 else a.token_budget)
+        prefill_graph_max_tokens=(
+            0 if a.enforce_eager or a.no_prefill_graphs or a.nproc != 1 else min(a.token_budget, PREFILL_GRAPH_TOKENS)
+        )
         if cuda
         else d.prefill_graph_max_tokens,
         max_num_seqs=a.max_num_seqs,

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from kimi.config import WorkerConfig
-from kimi.server import ServeArgs, add_serve_args, worker_command, worker_config
+from kimi.server import PREFILL_GRAPH_TOKENS, ServeArgs, add_serve_args, worker_command, worker_config
 
 BASE = dict(model="/ckpt/kimi", plan_addr="tcp://127.0.0.1:5555", result_addr="tcp://127.0.0.1:5556")
 
@@ -104,6 +104,7 @@ def test_serve_shares_the_worker_declaration():
         ServeArgs(model="/x", device="cuda", enforce_eager=True, load_format="dummy", a2a_backend="nccl"),
         ServeArgs(model="/x", device="cuda", no_prefill_graphs=True, token_budget=1024),
         ServeArgs(model="/x", device="cuda", nproc=2, token_budget=1024),
+        ServeArgs(model="/x", device="cuda", token_budget=8192),
         ServeArgs(model="/x", nproc=2, a2a_backend="gloo", a2a_static_decode=True),
         ServeArgs(model="/x", moe_backend="ref", enforce_eager=True),  # cuda-only flags: not passed on the cpu
     ],
@@ -123,9 +124,9 @@ def test_serve_to_worker(serve):
     )
     if serve.device == "cuda":
         assert c.cuda_graph_max_bs == (0 if serve.enforce_eager else serve.max_num_seqs)
-        # prefill graphs: one rank, up to the token budget, unless turned off
+        # prefill graphs: one rank, up to the token budget (at most PREFILL_GRAPH_TOKENS), unless turned off
         off = serve.enforce_eager or serve.no_prefill_graphs or serve.nproc != 1
-        assert c.prefill_graph_max_tokens == (0 if off else serve.token_budget)
+        assert c.prefill_graph_max_tokens == (0 if off else min(serve.token_budget, PREFILL_GRAPH_TOKENS))
         assert (c.moe_backend, c.fp8_dense, c.load_format) == (serve.moe_backend, serve.fp8_dense, serve.load_format)
     else:
         assert (c.cuda_graph_max_bs, c.prefill_graph_max_tokens, c.moe_backend) == (0, 0, "auto")

@@ -108,6 +108,24 @@ def set_prefill_attention(name: str) -> str:
     return previous
 
 
+def padded_layout(qo_lens: list[int], seq_lens: list[int], rows: int, max_batch: int) -> tuple[list[int], list[int]]:
+    """The (query lengths, context lengths) of `FlashInferMLA.plan_padded`: the B requests, one padding request of
+    rows - sum(qo_lens) rows with as long a context, and empty requests (0, 0) up to max_batch. Raises ValueError when
+    B >= max_batch, the rows do not fit, the lists differ in length or a qo_len is outside [1, seq_len]."""
+    B = len(qo_lens)
+    pad = rows - sum(qo_lens)
+    if max_batch <= B or pad < 0 or len(seq_lens) != B:
+        raise ValueError(
+            f"plan_padded: {B} requests of {sum(qo_lens)} rows ({len(seq_lens)} seq_lens) into {max_batch - 1} "
+            f"requests and {rows} rows"
+        )
+    for b, (q, s) in enumerate(zip(qo_lens, seq_lens)):
+        if q < 1 or q > s:
+            raise ValueError(f"plan_padded: request {b}: qo_len {q} must be in [1, seq_len={s}]")
+    empty = max_batch - B - 1
+    return [*qo_lens, pad] + [0] * empty, [*seq_lens, pad] + [0] * empty
+
+
 def _decode_indptr(seq_lens: list[int], block_size: int, page_stride: int | None = None) -> list[int]:
     """kv_indptr [B+1] of a decode plan: request b's ceil(seq_lens[b] / block_size) pages after those of requests
     < b, or (page_stride) at b * page_stride. Raises ValueError on a context length < 1 or a request with more
@@ -276,22 +294,13 @@ class FlashInferMLA:
         int, device or host. Raises ValueError when B >= max_batch, the rows do not fit, a qo_len is outside [1,
         seq_len], or as `plan`."""
         B, S = len(qo_lens), self.max_batch
-        pad = rows - sum(qo_lens)
-        if B >= S or pad < 0 or len(seq_lens) != B:
-            raise ValueError(
-                f"plan_padded: {B} requests of {sum(qo_lens)} rows ({len(seq_lens)} seq_lens) into {S - 1} "
-                f"requests and {rows} rows"
-            )
-        for b, (q, s) in enumerate(zip(qo_lens, seq_lens)):
-            if q < 1 or q > s:
-                raise ValueError(f"plan_padded: request {b}: qo_len {q} must be in [1, seq_len={s}]")
-        n_pad = (pad + block_size - 1) // block_size  # the padding request's pages: all the null block 0
+        qo_full, seq_full = padded_layout(qo_lens, seq_lens, rows, S)
+        n_pad = (qo_full[B] + block_size - 1) // block_size  # the padding request's pages: all the null block 0
         width = max(block_tables.shape[1] if B else 0, n_pad, 1)
         table = torch.zeros((S, width), dtype=torch.int64, device=self.device)  # [S, width]
         if B:
             table[:B, : block_tables.shape[1]] = block_tables.to(self.device)
-        empty = S - B - 1
-        self._plan_tables([*qo_lens, pad] + [0] * empty, [*seq_lens, pad] + [0] * empty, table, block_size, True)
+        self._plan_tables(qo_full, seq_full, table, block_size, True)
 
     def _plan_tables(
         self, qo_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int, causal: bool

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kimi.backends.attention import flashinfer
 from kimi.backends.attention.base import AttentionPlan
 from kimi.model.attention import AttentionMetadata
 
@@ -75,8 +76,6 @@ class PrefillGraphRunner:
         buckets: list[int] | None = None,
         pool: _POOL_HANDLE | None = None,
     ):
-        from kimi.backends.attention.flashinfer import FlashInferMLA
-
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -92,7 +91,7 @@ class PrefillGraphRunner:
         # per bucket a CUDA-graph wrapper of max_seqs + 1 requests (the step's, a padding one, empty ones); every
         # sequence may hold max_blocks_per_seq pages, the padding request those of its rows
         self.fi: dict[int, FlashInferMLA] = {
-            b: FlashInferMLA(
+            b: flashinfer.FlashInferMLA(
                 cfg.num_attention_heads,
                 cfg.softmax_scale,
                 self.device,
@@ -115,8 +114,6 @@ class PrefillGraphRunner:
 
     def can_run(self, attn: AttentionMetadata) -> bool:
         """A step of at most max_seqs sequences and max_tokens rows, with narrow enough tables and this block size."""
-        from kimi.backends.attention import flashinfer
-
         return (
             0 < attn.num_seqs <= self.max_seqs
             and sum(attn.query_lens_cpu) <= self.max_tokens

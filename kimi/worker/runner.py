@@ -156,7 +156,7 @@ class ModelRunner:
         self.step_bucket: int | None = None  # the bucket every rank replays this step (lockstep graphs; None: eager)
         if fused_model is not None and graph_max_bs > 0:
             self._capture_graphs(fused_model, graph_max_bs)
-            if prefill_graph_tokens > 0 and world_size == 1:
+            if prefill_graph_tokens > 0 and world_size == 1 and fused_model.graphs is not None:
                 # prefill / mixed steps of up to the token budget and max_num_seqs sequences (prefill_graph.py)
                 max_blocks = -(-cfg.max_position_embeddings // self.block_size)
                 fused_model.capture_prefill_graphs(

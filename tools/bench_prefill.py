@@ -169,12 +169,9 @@ def graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, iters:
     from kimi.model.attention import build_attention_metadata
 
     a = build_attention_metadata(qlens, slens, tabs, bs, ids.device)
-    fi = FlashInferMLA(
-        cfg.num_attention_heads,
-        cfg.softmax_scale,
+    fi = FlashInferMLA.for_model(
+        cfg,
         ids.device,
-        cfg.kv_lora_rank,
-        cfg.qk_rope_head_dim,
         use_cuda_graph=True,
         max_batch=len(qlens),
         max_pages=sum(-(-s // bs) for s in slens),

@@ -336,12 +336,9 @@ def main() -> None:
                 ep = emulated(T)
                 install(ep)
                 attn = build_attention_metadata([q] * B, [args.ctx] * B, tabs, bs, dev)
-                fi = FlashInferMLA(
-                    cfg.num_attention_heads,
-                    cfg.softmax_scale,
+                fi = FlashInferMLA.for_model(
+                    cfg,
                     dev,
-                    cfg.kv_lora_rank,
-                    cfg.qk_rope_head_dim,
                     use_cuda_graph=True,
                     max_batch=B,
                     max_pages=B * nblk,

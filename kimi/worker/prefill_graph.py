@@ -91,12 +91,9 @@ class PrefillGraphRunner:
         # per bucket a CUDA-graph wrapper of max_seqs + 1 requests (the step's, a padding one, empty ones); every
         # sequence may hold max_blocks_per_seq pages, the padding request those of its rows
         self.fi: dict[int, FlashInferMLA] = {
-            b: flashinfer.FlashInferMLA(
-                cfg.num_attention_heads,
-                cfg.softmax_scale,
+            b: flashinfer.FlashInferMLA.for_model(
+                cfg,
                 self.device,
-                cfg.kv_lora_rank,
-                cfg.qk_rope_head_dim,
                 use_cuda_graph=True,
                 max_batch=max_seqs + 1,
                 max_pages=max_seqs * max_blocks_per_seq + -(-b // block_size),

@@ -60,7 +60,7 @@ The schedule a run uses is the LAST one planned: after `plan_ahead`, a run (or g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -69,6 +69,8 @@ from kimi.backends.attention.base import AttentionPlan
 from kimi.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from typing import Self  # Python 3.11 (annotations only)
+
     from kimi.config import ModelConfig
     from kimi.model.attention import AttentionMetadata
 
@@ -231,6 +233,12 @@ class FlashInferMLA:
         self._ahead: tuple[int, int | None, tuple[int, ...]] | None = None
         self.ahead_hits = 0  # plan_decode_schedule calls served by a plan made ahead (tests / benchmarks / logs)
         self.ahead_misses = 0  # plan_decode_schedule calls after a plan_ahead whose lengths did not match
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, device: torch.device | str, **kwargs: Any) -> Self:
+        """A wrapper for cfg's attention (its heads, softmax scale, latent and rope widths) on device; kwargs: the
+        other arguments of the constructor."""
+        return cls(cfg.num_attention_heads, cfg.softmax_scale, device, cfg.kv_lora_rank, cfg.qk_rope_head_dim, **kwargs)
 
     def _pinned(self, name: str, n: int) -> torch.Tensor:
         """A pinned int32 host buffer `name` of n elements (grown, never shrunk; its previous contents are free once
@@ -706,15 +714,7 @@ class FlashInferAttention:
     def _eager(self, device: torch.device) -> FlashInferMLA:
         """fi_eager, made on first use on device."""
         if self.fi_eager is None:
-            cfg = self.cfg
-            self.fi_eager = FlashInferMLA(
-                cfg.num_attention_heads,
-                cfg.softmax_scale,
-                device,
-                cfg.kv_lora_rank,
-                cfg.qk_rope_head_dim,
-                dtype=self.dtype,
-            )
+            self.fi_eager = FlashInferMLA.for_model(self.cfg, device, dtype=self.dtype)
         return self.fi_eager
 
     def graph_attention(
@@ -751,12 +751,9 @@ class FlashInferDecodeGraphs:
         self.device = device
         self.block_size = block_size
         self.runs = {
-            bs: FlashInferMLADecode(
-                cfg.num_attention_heads,
-                cfg.softmax_scale,
+            bs: FlashInferMLADecode.for_model(
+                cfg,
                 device,
-                cfg.kv_lora_rank,
-                cfg.qk_rope_head_dim,
                 use_cuda_graph=True,
                 max_batch=bs,
                 max_pages=bs * max_blocks_per_seq,

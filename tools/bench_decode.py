@@ -713,18 +713,8 @@ def main() -> None:
     unknown = [a for a in args.ab.split(",") if a and a not in AB_VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --ab variants {unknown}; known: {', '.join(AB_VARIANTS)}")
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     t0 = time.time()
-    a2a = EmulatedEP(
-        n_moe,
-        seqs[0],
-        args.ep_size,
-        cfg.hidden_size,
-        cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
-        cfg.routed_scaling_factor,
-        dev,
-    )
+    a2a = EmulatedEP.for_model(cfg, seqs[0], args.ep_size, dev)
     model = load_gpu_model(
         "",
         cfg,
@@ -814,20 +804,8 @@ def main() -> None:
     # graph launches in the same process)
     for B in seqs:
         case: dict = {"local_seqs": B, "moe_tokens": B * args.ep_size, "ctx": args.ctx}
-        ep = EmulatedEP(
-            n_moe,
-            B,
-            args.ep_size,
-            cfg.hidden_size,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-            cfg.routed_scaling_factor,
-            dev,
-            seed=B,
-        )
-        for l in model.layers:
-            if hasattr(l.mlp, "a2a"):
-                l.mlp.a2a = ep
+        ep = EmulatedEP.for_model(cfg, B, args.ep_size, dev, seed=B)
+        ep.install(model)
         hit = ep.experts_hit(0, n_local)
         timed = [args.ctx - args.iters // 2 + j for j in range(args.iters)]  # DecodeSteps' timed context lengths
         kv_bytes = int(B * statistics.mean(timed) * cfg.num_hidden_layers * cfg.kv_cache_dim * 2)
@@ -1012,10 +990,7 @@ def main() -> None:
         res["cases"].append(case)
 
         def install(ep=ep):  # this case's emulated all-to-all back on the MoE layers (for the profile below)
-            for l in model.layers:
-                if hasattr(l.mlp, "a2a"):
-                    l.mlp.a2a = ep
-            ep.i = 0
+            ep.install(model)
 
         profiles.append((case, install, step))
         if args.out:

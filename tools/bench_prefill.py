@@ -262,21 +262,9 @@ def main() -> None:
     print(f"bf16 matmul {peak:.0f} TFLOPS, copy {bw:.0f} GB/s", flush=True)
 
     cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     n_local = cfg.n_routed_experts // args.ep_size
     offset = 0  # EP rank 0's experts
-    ep = EmulatedEP(
-        n_moe,
-        args.chunk,
-        args.ep_size,
-        cfg.hidden_size,
-        cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
-        cfg.routed_scaling_factor,
-        dev,
-        per_layer=True,
-        idle_peers=args.idle_peers,
-    )
+    ep = EmulatedEP.for_model(cfg, args.chunk, args.ep_size, dev, per_layer=True, idle_peers=args.idle_peers)
     max_len = max(max(c["prompts"]) for c in cases)
     t0 = time.time()
     model = load_gpu_model(

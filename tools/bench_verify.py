@@ -256,26 +256,9 @@ def main() -> None:
     res["copy_GBps"] = bw = copy_bandwidth(4 << 30, dev)["GBps_read_plus_write"]
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     cfg = ModelConfig.from_dict(load_preset(args.preset)).with_overrides(num_hidden_layers=args.layers)
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
     def emulated(T: int) -> EmulatedEP:
-        return EmulatedEP(
-            n_moe,
-            T,
-            args.ep_size,
-            cfg.hidden_size,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-            cfg.routed_scaling_factor,
-            dev,
-            seed=T,
-        )
-
-    def install(ep: EmulatedEP) -> None:
-        for layer in model.layers:
-            if hasattr(layer.mlp, "a2a"):
-                layer.mlp.a2a = ep
-        ep.i = 0
+        return EmulatedEP.for_model(cfg, T, args.ep_size, dev, seed=T)
 
     t0 = time.time()
     model = load_gpu_model(
@@ -334,7 +317,7 @@ def main() -> None:
             for q in qs:
                 T = B * q
                 ep = emulated(T)
-                install(ep)
+                ep.install(model)
                 attn = build_attention_metadata([q] * B, [args.ctx] * B, tabs, bs, dev)
                 fi = FlashInferMLA.for_model(
                     cfg,
@@ -363,7 +346,7 @@ def main() -> None:
                 print(f"B={B} q_len={q}: captured in {case[f'capture_s_q{q}']} s", flush=True)
             # the product's decode graph for bucket B, replayed with a fixed plan, then the lm_head and argmax
             ep = emulated(B)
-            install(ep)
+            ep.install(model)
             runner = CudaGraphRunner(model, kv, bs, B, nblk, buckets=[B])
             runner.capture()
             a = build_attention_metadata([1] * B, [args.ctx] * B, tabs, bs, dev)

@@ -58,6 +58,30 @@ class EmulatedEP:
         self.ids = torch.cat(ids)  # [layers, T, k]
         self.weights = torch.cat(wts)  # [layers, T, k]
 
+    @classmethod
+    def for_model(cls, cfg: Any, batch: int, ep_size: int, device: Any, **kwargs: Any) -> EmulatedEP:
+        """The stand-in for a model of config cfg (a ModelConfig: its MoE layers, hidden size, experts, top-k and
+        routing scale); kwargs: seed, per_layer, idle_peers."""
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        return cls(
+            n_moe,
+            batch,
+            ep_size,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            device,
+            **kwargs,
+        )
+
+    def install(self, model: Any) -> None:
+        """Make this the all-to-all of every MoE layer of model, starting again at its first MoE layer."""
+        for layer in model.layers:
+            if hasattr(layer.mlp, "a2a"):
+                layer.mlp.a2a = self
+        self.i = 0
+
     def local_pairs(self, offset: int, n_local: int) -> int:
         """(token, expert) pairs on experts [offset, offset + n_local), summed over layers."""
         return int(((self.ids >= offset) & (self.ids < offset + n_local)).sum())

@@ -62,7 +62,14 @@ import torch
 from kimi import envs
 from kimi.backends.experts import BACKENDS as MOE_BACKENDS
 from kimi.benchmarks import snapshot
-from kimi.benchmarks.emulated_rank import KERNEL_CLASSES, EmulatedEP, breakdown, time_ms
+from kimi.benchmarks.emulated_rank import (
+    KERNEL_CLASSES,
+    EmulatedEP,
+    breakdown,
+    bytes_per_expert,
+    dense_weight_bytes,
+    time_ms,
+)
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 from kimi.benchmarks.smi import GpuSampler
 from kimi.kernels.cuda.moe_w4a16 import CONFIGS as MOE_CUDA_CONFIGS
@@ -774,17 +781,8 @@ def main() -> None:
     sampler = GpuSampler(dev).start()
 
     n_local = cfg.n_routed_experts // args.ep_size
-    expert_bytes = 0
-    mlp1 = model.layers[cfg.first_k_dense_replace].mlp
-    for t in mlp1.experts_impl.state_dict().values():
-        if t.dtype != torch.int32 or t.dim() != 1:  # humming 'locks' buffer excluded
-            expert_bytes += t.numel() * t.element_size()
-    expert_bytes //= n_local
-    dense_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if not p.is_meta and ".experts_impl." not in n and n != "embed_tokens"
-    )
+    expert_bytes = bytes_per_expert(model, n_local)
+    dense_bytes = dense_weight_bytes(model)
     res["bytes_per_expert"] = expert_bytes
     res["dense_weight_bytes"] = dense_bytes
 

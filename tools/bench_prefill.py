@@ -54,7 +54,14 @@ import torch
 from kimi.backends.attention.flashinfer import PREFILL_ATTENTION_CHOICES, set_prefill_attention
 from kimi.backends.experts import BACKENDS
 from kimi.benchmarks import snapshot
-from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, capture_forward, time_ms
+from kimi.benchmarks.emulated_rank import (
+    EmulatedEP,
+    breakdown,
+    bytes_per_expert,
+    capture_forward,
+    dense_weight_bytes,
+    time_ms,
+)
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu, sync_points
 
 
@@ -306,20 +313,8 @@ def main() -> None:
     res["local_pairs_per_step"] = pairs
     # bytes a step must move at least: every weight it multiplies read once (non-expert weights, the local experts the
     # routing hits, lm_head), the new tokens' KV written and the cached context's read (kv_cache_dim bf16 per layer)
-    mlp1 = model.layers[cfg.first_k_dense_replace].mlp
-    expert_bytes = (
-        sum(
-            t.numel() * t.element_size()
-            for t in mlp1.experts_impl.state_dict().values()
-            if not (t.dtype == torch.int32 and t.dim() == 1)  # humming's 'locks' buffer
-        )
-        // n_local
-    )
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if not p.is_meta and ".experts_impl." not in n and n not in ("embed_tokens", "lm_head")
-    )
+    expert_bytes = bytes_per_expert(model, n_local)
+    weight_bytes = dense_weight_bytes(model, exclude=("embed_tokens", "lm_head"))
     weight_bytes += sum(ep.experts_hit(offset, n_local)) * expert_bytes
     kv_token_bytes = cfg.kv_cache_dim * 2 * cfg.num_hidden_layers
     res["bytes_per_expert"], res["weight_bytes_per_step"] = expert_bytes, weight_bytes

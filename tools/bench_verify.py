@@ -61,7 +61,14 @@ import torch
 
 from kimi.backends.experts import BACKENDS as MOE_BACKENDS
 from kimi.benchmarks import snapshot
-from kimi.benchmarks.emulated_rank import EmulatedEP, breakdown, capture_forward, time_ms
+from kimi.benchmarks.emulated_rank import (
+    EmulatedEP,
+    breakdown,
+    bytes_per_expert,
+    capture_forward,
+    dense_weight_bytes,
+    time_ms,
+)
 from kimi.benchmarks.gpu import copy_bandwidth, require_gpu
 
 # the public K2 / K2.5 EAGLE3 Llama drafts' config (docs/speculative.md, "The draft's config")
@@ -292,20 +299,8 @@ def main() -> None:
     # bytes each step reads at least (its floor at the copy bandwidth): the weights but the embedding (of which the
     # T rows), each local expert hit once, the KV of every sequence's context
     n_local = cfg.n_routed_experts // args.ep_size
-    experts_impl: Any = model.layers[cfg.first_k_dense_replace].mlp.experts_impl
-    expert_bytes = (
-        sum(
-            t.numel() * t.element_size()
-            for t in experts_impl.state_dict().values()
-            if t.dtype != torch.int32 or t.dim() != 1  # humming's 'locks' buffer excluded
-        )
-        // n_local
-    )
-    dense_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if not p.is_meta and ".experts_impl." not in n and n != "embed_tokens"
-    )
+    expert_bytes = bytes_per_expert(model, n_local)
+    dense_bytes = dense_weight_bytes(model)
     res["bytes_per_expert"], res["dense_weight_bytes"] = expert_bytes, dense_bytes
     for B in seqs:
         perm = (torch.randperm(max_b * nblk, generator=torch.Generator().manual_seed(B)) + 1).tolist()

@@ -5,7 +5,8 @@ tools/bench_prefill.py).
 (this rank's rows plus fixed random rows standing for the other ranks'), routed by fixed random routing drawn per
 layer (distinct experts per token), so the bytes each step touches are known exactly; combine keeps this rank's
 rows. No communication is timed. `time_ms` times a step with CUDA events; `breakdown` gives torch.profiler's CUDA
-kernel time per step by kernel-name class (KERNEL_CLASSES); `capture_forward` captures a step of any rows (prefill,
+kernel time per step by kernel-name class (KERNEL_CLASSES); `bytes_per_expert` / `dense_weight_bytes` give the
+weight bytes a floor counts; `capture_forward` captures a step of any rows (prefill,
 verify) as one CUDA graph.
 """
 
@@ -131,6 +132,28 @@ KERNEL_CLASSES = [
     ("reduce_norm", r"reduce|Reduce|norm|Norm"),
     ("elementwise", r"elementwise|vectorized|Elementwise|unrolled"),
 ]
+
+
+def bytes_per_expert(model: Any, n_local: int) -> int:
+    """Bytes of one routed expert of a GPU model (its first MoE layer's expert module, whose n_local experts are
+    stored together; humming's int32 'locks' buffer left out)."""
+    impl = model.layers[model.cfg.first_k_dense_replace].mlp.experts_impl
+    total = sum(
+        t.numel() * t.element_size() for t in impl.state_dict().values() if t.dtype != torch.int32 or t.dim() != 1
+    )
+    return int(total) // n_local
+
+
+def dense_weight_bytes(model: Any, exclude: tuple[str, ...] = ("embed_tokens",)) -> int:
+    """Bytes of a GPU model's non-expert parameters, those named in `exclude` left out (the embedding, of which a
+    step reads only its rows)."""
+    return int(
+        sum(
+            p.numel() * p.element_size()
+            for n, p in model.named_parameters()
+            if not p.is_meta and ".experts_impl." not in n and n not in exclude
+        )
+    )
 
 
 def capture_forward(

@@ -21,6 +21,7 @@ import torch
 
 from kimi.benchmarks.gpu import event_times
 from kimi.model.moe import DispatchResult
+from kimi.worker.cuda_graph import run_before_capture
 
 
 class EmulatedEP:
@@ -180,13 +181,7 @@ def capture_forward(
         rows = x if logit_rows is None else x.index_select(0, logit_rows)
         return model.compute_logits(rows).argmax(-1)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fwd()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    run_before_capture(fwd, input_ids.device)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool):
         out = fwd()

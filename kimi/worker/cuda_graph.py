@@ -33,6 +33,7 @@ previous replay planned this step ahead: FlashInferMLA.plan_ahead).
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -49,7 +50,7 @@ from kimi.model.attention import AttentionMetadata
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-__all__ = ["CudaGraphRunner", "DecodeGraphPlan", "bucket_sizes", "decode_graph_plan"]
+__all__ = ["CudaGraphRunner", "DecodeGraphPlan", "bucket_sizes", "decode_graph_plan", "run_before_capture"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,18 @@ _MIN_PAGE_STRIDE = 16
 # CudaGraphRunner.host_marks: host times of the last run_host, us from its start, at these points (tables_built: the
 # tables checked; inputs_staged: ids, positions, slots and the page rows written to the staging buffer)
 HOST_MARKS = ("tables_built", "staging_free", "inputs_staged", "copy_launched", "attention_planned", "replay_launched")
+
+
+def run_before_capture(fn: Callable[[], object], device: torch.device, runs: int = 2) -> None:
+    """Run fn `runs` times eagerly on a side stream (what a capture will record: Triton's JIT and first-use work
+    happen here, not inside the capture), then wait for the device."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(runs):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -272,13 +285,21 @@ class CudaGraphRunner:
             if hasattr(fi, "ahead_hits") and hasattr(fi, "ahead_misses"):  # FlashInfer's (Triton plans nothing)
                 fi.ahead_hits = fi.ahead_misses = 0
 
+    def _forward(self, bs: int, attn: AttentionMetadata) -> torch.Tensor:
+        """The whole forward of bucket bs over the static inputs, eagerly (what its graph segments hold together)."""
+        n = len(self.model.layers)
+        h, x = self.model.embed_fused(self.input_ids[:bs])
+        _, x = self.model.layers_fused(
+            h, x, self.positions[:bs], attn, self.kv_caches, 0, n, row_valid=self.row_valid[:bs]
+        )
+        return x
+
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool (warm-up runs first: JIT, autotune)."""
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.zero_()
         self.row_valid.fill_(1)
-        n = len(self.model.layers)
         # with collectives in the graphs (on_bucket), other threads may make CUDA calls during a capture: the process
         # group's watchdog queries the events of the warm-up's collectives; "global" would fail those calls
         capture_mode = "global" if self.on_bucket is None else "thread_local"
@@ -289,15 +310,7 @@ class CudaGraphRunner:
             attn = self._meta(bs, fi)
             args = (self.input_ids[:bs], self.positions[:bs], attn, self.kv_caches)
             valid = self.row_valid[:bs]
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(2):  # the captured calls, eagerly (Triton JIT, autotuning)
-                    self.model.layers_fused(
-                        *self.model.embed_fused(args[0]), args[1], attn, self.kv_caches, 0, n, row_valid=valid
-                    )
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            torch.cuda.synchronize(self.device)
+            run_before_capture(functools.partial(self._forward, bs, attn), self.device)  # Triton JIT, autotuning
             chain = []
             h: torch.Tensor | None = None
             x: torch.Tensor | None = None

@@ -21,6 +21,7 @@ at a time and each step's outputs are read (on the stream) before the next repla
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ import torch
 from kimi.backends.attention import flashinfer
 from kimi.backends.attention.base import AttentionPlan
 from kimi.model.attention import AttentionMetadata
+from kimi.worker.cuda_graph import run_before_capture
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -134,30 +136,28 @@ class PrefillGraphRunner:
         attn.plan = AttentionPlan(self.fi[bucket], self.slot_mapping[:bucket], False)
         return attn
 
+    def _forward(self, bs: int, attn: AttentionMetadata) -> torch.Tensor:
+        """The forward of bucket bs over the static inputs (what its graph holds) -> hidden [bs, D]."""
+        n = len(self.model.layers)
+        h, x = self.model.embed_fused(self.input_ids[:bs])
+        _, x = self.model.layers_fused(
+            h, x, self.positions[:bs], attn, self.kv_caches, 0, n, row_valid=self.row_valid[:bs]
+        )
+        return x
+
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool (two eager runs of each first: JIT, autotune).
         The capture plan: all rows in the padding request."""
         t0 = time.monotonic()
         self.static.zero_()
-        n = len(self.model.layers)
         empty = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
         for bs in sorted(self.buckets, reverse=True):
             self.fi[bs].plan_padded([], [], empty, self.block_size, bs)
             attn = self._meta(bs)
-            ids, pos, valid = self.input_ids[:bs], self.positions[:bs], self.row_valid[:bs]
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self.model.layers_fused(
-                        *self.model.embed_fused(ids), pos, attn, self.kv_caches, 0, n, row_valid=valid
-                    )
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            torch.cuda.synchronize(self.device)
+            run_before_capture(functools.partial(self._forward, bs, attn), self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                h, x = self.model.embed_fused(ids)
-                _, x = self.model.layers_fused(h, x, pos, attn, self.kv_caches, 0, n, row_valid=valid)  # [bs, D]
+                x = self._forward(bs, attn)  # [bs, D]
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[bs] = g

@@ -53,7 +53,18 @@ def worker_pids(model_dir: str) -> list[int]:
     return out
 
 
-def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 120.0) -> Server:
+def default_sighup() -> None:
+    """A child's SIGHUP back at its default (subprocess preexec_fn): under `nohup pytest` every child inherits SIGHUP
+    ignored, and `kimi serve` keeps an inherited ignore on purpose (`nohup kimi serve`), so a test of what SIGHUP does
+    gives its server the default first."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def start_server(
+    model_dir: str, log_path: str, *extra: str, timeout_s: float = 120.0, sighup_default: bool = False
+) -> Server:
+    """`kimi serve` of model_dir on free ports, logging to log_path, once /health says ok (RuntimeError if it exits
+    or is not healthy in timeout_s). sighup_default: the server starts with SIGHUP at its default (`default_sighup`)."""
     port = free_tcp_port()
     zport = free_tcp_port()
     cmd = [
@@ -76,7 +87,9 @@ def start_server(model_dir: str, log_path: str, *extra: str, timeout_s: float = 
     if a2a := envs.KIMI_TEST_A2A.get():  # e.g. KIMI_TEST_A2A=nccl: the all-to-all backend of the served worker
         cmd += ["--a2a-backend", a2a]
     logf = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(
+        cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=default_sighup if sighup_default else None
+    )
     srv = Server(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zport}", "tiny", model_dir, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

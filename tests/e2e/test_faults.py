@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import start_server, worker_pids
+from conftest import start_server, stop_server, worker_pids
 
 ARGS = ("--block-size", "16", "--max-model-len", "256", "--num-blocks", "200", "--nproc", "2")
 
@@ -193,22 +193,29 @@ def test_sigterm_ends_open_streams_with_an_error_and_exits_0(tiny_k26, tmp_path,
     """Shutdown does not wait for long generations: open streams get an error event, the server exits 0. SIGHUP (a
     closed terminal or ssh session) stops it the same way (it killed the controller at once, leaving the ranks
     until their silence timeout: found by an operator-side tester)."""
-    srv = start_server(tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256")
-    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-    stream = client.completions.create(
-        model="tiny", prompt=[1, 2, 3], max_tokens=3000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    srv = start_server(
+        tiny_k26, str(tmp_path / "server.log"), "--block-size", "16", "--num-blocks", "256", sighup_default=True
     )
-    got, err = 0, None
-    t_sig = None
     try:
-        for _ in stream:
-            got += 1
-            if got == 3:
-                srv.proc.send_signal(sig)
-                t_sig = time.monotonic()
-    except openai.APIError as e:
-        err = e
-    assert t_sig is not None and err is not None and "shutting down" in str(err.message), (got, err)
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model="tiny", prompt=[1, 2, 3], max_tokens=3000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        got, err = 0, None
+        t_sig = None
+        try:
+            for _ in stream:
+                got += 1
+                if got == 3:
+                    srv.proc.send_signal(sig)
+                    t_sig = time.monotonic()
+        except openai.APIError as e:
+            err = e
+        assert t_sig is not None and err is not None and "shutting down" in str(err.message), (got, err)
+    except BaseException:
+        if srv.proc.poll() is None:  # the signal did not stop it: the later checks would leave it running
+            stop_server(srv)
+        raise
     assert time.monotonic() - t_sig < 10
     assert srv.proc.wait(30) == 0, Path(srv.log_path).read_text()[-2000:]
     deadline = time.monotonic() + 10

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import REPO, start_server, stop_server, worker_pids
+from conftest import REPO, default_sighup, start_server, stop_server, worker_pids
 
 from kimi.ipc import free_tcp_port
 
@@ -308,6 +308,7 @@ def test_stop_signal_during_start_up_exits_0_with_one_line(model, tmp_path, sig)
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=default_sighup,  # under `nohup pytest` it would inherit SIGHUP ignored, and keep it so
     )
     fd, deadline = None, time.monotonic() + 60
     try:

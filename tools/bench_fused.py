@@ -17,7 +17,8 @@ Ops and shapes (Kimi-K2.6, one rank of the decode step):
     16 and 64: "new" = the single program, "old" = the two-kernel path.
   - align_grid: moe_align_fused's grid path against the two-kernel path, T = 256 .. 16384 (prefill sizes).
   - router_large: the two-kernel router's large-T launch (bigger tiles, K unsplit) against its decode launch, T = 512,
-    2048, 8192.
+    2048, 8192 (both with the Triton logits kernel).
+  - router_gemm: the two-kernel router's logits by one cuBLAS GEMM against the Triton logits kernel, T = 64 .. 4096.
   - silu_mul (for reference, no alternative): M 8 and 512 rows, I 2048.
 Before timing, each new output is compared with the old one (rmsnorm / mla: max abs difference; router: ids equal;
 align: identical sets per row block) and the result goes into the report.
@@ -341,7 +342,7 @@ def align_cases(reps):
 def _router_decode_launch(x, gw, bias):
     """The two-kernel router with the decode launch (split K, small tiles) at any T."""
     launch = fused.LAUNCH | {"router_logits_large": fused.LAUNCH["router_logits_large"] | {"m_min": 1 << 30}}
-    return fused._router_topk(x, gw, bias, 8, 2.827, True, False, launch=launch)
+    return fused._router_topk(x, gw, bias, 8, 2.827, True, False, launch=launch, gemm=False)
 
 
 def router_large_cases(reps):
@@ -352,15 +353,39 @@ def router_large_cases(reps):
     bias = torch.randn(E, generator=g, device=DEV) * 0.05
     for T in (512, 2048, 8192):
         x = torch.randn(T, D, generator=g, device=DEV).to(BF16)
-        a = fused._router_topk(x, gates[0], bias, 8, 2.827, True, False)
+        a = fused._router_topk(x, gates[0], bias, 8, 2.827, True, False, gemm=False)
         b = _router_decode_launch(x, gates[0], bias)
         same = (a[1].sort(1).values == b[1].sort(1).values).all(1).float().mean().item()
         check = f"rows with equal id sets={same:.4f} max|dw|={(a[0] - b[0]).abs().max().item():g}"
-        new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False) for gw in gates]
+        new = [lambda gw=gw, x=x: fused._router_topk(x, gw, bias, 8, 2.827, True, False, gemm=False) for gw in gates]
         old = [lambda gw=gw, x=x: _router_decode_launch(x, gw, bias) for gw in gates]
         meta = {"op": "router_topk large-T launch vs decode launch", "shape": f"T={T} E={E} D={D}", "check": check}
         meta |= {"model_runs": "new" if fused.LAUNCH["router_logits_large"]["m_min"] <= T else "old"}
         meta |= {"new_is": "large-T launch (64 x 64 tiles, K unsplit)", "old_is": "decode launch (split K)"}
+        yield meta, new, old
+
+
+def router_gemm_cases(reps):
+    """The two-kernel router's logits by one cuBLAS GEMM (fp32 out) against its Triton logits kernel (the launch of
+    each T), T = 64 .. 4096."""
+    E, D = 384, 7168
+    g = torch.Generator(device=DEV).manual_seed(7)
+    gates = [(torch.randn(E, D, generator=g, device=DEV) * D**-0.5).to(BF16) for _ in range(reps)]
+    bias = torch.randn(E, generator=g, device=DEV) * 0.05
+
+    def run(x, gw, gemm):
+        return fused._router_topk(x, gw, bias, 8, 2.827, True, False, gemm=gemm)
+
+    for T in (64, 128, 256, 512, 1024, 2048, 4096):
+        x = torch.randn(T, D, generator=g, device=DEV).to(BF16)
+        a, b = run(x, gates[0], True), run(x, gates[0], False)
+        same = (a[1].sort(1).values == b[1].sort(1).values).all(1).float().mean().item()
+        check = f"rows with equal id sets={same:.4f} max|dw|={(a[0] - b[0]).abs().max().item():g}"
+        new = [lambda gw=gw, x=x: run(x, gw, True) for gw in gates]
+        old = [lambda gw=gw, x=x: run(x, gw, False) for gw in gates]
+        meta = {"op": "router_topk logits GEMM vs Triton logits", "shape": f"T={T} E={E} D={D}", "check": check}
+        meta |= {"model_runs": "new" if 0 < fused.ROUTER_GEMM_MIN_T <= T else "old"}
+        meta |= {"new_is": "cuBLAS GEMM, fp32 out", "old_is": "Triton logits kernel"}
         yield meta, new, old
 
 
@@ -408,6 +433,7 @@ CASES = {
     "align": align_cases,
     "align_grid": align_grid_cases,
     "router_large": router_large_cases,
+    "router_gemm": router_gemm_cases,
     "silu": silu_cases,
 }
 

@@ -31,7 +31,12 @@ hits and lm_head (when a prompt ends) read once, the step's KV written and its c
 kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES); its `kernel_sum_ms` below the step
 time is time the GPU idles (host launches, host waits). --sync-debug: where a step makes the host wait for the device
 (`syncs`) and a cProfile of one step's host time (`host_profile`). --graph: each step also captured as one CUDA
-graph and timed by replay (`graph_ms`): the step without its host launches (kimi serves prefill steps eagerly).
+graph and timed by replay (`graph_ms`), as kimi serve's prefill graphs run it on one rank: a step of fresh prompts
+only, of at least kimi.worker.prefill_graph.MHA_MIN_BUCKET rows, with the non-absorbed attention of the server's
+fresh-step graphs (`graph_attention` "mha"; its floor `graph_floor_ms` counts that form's attention FLOPs, 2 x heads x
+(192 + 128) per pair: the up-projection GEMM it adds is as large as the absorbed form's W_UK / W_UV products it drops),
+any other step with the absorbed MLA kernel ("mla", floor as the eager step's). `--graph-attention mla` forces the
+absorbed form.
 
 --prefill-attention mha: the rows of fresh prompt chunks run non-absorbed (kimi.backends.attention.flashinfer.
 set_prefill_attention); the FLOP counts and the floor stay those of the absorbed form, so the two choices' floors are
@@ -121,7 +126,7 @@ def config_name(args: argparse.Namespace) -> str:
 
 def summarize(res: dict) -> dict:
     """The snapshot's table: per case its steps' times, TFLOPS (and fraction of the matmul rate) and new tokens/s;
-    with --graph, the steps' times as CUDA graphs and their sum over the floor."""
+    with --graph, the steps' times as CUDA graphs, their attention form, and their sum over the floor of that form."""
     rows = []
     graphs = any("graph_ms" in s for c in res["cases"] for s in c["steps"])  # --graph
     for c in res["cases"]:
@@ -144,8 +149,12 @@ def summarize(res: dict) -> dict:
         )
         if graphs:
             g = [s.get("graph_ms") for s in st]
-            rows[-1].append(" + ".join(f"{x:.1f}" for x in g) if None not in g else None)
-            rows[-1].append(round(sum(g) / c["floor_ms"], 2) if None not in g and "floor_ms" in c else None)
+            gf = [s.get("graph_floor_ms", s.get("floor_ms")) for s in st]
+            ok = None not in g and None not in gf
+            rows[-1].append(" + ".join(f"{x:.1f}" for x in g) if ok else None)
+            rows[-1].append(" + ".join(s.get("graph_attention", "mla") for s in st))
+            rows[-1].append(round(sum(gf), 1) if ok else None)
+            rows[-1].append(round(sum(g) / sum(gf), 2) if ok else None)
     return {
         "columns": [
             "case",
@@ -158,7 +167,7 @@ def summarize(res: dict) -> dict:
             "of matmul",
             "new tokens/s",
         ]
-        + (["as CUDA graphs (ms)", "graphs / floor"] if graphs else []),
+        + (["as CUDA graphs (ms)", "graph attention", "graph floor (ms)", "graphs / floor"] if graphs else []),
         "rows": rows,
         "notes": [
             f"bf16 matmul {res['matmul_tflops']:.0f} TFLOPS in the same run (the ceiling)"
@@ -167,12 +176,25 @@ def summarize(res: dict) -> dict:
     }
 
 
-def graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, iters: int) -> float:
-    """--graph: the step (one causal FlashInfer plan over its sequences, made once with fixed index buffers, the
-    forward, the logits and argmax of the prompts that end) captured as one CUDA graph; median ms of `iters` replays
-    (CUDA events, each after the last one ended). The EmulatedEP routing is drawn per layer as in the eager step."""
+def graph_attention(cfg, qlens: list[int], slens: list[int], force: str) -> str:
+    """The attention form kimi serve's prefill graphs give this step: "mha" for fresh sequences only (qlens == slens)
+    of at least MHA_MIN_BUCKET rows when the head dims have FlashInfer's ragged kernel, else "mla"; force "mla" keeps
+    the absorbed form."""
+    from kimi.backends.attention.flashinfer import MHA_HEAD_DIMS
+    from kimi.worker.prefill_graph import MHA_MIN_BUCKET
+
+    heads_ok = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == MHA_HEAD_DIMS
+    fresh = qlens == slens and sum(qlens) >= MHA_MIN_BUCKET
+    return "mha" if force == "auto" and heads_ok and fresh else "mla"
+
+
+def graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, iters: int, form: str = "mla") -> float:
+    """--graph: the step (one causal FlashInfer plan over its sequences, made once with fixed index buffers: the MLA
+    kernel's, or with form "mha" the ragged prefill's as the fresh-step graphs plan it; the forward, the logits and
+    argmax of the prompts that end) captured as one CUDA graph; median ms of `iters` replays (CUDA events, each after
+    the last one ended). The EmulatedEP routing is drawn per layer as in the eager step."""
     from kimi.backends.attention.base import AttentionPlan
-    from kimi.backends.attention.flashinfer import FlashInferMLA
+    from kimi.backends.attention.flashinfer import FlashInferMHAPrefill, FlashInferMLA
     from kimi.model.attention import build_attention_metadata
 
     a = build_attention_metadata(qlens, slens, tabs, bs, ids.device)
@@ -183,8 +205,21 @@ def graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, iters:
         max_batch=len(qlens),
         max_pages=sum(-(-s // bs) for s in slens),
     )
-    fi.plan(qlens, slens, a.block_tables, bs, causal=True)
-    a.plan = AttentionPlan(fi, a.slot_mapping, False)
+    if form == "mha":
+        mha = FlashInferMHAPrefill(
+            cfg.num_attention_heads,
+            cfg.softmax_scale,
+            fi.workspace,
+            cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            use_cuda_graph=True,
+            max_batch=len(qlens) + 1,
+        )
+        mha.plan_padded(qlens, sum(qlens))
+        a.plan = AttentionPlan(None, a.slot_mapping, False, prefill_run=mha)
+    else:
+        fi.plan(qlens, slens, a.block_tables, bs, causal=True)
+        a.plan = AttentionPlan(fi, a.slot_mapping, False)
     for layer in model.layers:
         if hasattr(layer.mlp, "a2a"):
             layer.mlp.a2a.i = 0
@@ -241,7 +276,14 @@ def main() -> None:
         "--graph",
         action="store_true",
         help="also each step captured as one CUDA graph and timed by replay (`graph_ms`: the step without its host "
-        "launches; kimi serves prefill steps eagerly)",
+        "launches, as kimi serve's prefill graphs run it on one rank)",
+    )
+    ap.add_argument(
+        "--graph-attention",
+        default="auto",
+        choices=("auto", "mla"),
+        help="--graph's attention: as the server's prefill graphs (auto: non-absorbed for fresh prompts only from "
+        "MHA_MIN_BUCKET rows) or the absorbed MLA kernel for every step",
     )
     ap.add_argument(
         "--sync-debug",
@@ -376,11 +418,17 @@ def main() -> None:
                 }
                 st["fraction_of_matmul"] = st["tflops"] / peak
                 if args.graph:
-                    st["graph_ms"] = graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, args.iters)
-                    st["graph_over_floor"] = st["graph_ms"] / floor
+                    form = graph_attention(cfg, qlens, slens, args.graph_attention)
+                    st["graph_attention"] = form
+                    st["graph_ms"] = graph_step_ms(
+                        model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, args.iters, form
+                    )
+                    g_total = total - f_attn + f_attn_na if form == "mha" else total
+                    st["graph_floor_ms"] = max(g_total / (peak * 1e12), nbytes / (bw * 1e9)) * 1e3
+                    st["graph_over_floor"] = st["graph_ms"] / st["graph_floor_ms"]
                     print(
-                        f"{case['name']}: step {len(out_steps) + 1} as a CUDA graph {st['graph_ms']:.1f} ms "
-                        f"({st['graph_over_floor']:.2f}x floor)",
+                        f"{case['name']}: step {len(out_steps) + 1} as a CUDA graph ({form} attention) "
+                        f"{st['graph_ms']:.1f} ms ({st['graph_over_floor']:.2f}x its floor {st['graph_floor_ms']:.1f})",
                         flush=True,
                     )
                 if args.sync_debug:

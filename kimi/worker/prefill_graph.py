@@ -11,6 +11,11 @@ budget, and the budget) holding its rows:
   `FlashInferMLA.plan_padded` into the bucket's fixed-shape wrapper: the step's sequences, one padding request
   holding the padding rows over the null block, and empty requests up to max_seqs + 1; every plan of a bucket then
   has the same schedule shape, so the graph captured with one plan replays them all;
+- a step of fresh sequences only (no cached context, no decode rows: a quiet server's prompts) replays instead its
+  bucket's "fresh" graph (`fresh_mha`, from MHA_MIN_BUCKET rows): attention in the non-absorbed form, FlashInfer's
+  causal ragged prefill over the rows' up-projected latents (`FlashInferMHAPrefill.plan_padded`: the sequences, one
+  padding sequence, empty ones up to max_seqs + 1), a third of the latent-space kernel's FLOPs (head dims 192 / 128
+  against 576 / 512); the latents written to the cache are the same in both forms;
 - the graph holds the forward from the embedding to the final norm; the logits and sampling run eagerly after it on
   the rows in use (the worker's `sample`), as after a decode graph.
 
@@ -36,13 +41,17 @@ from kimi.worker.cuda_graph import run_before_capture
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from kimi.backends.attention.flashinfer import FlashInferMLA
+    from kimi.backends.attention.flashinfer import FlashInferMHAPrefill, FlashInferMLA
 
 __all__ = ["PrefillGraphRunner", "prefill_buckets"]
 
 log = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 64
+# The fresh-step (MHA) graphs from this bucket on; smaller buckets' fresh steps replay the MLA graph (the attention is
+# a small part of a short step). The lone 1024-token prompt on an emulated EP8 rank: 72.5 against 77.1 ms
+# (docs/performance.md, "Prefill of one rank").
+MHA_MIN_BUCKET = 256
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -64,7 +73,8 @@ class PrefillGraphRunner:
     graphs bind to; block_size: tokens per block; max_tokens: the largest bucket (the token budget); max_seqs: the
     most sequences a step may hold (the server's max_num_seqs); max_blocks_per_seq: the widest block table a step
     may have; buckets: these token buckets instead of prefill_buckets(max_tokens); pool: a CUDA graph memory pool to
-    share (the decode graphs').
+    share (the decode graphs'); fresh_mha: also capture the fresh-step graphs of the buckets >= mha_min_bucket (when
+    the model's head dims have FlashInfer's ragged kernel, flashinfer.MHA_HEAD_DIMS).
     """
 
     def __init__(
@@ -77,6 +87,8 @@ class PrefillGraphRunner:
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
         pool: _POOL_HANDLE | None = None,
+        fresh_mha: bool = True,
+        mha_min_bucket: int = MHA_MIN_BUCKET,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -102,10 +114,29 @@ class PrefillGraphRunner:
             )
             for b in self.buckets
         }
+        heads_ok = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == flashinfer.MHA_HEAD_DIMS
+        # the fresh-step wrappers share their bucket's MLA workspace (the two graphs of a bucket never run at once)
+        self.fi_mha: dict[int, FlashInferMHAPrefill] = {
+            b: flashinfer.FlashInferMHAPrefill(
+                cfg.num_attention_heads,
+                cfg.softmax_scale,
+                self.fi[b].workspace,
+                cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                cfg.v_head_dim,
+                dtype=model.embed_tokens.dtype,
+                use_cuda_graph=True,
+                max_batch=max_seqs + 1,
+            )
+            for b in self.buckets
+            if fresh_mha and heads_ok and b >= mha_min_bucket
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs_mha: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs_mha: dict[int, torch.Tensor] = {}
         self.pool = pool
         self.num_replays = 0
+        self.num_replays_mha = 0  # of those, fresh-step graphs
 
     def bucket_for(self, tokens: int) -> int | None:
         """The smallest bucket holding `tokens` rows, or None."""
@@ -121,8 +152,9 @@ class PrefillGraphRunner:
             and flashinfer.PREFILL_ATTENTION == "mla"  # the non-absorbed split of fresh prompts is not captured
         )
 
-    def _meta(self, bucket: int) -> AttentionMetadata:
-        """The metadata the graph of `bucket` is captured with: every row the bucket's, the plan its wrapper's."""
+    def _meta(self, bucket: int, mha: bool = False) -> AttentionMetadata:
+        """The metadata the graph of `bucket` is captured with: every row the bucket's, the plan its wrapper's (mha:
+        the fresh-step wrapper's)."""
         dev = self.device
         attn = AttentionMetadata(
             query_start_loc=torch.tensor([0, bucket], dtype=torch.int64, device=dev),
@@ -133,7 +165,10 @@ class PrefillGraphRunner:
             query_lens_cpu=[bucket],
             seq_lens_cpu=[bucket],
         )
-        attn.plan = AttentionPlan(self.fi[bucket], self.slot_mapping[:bucket], False)
+        if mha:
+            attn.plan = AttentionPlan(None, self.slot_mapping[:bucket], False, prefill_run=self.fi_mha[bucket])
+        else:
+            attn.plan = AttentionPlan(self.fi[bucket], self.slot_mapping[:bucket], False)
         return attn
 
     def _forward(self, bs: int, attn: AttentionMetadata) -> torch.Tensor:
@@ -153,23 +188,29 @@ class PrefillGraphRunner:
         empty = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
         for bs in sorted(self.buckets, reverse=True):
             self.fi[bs].plan_padded([], [], empty, self.block_size, bs)
-            attn = self._meta(bs)
-            run_before_capture(functools.partial(self._forward, bs, attn), self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                x = self._forward(bs, attn)  # [bs, D]
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-            self.outputs[bs] = x
+            self.graphs[bs], self.outputs[bs] = self._capture(bs, self._meta(bs))
+            if bs in self.fi_mha:
+                self.fi_mha[bs].plan_padded([], bs)
+                self.graphs_mha[bs], self.outputs_mha[bs] = self._capture(bs, self._meta(bs, mha=True))
         torch.cuda.synchronize(self.device)
         log.info(
-            "captured %d prefill CUDA graphs (token buckets %s, up to %d sequences) in %.1f s",
-            len(self.buckets),
+            "captured %d prefill CUDA graphs (token buckets %s, up to %d sequences; fresh-step graphs of %s) in %.1f s",
+            len(self.graphs) + len(self.graphs_mha),
             self.buckets,
             self.max_seqs,
+            sorted(self.graphs_mha) or "none",
             time.monotonic() - t0,
         )
+
+    def _capture(self, bs: int, attn: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One graph of bucket bs with attn's plan, in the pool -> (graph, its output [bs, D])."""
+        run_before_capture(functools.partial(self._forward, bs, attn), self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            x = self._forward(bs, attn)  # [bs, D]
+        if self.pool is None:
+            self.pool = g.pool()
+        return g, x
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Replay the step (input_ids / positions [T] int64 on the device, attn without a plan; `can_run` true) ->
@@ -183,9 +224,13 @@ class PrefillGraphRunner:
         self.row_valid[:T].fill_(1)
         if bs > T:
             self.static[:, T:bs].zero_()
-        self.fi[bs].plan_padded(
-            list(attn.query_lens_cpu), list(attn.seq_lens_cpu), attn.block_tables, self.block_size, bs
-        )
-        self.graphs[bs].replay()
+        qlens, slens = list(attn.query_lens_cpu), list(attn.seq_lens_cpu)
         self.num_replays += 1
+        if bs in self.fi_mha and qlens == slens:  # fresh sequences only
+            self.fi_mha[bs].plan_padded(qlens, bs)
+            self.graphs_mha[bs].replay()
+            self.num_replays_mha += 1
+            return self.outputs_mha[bs][:T]
+        self.fi[bs].plan_padded(qlens, slens, attn.block_tables, self.block_size, bs)
+        self.graphs[bs].replay()
         return self.outputs[bs][:T]

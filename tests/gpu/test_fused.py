@@ -134,6 +134,30 @@ def test_router_topk(T, path):
     assert all(int(b.abs().sum()) == 0 for b in lsm._counters.values())  # arrival counters back at 0
 
 
+@pytest.mark.parametrize("gemm", [True, False])  # the logits by cuBLAS (fp32 out) / by the Triton kernel
+@pytest.mark.parametrize("T", [128, 1024, 1031])
+def test_router_topk_logits_paths(T, gemm):
+    """Both logits paths of the two-kernel router against the fp32 reference, deterministic run to run, with padded
+    rows (row_valid 0) given no expert; and the default path at T (ROUTER_GEMM_MIN_T) is one of the two."""
+    from kimi.kernels.triton import fused
+
+    x, gw, bias = _router_inputs(T, 300 + T)
+    w, ids = fused._router_topk(x, gw, bias, 8, 2.827, True, False, gemm=gemm)
+    rw, rids = fused.router_topk_ref(x, gw, bias, 8, 2.827)
+    _check_router(w, ids, rw, rids)
+    for _ in range(3):
+        w2, ids2 = fused._router_topk(x, gw, bias, 8, 2.827, True, False, gemm=gemm)
+        assert torch.equal(w, w2) and torch.equal(ids, ids2)
+    valid = (torch.arange(T, device=DEV) % 3 != 0).to(torch.int64)
+    wv, idv = fused._router_topk(x, gw, bias, 8, 2.827, True, False, valid, gemm=gemm)
+    keep = valid.bool()
+    assert torch.equal(idv[keep], ids[keep]) and torch.equal(wv[keep], w[keep])
+    assert (idv[~keep] == -1).all() and (wv[~keep] == 0).all()
+    default = fused.router_topk(x, gw, bias, 8, 2.827)
+    forced = fused._router_topk(x, gw, bias, 8, 2.827, True, False, gemm=0 < fused.ROUTER_GEMM_MIN_T <= T)
+    assert torch.equal(default[1], forced[1]) and torch.equal(default[0], forced[0])
+
+
 def test_router_topk_cuda_graph():
     """The fused path captured in a graph (20 calls, rotating counter regions), replayed 3 times = eager."""
     from kimi.kernels.triton import fused

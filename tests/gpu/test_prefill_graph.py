@@ -5,6 +5,8 @@ Every step below runs eagerly (its plan made first: `plan_eager`) and through th
 the bucket), over the same cache: the step's hidden rows agree within bf16 rounding (the graph's GEMMs run at the
 bucket's row count, the eager ones at the step's), the graph's are finite although its output buffers are poisoned
 with NaN first, and the padding rows (written to the null block 0) leave every other block of the cache unchanged.
+Steps of fresh prompts only replay the fresh-step graph (non-absorbed attention) from its smallest bucket on (64 in
+the "auto" run, the default 256 in the "humming" one) and agree also with the eager non-absorbed forward.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ def _steps() -> list[tuple[str, list[int], list[int]]]:
         ("fills the 64 bucket", [30, 34], [30, 98]),
         ("most sequences", [1, 1, 1, 1, 1, 1, 20, 100], [9, 17, 33, 64, 65, 80, 20, 130]),
         ("largest bucket", [200, 50], [200, 70]),
+        ("fresh prompts in the largest bucket", [150, 60, 1], [150, 60, 1]),
     ]
 
 
-@pytest.mark.parametrize("backend", ["humming", "auto"])
-def test_prefill_graph_replay_equals_eager(tmp_path, backend):
+@pytest.mark.parametrize(("backend", "mha_min"), [("humming", None), ("auto", 64)])
+def test_prefill_graph_replay_equals_eager(tmp_path, backend, mha_min):
+    from kimi.backends.attention.flashinfer import set_prefill_attention
     from kimi.config import ModelConfig
     from kimi.model.attention import build_attention_metadata
     from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
+    from kimi.worker.prefill_graph import MHA_MIN_BUCKET
 
     path = make_ckpt(tmp_path, "tiny-mla")
     cfg = ModelConfig.from_dir(path)
@@ -48,9 +53,11 @@ def test_prefill_graph_replay_equals_eager(tmp_path, backend):
         c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
     width = 16  # blocks per sequence at most (256 tokens)
     gm.capture_cuda_graphs(kv, BS, 8, width)
-    gm.capture_prefill_graphs(kv, BS, 256, 8, width, buckets=[64, 128, 256])
+    gm.capture_prefill_graphs(kv, BS, 256, 8, width, buckets=[64, 128, 256], mha_min_bucket=mha_min)
     pg = gm.prefill_graphs
     assert pg is not None and pg.buckets == [64, 128, 256] and pg.pool is gm.graphs.pool
+    mha_from = MHA_MIN_BUCKET if mha_min is None else mha_min
+    assert sorted(pg.graphs_mha) == [b for b in pg.buckets if b >= mha_from]
     results = []
     g = torch.Generator().manual_seed(9)
     with torch.inference_mode():
@@ -67,19 +74,37 @@ def test_prefill_graph_replay_equals_eager(tmp_path, backend):
             before = [c.clone() for c in kv]
             for o in pg.outputs.values():
                 o.fill_(float("nan"))
+            fresh = qlens == slens and pg.bucket_for(T) >= mha_from
+            if fresh:  # the eager non-absorbed forward of the same step
+                kv_mla = [c.clone() for c in kv]
+                prev = set_prefill_attention("mha")
+                try:
+                    a0 = build_attention_metadata(qlens, slens, tabs, BS, "cuda")
+                    gm.plan_eager(a0)
+                    assert a0.plan is not None and a0.plan.prefill_run is not None, name
+                    eager_mha = gm(ids, pos, a0, kv).clone()
+                finally:
+                    set_prefill_attention(prev)
+                for c0, c1 in zip(kv_mla, kv):  # both forms write the same latents
+                    assert torch.equal(c0, c1), name
             a2 = build_attention_metadata(qlens, slens, tabs, BS, "cuda")
             assert pg.can_run(a2), name
-            n0 = pg.num_replays
+            n0, m0 = pg.num_replays, pg.num_replays_mha
             graph = gm(ids, pos, a2, kv).clone()
-            assert pg.num_replays == n0 + 1, name
+            assert pg.num_replays == n0 + 1 and pg.num_replays_mha == m0 + int(fresh), name
             assert graph.shape == eager.shape and torch.isfinite(graph).all(), name
             rel = float((graph.float() - eager.float()).norm() / eager.float().norm())
             diff = float((graph.float() - eager.float()).abs().max())
-            results.append(dict(step=name, rows=T, bucket=pg.bucket_for(T), max_abs=round(diff, 5), rel=round(rel, 6)))
+            row = dict(step=name, rows=T, bucket=pg.bucket_for(T), max_abs=round(diff, 5), rel=round(rel, 6))
             assert rel <= 1e-2, (name, diff, rel)
+            if fresh:
+                rel_mha = float((graph.float() - eager_mha.float()).norm() / eager_mha.float().norm())
+                row |= dict(fresh_graph=True, rel_vs_eager_mha=round(rel_mha, 6))
+                assert rel_mha <= 1e-2, (name, rel_mha)
+            results.append(row)
             # the blocks of no sequence of the step (the null block 0 aside) are as they were
             others = [b for b in range(1, NB) if b not in used]
             idx = torch.tensor(others, device="cuda")
             for c0, c1 in zip(before, kv):
                 assert torch.equal(c0.index_select(0, idx), c1.index_select(0, idx)), name
-    report(dict(test="prefill_graph_replay_vs_eager", moe_backend=backend, cases=results))
+    report(dict(test="prefill_graph_replay_vs_eager", moe_backend=backend, mha_min_bucket=mha_from, cases=results))

@@ -532,9 +532,14 @@ class FlashInferMHAPrefill:
             are consumed inside that run.
         head_dim_qk / head_dim_vo: 192 / 128 for Kimi (MHA_HEAD_DIMS).
         dtype: q / k / v / o dtype (bf16).
+        use_cuda_graph / max_batch: a wrapper for CUDA graphs (FlashInfer's fixed-size index buffers of max_batch + 1
+            entries): every plan holds exactly max_batch sequences and as many rows as the first (`plan_padded`).
     FlashInfer reads the row / head strides of q, k, v and out (csrc/batch_prefill_sm90.cu, RaggedRun), so v may be a
     strided view with a contiguous last dim. `plan` runs on the host, once per step outside CUDA graphs; it waits only
-    until the previous plan's host-to-device copy has run (FlashInfer reuses one pinned buffer per wrapper).
+    until the previous plan's host-to-device copy has run (FlashInfer reuses one pinned buffer per wrapper). With a
+    fixed batch and row count the SM90 schedule's buffers have fixed offsets (include/flashinfer/attention/
+    scheduler.cuh, PrefillSM90Plan: sized by rows / 128 + batch per head), so a graph captured with one plan replays
+    every later plan of that wrapper.
     """
 
     def __init__(
@@ -546,6 +551,8 @@ class FlashInferMHAPrefill:
         head_dim_vo: int = 128,
         dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
+        use_cuda_graph: bool = False,
+        max_batch: int | None = None,
     ):
         import flashinfer  # deferred: optional GPU dependency
 
@@ -555,7 +562,18 @@ class FlashInferMHAPrefill:
         self.head_dim_vo = head_dim_vo
         self.dtype = dtype
         self.device = workspace.device
-        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+        self.max_batch = max_batch
+        kw: dict[str, Any] = {}
+        if use_cuda_graph:
+            if not max_batch or max_batch < 1:
+                raise ValueError(f"FlashInferMHAPrefill: a CUDA-graph wrapper needs max_batch >= 1, got {max_batch}")
+            kw = dict(
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
+                kv_indptr_buf=torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device),
+            )
+        self.use_cuda_graph = use_cuda_graph
+        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend, **kw)
         self.batch: int | None = None
         self.num_rows = 0  # sum of the planned sequence lengths: rows of q / k / v / out
         self._plan_done: torch.cuda.Event | None = None
@@ -566,6 +584,26 @@ class FlashInferMHAPrefill:
         ValueError on an empty batch or a length < 1."""
         if not seq_lens or min(seq_lens) < 1:
             raise ValueError(f"MHA prefill plan: want >= 1 sequences of >= 1 rows, got {seq_lens}")
+        if self.use_cuda_graph:
+            raise ProtocolError("a CUDA-graph MHA prefill wrapper plans with plan_padded")
+        self._plan(seq_lens)
+
+    def plan_padded(self, seq_lens: list[int], rows: int) -> None:
+        """Plan of a CUDA-graph wrapper (use_cuda_graph): the B fresh sequences (rows as `plan`'s), then one padding
+        sequence of the rows up to `rows` (its keys are its own rows: finite garbage nobody reads), then empty
+        sequences up to max_batch; num_rows = rows. Host work; call outside CUDA graphs. Raises ValueError when B >=
+        max_batch, a length is < 1 or the rows do not fit, ProtocolError on a wrapper without CUDA graphs."""
+        if not self.use_cuda_graph or self.max_batch is None:
+            raise ProtocolError("plan_padded needs a CUDA-graph wrapper (use_cuda_graph=True)")
+        B, pad = len(seq_lens), rows - sum(seq_lens)
+        if self.max_batch <= B or pad < 0 or min(seq_lens, default=1) < 1:
+            raise ValueError(
+                f"MHA plan_padded: {B} sequences of {seq_lens} into {self.max_batch - 1} sequences and {rows} rows"
+            )
+        self._plan([*seq_lens, pad] + [0] * (self.max_batch - B - 1))
+
+    def _plan(self, seq_lens: list[int]) -> None:
+        """The ragged plan of sequences of these lengths (>= 0), rows in order."""
         if self._plan_done is not None:
             self._plan_done.synchronize()
         indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)  # [B+1] host

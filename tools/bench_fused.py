@@ -28,7 +28,7 @@ Timing: one sample = one CUDA-graph replay of R (default 20) back-to-back calls,
 sample lets the host queue the events and the replay ahead of the GPU. Median of --samples (default 50) samples.
 
 Output: a table on stdout (us per call, old, new, speed-up), JSON to --out with every measurement, and the
-snapshot (--snapshot: fused.json; fused_custom for other --ops).
+snapshot (--snapshot: fused.json; fused_<ops joined by '-'> for other --ops, e.g. fused_router_gemm.json).
 
 Usage: python tools/bench_fused.py [--samples 50] [--reps 20] [--ops rmsnorm,mla,router,align,align_grid,...]
 """
@@ -512,7 +512,7 @@ def main():
         snapshot.write(
             args.snapshot,
             benchmark="fused",
-            config="" if args.ops == ",".join(CASES) else "custom",
+            config="" if args.ops == ",".join(CASES) else args.ops.replace(",", "-"),
             summary=summarize(report),
             results=report,
             conds=conds,

@@ -802,9 +802,9 @@ _RT_BT, _RT_BE, _RT_BK = 16, 32, 128
 _RT_SUB = 8  # rows per top-k step of the fused kernel ([8, 512] int64 keys: 64 registers a thread at 4 warps)
 # The two-kernel path's logits from ROUTER_GEMM_MIN_T rows on (CUDA) by one cuBLAS GEMM (torch.mm, out_dtype
 # float32: bf16 products accumulated and stored in fp32, the Triton logits kernel's math) instead of the Triton kernel
-# (0: never). H200, logits + top-k: 10.0 / 11.7 / 18.8 / 20.6 / 32.4 us against 15.7 / 23.4 / 40.0 / 33.3 / 59.3 at
-# 128 / 256 / 512 / 1024 / 2048 rows, equal at 64 (tools/bench_fused.py --ops router_gemm); the lone 1024-token
-# prefill step -3 ms (61 layers). Decode sizes keep the split-K kernel.
+# (0: never). Logits + top-k on an H200 (snapshot h200/fused_router_gemm): 11.3 / 11.9 / 15.7 / 21.5 / 32.3 us against
+# 16.5 / 24.3 / 40.4 / 50.6 / 59.3 at 128 / 256 / 512 / 1024 / 2048 rows, within 5% at 64; below 128 rows (decode
+# batches) the split-K kernel as measured in the decode step.
 ROUTER_GEMM_MIN_T = 128
 
 

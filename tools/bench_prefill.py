@@ -31,12 +31,12 @@ hits and lm_head (when a prompt ends) read once, the step's KV written and its c
 kernel time of one step by class (kimi.benchmarks.emulated_rank.KERNEL_CLASSES); its `kernel_sum_ms` below the step
 time is time the GPU idles (host launches, host waits). --sync-debug: where a step makes the host wait for the device
 (`syncs`) and a cProfile of one step's host time (`host_profile`). --graph: each step also captured as one CUDA
-graph and timed by replay (`graph_ms`), as kimi serve's prefill graphs run it on one rank: a step of fresh prompts
-only, of at least kimi.worker.prefill_graph.MHA_MIN_BUCKET rows, with the non-absorbed attention of the server's
-fresh-step graphs (`graph_attention` "mha"; its floor `graph_floor_ms` counts that form's attention FLOPs, 2 x heads x
-(192 + 128) per pair: the up-projection GEMM it adds is as large as the absorbed form's W_UK / W_UV products it drops),
-any other step with the absorbed MLA kernel ("mla", floor as the eager step's). `--graph-attention mla` forces the
-absorbed form.
+graph and timed by replay (`graph_ms`), as kimi serve's prefill graphs run it on one rank: with their fresh-step
+graphs on (kimi.worker.prefill_graph.FRESH_MHA_GRAPHS, off by default) or `--graph-attention mha`, a step of fresh
+prompts only, of at least MHA_MIN_BUCKET rows, in the non-absorbed form (`graph_attention` "mha"; its floor
+`graph_floor_ms` counts that form's attention FLOPs, 2 x heads x (192 + 128) per pair: the up-projection GEMM it adds
+is as large as the absorbed form's W_UK / W_UV products it drops), any other step with the absorbed MLA kernel
+("mla", floor as the eager step's). `--graph-attention mla` forces the absorbed form.
 
 --prefill-attention mha: the rows of fresh prompt chunks run non-absorbed (kimi.backends.attention.flashinfer.
 set_prefill_attention); the FLOP counts and the floor stay those of the absorbed form, so the two choices' floors are
@@ -121,6 +121,8 @@ def config_name(args: argparse.Namespace) -> str:
         parts.append(args.preset)
     if args.prefill_attention != "mla":
         parts.append(f"prefill-{args.prefill_attention}")
+    if args.graph and args.graph_attention != "auto":
+        parts.append(f"graph-{args.graph_attention}")
     return "-".join(parts)
 
 
@@ -177,15 +179,17 @@ def summarize(res: dict) -> dict:
 
 
 def graph_attention(cfg, qlens: list[int], slens: list[int], force: str) -> str:
-    """The attention form kimi serve's prefill graphs give this step: "mha" for fresh sequences only (qlens == slens)
-    of at least MHA_MIN_BUCKET rows when the head dims have FlashInfer's ragged kernel, else "mla"; force "mla" keeps
-    the absorbed form."""
+    """The attention form kimi serve's prefill graphs give this step (force "auto"), or with force "mha" their
+    fresh-step graphs: "mha" for fresh sequences only (qlens == slens) of at least MHA_MIN_BUCKET rows when the head
+    dims have FlashInfer's ragged kernel and the fresh-step graphs are on (FRESH_MHA_GRAPHS, or force "mha"), else
+    "mla"; force "mla" keeps the absorbed form."""
     from kimi.backends.attention.flashinfer import MHA_HEAD_DIMS
-    from kimi.worker.prefill_graph import MHA_MIN_BUCKET
+    from kimi.worker.prefill_graph import FRESH_MHA_GRAPHS, MHA_MIN_BUCKET
 
     heads_ok = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == MHA_HEAD_DIMS
     fresh = qlens == slens and sum(qlens) >= MHA_MIN_BUCKET
-    return "mha" if force == "auto" and heads_ok and fresh else "mla"
+    on = force == "mha" or (force == "auto" and FRESH_MHA_GRAPHS)
+    return "mha" if on and heads_ok and fresh else "mla"
 
 
 def graph_step_ms(model, kv, cfg, ids, pos, qlens, slens, tabs, bs, last, iters: int, form: str = "mla") -> float:
@@ -281,9 +285,9 @@ def main() -> None:
     ap.add_argument(
         "--graph-attention",
         default="auto",
-        choices=("auto", "mla"),
-        help="--graph's attention: as the server's prefill graphs (auto: non-absorbed for fresh prompts only from "
-        "MHA_MIN_BUCKET rows) or the absorbed MLA kernel for every step",
+        choices=("auto", "mha", "mla"),
+        help="--graph's attention: as the server's prefill graphs (auto), their fresh-step graphs on (mha: "
+        "non-absorbed for fresh prompts only from MHA_MIN_BUCKET rows), or the absorbed MLA kernel for every step",
     )
     ap.add_argument(
         "--sync-debug",

@@ -419,13 +419,15 @@ class KimiForCausalLM(nn.Module):
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
         mha_min_bucket: int | None = None,
+        fresh_mha: bool | None = None,
     ) -> None:
         """Capture the prefill / mixed-step graphs of one rank (kimi/worker/prefill_graph.py; a fused model on CUDA)
         for steps of up to max_tokens rows and max_seqs sequences, in the decode graphs' memory pool when they were
         captured first, and keep them as `prefill_graphs`; buckets: these token buckets instead of the default ones;
-        mha_min_bucket: the fresh-step graphs from this bucket on instead of prefill_graph.MHA_MIN_BUCKET. Captures
+        mha_min_bucket / fresh_mha: the fresh-step graphs from this bucket on / on or off, instead of
+        prefill_graph.MHA_MIN_BUCKET / FRESH_MHA_GRAPHS. Captures
         nothing (with a warning) when the model cannot be captured (`capture_cuda_graphs`)."""
-        from kimi.worker.prefill_graph import MHA_MIN_BUCKET, PrefillGraphRunner
+        from kimi.worker.prefill_graph import FRESH_MHA_GRAPHS, MHA_MIN_BUCKET, PrefillGraphRunner
 
         if not self._graphs_possible():
             return
@@ -438,6 +440,7 @@ class KimiForCausalLM(nn.Module):
             max_blocks_per_seq,
             buckets=buckets,
             pool=self.graphs.pool if self.graphs is not None else None,
+            fresh_mha=FRESH_MHA_GRAPHS if fresh_mha is None else fresh_mha,
             mha_min_bucket=MHA_MIN_BUCKET if mha_min_bucket is None else mha_min_bucket,
         )
         runner.capture()

@@ -11,11 +11,12 @@ budget, and the budget) holding its rows:
   `FlashInferMLA.plan_padded` into the bucket's fixed-shape wrapper: the step's sequences, one padding request
   holding the padding rows over the null block, and empty requests up to max_seqs + 1; every plan of a bucket then
   has the same schedule shape, so the graph captured with one plan replays them all;
-- a step of fresh sequences only (no cached context, no decode rows: a quiet server's prompts) replays instead its
-  bucket's "fresh" graph (`fresh_mha`, from MHA_MIN_BUCKET rows): attention in the non-absorbed form, FlashInfer's
-  causal ragged prefill over the rows' up-projected latents (`FlashInferMHAPrefill.plan_padded`: the sequences, one
-  padding sequence, empty ones up to max_seqs + 1), a third of the latent-space kernel's FLOPs (head dims 192 / 128
-  against 576 / 512); the latents written to the cache are the same in both forms;
+- with `fresh_mha` (off by default, FRESH_MHA_GRAPHS), a step of fresh sequences only (no cached context, no decode
+  rows: a quiet server's prompts) replays instead its bucket's "fresh" graph (from MHA_MIN_BUCKET rows): attention
+  in the non-absorbed form, FlashInfer's causal ragged prefill over the rows' up-projected latents
+  (`FlashInferMHAPrefill.plan_padded`: the sequences, one padding sequence, empty ones up to max_seqs + 1), a third
+  of the latent-space kernel's FLOPs (head dims 192 / 128 against 576 / 512); the two forms agree within bf16
+  rounding;
 - the graph holds the forward from the embedding to the final norm; the logits and sampling run eagerly after it on
   the rows in use (the worker's `sample`), as after a decode graph.
 
@@ -48,10 +49,12 @@ __all__ = ["PrefillGraphRunner", "prefill_buckets"]
 log = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 64
-# The fresh-step (MHA) graphs from this bucket on; smaller buckets' fresh steps replay the MLA graph (the attention is
-# a small part of a short step). The lone 1024-token prompt on an emulated EP8 rank: 72.5 against 77.1 ms
-# (docs/performance.md, "Prefill of one rank").
-MHA_MIN_BUCKET = 256
+# The fresh-step (MHA) graphs: captured from MHA_MIN_BUCKET rows on (the size measured: a lone 1024-token prompt on an
+# emulated EP8 rank, 69.7 against 74.3 ms with the MLA graph, docs/performance.md "Prefill of one rank"; smaller
+# buckets' fresh steps replay the MLA graph). Off by default (FRESH_MHA_GRAPHS) until tests/gpu/test_prefill_graph.py,
+# which compares their replays with the eager forward, has passed on a GPU.
+MHA_MIN_BUCKET = 1024
+FRESH_MHA_GRAPHS = False
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -87,7 +90,7 @@ class PrefillGraphRunner:
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
         pool: _POOL_HANDLE | None = None,
-        fresh_mha: bool = True,
+        fresh_mha: bool = FRESH_MHA_GRAPHS,
         mha_min_bucket: int = MHA_MIN_BUCKET,
     ):
         self.model = model

@@ -5,8 +5,8 @@ Every step below runs eagerly (its plan made first: `plan_eager`) and through th
 the bucket), over the same cache: the step's hidden rows agree within bf16 rounding (the graph's GEMMs run at the
 bucket's row count, the eager ones at the step's), the graph's are finite although its output buffers are poisoned
 with NaN first, and the padding rows (written to the null block 0) leave every other block of the cache unchanged.
-Steps of fresh prompts only replay the fresh-step graph (non-absorbed attention) from its smallest bucket on (64 in
-the "auto" run, the default 256 in the "humming" one) and agree also with the eager non-absorbed forward.
+With the fresh-step graphs on, steps of fresh prompts only replay them (non-absorbed attention) from their smallest
+bucket on (64 in the "auto" run, 256 in the "humming" one) and agree also with the eager non-absorbed forward.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ def _steps() -> list[tuple[str, list[int], list[int]]]:
     ]
 
 
-@pytest.mark.parametrize(("backend", "mha_min"), [("humming", None), ("auto", 64)])
+@pytest.mark.parametrize(("backend", "mha_min"), [("humming", 256), ("auto", 64)])
 def test_prefill_graph_replay_equals_eager(tmp_path, backend, mha_min):
     from kimi.backends.attention.flashinfer import set_prefill_attention
     from kimi.config import ModelConfig
     from kimi.model.attention import build_attention_metadata
     from kimi.model.weights import load_gpu_model
     from kimi.worker.kv_cache import allocate_kv_caches
-    from kimi.worker.prefill_graph import MHA_MIN_BUCKET
 
     path = make_ckpt(tmp_path, "tiny-mla")
     cfg = ModelConfig.from_dir(path)
@@ -53,10 +52,10 @@ def test_prefill_graph_replay_equals_eager(tmp_path, backend, mha_min):
         c.copy_(torch.randn(c.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
     width = 16  # blocks per sequence at most (256 tokens)
     gm.capture_cuda_graphs(kv, BS, 8, width)
-    gm.capture_prefill_graphs(kv, BS, 256, 8, width, buckets=[64, 128, 256], mha_min_bucket=mha_min)
+    gm.capture_prefill_graphs(kv, BS, 256, 8, width, buckets=[64, 128, 256], mha_min_bucket=mha_min, fresh_mha=True)
     pg = gm.prefill_graphs
     assert pg is not None and pg.buckets == [64, 128, 256] and pg.pool is gm.graphs.pool
-    mha_from = MHA_MIN_BUCKET if mha_min is None else mha_min
+    mha_from = mha_min
     assert sorted(pg.graphs_mha) == [b for b in pg.buckets if b >= mha_from]
     results = []
     g = torch.Generator().manual_seed(9)

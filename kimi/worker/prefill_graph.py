@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 64
 # The fresh-step (MHA) graphs: captured from MHA_MIN_BUCKET rows on (the size measured: a lone 1024-token prompt on an
-# emulated EP8 rank, 69.7 against 74.3 ms with the MLA graph, docs/performance.md "Prefill of one rank"; smaller
+# emulated EP8 rank, 70.0 against 74.3 ms with the MLA graph, docs/performance.md "Prefill of one rank"; smaller
 # buckets' fresh steps replay the MLA graph). Off by default (FRESH_MHA_GRAPHS) until tests/gpu/test_prefill_graph.py,
 # which compares their replays with the eager forward, has passed on a GPU.
 MHA_MIN_BUCKET = 1024
